@@ -1,0 +1,130 @@
+"""The interface every model family implements; the training loop knows only this.
+
+A family module (sd.py, later sdxl.py, flux.py) owns everything model-specific:
+loading, tokenising, text encoding, the noise scheme, the model call, the LoRA
+targets and their kohya names, and the strings written into metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from library.errors import UserError
+
+
+class ModelLoadError(UserError):
+    """A model path/preset could not be loaded; the message is one line for the user."""
+
+
+@dataclass
+class LoadOptions:
+    """What a family needs to load a model (translated from flags in library/args/model.py)."""
+
+    pretrained_model_name_or_path: str
+    vae: Optional[str] = None
+    v2: bool = False
+    v_parameterization: bool = False
+    dtype: torch.dtype = torch.float32
+    vae_dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class Components:
+    """The loaded parts of one model. `denoiser` is the UNet (or DiT transformer)."""
+
+    denoiser: nn.Module
+    vae: nn.Module
+    text_encoders: list[nn.Module]
+    tokenizers: list[Any]
+    v_parameterization: bool = False
+    v2: bool = False
+    model_path: str = ""  # what the user passed (for ss_sd_model_name and hashes)
+    vae_path: Optional[str] = None
+
+
+@dataclass
+class LoraTarget:
+    """One model part that receives LoRA modules.
+
+    Every nn.Linear / nn.Conv2d inside a submodule whose class name is in
+    `target_classes` gets a LoRA; `conv_target_classes` are added when conv_dim is
+    set. The kohya module name is `prefix + "_" + rename(path).replace(".", "_")`
+    where `path` is the dotted module path inside `root`.
+    """
+
+    prefix: str  # "lora_unet", "lora_te", "lora_te1", ...
+    root: nn.Module
+    target_classes: tuple[str, ...]
+    conv_target_classes: tuple[str, ...] = ()
+    is_text_encoder: bool = False
+    rename: Optional[Callable[[str], str]] = None  # diffusers path -> kohya path (SDXL: SGM names)
+
+
+@dataclass
+class TextConditioning:
+    """Output of `encode_text`: tensors the denoiser needs, batch-first."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ModelFamily:
+    """Base class; subclasses fill in the class attributes and methods."""
+
+    name: str = ""  # "sd1", "sd2", "sdxl", "flux"
+    latent_cache_arch: str = ""  # suffix of disk latent caches: "_sd", "_sdxl", "_flux"
+    latent_channels: int = 4
+    vae_scale_factor: int = 8
+    latents_scale: float = 0.18215  # applied at train time; caches hold unscaled latents
+    latents_shift: float = 0.0
+    bucket_reso_multiple: int = 64  # bucket_reso_steps must be a multiple of this
+
+    # --- loading -----------------------------------------------------------
+    def load(self, opts: LoadOptions) -> Components:
+        raise NotImplementedError
+
+    # --- text --------------------------------------------------------------
+    def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
+        """One LongTensor per tokenizer, shape (B, n_chunks * 77) for CLIP families."""
+        raise NotImplementedError
+
+    def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
+        raise NotImplementedError
+
+    # --- images ------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] (B,3,H,W) -> unscaled latents (B,C,H/8,W/8), float32."""
+        dist = vae.encode(images.to(vae.device, vae.dtype)).latent_dist
+        return dist.sample().float()
+
+    def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return (latents - self.latents_shift) * self.latents_scale
+
+    # --- denoising -----------------------------------------------------------
+    def noise_scheme(self, components: Components, **options: Any):
+        """The noise/timestep scheme (library/train/noise.py) this family trains with."""
+        raise NotImplementedError
+
+    def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                text: TextConditioning, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- LoRA ----------------------------------------------------------------
+    def lora_targets(self, components: Components) -> list[LoraTarget]:
+        raise NotImplementedError
+
+    # --- metadata --------------------------------------------------------------
+    def base_model_version(self, components: Components) -> str:
+        """ss_base_model_version: sd_v1, sd_v2, sd_v2_v, sdxl_base_v1-0, flux1."""
+        raise NotImplementedError
+
+    def modelspec_architecture(self, components: Components, resolution: int) -> str:
+        """modelspec.architecture without the '/lora' suffix."""
+        raise NotImplementedError
+
+    def modelspec_implementation(self) -> str:
+        return "diffusers"

@@ -1,0 +1,38 @@
+"""Atomic writes: nothing the toolkit writes is ever half-written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(final_path: str) -> Iterator[str]:
+    """Yield a temporary path beside `final_path`; rename onto it only if the block succeeds."""
+    directory = os.path.dirname(os.path.abspath(final_path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.basename(final_path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, final_path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def save_safetensors_atomic(tensors: dict, path: str, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
