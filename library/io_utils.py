@@ -14,7 +14,8 @@ def atomic_path(final_path: str) -> Iterator[str]:
     directory = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(directory, exist_ok=True)
     base = os.path.basename(final_path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    # Keep the extension: some writers (np.savez, save_weights) decide the format by it.
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-", suffix=os.path.splitext(base)[1], dir=directory)
     os.close(fd)
     try:
         yield tmp

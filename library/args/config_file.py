@@ -1,0 +1,88 @@
+"""--config_file (a TOML of flags, sections flattened; the command line wins) and --output_config."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from typing import Any, Optional, Sequence
+
+import toml
+
+from library.errors import ConfigError
+from library.io_utils import atomic_write_text
+
+_NOT_SAVED = {"config_file", "output_config"}
+
+
+def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("config file")
+    g.add_argument("--config_file", type=str, default=None,
+                   help="TOML file of flags (any [section] layout; keys are flag names without --)")
+    g.add_argument("--output_config", action="store_true",
+                   help="write the effective flags to --config_file and exit")
+
+
+def _flatten(data: dict, path: str, out: dict, origin: dict) -> None:
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(value, dict):
+            _flatten(value, where, out, origin)
+        else:
+            out[key] = value
+            origin[key] = where
+
+
+def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Flatten the TOML file into {flag_dest: value}; unknown keys are an error naming the key."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config_file {path}: file not found")
+    try:
+        data = toml.load(path)
+    except (toml.TomlDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    _flatten(data, "", flat, origin)
+    known = {a.dest for a in parser._actions}
+    for key in flat:
+        if key not in known or key in _NOT_SAVED:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{path}: {origin[key]}: unknown flag{hint}")
+    return flat
+
+
+def parse_with_config_file(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """Parse argv; values from --config_file become defaults, so explicit flags override them."""
+    if not hasattr(parser, "original_defaults"):
+        parser.original_defaults = {a.dest: a.default for a in parser._actions}
+    first, _ = parser.parse_known_args(argv)
+    if first.config_file and not first.output_config:
+        parser.set_defaults(**read_config_file(first.config_file, parser))
+    ns = parser.parse_args(argv)
+    if ns.output_config:
+        if not ns.config_file:
+            raise ConfigError("--output_config: needs --config_file PATH to write to")
+        write_config_file(ns, ns.config_file, parser)
+        raise SystemExit(0)
+    return ns
+
+
+def config_values(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The flags of a namespace that differ from the parser defaults (None values dropped)."""
+    out = {}
+    defaults = getattr(parser, "original_defaults", {})
+    for action in parser._actions:
+        dest = action.dest
+        if dest in _NOT_SAVED or dest == "help" or not hasattr(ns, dest):
+            continue
+        value = getattr(ns, dest)
+        if value is None or value == defaults.get(dest, action.default):
+            continue
+        out[dest] = value
+    return out
+
+
+def write_config_file(ns: argparse.Namespace, path: str, parser: argparse.ArgumentParser) -> None:
+    atomic_write_text(path, toml.dumps(config_values(ns, parser)))

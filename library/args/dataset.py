@@ -1,0 +1,125 @@
+"""Dataset flags: the sd-scripts names and defaults, translated into DataOptions in one place."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", "cubic", "area", "box")
+
+
+@dataclass
+class DataOptions:
+    """Every dataset flag. Values here are the CLI layer of the precedence
+    subset > dataset > general > CLI > default; the dataclass defaults are the sd-scripts defaults."""
+
+    train_data_dir: Optional[str] = None
+    reg_data_dir: Optional[str] = None
+    in_json: Optional[str] = None
+    dataset_config: Optional[str] = None
+    dataset_repeats: int = 1
+    resolution: Optional[str] = None  # "512", "512,768" (width,height) or several: "512;768"
+    train_batch_size: int = 1
+    enable_bucket: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = False
+    caption_extension: str = ".caption"
+    shuffle_caption: bool = False
+    caption_separator: str = ","
+    keep_tokens: int = 0
+    keep_tokens_separator: str = ""
+    secondary_separator: Optional[str] = None
+    enable_wildcard: bool = False
+    caption_prefix: Optional[str] = None
+    caption_suffix: Optional[str] = None
+    color_aug: bool = False
+    flip_aug: bool = False
+    face_crop_aug_range: Optional[str] = None  # "2.0,4.0"
+    random_crop: bool = False
+    token_warmup_min: int = 1
+    token_warmup_step: float = 0
+    caption_dropout_rate: float = 0.0
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    prior_loss_weight: float = 1.0
+    cache_latents: bool = False
+    cache_latents_to_disk: bool = False
+    vae_batch_size: int = 1
+    skip_cache_check: bool = False
+    max_data_loader_n_workers: int = 8
+    persistent_data_loader_workers: bool = False
+    validation_split: float = 0.0
+    validation_seed: Optional[int] = None
+    alpha_mask: bool = False
+    masked_loss: bool = False
+    conditioning_data_dir: Optional[str] = None
+    resize_interpolation: Optional[str] = None
+    resolution_schedule: str = "all"  # extension: "all" or "progressive"
+    resolution_step_fractions: Optional[str] = None  # extension: "0.3,0.7"
+    seed: Optional[int] = None  # added to the parser by the training args, not here
+
+    def data_loader_workers(self) -> int:
+        """--max_data_loader_n_workers capped at the CPU count (0 = load in the main process)."""
+        return max(0, min(self.max_data_loader_n_workers, os.cpu_count() or 1))
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sd-scripts dataset flags (same names and defaults) to `parser`."""
+    g = parser.add_argument_group("dataset")
+    g.add_argument("--train_data_dir", type=str, default=None, help="folder of N_name subfolders (N = repeats) or images for --in_json")
+    g.add_argument("--reg_data_dir", type=str, default=None, help="folder of N_name subfolders of regularization images")
+    g.add_argument("--in_json", type=str, default=None, help="fine-tune metadata file (.json or .jsonl)")
+    g.add_argument("--dataset_config", type=str, default=None, help="dataset TOML; overrides --train_data_dir/--reg_data_dir/--in_json")
+    g.add_argument("--dataset_repeats", type=int, default=1, help="repeats of the --in_json dataset")
+    g.add_argument("--resolution", type=str, default=None,
+                   help="'size' or 'width,height'; several resolutions separated by ';' (e.g. '512;768')")
+    g.add_argument("--train_batch_size", type=int, default=1)
+    g.add_argument("--enable_bucket", action="store_true", help="aspect-ratio buckets")
+    g.add_argument("--min_bucket_reso", type=int, default=256)
+    g.add_argument("--max_bucket_reso", type=int, default=1024)
+    g.add_argument("--bucket_reso_steps", type=int, default=64)
+    g.add_argument("--bucket_no_upscale", action="store_true")
+    g.add_argument("--caption_extension", "--caption_extention", dest="caption_extension", type=str, default=".caption",
+                   help="caption file extension (default .caption; most datasets use .txt)")
+    g.add_argument("--shuffle_caption", action="store_true")
+    g.add_argument("--caption_separator", type=str, default=",")
+    g.add_argument("--keep_tokens", type=int, default=0, help="keep the first N tags in place when shuffling")
+    g.add_argument("--keep_tokens_separator", type=str, default="", help="tags before (and after a second) separator stay in place")
+    g.add_argument("--secondary_separator", type=str, default=None, help="joins tags that are shuffled as one; replaced by caption_separator")
+    g.add_argument("--enable_wildcard", action="store_true", help="{a|b} choices and one random line of multi-line captions")
+    g.add_argument("--caption_prefix", type=str, default=None)
+    g.add_argument("--caption_suffix", type=str, default=None)
+    g.add_argument("--color_aug", action="store_true")
+    g.add_argument("--flip_aug", action="store_true")
+    g.add_argument("--face_crop_aug_range", type=str, default=None, help="e.g. '2.0,4.0'")
+    g.add_argument("--random_crop", action="store_true")
+    g.add_argument("--token_warmup_min", type=int, default=1)
+    g.add_argument("--token_warmup_step", type=float, default=0, help="steps (or a fraction < 1 of max_train_steps)")
+    g.add_argument("--caption_dropout_rate", type=float, default=0.0)
+    g.add_argument("--caption_dropout_every_n_epochs", type=int, default=0)
+    g.add_argument("--caption_tag_dropout_rate", type=float, default=0.0)
+    g.add_argument("--prior_loss_weight", type=float, default=1.0, help="loss weight of regularization images")
+    g.add_argument("--cache_latents", action="store_true")
+    g.add_argument("--cache_latents_to_disk", action="store_true")
+    g.add_argument("--vae_batch_size", type=int, default=1)
+    g.add_argument("--skip_cache_check", action="store_true")
+    g.add_argument("--max_data_loader_n_workers", type=int, default=8, help="capped at the CPU count")
+    g.add_argument("--persistent_data_loader_workers", action="store_true")
+    g.add_argument("--validation_split", type=float, default=0.0)
+    g.add_argument("--validation_seed", type=int, default=None)
+    g.add_argument("--alpha_mask", action="store_true", help="use the image alpha channel as the loss mask")
+    g.add_argument("--masked_loss", action="store_true")
+    g.add_argument("--conditioning_data_dir", type=str, default=None, help="mask images (R channel) with the same stems")
+    g.add_argument("--resize_interpolation", type=str, default=None, choices=RESIZE_INTERPOLATIONS)
+    g.add_argument("--resolution_schedule", type=str, default="all", choices=("all", "progressive"))
+    g.add_argument("--resolution_step_fractions", type=str, default=None, help="progressive schedule, e.g. '0.3,0.7'")
+
+
+def data_options_from_args(ns: argparse.Namespace) -> DataOptions:
+    """The one place the argparse namespace becomes DataOptions (missing attributes keep their defaults)."""
+    values = {f.name: getattr(ns, f.name) for f in fields(DataOptions) if hasattr(ns, f.name)}
+    return DataOptions(**values)

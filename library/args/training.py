@@ -1,0 +1,164 @@
+"""Flags of the training run itself: output, saving, resume, steps, precision, logging, validation."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+from library.errors import ConfigError
+
+SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
+MIXED_PRECISIONS = ("no", "fp16", "bf16")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output and saving")
+    g.add_argument("--output_dir", type=str, default=None, help="folder for the LoRA files, states, config and logs")
+    g.add_argument("--output_name", type=str, default=None, help="base file name of the saved LoRA (default 'last')")
+    g.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"])
+    g.add_argument("--save_precision", type=str, default=None, choices=[p for p in SAVE_PRECISIONS if p])
+    g.add_argument("--save_every_n_epochs", type=int, default=None)
+    g.add_argument("--save_n_epoch_ratio", type=int, default=None, help="save about N times over the run")
+    g.add_argument("--save_every_n_steps", type=int, default=None)
+    g.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch files")
+    g.add_argument("--save_last_n_epochs_state", type=int, default=None)
+    g.add_argument("--save_last_n_steps", type=int, default=None, help="keep step files from the last N steps only")
+    g.add_argument("--save_last_n_steps_state", type=int, default=None)
+    g.add_argument("--save_state", action="store_true", help="also save the training state with each model file")
+    g.add_argument("--save_state_on_train_end", action="store_true")
+    g.add_argument("--resume", type=str, default=None,
+                   help="state folder to resume from, or 'auto' for the newest state in output_dir")
+
+    g = parser.add_argument_group("steps and precision")
+    g.add_argument("--max_train_steps", type=int, default=1600)
+    g.add_argument("--max_train_epochs", type=int, default=None, help="overrides --max_train_steps")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--mixed_precision", type=str, default="no", choices=list(MIXED_PRECISIONS))
+    g.add_argument("--full_fp16", action="store_true", help="train the network itself in fp16")
+    g.add_argument("--full_bf16", action="store_true", help="train the network itself in bf16")
+    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--xformers", action="store_true", help="xformers attention (when installed; SDPA otherwise)")
+    g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
+    g.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility; SDPA is used")
+    g.add_argument("--lowram", action="store_true", help="accepted for compatibility")
+    g.add_argument("--highvram", action="store_true", help="accepted for compatibility")
+    g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--logging_dir", type=str, default=None)
+    g.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"])
+    g.add_argument("--log_prefix", type=str, default=None)
+    g.add_argument("--log_tracker_name", type=str, default=None)
+    g.add_argument("--log_every_n_steps", type=int, default=1)
+
+    g = parser.add_argument_group("validation")
+    g.add_argument("--validate_every_n_steps", type=int, default=None)
+    g.add_argument("--validate_every_n_epochs", type=int, default=None)
+    g.add_argument("--max_validation_steps", type=int, default=None)
+
+
+@dataclass
+class TrainingOptions:
+    output_dir: str
+    output_name: str
+    save_model_as: str = "safetensors"
+    save_precision: Optional[str] = None
+    save_every_n_epochs: Optional[int] = None
+    save_every_n_steps: Optional[int] = None
+    save_last_n_epochs: Optional[int] = None
+    save_last_n_epochs_state: Optional[int] = None
+    save_last_n_steps: Optional[int] = None
+    save_last_n_steps_state: Optional[int] = None
+    save_state: bool = False
+    save_state_on_train_end: bool = False
+    resume: Optional[str] = None
+    max_train_steps: int = 1600
+    max_train_epochs: Optional[int] = None
+    save_n_epoch_ratio: Optional[int] = None
+    seed: int = 0  # a random one is drawn (and recorded in metadata) when --seed is not given
+    gradient_accumulation_steps: int = 1
+    mixed_precision: str = "no"
+    full_fp16: bool = False
+    full_bf16: bool = False
+    gradient_checkpointing: bool = False
+    xformers: bool = False
+    cpu: bool = False
+    logging_dir: Optional[str] = None
+    log_with: Optional[str] = None
+    log_prefix: Optional[str] = None
+    log_tracker_name: Optional[str] = None
+    log_every_n_steps: int = 1
+    validate_every_n_steps: Optional[int] = None
+    validate_every_n_epochs: Optional[int] = None
+    max_validation_steps: Optional[int] = None
+
+
+def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> None:
+    value = getattr(ns, name, None)
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"--{name}: expected an integer >= {0 if allow_zero else 1}, got {value}")
+
+
+def training_options_from_args(ns: argparse.Namespace) -> TrainingOptions:
+    """Translate the namespace into TrainingOptions, checking flag combinations."""
+    if not ns.output_dir:
+        raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
+    for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
+                 "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
+                 "save_last_n_steps_state", "validate_every_n_steps", "validate_every_n_epochs",
+                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps"):
+        _positive(ns, name)
+    if ns.full_fp16 and ns.full_bf16:
+        raise ConfigError("--full_fp16 and --full_bf16: choose one")
+    if ns.full_fp16 and ns.mixed_precision != "fp16":
+        raise ConfigError("--full_fp16 needs --mixed_precision fp16")
+    if ns.full_bf16 and ns.mixed_precision != "bf16":
+        raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    if ns.xformers:
+        try:
+            import xformers  # noqa: F401
+        except ImportError:
+            raise ConfigError("--xformers: the xformers package is not installed; drop the flag to use PyTorch SDPA "
+                              "(as fast on recent PyTorch) or pip install xformers") from None
+    log_with = ns.log_with
+    if log_with is None and ns.logging_dir:
+        log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given
+    return TrainingOptions(
+        output_dir=ns.output_dir,
+        output_name=ns.output_name or "last",
+        save_model_as=ns.save_model_as,
+        save_precision=ns.save_precision,
+        save_every_n_epochs=ns.save_every_n_epochs,
+        save_every_n_steps=ns.save_every_n_steps,
+        save_last_n_epochs=ns.save_last_n_epochs,
+        save_last_n_epochs_state=ns.save_last_n_epochs_state,
+        save_last_n_steps=ns.save_last_n_steps,
+        save_last_n_steps_state=ns.save_last_n_steps_state,
+        save_state=ns.save_state,
+        save_state_on_train_end=ns.save_state_on_train_end,
+        resume=ns.resume,
+        max_train_steps=ns.max_train_steps,
+        max_train_epochs=ns.max_train_epochs,
+        save_n_epoch_ratio=ns.save_n_epoch_ratio,
+        seed=random.randint(0, 2**32 - 1) if ns.seed is None else ns.seed,
+        gradient_accumulation_steps=ns.gradient_accumulation_steps,
+        mixed_precision=ns.mixed_precision,
+        full_fp16=ns.full_fp16,
+        full_bf16=ns.full_bf16,
+        gradient_checkpointing=ns.gradient_checkpointing,
+        xformers=ns.xformers,
+        cpu=ns.cpu,
+        logging_dir=ns.logging_dir,
+        log_with=log_with,
+        log_prefix=ns.log_prefix,
+        log_tracker_name=ns.log_tracker_name,
+        log_every_n_steps=ns.log_every_n_steps,
+        validate_every_n_steps=ns.validate_every_n_steps,
+        validate_every_n_epochs=ns.validate_every_n_epochs,
+        max_validation_steps=ns.max_validation_steps,
+    )

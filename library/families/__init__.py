@@ -1,0 +1,36 @@
+"""Model families by name: the only place that maps a name to a family class."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from library.errors import ConfigError
+from library.families.base import ModelFamily
+
+
+def _sd() -> ModelFamily:
+    from library.families.sd import SDFamily
+
+    return SDFamily()
+
+
+# Factories import lazily so that asking for one family does not import the others.
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd}
+
+
+def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
+    """Add a family (e.g. "sdxl", "flux") under `name`."""
+    _REGISTRY[name] = factory
+
+
+def family_names() -> list[str]:
+    """Names accepted by `get_family`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_family(name: str) -> ModelFamily:
+    """A new instance of the family called `name` ("sd" for SD 1.x and 2.x)."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ConfigError(f"model family: expected one of {', '.join(family_names())}, got {name!r}")
+    return factory()

@@ -1,0 +1,81 @@
+"""Building the trainable network (ours or any sd-scripts-style module) and saving it with metadata."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+from library.families.base import Components, ModelFamily
+from library.io_utils import atomic_path
+
+logger = logging.getLogger(__name__)
+
+SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_network(module, family: ModelFamily, components: Components, opts) -> Any:
+    """Create the network from --network_* options; our own module gets the family's LoRA targets."""
+    te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
+    kwargs = dict(opts.network_args)
+    if module.__name__ == "networks.lora":
+        kwargs["lora_targets"] = family.lora_targets(components)
+    if opts.dim_from_weights:
+        if not opts.network_weights:
+            from library.errors import ConfigError
+            raise ConfigError("--dim_from_weights: needs --network_weights")
+        network, _ = module.create_network_from_weights(opts.network_multiplier, opts.network_weights,
+                                                        components.vae, te, components.denoiser, **kwargs)
+    else:
+        network = module.create_network(opts.network_multiplier, opts.network_dim, opts.network_alpha,
+                                        components.vae, te, components.denoiser,
+                                        neuron_dropout=opts.network_dropout, **kwargs)
+    if network is None:
+        from library.errors import ConfigError
+        raise ConfigError(f"--network_module {opts.network_module}: create_network returned nothing")
+    return network
+
+
+def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]:
+    """Parameter groups and their names; accepts both the (groups, names) and the bare-list API."""
+    te_lr = opts.text_encoder_lr
+    if isinstance(te_lr, (list, tuple)) and len(te_lr) == 0:
+        te_lr = None
+    result = network.prepare_optimizer_params(te_lr, opts.unet_lr, default_lr)
+    if isinstance(result, tuple):
+        groups, names = result
+    else:
+        groups, names = result, []
+    if not names or len(names) != len(groups):
+        names = [f"group{i}" for i in range(len(groups))]
+    if not groups:
+        from library.errors import ConfigError
+        raise ConfigError("nothing to train: every parameter group has learning rate 0 "
+                          "(check --unet_lr / --text_encoder_lr / --network_train_*_only)")
+    return groups, names
+
+
+def save_network(network, path: str, save_precision: Optional[str], metadata: Optional[dict]) -> None:
+    """Save atomically; safetensors through the network's own save_weights, ckpt/pt via torch.save."""
+    dtype = SAVE_DTYPES[save_precision]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.endswith(".safetensors"):
+        with atomic_path(path) as tmp:
+            network.save_weights(tmp, dtype, metadata)
+        return
+    state = {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).cpu()
+             for k, v in network.state_dict().items()}
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def network_args_json(opts) -> str:
+    return json.dumps(opts.network_args) if opts.network_args else "{}"
+
+
+def utc_now() -> float:
+    return time.time()

@@ -1,0 +1,71 @@
+"""One forward pass of the denoiser on a batch, and its loss. Shared by training and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from library.families.base import Components, ModelFamily, TextConditioning
+from library.train.losses import LossOptions, training_loss
+from library.train.noise import NoiseOptions, make_noise, perturb_for_input
+
+
+@dataclass
+class StepContext:
+    """Everything a step needs besides the batch; built once by the trainer."""
+
+    family: ModelFamily
+    components: Components
+    scheme: object  # library.train.noise.DDPMScheme or a family's flow scheme
+    noise: NoiseOptions
+    loss: LossOptions
+    device: torch.device
+    weight_dtype: torch.dtype
+    clip_skip: Optional[int]
+    max_token_length: Optional[int]
+    train_text_encoder: bool
+    autocast: object  # a context-manager factory (accelerator.autocast)
+
+
+def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
+    """Scaled latents of a batch: from the cache, or encoded now with the VAE."""
+    latents = batch.get("latents")
+    if latents is None:
+        vae = ctx.components.vae
+        latents = ctx.family.encode_images(vae, batch["images"].to(vae.device, vae.dtype))
+    return ctx.family.scale_latents(latents.to(ctx.device, torch.float32))
+
+
+def encode_captions(ctx: StepContext, captions: list[str]) -> TextConditioning:
+    tokens = ctx.family.tokenize(ctx.components, captions, ctx.max_token_length)
+    tokens = [t.to(ctx.device) for t in tokens]
+    with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():
+        return ctx.family.encode_text(ctx.components, tokens, ctx.clip_skip)
+
+
+def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
+               timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
+    latents = batch_latents(ctx, batch)
+    text = encode_captions(ctx, batch["captions"])
+    bsz = latents.shape[0]
+
+    noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)
+    if timesteps is None:
+        timesteps = ctx.scheme.sample_timesteps(bsz, ctx.noise.min_timestep, ctx.noise.max_timestep,
+                                                generator=generator)
+    timesteps = timesteps.to(ctx.device)
+    input_noise = perturb_for_input(noise.cpu(), ctx.noise, generator=generator).to(ctx.device)
+    noisy = ctx.scheme.add_noise(latents, input_noise, timesteps)
+
+    with ctx.autocast():
+        pred = ctx.family.predict(ctx.components, noisy.to(ctx.weight_dtype), timesteps, text, batch)
+    target = ctx.scheme.target(latents, noise, timesteps)
+
+    mask = batch.get("masks")
+    if mask is not None:
+        mask = mask.to(ctx.device)
+    weights = batch["loss_weights"].to(ctx.device, torch.float32)
+    return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask)

@@ -1,0 +1,464 @@
+"""The one training loop for every family: a recipe that reads top to bottom.
+
+setup: data (validated first, before any model is loaded) -> model -> network ->
+latent cache -> optimizer/scheduler -> resume. train: epochs of planned batches,
+gradient accumulation, clipping, logging, validation, saving, clean stop on signals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
+from library.errors import UserError
+from library.families.base import LoadOptions, ModelFamily
+from library.hashes import file_legacy_hash, file_sha256
+from library.train import checkpoints as ckpt
+from library.train.losses import check_loss_options
+from library.train.lr_schedulers import create_scheduler, lr_log_names
+from library.train.metadata import modelspec_metadata, training_metadata
+from library.train.network_setup import build_network, optimizer_groups, save_network
+from library.train.optimizers import create_optimizer, is_schedule_free
+from library.train.state import TrainProgress, find_latest_state, load_state, save_state
+from library.train.step import StepContext, batch_loss
+from library.train.tracking import LossWindow, Tracker
+from library.train.validation import validation_loss
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TrainingError(UserError):
+    """Training cannot go on (e.g. a NaN loss); the last saved files stay valid."""
+
+
+@dataclass
+class RunSettings:
+    """Everything one run needs, each part translated from flags in library/args/."""
+
+    model: LoadOptions
+    clip_skip: Optional[int]
+    max_token_length: Optional[int]
+    data: Any  # library.data DataOptions
+    network: Any  # library.args.network NetworkOptions
+    optimizer: Any  # library.train.optimizers OptimizerOptions
+    scheduler: Any  # library.train.lr_schedulers SchedulerOptions
+    noise: Any  # library.train.noise NoiseOptions
+    loss: Any  # library.train.losses LossOptions
+    training: Any  # library.args.training TrainingOptions
+    flags: dict = field(default_factory=dict)  # every flag value, for ss_* metadata
+    network_module: Any = None
+    zero_terminal_snr: bool = False
+    no_half_vae: bool = False
+    hooks: list = field(default_factory=list)  # callables(trainer, event, step) e.g. sampling
+
+
+class NetworkTrainer:
+    def __init__(self, family: ModelFamily, settings: RunSettings):
+        self.family = family
+        self.s = settings
+        self.t = settings.training
+        self._stop_signal: Optional[int] = None
+        self.skipped_images: set[str] = set()
+
+    # ------------------------------------------------------------------ setup
+    def _setup_accelerator(self) -> None:
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(mixed_precision=self.t.mixed_precision, cpu=self.t.cpu)
+        self.device = self.accelerator.device
+        self.weight_dtype = DTYPES[self.t.mixed_precision]
+        torch.manual_seed(self.t.seed)
+        self.noise_generator = torch.Generator("cpu").manual_seed(self.t.seed)
+
+    def _setup_data(self) -> None:
+        info = DataFamilyInfo(bucket_reso_multiple=self.family.bucket_reso_multiple,
+                              latent_cache_arch=self.family.latent_cache_arch,
+                              vae_scale_factor=self.family.vae_scale_factor,
+                              latent_channels=self.family.latent_channels)
+        self.data = build_training_data(self.s.data, info)
+        accum = self.t.gradient_accumulation_steps
+        self.batches_per_epoch = self.data.batches_per_epoch()
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / accum)
+        if self.t.max_train_epochs:
+            self.max_train_steps = self.t.max_train_epochs * self.steps_per_epoch
+        else:
+            self.max_train_steps = self.t.max_train_steps
+        self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
+        self.data.plan(self.max_train_steps, accum)
+
+    def _setup_model(self) -> None:
+        self.components = self.family.load(self.s.model)
+        c = self.components
+        for m in [c.denoiser, c.vae, *c.text_encoders]:
+            m.requires_grad_(False)
+            m.eval()
+        vae_dtype = torch.float32 if self.s.no_half_vae else self.weight_dtype
+        c.vae.to(self.device, vae_dtype)
+        c.denoiser.to(self.device, self.weight_dtype)
+        for te in c.text_encoders:
+            te.to(self.device, self.weight_dtype)
+        if self.t.gradient_checkpointing:
+            c.denoiser.enable_gradient_checkpointing()
+            c.denoiser.train()  # diffusers checkpoints only in train mode; the base has no dropout
+
+    def _setup_network(self) -> None:
+        opts = self.s.network
+        self.network = build_network(self.s.network_module, self.family, self.components, opts)
+        train_unet = not opts.network_train_text_encoder_only
+        train_te = not opts.network_train_unet_only
+        te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
+        self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
+        if opts.network_weights and not opts.dim_from_weights:
+            info = self.network.load_weights(opts.network_weights)
+            logger.info("loaded network weights from %s: %s", opts.network_weights, info)
+        self.train_text_encoder = train_te
+        net_dtype = torch.float32
+        if self.t.full_fp16:
+            net_dtype = torch.float16
+        elif self.t.full_bf16:
+            net_dtype = torch.bfloat16
+        self.network.to(self.device, net_dtype)
+        if self.t.gradient_checkpointing and hasattr(self.network, "enable_gradient_checkpointing"):
+            self.network.enable_gradient_checkpointing()
+        if hasattr(self.network, "prepare_grad_etc"):
+            self.network.prepare_grad_etc(te, self.components.denoiser)
+
+    def _cache_latents(self) -> None:
+        d = self.s.data
+        if not d.cache_latents:
+            return
+        vae = self.components.vae
+        vae_id = f"{self.s.model.vae or self.s.model.pretrained_model_name_or_path}|{vae.dtype}"
+        self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
+                                vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
+                                num_workers=d.max_data_loader_n_workers)
+
+    def _setup_optimizer(self) -> None:
+        opts = self.s.network
+        groups, self.group_names = optimizer_groups(self.network, opts, self.s.optimizer.learning_rate)
+        self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
+        self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps)
+        self.lr_names = lr_log_names(self.group_names)
+        self.network, self.optimizer = self.accelerator.prepare(self.network, self.optimizer)
+        self.schedule_free = is_schedule_free(self.optimizer)
+
+    def _resume(self) -> TrainProgress:
+        where = self.t.resume
+        if not where:
+            return TrainProgress()
+        if where == "auto":
+            where = find_latest_state(self.t.output_dir)
+            if where is None:
+                logger.info("--resume auto: no saved state in %s; starting fresh", self.t.output_dir)
+                return TrainProgress()
+        if not os.path.isdir(where):
+            raise UserError(f"--resume {where}: folder not found")
+        progress = load_state(where, self.accelerator.unwrap_model(self.network), self.optimizer,
+                              self.lr_scheduler, {"noise": self.noise_generator},
+                              getattr(self.accelerator, "scaler", None))
+        if progress.global_step >= self.max_train_steps:
+            raise UserError(f"--resume {where}: that run already finished ({progress.global_step} of "
+                            f"{self.max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
+        logger.info("resumed from %s at epoch %d, step %d", where, progress.epoch, progress.global_step)
+        return progress
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> str:
+        """Train; returns the path of the final LoRA file."""
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_model()
+        self._setup_network()
+        self._cache_latents()
+        self._setup_optimizer()
+        self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
+        check_loss_options(self.s.loss, self.scheme)
+        self.ctx = StepContext(
+            family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
+            loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
+            max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
+            autocast=self.accelerator.autocast)
+        progress = self._resume()
+        self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
+        self.started_at = time.time()
+        os.makedirs(self.t.output_dir, exist_ok=True)
+        self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
+                               resume_step=progress.global_step)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+        try:
+            return self._train(progress)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.tracker.close()
+            if self.skipped_images:
+                logger.warning("%d image(s) failed to decode during training and were skipped:\n  %s",
+                               len(self.skipped_images), "\n  ".join(sorted(self.skipped_images)))
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:
+            raise KeyboardInterrupt  # a second Ctrl+C stops at once
+        self._stop_signal = signum
+        logger.warning("signal %d: saving state after the current step, then stopping", signum)
+
+    def _train(self, progress: TrainProgress) -> str:
+        t, accum = self.t, self.t.gradient_accumulation_steps
+        global_step = progress.global_step
+        loss_window = LossWindow(self.batches_per_epoch)
+        bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
+                   disable=not self.accelerator.is_local_main_process)
+        logger.info("training: %d images, %d batches/epoch, %d epochs, %d steps, grad accumulation %d",
+                    self.data.num_train_images, self.batches_per_epoch, self.num_epochs, self.max_train_steps, accum)
+        self.network.train()
+        if self.schedule_free:
+            self.optimizer.train()
+        self._run_hooks("train_start", global_step)
+        for epoch in range(progress.epoch, self.num_epochs + 1):
+            skip = progress.batches_done if epoch == progress.epoch else 0
+            epoch_start_step = global_step - skip // accum
+            refs = self.data.epoch_batches(epoch, epoch_start_step)
+            unwrapped = self.accelerator.unwrap_model(self.network)
+            if hasattr(unwrapped, "on_epoch_start"):
+                te = self.components.text_encoders
+                unwrapped.on_epoch_start(te if len(te) > 1 else te[0], self.components.denoiser)
+            loader = torch.utils.data.DataLoader(
+                BatchDataset(self.data, refs[skip:]), batch_size=None, shuffle=False,
+                num_workers=self.s.data.max_data_loader_n_workers,
+                persistent_workers=False)
+            epoch_losses: list[float] = []
+            for i, batch in enumerate(loader, start=skip):
+                last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1
+                if batch is not None:
+                    self.skipped_images.update(batch.get("skipped_images") or [])
+                    loss = self._micro_step(batch, global_step, last_in_group)
+                    epoch_losses.append(loss)
+                    loss_window.add(loss)
+                if not last_in_group:
+                    continue
+                self._optimizer_step()
+                global_step += 1
+                bar.update(1)
+                self._log_step(global_step, loss_window, epoch_losses[-1] if epoch_losses else float("nan"), bar)
+                done = global_step >= self.max_train_steps
+                batches_done = i + 1 if i + 1 < len(refs) else 0
+                next_epoch = epoch if batches_done else epoch + 1
+                self._after_step(global_step, TrainProgress(next_epoch, global_step, batches_done), done)
+                if self._stop_signal is not None:
+                    return self._stop(TrainProgress(next_epoch, global_step, batches_done))
+                if done:
+                    break
+            self._after_epoch(epoch, global_step, epoch_losses)
+            if global_step >= self.max_train_steps:
+                break
+        bar.close()
+        return self._finish(global_step, epoch)
+
+    def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
+        ctx = self.accelerator.no_sync(self.network) if not sync and self.accelerator.num_processes > 1 else _null()
+        with ctx:
+            loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
+            if not torch.isfinite(loss):
+                paths = ", ".join(batch.get("image_paths", [])[:8])
+                raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
+                                    f"Images in this batch: {paths}. The files saved so far are intact; "
+                                    f"try --mixed_precision bf16 or fp32, --no_half_vae, or a lower learning rate")
+            self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+        return loss.item()
+
+    def _optimizer_step(self) -> None:
+        opts = self.s
+        if opts.optimizer.max_grad_norm and self.accelerator.sync_gradients:
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+            self.accelerator.clip_grad_norm_(params, opts.optimizer.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if opts.network.scale_weight_norms:
+            unwrapped = self.accelerator.unwrap_model(self.network)
+            self.last_max_norm = unwrapped.apply_max_norm_regularization(opts.network.scale_weight_norms, self.device)
+
+    def _log_step(self, step: int, window: LossWindow, current: float, bar) -> None:
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        bar.set_postfix(loss=f"{window.average:.4f}", lr=f"{lrs[0]:.2e}", refresh=False)
+        if step % self.t.log_every_n_steps:
+            return
+        values = {"loss/current": current, "loss/average": window.average}
+        for name, group in zip(self.lr_names, self.optimizer.param_groups):
+            values[name] = group["lr"]
+            if "d" in group and name.startswith("lr/"):
+                values[f"lr/d*lr/{name[3:]}"] = group["d"] * group["lr"]
+        if self.s.network.scale_weight_norms and getattr(self, "last_max_norm", None):
+            keys_scaled, mean_norm, max_norm = self.last_max_norm
+            values.update({"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
+                           "max_norm/max_key_norm": max_norm})
+        self.tracker.log(values, step)
+
+    # ------------------------------------------------------------------ after steps / epochs
+    def _after_step(self, step: int, progress: TrainProgress, done: bool) -> None:
+        t = self.t
+        plan = self._save_plan()
+        if plan.save_at_step(step, self.max_train_steps):
+            stem = ckpt.step_stem(t.output_name, step)
+            self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, progress.epoch)
+            old = plan.step_to_remove(step, for_state=False)
+            if old:
+                ckpt.remove_path(ckpt.model_path(t.output_dir, ckpt.step_stem(t.output_name, old), t.save_model_as))
+            if t.save_state:
+                self._save_state(ckpt.state_path(t.output_dir, stem), progress)
+                old = plan.step_to_remove(step, for_state=True)
+                if old:
+                    ckpt.remove_path(ckpt.state_path(t.output_dir, ckpt.step_stem(t.output_name, old)))
+        if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
+            self._validate(step, "step")
+        self._run_hooks("step", step)
+
+    def _after_epoch(self, epoch: int, step: int, losses: list[float]) -> None:
+        t = self.t
+        if losses:
+            self.tracker.log({"loss/epoch_average": sum(losses) / len(losses)}, epoch)
+        plan = self._save_plan()
+        if plan.save_at_epoch(epoch, self.num_epochs) and step < self.max_train_steps:
+            stem = ckpt.epoch_stem(t.output_name, epoch)
+            self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, epoch)
+            old = plan.epoch_to_remove(epoch, for_state=False)
+            if old:
+                ckpt.remove_path(ckpt.model_path(t.output_dir, ckpt.epoch_stem(t.output_name, old), t.save_model_as))
+            if t.save_state:
+                self._save_state(ckpt.state_path(t.output_dir, stem), TrainProgress(epoch + 1, step, 0))
+                old = plan.epoch_to_remove(epoch, for_state=True)
+                if old:
+                    ckpt.remove_path(ckpt.state_path(t.output_dir, ckpt.epoch_stem(t.output_name, old)))
+        if t.validate_every_n_epochs and epoch % t.validate_every_n_epochs == 0:
+            self._validate(epoch, "epoch")
+        self._run_hooks("epoch", step)
+
+    def _save_plan(self) -> ckpt.SavePlan:
+        t = self.t
+        every_epochs = t.save_every_n_epochs
+        if t.save_n_epoch_ratio:
+            every_epochs = max(1, math.floor(self.num_epochs / t.save_n_epoch_ratio))
+        return ckpt.SavePlan(every_epochs, t.save_every_n_steps, t.save_last_n_epochs, t.save_last_n_epochs_state,
+                             t.save_last_n_steps, t.save_last_n_steps_state)
+
+    def _validate(self, at: int, kind: str) -> None:
+        refs = self.data.validation_batches()
+        if not refs:
+            return
+        if self.t.max_validation_steps:
+            refs = refs[: self.t.max_validation_steps]
+        self.network.eval()
+        value = validation_loss(self.ctx, self.data, refs, seed=self.s.data.validation_seed or self.t.seed)
+        self.network.train()
+        self.tracker.log({f"loss/validation/{kind}_average": value}, at)
+        logger.info("validation loss at %s %d: %.5f", kind, at, value)
+
+    def _run_hooks(self, event: str, step: int) -> None:
+        for hook in self.s.hooks:
+            hook(self, event, step)
+
+    # ------------------------------------------------------------------ saving
+    def _metadata(self, step: int, epoch: int) -> Optional[dict]:
+        s, c = self.s, self.components
+        run = dict(s.flags)
+        run.update({
+            "session_id": self.session_id, "training_started_at": self.started_at,
+            "training_finished_at": time.time(), "steps": step, "epoch": epoch,
+            "num_epochs": self.num_epochs, "max_train_steps": self.max_train_steps,
+            "num_batches_per_epoch": self.batches_per_epoch, "seed": self.t.seed,
+            "optimizer": self.optimizer_name, "base_model_version": self.family.base_model_version(c),
+            "sd_model_name": os.path.basename(os.path.normpath(c.model_path or s.model.pretrained_model_name_or_path)),
+            "sd_model_hash": self._hash(c.model_path, file_legacy_hash),
+            "new_sd_model_hash": self._hash(c.model_path, file_sha256),
+            "vae_name": os.path.basename(s.model.vae) if s.model.vae else None,
+            "vae_hash": self._hash(s.model.vae, file_legacy_hash),
+            "new_vae_hash": self._hash(s.model.vae, file_sha256),
+            "dataset_metadata": self.data.metadata(),
+            "network_module": s.network.network_module,
+            "network_dim": s.network.network_dim, "network_alpha": s.network.network_alpha,
+            "network_args": s.network.network_args,
+            "v2": c.v2, "v_parameterization": c.v_parameterization,
+            "no_metadata": s.network.no_metadata,
+        })
+        metadata = training_metadata(run)
+        reso = self.s.data.resolution_for_metadata() if hasattr(self.s.data, "resolution_for_metadata") else None
+        metadata.update(modelspec_metadata(
+            architecture=self.family.modelspec_architecture(c, (reso or (512, 512))[0]),
+            implementation=self.family.modelspec_implementation(), title=self.t.output_name,
+            resolution=reso or (512, 512),
+            prediction_type="v" if c.v_parameterization else "epsilon",
+            timestep_range=(self.s.noise.min_timestep, self.s.noise.max_timestep),
+            encoder_layer=self.s.clip_skip, date=None, is_lora=True,
+            extra={k: s.flags.get(k) for k in ("metadata_title", "metadata_author", "metadata_description",
+                                               "metadata_license", "metadata_tags")}))
+        return metadata
+
+    def _hash(self, path: Optional[str], fn) -> Optional[str]:
+        if not path or not os.path.isfile(path):
+            return None
+        key = (path, fn.__name__)
+        cache = self.__dict__.setdefault("_hash_cache", {})
+        if key not in cache:
+            cache[key] = fn(path)
+        return cache[key]
+
+    def _save_model(self, path: str, step: int, epoch: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        save_network(self.accelerator.unwrap_model(self.network), path, self.t.save_precision,
+                     self._metadata(step, epoch))
+        logger.info("saved %s", path)
+
+    def _save_state(self, state_dir: str, progress: TrainProgress) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        save_state(state_dir, self.accelerator.unwrap_model(self.network).state_dict(), self.optimizer,
+                   self.lr_scheduler, progress, {"noise": self.noise_generator},
+                   getattr(self.accelerator, "scaler", None))
+        logger.info("saved state %s", state_dir)
+
+    def _stop(self, progress: TrainProgress) -> str:
+        stem = ckpt.step_stem(self.t.output_name, progress.global_step)
+        self._save_state(ckpt.state_path(self.t.output_dir, stem), progress)
+        raise InterruptedTraining(self._stop_signal or signal.SIGINT, ckpt.state_path(self.t.output_dir, stem))
+
+    def _finish(self, step: int, epoch: int) -> str:
+        t = self.t
+        if self.schedule_free:
+            self.optimizer.eval()
+        path = ckpt.model_path(t.output_dir, t.output_name, t.save_model_as)
+        self._save_model(path, step, epoch)
+        if t.save_state or t.save_state_on_train_end:
+            self._save_state(ckpt.state_path(t.output_dir, t.output_name), TrainProgress(epoch + 1, step, 0))
+        self._run_hooks("train_end", step)
+        return path
+
+
+class InterruptedTraining(Exception):
+    """Raised after a signal once the state is saved; the entry script exits with 128 + signal."""
+
+    def __init__(self, signum: int, state_dir: str):
+        super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
+        self.signum = signum
+        self.state_dir = state_dir
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
