@@ -8,7 +8,7 @@ All sizes are (width, height).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence, Union
 
 from library.errors import ConfigError, DataError

@@ -37,10 +37,10 @@ class CaptionSettings:
     caption_tag_dropout_rate: float = 0.0
 
     def without_randomness(self) -> "CaptionSettings":
-        """The same settings with dropout and warmup off (validation captions stay stable)."""
+        """The same settings with shuffle, dropout and warmup off (validation captions stay stable)."""
         from dataclasses import replace
 
-        return replace(self, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0,
+        return replace(self, shuffle_caption=False, caption_dropout_rate=0.0, caption_dropout_every_n_epochs=0,
                        caption_tag_dropout_rate=0.0, token_warmup_step=0)
 
 

@@ -92,9 +92,11 @@ class _Errors:
     def __init__(self, source: str):
         self.source = source
         self.lines: list[str] = []
+        self.bad_keys: set[str] = set()  # keys already reported, so a dropped value is not reported again as missing
 
     def add(self, where: str, message: str) -> None:
-        self.lines.append(f"{self.source}: {where}: {message}")
+        prefix = f"{self.source}: " if self.source else ""
+        self.lines.append(f"{prefix}{where}: {message}")
 
     def raise_if_any(self) -> None:
         if self.lines:
@@ -122,6 +124,7 @@ def _check_table(table: dict, allowed: dict[str, schema.Key], where: str, errors
             values[name] = key.check(raw)
         except schema.Expected as e:
             errors.add(path, f"expected {e}, got {_toml_repr(raw)}")
+            errors.bad_keys.add(name)
     return values
 
 
@@ -138,6 +141,7 @@ def _cli_values(opts: DataOptions, errors: _Errors) -> dict[str, Any]:
             values[key.name] = key.check_cli(raw)
         except schema.Expected as e:
             errors.lines.append(f"--{key.flag}: expected {e}, got {_toml_repr(raw)}")
+            errors.bad_keys.add(key.name)
     return values
 
 
@@ -148,7 +152,7 @@ def _pick(name: str, layers: list[dict[str, Any]]) -> Any:
     return schema.ALL_KEYS[name].default
 
 
-def _build_subset(where: str, kind: str, layers: list[dict[str, Any]], errors: _Errors, source: str) -> SubsetConfig:
+def _build_subset(where: str, kind: str, layers: list[dict[str, Any]], errors: _Errors) -> SubsetConfig:
     get = lambda name: _pick(name, layers)  # noqa: E731 - the precedence lookup, read many times below
     caption_fields = {f: get(f) for f in CaptionSettings.__dataclass_fields__}
     sub = SubsetConfig(
@@ -162,11 +166,6 @@ def _build_subset(where: str, kind: str, layers: list[dict[str, Any]], errors: _
     )
     if kind == "finetune" and sub.is_reg:
         errors.add(f"{where}.is_reg", "only DreamBooth subsets (image_dir without metadata_file) can be regularization images")
-    for name in ("image_dir", "metadata_file", "conditioning_data_dir"):
-        value = getattr(sub, name)
-        if value and source.endswith(".toml") and not os.path.isabs(value):
-            # sd-scripts resolves relative paths against the working directory; keep that, users rely on it.
-            pass
     return sub
 
 
@@ -174,7 +173,8 @@ def _build_dataset(where: str, layers: list[dict[str, Any]], subsets: list[Subse
     get = lambda name: _pick(name, layers)  # noqa: E731
     resolutions = get("resolution")
     if resolutions is None:
-        errors.add(where, "no resolution: set resolution in the dataset config or pass --resolution")
+        if "resolution" not in errors.bad_keys:
+                errors.add(where, "no resolution: set resolution in the dataset config or pass --resolution")
         resolutions = [(512, 512)]
     batch = get("batch_size")
     batch_sizes = batch if isinstance(batch, list) else [batch] * len(resolutions)
@@ -215,7 +215,7 @@ def _check_schedule(ds: DatasetConfig, errors: _Errors) -> None:
         ds.batch_sizes = [ds.batch_sizes[i] for i in order]
 
 
-def _subset_kind(values: dict[str, Any], layers: list[dict[str, Any]]) -> Optional[str]:
+def _subset_kind(layers: list[dict[str, Any]]) -> Optional[str]:
     if _pick("metadata_file", layers):
         return "finetune"
     if _pick("image_dir", layers):
@@ -271,11 +271,11 @@ def resolve_from_toml(path: str, opts: DataOptions) -> ResolvedConfig:
                 continue
             sub_values = _check_table(sub_raw, schema.SUBSET_KEYS, swhere, errors)
             layers = [sub_values, ds_values, general, cli]
-            kind = _subset_kind(sub_values, layers)
+            kind = _subset_kind(layers)
             if kind is None:
                 errors.add(swhere, "needs image_dir (DreamBooth subset) or metadata_file (fine-tune subset)")
                 continue
-            subsets.append(_build_subset(swhere, kind, layers, errors, path))
+            subsets.append(_build_subset(swhere, kind, layers, errors))
         datasets.append(_build_dataset(where, [ds_values, general, cli], subsets, errors))
     errors.raise_if_any()
     ignored = [f for f in ("train_data_dir", "reg_data_dir", "in_json") if getattr(opts, f)]
@@ -289,18 +289,16 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
     """Folder mode: --train_data_dir (N_name subfolders) + --reg_data_dir, or --in_json fine-tune metadata."""
     from library.data.discovery import find_repeat_folders
 
-    errors = _Errors("command line")
-    errors.source = ""
+    errors = _Errors("")
     cli = _cli_values(opts, errors)
-    if errors.lines:
-        raise ConfigError("\n".join(errors.lines))
+    errors.raise_if_any()
     problems: list[str] = []
     subsets: list[SubsetConfig] = []
     if opts.in_json:
         layers = [{"metadata_file": opts.in_json, "image_dir": opts.train_data_dir, "num_repeats": opts.dataset_repeats}, cli]
         if opts.dataset_repeats < 1:
             raise ConfigError(f"--dataset_repeats: expected an integer >= 1, got {opts.dataset_repeats}")
-        subsets.append(_build_subset("--in_json", "finetune", layers, errors, ""))
+        subsets.append(_build_subset("--in_json", "finetune", layers, errors))
     elif opts.train_data_dir:
         for flag, folder, is_reg in (("--train_data_dir", opts.train_data_dir, False),
                                      ("--reg_data_dir", opts.reg_data_dir, True)):
@@ -310,14 +308,11 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
             problems.extend(folder_problems)
             for sub_dir, repeats, class_tokens in found:
                 layers = [{"image_dir": sub_dir, "num_repeats": repeats, "class_tokens": class_tokens, "is_reg": is_reg}, cli]
-                subsets.append(_build_subset(f"{flag} {os.path.basename(sub_dir)}", "dreambooth", layers, errors, ""))
+                subsets.append(_build_subset(f"{flag} {os.path.basename(sub_dir)}", "dreambooth", layers, errors))
     else:
         raise ConfigError("no training data: pass --dataset_config, --train_data_dir or --in_json")
-    dataset_errors = _Errors("")
-    dataset = _build_dataset("command line", [cli], subsets, dataset_errors)
-    lines = errors.lines + [line.replace(": command line: ", "").lstrip(": ") for line in dataset_errors.lines]
-    if lines:
-        raise ConfigError("\n".join(lines))
+    dataset = _build_dataset("command line", [cli], subsets, errors)
+    errors.raise_if_any()
     return ResolvedConfig(datasets=[dataset], from_config_file=False, problems=problems)
 
 

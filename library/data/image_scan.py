@@ -146,7 +146,8 @@ def scan_image_sizes(
     workers = max_workers or min(_MAX_WORKERS, (os.cpu_count() or 1) * 4)
     result = ScanResult()
     cached = _load_cache(cache_path)
-    probes = _map_parallel(_probe, list(paths), workers, False, "stat")
+    unique_paths = list(dict.fromkeys(paths))  # a path listed twice is read once
+    probes = _map_parallel(_probe, unique_paths, workers, False, "stat")
 
     entries: dict[str, _Entry] = {}
     to_scan: list[tuple[str, os.stat_result]] = []
@@ -165,7 +166,7 @@ def scan_image_sizes(
     for (path, _), entry in zip(to_scan, scanned):
         entries[path] = entry
 
-    for path in paths:
+    for path in unique_paths:
         entry = entries.get(path)
         if entry is None:
             continue

@@ -114,9 +114,9 @@ def _decode_pixels(img: Image.Image) -> tuple[np.ndarray, Optional[np.ndarray]]:
         grey = _high_bit_depth_to_8bit(img)
         return np.repeat(grey[:, :, None], 3, axis=2), None
     if _has_alpha(img):
-        rgba = np.asarray(img.convert("RGBA"), dtype=np.uint8)
-        return rgba[:, :, :3], rgba[:, :, 3]
-    return np.asarray(img.convert("RGB"), dtype=np.uint8), None
+        rgba = np.array(img.convert("RGBA"), dtype=np.uint8)
+        return np.ascontiguousarray(rgba[:, :, :3]), np.ascontiguousarray(rgba[:, :, 3])
+    return np.array(img.convert("RGB"), dtype=np.uint8), None
 
 
 def load_image(
@@ -188,7 +188,7 @@ def resize_image(image: np.ndarray, size: tuple[int, int], interpolation: Option
     if (w, h) == tuple(size):
         return image
     resample = _resample_filter((w, h), size, interpolation)
-    return np.asarray(Image.fromarray(image).resize(tuple(size), resample=resample))
+    return np.array(Image.fromarray(image).resize(tuple(size), resample=resample))
 
 
 def resize_mask(mask: np.ndarray, size: tuple[int, int], interpolation: Optional[str] = None) -> np.ndarray:
@@ -198,7 +198,7 @@ def resize_mask(mask: np.ndarray, size: tuple[int, int], interpolation: Optional
         return mask.astype(np.float32, copy=False)
     resample = _resample_filter((w, h), size, interpolation)
     out = np.asarray(Image.fromarray(mask.astype(np.float32)).resize(tuple(size), resample=resample))
-    return np.clip(out, 0.0, 1.0).astype(np.float32)
+    return np.clip(out, 0.0, 1.0).astype(np.float32)  # clip allocates a new, writable array
 
 
 def crop_ltrb_for(bucket_reso: tuple[int, int], image_size: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -306,7 +306,7 @@ def color_augment(image: np.ndarray, rng: random.Random) -> np.ndarray:
         shift = int(round(rng.uniform(-8.0, 8.0) * 256.0 / 180.0))
         hsv = np.array(Image.fromarray(image).convert("HSV"))
         hsv[:, :, 0] = ((hsv[:, :, 0].astype(np.int16) + shift) % 256).astype(np.uint8)
-        return np.asarray(Image.fromarray(hsv, mode="HSV").convert("RGB"))
+        return np.array(Image.fromarray(hsv, mode="HSV").convert("RGB"))
     gamma = rng.uniform(0.95, 1.05)
     table = np.rint(255.0 * (np.arange(256) / 255.0) ** gamma).astype(np.uint8)
     return table[image]

@@ -43,7 +43,7 @@ def chunk_token_ids(tokenizer, captions: list[str], max_token_length: Optional[i
                     return_tensors="pt").input_ids
     if n_tokens == inner:
         return ids
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     chunks = []
     for start in range(1, n_tokens + 1, inner):
         chunk = torch.cat([ids[:, :1], ids[:, start:start + inner], ids[:, -1:]], dim=1)
@@ -52,8 +52,18 @@ def chunk_token_ids(tokenizer, captions: list[str], max_token_length: Optional[i
             chunk[ends_mid_text, -1] = eos
             chunk[chunk[:, 1] == pad, 1] = eos
         chunks.append(chunk)
-    assert all(c[:, 0].eq(bos).all() for c in chunks)
     return torch.cat(chunks, dim=1)
+
+
+def final_layer_norm(text_encoder):
+    """The final LayerNorm of a CLIPTextModel (transformers 5 dropped the `text_model` level)."""
+    inner = getattr(text_encoder, "text_model", text_encoder)
+    return inner.final_layer_norm
+
+
+def text_encoder_kohya_path(path: str) -> str:
+    """Module path as kohya names it: always under `text_model.` (lora_te_text_model_encoder_...)."""
+    return path if path.startswith("text_model.") else "text_model." + path
 
 
 def encode_token_chunks(text_encoder, tokens: torch.Tensor, clip_skip: Optional[int],
@@ -69,7 +79,7 @@ def encode_token_chunks(text_encoder, tokens: torch.Tensor, clip_skip: Optional[
         states = text_encoder(flat)[0]
     else:
         out = text_encoder(flat, output_hidden_states=True, return_dict=True)
-        states = text_encoder.text_model.final_layer_norm(out.hidden_states[-clip_skip])
+        states = final_layer_norm(text_encoder)(out.hidden_states[-clip_skip])
     states = states.reshape(batch, -1, states.shape[-1])
     n_chunks = states.shape[1] // window
     if n_chunks == 1:
@@ -121,7 +131,8 @@ class SDFamily(ModelFamily):
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         return [
             LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS),
-            LoraTarget("lora_te", components.text_encoders[0], TEXT_ENCODER_TARGETS, is_text_encoder=True),
+            LoraTarget("lora_te", components.text_encoders[0], TEXT_ENCODER_TARGETS, is_text_encoder=True,
+                       rename=text_encoder_kohya_path),
         ]
 
     def base_model_version(self, components: Components) -> str:

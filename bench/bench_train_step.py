@@ -1,0 +1,120 @@
+"""Training step time of our LoRA step against the bare diffusers step, measured in the same run.
+
+Full-size SD 1.5 architecture with random weights (they cost the same to run as
+trained ones), 64x64 images, batch 1, LoRA dim 8 on UNet and text encoder.
+
+- reference: tokenize + text encoder forward, VAE-free random latents, DDPM add_noise,
+  UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
+- ours: library.train.step.batch_loss (the trainer's micro-step) + clipping + optimizer
+  and scheduler step, exactly as NetworkTrainer runs them.
+
+Prints seconds per step for both, their ratio (goal <= 1.10) and peak RSS.
+
+    python bench/bench_train_step.py [--steps 10] [--preset random:sd15] [--resolution 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from library.families import get_family  # noqa: E402
+from library.families.base import LoadOptions  # noqa: E402
+from library.train.losses import LossOptions  # noqa: E402
+from library.train.noise import NoiseOptions  # noqa: E402
+from library.train.step import StepContext, batch_loss  # noqa: E402
+from networks import lora  # noqa: E402
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="random:sd15")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--dim", type=int, default=8)
+    a = p.parse_args()
+    torch.manual_seed(0)
+
+    family = get_family("sd")
+    t0 = time.perf_counter()
+    comps = family.load(LoadOptions(a.preset))
+    print(f"built {a.preset} in {time.perf_counter() - t0:.1f}s")
+    unet, te = comps.denoiser, comps.text_encoders[0]
+    for m in (unet, te, comps.vae):
+        m.requires_grad_(False)
+        m.eval()
+    network = lora.create_network(1.0, a.dim, a.dim, comps.vae, te, unet, lora_targets=family.lora_targets(comps))
+    network.apply_to(te, unet, True, True)
+    groups, _ = network.prepare_optimizer_params(None, None, 1e-4)
+    params = [q for g in groups for q in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheme = family.noise_scheme(comps)
+    latent = a.resolution // 8
+    latents = torch.randn(1, 4, latent, latent)
+    caption = ["a photo of a sks dog sitting on a wooden chair, high quality"]
+
+    def reference_step() -> None:
+        tokens = comps.tokenizers[0](caption, padding="max_length", max_length=77, truncation=True,
+                                     return_tensors="pt").input_ids
+        hidden = te(tokens).last_hidden_state
+        noise = torch.randn_like(latents)
+        t = torch.randint(0, 1000, (1,))
+        noisy = scheme.add_noise(latents, noise, t)
+        pred = unet(noisy, t, hidden).sample
+        loss = F.mse_loss(pred.float(), noise.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
+                      device=torch.device("cpu"), weight_dtype=torch.float32, clip_skip=None,
+                      max_token_length=None, train_text_encoder=True, autocast=contextlib.nullcontext)
+    batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None}
+    generator = torch.Generator().manual_seed(0)
+
+    def our_step() -> None:
+        loss, _ = batch_loss(ctx, batch, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Interleave to spread machine noise evenly over both.
+    ref_times, our_times = [], []
+    for _ in range(2):
+        ref_times.append(timed(reference_step, a.steps // 2 or 1, a.warmup))
+        our_times.append(timed(our_step, a.steps // 2 or 1, a.warmup))
+    ref, ours = min(ref_times), min(our_times)
+    print(f"reference (bare diffusers) step: {ref * 1000:.1f} ms")
+    print(f"our trainer step:               {ours * 1000:.1f} ms")
+    print(f"ratio ours/reference:           {ours / ref:.3f}  (goal <= 1.10)")
+    print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Planning batches: samples, per-resolution bucket groups, epoch order, the progressive schedule.
+
+Everything here is plain data and pure functions of (seed, epoch, step), so a
+resumed run plans exactly the batches an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass, field
+from typing import Optional
+
+Size = tuple[int, int]
+
+
+@dataclass
+class Sample:
+    """One image of the dataset (train, reg or validation)."""
+
+    id: int
+    path: str
+    caption: str  # raw caption; the pipeline runs per sample at load time
+    dataset: int
+    subset: int  # index into TrainingData.subsets
+    size: Size  # original (width, height)
+    num_repeats: int = 1
+    is_reg: bool = False
+    is_validation: bool = False
+    loss_weight: float = 1.0
+    mask_path: Optional[str] = None
+
+
+@dataclass
+class Placement:
+    bucket: Size  # (width, height) after crop
+    resized: Size  # size the image is resized to before cropping
+
+
+@dataclass
+class Group:
+    """The samples of one dataset at one resolution, bucketed; batches never leave a group's bucket."""
+
+    dataset: int
+    resolution: Size
+    batch_size: int
+    validation: bool = False
+    buckets: dict[Size, list[int]] = field(default_factory=dict)  # bucket -> sample ids, once per repeat
+    placements: dict[int, Placement] = field(default_factory=dict)
+    bucket_info: dict = field(default_factory=dict)
+
+    def num_batches(self) -> int:
+        return sum(-(-len(ids) // self.batch_size) for ids in self.buckets.values())
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    """A planned batch; cheap and picklable. `samples` are sample ids, all in bucket `bucket` of group `group`."""
+
+    epoch: int
+    index: int  # position in the epoch
+    step: int  # global optimizer step at which it is consumed
+    group: int
+    bucket: Size
+    samples: tuple[int, ...]
+    validation: bool = False
+
+
+def sample_rng(seed: int, epoch: int, index: int, position: int, validation: bool = False) -> random.Random:
+    """The RNG of one sample in one batch: depends only on these numbers (not on workers or resume)."""
+    # A string seed is hashed with SHA-512 by random.Random, independent of PYTHONHASHSEED.
+    return random.Random(f"{'val' if validation else 'train'}/{seed}/{epoch}/{index}/{position}")
+
+
+def balance_reg_repeats(num_train_images: int, reg_repeats: list[int]) -> list[int]:
+    """Repeats for each reg image so reg images match the train count (with repeats), as sd-scripts.
+
+    First pass: each reg image with its subset's repeats until the count is reached (later
+    images get 0); further passes add one repeat per image round-robin.
+    """
+    out = [0] * len(reg_repeats)
+    if not reg_repeats:
+        return out
+    n, first = 0, True
+    while n < num_train_images:
+        for i, repeats in enumerate(reg_repeats):
+            if first:
+                out[i] = repeats
+                n += repeats
+            else:
+                out[i] += 1
+                n += 1
+            if n >= num_train_images:
+                break
+        first = False
+    return out
+
+
+def chunk_group(group: Group, rng: Optional[random.Random]) -> list[tuple[Size, tuple[int, ...]]]:
+    """(bucket, sample ids) batches of a group; each bucket shuffled by `rng` first (None: keep order)."""
+    out = []
+    for bucket in sorted(group.buckets):
+        ids = list(group.buckets[bucket])
+        if rng is not None:
+            rng.shuffle(ids)
+        for start in range(0, len(ids), group.batch_size):
+            out.append((bucket, tuple(ids[start:start + group.batch_size])))
+    return out
+
+
+@dataclass
+class ResolutionSchedule:
+    """Which resolution of each progressive dataset is active at a step: fractions of max_train_steps, low -> high."""
+
+    boundaries: dict[int, list[int]] = field(default_factory=dict)  # dataset -> end step of each phase
+
+    @classmethod
+    def build(cls, fractions_by_dataset: dict[int, list[float]], max_train_steps: int) -> "ResolutionSchedule":
+        boundaries = {}
+        for ds, fractions in fractions_by_dataset.items():
+            ends, total = [], 0.0
+            for f in fractions:
+                total += f
+                ends.append(round(total * max_train_steps))
+            ends[-1] = max_train_steps
+            boundaries[ds] = ends
+        return cls(boundaries)
+
+    def resolution_index(self, dataset: int, step: int) -> Optional[int]:
+        """Index of the active resolution, or None when the dataset trains all resolutions."""
+        ends = self.boundaries.get(dataset)
+        if ends is None:
+            return None
+        return min(bisect.bisect_right(ends, step), len(ends) - 1)
+
+    def next_boundary(self, step: int) -> Optional[int]:
+        """The first phase change after `step` (over all datasets), or None."""
+        later = [e for ends in self.boundaries.values() for e in ends[:-1] if e > step]
+        return min(later) if later else None
+
+
+def active_groups(groups: list[Group], resolution_ids: list[int], schedule: ResolutionSchedule, step: int) -> list[int]:
+    """Training group ids active at `step` (resolution_ids[g] = index of g's resolution in its dataset)."""
+    out = []
+    for gid, group in enumerate(groups):
+        if group.validation:
+            continue
+        wanted = schedule.resolution_index(group.dataset, step)
+        if wanted is None or wanted == resolution_ids[gid]:
+            out.append(gid)
+    return out
+
+
+def plan_epoch(groups: list[Group], group_ids: list[int], seed: int, epoch: int, start_step: int,
+               grad_accum: int, limit: Optional[int]) -> list[BatchRef]:
+    """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch)."""
+    rng = random.Random(seed + epoch)
+    planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], rng)]
+    rng.shuffle(planned)
+    if limit is not None:
+        planned = planned[:limit]
+    return [BatchRef(epoch=epoch, index=i, step=start_step + i // grad_accum, group=gid, bucket=bucket, samples=ids)
+            for i, (gid, bucket, ids) in enumerate(planned)]

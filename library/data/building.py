@@ -1,0 +1,179 @@
+"""build_training_data: resolve config, discover, scan, split, balance reg images, bucket, and validate it all.
+
+Every data problem is collected and reported together in one DataError (one
+line each), so a user fixes the dataset once instead of restarting per error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Optional, Union
+
+from library.args.dataset import DataOptions
+from library.data.batching import Group, Placement, Sample, balance_reg_repeats
+from library.data.buckets import (BucketManager, ImageTooSmallError, check_fixed_resolution,
+                                  validate_bucket_settings)
+from library.data.config import DatasetConfig, SubsetConfig, resolve_datasets
+from library.data.dataset import DataFamilyInfo, TrainingData
+from library.data.discovery import DiscoveredImage, discover_subset
+from library.data.image_scan import scan_image_sizes
+from library.data.validation_split import split_for_validation
+from library.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+SIZE_CACHE_NAME = "image_size_cache.json"  # written in image_dir only when cache_info = true
+
+
+def _check_bucket_settings(datasets: list[DatasetConfig], family: DataFamilyInfo, source: str) -> None:
+    lines = []
+    for ds in datasets:
+        if not ds.enable_bucket:
+            continue
+        for reso in ds.resolutions:
+            try:
+                validate_bucket_settings(reso, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps,
+                                         family.bucket_reso_multiple, f"{source}{ds.where}")
+            except ConfigError as e:
+                if str(e) not in lines:
+                    lines.append(str(e))
+    if lines:
+        raise ConfigError("\n".join(lines))
+
+
+def _scan_subset(sub: SubsetConfig, images: list[DiscoveredImage], problems: list[str]) -> list[tuple[DiscoveredImage, tuple]]:
+    """(image, size) of every image (and mask) whose header reads; the rest become problems."""
+    cache = os.path.join(sub.image_dir, SIZE_CACHE_NAME) if sub.cache_info and sub.image_dir else None
+    paths = [i.path for i in images] + [i.mask_path for i in images if i.mask_path]
+    scan = scan_image_sizes(paths, cache, progress=True)
+    problems.extend(f"{path}: {why}" for path, why in scan.problems.items())
+    good = [(i, scan.sizes[i.path]) for i in images
+            if i.path in scan.sizes and (i.mask_path is None or i.mask_path in scan.sizes)]
+    if images and not good:
+        problems.append(f"{sub.where}: no usable images in {sub.image_dir or sub.metadata_file}: "
+                        f"all {len(images)} images have problems (listed above)")
+    return good
+
+
+def _place(ds: DatasetConfig, reso: tuple[int, int], sub: SubsetConfig, size: tuple[int, int],
+           manager: Optional[BucketManager]) -> Union[Placement, str]:
+    """Where an image goes at `reso`, or why it cannot be used."""
+    if manager is not None:
+        try:
+            bucket, resized, ar_error = manager.select_bucket(*size)
+        except ImageTooSmallError as e:
+            return str(e)
+        manager.record_ar_error(ar_error)
+        return Placement(bucket, resized)
+    why = check_fixed_resolution(size, reso, sub.random_crop or bool(sub.face_crop_aug_range))
+    return why if why else Placement(reso, size)
+
+
+def _make_group(di: int, ds: DatasetConfig, ri: int, members: list[tuple[Sample, int]], subsets: list[SubsetConfig],
+                validation: bool, problems: list[str]) -> Group:
+    reso = ds.resolutions[ri]
+    group = Group(dataset=di, resolution=reso, batch_size=ds.batch_sizes[ri], validation=validation)
+    manager = None
+    if ds.enable_bucket:
+        manager = BucketManager(ds.bucket_no_upscale, reso, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
+        if not ds.bucket_no_upscale:
+            manager.make_buckets()
+    for sample, repeats in members:
+        placed = _place(ds, reso, subsets[sample.subset], sample.size, manager)
+        if isinstance(placed, str):
+            problems.append(f"{sample.path}: {placed}")
+            continue
+        group.placements[sample.id] = placed
+        group.buckets.setdefault(placed.bucket, []).extend([sample.id] * repeats)
+        if manager is not None:
+            for _ in range(repeats):
+                manager.add_image(placed.bucket, sample.id)
+    if manager is not None:
+        manager.sort()
+        group.bucket_info = manager.bucket_info()
+    else:
+        group.bucket_info = {"buckets": {0: {"resolution": list(reso), "count": sum(map(len, group.buckets.values()))}},
+                             "mean_img_ar_error": 0.0}
+    return group
+
+
+def _warn_missing_captions(sub: SubsetConfig, count: int) -> None:
+    if not count:
+        return
+    if sub.class_tokens:
+        logger.warning("%s: %d images have no %s caption file; using the class tokens %r",
+                       sub.where, count, sub.caption_extension, sub.class_tokens)
+    else:
+        logger.warning("%s: %d images have no %s caption file and there are no class tokens; they train with an "
+                       "empty caption", sub.where, count, sub.caption_extension)
+
+
+def build(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
+    """See library.data.dataset.build_training_data."""
+    resolved = resolve_datasets(opts)
+    source = f"{opts.dataset_config}: " if resolved.from_config_file else ""
+    _check_bucket_settings(resolved.datasets, family, source)
+    seed = opts.seed if opts.seed is not None else random.randint(0, 2**31 - 1)
+    problems = list(resolved.problems)
+    subsets: list[SubsetConfig] = []
+    samples: list[Sample] = []
+    groups: list[Group] = []
+    group_res: list[int] = []
+    counts = {"train": 0, "reg": 0, "val": 0}
+
+    def add_sample(img: DiscoveredImage, size, di, si, sub, repeats, is_val=False) -> Sample:
+        s = Sample(id=len(samples), path=img.path, caption=img.caption, dataset=di, subset=si, size=size,
+                   num_repeats=repeats, is_reg=sub.is_reg, is_validation=is_val,
+                   loss_weight=opts.prior_loss_weight if sub.is_reg else 1.0, mask_path=img.mask_path)
+        samples.append(s)
+        return s
+
+    for di, ds in enumerate(resolved.datasets):
+        train: list[tuple[Sample, int]] = []
+        val: list[tuple[Sample, int]] = []
+        reg_found: list[tuple[DiscoveredImage, tuple, int, SubsetConfig]] = []
+        for sub in ds.subsets:
+            si = len(subsets)
+            subsets.append(sub)
+            if ds.enable_bucket and sub.face_crop_aug_range:
+                logger.warning("%s: face_crop_aug_range only applies without enable_bucket; ignored", sub.where)
+            found = discover_subset(sub)
+            problems.extend(found.problems)
+            _warn_missing_captions(sub, found.missing_captions)
+            good = _scan_subset(sub, found.images, problems)
+            if sub.is_reg:
+                reg_found.extend((img, size, si, sub) for img, size in good)
+                continue
+            seed_for_split = sub.validation_seed if sub.validation_seed is not None else seed
+            train_part, val_part = split_for_validation(good, sub.validation_split, seed_for_split)
+            train += [(add_sample(img, size, di, si, sub, sub.num_repeats), sub.num_repeats) for img, size in train_part]
+            val += [(add_sample(img, size, di, si, sub, 1, is_val=True), 1) for img, size in val_part]
+        n_train = sum(r for _, r in train)
+        reg_repeats = balance_reg_repeats(n_train, [sub.num_repeats for _, _, _, sub in reg_found])
+        reg = [(add_sample(img, size, di, si, sub, r), r) for (img, size, si, sub), r in zip(reg_found, reg_repeats) if r > 0]
+        if reg_found and not train:
+            problems.append(f"{source}{ds.where}: has regularization images but no training images")
+        counts["train"] += n_train
+        counts["reg"] += len(reg)
+        counts["val"] += len(val)
+        val_resolutions = [len(ds.resolutions) - 1] if ds.resolution_schedule == "progressive" else range(len(ds.resolutions))
+        for ri, reso in enumerate(ds.resolutions):
+            group = _make_group(di, ds, ri, train + reg, subsets, False, problems)
+            total = sum(map(len, group.buckets.values()))
+            if train and total < group.batch_size:
+                problems.append(f"{source}{ds.where}: {total} images (with repeats) at {reso[0]}x{reso[1]}, "
+                                f"fewer than one batch (batch_size {group.batch_size})")
+            groups.append(group)
+            group_res.append(ri)
+            if val and ri in val_resolutions:
+                groups.append(_make_group(di, ds, ri, val, subsets, True, problems))
+                group_res.append(ri)
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise DataError(f"{len(unique)} problem(s) in the training data; fix them and start again:\n" + "\n".join(unique))
+    return TrainingData(opts=opts, family=family, seed=seed, datasets=resolved.datasets, subsets=subsets,
+                        samples=samples, groups=groups, group_resolution_index=group_res,
+                        from_config_file=resolved.from_config_file, num_train_images=counts["train"],
+                        num_reg_images=counts["reg"], num_validation_images=counts["val"])

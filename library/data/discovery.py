@@ -1,0 +1,235 @@
+"""Find the images of each subset and their raw captions (and masks).
+
+Nothing here raises on bad data: every problem becomes one line in a list, so
+the user sees all of them at once before training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from library.data.config import SubsetConfig
+from library.data.images import IMAGE_EXTENSIONS
+
+_REPEAT_FOLDER = re.compile(r"^(\d+)_(.*)$")
+# `name_cx_cy_w_h`: the face-crop suffix sd-scripts strips when looking for a caption file.
+_FACE_SUFFIX = re.compile(r"^(.*?)(_\d+){4}$")
+
+
+@dataclass
+class DiscoveredImage:
+    path: str
+    caption: str  # raw caption (all lines kept; the pipeline picks one)
+    mask_path: Optional[str] = None
+
+
+@dataclass
+class SubsetImages:
+    """The images of one subset, the problems found, and how many fell back to class tokens / ""."""
+
+    images: list[DiscoveredImage] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    missing_captions: int = 0
+
+
+def is_image_path(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS
+
+
+def list_images(folder: str) -> list[str]:
+    """Image files directly inside `folder`, sorted by name (so splits and orders are reproducible)."""
+    names = sorted(n for n in os.listdir(folder) if is_image_path(n) and os.path.isfile(os.path.join(folder, n)))
+    return [os.path.join(folder, n) for n in names]
+
+
+def find_repeat_folders(folder: str, flag: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+    """The `N_name` subfolders of `folder` as (path, repeats N, class tokens "name"), and problems.
+
+    Folders without the numeric prefix are skipped (as sd-scripts); when none qualifies the
+    problem says so.
+    """
+    if not os.path.isdir(folder):
+        return [], [f"{flag}: no images found in {folder}: the folder does not exist"]
+    found, skipped = [], []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isdir(path):
+            continue
+        match = _REPEAT_FOLDER.match(name)
+        if not match or int(match.group(1)) < 1:
+            skipped.append(name)
+            continue
+        found.append((path, int(match.group(1)), match.group(2)))
+    if found:
+        return found, []
+    why = "no subfolders named like 10_name (N_ prefix = repeats)"
+    if skipped:
+        why += f"; skipped: {', '.join(skipped[:5])}" + (" ..." if len(skipped) > 5 else "")
+    elif any(is_image_path(n) for n in os.listdir(folder)):
+        why += "; the images must be inside N_name subfolders, not directly in this folder"
+    return [], [f"{flag}: no images found in {folder}: {why}"]
+
+
+def _no_images_reason(folder: str) -> str:
+    files = [n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n))]
+    dirs = [n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n))]
+    why = f"no files with extensions {', '.join(IMAGE_EXTENSIONS)}"
+    if files:
+        why += f" ({len(files)} other files)"
+    if any(_REPEAT_FOLDER.match(d) for d in dirs):
+        why += "; it has N_name subfolders: point image_dir at each of them"
+    return why
+
+
+def caption_candidates(image_path: str, caption_extension: str) -> list[str]:
+    """`<stem><ext>`, then the stem without a `_cx_cy_w_h` face suffix."""
+    stem = os.path.splitext(image_path)[0]
+    out = [stem + caption_extension]
+    match = _FACE_SUFFIX.match(stem)
+    if match and match.group(1):
+        out.append(match.group(1) + caption_extension)
+    return out
+
+
+def read_caption_file(image_path: str, caption_extension: str) -> tuple[Optional[str], Optional[str]]:
+    """(caption, None), (None, None) when no caption file exists, or (None, problem)."""
+    for path in caption_candidates(image_path, caption_extension):
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                text = f.read().strip()
+        except UnicodeDecodeError:
+            return None, f"{path}: caption file is not UTF-8 text"
+        except OSError as e:
+            return None, f"{path}: cannot read caption file: {e.strerror or e}"
+        if not text:
+            return None, f"{path}: empty caption file (delete it to use the class tokens, or write a caption)"
+        return "\n".join(line.strip() for line in text.splitlines() if line.strip()), None
+    return None, None
+
+
+def find_mask(image_path: str, mask_dir: str) -> Optional[str]:
+    """The mask image in `mask_dir` with the same stem as `image_path` (any image extension)."""
+    stem = os.path.splitext(os.path.basename(image_path))[0]
+    for ext in IMAGE_EXTENSIONS + tuple(e.upper() for e in IMAGE_EXTENSIONS):
+        candidate = os.path.join(mask_dir, stem + ext)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _attach_masks(sub: SubsetConfig, result: SubsetImages) -> None:
+    mask_dir = sub.conditioning_data_dir
+    if not mask_dir:
+        return
+    if not os.path.isdir(mask_dir):
+        result.problems.append(f"{sub.where}.conditioning_data_dir: folder not found: {mask_dir}")
+        return
+    for image in result.images:
+        image.mask_path = find_mask(image.path, mask_dir)
+        if image.mask_path is None:
+            result.problems.append(f"{image.path}: no mask image with the same name in {mask_dir}")
+
+
+def discover_dreambooth(sub: SubsetConfig) -> SubsetImages:
+    """Images of an image_dir subset with their caption files (or class tokens)."""
+    result = SubsetImages()
+    folder = sub.image_dir or ""
+    if not os.path.isdir(folder):
+        result.problems.append(f"{sub.where}: no images found in {folder}: the folder does not exist")
+        return result
+    paths = list_images(folder)
+    if not paths:
+        result.problems.append(f"{sub.where}: no images found in {folder}: {_no_images_reason(folder)}")
+        return result
+    for path in paths:
+        caption, problem = read_caption_file(path, sub.caption_extension)
+        if problem:
+            result.problems.append(problem)
+            continue
+        if caption is None:
+            result.missing_captions += 1
+            caption = sub.class_tokens or ""
+        result.images.append(DiscoveredImage(path, caption))
+    _attach_masks(sub, result)
+    return result
+
+
+def _read_metadata(path: str) -> tuple[list[tuple[str, dict]], list[str]]:
+    """(image key, entry) pairs of a fine-tune metadata .json ({key: {...}}) or .jsonl ({"image_path": ...} per line)."""
+    if not os.path.isfile(path):
+        return [], [f"{path}: metadata file not found"]
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return [], [f"{path}: cannot read metadata file: {e}"]
+    if path.lower().endswith(".jsonl"):
+        entries, problems = [], []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                problems.append(f"{path}: line {n}: not valid JSON ({e.msg})")
+                continue
+            if not isinstance(item, dict) or not isinstance(item.get("image_path"), str):
+                problems.append(f"{path}: line {n}: expected an object with \"image_path\"")
+                continue
+            entries.append((item["image_path"], item))
+        return entries, problems
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        return [], [f"{path}: not valid JSON (line {e.lineno}: {e.msg})"]
+    if not isinstance(data, dict):
+        return [], [f"{path}: expected a JSON object {{image: {{caption, tags}}}}"]
+    bad = [f"{path}: {key}: expected an object with caption/tags" for key, v in data.items() if not isinstance(v, dict)]
+    return [(k, v) for k, v in data.items() if isinstance(v, dict)], bad
+
+
+def _resolve_image(key: str, image_dir: Optional[str]) -> Optional[str]:
+    candidates = [key] if os.path.isabs(key) or not image_dir else [os.path.join(image_dir, key), key]
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+        for ext in IMAGE_EXTENSIONS:
+            if os.path.isfile(candidate + ext):
+                return candidate + ext
+    return None
+
+
+def discover_finetune(sub: SubsetConfig) -> SubsetImages:
+    """Images listed in a metadata file; caption = caption + ", " + tags (tags alone when no caption)."""
+    result = SubsetImages()
+    entries, result.problems = _read_metadata(sub.metadata_file or "")
+    if sub.image_dir and not os.path.isdir(sub.image_dir):
+        result.problems.append(f"{sub.where}.image_dir: folder not found: {sub.image_dir}")
+        return result
+    for key, entry in entries:
+        path = _resolve_image(key, sub.image_dir)
+        if path is None:
+            where = f" in {sub.image_dir}" if sub.image_dir else ""
+            result.problems.append(f"{sub.metadata_file}: {key}: image not found{where}")
+            continue
+        caption, tags = entry.get("caption"), entry.get("tags")
+        parts = [p.strip() for p in (caption, tags) if isinstance(p, str) and p.strip()]
+        if not parts:
+            result.problems.append(f"{sub.metadata_file}: {key}: no caption or tags")
+            continue
+        result.images.append(DiscoveredImage(path, ", ".join(parts)))
+    if not result.images and not result.problems:
+        result.problems.append(f"{sub.where}: no images found in {sub.metadata_file}: the metadata file lists no images")
+    _attach_masks(sub, result)
+    return result
+
+
+def discover_subset(sub: SubsetConfig) -> SubsetImages:
+    """Images, raw captions and masks of one subset."""
+    return discover_finetune(sub) if sub.kind == "finetune" else discover_dreambooth(sub)

@@ -1,0 +1,158 @@
+"""Latent caching orchestration: find what is missing or stale, decode in parallel, encode by bucket, store.
+
+Images decode in DataLoader workers while the VAE encodes the previous batch.
+A batch holds only images of one bucket. Entries are kept in memory always and
+written to disk (sd-scripts file names, atomically) when asked; a disk entry
+is reused only when latent_cache.load_latent_cache finds it valid for the
+exact settings (bucket, crop, flip, alpha mask, VAE, shape), else rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from library.data.batching import Placement
+from library.data.images import ImageDecodeError, crop_ltrb_for, to_tensor
+from library.data.latent_cache import (CacheSettings, LatentCacheEntry, disk_cache_path, load_latent_cache,
+                                       save_latent_cache)
+from library.data.loading import load_and_crop
+
+if TYPE_CHECKING:
+    from library.data.dataset import TrainingData
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheJob:
+    sample: int
+    group: int
+    placement: Placement
+    settings: CacheSettings
+    disk_path: Optional[str]
+
+
+def plan_cache_jobs(data: "TrainingData", vae_id: str, to_disk: bool) -> tuple[list[CacheJob], int]:
+    """Jobs for entries not valid in memory or on disk (valid disk entries are loaded); also the stale count."""
+    f, channels = data.family.vae_scale_factor, data.family.latent_channels
+    jobs, stale = [], 0
+    for gid, group in enumerate(data.groups):
+        ds = data.datasets[group.dataset]
+        # Several resolutions of one image need several files: name them apart by resolution.
+        arch = data.family.latent_cache_arch
+        if len(ds.resolutions) > 1:
+            arch += f"_{group.resolution[0]}x{group.resolution[1]}"
+        for sid, place in group.placements.items():
+            sample, sub = data.samples[sid], data.subsets[data.samples[sid].subset]
+            bw, bh = place.bucket
+            settings = CacheSettings(bucket_reso=place.bucket, crop_ltrb=crop_ltrb_for(place.bucket, sample.size),
+                                     flip_aug=sub.flip_aug, alpha_mask=sub.alpha_mask, vae_id=vae_id,
+                                     latent_shape=(channels, bh // f, bw // f))
+            key = (sid, gid)
+            if key in data.latents and data.latent_signatures.get(key) == settings.signature():
+                continue
+            path = disk_cache_path(sample.path, sample.size, arch) if to_disk else None
+            if path is not None:
+                entry = load_latent_cache(path, settings, accept_foreign=data.opts.skip_cache_check)
+                if entry is not None:
+                    data.latents[key] = entry
+                    data.latent_signatures[key] = settings.signature()
+                    continue
+                stale += os.path.exists(path)
+            jobs.append(CacheJob(sid, gid, place, settings, path))
+    # Largest buckets first, so an out-of-memory error shows at once rather than at the end.
+    jobs.sort(key=lambda j: (-j.placement.bucket[0] * j.placement.bucket[1], j.placement.bucket, j.group, j.sample))
+    return jobs, stale
+
+
+def batch_jobs(jobs: list[CacheJob], batch_size: int) -> list[list[CacheJob]]:
+    """Chunks of at most batch_size jobs, each chunk within one (group, bucket)."""
+    out: list[list[CacheJob]] = []
+    for job in jobs:
+        last = out[-1] if out else None
+        if last and len(last) < batch_size and (last[0].group, last[0].placement.bucket) == (job.group, job.placement.bucket):
+            last.append(job)
+        else:
+            out.append([job])
+    return out
+
+
+class _DecodeBatches(torch.utils.data.Dataset):
+    """Decodes and crops the images of one job batch (centre crop, no augmentation)."""
+
+    def __init__(self, data: "TrainingData", batches: list[list[CacheJob]]):
+        self.data, self.batches = data, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        ok, images, alphas, crops, failed = [], [], [], [], []
+        for j, job in enumerate(self.batches[i]):
+            sample = self.data.samples[job.sample]
+            sub = self.data.subsets[sample.subset]
+            try:
+                loaded = load_and_crop(sample, sub, job.placement, self.data.bucketing(self.data.groups[job.group]),
+                                       random.Random(0), augment=False)
+            except ImageDecodeError as e:
+                failed.append((sample.path, str(e)))
+                continue
+            ok.append(j)
+            images.append(to_tensor(loaded.image))
+            alphas.append(loaded.mask if sub.alpha_mask else None)
+            crops.append(loaded.crop_ltrb)
+        return {"batch": i, "ok": ok, "images": torch.stack(images) if images else None,
+                "alphas": alphas, "crops": crops, "failed": failed}
+
+
+def _check_shape(latents: torch.Tensor, n: int, expected: tuple[int, int, int]) -> None:
+    if tuple(latents.shape) != (n, *expected):
+        raise ValueError(f"encode returned latents of shape {tuple(latents.shape)}, expected {(n, *expected)}")
+
+
+def cache_all_latents(data: "TrainingData", encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str,
+                      to_disk: bool, batch_size: int, num_workers: int) -> None:
+    """See TrainingData.cache_latents."""
+    jobs, stale = plan_cache_jobs(data, vae_id, to_disk)
+    if stale:
+        logger.info("%d latent cache files are stale (other settings, VAE or shape) and will be rebuilt", stale)
+    if not jobs:
+        logger.info("all latents are cached already")
+        return
+    batches = batch_jobs(jobs, max(1, batch_size))
+    loader = torch.utils.data.DataLoader(_DecodeBatches(data, batches), batch_size=None, num_workers=num_workers)
+    for item in tqdm(loader, total=len(batches), desc="caching latents", unit="batch"):
+        for path, reason in item["failed"]:
+            logger.warning("skipping %s", reason)
+            data.bad_paths.add(path)
+        if item["images"] is None:
+            continue
+        done = [batches[item["batch"]][j] for j in item["ok"]]
+        expected = done[0].settings.latent_shape
+        with torch.no_grad():
+            latents = encode(item["images"]).detach().float().cpu()
+            _check_shape(latents, len(done), expected)
+            flipped = None
+            if done[0].settings.flip_aug:
+                flipped = encode(torch.flip(item["images"], dims=[3])).detach().float().cpu()
+                _check_shape(flipped, len(done), expected)
+        for k, job in enumerate(done):
+            alpha = item["alphas"][k]
+            entry = LatentCacheEntry(latents=latents[k].clone(), original_size=data.samples[job.sample].size,
+                                     crop_ltrb=tuple(item["crops"][k]),
+                                     latents_flipped=flipped[k].clone() if flipped is not None else None,
+                                     alpha_mask=np.asarray(alpha, dtype=np.float32) if alpha is not None else None)
+            data.latents[(job.sample, job.group)] = entry
+            data.latent_signatures[(job.sample, job.group)] = job.settings.signature()
+            if job.disk_path:
+                save_latent_cache(job.disk_path, entry.latents, entry.original_size, entry.crop_ltrb, job.settings,
+                                  entry.latents_flipped, entry.alpha_mask)
+    logger.info("cached latents of %d images%s", len(jobs), f" ({stale} rebuilt)" if stale else "")

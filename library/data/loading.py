@@ -1,0 +1,133 @@
+"""Turn a planned batch into tensors: decode, crop, augment, caption pipeline (or cached latents)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from library.data.batching import BatchRef, Placement, Sample, sample_rng
+from library.data.captions import process_caption
+from library.data.config import SubsetConfig
+from library.data.images import (ImageDecodeError, color_augment, face_crop, flip_crop_ltrb, flip_horizontal, load_image,
+                                 parse_face_box, resize_and_crop_with_mask, resize_mask, to_tensor)
+
+if TYPE_CHECKING:
+    from library.data.dataset import TrainingData
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+@dataclass
+class LoadedImage:
+    image: np.ndarray  # (H, W, 3) uint8 at the bucket size
+    mask: Optional[np.ndarray]  # (H, W) float 0..1 or None
+    crop_ltrb: tuple[int, int, int, int]
+
+
+def warn_once(path: str, message: str) -> None:
+    """Log a skipped image once per process (workers each log their own first time)."""
+    if path not in _warned:
+        _warned.add(path)
+        logger.warning("skipping %s", message)
+
+
+def _load_mask(sample: Sample, size: tuple[int, int]) -> np.ndarray:
+    rgb, _ = load_image(sample.mask_path)
+    mask = rgb[:, :, 0].astype(np.float32) / 255.0  # the R channel, as sd-scripts
+    return resize_mask(mask, size) if (mask.shape[1], mask.shape[0]) != size else mask
+
+
+def load_and_crop(sample: Sample, sub: SubsetConfig, place: Placement, bucketing: bool, rng: random.Random,
+                  augment: bool) -> LoadedImage:
+    """Decode one image (+ mask), resize and crop it to its bucket; random crop / face crop / color aug when `augment`.
+
+    Raises ImageDecodeError when the image (or its mask) cannot be decoded or changed size since scanning.
+    """
+    image, alpha = load_image(sample.path, with_alpha=sub.alpha_mask)
+    size = (image.shape[1], image.shape[0])
+    if size != sample.size:
+        raise ImageDecodeError(f"{sample.path}: image is {size[0]}x{size[1]} now but was {sample.size[0]}x{sample.size[1]} "
+                               "when the dataset was scanned")
+    mask = _load_mask(sample, size) if sample.mask_path else alpha
+    resized = place.resized
+    if augment and not bucketing and sub.face_crop_aug_range:
+        image = face_crop(image, sub.face_crop_aug_range, rng, parse_face_box(sample.path), place.bucket, sub.random_crop)
+        resized = (image.shape[1], image.shape[0])
+        mask = resize_mask(mask, resized) if mask is not None else None
+    image, mask, crop_ltrb = resize_and_crop_with_mask(image, mask, place.bucket, resized, augment and sub.random_crop,
+                                                       rng, sub.resize_interpolation)
+    if augment and sub.color_aug:
+        image = color_augment(image, rng)
+    return LoadedImage(image, mask, crop_ltrb)
+
+
+def load_batch(data: "TrainingData", ref: BatchRef) -> Optional[dict]:
+    """The batch dict of `ref` (see TrainingData.load_batch); None when no image of it could be loaded."""
+    group = data.groups[ref.group]
+    augment = not ref.validation
+    images, latents, masks, captions, weights, paths = [], [], [], [], [], []
+    orig_hw, crop_tl, skipped = [], [], []
+    use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
+    for pos, sid in enumerate(ref.samples):
+        sample = data.samples[sid]
+        if sample.path in data.bad_paths:
+            skipped.append(sample.path)
+            continue
+        sub = data.subsets[sample.subset]
+        rng = sample_rng(data.seed, ref.epoch, ref.index, pos, ref.validation)
+        settings = sub.captions if augment else sub.captions.without_randomness()
+        # The caption and the flip decision are drawn first, so they are the same with or without cached latents.
+        caption = process_caption(sample.caption, settings, rng, ref.epoch, ref.step, data.max_train_steps)
+        flip = augment and sub.flip_aug and rng.random() < 0.5
+        bw = group.placements[sid].bucket[0]
+        try:
+            if use_latents:
+                entry = data.latents[(sid, ref.group)]
+                latents.append(entry.latents_flipped if flip else entry.latents)
+                crop = flip_crop_ltrb(entry.crop_ltrb, bw) if flip else entry.crop_ltrb
+                mask = entry.alpha_mask
+                if sample.mask_path:
+                    mask = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, False).mask
+                if mask is not None and flip:
+                    mask = np.ascontiguousarray(mask[:, ::-1])
+            else:
+                loaded = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, augment)
+                image, mask, crop = loaded.image, loaded.mask, loaded.crop_ltrb
+                if flip:
+                    image = flip_horizontal(image)
+                    mask = np.ascontiguousarray(mask[:, ::-1]) if mask is not None else None
+                    crop = flip_crop_ltrb(crop, bw)
+                images.append(to_tensor(image))
+        except ImageDecodeError as e:
+            warn_once(sample.path, str(e))
+            skipped.append(sample.path)
+            continue
+        masks.append(mask)
+        captions.append(caption)
+        weights.append(sample.loss_weight)
+        paths.append(sample.path)
+        orig_hw.append((sample.size[1], sample.size[0]))
+        crop_tl.append((crop[1], crop[0]))
+    if not paths:
+        return None
+    bh = group.placements[ref.samples[0]].bucket
+    has_masks = any(m is not None for m in masks)
+    return {
+        "images": torch.stack(images) if images else None,
+        "latents": torch.stack([torch.as_tensor(x) for x in latents]).float() if latents else None,
+        "captions": captions,
+        "loss_weights": torch.tensor(weights, dtype=torch.float32),
+        "masks": torch.stack([torch.from_numpy(np.asarray(m if m is not None else np.ones((bh[1], bh[0]), np.float32)))
+                              for m in masks]).unsqueeze(1).float() if has_masks else None,
+        "original_sizes_hw": torch.tensor(orig_hw, dtype=torch.long),
+        "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
+        "target_sizes_hw": torch.tensor([(bh[1], bh[0])] * len(paths), dtype=torch.long),
+        "image_paths": paths,
+        "skipped_images": skipped,
+    }

@@ -1,0 +1,311 @@
+"""Resolve what --pretrained_model_name_or_path (and --vae) points at, and load SD 1.x / 2.x from it.
+
+Accepted: a built-in preset ("tiny:sd1", "random:sd15", ...), a diffusers folder
+(model_index.json), a single-file `.safetensors` / `.ckpt` in the original LDM
+layout, or a hub id that is already in the local Hugging Face cache. Nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+from library.families import ldm_layout as ldm
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.sd_configs import PRESETS, text_encoder_config, unet_config, vae_config
+from library.families.tiny import build_sd_modules, build_tokenizer, tiny_vocab_size
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Tokenizers of the real models, looked for only locally (single files carry none).
+_REFERENCE_TOKENIZERS = {False: ("openai/clip-vit-large-patch14", None),
+                         True: ("stabilityai/stable-diffusion-2", "tokenizer")}
+
+
+def source_kind(path: str) -> str:
+    """What a model path is: "preset", "diffusers", "single_file" or "hub"; ModelLoadError if none."""
+    if path in PRESETS:
+        return "preset"
+    if path.startswith(("tiny:", "random:")):
+        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown preset {path!r}; "
+                             f"expected one of {', '.join(PRESETS)}")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            return "diffusers"
+        raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
+    if os.path.isfile(path):
+        return "single_file"
+    if _HUB_ID.match(path) and not path.lower().endswith(SINGLE_FILE_SUFFIXES):
+        return "hub"
+    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist")
+
+
+def load_sd_components(opts: LoadOptions) -> Components:
+    """Load the UNet, VAE, text encoder and tokenizer that `opts` names, cast to the requested dtypes."""
+    path = opts.pretrained_model_name_or_path
+    kind = source_kind(path)
+    v_param = opts.v_parameterization
+    if kind == "preset":
+        parts = build_sd_modules(path)
+        v_param = v_param or PRESETS[path].v_parameterization
+    elif kind == "single_file":
+        parts = parts_from_checkpoint(read_checkpoint(path), path, getattr(opts, "tokenizer_cache_dir", None))
+    else:
+        folder = path if kind == "diffusers" else _cached_hub_folder(path)
+        parts = parts_from_diffusers_folder(folder, getattr(opts, "tokenizer_cache_dir", None))
+        if parts.pop("prediction_type", None) == "v_prediction" and not v_param:
+            logger.warning("%s: its scheduler predicts v but --v_parameterization is not set; "
+                           "training as epsilon-prediction as the flags say", path)
+    v2 = is_v2(parts["unet"])
+    if opts.v2 and not v2:
+        logger.warning("%s is an SD 1.x model but --v2 is set: loading it as SD 1.x", path)
+    if opts.vae:
+        parts["vae"] = load_vae(opts.vae)
+    for key, dtype in (("unet", opts.dtype), ("text_encoder", opts.dtype), ("vae", opts.vae_dtype)):
+        if parts[key].dtype != dtype:  # diffusers warns on every .to(), even a no-op one
+            parts[key].to(dtype=dtype)
+    return Components(denoiser=parts["unet"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
+                      tokenizers=[parts["tokenizer"]], v_parameterization=v_param, v2=v2,
+                      model_path=path, vae_path=opts.vae)
+
+
+def is_v2(unet) -> bool:
+    """SD2 UNets project attention inputs with Linear layers; SD1 uses 1x1 convs."""
+    return bool(unet.config.use_linear_projection)
+
+
+# --- reading files ---------------------------------------------------------------
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a `.safetensors` or torch-pickled (`.ckpt`) file; ModelLoadError if unreadable."""
+    try:
+        if path.lower().endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            data: Any = load_file(path)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any reader failure is a bad file for the user
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path}: cannot read as a .safetensors/.ckpt checkpoint ({detail[:200]})") from None
+    if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
+        data = data["state_dict"]
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
+    return {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+
+
+def _check_sd_keys(checkpoint: Mapping[str, torch.Tensor], path: str) -> bool:
+    """Return v2 for an SD1/SD2 checkpoint; ModelLoadError naming what was found otherwise."""
+    keys = list(checkpoint)
+    if any(k.startswith("conditioner.embedders.") for k in keys):
+        raise ModelLoadError(f"{path}: this is an SDXL checkpoint (conditioner.embedders.* keys), "
+                             "not SD 1.x/2.x; use the SDXL scripts")
+    if any(k.startswith(("double_blocks.", "model.diffusion_model.double_blocks.")) for k in keys):
+        raise ModelLoadError(f"{path}: this is a FLUX checkpoint (double_blocks.* keys), not SD 1.x/2.x")
+    has_unet = ldm.UNET_PREFIX + "input_blocks.0.0.weight" in checkpoint
+    sd1 = any(k.startswith(ldm.CLIP_L_PREFIX) for k in keys)
+    sd2 = any(k.startswith(ldm.OPEN_CLIP_PREFIX) for k in keys)
+    if not has_unet or not (sd1 or sd2) or not any(k.startswith(ldm.VAE_PREFIX) for k in keys):
+        sample = ", ".join(keys[:3]) or "no tensors"
+        raise ModelLoadError(f"{path}: not an SD 1.x/2.x checkpoint: expected model.diffusion_model.*, "
+                             f"first_stage_model.* and cond_stage_model.* keys, found {sample}")
+    return sd2
+
+
+# --- configs from shapes ------------------------------------------------------------
+
+def infer_unet_config(ckpt: Mapping[str, torch.Tensor], v2: bool) -> dict:
+    """UNet2DConditionModel kwargs read from the shapes of LDM UNet tensors."""
+    p = ldm.UNET_PREFIX
+    down_at = sorted(int(m[1]) for k in ckpt if (m := re.match(re.escape(p) + r"input_blocks\.(\d+)\.0\.op\.weight$", k)))
+    if not down_at:
+        raise ModelLoadError("checkpoint UNet has no downsampling blocks; not an SD 1.x/2.x UNet")
+    layers = down_at[0] - 1
+    per, n_blocks = layers + 1, len(down_at) + 1
+    channels = tuple(ckpt[f"{p}input_blocks.{per * i + 1}.0.out_layers.3.weight"].shape[0] for i in range(n_blocks))
+    down_attn = [f"{p}input_blocks.{per * i + 1}.1.proj_in.weight" in ckpt for i in range(n_blocks)]
+    up_attn = [f"{p}output_blocks.{per * i}.1.proj_in.weight" in ckpt for i in range(n_blocks)]
+    cross_dim = next(v.shape[1] for k, v in ckpt.items() if k.startswith(p) and k.endswith("attn2.to_k.weight"))
+    return unet_config(v2, channels, cross_dim, layers_per_block=layers,
+                       in_channels=ckpt[p + "input_blocks.0.0.weight"].shape[1],
+                       down_block_types=tuple("CrossAttnDownBlock2D" if a else "DownBlock2D" for a in down_attn),
+                       up_block_types=tuple("CrossAttnUpBlock2D" if a else "UpBlock2D" for a in up_attn))
+
+
+def infer_vae_config(ckpt: Mapping[str, torch.Tensor], prefix: str = ldm.VAE_PREFIX) -> dict:
+    """AutoencoderKL kwargs read from the shapes of LDM VAE tensors."""
+    n_blocks = len({m[1] for k in ckpt if (m := re.match(re.escape(prefix) + r"encoder\.down\.(\d+)\.", k))})
+    layers = len({m[1] for k in ckpt if (m := re.match(re.escape(prefix) + r"encoder\.down\.0\.block\.(\d+)\.", k))})
+    channels = tuple(ckpt[f"{prefix}encoder.down.{i}.block.0.conv2.weight"].shape[0] for i in range(n_blocks))
+    return vae_config(channels, layers_per_block=layers,
+                      latent_channels=ckpt[prefix + "decoder.conv_in.weight"].shape[1])
+
+
+def infer_text_encoder_config(ckpt: Mapping[str, torch.Tensor], v2: bool, tokenizer) -> dict:
+    """CLIPTextConfig kwargs for SD1's CLIP-L or SD2's OpenCLIP-H (one layer fewer than stored)."""
+    if v2:
+        p = ldm.OPEN_CLIP_PREFIX
+        tokens, positions = ckpt[p + "token_embedding.weight"], ckpt[p + "positional_embedding"]
+        blocks = {m[1] for k in ckpt if (m := re.match(re.escape(p) + r"transformer\.resblocks\.(\d+)\.", k))}
+        layers, intermediate = len(blocks) - 1, ckpt[p + "transformer.resblocks.0.mlp.c_fc.weight"].shape[0]
+    else:
+        p = ldm.CLIP_L_PREFIX + "text_model."
+        tokens = ckpt[p + "embeddings.token_embedding.weight"]
+        positions = ckpt[p + "embeddings.position_embedding.weight"]
+        layers = len({m[1] for k in ckpt if (m := re.match(re.escape(p) + r"encoder\.layers\.(\d+)\.", k))})
+        intermediate = ckpt[p + "encoder.layers.0.mlp.fc1.weight"].shape[0]
+    return text_encoder_config(v2, hidden_size=tokens.shape[1], intermediate_size=intermediate,
+                               num_hidden_layers=layers, vocab_size=tokens.shape[0],
+                               max_position_embeddings=positions.shape[0], bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+# --- building models from state dicts ---------------------------------------------------
+
+def _materialize(factory, convert) -> torch.nn.Module:
+    """Build a model without allocating weights, then adopt the converted tensors as its weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    model.load_state_dict(convert(shapes), strict=True, assign=True)
+    return model.eval()
+
+
+def parts_from_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
+                          tokenizer_cache_dir: Optional[str] = None) -> dict:
+    """UNet, VAE, text encoder and tokenizer from one LDM-layout state dict."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    checkpoint = ldm.normalize_checkpoint(checkpoint)
+    v2 = _check_sd_keys(checkpoint, path)
+    try:
+        unet_kwargs = infer_unet_config(checkpoint, v2)
+        unet = _materialize(lambda: UNet2DConditionModel(**unet_kwargs),
+                            lambda s: ldm.pull(checkpoint, ldm.unet_key_map(s, unet_kwargs["layers_per_block"]), s))
+        vae = vae_from_ldm(checkpoint, ldm.VAE_PREFIX)
+        vocab = _text_vocab_size(checkpoint, v2)
+        tokenizer = find_tokenizer(v2, vocab, tokenizer_cache_dir, path)
+        te_config = CLIPTextConfig(**infer_text_encoder_config(checkpoint, v2, tokenizer))
+        if v2:
+            pull_te = lambda s: ldm.pull_open_clip(checkpoint, s)  # noqa: E731
+        else:
+            pull_te = lambda s: ldm.pull(checkpoint, ldm.clip_l_key_map(s), s)  # noqa: E731
+        text_encoder = _materialize(lambda: CLIPTextModel(te_config), pull_te)
+    except (ldm.LayoutError, ValueError, StopIteration) as e:
+        raise ModelLoadError(f"{path}: SD checkpoint is incomplete or has unexpected shapes ({e})") from None
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer}
+
+
+def vae_from_ldm(checkpoint: Mapping[str, torch.Tensor], prefix: str):
+    """An AutoencoderKL from LDM VAE tensors found under `prefix` ("first_stage_model." or "")."""
+    from diffusers import AutoencoderKL
+
+    kwargs = infer_vae_config(checkpoint, prefix)
+    return _materialize(lambda: AutoencoderKL(**kwargs),
+                        lambda s: ldm.pull(checkpoint, ldm.vae_key_map(s, prefix), s))
+
+
+def _text_vocab_size(checkpoint: Mapping[str, torch.Tensor], v2: bool) -> int:
+    key = ldm.OPEN_CLIP_PREFIX + "token_embedding.weight" if v2 else \
+        ldm.CLIP_L_PREFIX + "text_model.embeddings.token_embedding.weight"
+    return checkpoint[key].shape[0]
+
+
+def find_tokenizer(v2: bool, vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The tokenizer for a model without one: the local tiny one, or the real one from a local cache."""
+    if vocab_size == tiny_vocab_size():
+        return build_tokenizer(v2)
+    from transformers import CLIPTokenizer
+
+    repo, subfolder = _REFERENCE_TOKENIZERS[v2]
+    if tokenizer_cache_dir:
+        # sd-scripts saves it as <cache_dir>/<repo with "/" -> "_">.
+        local = os.path.join(tokenizer_cache_dir, repo.replace("/", "_"))
+        if os.path.isdir(local):
+            return CLIPTokenizer.from_pretrained(local)
+    try:
+        kwargs = {"subfolder": subfolder} if subfolder else {}
+        return CLIPTokenizer.from_pretrained(repo, local_files_only=True, **kwargs)
+    except Exception:
+        raise ModelLoadError(f"{path}: has no tokenizer and the {repo} tokenizer is not cached locally; "
+                             f"pass --tokenizer_cache_dir with a saved copy of it "
+                             f"(folder {repo.replace('/', '_')}) or use a diffusers folder") from None
+
+
+def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] = None) -> dict:
+    """UNet, VAE, text encoder and tokenizer of a diffusers folder; also its scheduler's prediction type."""
+    import json
+
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    for sub in ("unet", "vae", "text_encoder"):
+        if not os.path.isdir(os.path.join(folder, sub)):
+            raise ModelLoadError(f"{folder}: diffusers folder has no {sub}/ subfolder")
+    try:
+        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
+        text_encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{folder}: cannot load the diffusers model ({str(e).splitlines()[0][:200]})") from None
+    v2 = is_v2(unet)
+    if os.path.isdir(os.path.join(folder, "tokenizer")):
+        tokenizer = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
+    else:
+        tokenizer = find_tokenizer(v2, text_encoder.config.vocab_size, tokenizer_cache_dir, folder)
+    prediction_type = None
+    scheduler_config = os.path.join(folder, "scheduler", "scheduler_config.json")
+    if os.path.isfile(scheduler_config):
+        with open(scheduler_config, encoding="utf-8") as f:
+            prediction_type = json.load(f).get("prediction_type")
+    return {"unet": unet.eval(), "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer,
+            "prediction_type": prediction_type}
+
+
+def _cached_hub_folder(repo_id: str) -> str:
+    """The local snapshot of a hub model, never downloading; ModelLoadError when not cached."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        folder = None
+    if not folder or not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise ModelLoadError(f"cannot reach the Hugging Face hub for '{repo_id}': download the model and pass "
+                             "a local path (a diffusers folder or a .safetensors/.ckpt file)")
+    return folder
+
+
+def load_vae(path: str):
+    """--vae: a diffusers VAE folder (or a model folder with vae/), or a single file of VAE tensors."""
+    from diffusers import AutoencoderKL
+
+    if os.path.isdir(path):
+        sub = "vae" if os.path.isdir(os.path.join(path, "vae")) else None
+        try:
+            return AutoencoderKL.from_pretrained(path, subfolder=sub).eval()
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"--vae {path}: not a diffusers VAE folder ({str(e).splitlines()[0][:200]})") from None
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"--vae: {path} does not exist")
+    checkpoint = read_checkpoint(path)
+    for prefix in (ldm.VAE_PREFIX, ""):
+        if prefix + "encoder.conv_in.weight" in checkpoint and prefix + "decoder.conv_in.weight" in checkpoint:
+            try:
+                return vae_from_ldm(checkpoint, prefix)
+            except (ldm.LayoutError, ValueError) as e:
+                raise ModelLoadError(f"--vae {path}: VAE tensors are incomplete or mis-shaped ({e})") from None
+    sample = ", ".join(list(checkpoint)[:3]) or "no tensors"
+    raise ModelLoadError(f"--vae {path}: expected VAE keys (encoder.*, decoder.*, optionally under "
+                         f"first_stage_model.), found {sample}")

@@ -1,0 +1,408 @@
+"""The sd-scripts compatible LoRA network (`--network_module networks.lora`).
+
+`create_network` / `create_network_from_weights` and the methods of `LoRANetwork`
+are the interface the training loop and external tools call, with the same names
+and arguments as sd-scripts' networks/lora.py. Which modules get a LoRA comes from
+the model family's `LoraTarget`s; the weight math lives in networks/lora_math.py
+and the `--network_args` parsing in networks/lora_args.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from library.errors import UserError
+from library.families.base import LoraTarget
+from networks import lora_math
+from networks.lora_args import LoraNetworkArgs, parse_network_args, sd_unet_block_index
+
+logger = logging.getLogger(__name__)
+
+# Targets used when the caller passes no `lora_targets` (an sd-scripts style caller).
+SD_UNET_TARGETS = ("Transformer2DModel",)
+SD_UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
+CLIP_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
+
+
+class LoRAModule(nn.Module):
+    """A LoRA on one Linear / Conv2d: out = org(x) + up(down(x)) * multiplier * alpha/dim.
+
+    The original module is not replaced: its `forward` is swapped for ours by
+    `apply_to()` and put back by `restore()`, so the base model's own state_dict
+    keys never change.
+    """
+
+    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
+                 alpha: Optional[Union[float, torch.Tensor]] = 1.0, dropout: Optional[float] = None,
+                 rank_dropout: Optional[float] = None, module_dropout: Optional[float] = None):
+        super().__init__()
+        self.lora_name = lora_name
+        self.lora_dim = lora_dim
+        device = org_module.weight.device
+        if isinstance(org_module, nn.Conv2d):
+            self.lora_down = nn.Conv2d(org_module.in_channels, lora_dim, org_module.kernel_size, org_module.stride,
+                                       org_module.padding, org_module.dilation, bias=False, device=device)
+            self.lora_up = nn.Conv2d(lora_dim, org_module.out_channels, 1, 1, bias=False, device=device)
+        elif isinstance(org_module, nn.Linear):
+            self.lora_down = nn.Linear(org_module.in_features, lora_dim, bias=False, device=device)
+            self.lora_up = nn.Linear(lora_dim, org_module.out_features, bias=False, device=device)
+        else:
+            raise TypeError(f"{lora_name}: LoRA supports Linear and Conv2d, not {type(org_module).__name__}")
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_up.weight)
+
+        if isinstance(alpha, torch.Tensor):
+            alpha = float(alpha.detach().float().cpu())
+        alpha = lora_dim if alpha is None or alpha == 0 else alpha
+        self.register_buffer("alpha", torch.tensor(float(alpha), device=device))
+        self.scale = lora_math.lora_scale(alpha, lora_dim)
+
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+        # Held outside the module tree so the base weights never enter our state_dict.
+        self._org: tuple[nn.Module, ...] = (org_module,)
+        self._org_forward: Optional[Callable] = None
+        self._org_had_own_forward = False
+
+    @property
+    def org_module(self) -> nn.Module:
+        return self._org[0]
+
+    def apply_to(self) -> None:
+        """Route the original module's forward through this LoRA."""
+        if self._org_forward is not None:
+            return
+        org = self.org_module
+        self._org_had_own_forward = "forward" in org.__dict__
+        self._org_forward = org.forward
+        org.forward = self.forward
+
+    def restore(self) -> None:
+        """Give the original module its own forward back."""
+        if self._org_forward is None:
+            return
+        org = self.org_module
+        if self._org_had_own_forward:
+            org.forward = self._org_forward
+        else:
+            del org.forward
+        self._org_forward = None
+
+    def refresh_scale(self) -> None:
+        """Recompute the scale from the `alpha` buffer (after loading weights)."""
+        self.scale = lora_math.lora_scale(self.alpha, self.lora_dim)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        org_out = self._org_forward(x, *args, **kwargs)
+        if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
+            return org_out
+        lx = self.lora_down(x.to(self.lora_down.weight.dtype))
+        if self.training and self.dropout is not None:
+            lx = nn.functional.dropout(lx, p=self.dropout)
+        scale = self.scale
+        if self.training and self.rank_dropout is not None:
+            mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
+            if lx.dim() == 3:  # (B, tokens, r): text encoder
+                mask = mask.unsqueeze(1)
+            elif lx.dim() == 4:  # (B, r, H, W): conv
+                mask = mask[:, :, None, None]
+            lx = lx * mask.to(lx.dtype)
+            scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
+        lx = self.lora_up(lx)
+        return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW at multiplier 1 in the original weight's layout (float32)."""
+        return lora_math.delta_weight(self.lora_down.weight.float(), self.lora_up.weight.float(), self.alpha,
+                                      out_shape=self.org_module.weight.shape)
+
+
+def clip_text_model_rename(text_encoder: nn.Module) -> Optional[Callable[[str], str]]:
+    """Rename for a CLIP text encoder whose paths lack the `text_model.` level.
+
+    kohya names (and diffusers' converter) expect `text_model.encoder.layers...`;
+    transformers 5 builds CLIPTextModel without the `text_model` wrapper, so the
+    level is put back in the name. None when the model already has it.
+    """
+    if hasattr(text_encoder, "text_model") or not hasattr(text_encoder, "encoder"):
+        return None
+    return lambda path: "text_model." + path
+
+
+def default_lora_targets(text_encoder: Any, unet: Optional[nn.Module]) -> list[LoraTarget]:
+    """SD-style targets for callers that pass none: lora_unet plus lora_te (or lora_te1/lora_te2)."""
+    encoders = _as_list(text_encoder)
+    targets = []
+    if unet is not None:
+        targets.append(LoraTarget("lora_unet", unet, SD_UNET_TARGETS, SD_UNET_CONV_TARGETS))
+    for i, te in enumerate(encoders):
+        prefix = "lora_te" if len(encoders) == 1 else f"lora_te{i + 1}"
+        targets.append(LoraTarget(prefix, te, CLIP_TARGETS, is_text_encoder=True, rename=clip_text_model_rename(te)))
+    return targets
+
+
+def _as_list(modules: Any) -> list[nn.Module]:
+    if modules is None:
+        return []
+    return [m for m in modules if m is not None] if isinstance(modules, (list, tuple)) else [modules]
+
+
+def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
+    """(kohya module name, Linear/Conv2d) for every module of `target` that can get a LoRA."""
+    classes = set(target.target_classes) | (set(target.conv_target_classes) if include_conv else set())
+    seen: set[int] = set()
+    for path, module in target.root.named_modules():
+        if type(module).__name__ not in classes:
+            continue
+        for child_path, child in module.named_modules():
+            if not isinstance(child, (nn.Linear, nn.Conv2d)) or id(child) in seen:
+                continue
+            seen.add(id(child))
+            full = ".".join(p for p in (path, child_path) if p)
+            if target.rename is not None:
+                full = target.rename(full)
+            yield f"{target.prefix}_{full.replace('.', '_')}", child
+
+
+def _is_linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or tuple(module.kernel_size) == (1, 1)
+
+
+class LoRANetwork(nn.Module):
+    """All LoRA modules of one model, split into `text_encoder_loras` and `unet_loras`."""
+
+    def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, args: Optional[LoraNetworkArgs] = None,
+                 dropout: Optional[float] = None, modules_dim: Optional[dict[str, int]] = None,
+                 modules_alpha: Optional[dict[str, Any]] = None,
+                 block_index: Callable[[str], int] = sd_unet_block_index):
+        super().__init__()
+        self.args = args or LoraNetworkArgs()
+        self.multiplier = multiplier
+        self.block_index = block_index
+        self.text_encoder_loras: list[LoRAModule] = []
+        self.unet_loras: list[LoRAModule] = []
+        a = self.args
+        include_conv = modules_dim is not None or a.conv_dim is not None or a.conv_block_dims is not None
+        for target in targets:
+            for name, module in iter_target_modules(target, include_conv):
+                dim, alpha = self._dim_alpha(name, module, target.is_text_encoder, modules_dim, modules_alpha)
+                if not dim:
+                    continue
+                lora = LoRAModule(name, module, multiplier, dim, alpha, dropout, a.rank_dropout, a.module_dropout)
+                (self.text_encoder_loras if target.is_text_encoder else self.unet_loras).append(lora)
+        names = [lora.lora_name for lora in self.text_encoder_loras + self.unet_loras]
+        if len(set(names)) != len(names):
+            raise ValueError("LoRA module names are not unique; check the family's LoraTarget prefixes")
+        for lora in self.text_encoder_loras + self.unet_loras:
+            self.add_module(lora.lora_name, lora)
+        logger.info("LoRA modules: %d text encoder, %d unet", len(self.text_encoder_loras), len(self.unet_loras))
+
+    def _dim_alpha(self, name: str, module: nn.Module, is_te: bool, modules_dim: Optional[dict],
+                   modules_alpha: Optional[dict]) -> tuple[Optional[int], Any]:
+        a = self.args
+        if modules_dim is not None:
+            return (modules_dim[name], modules_alpha[name]) if name in modules_dim else (None, None)
+        linear_like = _is_linear_like(module)
+        idx = -1 if is_te or a.block_dims is None else self.block_index(name)
+        if idx >= 0:
+            if linear_like:
+                return a.block_dims[idx], a.block_alphas[idx]
+            if a.conv_block_dims is not None:
+                return a.conv_block_dims[idx], a.conv_block_alphas[idx]
+            return None, None
+        if linear_like:
+            return a.network_dim, a.network_alpha
+        return a.conv_dim, a.conv_alpha
+
+    # --- sd-scripts network interface -------------------------------------------
+    def set_multiplier(self, multiplier: float) -> None:
+        self.multiplier = multiplier
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.multiplier = multiplier
+
+    def apply_to(self, text_encoder: Any = None, unet: Any = None, apply_text_encoder: bool = True,
+                 apply_unet: bool = True) -> None:
+        """Hook the LoRAs into the model; the parts not applied are dropped from the network."""
+        for keep, loras in ((apply_text_encoder, self.text_encoder_loras), (apply_unet, self.unet_loras)):
+            if not keep:
+                for lora in loras:
+                    delattr(self, lora.lora_name)
+                loras.clear()
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.apply_to()
+
+    def restore(self) -> None:
+        """Unhook every LoRA from the model."""
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.restore()
+
+    def is_mergeable(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def merge_to(self, text_encoder: Any = None, unet: Any = None, weights_sd: Optional[dict] = None,
+                 dtype: Optional[torch.dtype] = None, device: Optional[Union[str, torch.device]] = None) -> None:
+        """Bake multiplier * ΔW into the base weights (from `weights_sd`, or this network's own)."""
+        sd = weights_sd if weights_sd is not None else self.state_dict()
+        for lora in self.text_encoder_loras + self.unet_loras:
+            prefix = lora.lora_name + "."
+            if prefix + "lora_down.weight" not in sd:
+                continue
+            weight = lora.org_module.weight
+            merged = lora_math.merge_into(weight.data, sd[prefix + "lora_down.weight"], sd[prefix + "lora_up.weight"],
+                                          sd.get(prefix + "alpha"), lora.multiplier)
+            weight.data = merged.to(device=device or weight.device, dtype=dtype or weight.dtype)
+
+    def load_weights(self, file: str) -> Any:
+        """Load a LoRA file into this network (missing / extra keys are allowed, as sd-scripts)."""
+        weights_sd = load_state_dict(file)
+        own = self.state_dict()
+        for key, value in weights_sd.items():
+            if key in own and own[key].shape != value.shape:
+                raise UserError(f"--network_weights {file}: {key} has shape {list(value.shape)} in the file but "
+                                f"{list(own[key].shape)} in the network; use --dim_from_weights or the file's dims")
+        info = self.load_state_dict(weights_sd, strict=False)
+        # Unlike sd-scripts, the loaded alpha also sets the scale, so training continues
+        # with exactly the strength the file was saved with.
+        for lora in self.text_encoder_loras + self.unet_loras:
+            lora.refresh_scale()
+        return info
+
+    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
+        """Write the kohya-format file atomically; .safetensors files get sshs_* hashes."""
+        from library.train.metadata import save_lora_state_dict
+
+        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone() for k, v in self.state_dict().items()}
+        save_lora_state_dict(file, state_dict, metadata)
+
+    def prepare_optimizer_params(self, text_encoder_lr: Any, unet_lr: Optional[float],
+                                 default_lr: Optional[float]) -> tuple[list[dict], list[str]]:
+        """Optimizer param groups and their names: "textencoder", "unet", "unet block 3", "... plus"."""
+        self.requires_grad_(True)
+        if isinstance(text_encoder_lr, (list, tuple)):
+            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
+        a = self.args
+        groups: list[dict] = []
+        descriptions: list[str] = []
+
+        def add(loras: list[LoRAModule], lr: Optional[float], ratio: Optional[float], name: str) -> None:
+            plain = [p for lora in loras for n, p in lora.named_parameters() if ratio is None or "lora_up" not in n]
+            plus = [p for lora in loras for n, p in lora.named_parameters() if ratio is not None and "lora_up" in n]
+            for params, group_lr, suffix in ((plain, lr, ""), (plus, None if lr is None else lr * (ratio or 0), " plus")):
+                if params and group_lr:  # a group at lr 0 (or no lr) never trains: leave it out
+                    groups.append({"params": params, "lr": group_lr})
+                    descriptions.append(name + suffix)
+
+        if self.text_encoder_loras:
+            add(self.text_encoder_loras, text_encoder_lr if text_encoder_lr is not None else default_lr,
+                a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio, "textencoder")
+        if self.unet_loras:
+            lr = unet_lr if unet_lr is not None else default_lr
+            ratio = a.loraplus_unet_lr_ratio or a.loraplus_lr_ratio
+            if a.block_lr:
+                by_block: dict[int, list[LoRAModule]] = {}
+                for lora in self.unet_loras:
+                    by_block.setdefault(self.block_index(lora.lora_name), []).append(lora)
+                for idx in sorted(by_block):
+                    add(by_block[idx], None if lr is None else lr * a.lr_weight(idx), ratio, f"unet block {idx}")
+            else:
+                add(self.unet_loras, lr, ratio, "unet")
+        return groups, descriptions
+
+    def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
+        self.requires_grad_(True)
+
+    def on_epoch_start(self, text_encoder: Any = None, unet: Any = None) -> None:
+        self.train()
+
+    def on_step_start(self) -> None:
+        pass
+
+    def get_trainable_params(self) -> Iterable[nn.Parameter]:
+        return self.parameters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        pass  # LoRA modules hold no activations of their own worth checkpointing
+
+    @torch.no_grad()
+    def apply_max_norm_regularization(self, max_norm_value: float, device: Any) -> tuple[int, float, float]:
+        """--scale_weight_norms: rescale each module whose ‖ΔW‖_F exceeds the limit.
+
+        Returns (number of modules scaled, mean norm, max norm) after scaling.
+        """
+        norms = []
+        keys_scaled = 0
+        for lora in self.text_encoder_loras + self.unet_loras:
+            down, up = lora.lora_down.weight, lora.lora_up.weight
+            result = lora_math.frobenius_scale_for_max_norm(down.to(device), up.to(device), lora.alpha, max_norm_value)
+            if result.scaled:
+                keys_scaled += 1
+                down.mul_(result.factor)
+                up.mul_(result.factor)
+            norms.append(result.norm)
+        if not norms:
+            return 0, 0.0, 0.0
+        return keys_scaled, sum(norms) / len(norms), max(norms)
+
+
+def load_state_dict(file: str) -> dict[str, torch.Tensor]:
+    """Tensors of a LoRA file (.safetensors or a torch pickle of tensors)."""
+    if not os.path.isfile(file):
+        raise UserError(f"{file}: LoRA file not found")
+    if file.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _targets(lora_targets: Optional[list[LoraTarget]], text_encoder: Any, unet: Any) -> list[LoraTarget]:
+    return list(lora_targets) if lora_targets is not None else default_lora_targets(text_encoder, unet)
+
+
+def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae: Any,
+                   text_encoder: Any, unet: Any, neuron_dropout: Optional[float] = None,
+                   lora_targets: Optional[list[LoraTarget]] = None,
+                   block_index: Callable[[str], int] = sd_unet_block_index, **kwargs: Any) -> LoRANetwork:
+    """A new LoRA network; `kwargs` are the `--network_args` (string values)."""
+    args = parse_network_args(kwargs, network_dim, network_alpha)
+    return LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, dropout=neuron_dropout,
+                       block_index=block_index)
+
+
+def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any, text_encoder: Any, unet: Any,
+                                weights_sd: Optional[dict] = None, for_inference: bool = False,
+                                lora_targets: Optional[list[LoraTarget]] = None,
+                                block_index: Callable[[str], int] = sd_unet_block_index,
+                                **kwargs: Any) -> tuple[LoRANetwork, dict]:
+    """A network shaped like a saved file: its modules (conv included), dims and alphas."""
+    if weights_sd is None:
+        weights_sd = load_state_dict(file)
+    modules_dim: dict[str, int] = {}
+    modules_alpha: dict[str, Any] = {}
+    for key, value in weights_sd.items():
+        name, _, rest = key.partition(".")
+        if rest == "alpha":
+            modules_alpha[name] = value
+        elif rest == "lora_down.weight":
+            modules_dim[name] = value.shape[0]
+    for name, dim in modules_dim.items():
+        modules_alpha.setdefault(name, dim)  # files from before alpha existed: scale 1
+    args = parse_network_args(kwargs)
+    network = LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, modules_dim=modules_dim,
+                          modules_alpha=modules_alpha, block_index=block_index)
+    unmatched = set(modules_dim) - {lora.lora_name for lora in network.text_encoder_loras + network.unet_loras}
+    if unmatched:
+        logger.warning("%d modules of %s match nothing in this model, e.g. %s", len(unmatched), file or "the weights",
+                       sorted(unmatched)[0])
+    if for_inference:
+        network.eval()
+    return network, weights_sd
