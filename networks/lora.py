@@ -179,6 +179,16 @@ def _is_linear_like(module: nn.Module) -> bool:
 class LoRANetwork(nn.Module):
     """All LoRA modules of one model, split into `text_encoder_loras` and `unet_loras`."""
 
+    # sd-scripts' class constants, for external code that reads them
+    NUM_OF_BLOCKS = 12
+    UNET_TARGET_REPLACE_MODULE = list(SD_UNET_TARGETS)
+    UNET_TARGET_REPLACE_MODULE_CONV2D_3X3 = list(SD_UNET_CONV_TARGETS)
+    TEXT_ENCODER_TARGET_REPLACE_MODULE = list(CLIP_TARGETS)
+    LORA_PREFIX_UNET = "lora_unet"
+    LORA_PREFIX_TEXT_ENCODER = "lora_te"
+    LORA_PREFIX_TEXT_ENCODER1 = "lora_te1"
+    LORA_PREFIX_TEXT_ENCODER2 = "lora_te2"
+
     def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, args: Optional[LoraNetworkArgs] = None,
                  dropout: Optional[float] = None, modules_dim: Optional[dict[str, int]] = None,
                  modules_alpha: Optional[dict[str, Any]] = None,

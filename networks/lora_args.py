@@ -108,7 +108,7 @@ def _block_list(kwargs: Mapping[str, Any], name: str, cast: Callable[[str], Any]
     value = kwargs.get(name)
     if value is None:
         return None
-    items = [s for s in str(value).split(",")]
+    items = str(value).split(",")
     if len(items) != NUM_BLOCKS:
         raise ConfigError(f"--network_args {name}: expected {NUM_BLOCKS} comma-separated {what} "
                           f"(IN00-IN11, MID, OUT00-OUT11), got {len(items)}")
@@ -189,7 +189,7 @@ def _parse_block_dims(kwargs: Mapping[str, Any], a: LoraNetworkArgs) -> None:
         a.conv_block_alphas = [a.conv_alpha] * NUM_BLOCKS
     # A block whose learning-rate weight is 0 would never train: do not create its modules.
     for idx in range(NUM_BLOCKS):
-        if (a.block_lr and a.lr_weight(idx) == 0):
+        if a.block_lr and a.lr_weight(idx) == 0:
             a.block_dims[idx] = 0
             if a.conv_block_dims is not None:
                 a.conv_block_dims[idx] = 0

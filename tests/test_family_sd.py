@@ -72,7 +72,7 @@ def test_tiny_topology_matches_real(sd1, sd2):
     unet = sd1.denoiser
     assert [type(b).__name__ for b in unet.down_blocks] == [
         "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"]
-    assert unet.config.block_out_channels == (32, 32, 64, 64)
+    assert unet.config.block_out_channels == (32, 64, 128, 128)
     assert len(sd1.text_encoders[0].encoder.layers) == 12
     assert len(sd2.text_encoders[0].encoder.layers) == 23
     assert sd2.denoiser.config.use_linear_projection is True
@@ -96,7 +96,8 @@ def test_lora_module_counts_full_size_equal_tiny(family, preset, tiny):
     full, small = counts[preset], counts[tiny]
     assert [len(x) for x in full] == ([192, 278, 72] if preset == "random:sd15" else [192, 278, 138])
     assert full == small  # same kohya names, same order
-    assert full[0][0] == "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    assert full[0][:2] == ["lora_unet_down_blocks_0_attentions_0_proj_in",
+                          "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"]
     assert full[2][0] == "lora_te_text_model_encoder_layers_0_self_attn_k_proj"
     assert "lora_te_text_model_encoder_layers_0_mlp_fc2" in full[2]
     assert "lora_unet_up_blocks_0_upsamplers_0_conv" in full[1]

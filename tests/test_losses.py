@@ -160,3 +160,44 @@ def test_check_loss_options():
     for options, scheme, message in cases:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             check_loss_options(options, scheme)
+
+
+# --- flags ---------------------------------------------------------------------------
+
+import argparse  # noqa: E402
+
+from library.args.noise_loss import add_noise_loss_arguments, loss_options_from_args  # noqa: E402
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_noise_loss_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_loss_flag_defaults():
+    assert loss_options_from_args(parse([])) == LossOptions()
+
+
+def test_loss_flags_parse():
+    ns = parse(["--loss_type", "smooth_l1", "--huber_schedule", "exponential", "--huber_c", "0.2", "--huber_scale", "2",
+                "--min_snr_gamma", "5", "--v_pred_like_loss", "0.1", "--debiased_estimation_loss"])
+    ns.masked_loss = True  # defined by the dataset flags
+    assert loss_options_from_args(ns) == LossOptions(
+        loss_type="smooth_l1", huber_schedule="exponential", huber_c=0.2, huber_scale=2.0, min_snr_gamma=5.0,
+        v_pred_like_loss=0.1, debiased_estimation_loss=True, masked_loss=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--huber_c", "0"], "--huber_c: expected a number > 0, got 0.0"),
+    (["--min_snr_gamma", "-5"], "--min_snr_gamma: expected a number > 0"),
+    (["--huber_scale", "0"], "--huber_scale: expected a number > 0"),
+])
+def test_bad_loss_flags(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        loss_options_from_args(parse(argv))
+
+
+def test_loss_type_choices():
+    with pytest.raises(SystemExit):
+        parse(["--loss_type", "l3"])

@@ -169,3 +169,46 @@ def test_generator_replays_and_global_rng_untouched():
 def test_noise_keeps_latent_dtype():
     latents = torch.zeros(SHAPE, dtype=torch.bfloat16)
     assert make_noise(latents, NoiseOptions(noise_offset=0.1, multires_noise_iterations=2), gen(0)).dtype == torch.bfloat16
+
+
+# --- flags ---------------------------------------------------------------------------
+
+import argparse  # noqa: E402
+
+from library.args.noise_loss import add_noise_loss_arguments, noise_options_from_args  # noqa: E402
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_noise_loss_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_noise_flag_defaults():
+    assert noise_options_from_args(parse([])) == NoiseOptions()
+    assert parse([]).zero_terminal_snr is False
+
+
+def test_noise_flags_parse():
+    ns = parse(["--noise_offset", "0.1", "--adaptive_noise_scale", "0.05", "--multires_noise_iterations", "6",
+                "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength", "--min_timestep", "100",
+                "--max_timestep", "900", "--zero_terminal_snr"])
+    assert noise_options_from_args(ns) == NoiseOptions(
+        noise_offset=0.1, adaptive_noise_scale=0.05, multires_noise_iterations=6, multires_noise_discount=0.3,
+        ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True, min_timestep=100, max_timestep=900)
+    assert ns.zero_terminal_snr is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--adaptive_noise_scale", "0.1"], "^--adaptive_noise_scale: needs --noise_offset$"),
+    (["--noise_offset_random_strength"], "--noise_offset_random_strength: needs --noise_offset"),
+    (["--ip_noise_gamma_random_strength"], "--ip_noise_gamma_random_strength: needs --ip_noise_gamma"),
+    (["--min_timestep", "600", "--max_timestep", "500"], r"--min_timestep \(600\) is above --max_timestep \(500\)"),
+    (["--max_timestep", "1001"], "--max_timestep: expected an integer from 0 to 1000, got 1001"),
+    (["--multires_noise_iterations", "0"], "--multires_noise_iterations: expected an integer >= 1"),
+    (["--multires_noise_discount", "1.5"], r"--multires_noise_discount: expected a number in \(0, 1\]"),
+    (["--noise_offset", "-0.1"], "--noise_offset: expected a number >= 0"),
+])
+def test_bad_noise_flags(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        noise_options_from_args(parse(argv))

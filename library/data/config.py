@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import toml
+import tomllib
 
 from library.args.dataset import RESIZE_INTERPOLATIONS, DataOptions
 from library.data import schema
@@ -174,7 +174,7 @@ def _build_dataset(where: str, layers: list[dict[str, Any]], subsets: list[Subse
     resolutions = get("resolution")
     if resolutions is None:
         if "resolution" not in errors.bad_keys:
-                errors.add(where, "no resolution: set resolution in the dataset config or pass --resolution")
+            errors.add(where, "no resolution: set resolution in the dataset config or pass --resolution")
         resolutions = [(512, 512)]
     batch = get("batch_size")
     batch_sizes = batch if isinstance(batch, list) else [batch] * len(resolutions)
@@ -228,9 +228,9 @@ def load_dataset_toml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--dataset_config: file not found: {path}")
     try:
-        with open(path, encoding="utf-8") as f:
-            return toml.load(f)
-    except (toml.TomlDecodeError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 

@@ -112,6 +112,10 @@ class TrainingData:
                 refs.append(BatchRef(epoch=0, index=len(refs), step=0, group=gid, bucket=bucket, samples=ids, validation=True))
         return refs
 
+    def resolution_for_metadata(self) -> tuple[int, int]:
+        """(width, height) for modelspec.resolution: the largest resolution of the first dataset."""
+        return max(self.datasets[0].resolutions, key=lambda r: r[0] * r[1])
+
     # --- loading --------------------------------------------------------------------
     def load_batch(self, ref: BatchRef) -> Optional[dict]:
         """The tensors of one batch (see library/data/loading.py); None if none of its images could be decoded."""

@@ -116,18 +116,18 @@ def load_batch(data: "TrainingData", ref: BatchRef) -> Optional[dict]:
         crop_tl.append((crop[1], crop[0]))
     if not paths:
         return None
-    bh = group.placements[ref.samples[0]].bucket
+    bucket = group.placements[ref.samples[0]].bucket
     has_masks = any(m is not None for m in masks)
     return {
         "images": torch.stack(images) if images else None,
         "latents": torch.stack([torch.as_tensor(x) for x in latents]).float() if latents else None,
         "captions": captions,
         "loss_weights": torch.tensor(weights, dtype=torch.float32),
-        "masks": torch.stack([torch.from_numpy(np.asarray(m if m is not None else np.ones((bh[1], bh[0]), np.float32)))
+        "masks": torch.stack([torch.from_numpy(np.asarray(m if m is not None else np.ones((bucket[1], bucket[0]), np.float32)))
                               for m in masks]).unsqueeze(1).float() if has_masks else None,
         "original_sizes_hw": torch.tensor(orig_hw, dtype=torch.long),
         "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
-        "target_sizes_hw": torch.tensor([(bh[1], bh[0])] * len(paths), dtype=torch.long),
+        "target_sizes_hw": torch.tensor([(bucket[1], bucket[0])] * len(paths), dtype=torch.long),
         "image_paths": paths,
         "skipped_images": skipped,
     }

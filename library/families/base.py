@@ -30,6 +30,7 @@ class LoadOptions:
     v_parameterization: bool = False
     dtype: torch.dtype = torch.float32
     vae_dtype: torch.dtype = torch.float32
+    tokenizer_cache_dir: Optional[str] = None
 
 
 @dataclass

@@ -229,18 +229,24 @@ def find_tokenizer(v2: bool, vocab_size: int, tokenizer_cache_dir: Optional[str]
     from transformers import CLIPTokenizer
 
     repo, subfolder = _REFERENCE_TOKENIZERS[v2]
+    attempts = []
     if tokenizer_cache_dir:
         # sd-scripts saves it as <cache_dir>/<repo with "/" -> "_">.
         local = os.path.join(tokenizer_cache_dir, repo.replace("/", "_"))
         if os.path.isdir(local):
-            return CLIPTokenizer.from_pretrained(local)
-    try:
-        kwargs = {"subfolder": subfolder} if subfolder else {}
-        return CLIPTokenizer.from_pretrained(repo, local_files_only=True, **kwargs)
-    except Exception:
-        raise ModelLoadError(f"{path}: has no tokenizer and the {repo} tokenizer is not cached locally; "
+            attempts.append((local, {}))
+    attempts.append((repo, {"local_files_only": True, **({"subfolder": subfolder} if subfolder else {})}))
+    for source, kwargs in attempts:
+        try:
+            tokenizer = CLIPTokenizer.from_pretrained(source, **kwargs)
+        except Exception:  # not cached / unreadable: try the next place
+            continue
+        # transformers 5 returns an empty tokenizer instead of failing when files are missing.
+        if len(tokenizer) == vocab_size:
+            return tokenizer
+    raise ModelLoadError(f"{path}: has no tokenizer and the {repo} tokenizer is not cached locally; "
                              f"pass --tokenizer_cache_dir with a saved copy of it "
-                             f"(folder {repo.replace('/', '_')}) or use a diffusers folder") from None
+                             f"(folder {repo.replace('/', '_')}) or use a diffusers folder")
 
 
 def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] = None) -> dict:

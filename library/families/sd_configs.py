@@ -11,7 +11,7 @@ the LDM layout loads back as exactly the tiny architecture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Group norms use 32 groups in every SD model; the tiny widths are multiples of 32
@@ -110,7 +110,6 @@ class SDPreset:
     # None: the text encoder's vocabulary is exactly the local tokenizer's.
     text_vocab_size: int | None = None
     unet_sample_size: int = 64
-    extra: dict = field(default_factory=dict)
 
 
 SD1_TEXT_LAYERS = 12
@@ -118,8 +117,8 @@ SD1_TEXT_LAYERS = 12
 SD2_TEXT_LAYERS = 23
 REAL_VOCAB_SIZE = 49408
 
-_TINY_UNET = (32, 32, 64, 64)
-_TINY_VAE = (32, 32, 64, 64)
+_TINY_UNET = (32, 64, 128, 128)  # widths double where the real ones do: same conv_shortcut layout
+_TINY_VAE = (32, 64, 128, 128)
 
 PRESETS: dict[str, SDPreset] = {
     "tiny:sd1": SDPreset("tiny:sd1", False, False, _TINY_UNET, _TINY_VAE, 32, 64, SD1_TEXT_LAYERS),

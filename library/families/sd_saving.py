@@ -5,6 +5,7 @@ Both writers are atomic: the output appears complete under its final name or not
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -28,19 +29,30 @@ def save_diffusers_folder(unet: nn.Module, vae: nn.Module, text_encoder: nn.Modu
     The folder is written beside `out_dir` under a temporary name and renamed into
     place; an existing `out_dir` is replaced only after the new one is complete.
     """
-    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    import diffusers
+    from diffusers import PNDMScheduler
 
     scheduler = PNDMScheduler(**SCHEDULER_CONFIG,
                               prediction_type="v_prediction" if v_parameterization else "epsilon")
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    # model_index.json as StableDiffusionPipeline.save_pretrained writes it; importing the
+    # pipeline classes just to save would cost seconds.
+    model_index = {
+        "_class_name": "StableDiffusionPipeline", "_diffusers_version": diffusers.__version__,
+        "feature_extractor": [None, None], "image_encoder": [None, None], "requires_safety_checker": False,
+        "safety_checker": [None, None], "scheduler": ["diffusers", "PNDMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
+    }
+    parts = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
+        for sub, part in parts.items():
+            part.save_pretrained(os.path.join(tmp, sub))
+        with open(os.path.join(tmp, "model_index.json"), "w", encoding="utf-8") as f:
+            json.dump(model_index, f, indent=2)
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
             os.replace(out_dir, os.path.join(old, "model"))

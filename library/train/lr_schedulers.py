@@ -20,7 +20,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from library.errors import ConfigError
-from library.train.optimizers import is_schedule_free, parse_literal_args
+from library.train.optimizers import is_schedule_free, parse_literal_args, unwrap_optimizer
 
 StepCount = Union[int, float, str, None]
 LrLambda = Callable[[int], float]
@@ -235,7 +235,8 @@ class AdafactorLR(LambdaLR):
 
 
 def _is_relative_step_adafactor(optimizer) -> bool:
-    return bool(optimizer.param_groups and optimizer.param_groups[0].get("relative_step")) and hasattr(optimizer, "_get_lr")
+    inner = unwrap_optimizer(optimizer)
+    return bool(inner.param_groups and inner.param_groups[0].get("relative_step")) and hasattr(inner, "_get_lr")
 
 
 def _custom_scheduler(optimizer, o: SchedulerOptions):

@@ -87,12 +87,12 @@ def training_metadata(run: Mapping[str, Any]) -> dict[str, str]:
         for ss_name, flag in FLAT_DATASET_FLAGS.items():
             value = run.get(flag)
             md[f"ss_{ss_name}"] = bool(value) if ss_name in FLAT_BOOL_FLAGS else value
-    md.update(dataset_md)
+    # The data layer may pass its JSON values already encoded or as dicts/lists.
+    md.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in dataset_md.items()})
     network_args = run.get("network_args")
     if network_args:
         md["ss_network_args"] = json.dumps(network_args if isinstance(network_args, dict) else list(network_args))
-    out = {k: v if isinstance(v, str) else (json.dumps(v) if isinstance(v, (dict, list)) and k in dataset_md
-                                              else str(v)) for k, v in md.items()}
+    out = {k: str(v) for k, v in md.items()}  # as sd-scripts: str() of every flag value, "None" included
     if run.get("no_metadata"):
         return {k: out[k] for k in MINIMUM_KEYS if k in out}
     return out

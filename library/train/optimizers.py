@@ -271,9 +271,21 @@ def optimizer_string(optimizer, args: dict[str, Any]) -> str:
     return f"{name}({joined})" if joined else name
 
 
+def unwrap_optimizer(optimizer):
+    """The optimizer inside wrappers such as accelerate's AcceleratedOptimizer (which has .optimizer)."""
+    seen = 0
+    while hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
 def is_schedule_free(optimizer) -> bool:
-    """True for schedule-free optimizers, which must be put in train()/eval() mode by the loop."""
-    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+    """True for schedule-free optimizers, which must be put in train()/eval() mode by the loop.
+
+    Wrappers are looked through: accelerate's AcceleratedOptimizer has train()/eval() for any optimizer.
+    """
+    inner = unwrap_optimizer(optimizer)
+    return callable(getattr(inner, "train", None)) and callable(getattr(inner, "eval", None))
 
 
 def is_adaptive(optimizer_type: str) -> bool:

@@ -95,8 +95,8 @@ class NetworkTrainer:
             self.max_train_steps = self.t.max_train_epochs * self.steps_per_epoch
         else:
             self.max_train_steps = self.t.max_train_steps
-        self.num_epochs = math.ceil(self.max_train_steps / self.steps_per_epoch)
         self.data.plan(self.max_train_steps, accum)
+        self.num_epochs = self.data.num_epochs()
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
@@ -116,8 +116,8 @@ class NetworkTrainer:
     def _setup_network(self) -> None:
         opts = self.s.network
         self.network = build_network(self.s.network_module, self.family, self.components, opts)
-        train_unet = not opts.network_train_text_encoder_only
-        train_te = not opts.network_train_unet_only
+        train_unet = opts.train_unet
+        train_te = opts.train_text_encoder
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
         self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
         if opts.network_weights and not opts.dim_from_weights:
@@ -143,7 +143,7 @@ class NetworkTrainer:
         vae_id = f"{self.s.model.vae or self.s.model.pretrained_model_name_or_path}|{vae.dtype}"
         self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
                                 vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
-                                num_workers=d.max_data_loader_n_workers)
+                                num_workers=d.data_loader_workers())
 
     def _setup_optimizer(self) -> None:
         opts = self.s.network
@@ -237,7 +237,7 @@ class NetworkTrainer:
                 unwrapped.on_epoch_start(te if len(te) > 1 else te[0], self.components.denoiser)
             loader = torch.utils.data.DataLoader(
                 BatchDataset(self.data, refs[skip:]), batch_size=None, shuffle=False,
-                num_workers=self.s.data.max_data_loader_n_workers,
+                num_workers=self.s.data.data_loader_workers(),
                 persistent_workers=False)
             epoch_losses: list[float] = []
             for i, batch in enumerate(loader, start=skip):
@@ -394,7 +394,7 @@ class NetworkTrainer:
             "no_metadata": s.network.no_metadata,
         })
         metadata = training_metadata(run)
-        reso = self.s.data.resolution_for_metadata() if hasattr(self.s.data, "resolution_for_metadata") else None
+        reso = self.data.resolution_for_metadata()
         metadata.update(modelspec_metadata(
             architecture=self.family.modelspec_architecture(c, (reso or (512, 512))[0]),
             implementation=self.family.modelspec_implementation(), title=self.t.output_name,
@@ -402,8 +402,7 @@ class NetworkTrainer:
             prediction_type="v" if c.v_parameterization else "epsilon",
             timestep_range=(self.s.noise.min_timestep, self.s.noise.max_timestep),
             encoder_layer=self.s.clip_skip, date=None, is_lora=True,
-            extra={k: s.flags.get(k) for k in ("metadata_title", "metadata_author", "metadata_description",
-                                               "metadata_license", "metadata_tags")}))
+            extra=s.network.metadata))
         return metadata
 
     def _hash(self, path: Optional[str], fn) -> Optional[str]:

@@ -1,0 +1,49 @@
+"""Helpers for end-to-end training tests: a tiny dataset and an in-process trainer."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import numpy as np
+from PIL import Image
+
+from library.families import get_family
+from library.train.cli import build_parser, settings_from_args
+from library.train.trainer import NetworkTrainer
+from library.args.config_file import parse_with_config_file
+
+
+def make_dataset(root: str, n: int = 4, sizes=((64, 64), (128, 64))) -> str:
+    """`root/train/5_sks toy` with n coloured images and .txt captions; returns root/train."""
+    folder = os.path.join(root, "train", "5_sks toy")
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        w, h = sizes[i % len(sizes)]
+        base = rng.integers(0, 255, size=3)
+        img = np.zeros((h, w, 3), np.uint8) + base.astype(np.uint8)
+        img[h // 4: h // 2, w // 4: w // 2] = 255 - base.astype(np.uint8)
+        Image.fromarray(img).save(os.path.join(folder, f"img{i}.png"))
+        with open(os.path.join(folder, f"img{i}.txt"), "w") as f:
+            f.write(f"sks toy, square, color {i}, plain background")
+    return os.path.join(root, "train")
+
+
+def base_args(data_dir: str, out_dir: str, preset: str = "tiny:sd1", steps: int = 6, extra: Optional[list] = None):
+    return [
+        "--pretrained_model_name_or_path", preset,
+        "--train_data_dir", data_dir, "--caption_extension", ".txt",
+        "--resolution", "64", "--enable_bucket", "--min_bucket_reso", "64", "--max_bucket_reso", "128",
+        "--train_batch_size", "1", "--max_data_loader_n_workers", "0",
+        "--network_module", "networks.lora", "--network_dim", "4", "--network_alpha", "4",
+        "--learning_rate", "1e-3", "--max_train_steps", str(steps), "--seed", "123",
+        "--output_dir", out_dir, "--output_name", "lora",
+    ] + list(extra or [])
+
+
+def make_trainer(argv: list[str], family_name: str = "sd") -> NetworkTrainer:
+    family = get_family(family_name)
+    parser = build_parser("test", family)
+    ns = parse_with_config_file(parser, argv)
+    return NetworkTrainer(family, settings_from_args(ns, family, parser))
