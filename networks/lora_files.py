@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
@@ -23,8 +24,10 @@ KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "
                   # kohya names with PEFT suffixes: sd-scripts' resize reads them too
                   "lora_A.weight": "down", "lora_B.weight": "up"}
 # A key fragment that only a LyCORIS algorithm writes, and what to call it in the error.
-LYCORIS_MARKERS = (("hada_", "LoHa"), ("lokr_", "LoKr"), ("oft_", "OFT/BOFT"), ("lora_mid", "LoCon with use_tucker"),
-                   ("dora_scale", "DoRA"), (".diff", "full (diff)"), ("on_input", "IA3"), (".scalar", "use_scalar"))
+# Each is matched against the key's suffix (after the module name).
+LYCORIS_MARKERS = ((r"hada_", "LoHa"), (r"lokr_", "LoKr"), (r"oft_", "OFT/BOFT"), (r"lora_mid", "LoCon with use_tucker"),
+                   (r"dora_scale", "DoRA"), (r"diff(_b)?$", "full (diff)"), (r"on_input", "IA3"),
+                   (r"scalar$", "use_scalar"))
 PRECISIONS = {"float": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -106,8 +109,9 @@ def parse_precision(value: Optional[str], flag: str = "--save_precision") -> Opt
 def check_not_lycoris(keys: Iterable[str], source: str) -> None:
     """Refuse LyCORIS-only algorithms with the first key that shows which one."""
     for key in keys:
+        suffix = key.partition(".")[2]  # kohya: everything after the module name
         for marker, algo in LYCORIS_MARKERS:
-            if marker in key:
+            if re.match(marker, suffix):
                 raise UnsupportedLoraError(f"{source}: {key}: a LyCORIS {algo} module; only LoRA/LoCon "
                                            f"(lora_down/lora_up) files are supported by this tool")
 
@@ -239,3 +243,15 @@ def summarize(lora: LoraFile) -> dict:
         "network_args": json.loads(lora.metadata["ss_network_args"]) if lora.metadata.get("ss_network_args", "")
         .startswith("{") else None,
     }
+
+
+def run_tool(body, argv=None) -> int:
+    """The tools' error convention: a UserError becomes one line "error: ..." on stderr and exit code 2."""
+    import sys
+
+    try:
+        body(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

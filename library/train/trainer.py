@@ -79,7 +79,9 @@ class NetworkTrainer:
         self.accelerator = Accelerator(mixed_precision=self.t.mixed_precision, cpu=self.t.cpu)
         self.device = self.accelerator.device
         self.weight_dtype = DTYPES[self.t.mixed_precision]
-        torch.manual_seed(self.t.seed)
+        from accelerate.utils import set_seed
+
+        set_seed(self.t.seed)  # python, numpy and torch RNGs
         self.noise_generator = torch.Generator("cpu").manual_seed(self.t.seed)
 
     def _setup_data(self) -> None:
@@ -238,7 +240,10 @@ class NetworkTrainer:
             loader = torch.utils.data.DataLoader(
                 BatchDataset(self.data, refs[skip:]), batch_size=None, shuffle=False,
                 num_workers=self.s.data.data_loader_workers(),
-                persistent_workers=False)
+                persistent_workers=False,
+                # Its own generator: creating an iterator must not draw from the global RNG, or a
+                # resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
+                generator=torch.Generator().manual_seed(self.t.seed + epoch))
             epoch_losses: list[float] = []
             for i, batch in enumerate(loader, start=skip):
                 last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1

@@ -1,0 +1,138 @@
+"""Key conversion kohya <-> diffusers/PEFT <-> ai-toolkit: golden key names, exact round trips, diffusers parity."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from networks.lora_convert import convert, detect_layout, to_diffusers, to_kohya  # noqa: E402
+from networks.lora_files import UnsupportedLoraError, group_modules  # noqa: E402
+
+H = 3072  # Flux hidden size: diffusers' converter hard-codes the single-block split dims
+
+
+def _kohya(name, out, inn, rank, alpha, seed, kernel=None):
+    g = torch.Generator().manual_seed(seed)
+    down = torch.randn(rank, inn, *(kernel or ()), generator=g)
+    up = torch.randn(out, rank, *((1, 1) if kernel else ()), generator=g)
+    return {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up, f"{name}.alpha": torch.tensor(float(alpha))}
+
+
+def _flux_lora():
+    sd = {}
+    for i, (short, out, inn) in enumerate([("img_attn_qkv", 3 * H, H), ("img_attn_proj", H, H), ("txt_mlp_0", 4 * H, H),
+                                           ("txt_attn_qkv", 3 * H, H), ("img_mod_lin", 6 * H, H)]):
+        sd.update(_kohya(f"lora_unet_double_blocks_0_{short}", out, inn, 4, 2.0, i))
+    sd.update(_kohya("lora_unet_single_blocks_7_linear1", 7 * H, H, 4, 1.0, 10))
+    sd.update(_kohya("lora_unet_single_blocks_7_linear2", H, 5 * H, 4, 8.0, 11))
+    # a split_qkv file: 3·2 ranks, block-diagonal up
+    down, up = torch.randn(6, H), torch.zeros(3 * H, 6)
+    for j in range(3):
+        up[j * H:(j + 1) * H, 2 * j:2 * j + 2] = torch.randn(H, 2)
+    sd.update({"lora_unet_double_blocks_1_img_attn_qkv.lora_down.weight": down,
+               "lora_unet_double_blocks_1_img_attn_qkv.lora_up.weight": up,
+               "lora_unet_double_blocks_1_img_attn_qkv.alpha": torch.tensor(3.0)})
+    return sd
+
+
+def _max_delta_error(a, b):
+    ma, mb = group_modules(a, "a"), group_modules(b, "b")
+    assert sorted(ma) == sorted(mb)
+    return max(float((ma[k].delta() - mb[k].delta()).norm() / ma[k].delta().norm()) for k in ma)
+
+
+def test_flux_to_diffusers_matches_diffusers_converter():
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    sd = _flux_lora()
+    ours = to_diffusers(sd, "flux.safetensors")
+    theirs = _convert_kohya_flux_lora_to_diffusers({k: v.clone() for k, v in sd.items()})
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert ours["transformer.transformer_blocks.1.attn.to_k.lora_A.weight"].shape == (2, H)  # sparse qkv: rank 2 each
+    assert ours["transformer.single_transformer_blocks.7.proj_mlp.lora_B.weight"].shape == (4 * H, 4)
+
+
+def test_flux_round_trip_is_exact():
+    sd = _flux_lora()
+    for layout in ("diffusers", "ai-toolkit"):
+        back = convert(convert(sd, layout, "in"), "kohya", "out")
+        assert sorted(back) == sorted(sd)
+        assert all(back[k].shape == sd[k].shape for k in sd)
+        assert _max_delta_error(sd, back) < 1e-6
+
+
+SD1_NAMES = {
+    "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q":
+        "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+    "lora_unet_up_blocks_3_attentions_2_transformer_blocks_0_ff_net_0_proj":
+        "unet.up_blocks.3.attentions.2.transformer_blocks.0.ff.net.0.proj",
+    "lora_unet_mid_block_attentions_0_proj_in": "unet.mid_block.attentions.0.proj_in",
+    "lora_unet_up_blocks_1_resnets_2_time_emb_proj": "unet.up_blocks.1.resnets.2.time_emb_proj",
+    "lora_te_text_model_encoder_layers_11_self_attn_out_proj": "text_encoder.text_model.encoder.layers.11.self_attn.out_proj",
+}
+
+
+def _sd1_lora(alpha):
+    sd = {}
+    for i, name in enumerate(SD1_NAMES):
+        sd.update(_kohya(name, 32, 16, 4, alpha, i, kernel=(1, 1) if name.endswith("proj_in") else None))
+    sd.update(_kohya("lora_unet_down_blocks_1_resnets_0_conv1", 32, 16, 4, alpha, 9, kernel=(3, 3)))
+    return sd
+
+
+def test_sd1_diffusers_key_names_and_exact_round_trip():
+    sd = _sd1_lora(alpha=4.0)  # alpha = rank: scale 1, so the round trip is bit-exact
+    peft = to_diffusers(sd, "sd1")
+    assert sorted(k[:-len(".lora_A.weight")] for k in peft if k.endswith("lora_A.weight")) == sorted(
+        list(SD1_NAMES.values()) + ["unet.down_blocks.1.resnets.0.conv1"])
+    assert detect_layout(peft, "p") == "diffusers"
+    back = to_kohya(peft, "p")
+    assert sorted(back) == sorted(sd)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_alpha_is_baked_into_the_weights():
+    sd = _sd1_lora(alpha=1.0)  # scale 1/4: diffusers' rule gives A·0.5 and B·0.5
+    peft = to_diffusers(sd, "sd1")
+    name = "lora_unet_mid_block_attentions_0_proj_in"
+    assert torch.equal(peft["unet.mid_block.attentions.0.proj_in.lora_A.weight"], sd[f"{name}.lora_down.weight"] * 0.5)
+    back = to_kohya(peft, "p")
+    assert float(back[f"{name}.alpha"]) == 4.0  # rank: the scale now lives in the weights
+    assert _max_delta_error(sd, back) < 1e-6
+
+
+def test_sdxl_sgm_names_map_to_diffusers_and_back():
+    sd = {}
+    for i, name in enumerate(["lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                              "lora_unet_middle_block_1_proj_out", "lora_unet_output_blocks_2_2_conv",
+                              "lora_unet_input_blocks_7_0_emb_layers_1",
+                              "lora_te1_text_model_encoder_layers_0_mlp_fc1",
+                              "lora_te2_text_model_encoder_layers_31_self_attn_k_proj"]):
+        sd.update(_kohya(name, 32, 16, 4, 4.0, i))
+    peft = to_diffusers(sd, "sdxl")
+    assert sorted(k[:-len(".lora_A.weight")] for k in peft if k.endswith("lora_A.weight")) == [
+        "text_encoder.text_model.encoder.layers.0.mlp.fc1",
+        "text_encoder_2.text_model.encoder.layers.31.self_attn.k_proj",
+        "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+        "unet.down_blocks.2.resnets.0.time_emb_proj",
+        "unet.mid_block.attentions.0.proj_out",
+        "unet.up_blocks.0.upsamplers.0.conv",
+    ]
+    back = to_kohya(peft, "p")
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_unknown_and_lycoris_files_are_refused_with_the_key():
+    with pytest.raises(UnsupportedLoraError, match=r"x.safetensors: unexpected key 'model.diffusion_model.w'"):
+        detect_layout({"model.diffusion_model.w": torch.zeros(1)}, "x.safetensors")
+    with pytest.raises(UnsupportedLoraError, match=r"lora_unet_a.hada_w1_a: a LyCORIS LoHa module"):
+        detect_layout({"lora_unet_a.hada_w1_a": torch.zeros(1)}, "loha.safetensors")
+    with pytest.raises(UnsupportedLoraError, match=r"ai-toolkit layout is for Flux LoRAs"):
+        convert(_sd1_lora(4.0), "ai-toolkit", "sd1.safetensors")
+    bad = dict(_sd1_lora(4.0))
+    bad["lora_unet_x.lora_mystery.weight"] = torch.zeros(1)
+    with pytest.raises(UnsupportedLoraError, match=r"unexpected key 'lora_unet_x.lora_mystery.weight'"):
+        group_modules(bad, "bad.safetensors")
