@@ -24,10 +24,7 @@ def build_network(module, family: ModelFamily, components: Components, opts) -> 
     kwargs = dict(opts.network_args)
     if module.__name__ == "networks.lora":
         kwargs["lora_targets"] = family.lora_targets(components)
-    if opts.dim_from_weights:
-        if not opts.network_weights:
-            from library.errors import ConfigError
-            raise ConfigError("--dim_from_weights: needs --network_weights")
+    if opts.dim_from_weights:  # network_options_from_args checked that --network_weights is given
         network, _ = module.create_network_from_weights(opts.network_multiplier, opts.network_weights,
                                                         components.vae, te, components.denoiser, **kwargs)
     else:
@@ -38,6 +35,20 @@ def build_network(module, family: ModelFamily, components: Components, opts) -> 
         from library.errors import ConfigError
         raise ConfigError(f"--network_module {opts.network_module}: create_network returned nothing")
     return network
+
+
+def merge_base_weights(module, family: ModelFamily, components: Components, opts) -> None:
+    """--base_weights: bake each LoRA file into the base model (at its multiplier) before training."""
+    te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
+    for path, multiplier in zip(opts.base_weights, opts.base_weights_multiplier):
+        if not os.path.isfile(path):
+            from library.errors import ConfigError
+            raise ConfigError(f"--base_weights {path}: file not found")
+        kwargs = {"lora_targets": family.lora_targets(components)} if module.__name__ == "networks.lora" else {}
+        network, weights = module.create_network_from_weights(multiplier, path, components.vae, te,
+                                                              components.denoiser, for_inference=True, **kwargs)
+        network.merge_to(te, components.denoiser, weights, components.denoiser.dtype, components.denoiser.device)
+        logger.info("merged base weights %s at multiplier %s", path, multiplier)
 
 
 def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]:

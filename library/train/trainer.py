@@ -25,9 +25,9 @@ from library.families.base import LoadOptions, ModelFamily
 from library.hashes import file_legacy_hash, file_sha256
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
-from library.train.lr_schedulers import create_scheduler, lr_log_names
+from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.metadata import modelspec_metadata, training_metadata
-from library.train.network_setup import build_network, optimizer_groups, save_network
+from library.train.network_setup import build_network, merge_base_weights, optimizer_groups, save_network
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, find_latest_state, load_state, save_state
 from library.train.step import StepContext, batch_loss
@@ -111,6 +111,8 @@ class NetworkTrainer:
         c.denoiser.to(self.device, self.weight_dtype)
         for te in c.text_encoders:
             te.to(self.device, self.weight_dtype)
+        if self.s.network.base_weights:
+            merge_base_weights(self.s.network_module, self.family, c, self.s.network)
         if self.t.gradient_checkpointing:
             c.denoiser.enable_gradient_checkpointing()
             c.denoiser.train()  # diffusers checkpoints only in train mode; the base has no dropout
@@ -151,7 +153,8 @@ class NetworkTrainer:
         opts = self.s.network
         groups, self.group_names = optimizer_groups(self.network, opts, self.s.optimizer.learning_rate)
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
-        self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps)
+        self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
+                                             self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
         self.network, self.optimizer = self.accelerator.prepare(self.network, self.optimizer)
         self.schedule_free = is_schedule_free(self.optimizer)
@@ -302,10 +305,7 @@ class NetworkTrainer:
         if step % self.t.log_every_n_steps:
             return
         values = {"loss/current": current, "loss/average": window.average}
-        for name, group in zip(self.lr_names, self.optimizer.param_groups):
-            values[name] = group["lr"]
-            if "d" in group and name.startswith("lr/"):
-                values[f"lr/d*lr/{name[3:]}"] = group["d"] * group["lr"]
+        values.update(lr_logs(self.lr_scheduler, self.optimizer, self.lr_names, adaptive=self.optimizer_descr.adaptive))
         if self.s.network.scale_weight_norms and getattr(self, "last_max_norm", None):
             keys_scaled, mean_norm, max_norm = self.last_max_norm
             values.update({"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
@@ -384,7 +384,7 @@ class NetworkTrainer:
             "training_finished_at": time.time(), "steps": step, "epoch": epoch,
             "num_epochs": self.num_epochs, "max_train_steps": self.max_train_steps,
             "num_batches_per_epoch": self.batches_per_epoch, "seed": self.t.seed,
-            "optimizer": self.optimizer_name, "base_model_version": self.family.base_model_version(c),
+            "optimizer": self.optimizer_descr.ss_optimizer, "base_model_version": self.family.base_model_version(c),
             "sd_model_name": os.path.basename(os.path.normpath(c.model_path or s.model.pretrained_model_name_or_path)),
             "sd_model_hash": self._hash(c.model_path, file_legacy_hash),
             "new_sd_model_hash": self._hash(c.model_path, file_sha256),
