@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import struct
 from typing import Mapping, Optional

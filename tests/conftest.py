@@ -6,9 +6,11 @@ bitwise repeatable, which the resume tests rely on. Tiny models lose nothing by 
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("LORA_TOOLKIT_CACHE_DIR", tempfile.mkdtemp(prefix="lora-toolkit-test-cache-"))
 
 import torch  # noqa: E402
 

@@ -7,14 +7,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from library.args.model import add_model_arguments, load_options_from_args, text_options_from_args
 from library.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
 from library.families.loading import find_tokenizer
-from library.families.sd_saving import ldm_state_dict, save_single_file
+from library.families.sd_saving import ldm_state_dict
 from tools.make_tiny_model import main as make_tiny_model
 
 FAMILY = get_family("sd")

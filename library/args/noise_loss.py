@@ -29,7 +29,7 @@ def add_noise_loss_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero_terminal_snr", action="store_true", help="rescale the noise schedule to zero terminal SNR")
 
     g = parser.add_argument_group("loss")
-    g.add_argument("--loss_type", type=str, default="l2", choices=list(LOSS_TYPES))
+    g.add_argument("--loss_type", type=str, default="l2", choices=list(LOSS_TYPES), help="elementwise loss: l2 (default), l1, huber, smooth_l1")
     g.add_argument("--huber_schedule", type=str, default="snr", choices=list(HUBER_SCHEDULES),
                    help="how the huber/smooth_l1 threshold c changes with the timestep")
     g.add_argument("--huber_c", type=float, default=0.1, help="huber/smooth_l1 threshold (base value of the schedule)")

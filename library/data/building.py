@@ -6,6 +6,7 @@ line each), so a user fixes the dataset once instead of restarting per error.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -43,9 +44,26 @@ def _check_bucket_settings(datasets: list[DatasetConfig], family: DataFamilyInfo
         raise ConfigError("\n".join(lines))
 
 
+def size_cache_path(sub: SubsetConfig) -> Optional[str]:
+    """Where the image-size metadata cache of a subset lives.
+
+    With `cache_info = true` it is `image_size_cache.json` in the image folder (as sd-scripts);
+    otherwise a file per folder under the user cache directory, so that a second start of the
+    same dataset is near-instant without writing into the dataset. LORA_TOOLKIT_CACHE_DIR moves it.
+    """
+    if not sub.image_dir:
+        return None
+    if sub.cache_info:
+        return os.path.join(sub.image_dir, SIZE_CACHE_NAME)
+    root = os.environ.get("LORA_TOOLKIT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lora-toolkit")
+    key = hashlib.sha1(os.path.abspath(sub.image_dir).encode()).hexdigest()[:16]
+    return os.path.join(root, "image_sizes", f"{key}.json")
+
+
 def _scan_subset(sub: SubsetConfig, images: list[DiscoveredImage], problems: list[str]) -> list[tuple[DiscoveredImage, tuple]]:
     """(image, size) of every image (and mask) whose header reads; the rest become problems."""
-    cache = os.path.join(sub.image_dir, SIZE_CACHE_NAME) if sub.cache_info and sub.image_dir else None
+    cache = size_cache_path(sub)
     paths = [i.path for i in images] + [i.mask_path for i in images if i.mask_path]
     scan = scan_image_sizes(paths, cache, progress=True)
     problems.extend(f"{path}: {why}" for path, why in scan.problems.items())
@@ -172,7 +190,10 @@ def build(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
                 group_res.append(ri)
     if problems:
         unique = list(dict.fromkeys(problems))
-        raise DataError(f"{len(unique)} problem(s) in the training data; fix them and start again:\n" + "\n".join(unique))
+        if len(unique) == 1:
+            raise DataError(unique[0])
+        raise DataError(f"{len(unique)} problems in the training data; fix them and start again:\n  "
+                        + "\n  ".join(unique))
     return TrainingData(opts=opts, family=family, seed=seed, datasets=resolved.datasets, subsets=subsets,
                         samples=samples, groups=groups, group_resolution_index=group_res,
                         from_config_file=resolved.from_config_file, num_train_images=counts["train"],

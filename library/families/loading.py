@@ -184,7 +184,7 @@ def _materialize(factory, convert) -> torch.nn.Module:
 def parts_from_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
                           tokenizer_cache_dir: Optional[str] = None) -> dict:
     """UNet, VAE, text encoder and tokenizer from one LDM-layout state dict."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     checkpoint = ldm.normalize_checkpoint(checkpoint)

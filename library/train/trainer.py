@@ -22,11 +22,10 @@ from tqdm.auto import tqdm
 from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
 from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
-from library.hashes import file_legacy_hash, file_sha256
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
-from library.train.metadata import modelspec_metadata, training_metadata
+from library.train.run_metadata import RunFacts, lora_metadata
 from library.train.network_setup import build_network, merge_base_weights, optimizer_groups, save_network
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, find_latest_state, load_state, save_state
@@ -221,7 +220,7 @@ class NetworkTrainer:
         logger.warning("signal %d: saving state after the current step, then stopping", signum)
 
     def _train(self, progress: TrainProgress) -> str:
-        t, accum = self.t, self.t.gradient_accumulation_steps
+        accum = self.t.gradient_accumulation_steps
         global_step = progress.global_step
         loss_window = LossWindow(self.batches_per_epoch)
         bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
@@ -376,48 +375,10 @@ class NetworkTrainer:
             hook(self, event, step)
 
     # ------------------------------------------------------------------ saving
-    def _metadata(self, step: int, epoch: int) -> Optional[dict]:
-        s, c = self.s, self.components
-        run = dict(s.flags)
-        run.update({
-            "session_id": self.session_id, "training_started_at": self.started_at,
-            "training_finished_at": time.time(), "steps": step, "epoch": epoch,
-            "num_epochs": self.num_epochs, "max_train_steps": self.max_train_steps,
-            "num_batches_per_epoch": self.batches_per_epoch, "seed": self.t.seed,
-            "optimizer": self.optimizer_descr.ss_optimizer, "base_model_version": self.family.base_model_version(c),
-            "sd_model_name": os.path.basename(os.path.normpath(c.model_path or s.model.pretrained_model_name_or_path)),
-            "sd_model_hash": self._hash(c.model_path, file_legacy_hash),
-            "new_sd_model_hash": self._hash(c.model_path, file_sha256),
-            "vae_name": os.path.basename(s.model.vae) if s.model.vae else None,
-            "vae_hash": self._hash(s.model.vae, file_legacy_hash),
-            "new_vae_hash": self._hash(s.model.vae, file_sha256),
-            "dataset_metadata": self.data.metadata(),
-            "network_module": s.network.network_module,
-            "network_dim": s.network.network_dim, "network_alpha": s.network.network_alpha,
-            "network_args": s.network.network_args,
-            "v2": c.v2, "v_parameterization": c.v_parameterization,
-            "no_metadata": s.network.no_metadata,
-        })
-        metadata = training_metadata(run)
-        reso = self.data.resolution_for_metadata()
-        metadata.update(modelspec_metadata(
-            architecture=self.family.modelspec_architecture(c, (reso or (512, 512))[0]),
-            implementation=self.family.modelspec_implementation(), title=self.t.output_name,
-            resolution=reso or (512, 512),
-            prediction_type="v" if c.v_parameterization else "epsilon",
-            timestep_range=(self.s.noise.min_timestep, self.s.noise.max_timestep),
-            encoder_layer=self.s.clip_skip, date=None, is_lora=True,
-            extra=s.network.metadata))
-        return metadata
-
-    def _hash(self, path: Optional[str], fn) -> Optional[str]:
-        if not path or not os.path.isfile(path):
-            return None
-        key = (path, fn.__name__)
-        cache = self.__dict__.setdefault("_hash_cache", {})
-        if key not in cache:
-            cache[key] = fn(path)
-        return cache[key]
+    def _metadata(self, step: int, epoch: int) -> dict:
+        facts = RunFacts(self.session_id, self.started_at, step, epoch, self.num_epochs, self.max_train_steps,
+                         self.batches_per_epoch, self.t.seed, self.optimizer_descr.ss_optimizer)
+        return lora_metadata(self.family, self.components, self.s, self.data, facts)
 
     def _save_model(self, path: str, step: int, epoch: int) -> None:
         if not self.accelerator.is_main_process:
