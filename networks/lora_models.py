@@ -8,7 +8,7 @@ recipe resize without changes here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -59,31 +59,9 @@ def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
     return {name: layer.weight.detach() for name, layer in lora_layers(model).items()}
 
 
-# Savers for families whose class has no `save_checkpoint` method yet, by family name.
-_FALLBACK_SAVERS: dict[str, Callable[[Components, str, Optional[torch.dtype]], None]] = {}
-
-
-def _sd_fallback_saver(components: Components, path: str, dtype: Optional[torch.dtype]) -> None:
-    # Stopgap until SDFamily.save_checkpoint exists (see the report of issue 4).
-    from library.families import sd_saving
-
-    unet, vae, te = components.denoiser, components.vae, components.text_encoders[0]
-    if path.lower().endswith((".safetensors", ".ckpt")):
-        sd_saving.save_single_file(unet, vae, te, path, components.v2, dtype)
-    else:
-        if dtype is not None:
-            for part in (unet, vae, te):
-                part.to(dtype=dtype)
-        sd_saving.save_diffusers_folder(unet, vae, te, components.tokenizers[0], path,
-                                        components.v_parameterization)
-
-
-_FALLBACK_SAVERS["sd"] = _sd_fallback_saver
-
-
 def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write the (merged) model: one file for a .safetensors/.ckpt path, otherwise a diffusers folder."""
-    saver = getattr(model.family, "save_checkpoint", None) or _FALLBACK_SAVERS.get(model.family.name)
-    if saver is None:
-        raise UserError(f"model family {model.family.name!r} cannot save checkpoints yet")
-    saver(model.components, path, dtype)
+    try:
+        model.family.save_checkpoint(model.components, path, dtype)
+    except NotImplementedError as e:
+        raise UserError(str(e)) from None

@@ -20,6 +20,9 @@ SDXL_MODULES = [("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q", 6
                 ("lora_te2_text_model_encoder_layers_0_self_attn_q_proj", 1280, 1280, None)]
 
 
+SMALL_MODULES = [("lora_unet_a", 96, 64, None), ("lora_unet_conv", 48, 32, 3), ("lora_te1_b", 128, 64, None)]
+
+
 def _modules(rank=8, alpha=4.0, seed=0, spec=SDXL_MODULES):
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -98,7 +101,7 @@ def test_tools_refuse_bad_input_with_one_line(tmp_path, capsys):
 
 
 def test_concat_merge_is_exact_and_svd_merge_refactors():
-    a, b = _modules(seed=1), _modules(rank=4, alpha=1.0, seed=2)
+    a, b = _modules(seed=1, spec=SMALL_MODULES), _modules(rank=4, alpha=1.0, seed=2, spec=SMALL_MODULES)
     loras = [WeightedLora(a, 1.0), WeightedLora(b, -0.5)]
     expected = {n: a[n].delta() - 0.5 * b[n].delta() for n in a}
     concat = {m.name: m for m in concat_merge(loras)}

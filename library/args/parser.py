@@ -10,6 +10,7 @@ from library.args.model import add_model_arguments
 from library.args.network import add_network_arguments
 from library.args.noise_loss import add_noise_loss_arguments
 from library.args.optimizer import add_optimizer_arguments
+from library.args.sampling import add_sampling_arguments
 from library.args.training import add_training_arguments
 
 
@@ -23,6 +24,7 @@ def build_network_training_parser(description: str, family=None) -> argparse.Arg
     add_optimizer_arguments(parser)
     add_noise_loss_arguments(parser)
     add_training_arguments(parser)
+    add_sampling_arguments(parser)
     if family is not None and hasattr(family, "add_arguments"):
         family.add_arguments(parser)
     return parser

@@ -14,8 +14,14 @@ def _sd() -> ModelFamily:
     return SDFamily()
 
 
+def _sdxl() -> ModelFamily:
+    from library.families.sdxl import SDXLFamily
+
+    return SDXLFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd}
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

@@ -114,9 +114,21 @@ class ModelFamily:
                 text: TextConditioning, batch: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    # --- generation ------------------------------------------------------------
+    def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list:
+        """Denoise one batch of library.sampling.generate.GenerationRequests (same size, steps, scale,
+        sampler) into GeneratedImages, filling in this family's defaults."""
+        raise NotImplementedError(f"{self.name}: image generation is not implemented for this family yet")
+
     # --- LoRA ----------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         raise NotImplementedError
+
+    # --- saving ----------------------------------------------------------------
+    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        """Write the whole model: one file (.safetensors/.ckpt, original layout) or a diffusers folder."""
+        raise NotImplementedError(f"model family {self.name!r} cannot save checkpoints yet")
 
     # --- metadata --------------------------------------------------------------
     def base_model_version(self, components: Components) -> str:

@@ -80,7 +80,11 @@ def encode_token_chunks(text_encoder, tokens: torch.Tensor, clip_skip: Optional[
     else:
         out = text_encoder(flat, output_hidden_states=True, return_dict=True)
         states = final_layer_norm(text_encoder)(out.hidden_states[-clip_skip])
-    states = states.reshape(batch, -1, states.shape[-1])
+    return join_token_chunks(states.reshape(batch, -1, states.shape[-1]), window)
+
+
+def join_token_chunks(states: torch.Tensor, window: int = 77) -> torch.Tensor:
+    """(B, n*77, D) per-chunk states -> (B, n*75 + 2, D): BOS of the first chunk, inner states, EOS of the last."""
     n_chunks = states.shape[1] // window
     if n_chunks == 1:
         return states
@@ -128,12 +132,30 @@ class SDFamily(ModelFamily):
         hidden = text.tensors["encoder_hidden_states"]
         return components.denoiser(noisy_latents, timesteps, hidden).sample
 
+    def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list:
+        from library.families.sd_generate import generate_sd
+
+        return generate_sd(self, components, requests, clip_skip, device or components.denoiser.device)
+
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         return [
             LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS),
             LoraTarget("lora_te", components.text_encoders[0], TEXT_ENCODER_TARGETS, is_text_encoder=True,
                        rename=text_encoder_kohya_path),
         ]
+
+    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        from library.families import sd_saving
+
+        unet, vae, te = components.denoiser, components.vae, components.text_encoders[0]
+        if path.lower().endswith((".safetensors", ".ckpt")):
+            sd_saving.save_single_file(unet, vae, te, path, components.v2, dtype)
+            return
+        if dtype is not None:
+            for part in (unet, vae, te):
+                part.to(dtype=dtype)
+        sd_saving.save_diffusers_folder(unet, vae, te, components.tokenizers[0], path, components.v_parameterization)
 
     def base_model_version(self, components: Components) -> str:
         if not components.v2:

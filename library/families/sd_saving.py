@@ -44,6 +44,15 @@ def save_diffusers_folder(unet: nn.Module, vae: nn.Module, text_encoder: nn.Modu
         "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
     }
     parts = {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "scheduler": scheduler}
+    write_diffusers_folder(parts, model_index, out_dir)
+
+
+def write_diffusers_folder(parts: dict, model_index: dict, out_dir: str) -> None:
+    """Save each part (`save_pretrained`) into its subfolder plus model_index.json, atomically.
+
+    The folder is written beside `out_dir` under a temporary name and renamed into
+    place; an existing `out_dir` is replaced only after the new one is complete.
+    """
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)

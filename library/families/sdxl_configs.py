@@ -16,7 +16,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from library.families.sd_configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config, text_heads, vae_config
+from library.families.sd_configs import (
+    NORM_GROUPS,
+    REAL_VOCAB_SIZE,
+    text_encoder_config,
+    text_heads,
+    vae_config,
+)
 
 HEAD_CHANNELS = 64
 SDXL_DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")

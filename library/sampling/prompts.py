@@ -73,7 +73,7 @@ POSITIVE_FIELDS = ("width", "height", "steps")
 
 def parse_prompt_line(line: str, where: str, index: int = 0) -> SamplePrompt:
     """Parse `prompt text --n negative --w 512 --d 42 ...`; errors name `where` (e.g. "p.txt:3")."""
-    parts = line.split(" --")
+    parts = (" " + line).split(" --")  # the leading space lets a line start with an option
     prompt = SamplePrompt(prompt=parts[0].strip(), index=index)
     for part in parts[1:]:
         name, _, value = part.strip().partition(" ")
@@ -149,8 +149,7 @@ def load_prompts(path: str, check_sampler: Optional[Callable[[str], Any]] = None
             text = f.read()
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    name = os.path.basename(path)
-    entries = readers[ext](text, name)
+    entries = readers[ext](text, path)
     prompts = []
     for index, (where, entry) in enumerate(entries):
         prompt = parse_prompt_line(entry, where, index) if isinstance(entry, str) else \

@@ -47,6 +47,11 @@ def settings_from_args(ns, family, parser):
         no_half_vae=ns.no_half_vae,
     )
     settings.flags["_config_values"] = config_values(ns, parser)
+    from library.args.sampling import sampling_hook_from_args
+
+    sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
+    if sample_hook is not None:
+        settings.hooks.append(sample_hook)
     return settings
 
 

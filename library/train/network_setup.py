@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -23,8 +24,10 @@ def build_network(module, family: ModelFamily, components: Components, opts) -> 
     te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
     kwargs = dict(opts.network_args)
     if module.__name__ == "networks.lora":
-        kwargs["lora_targets"] = family.lora_targets(components)
+        kwargs.update(_family_lora_kwargs(family, components))
     if opts.dim_from_weights:  # network_options_from_args checked that --network_weights is given
+        if module.__name__ == "networks.lora":
+            kwargs["weights_sd"] = _family_state_dict(family, module.load_state_dict(opts.network_weights))
         network, _ = module.create_network_from_weights(opts.network_multiplier, opts.network_weights,
                                                         components.vae, te, components.denoiser, **kwargs)
     else:
@@ -44,11 +47,48 @@ def merge_base_weights(module, family: ModelFamily, components: Components, opts
         if not os.path.isfile(path):
             from library.errors import ConfigError
             raise ConfigError(f"--base_weights {path}: file not found")
-        kwargs = {"lora_targets": family.lora_targets(components)} if module.__name__ == "networks.lora" else {}
+        kwargs = _family_lora_kwargs(family, components) if module.__name__ == "networks.lora" else {}
         network, weights = module.create_network_from_weights(multiplier, path, components.vae, te,
                                                               components.denoiser, for_inference=True, **kwargs)
         network.merge_to(te, components.denoiser, weights, components.denoiser.dtype, components.denoiser.device)
         logger.info("merged base weights %s at multiplier %s", path, multiplier)
+
+
+def _family_lora_kwargs(family: ModelFamily, components: Components) -> dict:
+    """networks.lora arguments the family decides: its targets and, where it has one, its block index."""
+    kwargs: dict[str, Any] = {"lora_targets": family.lora_targets(components)}
+    block_index = getattr(family, "lora_block_index", None)
+    if block_index is not None:
+        kwargs["block_index"] = block_index()
+    return kwargs
+
+
+def _family_state_dict(family: ModelFamily, state_dict: dict) -> dict:
+    """A LoRA state dict in the family's kohya naming (e.g. a diffusers-named SDXL file renamed to SGM)."""
+    convert = getattr(family, "convert_lora_state_dict", None)
+    return convert(state_dict) if convert is not None else state_dict
+
+
+def load_network_weights(network, family: ModelFamily, path: str) -> Any:
+    """--network_weights: load a LoRA file into the network, renamed to the family's naming first if needed.
+
+    A renamed file goes through a temporary copy so that the network's own
+    `load_weights` (shape checks, alpha handling) runs on it unchanged.
+    """
+    convert = getattr(family, "convert_lora_state_dict", None)
+    if convert is None or not path.endswith(".safetensors") or not os.path.isfile(path):
+        return network.load_weights(path)
+    from safetensors.torch import load_file, save_file
+
+    state_dict = load_file(path)
+    converted = convert(state_dict)
+    if converted is state_dict:
+        return network.load_weights(path)
+    logger.info("%s: diffusers-named LoRA, renamed to %s naming", path, family.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        renamed = os.path.join(tmp, os.path.basename(path))
+        save_file({k: v.contiguous() for k, v in converted.items()}, renamed)
+        return network.load_weights(renamed)
 
 
 def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]:

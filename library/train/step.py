@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from library.data.te_cache import cached_conditioning
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.train.losses import LossOptions, training_loss
 from library.train.noise import NoiseOptions, make_noise, perturb_for_input
@@ -27,6 +28,7 @@ class StepContext:
     max_token_length: Optional[int]
     train_text_encoder: bool
     autocast: object  # a context-manager factory (accelerator.autocast)
+    text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
 
 
 def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
@@ -49,7 +51,10 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch)
-    text = encode_captions(ctx, batch["captions"])
+    if ctx.text_cache is not None:
+        text = cached_conditioning(ctx.text_cache, batch["captions"], ctx.device)
+    else:
+        text = encode_captions(ctx, batch["captions"])
     bsz = latents.shape[0]
 
     noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)

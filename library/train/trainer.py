@@ -20,16 +20,19 @@ import torch
 from tqdm.auto import tqdm
 
 from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
+from library.args.text_cache import text_cache_options_from_args
+from library.data.te_cache import build_text_cache, check_text_cache_allowed, final_captions, subset_caption_settings
 from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
-from library.train.network_setup import build_network, merge_base_weights, optimizer_groups, save_network
+from library.train.network_setup import (build_network, load_network_weights, merge_base_weights, optimizer_groups,
+                                         save_network)
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, find_latest_state, load_state, save_state
-from library.train.step import StepContext, batch_loss
+from library.train.step import StepContext, batch_loss, encode_captions
 from library.train.tracking import LossWindow, Tracker
 from library.train.validation import validation_loss
 
@@ -98,6 +101,9 @@ class NetworkTrainer:
             self.max_train_steps = self.t.max_train_steps
         self.data.plan(self.max_train_steps, accum)
         self.num_epochs = self.data.num_epochs()
+        self.text_cache_opts = text_cache_options_from_args(self.s.flags)
+        if self.text_cache_opts.enabled:  # refused before any model loads when captions are random
+            check_text_cache_allowed(subset_caption_settings(self.data), self.s.network.train_text_encoder)
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
@@ -124,7 +130,7 @@ class NetworkTrainer:
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
         self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
         if opts.network_weights and not opts.dim_from_weights:
-            info = self.network.load_weights(opts.network_weights)
+            info = load_network_weights(self.network, self.family, opts.network_weights)
             logger.info("loaded network weights from %s: %s", opts.network_weights, info)
         self.train_text_encoder = train_te
         net_dtype = torch.float32
@@ -178,6 +184,18 @@ class NetworkTrainer:
         logger.info("resumed from %s at epoch %d, step %d", where, progress.epoch, progress.global_step)
         return progress
 
+    def _cache_text_outputs(self) -> None:
+        opts = self.text_cache_opts
+        if not opts.enabled:
+            return
+        te_dtype = self.components.text_encoders[0].dtype
+        self.ctx.text_cache = build_text_cache(
+            final_captions(self.data.samples, self.data.subsets, self.max_train_steps),
+            lambda captions: encode_captions(self.ctx, captions).tensors,
+            model_id=f"{self.s.model.pretrained_model_name_or_path}|{te_dtype}",
+            max_token_length=self.s.max_token_length, suffix=getattr(self.family, "text_cache_suffix", None),
+            to_disk=opts.to_disk, batch_size=opts.batch_size)
+
     # ------------------------------------------------------------------ run
     def run(self) -> str:
         """Train; returns the path of the final LoRA file."""
@@ -194,6 +212,7 @@ class NetworkTrainer:
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
             max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
+        self._cache_text_outputs()
         progress = self._resume()
         self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
         self.started_at = time.time()

@@ -1,0 +1,152 @@
+"""SDXL LoRA training step time against the bare diffusers step, measured in the same run.
+
+Full-size SDXL architecture (random:sdxl: 2.6B UNet, CLIP-L, OpenCLIP-bigG) with
+random weights, which cost the same to run as trained ones; small images, batch 1,
+UNet-only LoRA (the usual SDXL setting: both text encoders frozen).
+
+- reference: tokenize with both tokenizers, both encoders' penultimate states,
+  pooled projection, DDPM add_noise, UNet forward with text_time conditioning, MSE,
+  backward, AdamW step on the same LoRA parameters.
+- ours: library.train.step.batch_loss (the trainer's micro-step) + clipping +
+  optimizer and scheduler step, exactly as NetworkTrainer runs them.
+
+Base weights default to bf16 (held as the trainer holds them under
+--mixed_precision bf16) so the model fits a shared CPU machine; pass --dtype fp32
+for full precision. Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
+
+    python bench/bench_sdxl_step.py [--steps 4] [--resolution 64] [--dtype bf16] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from library.families import get_family
+from library.families.base import Components
+from library.families.sdxl_configs import build_sdxl_modules
+from library.train.losses import LossOptions
+from library.train.noise import NoiseOptions
+from library.train.step import StepContext, batch_loss
+from networks import lora
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def build(dtype: torch.dtype, device: str) -> Components:
+    """random:sdxl created directly in `dtype` (no float32 copy of 3.5B parameters in between)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        parts = build_sdxl_modules("random:sdxl", device=device)
+    finally:
+        torch.set_default_dtype(previous)
+    for key in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        parts[key].requires_grad_(False)
+    return Components(parts["unet"], parts["vae"], [parts["text_encoder"], parts["text_encoder_2"]],
+                      [parts["tokenizer"], parts["tokenizer_2"]])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dtype, device = DTYPES[a.dtype], torch.device(a.device)
+
+    family = get_family("sdxl")
+    t0 = time.perf_counter()
+    comps = build(dtype, a.device)
+    print(f"built random:sdxl ({a.dtype}) in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
+    unet, (te1, te2) = comps.denoiser, comps.text_encoders
+    network = lora.create_network(1.0, a.dim, a.dim, None, [te1, te2], unet, lora_targets=family.lora_targets(comps))
+    network.apply_to([te1, te2], unet, False, True)
+    network.to(device)
+    groups, _ = network.prepare_optimizer_params(None, None, 1e-4)
+    params = [q for g in groups for q in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scheme = family.noise_scheme(comps)
+    latent = a.resolution // 8
+    latents = torch.randn(1, 4, latent, latent)
+    caption = ["a photo of a sks dog sitting on a wooden chair, high quality"]
+    sizes = torch.tensor([[a.resolution, a.resolution]])
+    batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None,
+             "original_sizes_hw": sizes, "crop_top_lefts": torch.zeros(1, 2, dtype=torch.long),
+             "target_sizes_hw": sizes}
+
+    def reference_step() -> None:
+        with torch.no_grad():
+            ids = [tok(caption, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+                   for tok in comps.tokenizers]
+            h1 = te1(ids[0].to(device), output_hidden_states=True).hidden_states[-2]
+            out2 = te2(ids[1].to(device), output_hidden_states=True)
+            hidden = torch.cat([h1, out2.hidden_states[-2]], dim=2)
+        x0 = latents.to(device) * 0.13025
+        noise = torch.randn_like(x0)
+        t = torch.randint(0, 1000, (1,), device=device)
+        noisy = scheme.add_noise(x0, noise, t).to(dtype)
+        time_ids = torch.tensor([[a.resolution, a.resolution, 0, 0, a.resolution, a.resolution]], device=device, dtype=dtype)
+        pred = unet(noisy, t, hidden, added_cond_kwargs={"text_embeds": out2.text_embeds, "time_ids": time_ids}).sample
+        F.mse_loss(pred.float(), noise.float()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
+                      device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
+                      train_text_encoder=False, autocast=contextlib.nullcontext)
+    generator = torch.Generator().manual_seed(0)
+
+    def our_step() -> None:
+        loss, _ = batch_loss(ctx, batch, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Interleave to spread machine noise evenly over both.
+    ref_times, our_times = [], []
+    for _ in range(2):
+        ref_times.append(timed(reference_step, a.steps // 2 or 1, a.warmup))
+        our_times.append(timed(our_step, a.steps // 2 or 1, a.warmup))
+    ref, ours = min(ref_times), min(our_times)
+    print(f"LoRA modules: {len(network.unet_loras)} UNet; {a.resolution}x{a.resolution}, batch 1, {a.dtype}, {device}")
+    print(f"reference (bare diffusers) step: {ref:.3f} s")
+    print(f"our trainer step:               {ours:.3f} s")
+    print(f"ratio ours/reference:           {ours / ref:.3f}  (goal <= 1.10)")
+    print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Text-encoder output cache flags (--cache_text_encoder_outputs, ...), added by families that support it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+
+@dataclass
+class TextCacheOptions:
+    """Whether to encode every caption once before training, and where to keep the outputs."""
+
+    enabled: bool = False
+    to_disk: bool = False
+    batch_size: int = 1
+
+
+def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sd-scripts text-encoder cache flags to `parser`."""
+    g = parser.add_argument_group("text encoder output cache")
+    g.add_argument("--cache_text_encoder_outputs", action="store_true",
+                   help="encode every caption once before training and keep the outputs in memory "
+                        "(not with caption shuffle/dropout/warmup/wildcards or text-encoder training)")
+    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
+                   help="also write them beside each image as <stem>_te_outputs.npz (implies "
+                        "--cache_text_encoder_outputs)")
+
+
+def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]]) -> TextCacheOptions:
+    """TextCacheOptions from a namespace or a dict of flag values; absent flags mean off."""
+    values = ns if isinstance(ns, Mapping) else vars(ns)
+    to_disk = bool(values.get("cache_text_encoder_outputs_to_disk") or False)
+    return TextCacheOptions(enabled=bool(values.get("cache_text_encoder_outputs") or False) or to_disk,
+                            to_disk=to_disk, batch_size=max(1, int(values.get("vae_batch_size") or 1)))

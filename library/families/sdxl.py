@@ -1,0 +1,150 @@
+"""The SDXL family: UNet with text_time conditioning, CLIP-L + OpenCLIP-bigG, SGM-named LoRA keys.
+
+Text conditioning is sd-scripts': the penultimate hidden states of both
+encoders (no final layer norm), concatenated along the channels for the UNet,
+and the projected pooled output of encoder 2 (from the first 75-token chunk
+when --max_token_length splits a caption). The size/crop ids come from the
+batch: original size, the (flip-aware) crop top-left and the bucket size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from library.families.base import (
+    Components,
+    LoadOptions,
+    LoraTarget,
+    ModelFamily,
+    TextConditioning,
+)
+from library.families.sd import (
+    TEXT_ENCODER_TARGETS,
+    UNET_CONV_TARGETS,
+    UNET_TARGETS,
+    chunk_token_ids,
+    join_token_chunks,
+    text_encoder_kohya_path,
+)
+
+logger = logging.getLogger(__name__)
+
+SGM_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
+TEXT_KEYS = ("hidden_state1", "hidden_state2", "pool2")  # also the keys of `*_te_outputs.npz`
+
+
+def penultimate_states(text_encoder, tokens: torch.Tensor, window: int) -> tuple[torch.Tensor, Any]:
+    """(B*n, 77, D) penultimate-layer states of (B, n*77) ids, and the encoder's full output."""
+    out = text_encoder(tokens.reshape(-1, window).to(text_encoder.device), output_hidden_states=True, return_dict=True)
+    return out.hidden_states[-2], out
+
+
+def time_ids(batch: dict, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 6) SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)."""
+    parts = [batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"]]
+    return torch.cat([p.reshape(-1, 2) for p in parts], dim=1).to(device=device, dtype=dtype)
+
+
+class SDXLFamily(ModelFamily):
+    """Stable Diffusion XL base (and fine-tunes of it), epsilon or v prediction."""
+
+    name = "sdxl"
+    latent_cache_arch = "_sdxl"
+    latent_channels = 4
+    vae_scale_factor = 8
+    latents_scale = 0.13025
+    latents_shift = 0.0
+    bucket_reso_multiple = 32
+    text_cache_suffix = "_te_outputs.npz"
+
+    def __init__(self) -> None:
+        self._warned_clip_skip = False
+
+    # --- flags ----------------------------------------------------------------
+    def add_arguments(self, parser) -> None:
+        """SDXL scripts also take the text-encoder output cache flags."""
+        from library.args.text_cache import add_text_cache_arguments
+
+        add_text_cache_arguments(parser)
+
+    # --- loading ----------------------------------------------------------------
+    def load(self, opts: LoadOptions) -> Components:
+        """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
+        from library.families.sdxl_loading import load_sdxl_components
+
+        return load_sdxl_components(opts)
+
+    # --- text ---------------------------------------------------------------------
+    def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
+        return [chunk_token_ids(tok, captions, max_token_length) for tok in components.tokenizers]
+
+    def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
+        if clip_skip not in (None, 2) and not self._warned_clip_skip:
+            logger.warning("--clip_skip %s is ignored: SDXL always uses the penultimate layer of both encoders",
+                           clip_skip)
+            self._warned_clip_skip = True
+        te1, te2 = components.text_encoders
+        window = components.tokenizers[0].model_max_length
+        batch = tokens[0].shape[0]
+        h1, _ = penultimate_states(te1, tokens[0], window)
+        h2, out2 = penultimate_states(te2, tokens[1], window)
+        pooled = out2.text_embeds.reshape(batch, -1, out2.text_embeds.shape[-1])[:, 0]  # first chunk, as sd-scripts
+        return TextConditioning(tensors={
+            "hidden_state1": join_token_chunks(h1.reshape(batch, -1, h1.shape[-1]), window),
+            "hidden_state2": join_token_chunks(h2.reshape(batch, -1, h2.shape[-1]), window),
+            "pool2": pooled,
+        })
+
+    # --- denoising ------------------------------------------------------------------
+    def noise_scheme(self, components: Components, **options: Any):
+        from library.train.noise import DDPMScheme
+
+        return DDPMScheme(prediction_type="v_prediction" if components.v_parameterization else "epsilon",
+                          zero_terminal_snr=options.get("zero_terminal_snr", False))
+
+    def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                text: TextConditioning, batch: dict) -> torch.Tensor:
+        t = text.tensors
+        dtype, device = noisy_latents.dtype, noisy_latents.device
+        hidden = torch.cat([t["hidden_state1"], t["hidden_state2"]], dim=2).to(device, dtype)
+        added = {"text_embeds": t["pool2"].to(device, dtype), "time_ids": time_ids(batch, device, dtype)}
+        return components.denoiser(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample
+
+    # --- LoRA -------------------------------------------------------------------------
+    def lora_targets(self, components: Components) -> list[LoraTarget]:
+        from library.families.sdxl_lora_names import sgm_module_path
+
+        te1, te2 = components.text_encoders
+        return [
+            LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS, rename=sgm_module_path),
+            LoraTarget("lora_te1", te1, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
+            LoraTarget("lora_te2", te2, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
+        ]
+
+    def lora_block_index(self):
+        """Module name -> block (0-22) for block_dims / block lr weights (sd-scripts' SDXL layout)."""
+        from library.families.sdxl_lora_names import sdxl_unet_block_index
+
+        return sdxl_unet_block_index
+
+    def convert_lora_state_dict(self, state_dict: dict) -> dict:
+        """A LoRA state dict in this family's kohya naming; diffusers-named SDXL files are renamed to SGM."""
+        from library.families.sdxl_lora_names import (
+            convert_to_sgm_names,
+            is_diffusers_named,
+        )
+
+        return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
+
+    # --- metadata -----------------------------------------------------------------------
+    def base_model_version(self, components: Components) -> str:
+        return "sdxl_base_v1-0"
+
+    def modelspec_architecture(self, components: Components, resolution: int) -> str:
+        return "stable-diffusion-xl-v1-base"
+
+    def modelspec_implementation(self) -> str:
+        return SGM_IMPLEMENTATION

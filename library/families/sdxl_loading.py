@@ -1,0 +1,133 @@
+"""Load SDXL from what --pretrained_model_name_or_path names: a preset, a diffusers folder, or an SGM file.
+
+Nothing is downloaded. Single files carry no tokenizers: the local toy ones
+are used for tiny models, the real CLIP tokenizers from a local cache (or
+--tokenizer_cache_dir) otherwise, exactly as the SD loader finds them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from library.families import ldm_layout as ldm
+from library.families import sgm_layout as sgm
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.loading import (
+    SINGLE_FILE_SUFFIXES,
+    _materialize,
+    find_tokenizer,
+    load_vae,
+    read_checkpoint,
+    vae_from_ldm,
+)
+from library.families.sd_configs import PRESETS as SD_PRESETS
+from library.families.sdxl_configs import (
+    PRESETS,
+    build_sdxl_modules,
+    te1_config,
+    te2_config,
+)
+
+_PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
+
+
+def sdxl_source_kind(path: str) -> str:
+    """"preset", "diffusers" or "single_file"; ModelLoadError naming the problem otherwise."""
+    if path in PRESETS:
+        return "preset"
+    if path in SD_PRESETS:
+        raise ModelLoadError(f"--pretrained_model_name_or_path: {path} is an SD 1.x/2.x preset, not SDXL; "
+                             f"use train_network.py or one of {', '.join(PRESETS)}")
+    if path.startswith(("tiny:", "random:")):
+        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown SDXL preset {path!r}; "
+                             f"expected one of {', '.join(PRESETS)}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
+        if not os.path.isdir(os.path.join(path, "text_encoder_2")):
+            raise ModelLoadError(f"{path}: not an SDXL diffusers folder (no text_encoder_2/); "
+                                 "for SD 1.x/2.x use train_network.py")
+        return "diffusers"
+    if os.path.isfile(path):
+        if not path.lower().endswith(SINGLE_FILE_SUFFIXES):
+            raise ModelLoadError(f"{path}: expected a .safetensors or .ckpt checkpoint or a diffusers folder")
+        return "single_file"
+    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist (SDXL needs a local "
+                         "diffusers folder, an SGM .safetensors file, or a preset)")
+
+
+def load_sdxl_components(opts: LoadOptions) -> Components:
+    """Both text encoders and tokenizers, the UNet and the VAE, cast to the requested dtypes."""
+    path = opts.pretrained_model_name_or_path
+    kind = sdxl_source_kind(path)
+    cache_dir = getattr(opts, "tokenizer_cache_dir", None)
+    if kind == "preset":
+        parts = build_sdxl_modules(path)
+    elif kind == "single_file":
+        parts = parts_from_sgm_checkpoint(read_checkpoint(path), path, cache_dir)
+    else:
+        parts = parts_from_diffusers_folder(path)
+    if opts.vae:
+        parts["vae"] = load_vae(opts.vae)
+    for key in _PARTS:
+        dtype = opts.vae_dtype if key == "vae" else opts.dtype
+        if parts[key].dtype != dtype:
+            parts[key].to(dtype=dtype)
+    return Components(denoiser=parts["unet"], vae=parts["vae"],
+                      text_encoders=[parts["text_encoder"], parts["text_encoder_2"]],
+                      tokenizers=[parts["tokenizer"], parts["tokenizer_2"]],
+                      v_parameterization=opts.v_parameterization, v2=False, model_path=path, vae_path=opts.vae)
+
+
+def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
+                              tokenizer_cache_dir: Optional[str] = None) -> dict:
+    """The four models and two tokenizers from one SGM-layout state dict."""
+    from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    sgm.check_sdxl_keys(checkpoint, path)
+    try:
+        unet_kwargs = sgm.infer_unet_config(checkpoint)
+        unet = _materialize(lambda: UNet2DConditionModel(**unet_kwargs),
+                            lambda s: ldm.pull(checkpoint, sgm.unet_key_map(s, unet_kwargs["layers_per_block"]), s))
+        vae = vae_from_ldm(checkpoint, sgm.VAE_PREFIX)
+        shapes1, shapes2 = sgm.te1_shapes(checkpoint), sgm.te2_shapes(checkpoint)
+        tok1 = find_tokenizer(False, shapes1["vocab_size"], tokenizer_cache_dir, path)
+        tok2 = find_tokenizer(True, shapes2["vocab_size"], tokenizer_cache_dir, path)
+        c1 = CLIPTextConfig(**te1_config(tokenizer=tok1, **shapes1))
+        c2 = CLIPTextConfig(**te2_config(tokenizer=tok2, **shapes2))
+        te1 = _materialize(lambda: CLIPTextModel(c1), lambda s: ldm.pull(checkpoint, sgm.te1_key_map(s), s))
+        te2 = _materialize(lambda: CLIPTextModelWithProjection(c2), lambda s: sgm.pull_te2(checkpoint, s))
+    except (ldm.LayoutError, ValueError, StopIteration) as e:
+        raise ModelLoadError(f"{path}: SDXL checkpoint is incomplete or has unexpected shapes ({e})") from None
+    return {"unet": unet, "vae": vae, "text_encoder": te1, "text_encoder_2": te2, "tokenizer": tok1,
+            "tokenizer_2": tok2}
+
+
+def parts_from_diffusers_folder(folder: str) -> dict:
+    """The parts of an SDXL diffusers folder (as StableDiffusionXLPipeline.save_pretrained writes it)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    for sub in (*_PARTS, "tokenizer", "tokenizer_2"):
+        if not os.path.isdir(os.path.join(folder, sub)):
+            raise ModelLoadError(f"{folder}: SDXL diffusers folder has no {sub}/ subfolder")
+    try:
+        parts = {
+            "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet"),
+            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae"),
+            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder"),
+            "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2"),
+            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"),
+            "tokenizer_2": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2"),
+        }
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{folder}: cannot load the SDXL model ({str(e).splitlines()[0][:200]})") from None
+    if parts["unet"].config.addition_embed_type != "text_time":
+        raise ModelLoadError(f"{folder}: its UNet has no SDXL text_time conditioning; not an SDXL base model")
+    for key in _PARTS:
+        parts[key].eval()
+    return parts

@@ -1,0 +1,100 @@
+"""SDXL LoRA module names: diffusers paths <-> the SGM names kohya files use, and the 23-block index.
+
+sd-scripts builds SDXL's UNet in the SGM layout, so its LoRA names are SGM
+paths (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`). We train
+on diffusers' UNet and rename at the name level; the mapping is the one the
+single-file converter uses (sgm_layout), applied to module paths.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+import torch
+
+from library.families.sgm_layout import unet_key_to_sgm
+
+UNET_PREFIX = "lora_unet_"
+# SDXL's 23 blocks (sd-scripts' block_dims layout): 0 embeddings, 1-9 input_blocks 0-8,
+# 10-12 middle_block 0-2, 13-21 output_blocks 0-8, 22 out.
+NUM_BLOCKS = 23
+_DIFFUSERS_BLOCK = re.compile(
+    r"^(?:(?P<side>down_blocks|up_blocks)_(?P<i>\d+)_|mid_block_)"
+    r"(?P<kind>attentions|resnets|downsamplers|upsamplers)_(?P<j>\d+)_(?P<tail>.+)$")
+_RESNET_TAILS = ("norm1", "conv1", "time_emb_proj", "norm2", "conv2", "conv_shortcut")
+_PEFT_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(lora_A|lora_B|lora\.down|lora\.up)\.weight$")
+_PEFT_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+_PEFT_PART = {"lora_A": "lora_down", "lora.down": "lora_down", "lora_B": "lora_up", "lora.up": "lora_up"}
+
+
+def sgm_module_path(path: str) -> str:
+    """A dotted module path in diffusers' SDXL UNet as its SGM path (`down_blocks.1.attentions.0.x` -> `input_blocks.4.1.x`)."""
+    return unet_key_to_sgm(path + ".weight")[: -len(".weight")]
+
+
+def sgm_lora_name(name: str) -> str:
+    """A kohya UNet module name with a diffusers path (`lora_unet_down_blocks_1_...`) in SGM naming.
+
+    Names already in SGM naming, and text-encoder names, come back unchanged.
+    """
+    if not name.startswith(UNET_PREFIX):
+        return name
+    rest = name[len(UNET_PREFIX):]
+    m = _DIFFUSERS_BLOCK.match(rest)
+    if not m:
+        return name
+    block = f"{m['side']}.{m['i']}" if m["side"] else "mid_block"
+    dotted, tail = f"{block}.{m['kind']}.{m['j']}", m["tail"]
+    if m["kind"] == "resnets" and tail in _RESNET_TAILS:
+        path = f"{dotted}.{tail}"
+    elif m["kind"].endswith("samplers"):
+        path = f"{dotted}.conv"
+    else:
+        path = f"{dotted}.{tail}"  # inside a transformer: the tail keeps its own underscores
+    return UNET_PREFIX + sgm_module_path(path).replace(".", "_")
+
+
+def is_diffusers_named(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """True when a LoRA state dict names SDXL UNet modules by diffusers paths or uses diffusers/PEFT keys."""
+    return any(k.startswith(("lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_"))
+               or _PEFT_KEY.match(k) for k in state_dict)
+
+
+def convert_to_sgm_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers-named SDXL LoRA (kohya keys with diffusers paths, or PEFT `unet.*.lora_A.weight`) in SGM naming.
+
+    PEFT files carry no alpha: each module gets alpha = rank (scale 1), which is
+    how diffusers applies them.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        m = _PEFT_KEY.match(key)
+        if m:
+            path = m[2]
+            if m[1] != "unet":
+                path = path if path.startswith("text_model.") else "text_model." + path
+            name = f"{_PEFT_PREFIX[m[1]]}_{path.replace('.', '_')}"
+            part = _PEFT_PART[m[3]]
+            out[f"{sgm_lora_name(name)}.{part}.weight"] = value
+            if part == "lora_down":
+                out.setdefault(f"{sgm_lora_name(name)}.alpha", torch.tensor(float(value.shape[0])))
+            continue
+        name, _, rest = key.partition(".")
+        out[f"{sgm_lora_name(name)}.{rest}"] = value
+    return out
+
+
+def sdxl_unet_block_index(lora_name: str) -> int:
+    """Block (0-22) of an SDXL UNet LoRA name in sd-scripts' 23-block layout; -1 for none."""
+    if not lora_name.startswith(UNET_PREFIX):
+        return -1
+    name = lora_name[len(UNET_PREFIX):]
+    if name.startswith(("time_embed_", "label_emb_")):
+        return 0
+    for start, base in (("input_blocks_", 1), ("middle_block_", 10), ("output_blocks_", 13)):
+        if name.startswith(start):
+            return base + int(name[len(start):].split("_")[0])
+    if name.startswith("out_"):
+        return NUM_BLOCKS - 1
+    return -1

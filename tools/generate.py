@@ -1,0 +1,179 @@
+"""Generate images from a base model with zero or more LoRA files (the flags of sd-scripts' gen_img.py).
+
+    python tools/generate.py --ckpt model.safetensors --outdir out --prompt "a cat --n blurry --d 42" \
+        --network_weights my_lora.safetensors --network_mul 0.8 --steps 30 --sampler euler_a
+
+Prompts come from --prompt or --from_file (.txt, .toml, .json: the sample prompt
+formats); inline options (--n --w --h --d --s --l --g --ss) override the flags.
+Images are written as <outdir>/im_<NN>_<YYYYmmddHHMMSS>_<seed>.png with the
+settings in the PNG text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from library.errors import ConfigError, UserError  # noqa: E402
+from library.sampling.samplers import sampler_names  # noqa: E402
+
+logger = logging.getLogger("generate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--ckpt", required=True, help="base model: diffusers folder, .safetensors/.ckpt file or preset")
+    g.add_argument("--vae", default=None, help="VAE to use instead of the model's own")
+    g.add_argument("--v2", action="store_true", help="SD 2.x (detected from the model; kept for compatibility)")
+    g.add_argument("--v_parameterization", action="store_true", help="the model predicts v (SD 2.x 768-v)")
+    g.add_argument("--sdxl", action="store_true", help="the model is SDXL")
+    g.add_argument("--flux", action="store_true", help="the model is FLUX.1")
+    g.add_argument("--clip_skip", type=int, default=None, help="text encoder layer from the end (2 = penultimate)")
+    g.add_argument("--fp16", action="store_true", help="run the model in float16")
+    g.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
+    g.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    g = p.add_argument_group("networks (one value per network)")
+    g.add_argument("--network_module", nargs="*", default=[], help="module of each network (default networks.lora)")
+    g.add_argument("--network_weights", nargs="*", default=[], help="LoRA / LyCORIS files")
+    g.add_argument("--network_mul", nargs="*", type=float, default=[], help="multiplier of each network (default 1)")
+    g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
+                   help="merge the networks into the weights first (same images, faster)")
+    g = p.add_argument_group("images")
+    g.add_argument("--outdir", required=True, help="folder for the images")
+    g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")
+    g.add_argument("--from_file", default=None, help="prompt file: .txt (one a line), .toml or .json")
+    g.add_argument("--images_per_prompt", type=int, default=1)
+    g.add_argument("--seed", type=int, default=None, help="seed of the first image; the k-th image gets seed + k")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (default 30)")
+    g.add_argument("--scale", type=float, default=None, help="CFG scale (default 7.5)")
+    g.add_argument("--W", type=int, default=None, help="width in pixels (default 512)")
+    g.add_argument("--H", type=int, default=None, help="height in pixels (default 512)")
+    g.add_argument("--sampler", default=None, choices=sampler_names(), help="sampler (default ddim)")
+    g.add_argument("--batch_size", type=int, default=1, help="images denoised together")
+    g.add_argument("--grid", action="store_true", help="also write a contact sheet of all images")
+    return p
+
+
+@dataclass
+class GenerateOptions:
+    """What one generate run needs (from flags, or built directly by tests and benchmarks)."""
+
+    ckpt: str
+    outdir: str
+    prompts: list = field(default_factory=list)  # SamplePrompt
+    family: str = "sd"
+    vae: Optional[str] = None
+    v2: bool = False
+    v_parameterization: bool = False
+    clip_skip: Optional[int] = None
+    dtype: torch.dtype = torch.float32
+    device: Optional[str] = None
+    networks: list = field(default_factory=list)  # NetworkSpec
+    merge: bool = False
+    images_per_prompt: int = 1
+    seed: Optional[int] = None
+    overrides: object = None  # PromptOverrides
+    batch_size: int = 1
+    grid: bool = False
+
+
+def options_from_args(a: argparse.Namespace) -> GenerateOptions:
+    """Check the flags and read the prompts; ConfigError on anything wrong."""
+    from library.sampling.generate import PromptOverrides, network_specs
+    from library.sampling.prompts import load_prompts, parse_prompt_line
+    from library.sampling.samplers import canonical_sampler
+
+    if a.sdxl and a.flux:
+        raise ConfigError("--sdxl and --flux: expected at most one")
+    if bool(a.prompt) == bool(a.from_file):
+        raise ConfigError("expected exactly one of --prompt or --from_file")
+    for name in ("images_per_prompt", "batch_size", "steps", "W", "H"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name}: expected an integer >= 1, got {value}")
+    if a.fp16 and a.bf16:
+        raise ConfigError("--fp16 and --bf16: expected at most one")
+    prompts = [parse_prompt_line(a.prompt, "--prompt")] if a.prompt else \
+        load_prompts(a.from_file, check_sampler=canonical_sampler)
+    for path in a.network_weights:
+        if not os.path.isfile(path):  # now, not after the model has loaded
+            raise ConfigError(f"--network_weights {path}: file not found")
+    return GenerateOptions(
+        ckpt=a.ckpt, outdir=a.outdir, prompts=prompts, family="sdxl" if a.sdxl else "flux" if a.flux else "sd",
+        vae=a.vae, v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
+        dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
+        networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,
+        images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
+        overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, sampler=a.sampler))
+
+
+def load_model(o: GenerateOptions):
+    """(family, components) on the device, in eval mode; ConfigError for a family that cannot generate yet."""
+    from library.families import get_family
+    from library.families.base import LoadOptions, ModelFamily
+
+    try:
+        family = get_family(o.family)
+    except ConfigError:
+        raise ConfigError(f"--{o.family}: {o.family} models are not supported yet") from None
+    if type(family).generate is ModelFamily.generate:
+        raise ConfigError(f"--{o.family}: image generation for {o.family} models is not implemented yet")
+    device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    components = family.load(LoadOptions(o.ckpt, vae=o.vae, v2=o.v2, v_parameterization=o.v_parameterization,
+                                         dtype=o.dtype, vae_dtype=torch.float32))
+    for module in [components.denoiser, *components.text_encoders]:
+        module.to(device, o.dtype).eval().requires_grad_(False)
+    vae = components.vae
+    if vae.dtype != torch.float32:
+        vae.to(dtype=torch.float32)  # SD's VAE overflows to NaN in fp16; decoding once is cheap in fp32
+    vae.to(device).eval().requires_grad_(False)
+    return family, components, device
+
+
+def run(o: GenerateOptions, loaded=None) -> list[str]:
+    """Generate every image of `o`; returns the written paths.
+
+    `loaded` reuses a (family, components, device) from load_model; with `o.merge` the
+    networks are merged into those weights for good.
+    """
+    from library.sampling.generate import apply_networks, generate_images, requests_from_prompts
+    from library.sampling.output import save_samples
+
+    family, components, device = loaded or load_model(o)
+    applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
+    try:
+        requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
+        generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
+                                    batch_size=o.batch_size, progress=True)
+    finally:
+        applied.remove()
+    networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
+    extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
+    return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        start = time.time()
+        paths = run(options_from_args(args))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
