@@ -132,7 +132,9 @@ def load_model(o: GenerateOptions):
     components = family.load(LoadOptions(o.ckpt, vae=o.vae, v2=o.v2, v_parameterization=o.v_parameterization,
                                          dtype=o.dtype, vae_dtype=torch.float32))
     for module in [components.denoiser, *components.text_encoders]:
-        module.to(device, o.dtype).eval().requires_grad_(False)
+        if module.dtype != o.dtype:  # (diffusers warns on every .to() that names a dtype)
+            module.to(dtype=o.dtype)
+        module.to(device).eval().requires_grad_(False)
     vae = components.vae
     if vae.dtype != torch.float32:
         vae.to(dtype=torch.float32)  # SD's VAE overflows to NaN in fp16; decoding once is cheap in fp32

@@ -110,18 +110,59 @@ def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]
     return groups, names
 
 
-def save_network(network, path: str, save_precision: Optional[str], metadata: Optional[dict]) -> None:
-    """Save atomically; safetensors through the network's own save_weights, ckpt/pt via torch.save."""
+def kohya_name_map(targets) -> dict[str, str]:
+    """Module names an external network (e.g. lycoris.kohya) derives from raw module paths -> kohya names.
+
+    External modules name a LoRA `prefix_` + its module path; where the family renames paths
+    (transformers 5's CLIP has no `text_model.` level; SDXL uses SGM block names) the file
+    must still carry the names ComfyUI, A1111 and diffusers expect.
+    """
+    mapping: dict[str, str] = {}
+    for target in targets:
+        if target.rename is None:
+            continue
+        for path, _ in target.root.named_modules():
+            if not path:
+                continue
+            src = f"{target.prefix}_{path.replace('.', '_')}"
+            dst = f"{target.prefix}_{target.rename(path).replace('.', '_')}"
+            if src != dst:
+                mapping[src] = dst
+    return mapping
+
+
+def _renamed(state: dict, name_map: dict[str, str]) -> dict:
+    out = {}
+    for key, value in state.items():
+        module, dot, rest = key.partition(".")
+        out[name_map.get(module, module) + dot + rest] = value
+    return out
+
+
+def save_network(network, path: str, save_precision: Optional[str], metadata: Optional[dict],
+                 name_map: Optional[dict[str, str]] = None) -> None:
+    """Save atomically; safetensors through the network's own save_weights, ckpt/pt via torch.save.
+
+    `name_map` renames modules of external networks to kohya names (see kohya_name_map).
+    """
     dtype = SAVE_DTYPES[save_precision]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".safetensors"):
         with atomic_path(path) as tmp:
             network.save_weights(tmp, dtype, metadata)
+            if name_map:
+                from safetensors import safe_open
+                from safetensors.torch import save_file
+
+                with safe_open(tmp, "pt") as f:
+                    saved_metadata = f.metadata()
+                    state = {k: f.get_tensor(k) for k in f.keys()}
+                save_file(_renamed(state, name_map), tmp, metadata=saved_metadata)
         return
     state = {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).cpu()
              for k, v in network.state_dict().items()}
     with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+        torch.save(_renamed(state, name_map or {}), tmp)
 
 
 def network_args_json(opts) -> str:

@@ -28,8 +28,8 @@ from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
-from library.train.network_setup import (build_network, load_network_weights, merge_base_weights, optimizer_groups,
-                                         save_network)
+from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
+                                         optimizer_groups, save_network)
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, find_latest_state, load_state, save_state
 from library.train.step import StepContext, batch_loss, encode_captions
@@ -133,6 +133,8 @@ class NetworkTrainer:
             info = load_network_weights(self.network, self.family, opts.network_weights)
             logger.info("loaded network weights from %s: %s", opts.network_weights, info)
         self.train_text_encoder = train_te
+        self.name_map = None if self.s.network_module.__name__ == "networks.lora" else \
+            kohya_name_map(self.family.lora_targets(self.components))
         net_dtype = torch.float32
         if self.t.full_fp16:
             net_dtype = torch.float16
@@ -403,7 +405,7 @@ class NetworkTrainer:
         if not self.accelerator.is_main_process:
             return
         save_network(self.accelerator.unwrap_model(self.network), path, self.t.save_precision,
-                     self._metadata(step, epoch))
+                     self._metadata(step, epoch), self.name_map)
         logger.info("saved %s", path)
 
     def _save_state(self, state_dir: str, progress: TrainProgress) -> None:
