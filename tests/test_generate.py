@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from library.errors import ConfigError
 from library.sampling.generate import NetworkSpec, network_specs
@@ -51,7 +52,7 @@ def options(outdir, prompt="a red cat --n blurry", **kw):
 
 
 def images(paths):
-    return np.stack([np.asarray(__import__("PIL.Image").Image.open(p).convert("RGB")) for p in sorted(paths)])
+    return np.stack([np.asarray(Image.open(p).convert("RGB")) for p in sorted(paths)])
 
 
 def test_cli_writes_named_images_with_metadata(tmp_path, capsys):

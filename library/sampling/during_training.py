@@ -103,8 +103,8 @@ class SampleHook:
             if user_multiplier is not None and hasattr(network, "set_multiplier"):
                 network.set_multiplier(user_multiplier)
             # Seeds of prompts without --d come from their own generator, never the training RNG.
-            requests = requests_from_prompts(self.prompts, overrides=PromptOverrides(sampler=self.options.sample_sampler),
-                                             rng=random.Random())
+            overrides = PromptOverrides(sampler=self.options.sample_sampler)
+            requests = requests_from_prompts(self.prompts, overrides=overrides, rng=random.Random())
             logger.info("sampling %d image(s) at step %d", len(requests), step)
             with trainer.accelerator.autocast():
                 generated = generate_images(trainer.family, trainer.components, requests,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from library.errors import ConfigError
@@ -208,7 +208,3 @@ def _read_json(text: str, name: str) -> list[tuple[str, Any]]:
         out.append((f"{name}: [{i}]", entry))
     return out
 
-
-def prompt_fields() -> list[str]:
-    """Field names of SamplePrompt (for docs and metadata)."""
-    return [f.name for f in fields(SamplePrompt)]

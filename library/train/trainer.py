@@ -198,6 +198,13 @@ class NetworkTrainer:
             max_token_length=self.s.max_token_length, suffix=getattr(self.family, "text_cache_suffix", None),
             to_disk=opts.to_disk, batch_size=opts.batch_size)
 
+    def cache_latents_only(self) -> None:
+        """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_model()
+        self._cache_latents()
+
     # ------------------------------------------------------------------ run
     def run(self) -> str:
         """Train; returns the path of the final LoRA file."""
