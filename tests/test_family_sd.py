@@ -46,7 +46,7 @@ def kohya_modules(target, conv: bool) -> list[str]:
 
 
 def test_registry():
-    assert family_names() == ["sd"]
+    assert family_names() == ["sd", "sdxl"]
     assert isinstance(get_family("sd"), SDFamily)
     with pytest.raises(ConfigError, match="model family: expected one of sd, got 'sd3'"):
         get_family("sd3")
