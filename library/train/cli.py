@@ -48,9 +48,14 @@ def settings_from_args(ns, family, parser):
     )
     settings.flags["_config_values"] = config_values(ns, parser)
     from library.args.sampling import sampling_hook_from_args
+    from library.errors import ConfigError
+    from library.families.base import ModelFamily
 
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
+        if type(family).generate is ModelFamily.generate:
+            raise ConfigError(f"--sample_prompts: sampling is not implemented for the {family.name} family yet; "
+                              "drop the flag (or generate afterwards with tools/generate.py)")
         settings.hooks.append(sample_hook)
     return settings
 
