@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Iterator
 
@@ -23,6 +24,30 @@ def atomic_path(final_path: str) -> Iterator[str]:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(final_dir: str) -> Iterator[str]:
+    """Yield a temporary folder beside `final_dir`; when the block succeeds it replaces `final_dir`.
+
+    Temporary names start with "." so globs for finished folders never see them.
+    """
+    final_dir = os.path.abspath(final_dir)
+    parent = os.path.dirname(final_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.", suffix=".tmp", dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(final_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.old.", dir=parent)
+            os.replace(final_dir, os.path.join(old, "previous"))
+            os.replace(tmp, final_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Optional
 
 import torch
 from torch import nn
 
 from library.families import ldm_layout as ldm
-from library.io_utils import atomic_path, save_safetensors_atomic
+from library.io_utils import atomic_directory, atomic_path, save_safetensors_atomic
 
 # The training noise schedule of every SD 1.x / 2.x model (scaled_linear, 0.00085 .. 0.012, 1000 steps).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -53,25 +51,11 @@ def write_diffusers_folder(parts: dict, model_index: dict, out_dir: str) -> None
     The folder is written beside `out_dir` under a temporary name and renamed into
     place; an existing `out_dir` is replaced only after the new one is complete.
     """
-    out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
-    try:
+    with atomic_directory(out_dir) as tmp:
         for sub, part in parts.items():
             part.save_pretrained(os.path.join(tmp, sub))
         with open(os.path.join(tmp, "model_index.json"), "w", encoding="utf-8") as f:
             json.dump(model_index, f, indent=2)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old.", dir=parent)
-            os.replace(out_dir, os.path.join(old, "model"))
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def ldm_state_dict(unet: nn.Module, vae: nn.Module, text_encoder: nn.Module, v2: bool,

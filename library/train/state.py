@@ -13,8 +13,6 @@ import json
 import os
 import pickle
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -23,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.errors import UserError
+from library.io_utils import atomic_directory
 
 STATE_FORMAT = 1
 TRAIN_STATE = "train_state.json"
@@ -63,10 +62,7 @@ def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
 def save_state(state_dir: str, network_state: dict[str, torch.Tensor], optimizer, scheduler,
                progress: TrainProgress, generators: dict[str, torch.Generator], scaler=None) -> None:
     """Write the whole state into a temporary folder, then rename it into place."""
-    parent = os.path.dirname(os.path.abspath(state_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(state_dir)}.", suffix=".tmp", dir=parent)
-    try:
+    with atomic_directory(state_dir) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in network_state.items()},
                   os.path.join(tmp, "model.safetensors"))
         torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.bin"))
@@ -78,17 +74,6 @@ def save_state(state_dir: str, network_state: dict[str, torch.Tensor], optimizer
         with open(os.path.join(tmp, TRAIN_STATE), "w", encoding="utf-8") as f:
             json.dump({"current_epoch": progress.epoch, "current_step": progress.global_step,
                        "batches_done": progress.batches_done, "format": STATE_FORMAT}, f)
-        if os.path.exists(state_dir):
-            old = state_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(state_dir, old)
-            os.replace(tmp, state_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, state_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_progress(state_dir: str) -> TrainProgress:
