@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
 import sys
 import time
 
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
+from bench.common import compare_steps, peak_rss_mib, print_comparison  # noqa: E402
 from library.families import get_family
 from library.families.base import Components
 from library.families.sdxl_configs import build_sdxl_modules
@@ -42,20 +42,7 @@ from networks import lora
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-
-def timed(fn, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    sync()
-    return (time.perf_counter() - start) / steps
 
 
 def build(dtype: torch.dtype, device: str) -> Components:
@@ -135,18 +122,9 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # Interleave to spread machine noise evenly over both.
-    ref_times, our_times = [], []
-    for _ in range(2):
-        ref_times.append(timed(reference_step, a.steps // 2 or 1, a.warmup))
-        our_times.append(timed(our_step, a.steps // 2 or 1, a.warmup))
-    ref, ours = min(ref_times), min(our_times)
+    ref, ours = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} UNet; {a.resolution}x{a.resolution}, batch 1, {a.dtype}, {device}")
-    print(f"reference (bare diffusers) step: {ref:.3f} s")
-    print(f"our trainer step:               {ours:.3f} s")
-    print(f"ratio ours/reference:           {ours / ref:.3f}  (goal <= 1.10)")
-    print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
-
+    print_comparison(ref, ours)
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import resource
 import sys
 import time
 
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.common import compare_steps, print_comparison  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.train.losses import LossOptions  # noqa: E402
@@ -35,17 +35,7 @@ from library.train.step import StepContext, batch_loss  # noqa: E402
 from networks import lora  # noqa: E402
 
 
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-
-def timed(fn, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:
@@ -104,16 +94,8 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # Interleave to spread machine noise evenly over both.
-    ref_times, our_times = [], []
-    for _ in range(2):
-        ref_times.append(timed(reference_step, a.steps // 2 or 1, a.warmup))
-        our_times.append(timed(our_step, a.steps // 2 or 1, a.warmup))
-    ref, ours = min(ref_times), min(our_times)
-    print(f"reference (bare diffusers) step: {ref * 1000:.1f} ms")
-    print(f"our trainer step:               {ours * 1000:.1f} ms")
-    print(f"ratio ours/reference:           {ours / ref:.3f}  (goal <= 1.10)")
-    print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
+    ref, ours = compare_steps(reference_step, our_step, a.steps, a.warmup)
+    print_comparison(ref, ours)
 
 
 if __name__ == "__main__":
