@@ -157,8 +157,13 @@ def test_network_args_to_dict_keeps_strings():
     assert network_args_to_dict(["a=1", " b = x=y "]) == {"a": "1", "b": "x=y"}
 
 
-def test_import_network_module():
+def test_import_network_module(monkeypatch):
+    import sys
+
     assert hasattr(import_network_module("networks.lora"), "create_network_from_weights")
+    # As if lycoris-lora were not installed (a None entry makes the import fail).
+    monkeypatch.setitem(sys.modules, "lycoris", None)
+    monkeypatch.delitem(sys.modules, "lycoris.kohya", raising=False)
     with pytest.raises(ConfigError, match=r"^--network_module lycoris.kohya: not installed; pip install lycoris-lora$"):
         import_network_module("lycoris.kohya")
     with pytest.raises(ConfigError, match="expected a module defining create_network"):
