@@ -139,3 +139,14 @@ def test_cli_rejects_unknown_config_file_key(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err == f"error: {cfg}: training.max_train_step: unknown flag (did you mean max_train_steps?)"
+
+
+def test_save_cadence_and_retention_on_disk(tmp_path):
+    data = make_dataset(str(tmp_path), n=1)
+    out = tmp_path / "out"
+    make_trainer(base_args(data, str(out), steps=5, extra=[
+        "--save_every_n_steps", "1", "--save_last_n_steps", "2", "--save_state"])).run()
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".toml")) == [
+        "lora-state", "lora-step00000002-state", "lora-step00000002.safetensors",
+        "lora-step00000003-state", "lora-step00000003.safetensors",
+        "lora-step00000004-state", "lora-step00000004.safetensors", "lora.safetensors"]

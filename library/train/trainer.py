@@ -344,16 +344,9 @@ class NetworkTrainer:
         t = self.t
         plan = self._save_plan()
         if plan.save_at_step(step, self.max_train_steps):
-            stem = ckpt.step_stem(t.output_name, step)
-            self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, progress.epoch)
-            old = plan.step_to_remove(step, for_state=False)
-            if old:
-                ckpt.remove_path(ckpt.model_path(t.output_dir, ckpt.step_stem(t.output_name, old), t.save_model_as))
-            if t.save_state:
-                self._save_state(ckpt.state_path(t.output_dir, stem), progress)
-                old = plan.step_to_remove(step, for_state=True)
-                if old:
-                    ckpt.remove_path(ckpt.state_path(t.output_dir, ckpt.step_stem(t.output_name, old)))
+            self._save_and_rotate(ckpt.step_stem(t.output_name, step), progress, step, progress.epoch,
+                                  plan.step_to_remove(step, for_state=False),
+                                  plan.step_to_remove(step, for_state=True), ckpt.step_stem)
         if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
             self._validate(step, "step")
         self._run_hooks("step", step)
@@ -364,19 +357,24 @@ class NetworkTrainer:
             self.tracker.log({"loss/epoch_average": sum(losses) / len(losses)}, epoch)
         plan = self._save_plan()
         if plan.save_at_epoch(epoch, self.num_epochs) and step < self.max_train_steps:
-            stem = ckpt.epoch_stem(t.output_name, epoch)
-            self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, epoch)
-            old = plan.epoch_to_remove(epoch, for_state=False)
-            if old:
-                ckpt.remove_path(ckpt.model_path(t.output_dir, ckpt.epoch_stem(t.output_name, old), t.save_model_as))
-            if t.save_state:
-                self._save_state(ckpt.state_path(t.output_dir, stem), TrainProgress(epoch + 1, step, 0))
-                old = plan.epoch_to_remove(epoch, for_state=True)
-                if old:
-                    ckpt.remove_path(ckpt.state_path(t.output_dir, ckpt.epoch_stem(t.output_name, old)))
+            self._save_and_rotate(ckpt.epoch_stem(t.output_name, epoch), TrainProgress(epoch + 1, step, 0), step,
+                                  epoch, plan.epoch_to_remove(epoch, for_state=False),
+                                  plan.epoch_to_remove(epoch, for_state=True), ckpt.epoch_stem)
         if t.validate_every_n_epochs and epoch % t.validate_every_n_epochs == 0:
             self._validate(epoch, "epoch")
         self._run_hooks("epoch", step)
+
+    def _save_and_rotate(self, stem: str, progress: TrainProgress, step: int, epoch: int,
+                         old_model: Optional[int], old_state: Optional[int], stem_of) -> None:
+        """Save the model (and state) under `stem`; remove the ones that fell out of retention."""
+        t = self.t
+        self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, epoch)
+        if old_model:
+            ckpt.remove_path(ckpt.model_path(t.output_dir, stem_of(t.output_name, old_model), t.save_model_as))
+        if t.save_state:
+            self._save_state(ckpt.state_path(t.output_dir, stem), progress)
+            if old_state:
+                ckpt.remove_path(ckpt.state_path(t.output_dir, stem_of(t.output_name, old_state)))
 
     def _save_plan(self) -> ckpt.SavePlan:
         t = self.t
