@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from library.errors import UserError
+from library.errors import ConfigError, UserError
 from library.families.base import LoraTarget
 from networks import lora_math
-from networks.lora_args import LoraNetworkArgs, parse_network_args, sd_unet_block_index
+from networks.lora_fused import FusedLoRAModule
+from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, LoraNetworkArgs, parse_network_args
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +156,8 @@ def _as_list(modules: Any) -> list[nn.Module]:
     return [m for m in modules if m is not None] if isinstance(modules, (list, tuple)) else [modules]
 
 
-def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
-    """(kohya module name, Linear/Conv2d) for every module of `target` that can get a LoRA."""
+def iter_target_paths(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
+    """(module path inside target.root, Linear/Conv2d) for every module of `target` that can get a LoRA."""
     classes = set(target.target_classes) | (set(target.conv_target_classes) if include_conv else set())
     seen: set[int] = set()
     for path, module in target.root.named_modules():
@@ -166,10 +167,33 @@ def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tupl
             if not isinstance(child, (nn.Linear, nn.Conv2d)) or id(child) in seen:
                 continue
             seen.add(id(child))
-            full = ".".join(p for p in (path, child_path) if p)
-            if target.rename is not None:
-                full = target.rename(full)
-            yield f"{target.prefix}_{full.replace('.', '_')}", child
+            yield ".".join(p for p in (path, child_path) if p), child
+
+
+def kohya_module_name(target: LoraTarget, path: str) -> str:
+    """The kohya name of the module at `path` in `target.root`: prefix + renamed path, "." -> "_"."""
+    full = target.rename(path) if target.rename is not None else path
+    return f"{target.prefix}_{full.replace('.', '_')}"
+
+
+def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
+    """(kohya module name, Linear/Conv2d) for every module of `target` that can get a LoRA.
+
+    Members of a fused group (target.fused_slot) share one name and come once each.
+    """
+    for path, child in iter_target_paths(target, include_conv):
+        yield kohya_module_name(target, path), child
+
+
+def iter_target_groups(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, list[nn.Module]]]:
+    """(kohya module name, modules) in model order: one module each, or the members of a fused
+    group ordered by their slot in the fused kohya layer."""
+    groups: dict[str, list[tuple[int, nn.Module]]] = {}
+    for path, child in iter_target_paths(target, include_conv):
+        slot = target.fused_slot(path) if target.fused_slot is not None else None
+        groups.setdefault(kohya_module_name(target, path), []).append((0 if slot is None else slot, child))
+    for name, members in groups.items():
+        yield name, [m for _, m in sorted(members, key=lambda item: item[0])]
 
 
 def _is_linear_like(module: nn.Module) -> bool:
@@ -191,22 +215,26 @@ class LoRANetwork(nn.Module):
 
     def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, args: Optional[LoraNetworkArgs] = None,
                  dropout: Optional[float] = None, modules_dim: Optional[dict[str, int]] = None,
-                 modules_alpha: Optional[dict[str, Any]] = None,
-                 block_index: Callable[[str], int] = sd_unet_block_index):
+                 modules_alpha: Optional[dict[str, Any]] = None, block_layout: BlockLayout = SD_BLOCK_LAYOUT):
         super().__init__()
         self.args = args or LoraNetworkArgs()
         self.multiplier = multiplier
-        self.block_index = block_index
+        self.block_layout = block_layout
+        # in the model's order: the i-th text encoder takes the i-th --text_encoder_lr
+        self.text_encoder_prefixes = [t.prefix for t in targets if t.is_text_encoder]
         self.text_encoder_loras: list[LoRAModule] = []
         self.unet_loras: list[LoRAModule] = []
         a = self.args
         include_conv = modules_dim is not None or a.conv_dim is not None or a.conv_block_dims is not None
         for target in targets:
-            for name, module in iter_target_modules(target, include_conv):
-                dim, alpha = self._dim_alpha(name, module, target.is_text_encoder, modules_dim, modules_alpha)
+            for name, modules in iter_target_groups(target, include_conv):
+                dim, alpha = self._dim_alpha(name, modules[0], target.is_text_encoder, modules_dim, modules_alpha)
                 if not dim:
                     continue
-                lora = LoRAModule(name, module, multiplier, dim, alpha, dropout, a.rank_dropout, a.module_dropout)
+                # Several projections under one kohya name (Flux qkv): one shared lora_down.
+                cls = FusedLoRAModule if len(modules) > 1 else LoRAModule
+                lora = cls(name, modules if len(modules) > 1 else modules[0], multiplier, dim, alpha, dropout,
+                           a.rank_dropout, a.module_dropout)
                 (self.text_encoder_loras if target.is_text_encoder else self.unet_loras).append(lora)
         names = [lora.lora_name for lora in self.text_encoder_loras + self.unet_loras]
         if len(set(names)) != len(names):
@@ -221,7 +249,7 @@ class LoRANetwork(nn.Module):
         if modules_dim is not None:
             return (modules_dim[name], modules_alpha[name]) if name in modules_dim else (None, None)
         linear_like = _is_linear_like(module)
-        idx = -1 if is_te or a.block_dims is None else self.block_index(name)
+        idx = -1 if is_te or a.block_dims is None else self.block_layout(name)
         if idx >= 0:
             if linear_like:
                 return a.block_dims[idx], a.block_alphas[idx]
@@ -266,18 +294,30 @@ class LoRANetwork(nn.Module):
             prefix = lora.lora_name + "."
             if prefix + "lora_down.weight" not in sd:
                 continue
+            if isinstance(lora, FusedLoRAModule):
+                lora.merge_weights(sd[prefix + "lora_down.weight"], sd[prefix + "lora_up.weight"],
+                                   sd.get(prefix + "alpha"), lora.multiplier, dtype, device)
+                continue
             weight = lora.org_module.weight
             merged = lora_math.merge_into(weight.data, sd[prefix + "lora_down.weight"], sd[prefix + "lora_up.weight"],
                                           sd.get(prefix + "alpha"), lora.multiplier)
             weight.data = merged.to(device=device or weight.device, dtype=dtype or weight.dtype)
 
-    def load_weights(self, file: str) -> Any:
-        """Load a LoRA file into this network (missing / extra keys are allowed, as sd-scripts)."""
-        weights_sd = load_state_dict(file)
+    def load_weights(self, file: Union[str, os.PathLike, Mapping[str, torch.Tensor]], source: Optional[str] = None) -> Any:
+        """Load a LoRA file, or a state dict in this network's naming (missing / extra keys are allowed, as sd-scripts).
+
+        `source` names the weights in error messages (default: the file's path).
+        """
+        if isinstance(file, (str, os.PathLike)):
+            source = source or os.fspath(file)
+            weights_sd = load_state_dict(os.fspath(file))
+        else:
+            weights_sd = dict(file)
+        flag = f"--network_weights {source}" if source else "--network_weights"
         own = self.state_dict()
         for key, value in weights_sd.items():
             if key in own and own[key].shape != value.shape:
-                raise UserError(f"--network_weights {file}: {key} has shape {list(value.shape)} in the file but "
+                raise UserError(f"{flag}: {key} has shape {list(value.shape)} in the file but "
                                 f"{list(own[key].shape)} in the network; use --dim_from_weights or the file's dims")
         info = self.load_state_dict(weights_sd, strict=False)
         # Unlike sd-scripts, the loaded alpha also sets the scale, so training continues
@@ -295,10 +335,13 @@ class LoRANetwork(nn.Module):
 
     def prepare_optimizer_params(self, text_encoder_lr: Any, unet_lr: Optional[float],
                                  default_lr: Optional[float]) -> tuple[list[dict], list[str]]:
-        """Optimizer param groups and their names: "textencoder", "unet", "unet block 3", "... plus"."""
+        """Optimizer param groups and their names: "textencoder", "unet", "unet block 3", "... plus".
+
+        `text_encoder_lr` is one rate for every text encoder or a list with one per
+        text encoder in the model's order; then each encoder gets its own groups,
+        named "textencoder 1", "textencoder 2", ...
+        """
         self.requires_grad_(True)
-        if isinstance(text_encoder_lr, (list, tuple)):
-            text_encoder_lr = text_encoder_lr[0] if text_encoder_lr else None
         a = self.args
         groups: list[dict] = []
         descriptions: list[str] = []
@@ -312,20 +355,40 @@ class LoRANetwork(nn.Module):
                     descriptions.append(name + suffix)
 
         if self.text_encoder_loras:
-            add(self.text_encoder_loras, text_encoder_lr if text_encoder_lr is not None else default_lr,
-                a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio, "textencoder")
+            ratio = a.loraplus_text_encoder_lr_ratio or a.loraplus_lr_ratio
+            for name, loras, lr in self._text_encoder_groups(text_encoder_lr, default_lr):
+                add(loras, lr, ratio, name)
         if self.unet_loras:
             lr = unet_lr if unet_lr is not None else default_lr
             ratio = a.loraplus_unet_lr_ratio or a.loraplus_lr_ratio
             if a.block_lr:
                 by_block: dict[int, list[LoRAModule]] = {}
                 for lora in self.unet_loras:
-                    by_block.setdefault(self.block_index(lora.lora_name), []).append(lora)
+                    by_block.setdefault(self.block_layout(lora.lora_name), []).append(lora)
                 for idx in sorted(by_block):
                     add(by_block[idx], None if lr is None else lr * a.lr_weight(idx), ratio, f"unet block {idx}")
             else:
                 add(self.unet_loras, lr, ratio, "unet")
         return groups, descriptions
+
+    def _text_encoder_groups(self, text_encoder_lr: Any,
+                             default_lr: Optional[float]) -> list[tuple[str, list[LoRAModule], Optional[float]]]:
+        """(name, modules, lr) per text-encoder group: one "textencoder" group unless one rate per encoder is given."""
+        rates = list(text_encoder_lr) if isinstance(text_encoder_lr, (list, tuple)) else [text_encoder_lr]
+        rates = [default_lr if r is None else r for r in rates] or [default_lr]
+        n = max(len(self.text_encoder_prefixes), 1)
+        if len(rates) > n:
+            # sd-scripts' lora.py silently takes the first rate; say what is dropped
+            logger.warning("--text_encoder_lr: %d values for %d text encoder(s); ignoring %s", len(rates), n,
+                           rates[n:])
+            rates = rates[:n]
+        if len(rates) == 1:
+            return [("textencoder", self.text_encoder_loras, rates[0])]
+        if len(rates) != n:
+            raise ConfigError(f"--text_encoder_lr: expected 1 or {n} values for this model (one per text encoder), "
+                              f"got {len(rates)}")
+        return [(f"textencoder {i + 1}", [m for m in self.text_encoder_loras if m.lora_name.startswith(prefix + "_")],
+                 lr) for i, (prefix, lr) in enumerate(zip(self.text_encoder_prefixes, rates))]
 
     def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
         self.requires_grad_(True)
@@ -381,18 +444,17 @@ def _targets(lora_targets: Optional[list[LoraTarget]], text_encoder: Any, unet: 
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae: Any,
                    text_encoder: Any, unet: Any, neuron_dropout: Optional[float] = None,
                    lora_targets: Optional[list[LoraTarget]] = None,
-                   block_index: Callable[[str], int] = sd_unet_block_index, **kwargs: Any) -> LoRANetwork:
-    """A new LoRA network; `kwargs` are the `--network_args` (string values)."""
-    args = parse_network_args(kwargs, network_dim, network_alpha)
+                   block_layout: BlockLayout = SD_BLOCK_LAYOUT, **kwargs: Any) -> LoRANetwork:
+    """A new LoRA network; `kwargs` are the `--network_args` (string values), block values in `block_layout`."""
+    args = parse_network_args(kwargs, network_dim, network_alpha, block_layout)
     return LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, dropout=neuron_dropout,
-                       block_index=block_index)
+                       block_layout=block_layout)
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any, text_encoder: Any, unet: Any,
                                 weights_sd: Optional[dict] = None, for_inference: bool = False,
                                 lora_targets: Optional[list[LoraTarget]] = None,
-                                block_index: Callable[[str], int] = sd_unet_block_index,
-                                **kwargs: Any) -> tuple[LoRANetwork, dict]:
+                                block_layout: BlockLayout = SD_BLOCK_LAYOUT, **kwargs: Any) -> tuple[LoRANetwork, dict]:
     """A network shaped like a saved file: its modules (conv included), dims and alphas."""
     if weights_sd is None:
         weights_sd = load_state_dict(file)
@@ -406,9 +468,9 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any
             modules_dim[name] = value.shape[0]
     for name, dim in modules_dim.items():
         modules_alpha.setdefault(name, dim)  # files from before alpha existed: scale 1
-    args = parse_network_args(kwargs)
+    args = parse_network_args(kwargs, layout=block_layout)
     network = LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha, block_index=block_index)
+                          modules_alpha=modules_alpha, block_layout=block_layout)
     unmatched = set(modules_dim) - {lora.lora_name for lora in network.text_encoder_loras + network.unet_loras}
     if unmatched:
         logger.warning("%d modules of %s match nothing in this model, e.g. %s", len(unmatched), file or "the weights",

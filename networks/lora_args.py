@@ -1,9 +1,10 @@
-"""The `--network_args` of networks.lora, parsed and checked, and the SD UNet block map.
+"""The `--network_args` of networks.lora, parsed and checked, and the UNet block layouts.
 
 All values arrive as strings ("conv_dim=8"); a bad one raises ConfigError naming
-the argument. Block-wise values follow sd-scripts: 25 blocks for SD 1.x/2.x
-(IN00-IN11, MID, OUT00-OUT11), block learning-rate weights as 12 down values,
-1 mid value and 12 up values (or a preset).
+the argument. Block-wise values follow sd-scripts, in the block layout the model
+family gives (`BlockLayout`): SD 1.x/2.x has 25 blocks (IN00-IN11, MID,
+OUT00-OUT11) and learning-rate weights as 12 down, 1 mid and 12 up values (or a
+preset); SDXL has 23 blocks and 9 / 3 / 9 weights (library/families/sdxl_lora_names.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from typing import Any, Callable, Mapping, Optional
 
 from library.errors import ConfigError
 
-NUM_HALF_BLOCKS = 12  # IN00-IN11 and OUT00-OUT11
-NUM_BLOCKS = NUM_HALF_BLOCKS * 2 + 1  # + MID
-MID_BLOCK = NUM_HALF_BLOCKS
-
 KNOWN_ARGS = (
     "conv_dim", "conv_alpha", "rank_dropout", "module_dropout",
     "block_dims", "block_alphas", "conv_block_dims", "conv_block_alphas",
@@ -27,7 +24,30 @@ KNOWN_ARGS = (
 )
 LR_WEIGHT_PRESETS = ("cosine", "sine", "linear", "reverse_linear", "zeros")
 
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a UNet's LoRA modules fall into blocks, for block_dims / block_alphas / conv_block_* and block lr weights.
+
+    `index_of(lora_name)` is a module's block (0 .. num_blocks-1), -1 for none.
+    `down_lr_weight` covers the blocks of `down` in order, `mid_lr_weight` those
+    of `mid`, `up_lr_weight` those of `up`; a block in none of them (SDXL's
+    embeddings and out) always has weight 1. Calling the layout is `index_of`.
+    """
+
+    num_blocks: int
+    down: range
+    mid: range
+    up: range
+    index_of: Callable[[str], int]
+    names: str = ""  # the blocks in order, for error messages ("IN00-IN11, MID, OUT00-OUT11")
+
+    def __call__(self, lora_name: str) -> int:
+        return self.index_of(lora_name)
+
+
 _UPDOWN = re.compile(r"_(up|down)_blocks_(\d+)_(resnets|attentions|upsamplers|downsamplers)_(\d+)_")
+_SD_HALF = 12  # IN00-IN11 and OUT00-OUT11
 
 
 def sd_unet_block_index(lora_name: str) -> int:
@@ -41,10 +61,16 @@ def sd_unet_block_index(lora_name: str) -> int:
     if m:
         side, i, kind, j = m.group(1), int(m.group(2)), m.group(3), int(m.group(4))
         idx = 3 * i + (2 if kind in ("upsamplers", "downsamplers") else j)
-        return 1 + idx if side == "down" else MID_BLOCK + 1 + idx
+        return 1 + idx if side == "down" else _SD_HALF + 1 + idx
     if "_mid_block_" in lora_name:
-        return MID_BLOCK
+        return _SD_HALF
     return -1
+
+
+# sd-scripts' lora.py uses this layout for any model it does not know as SDXL.
+SD_BLOCK_LAYOUT = BlockLayout(
+    num_blocks=2 * _SD_HALF + 1, down=range(0, _SD_HALF), mid=range(_SD_HALF, _SD_HALF + 1),
+    up=range(_SD_HALF + 1, 2 * _SD_HALF + 1), index_of=sd_unet_block_index, names="IN00-IN11, MID, OUT00-OUT11")
 
 
 @dataclass
@@ -57,32 +83,30 @@ class LoraNetworkArgs:
     conv_alpha: Optional[float] = None
     rank_dropout: Optional[float] = None
     module_dropout: Optional[float] = None
-    # per block (25 values); None when block-wise dims are off
+    # one value per block of the layout; None when block-wise dims are off
     block_dims: Optional[list[int]] = None
     block_alphas: Optional[list[float]] = None
     conv_block_dims: Optional[list[int]] = None
     conv_block_alphas: Optional[list[float]] = None
-    # block learning-rate weights; None when off
+    # block learning-rate weights as given (padded, thresholded); None when not given
     down_lr_weight: Optional[list[float]] = None
-    mid_lr_weight: Optional[float] = None
+    mid_lr_weight: Optional[list[float]] = None
     up_lr_weight: Optional[list[float]] = None
+    # the same weights spread over all blocks of the layout; None when block lr is off
+    block_lr_weights: Optional[list[float]] = None
     loraplus_lr_ratio: Optional[float] = None
     loraplus_unet_lr_ratio: Optional[float] = None
     loraplus_text_encoder_lr_ratio: Optional[float] = None
 
     @property
     def block_lr(self) -> bool:
-        return self.down_lr_weight is not None or self.mid_lr_weight is not None or self.up_lr_weight is not None
+        return self.block_lr_weights is not None
 
     def lr_weight(self, block_idx: int) -> float:
         """Learning-rate weight of a UNet block (1.0 outside any block or when unset)."""
-        if block_idx < 0:
+        if block_idx < 0 or self.block_lr_weights is None:
             return 1.0
-        if block_idx < MID_BLOCK:
-            return self.down_lr_weight[block_idx] if self.down_lr_weight is not None else 1.0
-        if block_idx == MID_BLOCK:
-            return self.mid_lr_weight if self.mid_lr_weight is not None else 1.0
-        return self.up_lr_weight[block_idx - MID_BLOCK - 1] if self.up_lr_weight is not None else 1.0
+        return self.block_lr_weights[block_idx]
 
 
 def _number(name: str, value: Any, cast: Callable[[str], Any], what: str) -> Any:
@@ -104,42 +128,69 @@ def _probability(kwargs: Mapping[str, Any], name: str) -> Optional[float]:
     return p
 
 
-def _block_list(kwargs: Mapping[str, Any], name: str, cast: Callable[[str], Any], what: str) -> Optional[list]:
+def _block_list(kwargs: Mapping[str, Any], name: str, cast: Callable[[str], Any], what: str,
+                layout: BlockLayout) -> Optional[list]:
     value = kwargs.get(name)
     if value is None:
         return None
     items = str(value).split(",")
-    if len(items) != NUM_BLOCKS:
-        raise ConfigError(f"--network_args {name}: expected {NUM_BLOCKS} comma-separated {what} "
-                          f"(IN00-IN11, MID, OUT00-OUT11), got {len(items)}")
+    if len(items) != layout.num_blocks:
+        blocks = f" ({layout.names})" if layout.names else ""
+        raise ConfigError(f"--network_args {name}: expected {layout.num_blocks} comma-separated {what} "
+                          f"for this model{blocks}, got {len(items)}")
     return [_number(name, s, cast, what) for s in items]
 
 
-def _lr_weights(name: str, value: Any) -> list[float]:
-    """12 block lr weights from "a,b,c" (empty item = 0, padded with 1) or a preset[+base]."""
+def _preset_ramp(preset: str, n: int) -> list[float]:
+    """sd-scripts' named weight curves over n blocks (shallow to deep)."""
+    steps = max(n - 1, 1)
+    return {
+        "cosine": [math.sin(math.pi * (i / steps) / 2) for i in reversed(range(n))],
+        "sine": [math.sin(math.pi * (i / steps) / 2) for i in range(n)],
+        "linear": [i / steps for i in range(n)],
+        "reverse_linear": [i / steps for i in reversed(range(n))],
+        "zeros": [0.0] * n,
+    }[preset]
+
+
+def _lr_weights(name: str, value: Any, n: int, presets: bool) -> list[float]:
+    """n block lr weights from "a,b,c" (empty item = 0, padded with 1) or, where allowed, a preset[+base]."""
     text = str(value).strip()
     preset, _, base_text = text.partition("+")
-    if preset in LR_WEIGHT_PRESETS:
+    if presets and preset in LR_WEIGHT_PRESETS:
         base = _number(name, base_text, float, "a number after '+'") if base_text else 0.0
-        n = NUM_HALF_BLOCKS
-        ramp = {
-            "cosine": [math.sin(math.pi * (i / (n - 1)) / 2) for i in reversed(range(n))],
-            "sine": [math.sin(math.pi * (i / (n - 1)) / 2) for i in range(n)],
-            "linear": [i / (n - 1) for i in range(n)],
-            "reverse_linear": [i / (n - 1) for i in reversed(range(n))],
-            "zeros": [0.0] * n,
-        }[preset]
-        return [w + base for w in ramp]
-    what = f"up to {NUM_HALF_BLOCKS} comma-separated numbers or one of {', '.join(LR_WEIGHT_PRESETS)}[+base]"
+        return [w + base for w in _preset_ramp(preset, n)]
+    what = f"up to {n} comma-separated numbers for this model"
+    if presets:
+        what += f" or one of {', '.join(LR_WEIGHT_PRESETS)}[+base]"
     weights = [_number(name, s, float, what) if s.strip() else 0.0 for s in text.split(",")]
-    if len(weights) > NUM_HALF_BLOCKS:
+    if len(weights) > n:
         raise ConfigError(f"--network_args {name}: expected {what}, got {len(weights)} values")
-    return weights + [1.0] * (NUM_HALF_BLOCKS - len(weights))
+    return weights + [1.0] * (n - len(weights))
+
+
+def _parse_block_lr(kwargs: Mapping[str, Any], a: LoraNetworkArgs, layout: BlockLayout) -> None:
+    """down/mid/up_lr_weight, zeroed at or below block_lr_zero_threshold, spread over the layout's blocks."""
+    threshold = _optional(kwargs, "block_lr_zero_threshold", float, "a number") or 0.0
+    parts = (("down_lr_weight", layout.down, True), ("mid_lr_weight", layout.mid, False),
+             ("up_lr_weight", layout.up, True))
+    for key, blocks, presets in parts:
+        if kwargs.get(key) is not None:
+            weights = _lr_weights(key, kwargs[key], len(blocks), presets)
+            setattr(a, key, [w if w > threshold else 0.0 for w in weights])
+    if a.down_lr_weight is None and a.mid_lr_weight is None and a.up_lr_weight is None:
+        return
+    flat = [1.0] * layout.num_blocks
+    for key, blocks, _ in parts:
+        for idx, w in zip(blocks, getattr(a, key) or []):
+            flat[idx] = w
+    a.block_lr_weights = flat
 
 
 def parse_network_args(kwargs: Mapping[str, Any], network_dim: Optional[int] = None,
-                       network_alpha: Optional[float] = None) -> LoraNetworkArgs:
-    """Check and convert the `--network_args` strings of networks.lora."""
+                       network_alpha: Optional[float] = None,
+                       layout: BlockLayout = SD_BLOCK_LAYOUT) -> LoraNetworkArgs:
+    """Check and convert the `--network_args` strings of networks.lora; block values follow `layout`."""
     unknown = [k for k in kwargs if k not in KNOWN_ARGS]
     if unknown:
         raise ConfigError(f"--network_args {unknown[0]}: unknown argument for networks.lora; "
@@ -154,42 +205,36 @@ def parse_network_args(kwargs: Mapping[str, Any], network_dim: Optional[int] = N
     a.module_dropout = _probability(kwargs, "module_dropout")
     for key in ("loraplus_lr_ratio", "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"):
         setattr(a, key, _optional(kwargs, key, float, "a number"))
-
-    threshold = _optional(kwargs, "block_lr_zero_threshold", float, "a number") or 0.0
-    if kwargs.get("down_lr_weight") is not None:
-        a.down_lr_weight = [w if w > threshold else 0.0 for w in _lr_weights("down_lr_weight", kwargs["down_lr_weight"])]
-    if kwargs.get("up_lr_weight") is not None:
-        a.up_lr_weight = [w if w > threshold else 0.0 for w in _lr_weights("up_lr_weight", kwargs["up_lr_weight"])]
-    mid = _optional(kwargs, "mid_lr_weight", float, "a number")
-    if mid is not None:
-        a.mid_lr_weight = mid if mid > threshold else 0.0
-
-    _parse_block_dims(kwargs, a)
+    _parse_block_lr(kwargs, a, layout)
+    _parse_block_dims(kwargs, a, layout)
     return a
 
 
-def _parse_block_dims(kwargs: Mapping[str, Any], a: LoraNetworkArgs) -> None:
+def _parse_block_dims(kwargs: Mapping[str, Any], a: LoraNetworkArgs, layout: BlockLayout) -> None:
     """Fill the per-block dims when any block-wise argument is given (as sd-scripts).
 
     Unlike sd-scripts, conv_block_dims alone also enables block-wise dims instead
     of being silently ignored.
     """
-    block_dims = _block_list(kwargs, "block_dims", int, "integers")
-    conv_block_dims = _block_list(kwargs, "conv_block_dims", int, "integers")
+    n = layout.num_blocks
+    block_dims = _block_list(kwargs, "block_dims", int, "integers", layout)
+    conv_block_dims = _block_list(kwargs, "conv_block_dims", int, "integers", layout)
+    block_alphas = _block_list(kwargs, "block_alphas", float, "numbers", layout)
+    conv_block_alphas = _block_list(kwargs, "conv_block_alphas", float, "numbers", layout)
     if block_dims is None and conv_block_dims is None and not a.block_lr:
         return
-    a.block_dims = block_dims or [a.network_dim] * NUM_BLOCKS
-    a.block_alphas = _block_list(kwargs, "block_alphas", float, "numbers") or [a.network_alpha] * NUM_BLOCKS
+    a.block_dims = block_dims or [a.network_dim] * n
+    a.block_alphas = block_alphas or [a.network_alpha] * n
     if conv_block_dims is not None:
         a.conv_block_dims = conv_block_dims
         conv_alpha = a.conv_alpha if a.conv_alpha is not None else 1.0
-        a.conv_block_alphas = _block_list(kwargs, "conv_block_alphas", float, "numbers") or [conv_alpha] * NUM_BLOCKS
+        a.conv_block_alphas = conv_block_alphas or [conv_alpha] * n
     elif a.conv_dim is not None:
-        a.conv_block_dims = [a.conv_dim] * NUM_BLOCKS
-        a.conv_block_alphas = [a.conv_alpha] * NUM_BLOCKS
+        a.conv_block_dims = [a.conv_dim] * n
+        a.conv_block_alphas = [a.conv_alpha] * n
     # A block whose learning-rate weight is 0 would never train: do not create its modules.
-    for idx in range(NUM_BLOCKS):
-        if a.block_lr and a.lr_weight(idx) == 0:
+    for idx in range(n):
+        if a.lr_weight(idx) == 0:
             a.block_dims[idx] = 0
             if a.conv_block_dims is not None:
                 a.conv_block_dims[idx] = 0

@@ -13,7 +13,7 @@ from torch import nn
 from library.errors import ConfigError, UserError
 from library.families.base import LoraTarget
 from networks import lora, lora_math
-from networks.lora_args import parse_network_args, sd_unet_block_index
+from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, parse_network_args, sd_unet_block_index
 
 
 # --- a hand-built model: one attention-like block and one conv block ------------------
@@ -177,7 +177,8 @@ def test_lr_weight_presets_and_padding():
     a = parse_network_args({"down_lr_weight": "linear+0.5", "up_lr_weight": "0,,0.5", "mid_lr_weight": "2"})
     assert a.down_lr_weight == pytest.approx([0.5 + i / 11 for i in range(12)])
     assert a.up_lr_weight == [0.0, 0.0, 0.5] + [1.0] * 9
-    assert a.mid_lr_weight == 2.0
+    assert a.mid_lr_weight == [2.0]
+    assert a.block_lr_weights == pytest.approx(a.down_lr_weight + [2.0] + a.up_lr_weight)  # SD: IN00 is block 0
     cos = parse_network_args({"down_lr_weight": "cosine"}).down_lr_weight
     assert cos[0] == pytest.approx(1.0) and cos[-1] == pytest.approx(0.0) and cos[6] == pytest.approx(math.sin(math.pi * 5 / 22))
     z = parse_network_args({"up_lr_weight": "0.1,0.3", "block_lr_zero_threshold": "0.2"})
@@ -394,3 +395,145 @@ def test_merge_to_equals_applied_network(sd1):
         unet_merged = fresh["unet"](x, 10, te_merged).sample
     assert torch.allclose(te_merged, te_lora, atol=1e-4, rtol=1e-4)
     assert torch.allclose(unet_merged, unet_lora, atol=1e-4, rtol=1e-4)
+
+
+def test_load_weights_from_a_state_dict(sd1):
+    net = lora.create_network(1.0, 4, 2, None, sd1["text_encoder"], sd1["unet"])
+    randomize_up(net, seed=5)
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    weights["lora_unet_not_in_this_model.alpha"] = torch.tensor(1.0)  # extra keys are allowed, as from a file
+    fresh = lora.create_network(1.0, 4, 1, None, sd1["text_encoder"], sd1["unet"])
+    info = fresh.load_weights(weights)
+    assert info.missing_keys == [] and info.unexpected_keys == ["lora_unet_not_in_this_model.alpha"]
+    assert all(torch.equal(v, weights[k]) for k, v in fresh.state_dict().items())
+    assert fresh.unet_loras[0].scale == 0.5  # the loaded alpha 2 at dim 4, not the network's own alpha 1
+    small = {k: v[:2] if k.endswith("lora_down.weight") else v for k, v in weights.items()}
+    with pytest.raises(UserError) as e:
+        fresh.load_weights(small, source="old.safetensors")
+    assert str(e.value).startswith("--network_weights old.safetensors: lora_te_text_model_encoder_layers_0_")
+    assert "has shape [2, 32] in the file but [4, 32] in the network" in str(e.value)
+
+
+# --- per-text-encoder learning rates ---------------------------------------------------------------
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Block()
+
+
+def three_encoder_network(**network_args):
+    targets = [LoraTarget(f"lora_te{i}", Encoder(), ("Block",), is_text_encoder=True) for i in (1, 2, 3)]
+    return lora.LoRANetwork(targets + toy_targets(Toy()), args=parse_network_args(network_args))
+
+
+def test_one_learning_rate_per_text_encoder():
+    from library.train.lr_schedulers import lr_log_names
+
+    net = three_encoder_network()
+    groups, names = net.prepare_optimizer_params([1e-5, 2e-5, 3e-5], 1e-4, 1e-3)
+    assert names == ["textencoder 1", "textencoder 2", "textencoder 3", "unet"]
+    assert [g["lr"] for g in groups] == [1e-5, 2e-5, 3e-5, 1e-4]
+    te3 = {id(p) for m in net.text_encoder_loras if m.lora_name.startswith("lora_te3_") for p in m.parameters()}
+    assert {id(p) for p in groups[2]["params"]} == te3 and len(te3) == 4  # lora_te3 -> the third rate
+    assert lr_log_names(names) == ["lr/textencoder 1", "lr/textencoder 2", "lr/textencoder 3", "lr/unet"]
+    # one rate (or none: --learning_rate) is one group for all encoders, named as for SD
+    groups, names = net.prepare_optimizer_params([2e-5], None, 1e-3)
+    assert names == ["textencoder", "unet"] and [g["lr"] for g in groups] == [2e-5, 1e-3]
+    assert len(groups[0]["params"]) == 12
+    groups, names = net.prepare_optimizer_params(None, None, 1e-3)
+    assert names == ["textencoder", "unet"] and [g["lr"] for g in groups] == [1e-3, 1e-3]
+    # a rate of 0 drops that encoder's group; LoRA+ splits each encoder's group
+    plus = three_encoder_network(loraplus_text_encoder_lr_ratio="4")
+    groups, names = plus.prepare_optimizer_params([1e-5, 0, 2e-5], 1e-4, 1e-3)
+    assert names == ["textencoder 1", "textencoder 1 plus", "textencoder 3", "textencoder 3 plus", "unet"]
+    assert [g["lr"] for g in groups] == pytest.approx([1e-5, 4e-5, 2e-5, 8e-5, 1e-4])
+    with pytest.raises(ConfigError, match=r"^--text_encoder_lr: expected 1 or 3 values for this model "
+                                          r"\(one per text encoder\), got 2$"):
+        net.prepare_optimizer_params([1e-5, 2e-5], 1e-4, 1e-3)
+
+
+# --- tiny SDXL: 23 blocks, 9 / 3 / 9 lr weights, two text encoders ----------------------------------
+@pytest.fixture(scope="module")
+def sdxl():
+    from library.families import get_family
+    from library.families.base import LoadOptions
+
+    family = get_family("sdxl")
+    components = family.load(LoadOptions("tiny:sdxl"))
+    return family, components
+
+
+def sdxl_network(sdxl, **network_args):
+    family, c = sdxl
+    return lora.create_network(1.0, 4, 1, None, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c),
+                               block_layout=family.lora_block_layout(), **network_args)
+
+
+def test_sdxl_block_layout():
+    from library.families.sdxl_lora_names import sdxl_block_layout
+
+    layout = sdxl_block_layout()
+    assert (layout.num_blocks, list(layout.down), list(layout.mid), list(layout.up)) == (
+        23, list(range(1, 10)), [10, 11, 12], list(range(13, 22)))
+    assert layout("lora_unet_input_blocks_4_1_proj_in") == 5 and layout("lora_unet_out_2") == 22
+    assert (SD_BLOCK_LAYOUT.num_blocks, len(SD_BLOCK_LAYOUT.down), len(SD_BLOCK_LAYOUT.mid)) == (25, 12, 1)
+    assert isinstance(layout, BlockLayout)
+
+
+def test_sdxl_block_dims_golden(sdxl):
+    net = sdxl_network(sdxl, block_dims=",".join(str(i) for i in range(23)),
+                       block_alphas=",".join(str(i / 2) for i in range(23)), conv_block_dims=",".join(["3"] * 23))
+    got = {m.lora_name: (m.lora_dim, m.alpha.item()) for m in net.unet_loras}
+    assert got["lora_unet_input_blocks_1_0_in_layers_2"] == (3, 1.0)  # 3x3 conv: the conv block dim, conv alpha 1
+    assert got["lora_unet_input_blocks_1_0_emb_layers_1"] == (2, 1.0)  # IN00 = block 1 holds no LoRA; IN01 = 2
+    assert got["lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"] == (5, 2.5)
+    assert got["lora_unet_input_blocks_8_1_proj_out"] == (9, 4.5)
+    assert got["lora_unet_middle_block_0_emb_layers_1"] == (10, 5.0)
+    assert got["lora_unet_middle_block_1_transformer_blocks_9_ff_net_2"] == (11, 5.5)
+    assert got["lora_unet_middle_block_2_emb_layers_1"] == (12, 6.0)
+    assert got["lora_unet_output_blocks_0_1_proj_in"] == (13, 6.5)
+    assert got["lora_unet_output_blocks_2_2_conv"] == (3, 1.0)
+    assert got["lora_unet_output_blocks_5_1_transformer_blocks_1_attn2_to_k"] == (18, 9.0)
+    assert got["lora_unet_output_blocks_8_0_skip_connection"] == (21, 10.5)  # 1x1: the linear block dim
+    assert {m.lora_dim for m in net.text_encoder_loras} == {4}
+    with pytest.raises(ConfigError) as e:
+        sdxl_network(sdxl, block_dims=",".join(["4"] * 25))
+    assert str(e.value) == ("--network_args block_dims: expected 23 comma-separated integers for this model "
+                            "(emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out), got 25")
+
+
+def test_sdxl_lr_weights_golden():
+    from library.families.sdxl_lora_names import sdxl_block_layout
+
+    layout = sdxl_block_layout()
+    a = parse_network_args({"down_lr_weight": "linear", "mid_lr_weight": "0.5", "up_lr_weight": "0,,0.5",
+                            "block_lr_zero_threshold": "0.2"}, layout=layout)
+    assert a.down_lr_weight == pytest.approx([0.0, 0.0] + [i / 8 for i in range(2, 9)])  # 1/8 <= 0.2 -> 0
+    assert a.mid_lr_weight == [0.5, 1.0, 1.0] and a.up_lr_weight == [0.0, 0.0, 0.5] + [1.0] * 6
+    assert a.block_lr_weights == pytest.approx([1.0] + a.down_lr_weight + a.mid_lr_weight + a.up_lr_weight + [1.0])
+    assert len(a.block_lr_weights) == 23
+    assert [i for i, d in enumerate(a.block_dims) if d == 0] == [1, 2, 13, 14]
+    cos = parse_network_args({"up_lr_weight": "cosine+1"}, layout=layout).up_lr_weight
+    assert len(cos) == 9 and cos[0] == pytest.approx(2.0) and cos[4] == pytest.approx(1 + math.sin(math.pi / 4))
+    for key, value, message in (
+            ("down_lr_weight", ",".join(["1"] * 12), "expected up to 9 comma-separated numbers for this model or one "
+                                                     "of cosine, sine, linear, reverse_linear, zeros[+base], got 12"),
+            ("mid_lr_weight", "1,1,1,1", "expected up to 3 comma-separated numbers for this model, got 4 values"),
+            ("mid_lr_weight", "cosine", "expected up to 3 comma-separated numbers for this model, got 'cosine'")):
+        with pytest.raises(ConfigError) as e:
+            parse_network_args({key: value}, layout=layout)
+        assert str(e.value).startswith(f"--network_args {key}: ") and message in str(e.value)
+
+
+def test_sdxl_block_lr_groups_and_per_encoder_rates(sdxl):
+    net = sdxl_network(sdxl, down_lr_weight="0,0,0,0,0,1,1,1,1", mid_lr_weight="1,0.5", up_lr_weight="zeros+0.25")
+    groups, names = net.prepare_optimizer_params([1e-5, 2e-5], 1.0, 1.0)
+    # IN00-IN04 (blocks 1-5) have weight 0: no modules; without conv only attention blocks have modules
+    assert names == ["textencoder 1", "textencoder 2", "unet block 6", "unet block 8", "unet block 9",
+                     "unet block 11", "unet block 13", "unet block 14", "unet block 15", "unet block 16",
+                     "unet block 17", "unet block 18"]
+    lrs = dict(zip(names, (g["lr"] for g in groups)))
+    assert (lrs["textencoder 1"], lrs["textencoder 2"]) == (1e-5, 2e-5)
+    assert (lrs["unet block 6"], lrs["unet block 11"], lrs["unet block 18"]) == (1.0, 0.5, 0.25)
+    assert [len(g["params"]) for g in groups[:2]] == [144, 384]  # CLIP-L 72 modules, bigG 192 modules
+    assert not any(m.lora_name.startswith("lora_unet_input_blocks_4_") for m in net.unet_loras)

@@ -20,8 +20,14 @@ def _sdxl() -> ModelFamily:
     return SDXLFamily()
 
 
+def _flux() -> ModelFamily:
+    from library.families.flux import FluxFamily
+
+    return FluxFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl}
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

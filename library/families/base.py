@@ -63,6 +63,10 @@ class LoraTarget:
     conv_target_classes: tuple[str, ...] = ()
     is_text_encoder: bool = False
     rename: Optional[Callable[[str], str]] = None  # diffusers path -> kohya path (SDXL: SGM names)
+    # Fused kohya modules (Flux `img_attn_qkv`, `linear1`): diffusers path -> the position of its
+    # output slice in the fused module named by `rename`, or None for an ordinary module. Modules
+    # that share a kohya name become one LoRA with a shared lora_down and one lora_up slice each.
+    fused_slot: Optional[Callable[[str], Optional[int]]] = None
 
 
 @dataclass
@@ -82,6 +86,10 @@ class ModelFamily:
     latents_scale: float = 0.18215  # applied at train time; caches hold unscaled latents
     latents_shift: float = 0.0
     bucket_reso_multiple: int = 64  # bucket_reso_steps must be a multiple of this
+
+    # --- flags ---------------------------------------------------------------
+    def configure_from_args(self, flags: dict) -> None:
+        """Read and check this family's own flags (those its add_arguments adds) before anything loads."""
 
     # --- loading -----------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:

@@ -124,11 +124,11 @@ class SDXLFamily(ModelFamily):
             LoraTarget("lora_te2", te2, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
         ]
 
-    def lora_block_index(self):
-        """Module name -> block (0-22) for block_dims / block lr weights (sd-scripts' SDXL layout)."""
-        from library.families.sdxl_lora_names import sdxl_unet_block_index
+    def lora_block_layout(self):
+        """The 23-block layout of block_dims / block lr weights for networks.lora (sd-scripts' SDXL layout)."""
+        from library.families.sdxl_lora_names import sdxl_block_layout
 
-        return sdxl_unet_block_index
+        return sdxl_block_layout()
 
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
         """A LoRA state dict in this family's kohya naming; diffusers-named SDXL files are renamed to SGM."""

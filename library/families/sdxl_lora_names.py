@@ -98,3 +98,11 @@ def sdxl_unet_block_index(lora_name: str) -> int:
     if name.startswith("out_"):
         return NUM_BLOCKS - 1
     return -1
+
+
+def sdxl_block_layout():
+    """sd-scripts' SDXL block layout for networks.lora: 23 block_dims; 9 down, 3 mid, 9 up lr weights."""
+    from networks.lora_args import BlockLayout  # networks/ builds on library/, so import late
+
+    return BlockLayout(num_blocks=NUM_BLOCKS, down=range(1, 10), mid=range(10, 13), up=range(13, 22),
+                       index_of=sdxl_unet_block_index, names="emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out")

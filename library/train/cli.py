@@ -27,6 +27,8 @@ def settings_from_args(ns, family, parser):
     from library.args.training import training_options_from_args
     from library.train.trainer import RunSettings
 
+    if hasattr(family, "configure_from_args"):  # the family's own flags, checked before any model loads
+        family.configure_from_args(dict(vars(ns)))
     training = training_options_from_args(ns)
     ns.seed = training.seed  # a drawn seed is what the data layer and metadata must see
     network = network_options_from_args(ns)

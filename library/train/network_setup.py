@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any, Optional
 
@@ -55,11 +54,11 @@ def merge_base_weights(module, family: ModelFamily, components: Components, opts
 
 
 def _family_lora_kwargs(family: ModelFamily, components: Components) -> dict:
-    """networks.lora arguments the family decides: its targets and, where it has one, its block index."""
+    """networks.lora arguments the family decides: its targets and, where it has one, its block layout."""
     kwargs: dict[str, Any] = {"lora_targets": family.lora_targets(components)}
-    block_index = getattr(family, "lora_block_index", None)
-    if block_index is not None:
-        kwargs["block_index"] = block_index()
+    block_layout = getattr(family, "lora_block_layout", None)
+    if block_layout is not None:
+        kwargs["block_layout"] = block_layout()
     return kwargs
 
 
@@ -72,23 +71,19 @@ def _family_state_dict(family: ModelFamily, state_dict: dict) -> dict:
 def load_network_weights(network, family: ModelFamily, path: str) -> Any:
     """--network_weights: load a LoRA file into the network, renamed to the family's naming first if needed.
 
-    A renamed file goes through a temporary copy so that the network's own
-    `load_weights` (shape checks, alpha handling) runs on it unchanged.
+    Only our own networks.lora uses the family's kohya naming, so only it gets the
+    renamed state dict; any other network module loads the file as it is.
     """
-    convert = getattr(family, "convert_lora_state_dict", None)
-    if convert is None or not path.endswith(".safetensors") or not os.path.isfile(path):
-        return network.load_weights(path)
-    from safetensors.torch import load_file, save_file
+    from networks.lora import LoRANetwork, load_state_dict
 
-    state_dict = load_file(path)
-    converted = convert(state_dict)
-    if converted is state_dict:
+    convert = getattr(family, "convert_lora_state_dict", None)
+    if convert is None or not isinstance(network, LoRANetwork):
         return network.load_weights(path)
-    logger.info("%s: diffusers-named LoRA, renamed to %s naming", path, family.name)
-    with tempfile.TemporaryDirectory() as tmp:
-        renamed = os.path.join(tmp, os.path.basename(path))
-        save_file({k: v.contiguous() for k, v in converted.items()}, renamed)
-        return network.load_weights(renamed)
+    state_dict = load_state_dict(path)
+    converted = convert(state_dict)
+    if converted is not state_dict:
+        logger.info("%s: diffusers-named LoRA, renamed to %s naming", path, family.name)
+    return network.load_weights(converted, source=path)
 
 
 def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]:

@@ -1,0 +1,59 @@
+"""FLUX.1 model flags (sd-scripts names): guidance, T5 length and mask, and the ones not implemented yet."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from library.errors import ConfigError
+
+T5_MAX_TOKENS = 512  # T5-XXL's tokenizer limit (model_max_length)
+# sd-scripts flags we accept so that a user's command line parses, but refuse with a clear message for now.
+NOT_YET = ("clip_l", "t5xxl", "ae", "blocks_to_swap", "fp8_base", "cpu_offload_checkpointing")
+
+
+@dataclass
+class FluxOptions:
+    """How captions are encoded and the transformer is called."""
+
+    guidance_scale: float = 3.5
+    t5xxl_max_token_length: Optional[int] = None  # None: 512 for dev (guidance-distilled), 256 for schnell
+    apply_t5_attn_mask: bool = False
+
+
+def add_flux_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the FLUX.1 model flags to `parser`."""
+    g = parser.add_argument_group("FLUX.1")
+    g.add_argument("--guidance_scale", type=float, default=3.5,
+                   help="guidance value fed to a guidance-distilled transformer (dev) during training "
+                        "(sd-scripts' default 3.5; 1.0 is the usual advice for dev LoRAs)")
+    g.add_argument("--t5xxl_max_token_length", type=int, default=None,
+                   help="T5 tokens per caption (default: 512 for dev, 256 for schnell)")
+    g.add_argument("--apply_t5_attn_mask", action="store_true",
+                   help="mask T5 padding in the text encoder and in the transformer's attention")
+    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L file for a BFL single-file model (not yet)")
+    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL file for a BFL single-file model (not yet)")
+    g.add_argument("--ae", type=str, default=None, help="autoencoder file for a BFL single-file model (not yet)")
+    g.add_argument("--blocks_to_swap", type=int, default=None, help="transformer blocks kept on the CPU (not yet)")
+    g.add_argument("--fp8_base", action="store_true", help="store base weights as float8 (not yet)")
+    g.add_argument("--cpu_offload_checkpointing", action="store_true",
+                   help="offload checkpointed activations to the CPU (not yet)")
+
+
+def flux_options_from_args(values: Mapping[str, Any]) -> FluxOptions:
+    """FluxOptions from a dict of flags; flags that are not implemented yet stop here with one line."""
+    for flag in NOT_YET:
+        if values.get(flag):
+            raise ConfigError(f"--{flag}: not implemented yet in this toolkit's FLUX.1 trainer "
+                              "(see docs/flux_train_network.md)")
+    length = values.get("t5xxl_max_token_length")
+    if length is not None and not (isinstance(length, int) and 1 <= length <= T5_MAX_TOKENS):
+        raise ConfigError(f"--t5xxl_max_token_length: expected an integer from 1 to {T5_MAX_TOKENS} "
+                          f"(T5-XXL's limit), got {length!r}")
+    guidance = values.get("guidance_scale")
+    guidance = 3.5 if guidance is None else float(guidance)
+    if guidance < 0:
+        raise ConfigError(f"--guidance_scale: expected a number >= 0, got {guidance}")
+    return FluxOptions(guidance_scale=guidance, t5xxl_max_token_length=length,
+                       apply_t5_attn_mask=bool(values.get("apply_t5_attn_mask")))

@@ -1,0 +1,200 @@
+"""The FLUX.1 family: rectified-flow DiT with CLIP-L (pooled) and T5-XXL text, BFL-named LoRA keys.
+
+Text conditioning as sd-scripts: CLIP-L's pooled output (77 tokens, no chunking)
+and T5's last hidden states (--t5xxl_max_token_length tokens, optionally masked).
+Latents (B, 16, h, w) are packed into 2x2 patches, (B, h/2 · w/2, 64), with
+position ids (0, row, col) per patch and zeros for the text tokens; the
+transformer's output is unpacked back, so the loop, noise and loss work on
+ordinary latent tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from library.families.base import Components, LoadOptions, LoraTarget, ModelFamily, TextConditioning
+from library.families.flux_configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR, LATENT_CHANNELS
+from library.families.sd import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+
+logger = logging.getLogger(__name__)
+
+BFL_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
+TEXT_KEYS = ("l_pooled", "t5_out", "txt_ids", "t5_attn_mask")  # also the keys of `*_flux_te.npz`
+CLIP_TOKENS = 77
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 · w/2, 4C): 2x2 patches, row-major, channels then the patch's (dy, dx)."""
+    b, c, h, w = latents.shape
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of pack_latents for latents of size (height, width)."""
+    b, _, d = packed.shape
+    c = d // 4
+    x = packed.reshape(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c, height, width)
+
+
+def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """(h/2 · w/2, 3) position ids of the packed patches: (0, row, col)."""
+    ids = torch.zeros(height // 2, width // 2, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(height // 2, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(width // 2, device=device, dtype=dtype)[None, :]
+    return ids.reshape(-1, 3)
+
+
+class FluxFamily(ModelFamily):
+    """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
+
+    name = "flux"
+    latent_cache_arch = "_flux"
+    latent_channels = LATENT_CHANNELS
+    vae_scale_factor = 8
+    # encode_images already returns the AE-normalised latents (what sd-scripts' `_flux.npz` caches hold),
+    # so nothing is applied at train time; the AE's own factors are ae_scale / ae_shift.
+    latents_scale = 1.0
+    latents_shift = 0.0
+    ae_scale = AE_SCALING_FACTOR
+    ae_shift = AE_SHIFT_FACTOR
+    bucket_reso_multiple = 32  # as sd-scripts (the 2x2 packing alone needs 16)
+    text_cache_suffix = "_flux_te.npz"
+
+    def __init__(self) -> None:
+        from library.args.flux import FluxOptions
+        from library.train.flow import FlowOptions
+
+        self.options = FluxOptions()
+        self.flow = FlowOptions()
+        self._warned_text_flags = False
+
+    # --- flags ---------------------------------------------------------------------
+    def add_arguments(self, parser) -> None:
+        """Flux scripts take the flow-matching, FLUX.1 and text-encoder cache flags."""
+        from library.args.flow import add_flow_arguments
+        from library.args.flux import add_flux_arguments
+        from library.args.text_cache import add_text_cache_arguments
+
+        add_flow_arguments(parser)
+        add_flux_arguments(parser)
+        add_text_cache_arguments(parser)
+
+    def configure_from_args(self, flags: dict) -> None:
+        from library.args.flow import flow_options_from_args
+        from library.args.flux import flux_options_from_args
+
+        self.flow = flow_options_from_args(flags)
+        self.options = flux_options_from_args(flags)
+
+    # --- loading ---------------------------------------------------------------------
+    def load(self, opts: LoadOptions) -> Components:
+        """A preset (tiny:flux, random:flux-dev, random:flux-schnell) or a FLUX.1 diffusers folder."""
+        from library.families.flux_loading import load_flux_components
+
+        return load_flux_components(opts)
+
+    # --- text --------------------------------------------------------------------------
+    def t5_token_length(self, components: Components) -> int:
+        """--t5xxl_max_token_length, or sd-scripts' default: 512 for dev (guidance) and 256 for schnell."""
+        if self.options.t5xxl_max_token_length:
+            return self.options.t5xxl_max_token_length
+        return 512 if components.denoiser.config.guidance_embeds else 256
+
+    def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
+        """[CLIP ids (B, 77), T5 ids (B, L), T5 attention mask (B, L)]."""
+        if max_token_length not in (None, 75) and not self._warned_text_flags:
+            logger.warning("--max_token_length is ignored for FLUX.1: CLIP-L reads 77 tokens; "
+                           "use --t5xxl_max_token_length for T5")
+            self._warned_text_flags = True
+        clip_tok, t5_tok = components.tokenizers
+        clip = clip_tok(captions, padding="max_length", truncation=True, max_length=CLIP_TOKENS,
+                        return_tensors="pt").input_ids
+        t5 = t5_tok(captions, padding="max_length", truncation=True, max_length=self.t5_token_length(components),
+                    return_tensors="pt")
+        return [clip, t5.input_ids, t5.attention_mask]
+
+    def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
+        clip, t5 = components.text_encoders
+        clip_ids, t5_ids, t5_mask = tokens
+        pooled = clip(clip_ids.to(clip.device), return_dict=True).pooler_output
+        mask = t5_mask.to(t5.device)
+        t5_out = t5(t5_ids.to(t5.device), attention_mask=mask if self.options.apply_t5_attn_mask else None,
+                    return_dict=True).last_hidden_state
+        return TextConditioning(tensors={
+            "l_pooled": pooled,
+            "t5_out": t5_out,
+            "txt_ids": torch.zeros(t5_out.shape[0], t5_out.shape[1], 3, device=t5_out.device, dtype=t5_out.dtype),
+            "t5_attn_mask": mask,
+        })
+
+    # --- images ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] -> AE-normalised latents (x - shift) · scale, float32 (B, 16, H/8, W/8)."""
+        latents = super().encode_images(vae, images)
+        config = getattr(vae, "config", None)
+        scale = getattr(config, "scaling_factor", None) or self.ae_scale
+        shift = getattr(config, "shift_factor", None)
+        return (latents - (self.ae_shift if shift is None else shift)) * scale
+
+    # --- denoising -------------------------------------------------------------------------
+    def noise_scheme(self, components: Components, **options: Any):
+        from library.train.flow import FlowMatchScheme
+
+        return FlowMatchScheme(self.flow)
+
+    def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+                text: TextConditioning, batch: dict) -> torch.Tensor:
+        model = components.denoiser
+        t = text.tensors
+        dtype, device = noisy_latents.dtype, noisy_latents.device
+        b, _, h, w = noisy_latents.shape
+        t5_out = t["t5_out"].to(device, dtype)
+        guidance = None
+        if model.config.guidance_embeds:
+            guidance = torch.full((b,), self.options.guidance_scale, device=device, dtype=dtype)
+        kwargs = None
+        if self.options.apply_t5_attn_mask:
+            # One boolean mask over the joint [text, image] sequence; image tokens always attend.
+            mask = torch.cat([t["t5_attn_mask"].to(device).bool(),
+                              torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=device)], dim=1)
+            kwargs = {"attention_mask": mask[:, None, None, :]}
+        out = model(hidden_states=pack_latents(noisy_latents), encoder_hidden_states=t5_out,
+                    pooled_projections=t["l_pooled"].to(device, dtype),
+                    timestep=(timesteps.float() / 1000).to(device, dtype),
+                    img_ids=image_ids(h, w, device, dtype), txt_ids=t["txt_ids"][0].to(device, dtype),
+                    guidance=guidance, joint_attention_kwargs=kwargs, return_dict=False)[0]
+        return unpack_latents(out, h, w)
+
+    # --- LoRA ---------------------------------------------------------------------------------
+    def lora_targets(self, components: Components) -> list[LoraTarget]:
+        """lora_unet (BFL names, fused qkv / linear1) and lora_te1 (CLIP-L); T5 (lora_te3) is not trained yet."""
+        from library.families.flux_lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
+
+        clip = components.text_encoders[0]
+        return [
+            LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=bfl_module_path,
+                       fused_slot=fused_slot),
+            LoraTarget("lora_te1", clip, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
+        ]
+
+    def t5_lora_target(self, components: Components) -> LoraTarget:
+        """The T5 target (`lora_te3_encoder_block_N_...`), for sd-scripts' `train_t5xxl=True`."""
+        from library.families.flux_lora_names import T5_TARGETS
+
+        return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
+
+    # --- metadata -------------------------------------------------------------------------------
+    def base_model_version(self, components: Components) -> str:
+        return "flux1"
+
+    def modelspec_architecture(self, components: Components, resolution: int) -> str:
+        return "flux-1-dev" if components.denoiser.config.guidance_embeds else "flux-1-schnell"
+
+    def modelspec_implementation(self) -> str:
+        return BFL_IMPLEMENTATION

@@ -1,0 +1,180 @@
+"""FLUX.1 family: packing, LoRA names and counts, the fused qkv LoRA, diffusers' converter, a tiny run."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from library.errors import ConfigError  # noqa: E402
+from library.families import get_family  # noqa: E402
+from library.families.base import LoadOptions  # noqa: E402
+from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
+from library.families.flux_configs import build_flux_modules  # noqa: E402
+from networks.lora import create_network  # noqa: E402
+from networks.lora_fused import FusedLoRAModule  # noqa: E402
+from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
+
+DOUBLE_0 = ["img_mod_lin", "txt_mod_lin", "img_attn_qkv", "img_attn_proj", "txt_attn_qkv", "txt_attn_proj",
+            "img_mlp_0", "img_mlp_2", "txt_mlp_0", "txt_mlp_2"]
+SINGLE_0 = ["modulation_lin", "linear1", "linear2"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    family = get_family("flux")
+    return family, family.load(LoadOptions("tiny:flux"))
+
+
+def _network(family, components, dim=4, alpha=2.0):
+    return create_network(1.0, dim, alpha, components.vae, components.text_encoders, components.denoiser,
+                          lora_targets=family.lora_targets(components))
+
+
+def test_pack_unpack_and_ids():
+    x = torch.arange(2 * 16 * 4 * 6, dtype=torch.float32).reshape(2, 16, 4, 6)
+    packed = pack_latents(x)
+    assert packed.shape == (2, 6, 64)
+    # first patch: channel 0's 2x2 corner (0, 1, 6, 7), then channel 1's (24, 25, 30, 31)
+    assert packed[0, 0, :8].tolist() == [0, 1, 6, 7, 24, 25, 30, 31]
+    assert torch.equal(unpack_latents(packed, 4, 6), x)
+    assert image_ids(4, 6).tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 1, 2]]
+
+
+def test_tiny_lora_names_and_counts(tiny):
+    family, components = tiny
+    net = _network(family, components)
+    names = [lora.lora_name for lora in net.unet_loras]
+    assert len(names) == 2 * 10 + 3 * 3 and len(net.text_encoder_loras) == 72
+    assert names[:10] == [f"lora_unet_double_blocks_0_{n}" for n in DOUBLE_0]
+    assert names[20:23] == [f"lora_unet_single_blocks_0_{n}" for n in SINGLE_0]
+    assert net.text_encoder_loras[0].lora_name == "lora_te1_text_model_encoder_layers_0_self_attn_k_proj"
+    sd = net.state_dict()
+    # tiny inner dim 32, MLP 128: qkv 3·32, linear1 3·32 + 128, with ONE down of the requested rank
+    assert sd["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].shape == (96, 4)
+    assert sd["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"].shape == (4, 32)
+    assert sd["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (224, 4)
+    assert float(sd["lora_unet_single_blocks_0_linear1.alpha"]) == 2.0
+
+
+def test_full_size_counts_on_meta():
+    family = get_family("flux")
+    parts = build_flux_modules("random:flux-dev", device="meta")
+    from library.families.base import Components
+
+    c = Components(parts["transformer"], parts["vae"], [parts["text_encoder"], parts["text_encoder_2"]],
+                   [parts["tokenizer"], parts["tokenizer_2"]])
+    targets = family.lora_targets(c) + [family.t5_lora_target(c)]
+    net = create_network(1.0, 4, 1, None, None, None, lora_targets=targets)
+    assert len(net.unet_loras) == 304
+    te = [lora.lora_name for lora in net.text_encoder_loras]
+    assert sum(n.startswith("lora_te1_") for n in te) == 72 and sum(n.startswith("lora_te3_") for n in te) == 168
+    assert "lora_te3_encoder_block_0_layer_1_DenseReluDense_wi_0" in te
+    ups = {lora.lora_name: lora.lora_up.weight.shape[0] for lora in net.unet_loras}
+    assert ups["lora_unet_double_blocks_0_img_attn_qkv"] == 9216
+    assert ups["lora_unet_double_blocks_0_img_mod_lin"] == 18432
+    assert ups["lora_unet_single_blocks_37_linear1"] == 21504
+
+
+def test_fused_lora_equals_split_delta_and_merge(tiny):
+    family, components = tiny
+    net = _network(family, components)
+    net.apply_to(components.text_encoders, components.denoiser, False, True)
+    lora = dict((m.lora_name, m) for m in net.unet_loras)["lora_unet_single_blocks_0_linear1"]
+    assert isinstance(lora, FusedLoRAModule)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(lora.lora_up.weight)
+    q, k, v, mlp = lora.org_modules
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        outs = [m(x) for m in (q, k, v, mlp)]  # patched forwards: base + LoRA slice
+        net.restore()
+        base = [m(x) for m in (q, k, v, mlp)]
+    deltas = lora.delta_weights()
+    assert [d.shape[0] for d in deltas] == [32, 32, 32, 128]
+    for out, b, d in zip(outs, base, deltas):
+        torch.testing.assert_close(out - b, x @ d.T, rtol=1e-5, atol=1e-5)
+    fused = lora.lora_up.weight @ lora.lora_down.weight * 0.5  # alpha 2 / rank 4
+    torch.testing.assert_close(torch.cat(deltas), fused)
+    before = q.weight.detach().clone()
+    net.merge_to(None, components.denoiser, dtype=torch.float32)
+    torch.testing.assert_close(q.weight - before, deltas[0])
+    q.weight.data.copy_(before)
+
+
+def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+
+    family = get_family("flux")
+    from library.families.base import Components
+
+    with torch.device("meta"):
+        from diffusers import FluxTransformer2DModel
+
+        from library.families.flux_configs import PRESETS, transformer_config
+
+        transformer = FluxTransformer2DModel(**transformer_config(PRESETS["random:flux-dev"]))
+    c = Components(transformer, None, [None], [None])
+    net = create_network(1.0, 2, 4.0, None, None, None, lora_targets=family.lora_targets(c)[:1])
+    net.to_empty(device="cpu")  # materialise only the LoRA tensors
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in net.unet_loras:
+            lora.lora_down.weight.copy_(torch.randn(lora.lora_down.weight.shape, generator=gen))
+            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen))
+            lora.alpha.fill_(4.0)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        converted = _convert_kohya_flux_lora_to_diffusers(dict(state))
+    assert "Unsupported keys" not in caplog.text
+    assert len(converted) == 2 * (19 * 14 + 38 * 6)  # every split projection gets lora_A and lora_B
+    for lora in net.unet_loras:
+        # ΔW_i @ probe = up_i @ (down @ probe) · alpha / rank, without building the full-size ΔW
+        ups = torch.split(lora.lora_up.weight, getattr(lora, "out_sizes", [lora.lora_up.weight.shape[0]]))
+        paths = [n for n, m in transformer.named_modules() if any(m is o for o in getattr(lora, "org_modules",
+                                                                                            (lora.org_module,)))]
+        order = {id(m): i for i, m in enumerate(getattr(lora, "org_modules", (lora.org_module,)))}
+        paths.sort(key=lambda p: order[id(transformer.get_submodule(p))])
+        assert len(paths) == len(ups)
+        for path, up in zip(paths, ups):
+            a, b = converted[f"transformer.{path}.lora_A.weight"], converted[f"transformer.{path}.lora_B.weight"]
+            probe = torch.randn(a.shape[1], 2, generator=gen)
+            expected = up.detach() @ (lora.lora_down.weight.detach() @ probe) * 2.0  # alpha 4 / rank 2
+            torch.testing.assert_close(b @ (a @ probe), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_flag_errors_are_one_line():
+    family = get_family("flux")
+    with pytest.raises(ConfigError, match="^--clip_l: not implemented yet"):
+        family.configure_from_args({"clip_l": "clip_l.safetensors"})
+    with pytest.raises(ConfigError, match="^--t5xxl_max_token_length: expected an integer from 1 to 512"):
+        family.configure_from_args({"t5xxl_max_token_length": 1024})
+    from library.families.base import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown FLUX.1 preset 'tiny:sd1'"):
+        family.load(LoadOptions("tiny:sd1"))
+
+
+def test_tiny_flux_lora_training_run(tmp_path):
+    from safetensors import safe_open
+
+    data = make_dataset(str(tmp_path), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:flux", steps=3, extra=[
+        "--t5xxl_max_token_length", "16", "--apply_t5_attn_mask", "--cache_text_encoder_outputs",
+        "--network_train_unet_only", "--loss_type", "huber", "--timestep_sampling", "shift",
+        "--model_prediction_type", "sigma_scaled", "--weighting_scheme", "cosmap", "--guidance_scale", "1.0"]), "flux")
+    path = trainer.run()
+    with safe_open(path, "pt") as f:
+        keys = sorted(f.keys())
+        metadata = f.metadata()
+        up = f.get_tensor("lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight")
+    assert len(keys) == 29 * 3
+    assert keys[:3] == ["lora_unet_double_blocks_0_img_attn_proj.alpha",
+                        "lora_unet_double_blocks_0_img_attn_proj.lora_down.weight",
+                        "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"]
+    assert up.shape == (96, 4) and up.abs().sum() > 0  # trained
+    assert metadata["ss_base_model_version"] == "flux1"
+    assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
+    assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
