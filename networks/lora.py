@@ -10,9 +10,8 @@ and the `--network_args` parsing in networks/lora_args.py.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -21,184 +20,13 @@ from library.errors import ConfigError, UserError
 from library.families.base import LoraTarget
 from networks import lora_math
 from networks.lora_fused import FusedLoRAModule
+from networks.lora_module import LoRAModule
+from networks.lora_targets import (CLIP_TARGETS, SD_UNET_CONV_TARGETS, SD_UNET_TARGETS,  # noqa: F401 (re-exported)
+                                   _is_linear_like, clip_text_model_rename, default_lora_targets,
+                                   iter_target_groups, iter_target_modules, iter_target_paths, kohya_module_name)
 from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, LoraNetworkArgs, parse_network_args
 
 logger = logging.getLogger(__name__)
-
-# Targets used when the caller passes no `lora_targets` (an sd-scripts style caller).
-SD_UNET_TARGETS = ("Transformer2DModel",)
-SD_UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-CLIP_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
-
-
-class LoRAModule(nn.Module):
-    """A LoRA on one Linear / Conv2d: out = org(x) + up(down(x)) * multiplier * alpha/dim.
-
-    The original module is not replaced: its `forward` is swapped for ours by
-    `apply_to()` and put back by `restore()`, so the base model's own state_dict
-    keys never change.
-    """
-
-    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
-                 alpha: Optional[Union[float, torch.Tensor]] = 1.0, dropout: Optional[float] = None,
-                 rank_dropout: Optional[float] = None, module_dropout: Optional[float] = None):
-        super().__init__()
-        self.lora_name = lora_name
-        self.lora_dim = lora_dim
-        device = org_module.weight.device
-        if isinstance(org_module, nn.Conv2d):
-            self.lora_down = nn.Conv2d(org_module.in_channels, lora_dim, org_module.kernel_size, org_module.stride,
-                                       org_module.padding, org_module.dilation, bias=False, device=device)
-            self.lora_up = nn.Conv2d(lora_dim, org_module.out_channels, 1, 1, bias=False, device=device)
-        elif isinstance(org_module, nn.Linear):
-            self.lora_down = nn.Linear(org_module.in_features, lora_dim, bias=False, device=device)
-            self.lora_up = nn.Linear(lora_dim, org_module.out_features, bias=False, device=device)
-        else:
-            raise TypeError(f"{lora_name}: LoRA supports Linear and Conv2d, not {type(org_module).__name__}")
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
-
-        if isinstance(alpha, torch.Tensor):
-            alpha = float(alpha.detach().float().cpu())
-        alpha = lora_dim if alpha is None or alpha == 0 else alpha
-        self.register_buffer("alpha", torch.tensor(float(alpha), device=device))
-        self.scale = lora_math.lora_scale(alpha, lora_dim)
-
-        self.multiplier = multiplier
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
-        # Held outside the module tree so the base weights never enter our state_dict.
-        self._org: tuple[nn.Module, ...] = (org_module,)
-        self._org_forward: Optional[Callable] = None
-        self._org_had_own_forward = False
-
-    @property
-    def org_module(self) -> nn.Module:
-        return self._org[0]
-
-    def apply_to(self) -> None:
-        """Route the original module's forward through this LoRA."""
-        if self._org_forward is not None:
-            return
-        org = self.org_module
-        self._org_had_own_forward = "forward" in org.__dict__
-        self._org_forward = org.forward
-        org.forward = self.forward
-
-    def restore(self) -> None:
-        """Give the original module its own forward back."""
-        if self._org_forward is None:
-            return
-        org = self.org_module
-        if self._org_had_own_forward:
-            org.forward = self._org_forward
-        else:
-            del org.forward
-        self._org_forward = None
-
-    def refresh_scale(self) -> None:
-        """Recompute the scale from the `alpha` buffer (after loading weights)."""
-        self.scale = lora_math.lora_scale(self.alpha, self.lora_dim)
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        org_out = self._org_forward(x, *args, **kwargs)
-        if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
-            return org_out
-        lx = self.lora_down(x.to(self.lora_down.weight.dtype))
-        if self.training and self.dropout is not None:
-            lx = nn.functional.dropout(lx, p=self.dropout)
-        scale = self.scale
-        if self.training and self.rank_dropout is not None:
-            mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
-            if lx.dim() == 3:  # (B, tokens, r): text encoder
-                mask = mask.unsqueeze(1)
-            elif lx.dim() == 4:  # (B, r, H, W): conv
-                mask = mask[:, :, None, None]
-            lx = lx * mask.to(lx.dtype)
-            scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
-        lx = self.lora_up(lx)
-        return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
-
-    def delta_weight(self) -> torch.Tensor:
-        """ΔW at multiplier 1 in the original weight's layout (float32)."""
-        return lora_math.delta_weight(self.lora_down.weight.float(), self.lora_up.weight.float(), self.alpha,
-                                      out_shape=self.org_module.weight.shape)
-
-
-def clip_text_model_rename(text_encoder: nn.Module) -> Optional[Callable[[str], str]]:
-    """Rename for a CLIP text encoder whose paths lack the `text_model.` level.
-
-    kohya names (and diffusers' converter) expect `text_model.encoder.layers...`;
-    transformers 5 builds CLIPTextModel without the `text_model` wrapper, so the
-    level is put back in the name. None when the model already has it.
-    """
-    if hasattr(text_encoder, "text_model") or not hasattr(text_encoder, "encoder"):
-        return None
-    return lambda path: "text_model." + path
-
-
-def default_lora_targets(text_encoder: Any, unet: Optional[nn.Module]) -> list[LoraTarget]:
-    """SD-style targets for callers that pass none: lora_unet plus lora_te (or lora_te1/lora_te2)."""
-    encoders = _as_list(text_encoder)
-    targets = []
-    if unet is not None:
-        targets.append(LoraTarget("lora_unet", unet, SD_UNET_TARGETS, SD_UNET_CONV_TARGETS))
-    for i, te in enumerate(encoders):
-        prefix = "lora_te" if len(encoders) == 1 else f"lora_te{i + 1}"
-        targets.append(LoraTarget(prefix, te, CLIP_TARGETS, is_text_encoder=True, rename=clip_text_model_rename(te)))
-    return targets
-
-
-def _as_list(modules: Any) -> list[nn.Module]:
-    if modules is None:
-        return []
-    return [m for m in modules if m is not None] if isinstance(modules, (list, tuple)) else [modules]
-
-
-def iter_target_paths(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
-    """(module path inside target.root, Linear/Conv2d) for every module of `target` that can get a LoRA."""
-    classes = set(target.target_classes) | (set(target.conv_target_classes) if include_conv else set())
-    seen: set[int] = set()
-    for path, module in target.root.named_modules():
-        if type(module).__name__ not in classes:
-            continue
-        for child_path, child in module.named_modules():
-            if not isinstance(child, (nn.Linear, nn.Conv2d)) or id(child) in seen:
-                continue
-            seen.add(id(child))
-            yield ".".join(p for p in (path, child_path) if p), child
-
-
-def kohya_module_name(target: LoraTarget, path: str) -> str:
-    """The kohya name of the module at `path` in `target.root`: prefix + renamed path, "." -> "_"."""
-    full = target.rename(path) if target.rename is not None else path
-    return f"{target.prefix}_{full.replace('.', '_')}"
-
-
-def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
-    """(kohya module name, Linear/Conv2d) for every module of `target` that can get a LoRA.
-
-    Members of a fused group (target.fused_slot) share one name and come once each.
-    """
-    for path, child in iter_target_paths(target, include_conv):
-        yield kohya_module_name(target, path), child
-
-
-def iter_target_groups(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, list[nn.Module]]]:
-    """(kohya module name, modules) in model order: one module each, or the members of a fused
-    group ordered by their slot in the fused kohya layer."""
-    groups: dict[str, list[tuple[int, nn.Module]]] = {}
-    for path, child in iter_target_paths(target, include_conv):
-        slot = target.fused_slot(path) if target.fused_slot is not None else None
-        groups.setdefault(kohya_module_name(target, path), []).append((0 if slot is None else slot, child))
-    for name, members in groups.items():
-        yield name, [m for _, m in sorted(members, key=lambda item: item[0])]
-
-
-def _is_linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or tuple(module.kernel_size) == (1, 1)
-
 
 class LoRANetwork(nn.Module):
     """All LoRA modules of one model, split into `text_encoder_loras` and `unet_loras`."""

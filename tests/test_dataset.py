@@ -52,7 +52,7 @@ def test_example_dataset_loads_in_folder_mode():
 
 
 def test_epoch_batches_are_deterministic_pure_and_reshuffled(tmp_path):
-    train = folder(tmp_path, "train/3_sks", [(64, 64)] * 4 + [(128, 64)] * 3, caption="sks")
+    folder(tmp_path, "train/3_sks", [(64, 64)] * 4 + [(128, 64)] * 3, caption="sks")
     data = build_training_data(opts(tmp_path / "train", train_batch_size=2), FAMILY)
     data.plan(100, 2)
     e1 = data.epoch_batches(1, 0)

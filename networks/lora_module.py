@@ -1,0 +1,110 @@
+"""One LoRA adapter on one Linear or Conv2d: out = org(x) + up(drop(down(x))) * multiplier * alpha/dim.
+
+Wrapping is by replacing the original module's forward, so the base model's own
+state dict keys stay untouched; `restore()` undoes it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from networks import lora_math
+
+
+class LoRAModule(nn.Module):
+    """A LoRA on one Linear / Conv2d: out = org(x) + up(down(x)) * multiplier * alpha/dim.
+
+    The original module is not replaced: its `forward` is swapped for ours by
+    `apply_to()` and put back by `restore()`, so the base model's own state_dict
+    keys never change.
+    """
+
+    def __init__(self, lora_name: str, org_module: nn.Module, multiplier: float = 1.0, lora_dim: int = 4,
+                 alpha: Optional[Union[float, torch.Tensor]] = 1.0, dropout: Optional[float] = None,
+                 rank_dropout: Optional[float] = None, module_dropout: Optional[float] = None):
+        super().__init__()
+        self.lora_name = lora_name
+        self.lora_dim = lora_dim
+        device = org_module.weight.device
+        if isinstance(org_module, nn.Conv2d):
+            self.lora_down = nn.Conv2d(org_module.in_channels, lora_dim, org_module.kernel_size, org_module.stride,
+                                       org_module.padding, org_module.dilation, bias=False, device=device)
+            self.lora_up = nn.Conv2d(lora_dim, org_module.out_channels, 1, 1, bias=False, device=device)
+        elif isinstance(org_module, nn.Linear):
+            self.lora_down = nn.Linear(org_module.in_features, lora_dim, bias=False, device=device)
+            self.lora_up = nn.Linear(lora_dim, org_module.out_features, bias=False, device=device)
+        else:
+            raise TypeError(f"{lora_name}: LoRA supports Linear and Conv2d, not {type(org_module).__name__}")
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_up.weight)
+
+        if isinstance(alpha, torch.Tensor):
+            alpha = float(alpha.detach().float().cpu())
+        alpha = lora_dim if alpha is None or alpha == 0 else alpha
+        self.register_buffer("alpha", torch.tensor(float(alpha), device=device))
+        self.scale = lora_math.lora_scale(alpha, lora_dim)
+
+        self.multiplier = multiplier
+        self.dropout = dropout
+        self.rank_dropout = rank_dropout
+        self.module_dropout = module_dropout
+        # Held outside the module tree so the base weights never enter our state_dict.
+        self._org: tuple[nn.Module, ...] = (org_module,)
+        self._org_forward: Optional[Callable] = None
+        self._org_had_own_forward = False
+
+    @property
+    def org_module(self) -> nn.Module:
+        return self._org[0]
+
+    def apply_to(self) -> None:
+        """Route the original module's forward through this LoRA."""
+        if self._org_forward is not None:
+            return
+        org = self.org_module
+        self._org_had_own_forward = "forward" in org.__dict__
+        self._org_forward = org.forward
+        org.forward = self.forward
+
+    def restore(self) -> None:
+        """Give the original module its own forward back."""
+        if self._org_forward is None:
+            return
+        org = self.org_module
+        if self._org_had_own_forward:
+            org.forward = self._org_forward
+        else:
+            del org.forward
+        self._org_forward = None
+
+    def refresh_scale(self) -> None:
+        """Recompute the scale from the `alpha` buffer (after loading weights)."""
+        self.scale = lora_math.lora_scale(self.alpha, self.lora_dim)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        org_out = self._org_forward(x, *args, **kwargs)
+        if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
+            return org_out
+        lx = self.lora_down(x.to(self.lora_down.weight.dtype))
+        if self.training and self.dropout is not None:
+            lx = nn.functional.dropout(lx, p=self.dropout)
+        scale = self.scale
+        if self.training and self.rank_dropout is not None:
+            mask = torch.rand((lx.size(0), self.lora_dim), device=lx.device) > self.rank_dropout
+            if lx.dim() == 3:  # (B, tokens, r): text encoder
+                mask = mask.unsqueeze(1)
+            elif lx.dim() == 4:  # (B, r, H, W): conv
+                mask = mask[:, :, None, None]
+            lx = lx * mask.to(lx.dtype)
+            scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
+        lx = self.lora_up(lx)
+        return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW at multiplier 1 in the original weight's layout (float32)."""
+        return lora_math.delta_weight(self.lora_down.weight.float(), self.lora_up.weight.float(), self.alpha,
+                                      out_shape=self.org_module.weight.shape)

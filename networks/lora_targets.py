@@ -1,0 +1,88 @@
+"""Which modules of a model get a LoRA, and the kohya names they are saved under."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+from torch import nn
+
+from library.families.base import LoraTarget
+
+# Targets used when the caller passes no `lora_targets` (an sd-scripts style caller).
+SD_UNET_TARGETS = ("Transformer2DModel",)
+SD_UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
+CLIP_TARGETS = ("CLIPAttention", "CLIPSdpaAttention", "CLIPMLP")
+
+
+def clip_text_model_rename(text_encoder: nn.Module) -> Optional[Callable[[str], str]]:
+    """Rename for a CLIP text encoder whose paths lack the `text_model.` level.
+
+    kohya names (and diffusers' converter) expect `text_model.encoder.layers...`;
+    transformers 5 builds CLIPTextModel without the `text_model` wrapper, so the
+    level is put back in the name. None when the model already has it.
+    """
+    if hasattr(text_encoder, "text_model") or not hasattr(text_encoder, "encoder"):
+        return None
+    return lambda path: "text_model." + path
+
+
+def default_lora_targets(text_encoder: Any, unet: Optional[nn.Module]) -> list[LoraTarget]:
+    """SD-style targets for callers that pass none: lora_unet plus lora_te (or lora_te1/lora_te2)."""
+    encoders = _as_list(text_encoder)
+    targets = []
+    if unet is not None:
+        targets.append(LoraTarget("lora_unet", unet, SD_UNET_TARGETS, SD_UNET_CONV_TARGETS))
+    for i, te in enumerate(encoders):
+        prefix = "lora_te" if len(encoders) == 1 else f"lora_te{i + 1}"
+        targets.append(LoraTarget(prefix, te, CLIP_TARGETS, is_text_encoder=True, rename=clip_text_model_rename(te)))
+    return targets
+
+
+def _as_list(modules: Any) -> list[nn.Module]:
+    if modules is None:
+        return []
+    return [m for m in modules if m is not None] if isinstance(modules, (list, tuple)) else [modules]
+
+
+def iter_target_paths(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
+    """(module path inside target.root, Linear/Conv2d) for every module of `target` that can get a LoRA."""
+    classes = set(target.target_classes) | (set(target.conv_target_classes) if include_conv else set())
+    seen: set[int] = set()
+    for path, module in target.root.named_modules():
+        if type(module).__name__ not in classes:
+            continue
+        for child_path, child in module.named_modules():
+            if not isinstance(child, (nn.Linear, nn.Conv2d)) or id(child) in seen:
+                continue
+            seen.add(id(child))
+            yield ".".join(p for p in (path, child_path) if p), child
+
+
+def kohya_module_name(target: LoraTarget, path: str) -> str:
+    """The kohya name of the module at `path` in `target.root`: prefix + renamed path, "." -> "_"."""
+    full = target.rename(path) if target.rename is not None else path
+    return f"{target.prefix}_{full.replace('.', '_')}"
+
+
+def iter_target_modules(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, nn.Module]]:
+    """(kohya module name, Linear/Conv2d) for every module of `target` that can get a LoRA.
+
+    Members of a fused group (target.fused_slot) share one name and come once each.
+    """
+    for path, child in iter_target_paths(target, include_conv):
+        yield kohya_module_name(target, path), child
+
+
+def iter_target_groups(target: LoraTarget, include_conv: bool) -> Iterable[tuple[str, list[nn.Module]]]:
+    """(kohya module name, modules) in model order: one module each, or the members of a fused
+    group ordered by their slot in the fused kohya layer."""
+    groups: dict[str, list[tuple[int, nn.Module]]] = {}
+    for path, child in iter_target_paths(target, include_conv):
+        slot = target.fused_slot(path) if target.fused_slot is not None else None
+        groups.setdefault(kohya_module_name(target, path), []).append((0 if slot is None else slot, child))
+    for name, members in groups.items():
+        yield name, [m for _, m in sorted(members, key=lambda item: item[0])]
+
+
+def _is_linear_like(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or tuple(module.kernel_size) == (1, 1)
