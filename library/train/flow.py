@@ -114,7 +114,6 @@ class FlowMatchScheme:
     num_train_timesteps = NUM_TRAIN_TIMESTEPS
     # σ = 0.2, 0.4, 0.6, 0.8: the same fixed points as the DDPM validation, read as flow times.
     validation_timesteps = (200, 400, 600, 800)
-    uses_latent_shape = True  # sample_timesteps takes latent_shape (flux_shift depends on the image size)
 
     def __init__(self, options: Optional[FlowOptions] = None):
         self.options = options or FlowOptions()

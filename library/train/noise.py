@@ -86,6 +86,14 @@ class DDPMScheme:
         return self.prediction_type == "v_prediction"
 
     # --- timesteps ----------------------------------------------------------
+    def prediction(self, model_output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The model output compared with `target`: as is for DDPM (flow schemes may rescale it)."""
+        return model_output
+
+    def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Per-sample weight of the scheme itself: none for DDPM (SNR weights are loss options)."""
+        return torch.ones(timesteps.shape[0])
+
     def sample_timesteps(
         self,
         batch_size: int,
@@ -93,6 +101,7 @@ class DDPMScheme:
         max_timestep: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
         device="cpu",
+        latent_shape: Optional[tuple] = None,  # part of the scheme interface; DDPM sampling ignores it
     ) -> torch.Tensor:
         """Integer timesteps uniform in [min_timestep, max_timestep); equal bounds give that fixed timestep."""
         lo = 0 if min_timestep is None else int(min_timestep)

@@ -59,24 +59,21 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
 
     noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)
     if timesteps is None:
-        # A scheme whose timestep density depends on the image size (Flux's flux_shift) asks for the shape.
-        extra = {"latent_shape": tuple(latents.shape)} if getattr(ctx.scheme, "uses_latent_shape", False) else {}
+        # The latent shape matters to schemes whose timestep density depends on image size (flux_shift).
         timesteps = ctx.scheme.sample_timesteps(bsz, ctx.noise.min_timestep, ctx.noise.max_timestep,
-                                                generator=generator, **extra)
+                                                generator=generator, latent_shape=tuple(latents.shape))
     timesteps = timesteps.to(ctx.device)
     input_noise = perturb_for_input(noise.cpu(), ctx.noise, generator=generator).to(ctx.device)
     noisy = ctx.scheme.add_noise(latents, input_noise, timesteps)
 
     with ctx.autocast():
         pred = ctx.family.predict(ctx.components, noisy.to(ctx.weight_dtype), timesteps, text, batch)
-    if hasattr(ctx.scheme, "prediction"):  # flow schemes: raw / additive / sigma_scaled output
-        pred = ctx.scheme.prediction(pred.float(), noisy.float(), timesteps)
+    pred = ctx.scheme.prediction(pred.float(), noisy.float(), timesteps)  # flow: raw / additive / sigma_scaled
     target = ctx.scheme.target(latents, noise, timesteps)
 
     mask = batch.get("masks")
     if mask is not None:
         mask = mask.to(ctx.device)
     weights = batch["loss_weights"].to(ctx.device, torch.float32)
-    if hasattr(ctx.scheme, "loss_weights"):  # a per-timestep weight of the scheme (flow weighting schemes)
-        weights = weights * ctx.scheme.loss_weights(timesteps).to(weights)
+    weights = weights * ctx.scheme.loss_weights(timesteps).to(weights)  # flow weighting schemes; 1 for DDPM
     return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask)
