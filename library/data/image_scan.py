@@ -147,7 +147,7 @@ def scan_image_sizes(
     result = ScanResult()
     cached = _load_cache(cache_path)
     unique_paths = list(dict.fromkeys(paths))  # a path listed twice is read once
-    probes = _map_parallel(_probe, unique_paths, workers, False, "stat")
+    probes = [_probe(path) for path in unique_paths]  # stat() is cheap; a thread pool only adds overhead
 
     entries: dict[str, _Entry] = {}
     to_scan: list[tuple[str, os.stat_result]] = []
