@@ -122,9 +122,9 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    ref, ours = compare_steps(reference_step, our_step, a.steps, a.warmup)
+    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} UNet; {a.resolution}x{a.resolution}, batch 1, {a.dtype}, {device}")
-    print_comparison(ref, ours)
+    print_comparison(result)
 
 if __name__ == "__main__":
     main()

@@ -94,8 +94,8 @@ def main() -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    ref, ours = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print_comparison(ref, ours)
+    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
+    print_comparison(result)
 
 
 if __name__ == "__main__":

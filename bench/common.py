@@ -1,8 +1,15 @@
-"""Shared pieces of the step benchmarks: timing, interleaved comparison, peak memory."""
+"""Shared pieces of the step benchmarks: timing, interleaved comparison, peak memory.
+
+On a shared machine wall time swings with other load, so each step is timed in wall
+and in process CPU seconds, the two variants alternate step by step, and the medians
+are compared. The CPU-time ratio is the steadier one on a busy CPU; on an idle machine
+or an accelerator the wall-time ratio is the one that counts.
+"""
 
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 from typing import Callable
 
@@ -13,29 +20,39 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def timed(fn: Callable[[], None], steps: int, warmup: int) -> float:
-    """Seconds per call of `fn`, after `warmup` untimed calls."""
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_once(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one call."""
+    _sync()
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    _sync()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def compare_steps(reference: Callable[[], None], ours: Callable[[], None], steps: int, warmup: int
+                  ) -> dict[str, tuple[float, float]]:
+    """Median (wall, cpu) seconds per step of both, alternating one step of each `steps` times."""
     for _ in range(warmup):
-        fn()
-    start = time.perf_counter()
+        reference()
+        ours()
+    ref, our = [], []
     for _ in range(steps):
-        fn()
-    return (time.perf_counter() - start) / steps
+        ref.append(timed_once(reference))
+        our.append(timed_once(ours))
+    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    return {"reference": (med(ref, 0), med(ref, 1)), "ours": (med(our, 0), med(our, 1))}
 
 
-def compare_steps(reference: Callable[[], None], ours: Callable[[], None], steps: int, warmup: int) -> tuple[float, float]:
-    """(reference, ours) seconds per step; interleaved in two rounds, best of each, to spread machine noise."""
-    ref_times, our_times = [], []
-    for _ in range(2):
-        ref_times.append(timed(reference, steps // 2 or 1, warmup))
-        our_times.append(timed(ours, steps // 2 or 1, warmup))
-    return min(ref_times), min(our_times)
-
-
-def print_comparison(ref: float, ours: float) -> None:
-    print(f"reference (bare diffusers) step: {ref:.3f} s")
-    print(f"our trainer step:               {ours:.3f} s")
-    print(f"ratio ours/reference:           {ours / ref:.3f}  (goal <= 1.10)")
+def print_comparison(result: dict[str, tuple[float, float]]) -> None:
+    (rw, rc), (ow, oc) = result["reference"], result["ours"]
+    print(f"reference (bare diffusers) step: {rw:.3f} s wall, {rc:.3f} s CPU")
+    print(f"our trainer step:               {ow:.3f} s wall, {oc:.3f} s CPU")
+    print(f"ratio ours/reference:           {ow / rw:.3f} wall, {oc / rc:.3f} CPU  (goal <= 1.10)")
     print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
     if torch.cuda.is_available():
         print(f"peak VRAM:                      {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")

@@ -1,5 +1,8 @@
 """Image generation for SD 1.x / 2.x: weighted CLIP prompts, CFG, and a diffusers scheduler loop.
 
+The loop itself (`generate_ddpm`) is shared with SDXL: a family gives only how
+prompts become the conditioning its `predict` reads.
+
 A small loop rather than StableDiffusionPipeline: the prompts are encoded by our
 own chunked, weighted encoder (the one training uses), each image's start noise
 comes from its own CPU generator (same image on any device and in any batch),
@@ -9,17 +12,21 @@ extractor) has to exist.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from library.families.base import Components, ModelFamily
+from library.families.base import Components, ModelFamily, TextConditioning
 
 logger = logging.getLogger(__name__)
+
+# condition(texts, first_request) -> (text conditioning, batch dict) for family.predict
+Conditioner = Callable[[list, object], tuple[TextConditioning, dict]]
 
 # The scheduler settings every SD 1.x / 2.x checkpoint ships with.
 SD_SCHEDULER_CONFIG = {
@@ -39,10 +46,10 @@ DEFAULT_SAMPLER = "ddim"
 SIZE_MULTIPLE = 8  # the VAE's downscale factor
 
 
-def resolve_request(request):
-    """The request with SD's defaults filled in and the size rounded down to a multiple of 8."""
+def resolve_request(request, default_size: int = DEFAULT_SIZE):
+    """The request with SD's defaults filled in (size `default_size`) and the size rounded down to a multiple of 8."""
     def size(value: Optional[int]) -> int:
-        value = value or DEFAULT_SIZE
+        value = value or default_size
         return max(SIZE_MULTIPLE * 8, value - value % SIZE_MULTIPLE)
 
     return dataclasses.replace(
@@ -64,16 +71,26 @@ def encode_prompts(components: Components, texts: list[str], clip_skip: Optional
     window = tokenizer.model_max_length
     n_chunks = chunk_count([len(tokens_with_weights(tokenizer, t)[0]) for t in texts], window - 2)
     ids, weights = weighted_windows(tokenizer, texts, n_chunks)
-    home = text_encoder.device
-    # With cached text-encoder outputs the encoder may live elsewhere (CPU): borrow it for the prompts.
-    if home != torch.device(device):
-        text_encoder.to(device)
-    try:
+    with borrowed_on(text_encoder, device):
         states = encode_token_chunks(text_encoder, ids.to(device), clip_skip, window)
-    finally:
-        if home != torch.device(device):
-            text_encoder.to(home)
     return apply_token_weights(states, weights)
+
+
+@contextlib.contextmanager
+def borrowed_on(module: torch.nn.Module, device: torch.device):
+    """Run `module` on `device` for the block, then put it back where it lived.
+
+    With cached text-encoder outputs an encoder may live elsewhere (CPU); sampling borrows it.
+    """
+    home = next(module.parameters()).device
+    moved = home != torch.device(device)
+    if moved:
+        module.to(device)
+    try:
+        yield module
+    finally:
+        if moved:
+            module.to(home)
 
 
 def _step_kwargs(scheduler, generators: list[torch.Generator]) -> dict:
@@ -92,26 +109,44 @@ def _step_kwargs(scheduler, generators: list[torch.Generator]) -> dict:
 def generate_sd(family: ModelFamily, components: Components, requests: list, clip_skip: Optional[int],
                 device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale and sampler."""
+    def condition(texts: list[str], first) -> tuple[TextConditioning, dict]:
+        states = encode_prompts(components, texts, clip_skip, device)
+        return TextConditioning(tensors={"encoder_hidden_states": states}), {}
+
+    return generate_ddpm(family, components, requests, device, resolve_request, condition)
+
+
+@torch.no_grad()
+def generate_ddpm(family: ModelFamily, components: Components, requests: list, device: torch.device,
+                  resolve: Callable, condition: Conditioner, scheduler_config: Optional[dict] = None) -> list:
+    """The CFG denoising loop shared by the DDPM families (SD 1.x/2.x, SDXL).
+
+    `resolve` fills a request's defaults; `condition(texts, first_request)` encodes the
+    prompts (then the negatives when CFG is on) into the TextConditioning and batch dict
+    that `family.predict` reads, every tensor batch-first with one row per text.
+    """
     from PIL import Image
 
     from library.sampling.generate import GeneratedImage
     from library.sampling.samplers import make_scheduler
 
-    resolved = [resolve_request(r) for r in requests]
+    resolved = [resolve(r) for r in requests]
     first = resolved[0]
     if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_sd: a batch must share size, steps, scale and sampler")
+        raise ValueError("generate_ddpm: a batch must share size, steps, scale and sampler")
     unet, vae = components.denoiser, components.vae
     prediction = "v_prediction" if components.v_parameterization else "epsilon"
-    scheduler = make_scheduler(first.sampler, {**SD_SCHEDULER_CONFIG, "prediction_type": prediction}, kind="ddpm")
+    config = {**(scheduler_config or SD_SCHEDULER_CONFIG), "prediction_type": prediction}
+    scheduler = make_scheduler(first.sampler, config, kind="ddpm")
     scheduler.set_timesteps(first.steps, device=device)
 
     use_cfg = first.scale > 1.0
     texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
-    states = encode_prompts(components, texts, clip_skip, device).to(device, unet.dtype)
-    if use_cfg:  # unconditional first, as diffusers pipelines order it
-        n = len(resolved)
-        states = torch.cat([states[n:], states[:n]])
+    text, batch = condition(texts, first)
+    # unconditional rows first, as diffusers pipelines order them
+    order = torch.cat([torch.arange(len(resolved), len(texts)), torch.arange(len(resolved))]) if use_cfg else None
+    text = TextConditioning(tensors={k: _rows(v, order, device, unet.dtype) for k, v in text.tensors.items()})
+    batch = {k: _rows(v, order, device, unet.dtype) for k, v in batch.items()}
 
     generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
     shape = (family.latent_channels, first.height // family.vae_scale_factor, first.width // family.vae_scale_factor)
@@ -121,7 +156,7 @@ def generate_sd(family: ModelFamily, components: Components, requests: list, cli
     for t in scheduler.timesteps:
         model_in = torch.cat([latents, latents]) if use_cfg else latents
         model_in = scheduler.scale_model_input(model_in, t)
-        pred = unet(model_in.to(unet.dtype), t, encoder_hidden_states=states).sample.float()
+        pred = family.predict(components, model_in.to(unet.dtype), t, text, batch).float()
         if use_cfg:
             uncond, cond = pred.chunk(2)
             pred = uncond + first.scale * (cond - uncond)
@@ -137,3 +172,9 @@ def generate_sd(family: ModelFamily, components: Components, requests: list, cli
     images = (pixels * 255).round().astype(np.uint8)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
 
+
+def _rows(tensor: torch.Tensor, order: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):
+    """A conditioning tensor reordered for CFG, on the device, floats in the model's dtype."""
+    if order is not None:
+        tensor = tensor[order.to(tensor.device)]
+    return tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)

@@ -82,10 +82,7 @@ class SDXLFamily(ModelFamily):
         return [chunk_token_ids(tok, captions, max_token_length) for tok in components.tokenizers]
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
-        if clip_skip not in (None, 2) and not self._warned_clip_skip:
-            logger.warning("--clip_skip %s is ignored: SDXL always uses the penultimate layer of both encoders",
-                           clip_skip)
-            self._warned_clip_skip = True
+        self._warn_clip_skip(clip_skip)
         te1, te2 = components.text_encoders
         window = components.tokenizers[0].model_max_length
         batch = tokens[0].shape[0]
@@ -97,6 +94,12 @@ class SDXLFamily(ModelFamily):
             "hidden_state2": join_token_chunks(h2.reshape(batch, -1, h2.shape[-1]), window),
             "pool2": pooled,
         })
+
+    def _warn_clip_skip(self, clip_skip: Optional[int]) -> None:
+        if clip_skip not in (None, 2) and not self._warned_clip_skip:
+            logger.warning("--clip_skip %s is ignored: SDXL always uses the penultimate layer of both encoders",
+                           clip_skip)
+            self._warned_clip_skip = True
 
     # --- denoising ------------------------------------------------------------------
     def noise_scheme(self, components: Components, **options: Any):
@@ -112,6 +115,14 @@ class SDXLFamily(ModelFamily):
         hidden = torch.cat([t["hidden_state1"], t["hidden_state2"]], dim=2).to(device, dtype)
         added = {"text_embeds": t["pool2"].to(device, dtype), "time_ids": time_ids(batch, device, dtype)}
         return components.denoiser(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample
+
+    # --- generation -----------------------------------------------------------------
+    def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list:
+        from library.families.sdxl_generate import generate_sdxl
+
+        self._warn_clip_skip(clip_skip)
+        return generate_sdxl(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA -------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
