@@ -253,3 +253,19 @@ def test_saved_lora_loads_in_diffusers_sdxl_pipeline(tmp_path, tiny):
     assert not close(our_pred, base_pred)
     assert close(their_pool, our_pool) and close(their_pred, our_pred)
     assert close(merged_pool, our_pool) and close(merged_pred, our_pred)
+
+
+@pytest.mark.parametrize("name", ["merged.safetensors", "merged_folder"])
+def test_save_checkpoint_round_trip(tmp_path, name):
+    """SDXLFamily.save_checkpoint (used by merge_lora) writes what SDXLFamily.load reads back exactly."""
+    family = get_family("sdxl")
+    comps = family.load(LoadOptions("tiny:sdxl"))
+    with torch.no_grad():
+        next(comps.denoiser.parameters()).add_(1.0)  # as a merge would change it
+    path = str(tmp_path / name)
+    family.save_checkpoint(comps, path)
+    back = family.load(LoadOptions(path))
+    for a, b in ((comps.denoiser, back.denoiser), (comps.text_encoders[1], back.text_encoders[1])):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -151,6 +151,20 @@ class SDXLFamily(ModelFamily):
         return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
 
     # --- metadata -----------------------------------------------------------------------
+    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        from library.families.sdxl_saving import save_sdxl_diffusers_folder, save_sdxl_single_file
+
+        te1, te2 = components.text_encoders
+        parts = {"unet": components.denoiser, "vae": components.vae, "text_encoder": te1, "text_encoder_2": te2,
+                 "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}
+        if path.lower().endswith((".safetensors", ".ckpt")):
+            save_sdxl_single_file(parts, path, dtype)
+            return
+        if dtype is not None:
+            for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+                parts[name].to(dtype=dtype)
+        save_sdxl_diffusers_folder(parts, path, components.v_parameterization)
+
     def base_model_version(self, components: Components) -> str:
         return "sdxl_base_v1-0"
 
