@@ -56,8 +56,9 @@ def merge_into_layers(layers: Mapping[str, LoraLayer], loras: Sequence[WeightedL
     with torch.no_grad():
         for lora in loras:
             for name, module in lora.modules.items():
-                weight = layers[name].weight
-                weight.data = lora_math.merge_into(weight.data, module.down, module.up, module.alpha, lora.ratio)
+                layer = layers[name]
+                layer.set_weight(lora_math.merge_into(layer.weight.data, module.down, module.up, module.alpha,
+                                                      lora.ratio))
                 merged += 1
     return merged
 

@@ -20,14 +20,35 @@ from library.families.base import Components, LoadOptions, ModelFamily
 
 @dataclass
 class LoraLayer:
-    """A Linear / Conv2d that a kohya LoRA name points at."""
+    """The weight a kohya LoRA name points at: one Linear / Conv2d, or a fused kohya module.
+
+    A fused module (Flux's `img_attn_qkv`, `linear1`) is several diffusers Linears that read
+    the same input; `fused` holds them in slot order, and the kohya layer's weight is theirs
+    stacked by rows, so ΔW's rows split across them in that order.
+    """
 
     module: nn.Module
     is_text_encoder: bool
+    fused: tuple[nn.Module, ...] = ()
+
+    @property
+    def members(self) -> tuple[nn.Module, ...]:
+        return self.fused or (self.module,)
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.module.weight
+        """The layer's weight; for a fused module a (detached) row-stacked copy of its members'."""
+        if not self.fused:
+            return self.module.weight
+        return torch.cat([m.weight.detach() for m in self.fused], dim=0)
+
+    def set_weight(self, value: torch.Tensor) -> None:
+        """Replace the weight in place; a fused module's members each take their rows of `value`."""
+        start = 0
+        for member in self.members:
+            rows = member.weight.shape[0]
+            member.weight.data = value[start:start + rows].to(member.weight.dtype).reshape(member.weight.shape)
+            start += rows
 
 
 @dataclass
@@ -44,13 +65,16 @@ def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.fl
 
 
 def lora_layers(model: LoadedModel, include_conv: bool = True) -> dict[str, LoraLayer]:
-    """Every layer that can carry a LoRA, by kohya module name (conv layers of resnets with include_conv)."""
-    from networks.lora import iter_target_modules
+    """Every layer that can carry a LoRA, by kohya module name (conv layers of resnets with include_conv).
+
+    Members of a fused kohya module come as one LoraLayer (see LoraLayer.fused).
+    """
+    from networks.lora_targets import iter_target_groups
 
     layers: dict[str, LoraLayer] = {}
     for target in model.family.lora_targets(model.components):
-        for name, module in iter_target_modules(target, include_conv):
-            layers[name] = LoraLayer(module, target.is_text_encoder)
+        for name, modules in iter_target_groups(target, include_conv):
+            layers[name] = LoraLayer(modules[0], target.is_text_encoder, tuple(modules) if len(modules) > 1 else ())
     return layers
 
 

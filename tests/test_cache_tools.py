@@ -29,3 +29,41 @@ def test_cache_latents_tool_reports_bad_input(tmp_path, capsys):
                                str(tmp_path / "nope"), "--resolution", "64"])
     assert code == 2
     assert capsys.readouterr().err.startswith("error: --train_data_dir: no images found")
+
+
+def test_cache_text_encoder_outputs_tool_then_sdxl_training_never_encodes(tmp_path, monkeypatch):
+    from tools import cache_text_encoder_outputs
+
+    data = make_dataset(str(tmp_path), n=2)
+    args = base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=2, extra=[
+        "--network_train_unet_only", "--bucket_reso_steps", "32",
+        "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk"])
+    assert cache_text_encoder_outputs.main(["--sdxl"] + args) == 0
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(data, "*", "*.npz")))
+    assert files == ["img0_te_outputs.npz", "img1_te_outputs.npz"]
+
+    import library.train.trainer as trainer_module
+
+    trainer = make_trainer(args, "sdxl")
+    encoded = []
+    original = trainer_module.encode_captions
+    monkeypatch.setattr(trainer_module, "encode_captions", lambda ctx, captions: encoded.append(captions) or
+                        original(ctx, captions))
+    te_calls = []
+    encode_text = trainer.family.encode_text
+    monkeypatch.setattr(trainer.family, "encode_text", lambda *a, **k: te_calls.append(1) or encode_text(*a, **k))
+    final = trainer.run()
+    assert os.path.basename(final) == "lora.safetensors"
+    # Only the empty caption build_text_cache encodes to learn the output shapes; every real caption's
+    # outputs came from the files the tool wrote, and training steps never ran the text encoders.
+    assert encoded == [[""]]
+    assert len(te_calls) == 1
+
+
+def test_cache_text_encoder_outputs_tool_refuses_sd1(tmp_path, capsys):
+    from tools import cache_text_encoder_outputs
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert cache_text_encoder_outputs.main(base_args(data, str(tmp_path / "out"))) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: sd: this model family has no text-encoder output cache; pass --sdxl or --flux")

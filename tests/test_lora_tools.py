@@ -232,3 +232,65 @@ def test_show_metadata_prints_sorted_json_and_summary(tmp_path, capsys):
     assert summary["modules_by_part"] == {"lora_te1": 1, "lora_te2": 1, "lora_unet": 2}
     assert summary["conv_modules"] == 1
     assert "lora_unet_output_blocks_2_0_in_layers_2.lora_down.weight\t[8, 2560, 3, 3]\tfloat32" in out
+
+
+QKV, LINEAR1, PROJ = ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1",
+                      "lora_unet_double_blocks_0_img_attn_proj")
+
+
+def _flux_projections(model):
+    t = model.components.denoiser
+    double, single = t.transformer_blocks[0].attn, t.single_transformer_blocks[0]
+    return {QKV: [double.to_q, double.to_k, double.to_v],
+            LINEAR1: [single.attn.to_q, single.attn.to_k, single.attn.to_v, single.proj_mlp],
+            PROJ: [double.to_out[0]]}
+
+
+def test_flux_fused_modules_merge_like_the_trained_network():
+    from networks.lora import create_network_from_weights
+    from networks.lora_files import modules_state_dict
+    from networks.lora_merge import merge_into_layers
+    from networks.lora_models import load_model, lora_layers
+
+    flux = load_model("tiny:flux", "flux")
+    layers, projections = lora_layers(flux), _flux_projections(flux)
+    for name, members in projections.items():  # one layer per kohya name, members in slot order
+        assert [id(m) for m in layers[name].members] == [id(m) for m in members]
+        assert layers[name].weight.shape[0] == sum(m.weight.shape[0] for m in members)
+    modules = _lora_for(layers, list(projections))
+    c = flux.components
+    network, _ = create_network_from_weights(0.5, None, c.vae, c.text_encoders, c.denoiser,
+                                             weights_sd=modules_state_dict(modules.values()),
+                                             lora_targets=flux.family.lora_targets(c))
+    network.load_state_dict(modules_state_dict(modules.values()), strict=False)
+    network.apply_to(c.text_encoders, c.denoiser)
+    x = torch.randn(2, projections[QKV][0].in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with_lora = {n: [m(x) for m in ms] for n, ms in projections.items()}
+    network.restore()
+
+    assert merge_into_layers(layers, [WeightedLora(modules, 0.5)]) == 3
+    with torch.no_grad():
+        for name, members in projections.items():
+            for merged, expected in zip([m(x) for m in members], with_lora[name]):
+                torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_flux_fused_modules_extract_the_stacked_difference():
+    from networks.lora_extract import ExtractOptions, extract_lora
+    from networks.lora_models import load_model, lora_layers
+
+    org, tuned = load_model("tiny:flux", "flux"), load_model("tiny:flux", "flux")
+    org_layers, tuned_layers = lora_layers(org), lora_layers(tuned)
+    truth = _lora_for(org_layers, [QKV, LINEAR1, PROJ], seed=5)
+    for name, module in truth.items():
+        tuned_layers[name].set_weight(tuned_layers[name].weight + module.delta())
+    rows = [m.weight.shape[0] for m in _flux_projections(tuned)[QKV]]
+    torch.testing.assert_close(_flux_projections(tuned)[QKV][1].weight.detach(),
+                               (org_layers[QKV].weight + truth[QKV].delta())[rows[0]:rows[0] + rows[1]])
+    modules = {m.name: m for m in extract_lora(org_layers, tuned_layers, ExtractOptions(dim=2, clamp_quantile=1.0))}
+    # every transformer layer, one module per fused name; the text encoders are unchanged and left out
+    assert sorted(modules) == sorted(n for n in org_layers if n.startswith("lora_unet_"))
+    for name, module in truth.items():
+        assert modules[name].up.shape == (org_layers[name].weight.shape[0], 2)
+        assert float((modules[name].delta() - module.delta()).norm() / module.delta().norm()) < 1e-4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -63,3 +65,30 @@ def test_lycoris_algo_trains_saves_and_reloads(tmp_path, algo):
     reloaded_out, reloaded_hidden = unet_and_te_outputs(fresh)
     torch.testing.assert_close(reloaded_hidden, trained_hidden, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(reloaded_out, trained_out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo, parts", [
+    ("locon", ["alpha", "lora_down.weight", "lora_up.weight"]),
+    ("lokr", ["alpha", "lokr_w1", "lokr_w2", "lokr_w2_a", "lokr_w2_b"]),
+])
+def test_lycoris_on_sdxl_saves_sgm_kohya_names(tmp_path, algo, parts):
+    from collections import Counter
+
+    from library.families.sdxl_lora_names import sdxl_unet_block_index
+
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=2, extra=[
+        "--network_module", "lycoris.kohya", "--network_train_unet_only", "--bucket_reso_steps", "32",
+        "--network_args", f"algo={algo}", "preset=attn-mlp"]), "sdxl")
+    saved = load_file(trainer.run())
+    modules = sorted({k.split(".", 1)[0] for k in saved})
+    sgm_block = re.compile(r"^lora_unet_(input_blocks|middle_block|output_blocks|label_emb|time_embed)_\d")
+    groups = Counter(sgm_block.match(m).group(1) if sgm_block.match(m) else m for m in modules)
+    assert groups == {"input_blocks": 248, "middle_block": 102, "output_blocks": 372, "label_emb": 2, "time_embed": 2}
+    assert all(sdxl_unet_block_index(m) >= 0 for m in modules)  # every name is in the SGM layout
+    for name in ("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                 "lora_unet_middle_block_1_transformer_blocks_0_attn2_to_k",
+                 "lora_unet_output_blocks_5_1_transformer_blocks_1_ff_net_2",
+                 "lora_unet_label_emb_0_0", "lora_unet_time_embed_2"):
+        assert name in modules
+    assert sorted({k.split(".", 1)[1] for k in saved}) == parts

@@ -150,3 +150,26 @@ def test_save_cadence_and_retention_on_disk(tmp_path):
         "lora-state", "lora-step00000002-state", "lora-step00000002.safetensors",
         "lora-step00000003-state", "lora-step00000003.safetensors",
         "lora-step00000004-state", "lora-step00000004.safetensors", "lora.safetensors"]
+
+
+def test_validation_loss_is_logged_at_fixed_timesteps(tmp_path, monkeypatch):
+    from library.train.tracking import Tracker
+
+    data = make_dataset(str(tmp_path), n=4)
+    logged = []
+    monkeypatch.setattr(Tracker, "log", lambda self, values, step: logged.append((step, dict(values))))
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=4, extra=[
+        "--validation_split", "0.25", "--validate_every_n_steps", "2", "--max_validation_steps", "1"]))
+    trainer.run()
+    assert trainer.data.num_validation_images == 1
+    val = [(step, v["loss/validation/step_average"]) for step, v in logged if "loss/validation/step_average" in v]
+    assert [step for step, _ in val] == [2, 4]
+    assert all(value == value and value > 0 for _, value in val)  # finite, positive
+    # Fixed noise and timesteps: with the network at multiplier 0 the value is the base model's, every time.
+    from library.train.validation import validation_loss
+
+    net = trainer.accelerator.unwrap_model(trainer.network)
+    net.set_multiplier(0.0)
+    refs = trainer.data.validation_batches()[:1]
+    first = validation_loss(trainer.ctx, trainer.data, refs, seed=5)
+    assert validation_loss(trainer.ctx, trainer.data, refs, seed=5) == first

@@ -105,10 +105,14 @@ class ModelFamily:
 
     # --- images ------------------------------------------------------------
     @torch.no_grad()
-    def encode_images(self, vae: nn.Module, images: torch.Tensor) -> torch.Tensor:
-        """Images in [-1, 1] (B,3,H,W) -> unscaled latents (B,C,H/8,W/8), float32."""
+    def encode_images(self, vae: nn.Module, images: torch.Tensor,
+                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Images in [-1, 1] (B,3,H,W) -> unscaled latents (B,C,H/8,W/8), float32.
+
+        The posterior sample draws from `generator` when given (validation needs fixed draws).
+        """
         dist = vae.encode(images.to(vae.device, vae.dtype)).latent_dist
-        return dist.sample().float()
+        return dist.sample(generator=generator).float()
 
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return (latents - self.latents_shift) * self.latents_scale

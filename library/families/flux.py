@@ -134,9 +134,9 @@ class FluxFamily(ModelFamily):
 
     # --- images ---------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_images(self, vae, images: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, vae, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Images in [-1, 1] -> AE-normalised latents (x - shift) · scale, float32 (B, 16, H/8, W/8)."""
-        latents = super().encode_images(vae, images)
+        latents = super().encode_images(vae, images, generator)
         config = getattr(vae, "config", None)
         scale = getattr(config, "scaling_factor", None) or self.ae_scale
         shift = getattr(config, "shift_factor", None)

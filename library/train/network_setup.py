@@ -105,6 +105,10 @@ def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]
     return groups, names
 
 
+ADAPTABLE_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Embedding, torch.nn.LayerNorm,
+                    torch.nn.GroupNorm)
+
+
 def kohya_name_map(targets) -> dict[str, str]:
     """Module names an external network (e.g. lycoris.kohya) derives from raw module paths -> kohya names.
 
@@ -116,14 +120,23 @@ def kohya_name_map(targets) -> dict[str, str]:
     for target in targets:
         if target.rename is None:
             continue
-        for path, _ in target.root.named_modules():
-            if not path:
+        for path, module in target.root.named_modules():
+            if not path or not _can_carry_adapter(module):
                 continue
             src = f"{target.prefix}_{path.replace('.', '_')}"
             dst = f"{target.prefix}_{target.rename(path).replace('.', '_')}"
             if src != dst:
                 mapping[src] = dst
     return mapping
+
+
+def _can_carry_adapter(module: torch.nn.Module) -> bool:
+    """Whether an external network may wrap `module`: a layer with weights of its own.
+
+    Parameterless modules (SDXL's time_proj, activations) have no name in the kohya layout.
+    The class test keeps layers whose weight an adapter took over (LyCORIS `full` deletes it).
+    """
+    return isinstance(module, ADAPTABLE_LAYERS) or next(module.parameters(recurse=False), None) is not None
 
 
 def _renamed(state: dict, name_map: dict[str, str]) -> dict:

@@ -31,12 +31,12 @@ class StepContext:
     text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
 
 
-def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
-    """Scaled latents of a batch: from the cache, or encoded now with the VAE."""
+def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Scaled latents of a batch: from the cache, or encoded now with the VAE (sampling from `generator`)."""
     latents = batch.get("latents")
     if latents is None:
         vae = ctx.components.vae
-        latents = ctx.family.encode_images(vae, batch["images"].to(vae.device, vae.dtype))
+        latents = ctx.family.encode_images(vae, batch["images"].to(vae.device, vae.dtype), generator)
     return ctx.family.scale_latents(latents.to(ctx.device, torch.float32))
 
 
@@ -50,7 +50,7 @@ def encode_captions(ctx: StepContext, captions: list[str]) -> TextConditioning:
 def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
-    latents = batch_latents(ctx, batch)
+    latents = batch_latents(ctx, batch, generator)
     if ctx.text_cache is not None:
         text = cached_conditioning(ctx.text_cache, batch["captions"], ctx.device)
     else:

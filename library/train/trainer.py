@@ -205,6 +205,25 @@ class NetworkTrainer:
         self._setup_model()
         self._cache_latents()
 
+    def cache_text_outputs_only(self) -> None:
+        """Build the text-encoder output cache this run would use, then stop (tools/cache_text_encoder_outputs.py)."""
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_model()
+        self.train_text_encoder = False  # no network is built: the encoders stay frozen
+        self._setup_step_context()
+        self._cache_text_outputs()
+
+    def _setup_step_context(self) -> None:
+        """The noise scheme and the StepContext every step (and the text cache) encodes with."""
+        self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
+        check_loss_options(self.s.loss, self.scheme)
+        self.ctx = StepContext(
+            family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
+            loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
+            max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
+            autocast=self.accelerator.autocast)
+
     # ------------------------------------------------------------------ run
     def run(self) -> str:
         """Train; returns the path of the final LoRA file."""
@@ -214,13 +233,7 @@ class NetworkTrainer:
         self._setup_network()
         self._cache_latents()
         self._setup_optimizer()
-        self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
-        check_loss_options(self.s.loss, self.scheme)
-        self.ctx = StepContext(
-            family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
-            loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
-            max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast)
+        self._setup_step_context()
         self._cache_text_outputs()
         progress = self._resume()
         self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
