@@ -10,44 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.errors import UserError  # noqa: E402
-
-
-def family_name(argv: list[str]) -> tuple[str, list[str]]:
-    """--sdxl / --flux select the family, as in sd-scripts' cache tools; the rest are training flags."""
-    name = "sd"
-    rest = []
-    for arg in argv:
-        if arg in ("--sdxl", "--flux"):
-            name = arg[2:]
-        elif arg != "--skip_existing":  # existing valid entries are always kept
-            rest.append(arg)
-    return name, rest
+from library.train.cache_tools import run_cache_tool  # noqa: E402
 
 
 def main(argv=None) -> int:
-    from library.args.config_file import parse_with_config_file
-    from library.families import get_family
-    from library.train.cli import _setup_logging, build_parser, settings_from_args
-    from library.train.trainer import NetworkTrainer
-
-    _setup_logging()
-    name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
-    try:
-        family = get_family(name)
-        parser = build_parser("Cache latents ahead of training", family)
-        ns = parse_with_config_file(parser, rest + ["--cache_latents", "--cache_latents_to_disk"])
-        if not ns.output_dir:
-            ns.output_dir = tempfile.mkdtemp(prefix="cache_latents_")
-        NetworkTrainer(family, settings_from_args(ns, family, parser)).cache_latents_only()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cache_tool(argv, "Cache latents ahead of training", ["--cache_latents", "--cache_latents_to_disk"],
+                          lambda trainer: trainer.cache_latents_only())
 
 
 if __name__ == "__main__":

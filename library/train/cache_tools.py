@@ -1,0 +1,47 @@
+"""What tools/cache_latents.py and tools/cache_text_encoder_outputs.py share: training flags in,
+one caching step of the trainer run, errors as one line."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from typing import Callable, Optional, Sequence
+
+from library.errors import UserError
+
+
+def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """--sdxl / --flux select the family, as in sd-scripts' cache tools; the rest are training flags."""
+    name = "sd"
+    rest = []
+    for arg in argv:
+        if arg in ("--sdxl", "--flux"):
+            name = arg[2:]
+        elif arg != "--skip_existing":  # existing valid entries are always kept
+            rest.append(arg)
+    return name, rest
+
+
+def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags: list[str],
+                   action: Callable, check_family: Optional[Callable] = None) -> int:
+    """Parse training flags (+ `forced_flags`), build the trainer and run `action(trainer)`; exit code."""
+    from library.args.config_file import parse_with_config_file
+    from library.families import get_family
+    from library.train.cli import _setup_logging, build_parser, settings_from_args
+    from library.train.trainer import NetworkTrainer
+
+    _setup_logging()
+    name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
+    try:
+        family = get_family(name)
+        if check_family is not None:
+            check_family(family)
+        parser = build_parser(description, family)
+        ns = parse_with_config_file(parser, rest + forced_flags)
+        if not ns.output_dir:
+            ns.output_dir = tempfile.mkdtemp(prefix="cache_")
+        action(NetworkTrainer(family, settings_from_args(ns, family, parser)))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
