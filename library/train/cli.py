@@ -25,11 +25,14 @@ def settings_from_args(ns, family, parser):
     from library.args.noise_loss import loss_options_from_args, noise_options_from_args
     from library.args.optimizer import optimizer_options_from_args, scheduler_options_from_args
     from library.args.training import training_options_from_args
+    from library.train.optimizers import optimizer_class
     from library.train.trainer import RunSettings
 
     if hasattr(family, "configure_from_args"):  # the family's own flags, checked before any model loads
         family.configure_from_args(dict(vars(ns)))
     training = training_options_from_args(ns)
+    optimizer = optimizer_options_from_args(ns)
+    optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     ns.seed = training.seed  # a drawn seed is what the data layer and metadata must see
     network = network_options_from_args(ns)
     settings = RunSettings(
@@ -38,7 +41,7 @@ def settings_from_args(ns, family, parser):
         max_token_length=ns.max_token_length,
         data=data_options_from_args(ns),
         network=network,
-        optimizer=optimizer_options_from_args(ns),
+        optimizer=optimizer,
         scheduler=scheduler_options_from_args(ns),
         noise=noise_options_from_args(ns),
         loss=loss_options_from_args(ns),

@@ -211,6 +211,21 @@ def _prepare_adafactor(param_groups: list, lr: float, kwargs: dict[str, Any]) ->
     return None, f"adafactor:{lr}"
 
 
+def optimizer_class(options: OptimizerOptions):
+    """The optimizer class the options name, imported and its --optimizer_args checked; no parameters needed,
+    so a missing package or a bad argument is reported before any data or model is loaded."""
+    optimizer_type = resolve_optimizer_type(options)
+    spec = _spec_for(optimizer_type)
+    cls = _import_class(spec.module, spec.cls, optimizer_type, spec.package)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"--optimizer_type {optimizer_type}: {spec.module}.{spec.cls} is not a torch optimizer class")
+    kwargs = dict(options.optimizer_args)
+    for key, value in spec.defaults:
+        kwargs.setdefault(key, value)
+    _check_kwargs(cls, kwargs)
+    return cls
+
+
 def create_optimizer(param_groups, options: OptimizerOptions) -> tuple[torch.optim.Optimizer, str, OptimizerDescriptor]:
     """Build the optimizer named by `options`; returns (optimizer, "module.Class", descriptor).
 
@@ -218,9 +233,7 @@ def create_optimizer(param_groups, options: OptimizerOptions) -> tuple[torch.opt
     """
     optimizer_type = resolve_optimizer_type(options)
     spec = _spec_for(optimizer_type)
-    cls = _import_class(spec.module, spec.cls, optimizer_type, spec.package)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"--optimizer_type {optimizer_type}: {spec.module}.{spec.cls} is not a torch optimizer class")
+    cls = optimizer_class(options)
 
     param_groups = list(param_groups)
     if not param_groups:
@@ -228,7 +241,6 @@ def create_optimizer(param_groups, options: OptimizerOptions) -> tuple[torch.opt
     kwargs = dict(options.optimizer_args)
     for key, value in spec.defaults:
         kwargs.setdefault(key, value)
-    _check_kwargs(cls, kwargs)
 
     lr: Optional[float] = options.learning_rate
     override = None
