@@ -173,3 +173,12 @@ def test_validation_loss_is_logged_at_fixed_timesteps(tmp_path, monkeypatch):
     refs = trainer.data.validation_batches()[:1]
     first = validation_loss(trainer.ctx, trainer.data, refs, seed=5)
     assert validation_loss(trainer.ctx, trainer.data, refs, seed=5) == first
+
+
+def test_missing_optimizer_package_is_reported_before_data_and_model(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    argv = base_args(str(tmp_path / "missing"), str(tmp_path / "out"), extra=["--optimizer_type", "AdamW8bit"])
+    assert run_training("sd", "test", argv) == 2
+    assert capsys.readouterr().err.strip() == "error: --optimizer_type AdamW8bit needs bitsandbytes: pip install bitsandbytes"
