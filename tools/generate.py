@@ -54,11 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--from_file", default=None, help="prompt file: .txt (one a line), .toml or .json")
     g.add_argument("--images_per_prompt", type=int, default=1)
     g.add_argument("--seed", type=int, default=None, help="seed of the first image; the k-th image gets seed + k")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (default 30)")
-    g.add_argument("--scale", type=float, default=None, help="CFG scale (default 7.5)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (default 30; FLUX.1 20)")
+    g.add_argument("--scale", type=float, default=None,
+                   help="CFG scale (default 7.5; FLUX.1 1.0, no negative pass)")
+    g.add_argument("--guidance", type=float, default=None,
+                   help="FLUX.1 (dev) distilled guidance, the --g of prompts (default 3.5)")
     g.add_argument("--W", type=int, default=None, help="width in pixels (default 512; SDXL 1024)")
     g.add_argument("--H", type=int, default=None, help="height in pixels (default 512; SDXL 1024)")
-    g.add_argument("--sampler", default=None, choices=sampler_names(), help="sampler (default ddim)")
+    g.add_argument("--sampler", default=None, choices=sampler_names(),
+                   help="sampler (default ddim; FLUX.1 flow_euler)")
     g.add_argument("--batch_size", type=int, default=1, help="images denoised together")
     g.add_argument("--grid", action="store_true", help="also write a contact sheet of all images")
     return p
@@ -101,6 +105,8 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         value = getattr(a, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name}: expected an integer >= 1, got {value}")
+    if a.guidance is not None and a.guidance < 0:
+        raise ConfigError(f"--guidance: expected a number >= 0, got {a.guidance}")
     if a.fp16 and a.bf16:
         raise ConfigError("--fp16 and --bf16: expected at most one")
     prompts = [parse_prompt_line(a.prompt, "--prompt")] if a.prompt else \
@@ -114,7 +120,8 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
-        overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, sampler=a.sampler))
+        overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
+                                  sampler=a.sampler))
 
 
 def load_model(o: GenerateOptions):

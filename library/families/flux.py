@@ -157,7 +157,10 @@ class FluxFamily(ModelFamily):
         t5_out = t["t5_out"].to(device, dtype)
         guidance = None
         if model.config.guidance_embeds:
-            guidance = torch.full((b,), self.options.guidance_scale, device=device, dtype=dtype)
+            # batch["guidance"] (B,): a per-call value (generation's --g); else --guidance_scale
+            given = batch.get("guidance")
+            guidance = given.to(device, dtype) if given is not None else \
+                torch.full((b,), self.options.guidance_scale, device=device, dtype=dtype)
         kwargs = None
         if self.options.apply_t5_attn_mask:
             # One boolean mask over the joint [text, image] sequence; image tokens always attend.
@@ -170,6 +173,14 @@ class FluxFamily(ModelFamily):
                     img_ids=image_ids(h, w, device, dtype), txt_ids=t["txt_ids"][0].to(device, dtype),
                     guidance=guidance, joint_attention_kwargs=kwargs, return_dict=False)[0]
         return unpack_latents(out, h, w)
+
+    # --- generation -------------------------------------------------------------------------------
+    def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list:
+        """Flow-match Euler generation (library/families/flux_generate.py); clip_skip does not apply."""
+        from library.families.flux_generate import generate_flux
+
+        return generate_flux(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:

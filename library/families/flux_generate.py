@@ -1,0 +1,144 @@
+"""Image generation for FLUX.1: CLIP-L + T5 text, guidance, and a flow-match Euler loop.
+
+Not the DDPM loop of SD/SDXL (`sd_generate.generate_ddpm`): a rectified-flow model
+predicts a velocity v, and one Euler step is x_next = x + (σ_next - σ)·v on a σ
+schedule from 1 (noise) to 0 (image). For a guidance-distilled model (dev) the σ
+are shifted by the image's token count, as diffusers' FluxPipeline and sd-scripts
+sample; schnell uses the plain linear schedule, as they do.
+
+Each image's start noise comes from its own CPU generator, so an image does not
+depend on its batch or device. `--g` (request.guidance, default 3.5) is fed to the
+transformer's guidance embedding; `--l` (request.scale, default 1.0) is true CFG
+with a second, negative-prompt pass, run only when the scale is above 1.
+Prompts are read as they are: `(word:1.2)` weighting applies to the CLIP families only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.sd_generate import borrowed_on
+
+logger = logging.getLogger(__name__)
+
+# sd-scripts' FLUX.1 sampling defaults.
+DEFAULT_SIZE = 512
+DEFAULT_STEPS = 20
+DEFAULT_GUIDANCE = 3.5
+DEFAULT_SCALE = 1.0
+DEFAULT_SAMPLER = "flow_euler"
+SIZE_MULTIPLE = 16  # VAE factor 8 times the 2x2 patch packing
+MIN_SIZE = 64
+
+_warned_samplers: set[str] = set()
+
+
+def _flow_sampler(name: Optional[str]) -> str:
+    """The request's sampler when it is a flow sampler, else flow_euler (with one warning per name).
+
+    sd-scripts ignores --sample_sampler for FLUX.1; a DDPM sampler name (say from a shared
+    prompt file) is therefore replaced rather than an error in the middle of training.
+    """
+    from library.sampling.samplers import sampler_spec
+
+    if not name:
+        return DEFAULT_SAMPLER
+    spec = sampler_spec(name)
+    if spec.kind == "flow":
+        return spec.name
+    if spec.name not in _warned_samplers:
+        logger.warning("sampler %r does not apply to FLUX.1 (a flow model); using %s", name, DEFAULT_SAMPLER)
+        _warned_samplers.add(spec.name)
+    return DEFAULT_SAMPLER
+
+
+def resolve_flux_request(request):
+    """The request with FLUX.1's defaults filled in and the size rounded down to a multiple of 16."""
+    def size(value: Optional[int]) -> int:
+        value = value or DEFAULT_SIZE
+        return max(MIN_SIZE, value - value % SIZE_MULTIPLE)
+
+    return dataclasses.replace(
+        request, width=size(request.width), height=size(request.height),
+        steps=request.steps or DEFAULT_STEPS,
+        scale=DEFAULT_SCALE if request.scale is None else request.scale,
+        guidance=DEFAULT_GUIDANCE if request.guidance is None else request.guidance,
+        sampler=_flow_sampler(request.sampler))
+
+
+def flux_sigmas(steps: int, image_tokens: int, shift: bool) -> torch.Tensor:
+    """steps + 1 σ from 1 down to 0, time-shifted for `image_tokens` packed patches when `shift`."""
+    from library.train.flow import flux_shift_mu, time_shift
+
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    if shift:
+        # time_shift(σ=0) is e^μ / inf = 0: the last σ stays exactly 0.
+        sigmas = time_shift(flux_shift_mu(image_tokens), sigmas)
+    return sigmas.float()
+
+
+@torch.no_grad()
+def encode_prompts_flux(family: ModelFamily, components: Components, texts: list[str],
+                        device: torch.device) -> TextConditioning:
+    """The family's own tokenizing and encoding (as training), with the encoders borrowed onto `device`."""
+    tokens = family.tokenize(components, texts, None)
+    clip, t5 = components.text_encoders
+    with borrowed_on(clip, device), borrowed_on(t5, device):
+        return family.encode_text(components, tokens, None)
+
+
+def decode_images(family: ModelFamily, vae: torch.nn.Module, latents: torch.Tensor) -> np.ndarray:
+    """AE-normalised latents -> uint8 images (B, H, W, 3): undo (x - shift)·scale, decode, clamp."""
+    config = getattr(vae, "config", None)
+    scale = getattr(config, "scaling_factor", None) or family.ae_scale
+    shift = getattr(config, "shift_factor", None)
+    latents = latents / scale + (family.ae_shift if shift is None else shift)
+    pixels = vae.decode(latents.to(vae.device, vae.dtype)).sample.float()
+    if not torch.isfinite(pixels).all():
+        logger.warning("generated image has NaN/inf values (fp16 overflow?); they are drawn black. Try bf16")
+        pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)
+    pixels = ((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return (pixels * 255).round().astype(np.uint8)
+
+
+@torch.no_grad()
+def generate_flux(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
+    """Denoise one batch of requests that share size, steps, scale, guidance and sampler."""
+    from PIL import Image
+
+    from library.sampling.generate import GeneratedImage
+
+    resolved = [resolve_flux_request(r) for r in requests]
+    first = resolved[0]
+    if any(r.batch_key() != first.batch_key() for r in resolved):
+        raise ValueError("generate_flux: a batch must share size, steps, scale, guidance and sampler")
+    model = components.denoiser
+    n = len(resolved)
+    use_cfg = first.scale > 1.0
+    texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
+    text = encode_prompts_flux(family, components, texts, device)
+    text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
+    batch = {"guidance": torch.full((len(texts),), float(first.guidance), device=device)}
+
+    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
+    latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators])
+    latents = latents.to(device)  # float32: the Euler sum stays exact whatever the model dtype
+    sigmas = flux_sigmas(first.steps, (h // 2) * (w // 2), shift=bool(model.config.guidance_embeds))
+    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        model_in = torch.cat([latents, latents]) if use_cfg else latents
+        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)  # predict's unit: σ·1000
+        v = family.predict(components, model_in.to(model.dtype), timesteps, text, batch).float()
+        if use_cfg:
+            cond, uncond = v[:n], v[n:]
+            v = uncond + first.scale * (cond - uncond)
+        latents = latents + (sigma_next - sigma) * v
+
+    images = decode_images(family, components.vae, latents)
+    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
