@@ -17,144 +17,22 @@ becomes the rank (scale 1). ΔW is preserved in every direction.
 
 from __future__ import annotations
 
-import re
 from typing import Mapping, Optional
 
 import torch
 
+from library.families.lora_layouts import KOHYA_PREFIXES, UnmappedPathError, kohya_modules, peft_targets
 from networks.lora_files import KOHYA_SUFFIXES, LoraModule, UnsupportedLoraError, check_not_lycoris, group_modules
 
 LAYOUTS = ("kohya", "diffusers", "ai-toolkit")
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
-# Identifiers with underscores in diffusers / transformers / SGM module paths, so that a kohya
-# name (every "." turned into "_") can be dotted again: the longest match wins.
-_VOCAB = frozenset("""
-down_blocks up_blocks mid_block transformer_blocks single_transformer_blocks proj_in proj_out to_q to_k to_v
-to_out time_emb_proj conv_shortcut conv_in conv_out time_embedding linear_1 linear_2 add_embedding text_model
-self_attn q_proj k_proj v_proj out_proj final_layer_norm ff_context norm1_context to_add_out add_q_proj add_k_proj
-add_v_proj proj_mlp x_embedder context_embedder time_text_embed timestep_embedder guidance_embedder text_embedder
-norm_out wi_0 wi_1 layer_norm1 layer_norm2 text_projection input_blocks middle_block output_blocks in_layers
-out_layers emb_layers skip_connection time_embed label_emb
-""".split())
-_TE_PREFIXES = {"lora_te": "text_encoder", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2",
-                "lora_te3": "text_encoder_2"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "transformer")
-
-# --- Flux: kohya (BFL) names <-> diffusers paths -------------------------------------
-_FLUX_DOUBLE = {
-    "img_attn_proj": ["attn.to_out.0"], "img_attn_qkv": ["attn.to_q", "attn.to_k", "attn.to_v"],
-    "img_mlp_0": ["ff.net.0.proj"], "img_mlp_2": ["ff.net.2"], "img_mod_lin": ["norm1.linear"],
-    "txt_attn_proj": ["attn.to_add_out"], "txt_attn_qkv": ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
-    "txt_mlp_0": ["ff_context.net.0.proj"], "txt_mlp_2": ["ff_context.net.2"], "txt_mod_lin": ["norm1_context.linear"],
-}
-_FLUX_SINGLE = {"linear1": ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"], "linear2": ["proj_out"],
-                "modulation_lin": ["norm.linear"]}
-_FLUX_OTHER = {
-    "img_in": "x_embedder", "txt_in": "context_embedder",
-    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
-    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
-    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
-    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
-    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
-    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
-    "final_layer_linear": "proj_out", "final_layer_adaLN_modulation_1": "norm_out.linear",
-}
-_FLUX_BLOCK = re.compile(r"^(double|single)_blocks_(\d+)_(\w+)$")
-
-
-def _flux_targets(rest: str) -> Optional[list[str]]:
-    """Diffusers paths (inside `transformer`) of a Flux kohya module name without `lora_unet_`."""
-    m = _FLUX_BLOCK.match(rest)
-    if m:
-        table, blocks = (_FLUX_DOUBLE, "transformer_blocks") if m.group(1) == "double" else \
-            (_FLUX_SINGLE, "single_transformer_blocks")
-        parts = table.get(m.group(3))
-        return None if parts is None else [f"{blocks}.{m.group(2)}.{p}" for p in parts]
-    return [_FLUX_OTHER[rest]] if rest in _FLUX_OTHER else None
 
 
 def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    # BFL's final adaLN emits (shift, scale); diffusers' norm_out expects (scale, shift).
-    shift, scale = t.chunk(2, dim=0)
-    return torch.cat([scale, shift], dim=0)
-
-
-# --- SDXL: SGM block names <-> diffusers paths -----------------------------------------
-_SGM_RESNET = {"in_layers.2": "conv1", "out_layers.3": "conv2", "emb_layers.1": "time_emb_proj",
-               "skip_connection": "conv_shortcut"}
-_SGM_TOP = {"time_embed.0": "time_embedding.linear_1", "time_embed.2": "time_embedding.linear_2",
-            "label_emb.0.0": "add_embedding.linear_1", "label_emb.0.2": "add_embedding.linear_2",
-            "input_blocks.0.0": "conv_in", "out.2": "conv_out"}
-
-
-def _resnet_rest(rest: str, to_diffusers: bool) -> str:
-    table = _SGM_RESNET if to_diffusers else {v: k for k, v in _SGM_RESNET.items()}
-    return table.get(rest, rest)
-
-
-def sgm_to_diffusers(path: str) -> str:
-    """SDXL UNet path in SGM naming (input_blocks.4.1.…) to diffusers naming (down_blocks.1.attentions.0.…)."""
-    for sgm, dif in _SGM_TOP.items():
-        if path == sgm:
-            return dif
-    m = re.match(r"^(input_blocks|middle_block|output_blocks)\.(\d+)\.?(\d+)?\.(.+)$", path)
-    if not m:
-        return path
-    kind, a, b, rest = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-    if kind == "middle_block":
-        return f"mid_block.attentions.0.{rest}" if a == 1 else f"mid_block.resnets.{a // 2}.{_resnet_rest(rest, True)}"
-    m_idx = int(b)
-    if kind == "input_blocks":
-        block, j = (a - 1) // 3, (a - 1) % 3
-        if j == 2:
-            return f"down_blocks.{block}.downsamplers.0.{'conv' if rest == 'op' else rest}"
-        side = "down_blocks"
-    else:
-        block, j, side = a // 3, a % 3, "up_blocks"
-    if m_idx == 0:
-        return f"{side}.{block}.resnets.{j}.{_resnet_rest(rest, True)}"
-    if rest == "conv":
-        return f"{side}.{block}.upsamplers.0.conv"
-    return f"{side}.{block}.attentions.{j}.{rest}"
-
-
-def diffusers_to_sgm(path: str) -> str:
-    """Inverse of `sgm_to_diffusers` for the SDXL UNet."""
-    for sgm, dif in _SGM_TOP.items():
-        if path == dif:
-            return sgm
-    m = re.match(r"^(down_blocks|up_blocks|mid_block)\.?(\d+)?\.(resnets|attentions|downsamplers|upsamplers)"
-                 r"\.(\d+)\.(.+)$", path)
-    if not m:
-        return path
-    side, block, kind, j, rest = m.group(1), m.group(2), m.group(3), int(m.group(4)), m.group(5)
-    if side == "mid_block":
-        return f"middle_block.1.{rest}" if kind == "attentions" else f"middle_block.{2 * j}.{_resnet_rest(rest, False)}"
-    block = int(block)
-    if kind == "downsamplers":
-        return f"input_blocks.{3 * block + 3}.0.{'op' if rest == 'conv' else rest}"
-    if kind == "upsamplers":
-        return f"output_blocks.{3 * block + 2}.2.{rest}"  # SDXL: the upsampler follows an attention
-    n = 3 * block + j + 1 if side == "down_blocks" else 3 * block + j
-    head = "input_blocks" if side == "down_blocks" else "output_blocks"
-    return f"{head}.{n}.{0 if kind == 'resnets' else 1}.{_resnet_rest(rest, False) if kind == 'resnets' else rest}"
-
-
-# --- names ------------------------------------------------------------------------------
-def dotted(underscored: str) -> str:
-    """A kohya module path back in dotted form, e.g. down_blocks_0_attentions_0_proj_in -> down_blocks.0.attentions.0.proj_in."""
-    tokens = underscored.split("_")
-    parts, i = [], 0
-    while i < len(tokens):
-        for j in range(min(len(tokens), i + 4), i + 1, -1):
-            if "_".join(tokens[i:j]) in _VOCAB:
-                parts.append("_".join(tokens[i:j]))
-                i = j
-                break
-        else:
-            parts.append(tokens[i])
-            i += 1
-    return ".".join(parts)
+    # The model the kohya name refers to orders the two output halves the other way round.
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
 
 
 def detect_layout(state: Mapping[str, torch.Tensor], source: str) -> str:
@@ -195,39 +73,22 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
     return [(down, b) for b in torch.split(up, dims, dim=0)]
 
 
-def _flux_dims(rest: str, out: int, n: int) -> list[int]:
-    if n == 4:  # single block linear1: q, k, v (hidden each) and the MLP input (4·hidden)
-        hidden = out // 7
-        return [hidden, hidden, hidden, out - 3 * hidden]
-    return [out // n] * n
-
-
 def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
     out: dict[str, torch.Tensor] = {}
     for name, m in group_modules(state, source).items():
-        head, _, rest = name.partition("_")[2].partition("_")
-        prefix = "lora_" + head
-        flux = _flux_targets(rest) if prefix == "lora_unet" else None
-        if flux is not None:
-            if len(flux) > 1:
-                for path, (a, b) in zip(flux, _split_fused(m, _flux_dims(rest, m.out_features, len(flux)))):
-                    out[f"transformer.{path}.lora_A.weight"], out[f"transformer.{path}.lora_B.weight"] = a, b
-                continue
-            targets = [f"transformer.{flux[0]}"]
-        elif prefix == "lora_unet":
-            path = dotted(rest)
-            targets = [f"unet.{sgm_to_diffusers(path)}"]
-        elif prefix in _TE_PREFIXES:
-            targets = [f"{_TE_PREFIXES[prefix]}.{dotted(rest)}"]
-        else:
-            raise UnsupportedLoraError(f"{source}: {name}: unexpected module prefix {prefix!r}; expected lora_unet, "
-                                       f"lora_te, lora_te1, lora_te2 or lora_te3")
+        target = peft_targets(name)
+        if target is None:
+            prefix = "lora_" + name.partition("_")[2].partition("_")[0]
+            raise UnsupportedLoraError(f"{source}: {name}: unexpected module prefix {prefix!r}; expected "
+                                       f"{', '.join(KOHYA_PREFIXES[:-1])} or {KOHYA_PREFIXES[-1]}")
+        if len(target.paths) > 1:
+            for path, (a, b) in zip(target.paths, _split_fused(m, target.split_dims(m.out_features))):
+                out[f"{path}.lora_A.weight"], out[f"{path}.lora_B.weight"] = a, b
+            continue
         sd, su = scale_split(m.scale)
-        up = m.up * su
-        if rest == "final_layer_adaLN_modulation_1":
-            up = _swap_halves(up)
-        out[f"{targets[0]}.lora_A.weight"], out[f"{targets[0]}.lora_B.weight"] = m.down * sd, up
+        up = _swap_halves(m.up * su) if target.swap_halves else m.up * su
+        out[f"{target.paths[0]}.lora_A.weight"], out[f"{target.paths[0]}.lora_B.weight"] = m.down * sd, up
     return out
 
 
@@ -283,68 +144,23 @@ def _peft_scale(group: Mapping[str, torch.Tensor]) -> float:
     return float(group["alpha"]) / group["down"].shape[0] if "alpha" in group else 1.0
 
 
-def _is_sdxl(groups: Mapping[str, dict]) -> bool:
-    # SDXL has a second text encoder and no attention in its first down block.
-    paths = list(groups)
-    return any(p.startswith("text_encoder_2.") for p in paths) or (
-        any(".down_blocks.1.attentions." in p for p in paths)
-        and not any(".down_blocks.0.attentions." in p for p in paths))
-
-
 def to_kohya(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Diffusers/PEFT (or ai-toolkit) state dict to kohya keys; alpha = rank (the scale is in the weights)."""
     groups = _peft_groups(state, source)
-    flux = any(p.startswith("transformer.") for p in groups)
-    sdxl = not flux and _is_sdxl(groups)
-    flux_fused = {}
-    for table, blocks in ((_FLUX_DOUBLE, "transformer_blocks"), (_FLUX_SINGLE, "single_transformer_blocks")):
-        kind = "double" if blocks == "transformer_blocks" else "single"
-        for path in groups:
-            m = re.match(rf"^transformer\.{blocks}\.(\d+)\.", path)
-            if m:
-                for short, parts in table.items():
-                    flux_fused.setdefault(f"lora_unet_{kind}_blocks_{m.group(1)}_{short}",
-                                          [f"transformer.{blocks}.{m.group(1)}.{p}" for p in parts])
-    other = {f"transformer.{v}": f"lora_unet_{k}" for k, v in _FLUX_OTHER.items()}
+    try:
+        modules = kohya_modules(list(groups))
+    except UnmappedPathError as e:
+        raise UnsupportedLoraError(f"{source}: unexpected key {e.path}.lora_A.weight: {e.reason}") from None
     out: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for name, paths in flux_fused.items():
-        parts = [groups.get(p) for p in paths]
-        if all(p is None for p in parts):
-            continue
-        used.update(p for p in paths if p in groups)
-        if len(paths) == 1:
+    for module in modules:
+        parts = [groups.get(p) for p in module.paths]
+        if len(parts) == 1:
             down, up = parts[0]["down"], parts[0]["up"] * _peft_scale(parts[0])
+            up = _swap_halves(up) if module.swap_halves else up
         else:
-            dims = None
-            if len(paths) == 4:
-                hidden = next(p["up"].shape[0] for p in parts[:3] if p is not None)
-                mlp = parts[3]["up"].shape[0] if parts[3] is not None else 4 * hidden
-                dims = [hidden, hidden, hidden, mlp]
-            elif any(p is None for p in parts):
-                dims = [next(p["up"].shape[0] for p in parts if p is not None)] * len(paths)
+            dims = module.fused_dims([p["up"].shape[0] if p is not None else None for p in parts])
             down, up = _fuse(parts, dims)
-        out.update(_kohya_module(name, down, up))
-    for path, g in groups.items():
-        if path in used:
-            continue
-        part, _, module = path.partition(".")
-        if part == "transformer":
-            if path not in other:
-                raise UnsupportedLoraError(f"{source}: unexpected key {path}.lora_A.weight: not a Flux module")
-            name = other[path]
-            up = g["up"] * _peft_scale(g)
-            up = _swap_halves(up) if name.endswith("adaLN_modulation_1") else up
-        else:
-            if part == "unet":
-                name = "lora_unet_" + (diffusers_to_sgm(module) if sdxl else module).replace(".", "_")
-            else:
-                # Flux: CLIP-L is te1 and T5 te3; SDXL: te1 / te2; SD 1.x/2.x: te.
-                te = ("lora_te1" if sdxl or flux else "lora_te") if part == "text_encoder" else \
-                    ("lora_te3" if flux else "lora_te2")
-                name = f"{te}_{module.replace('.', '_')}"
-            up = g["up"] * _peft_scale(g)
-        out.update(_kohya_module(name, g["down"], up))
+        out.update(_kohya_module(module.name, down, up))
     return out
 
 

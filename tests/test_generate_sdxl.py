@@ -163,3 +163,18 @@ def test_sampling_during_sdxl_training_keeps_the_trajectory(tmp_path):
     assert (meta["step"], meta["sampler"], meta["width"], meta["height"]) == ("2", "euler_a", "64", "96")
     with Image.open(second) as img:
         assert img.size == (64, 96)
+
+
+def test_sampling_with_cached_text_encoder_outputs_encodes_new_prompts(tmp_path):
+    """sd-scripts crashes when sample prompts are not in the text-encoder cache; here the encoders
+    are borrowed for the prompts, and training still runs entirely from the cache."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt that no training caption has --w 64 --h 64 --s 2 --d 3\n")
+    cache = ["--cache_text_encoder_outputs", "--network_train_unet_only"]
+    sampled, out = _train(tmp_path, "with", cache + ["--sample_prompts", str(prompts), "--sample_every_n_steps", "1"])
+    plain, _ = _train(tmp_path, "without", cache)
+    assert all(torch.equal(sampled[k], plain[k]) for k in plain)
+    names = sorted(re.sub(r"_\d{14}", "_<ts>", os.path.basename(p))
+                   for p in glob.glob(os.path.join(out, "sample", "*.png")))
+    assert names == ["lora_000001_00_<ts>_3.png", "lora_000001_grid.png",
+                     "lora_000002_00_<ts>_3.png", "lora_000002_grid.png"]

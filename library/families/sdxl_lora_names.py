@@ -9,7 +9,7 @@ single-file converter uses (sgm_layout), applied to module paths.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
@@ -24,13 +24,57 @@ _DIFFUSERS_BLOCK = re.compile(
     r"(?P<kind>attentions|resnets|downsamplers|upsamplers)_(?P<j>\d+)_(?P<tail>.+)$")
 _RESNET_TAILS = ("norm1", "conv1", "time_emb_proj", "norm2", "conv2", "conv_shortcut")
 _PEFT_KEY = re.compile(r"^(unet|text_encoder|text_encoder_2)\.(.+)\.(lora_A|lora_B|lora\.down|lora\.up)\.weight$")
-_PEFT_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+# Kohya prefix of each diffusers part.
+KOHYA_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
 _PEFT_PART = {"lora_A": "lora_down", "lora.down": "lora_down", "lora_B": "lora_up", "lora.up": "lora_up"}
 
 
 def sgm_module_path(path: str) -> str:
     """A dotted module path in diffusers' SDXL UNet as its SGM path (`down_blocks.1.attentions.0.x` -> `input_blocks.4.1.x`)."""
     return unet_key_to_sgm(path + ".weight")[: -len(".weight")]
+
+
+# The inverse of sgm_module_path, derived from it so the mapping lives once: top-level layers and resnet tails.
+_TOP_LAYERS = ("time_embedding.linear_1", "time_embedding.linear_2", "add_embedding.linear_1",
+               "add_embedding.linear_2", "conv_in", "conv_out")
+_SGM_TOP = {sgm_module_path(p): p for p in _TOP_LAYERS}
+_SGM_RESNET = {sgm_module_path(f"mid_block.resnets.0.{t}").split(".", 2)[2]: t for t in _RESNET_TAILS}
+_SGM_BLOCK = re.compile(r"^(input_blocks|middle_block|output_blocks)\.(\d+)\.?(\d+)?\.(.+)$")
+
+
+def diffusers_module_path(path: str) -> str:
+    """A module path in SGM naming as its diffusers SDXL UNet path (`input_blocks.4.1.x` -> `down_blocks.1.attentions.0.x`).
+
+    Paths that are not SGM UNet paths (e.g. already diffusers, or SD 1.x/2.x) come back unchanged.
+    """
+    if path in _SGM_TOP:
+        return _SGM_TOP[path]
+    m = _SGM_BLOCK.match(path)
+    if not m:
+        return path
+    kind, a, b, rest = m[1], int(m[2]), m[3], m[4]
+    if kind == "middle_block":
+        return f"mid_block.attentions.0.{rest}" if a == 1 else f"mid_block.resnets.{a // 2}.{_SGM_RESNET.get(rest, rest)}"
+    if kind == "input_blocks":
+        block, j = (a - 1) // 3, (a - 1) % 3
+        if j == 2:
+            return f"down_blocks.{block}.downsamplers.0.{'conv' if rest == 'op' else rest}"
+        side = "down_blocks"
+    else:
+        block, j, side = a // 3, a % 3, "up_blocks"
+    if int(b) == 0:
+        return f"{side}.{block}.resnets.{j}.{_SGM_RESNET.get(rest, rest)}"
+    if rest == "conv":
+        return f"{side}.{block}.upsamplers.0.conv"
+    return f"{side}.{block}.attentions.{j}.{rest}"
+
+
+def owns_peft_paths(paths: Iterable[str]) -> bool:
+    """True when PEFT module paths look like an SDXL LoRA's: a second text encoder, or attention first in down block 1."""
+    paths = list(paths)
+    return any(p.startswith("text_encoder_2.") for p in paths) or (
+        any(".down_blocks.1.attentions." in p for p in paths)
+        and not any(".down_blocks.0.attentions." in p for p in paths))
 
 
 def sgm_lora_name(name: str) -> str:
@@ -74,7 +118,7 @@ def convert_to_sgm_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
             path = m[2]
             if m[1] != "unet":
                 path = path if path.startswith("text_model.") else "text_model." + path
-            name = f"{_PEFT_PREFIX[m[1]]}_{path.replace('.', '_')}"
+            name = f"{KOHYA_PREFIX[m[1]]}_{path.replace('.', '_')}"
             part = _PEFT_PART[m[3]]
             out[f"{sgm_lora_name(name)}.{part}.weight"] = value
             if part == "lora_down":

@@ -1,0 +1,152 @@
+"""Kohya LoRA module names <-> diffusers/PEFT module paths, for every family, and which family a file is.
+
+A kohya name (`lora_unet_<path>`, `lora_te1_<path>`, … with `.` turned into `_`)
+uses the naming of the model sd-scripts trains on: SGM paths for the SDXL UNet,
+BFL paths for Flux (one fused layer for q, k, v). A diffusers/PEFT file names
+modules by diffusers paths under a part (`unet.`, `text_encoder.`,
+`text_encoder_2.`, `transformer.`). The name tables live in each family's
+`*_lora_names` module; this module picks the family and applies them, so that
+networks/lora_convert.py only does the tensor math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from library.families import flux_lora_names as flux
+from library.families import sdxl_lora_names as sdxl
+from library.families.ldm_layout import LayoutError
+
+# Identifiers with underscores in diffusers / transformers / SGM module paths, so that a kohya
+# name (every "." turned into "_") can be dotted again: the longest match wins.
+_VOCAB = frozenset("""
+down_blocks up_blocks mid_block transformer_blocks single_transformer_blocks proj_in proj_out to_q to_k to_v
+to_out time_emb_proj conv_shortcut conv_in conv_out time_embedding linear_1 linear_2 add_embedding text_model
+self_attn q_proj k_proj v_proj out_proj final_layer_norm ff_context norm1_context to_add_out add_q_proj add_k_proj
+add_v_proj proj_mlp x_embedder context_embedder time_text_embed timestep_embedder guidance_embedder text_embedder
+norm_out wi_0 wi_1 layer_norm1 layer_norm2 text_projection input_blocks middle_block output_blocks in_layers
+out_layers emb_layers skip_connection time_embed label_emb
+""".split())
+# SD 1.x/2.x: kohya paths are the diffusers paths themselves.
+_SD_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te", "text_encoder_2": "lora_te2"}
+# Kohya text-encoder prefix -> diffusers part, over all families (te1 is always the first encoder).
+_TE_PARTS = {prefix: part for table in (_SD_PREFIX, sdxl.KOHYA_PREFIX, flux.KOHYA_PREFIX)
+             for part, prefix in table.items() if part.startswith("text_encoder")}
+KOHYA_PREFIXES = ("lora_unet", *sorted(_TE_PARTS))
+
+
+@dataclass(frozen=True)
+class KohyaModule:
+    """One kohya LoRA module and the diffusers/PEFT modules it stands for."""
+
+    name: str  # kohya module name, e.g. "lora_unet_double_blocks_0_img_attn_qkv"
+    paths: tuple[str, ...]  # PEFT module paths with their part, in the fused layer's row order
+    widths: tuple[int, ...] = (1,)  # relative row count of each path inside the fused layer
+    swap_halves: bool = False  # the two row halves of `up` are in the other order in the diffusers model
+
+    def split_dims(self, out_features: int) -> list[int]:
+        """Rows of each projection in a fused `up` with `out_features` rows."""
+        unit = out_features // sum(self.widths)
+        head = [unit * w for w in self.widths[:-1]]
+        return head + [out_features - sum(head)]
+
+    def fused_dims(self, rows: Sequence[Optional[int]]) -> list[int]:
+        """Rows of each projection given those present (None for a missing one), the missing ones from the widths."""
+        unit = next(r // w for r, w in zip(rows, self.widths) if r is not None)
+        return [r if r is not None else unit * w for r, w in zip(rows, self.widths)]
+
+
+class UnmappedPathError(ValueError):
+    """A PEFT module path that the detected family has no kohya name for."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def dotted(underscored: str) -> str:
+    """A kohya module path back in dotted form, e.g. down_blocks_0_attentions_0_proj_in -> down_blocks.0.attentions.0.proj_in."""
+    tokens = underscored.split("_")
+    parts, i = [], 0
+    while i < len(tokens):
+        for j in range(min(len(tokens), i + 4), i + 1, -1):
+            if "_".join(tokens[i:j]) in _VOCAB:
+                parts.append("_".join(tokens[i:j]))
+                i = j
+                break
+        else:
+            parts.append(tokens[i])
+            i += 1
+    return ".".join(parts)
+
+
+def peft_targets(kohya_name: str) -> Optional[KohyaModule]:
+    """The PEFT modules of one kohya module name (any family: the names do not overlap); None for an unknown prefix."""
+    head, _, rest = kohya_name.partition("_")[2].partition("_")
+    prefix = "lora_" + head
+    if prefix == "lora_unet":
+        bfl = flux.bfl_path(rest)
+        if bfl is not None:
+            paths = flux.diffusers_paths(bfl)
+            return KohyaModule(kohya_name, tuple(f"transformer.{p}" for p in paths), flux.fused_widths(bfl),
+                               swap_halves=paths[0] in flux.SWAPPED_HALVES)
+        # SGM paths become diffusers paths; SD 1.x/2.x paths already are.
+        return KohyaModule(kohya_name, (f"unet.{sdxl.diffusers_module_path(dotted(rest))}",))
+    if prefix in _TE_PARTS:
+        return KohyaModule(kohya_name, (f"{_TE_PARTS[prefix]}.{dotted(rest)}",))
+    return None
+
+
+def kohya_modules(peft_paths: Sequence[str]) -> list[KohyaModule]:
+    """The kohya modules for a PEFT file's module paths, named in the family the paths belong to.
+
+    Flux projections of one fused BFL layer come back as one module. Raises
+    UnmappedPathError for a path the family has no name for.
+    """
+    if flux.owns_peft_paths(peft_paths):
+        return _flux_modules(peft_paths)
+    if sdxl.owns_peft_paths(peft_paths):
+        return [_plain(p, sdxl.KOHYA_PREFIX, _sgm_module_path) for p in peft_paths]
+    return [_plain(p, _SD_PREFIX, lambda module: module) for p in peft_paths]
+
+
+def _sgm_module_path(module: str) -> str:
+    try:
+        return sdxl.sgm_module_path(module)
+    except LayoutError:  # not a UNet layer SGM renames: keep the path
+        return module
+
+
+def _plain(path: str, prefixes: dict[str, str], unet_path) -> KohyaModule:
+    part, _, module = path.partition(".")
+    module = unet_path(module) if part == "unet" else module
+    return KohyaModule(f"{prefixes[part]}_{module.replace('.', '_')}", (path,))
+
+
+def _flux_modules(peft_paths: Sequence[str]) -> list[KohyaModule]:
+    present = set(peft_paths)
+    fused: dict[str, list[str]] = {}
+    for blocks in ("transformer.transformer_blocks.", "transformer.single_transformer_blocks."):
+        for path in peft_paths:
+            if path.startswith(blocks):
+                for bfl in flux.block_layers(path[len("transformer."):]):
+                    fused.setdefault(bfl, [f"transformer.{p}" for p in flux.diffusers_paths(bfl)])
+    modules, used = [], set()
+    for bfl, paths in fused.items():
+        if any(p in present for p in paths):
+            used.update(paths)
+            modules.append(KohyaModule("lora_unet_" + bfl.replace(".", "_"), tuple(paths), flux.fused_widths(bfl)))
+    for path in peft_paths:
+        if path in used:
+            continue
+        part, _, module = path.partition(".")
+        if part != "transformer":
+            modules.append(_plain(path, flux.KOHYA_PREFIX, lambda m: m))
+            continue
+        bfl = flux.outside_block_name(module)
+        if bfl is None:
+            raise UnmappedPathError(path, "not a Flux module")
+        modules.append(KohyaModule("lora_unet_" + bfl.replace(".", "_"), (path,),
+                                   swap_halves=module in flux.SWAPPED_HALVES))
+    return modules
