@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from library.errors import ConfigError, UserError  # noqa: E402
+from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
 
 logger = logging.getLogger("generate")
@@ -115,7 +116,8 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         if not os.path.isfile(path):  # now, not after the model has loaded
             raise ConfigError(f"--network_weights {path}: file not found")
     return GenerateOptions(
-        ckpt=a.ckpt, outdir=a.outdir, prompts=prompts, family="sdxl" if a.sdxl else "flux" if a.flux else "sd",
+        ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
+        family="sdxl" if a.sdxl else "flux" if a.flux else (detect_family(a.ckpt) or "sd"),
         vae=a.vae, v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,

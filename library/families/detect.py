@@ -1,0 +1,66 @@
+"""Which family a model path belongs to, from cheap evidence: preset names, a diffusers folder's
+model_index.json, or the tensor names in a .safetensors header (no weights are read)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+# Key prefixes that only one family's single-file checkpoints carry, most specific first.
+_SINGLE_FILE_MARKERS = (
+    ("conditioner.embedders.", "sdxl"),
+    ("double_blocks.", "flux"),
+    ("model.diffusion_model.double_blocks.", "flux"),
+    ("model.diffusion_model.", "sd"),
+)
+
+
+def _preset_family(path: str) -> Optional[str]:
+    from library.families import flux_configs, sd_configs, sdxl_configs
+
+    for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS)):
+        if path in presets:
+            return name
+    return None
+
+
+def _folder_family(path: str) -> Optional[str]:
+    try:
+        with open(os.path.join(path, "model_index.json"), encoding="utf-8") as f:
+            cls = json.load(f).get("_class_name", "")
+    except (OSError, ValueError):
+        return None
+    if "Flux" in cls:
+        return "flux"
+    if "XL" in cls:
+        return "sdxl"
+    return "sd" if "StableDiffusion" in cls else None
+
+
+def _file_family(path: str) -> Optional[str]:
+    if not path.lower().endswith(".safetensors"):
+        return None  # a pickle cannot be inspected without loading it
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: let the loader say why
+        return None
+    found = {family for prefix, family in _SINGLE_FILE_MARKERS if any(k.startswith(prefix) for k in keys)}
+    for _, family in _SINGLE_FILE_MARKERS:  # the most specific marker wins (SDXL files also have the SD one)
+        if family in found:
+            return family
+    return None
+
+
+def detect_family(path: str) -> Optional[str]:
+    """"sd", "sdxl", "flux", or None when the path does not tell (then the caller's default applies)."""
+    if path.startswith(("tiny:", "random:")):
+        return _preset_family(path)
+    if os.path.isdir(path):
+        return _folder_family(path)
+    if os.path.isfile(path):
+        return _file_family(path)
+    return None
