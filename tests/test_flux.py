@@ -178,3 +178,14 @@ def test_tiny_flux_lora_training_run(tmp_path):
     assert metadata["ss_base_model_version"] == "flux1"
     assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
+
+
+def test_external_network_modules_are_refused_for_flux(tmp_path, capsys):
+    from library.train.cli import run_training
+
+    data = make_dataset(str(tmp_path), n=1)
+    argv = base_args(data, str(tmp_path / "out"), "tiny:flux", steps=1, extra=["--network_module", "lycoris.kohya"])
+    assert run_training("flux", "test", argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --network_module lycoris.kohya: not supported for flux: ")
+    assert "\n" not in err

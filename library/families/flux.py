@@ -52,6 +52,11 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
+    external_networks_unsupported = (
+        "LyCORIS and other sd-scripts network modules target the BFL block classes of sd-scripts' own Flux model; "
+        "diffusers' FluxTransformer2DModel has other classes and separate q/k/v, so they would train almost "
+        "nothing and save names no loader maps. Use --network_module networks.lora")
+
     name = "flux"
     latent_cache_arch = "_flux"
     latent_channels = LATENT_CHANNELS

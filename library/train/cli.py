@@ -25,6 +25,7 @@ def settings_from_args(ns, family, parser):
     from library.args.noise_loss import loss_options_from_args, noise_options_from_args
     from library.args.optimizer import optimizer_options_from_args, scheduler_options_from_args
     from library.args.training import training_options_from_args
+    from library.errors import ConfigError
     from library.train.optimizers import optimizer_class
     from library.train.trainer import RunSettings
 
@@ -35,6 +36,9 @@ def settings_from_args(ns, family, parser):
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     ns.seed = training.seed  # a drawn seed is what the data layer and metadata must see
     network = network_options_from_args(ns)
+    if network.network_module != "networks.lora" and family.external_networks_unsupported:
+        raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
+                          f"{family.external_networks_unsupported}")
     settings = RunSettings(
         model=load_options_from_args(ns),
         clip_skip=ns.clip_skip,
@@ -53,7 +57,6 @@ def settings_from_args(ns, family, parser):
     )
     settings.flags["_config_values"] = config_values(ns, parser)
     from library.args.sampling import sampling_hook_from_args
-    from library.errors import ConfigError
     from library.families.base import ModelFamily
 
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
