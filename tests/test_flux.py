@@ -189,3 +189,16 @@ def test_external_network_modules_are_refused_for_flux(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --network_module lycoris.kohya: not supported for flux: ")
     assert "\n" not in err
+
+
+def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
+    family = get_family("flux")
+    comps = family.load(LoadOptions("tiny:flux"))
+    with torch.no_grad():
+        next(comps.denoiser.parameters()).add_(1.0)  # as a merge would change it
+    family.save_checkpoint(comps, str(tmp_path / "merged"))
+    back = family.load(LoadOptions(str(tmp_path / "merged")))
+    a, b = comps.denoiser.state_dict(), back.denoiser.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(NotImplementedError, match="BFL single file"):
+        family.save_checkpoint(comps, str(tmp_path / "merged.safetensors"))

@@ -206,6 +206,20 @@ class FluxFamily(ModelFamily):
         return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
 
     # --- metadata -------------------------------------------------------------------------------
+    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        if path.lower().endswith((".safetensors", ".ckpt")):
+            raise NotImplementedError("flux: saving a BFL single file is not implemented yet; "
+                                      "give a folder path to save a diffusers folder")
+        from library.families.flux_saving import save_flux_diffusers_folder
+
+        clip, t5 = components.text_encoders
+        parts = {"transformer": components.denoiser, "vae": components.vae, "text_encoder": clip,
+                 "text_encoder_2": t5, "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}
+        if dtype is not None:
+            for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+                parts[name].to(dtype=dtype)
+        save_flux_diffusers_folder(parts, path)
+
     def base_model_version(self, components: Components) -> str:
         return "flux1"
 
