@@ -176,6 +176,9 @@ def test_tiny_flux_lora_training_run(tmp_path):
                         "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"]
     assert up.shape == (96, 4) and up.abs().sum() > 0  # trained
     assert metadata["ss_base_model_version"] == "flux1"
+    assert (metadata["ss_timestep_sampling"], metadata["ss_model_prediction_type"], metadata["ss_weighting_scheme"],
+            metadata["ss_guidance_scale"], metadata["ss_discrete_flow_shift"], metadata["ss_apply_t5_attn_mask"]) \
+        == ("shift", "sigma_scaled", "cosmap", "1.0", "3.0", "True")
     assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
 

@@ -52,6 +52,9 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
+    metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
+                      "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
+                      "apply_t5_attn_mask")
     external_networks_unsupported = (
         "LyCORIS and other sd-scripts network modules target the BFL block classes of sd-scripts' own Flux model; "
         "diffusers' FluxTransformer2DModel has other classes and separate q/k/v, so they would train almost "

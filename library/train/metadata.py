@@ -76,6 +76,8 @@ def training_metadata(run: Mapping[str, Any]) -> dict[str, str]:
     for flag in MIRRORED_FLAGS:
         value = run.get(flag)
         md[f"ss_{flag}"] = bool(value) if flag in BOOL_FLAGS else value
+    for flag in run.get("family_metadata_flags") or ():  # e.g. Flux's timestep and guidance settings
+        md[f"ss_{flag}"] = run.get(flag)
     for ss_name, flag in RENAMED_FLAGS.items():
         md[f"ss_{ss_name}"] = bool(run.get(flag))
     md["ss_text_encoder_lr"] = _text_encoder_lr(run.get("text_encoder_lr"))

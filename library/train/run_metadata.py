@@ -58,6 +58,7 @@ def lora_metadata(family: ModelFamily, components: Components, settings, data, f
         "network_args": s.network.network_args,
         "v2": c.v2, "v_parameterization": c.v_parameterization,
         "no_metadata": s.network.no_metadata,
+        "family_metadata_flags": family.metadata_flags,
     })
     metadata = training_metadata(run)
     reso = data.resolution_for_metadata() or (512, 512)
