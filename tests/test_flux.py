@@ -205,3 +205,16 @@ def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(NotImplementedError, match="BFL single file"):
         family.save_checkpoint(comps, str(tmp_path / "merged.safetensors"))
+
+
+def test_text_cache_key_includes_the_flags_that_change_t5_outputs():
+    from library.data.te_cache import text_cache_model_id
+
+    family = get_family("flux")
+    base = {"t5xxl_max_token_length": 16, "apply_t5_attn_mask": False, "guidance_scale": 3.5}
+    key = text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags, base)
+    assert key == "tiny:flux|torch.float32|t5xxl_max_token_length=16|apply_t5_attn_mask=False"
+    assert text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags,
+                               {**base, "apply_t5_attn_mask": True}) != key
+    assert text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags,
+                               {**base, "guidance_scale": 1.0}) == key  # not a text-encoder setting

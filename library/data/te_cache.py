@@ -116,6 +116,13 @@ def final_captions(samples: Iterable, subsets: list, max_train_steps: int) -> li
     return out
 
 
+def text_cache_model_id(model_path: str, dtype, flag_names: Iterable[str], flags: Mapping) -> str:
+    """What produced a cache entry: the model, its dtype, and the family's flags that change the outputs
+    (e.g. Flux's T5 length and attention mask), so changing any of them rebuilds the cache."""
+    extra = "".join(f"|{name}={flags.get(name)}" for name in flag_names)
+    return f"{model_path}|{dtype}{extra}"
+
+
 def build_text_cache(items: list[tuple[str, str]], encode: Encode, *, model_id: str,
                      max_token_length: Optional[int], suffix: Optional[str], to_disk: bool,
                      batch_size: int = 1) -> dict[str, dict[str, torch.Tensor]]:

@@ -52,6 +52,7 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
+    text_cache_flags = ("t5xxl_max_token_length", "apply_t5_attn_mask")
     metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
                       "apply_t5_attn_mask")
