@@ -131,7 +131,7 @@ def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
 
-    from library.families.tiny import build_tokenizer
+    from library.families.tiny import build_seeded, build_tokenizer
 
     p = PRESETS[name]
     clip_tok, t5_tok = build_tokenizer(False), build_t5_tokenizer()
@@ -142,12 +142,7 @@ def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:
     t5_cfg = t5_config(p, p.t5_vocab or len(t5_tok))
 
     def make(index: int, factory) -> nn.Module:
-        if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return factory()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED + index)
-            return factory().to(device)
+        return build_seeded(factory, PRESET_SEED + index, device)
 
     parts = {
         "transformer": make(0, lambda: FluxTransformer2DModel(**transformer_config(p))),

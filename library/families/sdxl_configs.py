@@ -119,7 +119,7 @@ def build_sdxl_modules(name: str, device: str | torch.device = "cpu") -> dict[st
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from library.families.tiny import build_tokenizer
+    from library.families.tiny import build_seeded, build_tokenizer
 
     p = PRESETS[name]
     tok1, tok2 = build_tokenizer(False), build_tokenizer(True)  # SDXL's second tokenizer pads with "!"
@@ -132,13 +132,8 @@ def build_sdxl_modules(name: str, device: str | torch.device = "cpu") -> dict[st
                                    sample_size=p.sample_size)
     vae_kwargs = vae_config(p.vae_channels, sample_size=p.sample_size * 8)
 
-    def make(index: int, factory):
-        if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return factory()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED + index)
-            return factory().to(device)
+    def make(index: int, factory) -> nn.Module:
+        return build_seeded(factory, PRESET_SEED + index, device)
 
     parts = {
         "unet": make(0, lambda: UNet2DConditionModel(**unet_kwargs)),

@@ -101,6 +101,15 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def build_seeded(factory, seed: int, device: str | torch.device = "cpu") -> nn.Module:
+    """`factory()` with weights drawn from `seed` (caller's RNG untouched); on "meta", no memory and no seed."""
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return factory()
+    with _seeded(seed):
+        return factory().to(device)
+
+
 def _text_encoder_kwargs(preset: SDPreset, tokenizer) -> dict:
     return text_encoder_config(
         preset.v2, hidden_size=preset.text_hidden, intermediate_size=preset.text_intermediate,
@@ -127,11 +136,7 @@ def build_sd_modules(config_name: str, device: str | torch.device = "cpu") -> di
     te_config = CLIPTextConfig(**_text_encoder_kwargs(preset, tokenizer))
 
     def make(index: int, factory):
-        if torch.device(device).type == "meta":
-            with torch.device("meta"):
-                return factory()
-        with _seeded(PRESET_SEED + index):
-            return factory().to(device)
+        return build_seeded(factory, PRESET_SEED + index, device)
 
     unet = make(0, lambda: UNet2DConditionModel(**unet_kwargs))
     vae = make(1, lambda: AutoencoderKL(**vae_kwargs))
