@@ -15,7 +15,6 @@ BFL-layout Flux LoRA is.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Union
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_math
+from networks.lora_module import init_lora_parameters
 
 
 class FusedLoRAModule(nn.Module):
@@ -48,17 +48,7 @@ class FusedLoRAModule(nn.Module):
         device = org_modules[0].weight.device
         self.lora_down = nn.Linear(in_features.pop(), lora_dim, bias=False, device=device)
         self.lora_up = nn.Linear(lora_dim, sum(self.out_sizes), bias=False, device=device)
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
-        if isinstance(alpha, torch.Tensor):
-            alpha = float(alpha.detach().float().cpu())
-        alpha = lora_dim if alpha is None or alpha == 0 else alpha
-        self.register_buffer("alpha", torch.tensor(float(alpha), device=device))
-        self.scale = lora_math.lora_scale(alpha, lora_dim)
-        self.multiplier = multiplier
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
+        init_lora_parameters(self, lora_dim, alpha, multiplier, dropout, rank_dropout, module_dropout, device)
         self._orgs: tuple[nn.Module, ...] = tuple(org_modules)  # outside the module tree: not in state_dict
         self._org_forwards: Optional[list] = None
         self._had_own_forward: list[bool] = []

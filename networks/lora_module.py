@@ -15,6 +15,23 @@ from torch import nn
 from networks import lora_math
 
 
+def init_lora_parameters(module: nn.Module, lora_dim: int, alpha: Any, multiplier: float, dropout: Optional[float],
+                         rank_dropout: Optional[float], module_dropout: Optional[float], device: Any) -> None:
+    """sd-scripts' init and settings of a LoRA's `lora_down` / `lora_up`: kaiming / zeros, alpha
+    (0 or None means dim) as a 0-dim buffer, scale = alpha / dim, multiplier and dropouts."""
+    nn.init.kaiming_uniform_(module.lora_down.weight, a=math.sqrt(5))
+    nn.init.zeros_(module.lora_up.weight)
+    if isinstance(alpha, torch.Tensor):
+        alpha = float(alpha.detach().float().cpu())
+    alpha = lora_dim if alpha is None or alpha == 0 else alpha
+    module.register_buffer("alpha", torch.tensor(float(alpha), device=device))
+    module.scale = lora_math.lora_scale(alpha, lora_dim)
+    module.multiplier = multiplier
+    module.dropout = dropout
+    module.rank_dropout = rank_dropout
+    module.module_dropout = module_dropout
+
+
 class LoRAModule(nn.Module):
     """A LoRA on one Linear / Conv2d: out = org(x) + up(down(x)) * multiplier * alpha/dim.
 
@@ -39,19 +56,7 @@ class LoRAModule(nn.Module):
             self.lora_up = nn.Linear(lora_dim, org_module.out_features, bias=False, device=device)
         else:
             raise TypeError(f"{lora_name}: LoRA supports Linear and Conv2d, not {type(org_module).__name__}")
-        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_up.weight)
-
-        if isinstance(alpha, torch.Tensor):
-            alpha = float(alpha.detach().float().cpu())
-        alpha = lora_dim if alpha is None or alpha == 0 else alpha
-        self.register_buffer("alpha", torch.tensor(float(alpha), device=device))
-        self.scale = lora_math.lora_scale(alpha, lora_dim)
-
-        self.multiplier = multiplier
-        self.dropout = dropout
-        self.rank_dropout = rank_dropout
-        self.module_dropout = module_dropout
+        init_lora_parameters(self, lora_dim, alpha, multiplier, dropout, rank_dropout, module_dropout, device)
         # Held outside the module tree so the base weights never enter our state_dict.
         self._org: tuple[nn.Module, ...] = (org_module,)
         self._org_forward: Optional[Callable] = None
