@@ -10,7 +10,7 @@ from library.errors import ConfigError
 
 T5_MAX_TOKENS = 512  # T5-XXL's tokenizer limit (model_max_length)
 # sd-scripts flags we accept so that a user's command line parses, but refuse with a clear message for now.
-NOT_YET = ("clip_l", "t5xxl", "ae", "blocks_to_swap", "fp8_base", "cpu_offload_checkpointing")
+NOT_YET = ("blocks_to_swap", "fp8_base", "cpu_offload_checkpointing")
 
 
 @dataclass
@@ -20,6 +20,10 @@ class FluxOptions:
     guidance_scale: float = 3.5
     t5xxl_max_token_length: Optional[int] = None  # None: 512 for dev (guidance-distilled), 256 for schnell
     apply_t5_attn_mask: bool = False
+    # Separate component files for a BFL single-file transformer (sd-scripts' --clip_l / --t5xxl / --ae).
+    clip_l: Optional[str] = None
+    t5xxl: Optional[str] = None
+    ae: Optional[str] = None
 
 
 def add_flux_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +36,9 @@ def add_flux_arguments(parser: argparse.ArgumentParser) -> None:
                    help="T5 tokens per caption (default: 512 for dev, 256 for schnell)")
     g.add_argument("--apply_t5_attn_mask", action="store_true",
                    help="mask T5 padding in the text encoder and in the transformer's attention")
-    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L file for a BFL single-file model (not yet)")
-    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL file for a BFL single-file model (not yet)")
-    g.add_argument("--ae", type=str, default=None, help="autoencoder file for a BFL single-file model (not yet)")
+    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L text encoder file (.safetensors) for a BFL single-file transformer")
+    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL text encoder file (.safetensors) for a BFL single-file transformer")
+    g.add_argument("--ae", type=str, default=None, help="autoencoder file (ae.safetensors) for a BFL single-file transformer")
     g.add_argument("--blocks_to_swap", type=int, default=None, help="transformer blocks kept on the CPU (not yet)")
     g.add_argument("--fp8_base", action="store_true", help="store base weights as float8 (not yet)")
     g.add_argument("--cpu_offload_checkpointing", action="store_true",
@@ -56,4 +60,5 @@ def flux_options_from_args(values: Mapping[str, Any]) -> FluxOptions:
     if guidance < 0:
         raise ConfigError(f"--guidance_scale: expected a number >= 0, got {guidance}")
     return FluxOptions(guidance_scale=guidance, t5xxl_max_token_length=length,
-                       apply_t5_attn_mask=bool(values.get("apply_t5_attn_mask")))
+                       apply_t5_attn_mask=bool(values.get("apply_t5_attn_mask")),
+                       clip_l=values.get("clip_l"), t5xxl=values.get("t5xxl"), ae=values.get("ae"))
