@@ -147,8 +147,6 @@ def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
 
 def test_flag_errors_are_one_line():
     family = get_family("flux")
-    with pytest.raises(ConfigError, match="^--clip_l: not implemented yet"):
-        family.configure_from_args({"clip_l": "clip_l.safetensors"})
     with pytest.raises(ConfigError, match="^--t5xxl_max_token_length: expected an integer from 1 to 512"):
         family.configure_from_args({"t5xxl_max_token_length": 1024})
     from library.families.base import ModelLoadError
@@ -218,3 +216,27 @@ def test_text_cache_key_includes_the_flags_that_change_t5_outputs():
                                {**base, "apply_t5_attn_mask": True}) != key
     assert text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags,
                                {**base, "guidance_scale": 1.0}) == key  # not a text-encoder setting
+
+
+def test_disk_latent_cache_uses_sd_scripts_flux_keys_one_file_for_all_resolutions(tmp_path, monkeypatch):
+    import glob
+
+    import numpy as np
+
+    data = make_dataset(str(tmp_path), n=1, sizes=((128, 128),))
+    args = base_args(data, str(tmp_path / "out"), "tiny:flux", steps=1, extra=[
+        "--t5xxl_max_token_length", "8", "--network_train_unet_only", "--resolution", "64;128",
+        "--cache_latents", "--cache_latents_to_disk"])
+    make_trainer(args, "flux").run()
+    files = glob.glob(os.path.join(data, "*", "*.npz"))
+    assert [os.path.basename(p) for p in files] == ["img0_0128x0128_flux.npz"]
+    with np.load(files[0]) as npz:
+        assert sorted(k for k in npz.files if k.startswith("latents")) == ["latents_16x16", "latents_8x8"]
+        assert npz["latents_16x16"].shape == (16, 16, 16) and npz["latents_8x8"].shape == (16, 8, 8)
+        assert list(npz["original_size_8x8"]) == [128, 128]
+    trainer = make_trainer(args, "flux")
+    encoded = []
+    original = trainer.family.encode_images
+    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
+    trainer.run()
+    assert encoded == []  # both resolutions were found in the one file

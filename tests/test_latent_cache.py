@@ -163,3 +163,25 @@ def test_foreign_file_is_stale_unless_accepted(tmp_path):
     assert entry is not None and entry.crop_ltrb == (0, 2, 64, 46)
     wrong = _save_foreign(tmp_path / "dog_0640x0480_sd.npz", latents_shape=(4, 8, 6))
     assert load_latent_cache(wrong, SETTINGS, accept_foreign=True) is None
+
+
+def test_flux_style_keys_carry_the_latent_size_and_keep_other_resolutions(tmp_path):
+    from library.data.latent_cache import latent_key_suffix
+
+    assert latent_key_suffix((64, 48), None) == ""
+    assert latent_key_suffix((512, 768), 8) == "_96x64"  # (width, height) bucket -> _<h>x<w> latent size
+    path = str(tmp_path / "cat_0640x0480_flux.npz")
+    _save(path, key_suffix="_6x8")
+    small = dataclasses.replace(SETTINGS, bucket_reso=(32, 24), crop_ltrb=(0, 1, 32, 23), latent_shape=(4, 3, 4))
+    save_latent_cache(path, np.ones((4, 3, 4), np.float32), (640, 480), small.crop_ltrb, small,
+                      np.zeros((4, 3, 4), np.float32), np.ones((24, 32), np.float32), key_suffix="_3x4")
+    with np.load(path) as data:
+        assert sorted(data.files) == sorted(f"{k}_{s}" for k in ("latents", "latents_flipped", "original_size",
+                                                                 "crop_ltrb", "alpha_mask", SETTINGS_KEY)
+                                            for s in ("6x8", "3x4"))
+    big = load_latent_cache(path, SETTINGS, key_suffix="_6x8")
+    np.testing.assert_array_equal(big.latents, _latents(0))
+    assert big.crop_ltrb == (0, 2, 64, 46)
+    assert load_latent_cache(path, small, key_suffix="_3x4").latents.sum() == 48
+    assert load_latent_cache(path, SETTINGS) is None  # unsuffixed keys are not there
+    assert load_latent_cache(path, small, key_suffix="_6x8") is None  # wrong size under that suffix

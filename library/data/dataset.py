@@ -31,11 +31,15 @@ class DataFamilyInfo:
     latent_cache_arch: str = "_sd"
     vae_scale_factor: int = 8
     latent_channels: int = 4
+    # sd-scripts' newer caches (Flux) suffix every key with the latent size, `latents_<h>x<w>`, so one
+    # file holds an image at several resolutions; None keeps the plain SD/SDXL keys.
+    latent_cache_key_stride: Optional[int] = None
 
     @classmethod
     def from_family(cls, family) -> "DataFamilyInfo":
         """From a library.families ModelFamily (its class attributes of the same names)."""
-        return cls(family.bucket_reso_multiple, family.latent_cache_arch, family.vae_scale_factor, family.latent_channels)
+        return cls(family.bucket_reso_multiple, family.latent_cache_arch, family.vae_scale_factor, family.latent_channels,
+                   getattr(family, "latent_cache_key_stride", None))
 
 
 @dataclass

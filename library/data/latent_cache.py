@@ -7,6 +7,11 @@ File name and keys are sd-scripts' (`<stem>_<WWWW>x<HHHH><arch>.npz` with
 latents; an entry is reused only when that signature and the latent shape
 match what the run expects, so a changed bucket, crop, VAE or flag rebuilds it
 instead of training on stale or wrongly sized latents.
+
+Families whose sd-scripts caches suffix the keys with the latent size (Flux:
+`latents_64x96`, `original_size_64x96`, ...) pass that suffix as `key_suffix`;
+one file then holds an image at several resolutions, and writing one
+resolution keeps the others.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ def size_from_cache_path(cache_path: str) -> Optional[tuple[int, int]]:
     """The original (width, height) encoded in a cache file name, or None if the name has none."""
     match = _SIZE_IN_NAME.search(os.path.basename(cache_path))
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def latent_key_suffix(bucket_reso: tuple[int, int], stride: Optional[int]) -> str:
+    """`_<h>x<w>` (latent height x width) for a (width, height) bucket, or "" when stride is None."""
+    if stride is None:
+        return ""
+    width, height = bucket_reso
+    return f"_{height // stride}x{width // stride}"
 
 
 @dataclass(frozen=True)
@@ -88,8 +101,12 @@ def save_latent_cache(
     settings: CacheSettings,
     latents_flipped: Optional[Union[np.ndarray, Any]] = None,
     alpha_mask: Optional[Union[np.ndarray, Any]] = None,
+    key_suffix: str = "",
 ) -> None:
-    """Write one latent cache .npz atomically (temporary name, then rename)."""
+    """Write one latent cache .npz atomically (temporary name, then rename).
+
+    With a key_suffix, the arrays of other resolutions already in the file are kept.
+    """
     arrays = {
         "latents": _to_numpy(latents),
         "original_size": np.array([int(v) for v in original_size]),
@@ -100,35 +117,49 @@ def save_latent_cache(
         arrays["latents_flipped"] = _to_numpy(latents_flipped)
     if alpha_mask is not None:
         arrays["alpha_mask"] = _to_numpy(alpha_mask)
+    arrays = {key + key_suffix: value for key, value in arrays.items()}
+    if key_suffix:
+        arrays = {**_other_resolutions(path, key_suffix), **arrays}
     with atomic_path(path) as tmp:
         # Writing to an open file stops numpy from appending ".npz" to the temporary name.
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
 
 
-def _shapes_fit(data: Any, expected: CacheSettings) -> bool:
+def _other_resolutions(path: str, key_suffix: str) -> dict[str, np.ndarray]:
+    """The arrays of an existing file whose keys do not end in key_suffix ({} if none or unreadable)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files if not key.endswith(key_suffix)}
+    except Exception:  # a damaged file is simply replaced
+        return {}
+
+
+def _shapes_fit(data: Any, expected: CacheSettings, sfx: str) -> bool:
     """True when the arrays the run needs are present, finite and of the expected shapes."""
     shape = tuple(expected.latent_shape)
     needed = ["latents"] + (["latents_flipped"] if expected.flip_aug else [])
-    for key in needed:
+    for key in (k + sfx for k in needed):
         if key not in data.files or tuple(data[key].shape) != shape or not np.isfinite(data[key]).all():
             return False
     if expected.alpha_mask:
         bucket_hw = (expected.bucket_reso[1], expected.bucket_reso[0])
-        if "alpha_mask" not in data.files or tuple(data["alpha_mask"].shape) != bucket_hw:
+        if "alpha_mask" + sfx not in data.files or tuple(data["alpha_mask" + sfx].shape) != bucket_hw:
             return False
-    return "original_size" in data.files and "crop_ltrb" in data.files
+    return "original_size" + sfx in data.files and "crop_ltrb" + sfx in data.files
 
 
-def _stored_signature(data: Any) -> Optional[str]:
-    if SETTINGS_KEY not in data.files:
+def _stored_signature(data: Any, sfx: str) -> Optional[str]:
+    if SETTINGS_KEY + sfx not in data.files:
         return None
-    value = data[SETTINGS_KEY]
+    value = data[SETTINGS_KEY + sfx]
     return str(value.item()) if value.shape == () else None
 
 
 def load_latent_cache(
-    path: str, expected: CacheSettings, accept_foreign: bool = False
+    path: str, expected: CacheSettings, accept_foreign: bool = False, key_suffix: str = ""
 ) -> Optional[LatentCacheEntry]:
     """The cached arrays when the file is valid for `expected`, else None (never raises).
 
@@ -137,30 +168,31 @@ def load_latent_cache(
     flip_aug is on, no `alpha_mask` while alpha_mask is on, or a settings signature
     that differs. A file without our signature (written by sd-scripts) counts
     as stale unless `accept_foreign` is True and every shape matches; then its
-    bucket, crop and VAE are trusted unchecked.
+    bucket, crop and VAE are trusted unchecked. Keys are read with `key_suffix`.
     """
+    sfx = key_suffix
     try:
         with np.load(path, allow_pickle=False) as data:
-            if not _shapes_fit(data, expected):
+            if not _shapes_fit(data, expected, sfx):
                 return None
-            signature = _stored_signature(data)
+            signature = _stored_signature(data, sfx)
             if signature is None:
                 if not accept_foreign:
                     return None
             elif signature != expected.signature():
                 return None
-            original = tuple(int(v) for v in data["original_size"])
-            crop = tuple(int(v) for v in data["crop_ltrb"])
+            original = tuple(int(v) for v in data["original_size" + sfx])
+            crop = tuple(int(v) for v in data["crop_ltrb" + sfx])
             if len(original) != 2 or len(crop) != 4:
                 return None
             return LatentCacheEntry(
-                latents=np.asarray(data["latents"], dtype=np.float32),
+                latents=np.asarray(data["latents" + sfx], dtype=np.float32),
                 original_size=original,
                 crop_ltrb=crop,
                 latents_flipped=(
-                    np.asarray(data["latents_flipped"], dtype=np.float32) if expected.flip_aug else None
+                    np.asarray(data["latents_flipped" + sfx], dtype=np.float32) if expected.flip_aug else None
                 ),
-                alpha_mask=np.asarray(data["alpha_mask"], dtype=np.float32) if expected.alpha_mask else None,
+                alpha_mask=np.asarray(data["alpha_mask" + sfx], dtype=np.float32) if expected.alpha_mask else None,
             )
     except Exception:  # any damage (truncated zip, bad header, wrong dtype) just means "rebuild it"
         return None

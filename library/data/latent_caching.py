@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from library.data.batching import Placement
 from library.data.images import ImageDecodeError, crop_ltrb_for, to_tensor
-from library.data.latent_cache import (CacheSettings, LatentCacheEntry, disk_cache_path, load_latent_cache,
-                                       save_latent_cache)
+from library.data.latent_cache import (CacheSettings, LatentCacheEntry, disk_cache_path, latent_key_suffix,
+                                       load_latent_cache, save_latent_cache)
 from library.data.loading import load_and_crop
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ class CacheJob:
     placement: Placement
     settings: CacheSettings
     disk_path: Optional[str]
+    key_suffix: str = ""
 
 
 def plan_cache_jobs(data: "TrainingData", vae_id: str, to_disk: bool) -> tuple[list[CacheJob], int]:
@@ -46,9 +47,11 @@ def plan_cache_jobs(data: "TrainingData", vae_id: str, to_disk: bool) -> tuple[l
     jobs, stale = [], 0
     for gid, group in enumerate(data.groups):
         ds = data.datasets[group.dataset]
-        # Several resolutions of one image need several files: name them apart by resolution.
+        # Several resolutions of one image need several files (named apart by resolution), unless
+        # the family's keys carry the latent size (then they share one file, as in sd-scripts).
+        stride = data.family.latent_cache_key_stride
         arch = data.family.latent_cache_arch
-        if len(ds.resolutions) > 1:
+        if len(ds.resolutions) > 1 and stride is None:
             arch += f"_{group.resolution[0]}x{group.resolution[1]}"
         for sid, place in group.placements.items():
             sample, sub = data.samples[sid], data.subsets[data.samples[sid].subset]
@@ -60,14 +63,15 @@ def plan_cache_jobs(data: "TrainingData", vae_id: str, to_disk: bool) -> tuple[l
             if key in data.latents and data.latent_signatures.get(key) == settings.signature():
                 continue
             path = disk_cache_path(sample.path, sample.size, arch) if to_disk else None
+            suffix = latent_key_suffix(place.bucket, stride)
             if path is not None:
-                entry = load_latent_cache(path, settings, accept_foreign=data.opts.skip_cache_check)
+                entry = load_latent_cache(path, settings, accept_foreign=data.opts.skip_cache_check, key_suffix=suffix)
                 if entry is not None:
                     data.latents[key] = entry
                     data.latent_signatures[key] = settings.signature()
                     continue
                 stale += os.path.exists(path)
-            jobs.append(CacheJob(sid, gid, place, settings, path))
+            jobs.append(CacheJob(sid, gid, place, settings, path, suffix))
     # Largest buckets first, so an out-of-memory error shows at once rather than at the end.
     jobs.sort(key=lambda j: (-j.placement.bucket[0] * j.placement.bucket[1], j.placement.bucket, j.group, j.sample))
     return jobs, stale
@@ -154,5 +158,5 @@ def cache_all_latents(data: "TrainingData", encode: Callable[[torch.Tensor], tor
             data.latent_signatures[(job.sample, job.group)] = job.settings.signature()
             if job.disk_path:
                 save_latent_cache(job.disk_path, entry.latents, entry.original_size, entry.crop_ltrb, job.settings,
-                                  entry.latents_flipped, entry.alpha_mask)
+                                  entry.latents_flipped, entry.alpha_mask, key_suffix=job.key_suffix)
     logger.info("cached latents of %d images%s", len(jobs), f" ({stale} rebuilt)" if stale else "")

@@ -81,6 +81,9 @@ class ModelFamily:
 
     name: str = ""  # "sd1", "sd2", "sdxl", "flux"
     latent_cache_arch: str = ""  # suffix of disk latent caches: "_sd", "_sdxl", "_flux"
+    # Disk latent keys carry the latent size, `latents_<h>x<w>` (h, w = bucket size / this stride), as
+    # sd-scripts' Flux caches do; None: plain `latents` keys (SD, SDXL).
+    latent_cache_key_stride: Optional[int] = None
     latent_channels: int = 4
     vae_scale_factor: int = 8
     latents_scale: float = 0.18215  # applied at train time; caches hold unscaled latents

@@ -63,6 +63,7 @@ class FluxFamily(ModelFamily):
 
     name = "flux"
     latent_cache_arch = "_flux"
+    latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
     latent_channels = LATENT_CHANNELS
     vae_scale_factor = 8
     # encode_images already returns the AE-normalised latents (what sd-scripts' `_flux.npz` caches hold),

@@ -88,10 +88,7 @@ class NetworkTrainer:
         self.noise_generator = torch.Generator("cpu").manual_seed(self.t.seed)
 
     def _setup_data(self) -> None:
-        info = DataFamilyInfo(bucket_reso_multiple=self.family.bucket_reso_multiple,
-                              latent_cache_arch=self.family.latent_cache_arch,
-                              vae_scale_factor=self.family.vae_scale_factor,
-                              latent_channels=self.family.latent_channels)
+        info = DataFamilyInfo.from_family(self.family)
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
         self.batches_per_epoch = self.data.batches_per_epoch()
