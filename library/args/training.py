@@ -53,6 +53,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_prefix", type=str, default=None, help="prefix of the run's log folder name")
     g.add_argument("--log_tracker_name", type=str, default=None, help="tracker name (default network_train)")
     g.add_argument("--log_every_n_steps", type=int, default=1, help="write scalars every N steps")
+    g.add_argument("--log_tflops", type=int, default=None, metavar="N",
+                   help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
+                        "and, on a known GPU, the fraction of its bf16 peak")
 
     g = parser.add_argument_group("validation")
     g.add_argument("--validate_every_n_steps", type=int, default=None, help="validation loss every N steps (needs validation_split)")
@@ -91,6 +94,7 @@ class TrainingOptions:
     log_prefix: Optional[str] = None
     log_tracker_name: Optional[str] = None
     log_every_n_steps: int = 1
+    log_tflops: Optional[int] = None
     validate_every_n_steps: Optional[int] = None
     validate_every_n_epochs: Optional[int] = None
     max_validation_steps: Optional[int] = None
@@ -111,7 +115,7 @@ def training_options_from_args(ns: argparse.Namespace) -> TrainingOptions:
     for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
                  "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
                  "save_last_n_steps_state", "validate_every_n_steps", "validate_every_n_epochs",
-                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps"):
+                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps", "log_tflops"):
         _positive(ns, name)
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
@@ -158,6 +162,7 @@ def training_options_from_args(ns: argparse.Namespace) -> TrainingOptions:
         log_prefix=ns.log_prefix,
         log_tracker_name=ns.log_tracker_name,
         log_every_n_steps=ns.log_every_n_steps,
+        log_tflops=getattr(ns, "log_tflops", None),
         validate_every_n_steps=ns.validate_every_n_steps,
         validate_every_n_epochs=ns.validate_every_n_epochs,
         max_validation_steps=ns.max_validation_steps,

@@ -7,6 +7,7 @@ gradient accumulation, clipping, logging, validation, saving, clean stop on sign
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from library.train.network_setup import (build_network, kohya_name_map, load_net
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, find_latest_state, load_state, save_state
 from library.train.step import StepContext, batch_loss, encode_captions
+from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
 from library.train.validation import validation_loss
 
@@ -222,6 +224,8 @@ class NetworkTrainer:
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
             max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
+        self.meter = ThroughputMeter(self.t.log_tflops, self.device, self.t.gradient_checkpointing) \
+            if self.t.log_tflops else None
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
@@ -300,6 +304,7 @@ class NetworkTrainer:
                 global_step += 1
                 bar.update(1)
                 self._log_step(global_step, loss_window, epoch_losses[-1] if epoch_losses else float("nan"), bar)
+                self._log_throughput(global_step)
                 done = global_step >= self.max_train_steps
                 batches_done = i + 1 if i + 1 < len(refs) else 0
                 next_epoch = epoch if batches_done else epoch + 1
@@ -315,15 +320,18 @@ class NetworkTrainer:
         return self._finish(global_step, epoch)
 
     def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
-        ctx = self.accelerator.no_sync(self.network) if not sync and self.accelerator.num_processes > 1 else _null()
+        ctx = self.accelerator.no_sync(self.network) if not sync and self.accelerator.num_processes > 1 else contextlib.nullcontext()
+        meter = self.meter.count if self.meter else _null_phase
         with ctx:
-            loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
+            with meter("forward"):
+                loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
             if not torch.isfinite(loss):
                 paths = ", ".join(batch.get("image_paths", [])[:8])
                 raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                     f"Images in this batch: {paths}. The files saved so far are intact; "
                                     f"try --mixed_precision bf16 or fp32, --no_half_vae, or a lower learning rate")
-            self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+            with meter("backward"):
+                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
         return loss.item()
 
     def _optimizer_step(self) -> None:
@@ -350,6 +358,12 @@ class NetworkTrainer:
             values.update({"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
                            "max_norm/max_key_norm": max_norm})
         self.tracker.log(values, step)
+
+    def _log_throughput(self, step: int) -> None:
+        report = self.meter.step_done(step) if self.meter else None
+        if report is not None:
+            logger.info("step %d: %s", step, report.line())
+            self.tracker.log(report.as_scalars(), step)
 
     # ------------------------------------------------------------------ after steps / epochs
     def _after_step(self, step: int, progress: TrainProgress, done: bool) -> None:
@@ -459,9 +473,5 @@ class InterruptedTraining(Exception):
         self.state_dir = state_dir
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _null_phase(phase: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()

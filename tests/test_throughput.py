@@ -1,0 +1,50 @@
+"""--log_tflops: FLOPs counted on the first step, TFLOP/s reported every N steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from library.train.throughput import ThroughputMeter, bf16_peak_tflops
+from tests.train_helpers import base_args, make_dataset, make_trainer
+
+
+def test_meter_counts_forward_and_backward_of_the_first_step_only():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    meter = ThroughputMeter(every=2, device=torch.device("cpu"))
+    for step in (1, 2, 3):
+        with meter.count("forward"):
+            loss = layer(x).sum()
+        with meter.count("backward"):
+            loss.backward()
+        report = meter.step_done(step)
+        assert (report is None) == (step != 2)
+    mm = 2 * 3 * 8 * 4  # one (3x8)@(8x4) matmul
+    assert (meter.forward_flops, meter.backward_flops, meter.step_flops) == (mm, 2 * mm, 3 * mm)
+    assert report is None and meter._steps == 1
+    assert bf16_peak_tflops(torch.device("cpu")) is None
+
+
+def _flux_meter(tmp_path, *extra):
+    data = make_dataset(str(tmp_path), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:flux", steps=3, extra=[
+        "--t5xxl_max_token_length", "8", "--network_train_unet_only", "--cache_latents",
+        "--cache_text_encoder_outputs", "--log_tflops", "1", *extra]), "flux")
+    trainer.run()
+    return trainer.meter
+
+
+def test_training_logs_tflops_and_checkpointing_recompute_is_not_counted(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="library.train.trainer"):
+        plain = _flux_meter(tmp_path / "a")
+    lines = [r.getMessage() for r in caplog.records if "model TFLOP/s" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 3"]  # step 1 is the counted one
+    checkpointed = _flux_meter(tmp_path / "b", "--gradient_checkpointing")
+    assert plain.forward_flops == checkpointed.forward_flops > 0
+    # LoRA on a frozen base: backward is about one forward (input gradients) plus the small LoRA weight grads.
+    assert 1.0 < plain.backward_flops / plain.forward_flops < 1.2
+    # Checkpointing re-runs the forward in backward; the meter subtracts it (to within the un-checkpointed embedders).
+    assert checkpointed.backward_flops > 1.9 * plain.forward_flops
+    assert abs(checkpointed.step_flops / plain.step_flops - 1) < 0.05
