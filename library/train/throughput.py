@@ -47,7 +47,7 @@ class ThroughputReport:
 
     def line(self) -> str:
         mfu = f", {self.mfu:.1%} of bf16 peak" if self.mfu is not None else ""
-        return f"{self.step_seconds:.3f} s/step, {self.tflops:.2f} model TFLOP/s{mfu}"
+        return f"{self.step_seconds:.3f} s/step, {self.tflops:.3g} model TFLOP/s{mfu}"
 
 
 class ThroughputMeter:
