@@ -320,7 +320,8 @@ class NetworkTrainer:
         return self._finish(global_step, epoch)
 
     def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
-        ctx = self.accelerator.no_sync(self.network) if not sync and self.accelerator.num_processes > 1 else contextlib.nullcontext()
+        accumulating = not sync and self.accelerator.num_processes > 1
+        ctx = self.accelerator.no_sync(self.network) if accumulating else contextlib.nullcontext()
         meter = self.meter.count if self.meter else _null_phase
         with ctx:
             with meter("forward"):
