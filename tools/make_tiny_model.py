@@ -1,8 +1,13 @@
-"""Write a tiny SD 1.x / 2.x / SDXL model (real architecture, toy widths, fixed seed) for tests and trials.
+"""Write a tiny SD 1.x / 2.x / SDXL / FLUX.1 model (real architecture, toy widths, fixed seed) for tests and trials.
 
     python tools/make_tiny_model.py --family sd1 --out models/tiny-sd1
     python tools/make_tiny_model.py --family sd2-v --out models/tiny-sd2-v.safetensors --single_file
     python tools/make_tiny_model.py --family sdxl --out models/tiny-sdxl.safetensors --single_file
+    python tools/make_tiny_model.py --family flux --out models/tiny-flux --single_file
+
+FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
+.safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
+next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them.
 """
 
 from __future__ import annotations
@@ -15,17 +20,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.errors import UserError  # noqa: E402
 
-FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl"}
+FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=list(FAMILIES), help="which tiny model to write")
     parser.add_argument("--out", required=True,
-                        help="output: a folder (diffusers layout) or, with --single_file, a .safetensors/.ckpt file")
+                        help="output: a folder (diffusers layout) or, with --single_file, a .safetensors/.ckpt file "
+                             "(flux: a .safetensors name or a folder for the four files)")
     parser.add_argument("--single_file", action="store_true",
-                        help="write one checkpoint file in the original LDM (SDXL: SGM) layout instead of a diffusers folder")
+                        help="write one checkpoint file in the original LDM (SDXL: SGM) layout instead of a diffusers "
+                             "folder; flux: the BFL transformer plus clip_l / t5xxl / ae files")
     return parser
+
+
+def _write_flux(out: str, single_file: bool) -> None:
+    from library.families.flux_saving import write_flux_preset
+
+    written = write_flux_preset(FAMILIES["flux"], out, single_file=single_file)
+    if not single_file:
+        print(f"wrote tiny:flux to {out}")
+        return
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print("train with: --pretrained_model_name_or_path " + written["transformer"]
+          + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     from library.families.sdxl_saving import write_sdxl_preset
 
     try:
+        if args.family == "flux":
+            _write_flux(args.out, args.single_file)
+            return 0
         if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
             raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")
         writer = {"sdxl": write_sdxl_preset}.get(args.family, write_preset)  # SDXL has its own SGM layout
@@ -43,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {FAMILIES[args.family]} to {args.out}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
@@ -53,6 +53,30 @@ def _file_family(path: str) -> Optional[str]:
         if family in found:
             return family
     return None
+
+
+# What a single file's tensor names say it holds, most specific first (for "expected X, found Y" errors).
+_CONTENTS = (
+    ("conditioner.embedders.", "an SDXL checkpoint"),
+    ("double_blocks.", "a FLUX.1 transformer"),
+    ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"),
+    ("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),
+    ("lora_", "a LoRA"),
+    ("encoder.block.", "a T5 text encoder"),
+    ("text_model.encoder.layers.", "a CLIP text encoder"),
+    ("encoder.layers.", "a CLIP text encoder"),
+    ("encoder.conv_in.", "an autoencoder"),
+    ("first_stage_model.", "an autoencoder"),
+)
+
+
+def describe_keys(keys: Iterable[str]) -> str:
+    """What a checkpoint's tensor names say it holds ("a T5 text encoder", "an SDXL checkpoint", ...)."""
+    keys = list(keys)
+    for prefix, what in _CONTENTS:
+        if any(k.startswith(prefix) for k in keys):
+            return what
+    return f"unrecognised tensors ({', '.join(keys[:3]) or 'none'})"
 
 
 def detect_family(path: str) -> Optional[str]:

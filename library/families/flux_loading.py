@@ -1,19 +1,31 @@
-"""Load FLUX.1 from what --pretrained_model_name_or_path names: a preset or a diffusers folder.
+"""Load FLUX.1 from what --pretrained_model_name_or_path names: a preset, a diffusers folder, or a BFL single file.
 
-Nothing is downloaded. The BFL single-file layout (`flux1-dev.safetensors` with
-separate --clip_l / --t5xxl / --ae files) is recognised and refused with a
-clear message until its converter lands (see docs/flux_train_network.md).
+A BFL single file (`flux1-dev.safetensors` / `flux1-schnell.safetensors`, optionally
+under `model.diffusion_model.`, float8 allowed) holds only the transformer; the other
+parts come from sd-scripts' flags: --clip_l (CLIP-L, HF keys as in ComfyUI's
+clip_l.safetensors), --t5xxl (T5-XXL encoder, e.g. t5xxl_fp16.safetensors) and --ae
+(ae.safetensors, the LDM VAE layout without prefix). Each part's configuration is
+read from its tensor shapes. With a preset or a diffusers folder those flags replace
+that part, as --vae replaces the VAE. Models are built on the meta device and adopt
+the file's tensors, so loading holds one copy of the weights. Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
+
+import torch
 
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.flux_configs import PRESETS, build_flux_modules
-from library.families.loading import SINGLE_FILE_SUFFIXES
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
+# --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
+_COMPONENT_FLAGS = (("clip_l", "text_encoder", "a CLIP-L text encoder (clip_l.safetensors)"),
+                    ("t5xxl", "text_encoder_2", "a T5-XXL text encoder (t5xxl_fp16.safetensors)"),
+                    ("ae", "vae", "the FLUX.1 autoencoder (ae.safetensors)"))
+T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"  # the tokenizer sd-scripts pairs with t5xxl files
 
 
 def flux_source_kind(path: str) -> str:
@@ -32,16 +44,21 @@ def flux_source_kind(path: str) -> str:
                                  "expected transformer/, vae/, text_encoder/ and text_encoder_2/")
         return "diffusers"
     if os.path.isfile(path):
-        if not path.lower().endswith(SINGLE_FILE_SUFFIXES):
+        if not path.lower().endswith(".safetensors"):
             raise ModelLoadError(f"{path}: expected a .safetensors FLUX.1 checkpoint or a diffusers folder")
         return "single_file"
     raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist (FLUX.1 needs a local "
-                         "diffusers folder or a preset such as tiny:flux)")
+                         "diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux)")
 
 
 def _diffusers_parts(folder: str) -> dict:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    from transformers import (
+        CLIPTextModel,
+        CLIPTokenizer,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
 
     try:
         parts = {
@@ -60,14 +77,231 @@ def _diffusers_parts(folder: str) -> dict:
     return parts
 
 
-def load_flux_components(opts: LoadOptions) -> Components:
-    """Components of a FLUX.1 model: denoiser = transformer, text encoders = [CLIP-L, T5]."""
+# --- reading one file ------------------------------------------------------------------------
+
+def _read_file(label: str, path: str, expected: str, holds: Callable[[list[str]], bool],
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of one .safetensors file, floating ones cast to `dtype` as they are read.
+
+    `holds(keys)` checks the header first, so a file of the wrong kind stops before any
+    weight is read, with a message naming what the file holds instead.
+    """
+    from safetensors import safe_open
+
+    from library.families.detect import describe_keys
+    from library.families.flux_bfl_layout import FLOAT8_DTYPES, upcast_float8
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{label}: {path} does not exist")
+    if not path.lower().endswith(".safetensors"):
+        raise ModelLoadError(f"{label} {path}: expected a .safetensors file")
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+            if not holds(keys):
+                raise ModelLoadError(f"{label} {path}: expected {expected}, found {describe_keys(keys)}")
+            tensors = {}
+            for key in keys:
+                tensor = f.get_tensor(key)
+                # float8 stays as read until upcast_float8 can apply ComfyUI's scale_weight to it
+                if tensor.is_floating_point() and tensor.dtype not in FLOAT8_DTYPES:
+                    tensor = tensor.to(dtype)
+                tensors[key] = tensor
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader failure is a bad file for the user
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{label} {path}: cannot read as .safetensors ({detail[:200]})") from None
+    return upcast_float8(tensors, dtype)
+
+
+def _adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Build a model without allocating weights, then take `state_dict`'s tensors as its weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    wanted = {k: v.shape for k, v in model.state_dict().items()}
+    missing = [k for k in wanted if k not in state_dict]
+    if missing:
+        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
+    wrong = next((k for k, s in wanted.items() if state_dict[k].shape != s), None)
+    if wrong is not None:
+        raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
+                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
+    model.load_state_dict({k: state_dict[k] for k in wanted}, strict=True, assign=True)
+    return model.eval()
+
+
+# --- the parts ---------------------------------------------------------------------------------
+
+def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: str = "--pretrained_model_name_or_path"):
+    """FluxTransformer2DModel from a BFL single file (flux1-dev / flux1-schnell layout, any precision)."""
+    from diffusers import FluxTransformer2DModel
+
+    from library.families import flux_bfl_layout as bfl
+
+    tensors = _read_file(label, path, "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)",
+                         lambda keys: any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks."))
+                                          for k in keys), dtype)
+    try:
+        config = bfl.infer_transformer_config(tensors)
+        state_dict = bfl.bfl_to_diffusers(tensors)
+    except bfl.BflLayoutError as e:
+        raise ModelLoadError(f"{label} {path}: {e}") from None
+    return _adopt(label, path, lambda: FluxTransformer2DModel(**config), state_dict)
+
+
+def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
+    """(CLIPTextModel, tokenizer) from a CLIP-L file (`text_model.*` keys or transformers 5 bare keys)."""
+    import re
+
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from library.families.flux_bfl_layout import clip_l_from_file
+    from library.families.loading import find_tokenizer
+    from library.families.sd_configs import text_encoder_config
+
+    label = "--clip_l"
+    raw = _read_file(label, path, _COMPONENT_FLAGS[0][2],
+                     lambda keys: any("embeddings.token_embedding." in k for k in keys)
+                     and any(k.startswith(("text_model.encoder.layers.", "encoder.layers.")) for k in keys), dtype)
+    ckpt = clip_l_from_file(raw)
+    try:
+        tokens, positions = ckpt["embeddings.token_embedding.weight"], ckpt["embeddings.position_embedding.weight"]
+        fc1 = ckpt["encoder.layers.0.mlp.fc1.weight"]
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for text_model.{e.args[0]}") from None
+    layers = len({m[1] for k in ckpt if (m := re.match(r"encoder\.layers\.(\d+)\.", k))})
+    tokenizer = find_tokenizer(False, tokens.shape[0], tokenizer_cache_dir, path)
+    config = CLIPTextConfig(**text_encoder_config(
+        False, hidden_size=tokens.shape[1], intermediate_size=fc1.shape[0], num_hidden_layers=layers,
+        vocab_size=tokens.shape[0], max_position_embeddings=positions.shape[0], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    return _adopt(label, path, lambda: CLIPTextModel(config), ckpt), tokenizer
+
+
+def load_t5xxl_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
+    """(T5EncoderModel, tokenizer) from a T5-XXL encoder file (`shared.weight`, `encoder.block.N.*`; fp16/fp8 ok)."""
+    import dataclasses
+    import re
+
+    from transformers import T5EncoderModel
+
+    from library.families.flux_bfl_layout import t5_from_file
+    from library.families.flux_configs import t5_config
+
+    label = "--t5xxl"
+    ckpt = t5_from_file(_read_file(label, path, _COMPONENT_FLAGS[1][2],
+                                   lambda keys: any(k.startswith("encoder.block.") for k in keys), dtype))
+    try:
+        embedding = ckpt["shared.weight"]
+        q = ckpt["encoder.block.0.layer.0.SelfAttention.q.weight"]
+        bias = ckpt["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
+        wi = ckpt["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"]
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: expected a T5 v1.1 encoder (gated-GELU), no tensor for "
+                             f"{e.args[0]}") from None
+    heads = bias.shape[1]
+    shape = dataclasses.replace(PRESETS["tiny:flux"], t5_d_model=embedding.shape[1], t5_d_ff=wi.shape[0],
+                                t5_heads=heads, t5_d_kv=q.shape[0] // heads)
+    config = t5_config(shape, embedding.shape[0])
+    config.num_layers = len({m[1] for k in ckpt if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
+    config.relative_attention_num_buckets = bias.shape[0]
+    tokenizer = find_t5_tokenizer(embedding.shape[0], tokenizer_cache_dir, path)
+    model = _adopt(label, path, lambda: T5EncoderModel(config), ckpt)
+    model.tie_weights()  # adopting gave shared and embed_tokens separate Parameters over one tensor
+    return model, tokenizer
+
+
+def find_t5_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The local tiny T5 tokenizer for the tiny encoder, else T5-XXL's from --tokenizer_cache_dir or the HF cache."""
+    from transformers import T5TokenizerFast
+
+    from library.families.flux_configs import build_t5_tokenizer
+
+    tiny = build_t5_tokenizer()
+    if vocab_size == len(tiny):
+        return tiny
+    sources = []
+    if tokenizer_cache_dir:
+        sources.append((os.path.join(tokenizer_cache_dir, T5_TOKENIZER_REPO.replace("/", "_")), {}))
+    sources.append((T5_TOKENIZER_REPO, {"local_files_only": True}))
+    for source, kwargs in sources:
+        try:
+            tokenizer = T5TokenizerFast.from_pretrained(source, **kwargs)
+        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
+            continue
+        if 0 < len(tokenizer) <= vocab_size:  # T5's embedding is padded past the vocabulary (32128 vs 32100)
+            return tokenizer
+    raise ModelLoadError(f"--t5xxl {path}: the {T5_TOKENIZER_REPO} tokenizer is not cached locally; pass "
+                         f"--tokenizer_cache_dir with a saved copy (folder {T5_TOKENIZER_REPO.replace('/', '_')})")
+
+
+def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
+    """AutoencoderKL from BFL's ae.safetensors (LDM VAE keys without prefix, 16 latent channels)."""
+    from diffusers import AutoencoderKL
+
+    from library.families import ldm_layout as ldm
+    from library.families.flux_configs import LATENT_CHANNELS, flux_vae_config
+    from library.families.loading import infer_vae_config
+
+    label = "--ae"
+    ckpt = _read_file(label, path, _COMPONENT_FLAGS[2][2],
+                      lambda keys: "encoder.conv_in.weight" in keys and "decoder.conv_in.weight" in keys, dtype)
+    try:
+        found = infer_vae_config(ckpt, "")
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
+    if found["latent_channels"] != LATENT_CHANNELS:
+        raise ModelLoadError(f"{label} {path}: expected the FLUX.1 autoencoder with {LATENT_CHANNELS} latent "
+                             f"channels, found {found['latent_channels']} (an SD/SDXL VAE?)")
+    config = {**flux_vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoencoderKL(**config).state_dict().items()}
+    try:
+        state_dict = ldm.pull(ckpt, ldm.vae_key_map(shapes, ""), shapes)
+    except (ldm.LayoutError, ValueError) as e:
+        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
+    return _adopt(label, path, lambda: AutoencoderKL(**config), state_dict)
+
+
+# --- all parts ---------------------------------------------------------------------------------
+
+def _component_parts(files, opts: LoadOptions) -> dict:
+    """The parts that --clip_l / --t5xxl / --ae name (with their tokenizers)."""
+    parts: dict = {}
+    cache = opts.tokenizer_cache_dir
+    if getattr(files, "clip_l", None):
+        parts["text_encoder"], parts["tokenizer"] = load_clip_l_file(files.clip_l, opts.dtype, cache)
+    if getattr(files, "t5xxl", None):
+        parts["text_encoder_2"], parts["tokenizer_2"] = load_t5xxl_file(files.t5xxl, opts.dtype, cache)
+    if getattr(files, "ae", None):
+        parts["vae"] = load_ae_file(files.ae, opts.vae_dtype)
+    return parts
+
+
+def _require_component_files(files, path: str) -> None:
+    for flag, _, what in _COMPONENT_FLAGS:
+        if not getattr(files, flag, None):
+            raise ModelLoadError(f"--{flag}: required with a BFL single-file transformer ({path}); "
+                                 f"give {what}")
+
+
+def load_flux_components(opts: LoadOptions, files=None) -> Components:
+    """Components of a FLUX.1 model: denoiser = transformer, text encoders = [CLIP-L, T5].
+
+    `files` carries the --clip_l / --t5xxl / --ae paths (library.args.flux.FluxOptions):
+    required with a BFL single file, replacing that part of a preset or a diffusers folder.
+    """
     path = opts.pretrained_model_name_or_path
     kind = flux_source_kind(path)
     if kind == "single_file":
-        raise ModelLoadError(f"{path}: loading the BFL single-file layout (flux1-dev.safetensors with --clip_l, "
-                             "--t5xxl, --ae) is not implemented yet; convert it to a diffusers folder first")
-    parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path)
+        _require_component_files(files, path)
+        parts = {"transformer": load_bfl_transformer(path, opts.dtype), **_component_parts(files, opts)}
+    else:
+        parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path)
+        parts.update(_component_parts(files, opts))
     if opts.vae:
         from library.families.loading import load_vae
 
