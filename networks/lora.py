@@ -4,7 +4,10 @@
 are the interface the training loop and external tools call, with the same names
 and arguments as sd-scripts' networks/lora.py. Which modules get a LoRA comes from
 the model family's `LoraTarget`s; the weight math lives in networks/lora_math.py
-and the `--network_args` parsing in networks/lora_args.py.
+and the `--network_args` parsing in networks/lora_args.py; a family's own arguments
+(FLUX.1's per-type dims, in_dims, block selection, regex dims / learning rates,
+train_t5xxl) come with its targets and are applied per module through
+networks/lora_rules.py.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from networks.lora_targets import (CLIP_TARGETS, SD_UNET_CONV_TARGETS, SD_UNET_T
                                    _is_linear_like, clip_text_model_rename, default_lora_targets,
                                    iter_target_groups, iter_target_modules, iter_target_paths, kohya_module_name)
 from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, LoraNetworkArgs, parse_network_args
+from networks.lora_rules import ModuleRules, rules_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +47,23 @@ class LoRANetwork(nn.Module):
 
     def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, args: Optional[LoraNetworkArgs] = None,
                  dropout: Optional[float] = None, modules_dim: Optional[dict[str, int]] = None,
-                 modules_alpha: Optional[dict[str, Any]] = None, block_layout: BlockLayout = SD_BLOCK_LAYOUT):
+                 modules_alpha: Optional[dict[str, Any]] = None, block_layout: BlockLayout = SD_BLOCK_LAYOUT,
+                 rules: Optional[ModuleRules] = None):
         super().__init__()
         self.args = args or LoraNetworkArgs()
         self.multiplier = multiplier
         self.block_layout = block_layout
-        # in the model's order: the i-th text encoder takes the i-th --text_encoder_lr
-        self.text_encoder_prefixes = [t.prefix for t in targets if t.is_text_encoder]
+        self.rules = rules  # the family's own network args (networks/lora_rules.py), if it has any
         self.text_encoder_loras: list[LoRAModule] = []
         self.unet_loras: list[LoRAModule] = []
         a = self.args
         include_conv = modules_dim is not None or a.conv_dim is not None or a.conv_block_dims is not None
+        # A file decides its own modules; otherwise an optional target needs the argument that turns it on.
+        targets = [t for t in targets if modules_dim is not None or t.enabled_by is None
+                   or (rules is not None and rules.enables(t.enabled_by))]
+        # text-encoder targets the user turned on by a network arg (Flux: train_t5xxl), for apply_to's warning
+        self._te_enabled_by = {t.enabled_by for t in targets if t.is_text_encoder and t.enabled_by
+                               and modules_dim is None}
         for target in targets:
             for name, modules in iter_target_groups(target, include_conv):
                 dim, alpha = self._dim_alpha(name, modules[0], target.is_text_encoder, modules_dim, modules_alpha)
@@ -64,18 +74,34 @@ class LoRANetwork(nn.Module):
                 lora = cls(name, modules if len(modules) > 1 else modules[0], multiplier, dim, alpha, dropout,
                            a.rank_dropout, a.module_dropout)
                 (self.text_encoder_loras if target.is_text_encoder else self.unet_loras).append(lora)
+        # in the model's order: the i-th text encoder with modules takes the i-th --text_encoder_lr
+        te_names = [lora.lora_name for lora in self.text_encoder_loras]
+        self.text_encoder_prefixes = list(dict.fromkeys(
+            t.prefix for t in targets if t.is_text_encoder and any(n.startswith(t.prefix + "_") for n in te_names)))
         names = [lora.lora_name for lora in self.text_encoder_loras + self.unet_loras]
         if len(set(names)) != len(names):
             raise ValueError("LoRA module names are not unique; check the family's LoraTarget prefixes")
         for lora in self.text_encoder_loras + self.unet_loras:
             self.add_module(lora.lora_name, lora)
         logger.info("LoRA modules: %d text encoder, %d unet", len(self.text_encoder_loras), len(self.unet_loras))
+        if rules is not None and rules.verbose:
+            for lora in self.text_encoder_loras + self.unet_loras:
+                logger.info("  %-60s dim %d, alpha %g", lora.lora_name, lora.lora_dim, float(lora.alpha))
 
     def _dim_alpha(self, name: str, module: nn.Module, is_te: bool, modules_dim: Optional[dict],
                    modules_alpha: Optional[dict]) -> tuple[Optional[int], Any]:
         a = self.args
         if modules_dim is not None:
             return (modules_dim[name], modules_alpha[name]) if name in modules_dim else (None, None)
+        dim, alpha = self._generic_dim_alpha(name, module, is_te)
+        if self.rules is None:
+            return dim, alpha
+        # the family's rules (per-type dims, regex dims, ...) set the dim; alpha stays the network's
+        return self.rules.dim(name, dim), alpha if alpha is not None else a.network_alpha
+
+    def _generic_dim_alpha(self, name: str, module: nn.Module, is_te: bool) -> tuple[Optional[int], Any]:
+        """dim and alpha from the generic args: block_dims, conv_dim or network_dim."""
+        a = self.args
         linear_like = _is_linear_like(module)
         idx = -1 if is_te or a.block_dims is None else self.block_layout(name)
         if idx >= 0:
@@ -97,6 +123,9 @@ class LoRANetwork(nn.Module):
     def apply_to(self, text_encoder: Any = None, unet: Any = None, apply_text_encoder: bool = True,
                  apply_unet: bool = True) -> None:
         """Hook the LoRAs into the model; the parts not applied are dropped from the network."""
+        if not apply_text_encoder and self.text_encoder_loras and self._te_enabled_by:
+            logger.warning("--network_args %s: the text encoders do not train in this run, so it has no effect",
+                           ", ".join(sorted(self._te_enabled_by)))
         for keep, loras in ((apply_text_encoder, self.text_encoder_loras), (apply_unet, self.unet_loras)):
             if not keep:
                 for lora in loras:
@@ -175,6 +204,10 @@ class LoRANetwork(nn.Module):
         descriptions: list[str] = []
 
         def add(loras: list[LoRAModule], lr: Optional[float], ratio: Optional[float], name: str) -> None:
+            for group_name, members, members_lr in self._split_by_rule_lr(loras, lr, name):
+                add_group(members, members_lr, ratio, group_name)
+
+        def add_group(loras: list[LoRAModule], lr: Optional[float], ratio: Optional[float], name: str) -> None:
             plain = [p for lora in loras for n, p in lora.named_parameters() if ratio is None or "lora_up" not in n]
             plus = [p for lora in loras for n, p in lora.named_parameters() if ratio is not None and "lora_up" in n]
             for params, group_lr, suffix in ((plain, lr, ""), (plus, None if lr is None else lr * (ratio or 0), " plus")):
@@ -198,6 +231,23 @@ class LoRANetwork(nn.Module):
             else:
                 add(self.unet_loras, lr, ratio, "unet")
         return groups, descriptions
+
+    def _split_by_rule_lr(self, loras: list[LoRAModule], lr: Optional[float],
+                          name: str) -> list[tuple[str, list[LoRAModule], Optional[float]]]:
+        """(name, modules, lr): one group per rate rule that matches (network_reg_lrs; "unet reg_lr_0", ...),
+        in rule order, then the rest at `lr`. A rule's rate replaces the group's rate, as in sd-scripts."""
+        if self.rules is None:
+            return [(name, loras, lr)]
+        by_rule: dict[int, tuple[float, list[LoRAModule]]] = {}
+        rest = []
+        for lora in loras:
+            hit = self.rules.lr(lora.lora_name)
+            if hit is None:
+                rest.append(lora)
+            else:
+                by_rule.setdefault(hit[0], (hit[1], []))[1].append(lora)
+        return [(f"{name} reg_lr_{i}", members, rule_lr) for i, (rule_lr, members) in sorted(by_rule.items())] \
+            + [(name, rest, lr)]
 
     def _text_encoder_groups(self, text_encoder_lr: Any,
                              default_lr: Optional[float]) -> list[tuple[str, list[LoRAModule], Optional[float]]]:
@@ -273,10 +323,23 @@ def create_network(multiplier: float, network_dim: Optional[int], network_alpha:
                    text_encoder: Any, unet: Any, neuron_dropout: Optional[float] = None,
                    lora_targets: Optional[list[LoraTarget]] = None,
                    block_layout: BlockLayout = SD_BLOCK_LAYOUT, **kwargs: Any) -> LoRANetwork:
-    """A new LoRA network; `kwargs` are the `--network_args` (string values), block values in `block_layout`."""
-    args = parse_network_args(kwargs, network_dim, network_alpha, block_layout)
-    return LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, dropout=neuron_dropout,
-                       block_layout=block_layout)
+    """A new LoRA network; `kwargs` are the `--network_args` (string values), block values in `block_layout`.
+
+    Arguments of the model family (declared on its targets, networks/lora_rules.py) are parsed by it.
+    """
+    targets = _targets(lora_targets, text_encoder, unet)
+    args, rules = _parse_args(kwargs, network_dim, network_alpha, block_layout, targets)
+    return LoRANetwork(targets, multiplier, args, dropout=neuron_dropout, block_layout=block_layout, rules=rules)
+
+
+def _parse_args(kwargs: dict, network_dim: Optional[int], network_alpha: Optional[float], block_layout: BlockLayout,
+                targets: list[LoraTarget]) -> tuple[LoraNetworkArgs, Optional[ModuleRules]]:
+    """The generic args and, where the targets carry the family's own, its parsed rules."""
+    family = rules_of(targets)
+    keys = tuple(family.keys) if family is not None else ()
+    args = parse_network_args(kwargs, network_dim, network_alpha, block_layout, family_keys=keys)
+    rules = family.parse({k: v for k, v in kwargs.items() if k in keys}) if family is not None else None
+    return args, rules
 
 
 def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any, text_encoder: Any, unet: Any,
@@ -296,9 +359,11 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any
             modules_dim[name] = value.shape[0]
     for name, dim in modules_dim.items():
         modules_alpha.setdefault(name, dim)  # files from before alpha existed: scale 1
-    args = parse_network_args(kwargs, layout=block_layout)
-    network = LoRANetwork(_targets(lora_targets, text_encoder, unet), multiplier, args, modules_dim=modules_dim,
-                          modules_alpha=modules_alpha, block_layout=block_layout)
+    targets = _targets(lora_targets, text_encoder, unet)
+    # the file sets every module and dim; the family's rules still give learning rates (network_reg_lrs)
+    args, rules = _parse_args(kwargs, None, None, block_layout, targets)
+    network = LoRANetwork(targets, multiplier, args, modules_dim=modules_dim, modules_alpha=modules_alpha,
+                          block_layout=block_layout, rules=rules)
     unmatched = set(modules_dim) - {lora.lora_name for lora in network.text_encoder_loras + network.unet_loras}
     if unmatched:
         logger.warning("%d modules of %s match nothing in this model, e.g. %s", len(unmatched), file or "the weights",

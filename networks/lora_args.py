@@ -189,12 +189,18 @@ def _parse_block_lr(kwargs: Mapping[str, Any], a: LoraNetworkArgs, layout: Block
 
 def parse_network_args(kwargs: Mapping[str, Any], network_dim: Optional[int] = None,
                        network_alpha: Optional[float] = None,
-                       layout: BlockLayout = SD_BLOCK_LAYOUT) -> LoraNetworkArgs:
-    """Check and convert the `--network_args` strings of networks.lora; block values follow `layout`."""
-    unknown = [k for k in kwargs if k not in KNOWN_ARGS]
+                       layout: BlockLayout = SD_BLOCK_LAYOUT, family_keys: tuple[str, ...] = ()) -> LoraNetworkArgs:
+    """Check and convert the generic `--network_args` strings of networks.lora; block values follow `layout`.
+
+    `family_keys` are the model family's own arguments (networks/lora_rules.py): accepted
+    here, parsed by the family.
+    """
+    known = KNOWN_ARGS + tuple(family_keys)
+    unknown = [k for k in kwargs if k not in known]
     if unknown:
-        raise ConfigError(f"--network_args {unknown[0]}: unknown argument for networks.lora; "
-                          f"expected one of {', '.join(KNOWN_ARGS)}")
+        raise ConfigError(f"--network_args {unknown[0]}: unknown argument for networks.lora with this model; "
+                          f"expected one of {', '.join(known)}")
+    kwargs = {k: v for k, v in kwargs.items() if k not in family_keys}
     a = LoraNetworkArgs(network_dim=4 if network_dim is None else int(network_dim),
                         network_alpha=1.0 if network_alpha is None else float(network_alpha))
     a.conv_dim = _optional(kwargs, "conv_dim", int, "an integer")

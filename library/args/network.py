@@ -38,7 +38,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                    help="train only the text encoder LoRA")
     g.add_argument("--unet_lr", type=float, default=None, help="learning rate of the UNet LoRA")
     g.add_argument("--text_encoder_lr", type=float, default=None, nargs="*",
-                   help="learning rate of the text encoder LoRA (networks.lora uses the first value)")
+                   help="learning rate of the text encoder LoRA: one value for all, or one per text encoder "
+                        "(FLUX.1: CLIP-L, then T5 with train_t5xxl)")
     g.add_argument("--scale_weight_norms", type=float, default=None,
                    help="after each step, scale down modules whose update norm exceeds this (1.0 is typical)")
     g.add_argument("--no_metadata", action="store_true",

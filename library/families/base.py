@@ -67,6 +67,13 @@ class LoraTarget:
     # output slice in the fused module named by `rename`, or None for an ordinary module. Modules
     # that share a kohya name become one LoRA with a shared lora_down and one lora_up slice each.
     fused_slot: Optional[Callable[[str], Optional[int]]] = None
+    # An optional target: the --network_args key that turns it on (Flux: T5 by train_t5xxl, the layers outside
+    # the blocks by in_dims). A network built from a file (--dim_from_weights, generation, merging) takes every
+    # module the file has, whatever this says. None: always on.
+    enabled_by: Optional[str] = None
+    # The family's own networks.lora --network_args (networks/lora_rules.py NetworkArgRules: the keys it reads and
+    # the per-module dims / learning rates they give); the same object on each of the family's targets.
+    network_args: Optional[Any] = None
 
 
 @dataclass
@@ -95,6 +102,9 @@ class ModelFamily:
     metadata_flags: tuple[str, ...] = ()
     # Why a --network_module other than networks.lora (e.g. lycoris.kohya) cannot train this family; None: it can.
     external_networks_unsupported: Optional[str] = None
+    # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
+    # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
+    lycoris_module_aliases: tuple[tuple[str, str], ...] = ()
 
     # --- flags ---------------------------------------------------------------
     def configure_from_args(self, flags: dict) -> None:
@@ -145,6 +155,15 @@ class ModelFamily:
     # --- LoRA ----------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         raise NotImplementedError
+
+    # --- memory ----------------------------------------------------------------
+    def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
+        """The denoiser blocks --blocks_to_swap N keeps in CPU memory, in forward order.
+
+        A family that streams blocks overrides this (its rule turns N into blocks and checks
+        the bound); the default refuses the flag.
+        """
+        raise UserError(f"--blocks_to_swap is not supported for {self.name}")
 
     # --- saving ----------------------------------------------------------------
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:

@@ -56,10 +56,10 @@ class FluxFamily(ModelFamily):
     metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
                       "apply_t5_attn_mask")
-    external_networks_unsupported = (
-        "LyCORIS and other sd-scripts network modules target the BFL block classes of sd-scripts' own Flux model; "
-        "diffusers' FluxTransformer2DModel has other classes and separate q/k/v, so they would train almost "
-        "nothing and save names no loader maps. Use --network_module networks.lora")
+    # LyCORIS presets name the BFL block classes of sd-scripts' own Flux model; diffusers' blocks hold
+    # the same layers (q/k/v separate), so a preset's targets are extended by these classes.
+    lycoris_module_aliases = (("DoubleStreamBlock", "FluxTransformerBlock"),
+                              ("SingleStreamBlock", "FluxSingleTransformerBlock"))
 
     name = "flux"
     latent_cache_arch = "_flux"
@@ -103,10 +103,11 @@ class FluxFamily(ModelFamily):
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
-        """A preset (tiny:flux, random:flux-dev, random:flux-schnell) or a FLUX.1 diffusers folder."""
+        """A preset (tiny:flux, random:flux-dev, random:flux-schnell), a FLUX.1 diffusers folder, or a BFL
+        single-file transformer with --clip_l / --t5xxl / --ae (which otherwise replace those parts)."""
         from library.families.flux_loading import load_flux_components
 
-        return load_flux_components(opts)
+        return load_flux_components(opts, self.options)
 
     # --- text --------------------------------------------------------------------------
     def t5_token_length(self, components: Components) -> int:
@@ -194,27 +195,45 @@ class FluxFamily(ModelFamily):
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
-        """lora_unet (BFL names, fused qkv / linear1) and lora_te1 (CLIP-L); T5 (lora_te3) is not trained yet."""
-        from library.families.flux_lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
+        """lora_unet (BFL names, fused qkv / linear1), lora_te1 (CLIP-L) and the optional targets: the layers
+        outside the blocks (`in_dims`) and T5 (`lora_te3`, `train_t5xxl=True`); all carry FLUX.1's network args
+        (library/families/flux_network_args.py)."""
+        from dataclasses import replace
 
-        clip = components.text_encoders[0]
-        return [
-            LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=bfl_module_path,
-                       fused_slot=fused_slot),
-            LoraTarget("lora_te1", clip, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
+        from library.families.flux_lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
+        from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
+
+        transformer = components.denoiser
+        encoders = list(components.text_encoders) + [None] * (2 - len(components.text_encoders))
+        args = FluxNetworkArgs.for_transformer(transformer)
+        targets = [
+            LoraTarget("lora_unet", transformer, TRANSFORMER_TARGETS, rename=bfl_module_path, fused_slot=fused_slot,
+                       network_args=args),
+            *in_layer_targets(transformer, args),
         ]
+        if encoders[0] is not None:  # a caller that builds only the transformer (counting, conversion) has none
+            targets.append(LoraTarget("lora_te1", encoders[0], TEXT_ENCODER_TARGETS, is_text_encoder=True,
+                                      rename=text_encoder_kohya_path, network_args=args))
+        if encoders[1] is not None:
+            targets.append(replace(self.t5_lora_target(components), enabled_by="train_t5xxl", network_args=args))
+        return targets
 
     def t5_lora_target(self, components: Components) -> LoraTarget:
-        """The T5 target (`lora_te3_encoder_block_N_...`), for sd-scripts' `train_t5xxl=True`."""
+        """The T5 target (`lora_te3_encoder_block_N_...`) on its own, always on; lora_targets has it behind
+        sd-scripts' `train_t5xxl=True`."""
         from library.families.flux_lora_names import T5_TARGETS
 
         return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
 
     # --- metadata -------------------------------------------------------------------------------
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+        """A `.safetensors` path: the transformer alone in the BFL layout (as flux1-dev.safetensors; CLIP-L, T5
+        and the AE are not written). Any other path: a diffusers folder with every part."""
         if path.lower().endswith((".safetensors", ".ckpt")):
-            raise NotImplementedError("flux: saving a BFL single file is not implemented yet; "
-                                      "give a folder path to save a diffusers folder")
+            from library.families.flux_saving import save_flux_bfl_file
+
+            save_flux_bfl_file(components.denoiser, path, dtype)
+            return
         from library.families.flux_saving import save_flux_diffusers_folder
 
         clip, t5 = components.text_encoders
@@ -233,3 +252,20 @@ class FluxFamily(ModelFamily):
 
     def modelspec_implementation(self) -> str:
         return BFL_IMPLEMENTATION
+
+    # --- memory -----------------------------------------------------------------------------------
+    def swappable_blocks(self, components: Components, num_swap: int) -> list:
+        """sd-scripts' rule: N swaps the last N//2 double and 2·(N − N//2) single blocks (a single block
+        costs about half a double one), in forward order; N is bounded by the model's block counts."""
+        from library.errors import ConfigError
+
+        model = components.denoiser
+        double, single = list(model.transformer_blocks), list(model.single_transformer_blocks)
+        fits = [n for n in range(1, 2 * (len(double) + len(single)) + 1)
+                if n // 2 <= len(double) and 2 * (n - n // 2) <= len(single)]
+        if num_swap not in fits:
+            limit = f"1..{fits[-1]}" if fits else "nothing"
+            raise ConfigError(f"--blocks_to_swap {num_swap}: expected {limit} for this model ({len(double)} double "
+                              f"and {len(single)} single blocks; N swaps N//2 double and 2*(N-N//2) single ones)")
+        n_double, n_single = num_swap // 2, 2 * (num_swap - num_swap // 2)
+        return double[len(double) - n_double:] + single[len(single) - n_single:]
