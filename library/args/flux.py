@@ -1,4 +1,7 @@
-"""FLUX.1 model flags (sd-scripts names): guidance, T5 length and mask, and the ones not implemented yet."""
+"""FLUX.1 model flags (sd-scripts names): guidance, T5 length and mask, component files.
+
+The memory flags (--blocks_to_swap, --fp8_base, --cpu_offload_checkpointing) are in library/args/memory.py.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,6 @@ from typing import Any, Mapping, Optional
 from library.errors import ConfigError
 
 T5_MAX_TOKENS = 512  # T5-XXL's tokenizer limit (model_max_length)
-# sd-scripts flags we accept so that a user's command line parses, but refuse with a clear message for now.
-NOT_YET = ("blocks_to_swap", "fp8_base", "cpu_offload_checkpointing")
 
 
 @dataclass
@@ -39,18 +40,10 @@ def add_flux_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip_l", type=str, default=None, help="CLIP-L text encoder file (.safetensors) for a BFL single-file transformer")
     g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL text encoder file (.safetensors) for a BFL single-file transformer")
     g.add_argument("--ae", type=str, default=None, help="autoencoder file (ae.safetensors) for a BFL single-file transformer")
-    g.add_argument("--blocks_to_swap", type=int, default=None, help="transformer blocks kept on the CPU (not yet)")
-    g.add_argument("--fp8_base", action="store_true", help="store base weights as float8 (not yet)")
-    g.add_argument("--cpu_offload_checkpointing", action="store_true",
-                   help="offload checkpointed activations to the CPU (not yet)")
 
 
 def flux_options_from_args(values: Mapping[str, Any]) -> FluxOptions:
-    """FluxOptions from a dict of flags; flags that are not implemented yet stop here with one line."""
-    for flag in NOT_YET:
-        if values.get(flag):
-            raise ConfigError(f"--{flag}: not implemented yet in this toolkit's FLUX.1 trainer "
-                              "(see docs/flux_train_network.md)")
+    """FluxOptions from a dict of flags, checked (one-line ConfigError)."""
     length = values.get("t5xxl_max_token_length")
     if length is not None and not (isinstance(length, int) and 1 <= length <= T5_MAX_TOKENS):
         raise ConfigError(f"--t5xxl_max_token_length: expected an integer from 1 to {T5_MAX_TOKENS} "

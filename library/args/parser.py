@@ -6,6 +6,7 @@ import argparse
 
 from library.args.config_file import add_config_file_arguments
 from library.args.dataset import add_dataset_arguments
+from library.args.memory import add_memory_arguments
 from library.args.model import add_model_arguments
 from library.args.network import add_network_arguments
 from library.args.noise_loss import add_noise_loss_arguments
@@ -24,6 +25,7 @@ def build_network_training_parser(description: str, family=None) -> argparse.Arg
     add_optimizer_arguments(parser)
     add_noise_loss_arguments(parser)
     add_training_arguments(parser)
+    add_memory_arguments(parser)
     add_sampling_arguments(parser)
     if family is not None and hasattr(family, "add_arguments"):
         family.add_arguments(parser)

@@ -28,6 +28,7 @@ from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
+from library.train.memory_setup import apply_memory_options
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
 from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
@@ -67,6 +68,7 @@ class RunSettings:
     zero_terminal_snr: bool = False
     no_half_vae: bool = False
     hooks: list = field(default_factory=list)  # callables(trainer, event, step) e.g. sampling
+    memory: Any = None  # library.args.memory MemoryOptions (None: none of them)
 
 
 class NetworkTrainer:
@@ -113,14 +115,12 @@ class NetworkTrainer:
             m.eval()
         vae_dtype = torch.float32 if self.s.no_half_vae else self.weight_dtype
         c.vae.to(self.device, vae_dtype)
-        c.denoiser.to(self.device, self.weight_dtype)
-        for te in c.text_encoders:
-            te.to(self.device, self.weight_dtype)
-        if self.s.network.base_weights:
+        for m in [c.denoiser, *c.text_encoders]:
+            m.to(dtype=self.weight_dtype)  # placed by apply_memory_options: swapped blocks stay in CPU memory
+        if self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_module, self.family, c, self.s.network)
-        if self.t.gradient_checkpointing:
-            c.denoiser.enable_gradient_checkpointing()
-            c.denoiser.train()  # diffusers checkpoints only in train mode; the base has no dropout
+        self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
+                                                  self.t.gradient_checkpointing)
 
     def _setup_network(self) -> None:
         opts = self.s.network
@@ -129,12 +129,12 @@ class NetworkTrainer:
         train_te = opts.train_text_encoder
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
         self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
-        if opts.network_weights and not opts.dim_from_weights:
-            info = load_network_weights(self.network, self.family, opts.network_weights)
-            logger.info("loaded network weights from %s: %s", opts.network_weights, info)
-        self.train_text_encoder = train_te
         self.name_map = None if self.s.network_module.__name__ == "networks.lora" else \
             kohya_name_map(self.family.lora_targets(self.components))
+        if opts.network_weights and not opts.dim_from_weights:
+            info = load_network_weights(self.network, self.family, opts.network_weights, self.name_map)
+            logger.info("loaded network weights from %s: %s", opts.network_weights, info)
+        self.train_text_encoder = train_te
         net_dtype = torch.float32
         if self.t.full_fp16:
             net_dtype = torch.float16

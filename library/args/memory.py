@@ -1,0 +1,78 @@
+"""Memory flags (sd-scripts names): --fp8_base, --fp8_base_unet, --blocks_to_swap, --cpu_offload_checkpointing."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from library.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemoryOptions:
+    """How the frozen base model is stored and placed during training."""
+
+    fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
+    fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
+    blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
+    cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+    gradient_checkpointing: bool = False  # as given, or switched on by cpu_offload_checkpointing
+
+    @property
+    def fp8_text_encoders(self) -> bool:
+        return self.fp8_base and not self.fp8_base_unet
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
+    g = parser.add_argument_group("memory")
+    g.add_argument("--fp8_base", action="store_true",
+                   help="store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer by "
+                        "layer; about half the weight memory of bf16")
+    g.add_argument("--fp8_base_unet", action="store_true",
+                   help="float8 for the U-Net / DiT only; the text encoders keep the training dtype "
+                        "(implies --fp8_base)")
+    g.add_argument("--blocks_to_swap", type=int, default=None,
+                   help="keep N transformer blocks in CPU memory and stream each to the GPU for its forward and "
+                        "backward (DiT families; FLUX.1: N//2 double and 2*(N-N//2) single blocks)")
+    g.add_argument("--cpu_offload_checkpointing", action="store_true",
+                   help="with gradient checkpointing, keep each block's saved inputs in CPU memory until the "
+                        "backward pass (DiT families; turns on --gradient_checkpointing)")
+
+
+def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
+    """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError).
+
+    --cpu_offload_checkpointing without --gradient_checkpointing turns checkpointing on with
+    a warning, as sd-scripts does.
+    """
+    fp8_unet = bool(values.get("fp8_base_unet"))
+    swap = values.get("blocks_to_swap")
+    if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
+        raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
+    offload = bool(values.get("cpu_offload_checkpointing"))
+    name = getattr(family, "name", "this model family")
+    if swap is not None and family is not None and not family_supports_block_swap(family):
+        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families such as flux "
+                          "stream their transformer blocks); drop the flag")
+    if offload and family is not None and not family_supports_block_swap(family):
+        raise ConfigError(f"--cpu_offload_checkpointing: not supported for {name} (DiT families only); "
+                          "use --gradient_checkpointing alone")
+    checkpointing = bool(values.get("gradient_checkpointing"))
+    if offload and not checkpointing:
+        logger.warning("--cpu_offload_checkpointing: turning on --gradient_checkpointing, which it works through")
+        checkpointing = True
+    return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
+                         blocks_to_swap=swap, cpu_offload_checkpointing=offload, gradient_checkpointing=checkpointing)
+
+
+def family_supports_block_swap(family: Any) -> bool:
+    """Whether the family overrides ModelFamily.swappable_blocks (the DiT families)."""
+    from library.families.base import ModelFamily
+
+    method = getattr(type(family), "swappable_blocks", None)
+    return method is not None and method is not ModelFamily.swappable_blocks

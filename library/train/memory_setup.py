@@ -1,0 +1,58 @@
+"""Putting the frozen base model in place under the memory options: float8 weights, swapped blocks, checkpointing."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from library.args.memory import MemoryOptions
+from library.families.base import Components, ModelFamily
+from library.train.block_swap import BlockSwapper
+from library.train.fp8 import cast_base_to_fp8
+from library.train.offload_checkpoint import enable_gradient_checkpointing
+
+logger = logging.getLogger(__name__)
+
+
+def move_except(model: nn.Module, device: Any, keep: list[nn.Module]) -> None:
+    """Move `model`'s parameters and buffers to `device`, except those of the modules in `keep`."""
+    kept = {id(t) for m in keep for t in list(m.parameters()) + list(m.buffers())}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in kept:
+            t.data = t.data.to(device)
+
+
+def apply_memory_options(family: ModelFamily, components: Components, opts: Optional[MemoryOptions],
+                         device: Any, gradient_checkpointing: bool = False) -> Optional[BlockSwapper]:
+    """Cast, place and hook the denoiser and text encoders (already in the training dtype, on any device).
+
+    float8 comes first (anything merged into the base is merged before), then the swapped
+    blocks go to CPU memory and everything else to `device`. Returns the swapper, if any.
+    """
+    opts = opts or MemoryOptions()
+    c = components
+    if opts.fp8_base:
+        parts = [c.denoiser, *(c.text_encoders if opts.fp8_text_encoders else [])]
+        count = sum(cast_base_to_fp8(m) for m in parts)
+        logger.info("--fp8_base: %d layers store float8 weights", count)
+    swapper = None
+    if opts.blocks_to_swap:
+        blocks = family.swappable_blocks(c, opts.blocks_to_swap)
+        offload = torch.device("cpu")
+        swapper = BlockSwapper(blocks, len(blocks), device, offload)
+        logger.info("--blocks_to_swap %d: %d blocks stay in CPU memory and are streamed to %s", opts.blocks_to_swap,
+                    len(blocks), device)
+        if torch.device(device) == offload:
+            logger.warning("--blocks_to_swap: training on the CPU, so swapping only costs time")
+    move_except(c.denoiser, device, swapper.swapped if swapper else [])
+    for te in c.text_encoders:
+        te.to(device)
+    if gradient_checkpointing or opts.gradient_checkpointing:
+        enable_gradient_checkpointing(c.denoiser, opts.cpu_offload_checkpointing)
+    elif swapper is not None:
+        logger.warning("--blocks_to_swap without --gradient_checkpointing: autograd keeps the device copies of "
+                       "weights it saved for backward, so little memory is saved; add --gradient_checkpointing")
+    return swapper

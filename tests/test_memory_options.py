@@ -1,0 +1,213 @@
+"""Memory options (--blocks_to_swap, --fp8_base, --cpu_offload_checkpointing) train exactly as without them."""
+
+from __future__ import annotations
+
+import glob
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from library.args.memory import memory_options_from_args
+from library.errors import ConfigError
+from library.families import get_family
+from library.train.block_swap import BlockSwapper
+from library.train.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
+from library.train.offload_checkpoint import offloaded_checkpoint
+from tests.train_helpers import base_args, make_dataset, make_trainer
+
+FLUX_ARGS = ["--t5xxl_max_token_length", "16", "--network_train_unet_only", "--cache_text_encoder_outputs"]
+
+
+def _train(tmp_path, name, preset, family, extra, steps=2, round_trip_fp8=None):
+    """Losses of each micro step, the saved LoRA and the trainer of a tiny run; `round_trip_fp8`
+    ("all" or "denoiser") rounds the base weights through float8 at load, as a reference."""
+    data = make_dataset(str(tmp_path / "data"), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / name), preset, steps=steps, extra=extra), family)
+    if round_trip_fp8:  # the reference for --fp8_base: weights already rounded through float8, kept as float32
+        load = trainer.family.load
+
+        def load_rounded(opts):
+            c = load(opts)
+            for m in [c.denoiser, *(c.text_encoders if round_trip_fp8 == "all" else [])]:
+                fp8_round_trip_(m)
+            return c
+
+        trainer.family.load = load_rounded
+    losses = []
+    step = trainer._micro_step
+    trainer._micro_step = lambda *a: losses.append(step(*a)) or losses[-1]
+    path = trainer.run()
+    return losses, load_file(path), trainer
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------- block swap on a toy model
+class _Toy(nn.Module):
+    """Six frozen Linear blocks, each with a trainable low-rank adapter held outside the block (like our LoRA)."""
+
+    def __init__(self, checkpoint=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(6)).requires_grad_(False)
+        self.adapters = nn.ParameterList(nn.Parameter(torch.randn(8, 8) * 0.1) for _ in range(6))
+        self.checkpoint = checkpoint
+        for block, adapter in zip(self.blocks, self.adapters):
+            block.forward = lambda x, b=block, a=adapter: torch.tanh(F.linear(x, b.weight, b.bias) + x @ a)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self.checkpoint(block, x) if self.checkpoint and torch.is_grad_enabled() else block(x)
+        return x
+
+
+def _plain_checkpoint(block, x):
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("checkpoint", [None, _plain_checkpoint, offloaded_checkpoint])
+def test_block_swapper_residency_and_gradients(checkpoint):
+    x = torch.randn(3, 8, requires_grad=True)
+    reference = _Toy(checkpoint)
+    reference(x).sum().backward()
+    model = _Toy(checkpoint)
+    swapper = BlockSwapper(list(model.blocks), 3, "cpu", "cpu", record=True)
+    assert swapper.resident() == [0, 1, 2]
+    out = model(x)
+    assert swapper.resident() == [0, 1, 2]  # forward done: every swapped block is back in offload memory
+    out.sum().backward()
+    for a, b in zip(reference.adapters, model.adapters):
+        assert torch.equal(a.grad, b.grad)
+    events = [(kind, block) for kind, block, _ in swapper.stats.events]
+    forward = [("forward", 3), ("forward", 4), ("forward", 5)]
+    if checkpoint is None:
+        assert events == forward + [("backward", 5), ("backward", 4), ("backward", 3)]
+    elif checkpoint is _plain_checkpoint:  # brought back before its backward, which recomputes it
+        assert events == forward + [("backward", 5), ("forward", 5), ("backward", 4), ("forward", 4),
+                                    ("backward", 3), ("forward", 3)]
+    else:  # recomputed (which brings it back), then its backward
+        assert events == forward + [("forward", 5), ("backward", 5), ("forward", 4), ("backward", 4),
+                                    ("forward", 3), ("backward", 3)]
+    for _, block, resident in swapper.stats.events:
+        assert block in resident  # a block runs only on the compute device
+        assert len(resident) <= 6 - 3 + 1 + swapper.prefetch  # the others + the running one + one prefetched
+    assert swapper.stats.max_resident == 2
+    assert (swapper.stats.loads, swapper.stats.prefetches) == (6, 4)  # each swapped block in twice; 4 ahead of need
+    assert swapper.resident() == [0, 1, 2]  # backward done: back in offload memory too
+    with torch.no_grad():
+        model(x)  # sampling / validation: forward only
+    assert swapper.resident() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------- FLUX.1: swap and offload
+def test_flux_block_swap_and_cpu_offload_checkpointing_train_exactly_as_without(tmp_path):
+    base_losses, base_lora, _ = _train(tmp_path, "plain", "tiny:flux", "flux", FLUX_ARGS)
+    for name, extra in [("checkpointing", ["--gradient_checkpointing"]),
+                        ("swap_checkpointing", ["--gradient_checkpointing", "--blocks_to_swap", "2"]),
+                        ("swap", ["--blocks_to_swap", "1"]),
+                        ("offload", ["--cpu_offload_checkpointing"]),
+                        ("offload_swap", ["--cpu_offload_checkpointing", "--blocks_to_swap", "2"])]:
+        losses, lora, trainer = _train(tmp_path, name, "tiny:flux", "flux", FLUX_ARGS + extra)
+        assert losses == base_losses, name
+        assert _same_weights(lora, base_lora), name
+        swapper = trainer.block_swapper
+        if swapper is not None:
+            blocks = trainer.components.denoiser
+            expected = [blocks.transformer_blocks[1]] if "2" in extra else []
+            assert swapper.swapped == expected + list(blocks.single_transformer_blocks[1:])
+            assert all(p.device.type == "cpu" for b in swapper.swapped for p in b.parameters())
+    assert len(base_losses) == 2 and base_losses[0] != base_losses[1]
+
+
+def test_flux_swap_rule_and_bound():
+    family = get_family("flux")
+    model = SimpleNamespace(transformer_blocks=[f"d{i}" for i in range(19)],
+                            single_transformer_blocks=[f"s{i}" for i in range(38)])
+    comps = SimpleNamespace(denoiser=model)
+    assert family.swappable_blocks(comps, 1) == ["s36", "s37"]
+    assert family.swappable_blocks(comps, 2) == ["d18", "s36", "s37"]
+    blocks = family.swappable_blocks(comps, 35)  # 17 double, 36 single
+    assert (blocks[0], blocks[16], blocks[17], len(blocks)) == ("d2", "d18", "s2", 53)
+    assert len(family.swappable_blocks(comps, 38)) == 19 + 38
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 39: expected 1\.\.38 for this model \(19 double "
+                                          r"and 38 single blocks; N swaps N//2 double and 2\*\(N-N//2\) single ones\)$"):
+        family.swappable_blocks(comps, 39)
+
+
+# ---------------------------------------------------------------------------- fp8
+def test_fp8_layers_keep_names_dtype_and_lora_wrapping():
+    layer = nn.Sequential(nn.Linear(4, 3), nn.Conv2d(2, 2, 3, padding=1)).requires_grad_(False)
+    keys = sorted(layer.state_dict())
+    assert cast_base_to_fp8(layer) == 2 and fp8_layers([layer]) == 2
+    assert sorted(layer.state_dict()) == keys
+    assert layer[0].weight.dtype == FP8_DTYPE and layer[0].bias.dtype == torch.float32
+    assert [n for n, _ in layer.named_parameters()] == ["0.bias", "1.bias"]  # model.dtype reads a float32 bias
+    t5 = nn.Module()
+    t5._keep_in_fp32_modules = ["wo"]
+    t5.wi, t5.wo = nn.Linear(2, 2).requires_grad_(False), nn.Linear(2, 2).requires_grad_(False)
+    assert cast_base_to_fp8(t5) == 1 and t5.wo.weight.dtype == torch.float32
+
+
+def test_fp8_sd1_trains_as_float8_rounded_weights(tmp_path):
+    fp8_losses, fp8_lora, trainer = _train(tmp_path, "fp8", "tiny:sd1", "sd", ["--fp8_base"])
+    rounded_losses, rounded_lora, _ = _train(tmp_path, "rounded", "tiny:sd1", "sd", [], round_trip_fp8="all")
+    full_losses, _, _ = _train(tmp_path, "full", "tiny:sd1", "sd", [])
+    assert fp8_losses == rounded_losses
+    # Same forward; only the order gradients of a shared input are summed in may differ.
+    for key in rounded_lora:
+        torch.testing.assert_close(fp8_lora[key], rounded_lora[key], rtol=0, atol=1e-4)
+    assert fp8_losses != full_losses
+    torch.testing.assert_close(torch.tensor(fp8_losses), torch.tensor(full_losses), rtol=0.02, atol=0)
+    c = trainer.components
+    assert (fp8_layers([c.denoiser]), fp8_layers(c.text_encoders)) == (282, 72)
+    assert c.denoiser.dtype == torch.float32
+
+
+def test_fp8_flux_with_block_swap_samples_and_validates(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat --w 64 --h 64 --s 1 --d 5\n")
+    validation = ["--validation_split", "0.5", "--validate_every_n_steps", "1"]
+    losses, lora, trainer = _train(tmp_path, "fp8", "tiny:flux", "flux", FLUX_ARGS + validation + [
+        "--fp8_base_unet", "--gradient_checkpointing", "--blocks_to_swap", "2",
+        "--sample_prompts", str(prompts), "--sample_at_first"])
+    rounded_losses, rounded_lora, _ = _train(tmp_path, "rounded", "tiny:flux", "flux", FLUX_ARGS + validation,
+                                             round_trip_fp8="denoiser")
+    assert losses == rounded_losses
+    assert _same_weights(lora, rounded_lora)
+    names = sorted(os.path.basename(p)[:16] for p in glob.glob(os.path.join(str(tmp_path / "fp8"), "sample", "*.png")))
+    assert names == ["lora_e000000_00_", "lora_e000000_gri"]  # the sample before training, and its grid
+    c = trainer.components
+    assert fp8_layers([c.denoiser]) > 0 and fp8_layers(c.text_encoders) == 0  # --fp8_base_unet
+
+
+# ---------------------------------------------------------------------------- flags
+def test_memory_flag_checks():
+    sd, flux = get_family("sd"), get_family("flux")
+    opts = memory_options_from_args({"cpu_offload_checkpointing": True}, flux)
+    assert (opts.cpu_offload_checkpointing, opts.gradient_checkpointing) == (True, True)  # turned on, as sd-scripts
+    assert memory_options_from_args({"fp8_base_unet": True}, sd).fp8_base  # implies --fp8_base
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap: expected an integer >= 1, got 0$"):
+        memory_options_from_args({"blocks_to_swap": 0}, flux)
+    with pytest.raises(ConfigError, match=r"^--cpu_offload_checkpointing: not supported for sd "):
+        memory_options_from_args({"cpu_offload_checkpointing": True}, sd)
+
+
+@pytest.mark.parametrize("family, preset, extra, message", [
+    ("sd", "tiny:sd1", ["--blocks_to_swap", "2"], "error: --blocks_to_swap: not supported for sd (only DiT families"),
+    ("flux", "tiny:flux", ["--blocks_to_swap", "60"], "error: --blocks_to_swap 60: expected 1..2 for this model "
+                                                       "(2 double and 3 single blocks;"),
+])
+def test_memory_flag_errors_exit_2_with_one_line(tmp_path, capsys, family, preset, extra, message):
+    from library.train.cli import run_training
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert run_training(family, "test", base_args(data, str(tmp_path / "out"), preset, steps=1, extra=extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(message)
