@@ -21,11 +21,20 @@ from networks.lora_models import LoraLayer
 
 @dataclass(frozen=True)
 class WeightedLora:
-    """One input of a merge: its modules, its ratio and where it came from (for messages)."""
+    """One input of a merge: its modules, its ratio and where it came from (for messages).
+
+    `block_weights` (module name -> weight, from --lbws) multiplies into the ratio per
+    module; a module missing from it has weight 1, one with weight 0 is left out.
+    """
 
     modules: Mapping[str, LoraModule]
     ratio: float
     source: str = "LoRA"
+    block_weights: Optional[Mapping[str, float]] = None
+
+    def ratio_of(self, name: str) -> float:
+        """The multiplier of module `name`'s ΔW: the ratio times its block weight."""
+        return self.ratio * (self.block_weights.get(name, 1.0) if self.block_weights else 1.0)
 
 
 def check_ratios(models: Sequence[str], ratios: Optional[Sequence[float]]) -> list[float]:
@@ -67,7 +76,9 @@ def _modules_by_name(loras: Sequence[WeightedLora]) -> dict[str, list[tuple[Lora
     grouped: dict[str, list[tuple[LoraModule, float]]] = {}
     for lora in loras:
         for name, module in lora.modules.items():
-            grouped.setdefault(name, []).append((module, lora.ratio))
+            if lora.block_weights and lora.block_weights.get(name, 1.0) == 0:
+                continue  # a block weighted 0 is left out, not merged as zeros
+            grouped.setdefault(name, []).append((module, lora.ratio_of(name)))
     for name, parts in grouped.items():
         first = parts[0][0]
         for module, _ in parts[1:]:

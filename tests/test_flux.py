@@ -181,17 +181,6 @@ def test_tiny_flux_lora_training_run(tmp_path):
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
 
 
-def test_external_network_modules_are_refused_for_flux(tmp_path, capsys):
-    from library.train.cli import run_training
-
-    data = make_dataset(str(tmp_path), n=1)
-    argv = base_args(data, str(tmp_path / "out"), "tiny:flux", steps=1, extra=["--network_module", "lycoris.kohya"])
-    assert run_training("flux", "test", argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --network_module lycoris.kohya: not supported for flux: ")
-    assert "\n" not in err
-
-
 def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
     family = get_family("flux")
     comps = family.load(LoadOptions("tiny:flux"))
@@ -201,8 +190,6 @@ def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
     back = family.load(LoadOptions(str(tmp_path / "merged")))
     a, b = comps.denoiser.state_dict(), back.denoiser.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(NotImplementedError, match="BFL single file"):
-        family.save_checkpoint(comps, str(tmp_path / "merged.safetensors"))
 
 
 def test_text_cache_key_includes_the_flags_that_change_t5_outputs():

@@ -4,6 +4,8 @@
         --models a.safetensors b.safetensors --ratios 1.0 0.5 --save_precision fp16
     python tools/merge_lora.py --save_to ab.safetensors --models a.safetensors b.safetensors --ratios 1 0.5 --concat
     python tools/merge_lora.py --save_to ab.safetensors --models a.safetensors b.safetensors --new_rank 32
+    python tools/merge_lora.py --model_family flux --sd_model flux1-dev.safetensors --clip_l clip_l.safetensors \
+        --t5xxl t5xxl_fp16.safetensors --ae ae.safetensors --save_to merged.safetensors --models flux_lora.safetensors
 """
 
 from __future__ import annotations
@@ -34,23 +36,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new_conv_rank", type=int, default=None, help="rank for 3x3 conv modules with --new_rank")
     p.add_argument("--device", default="cpu", help="where to compute")
     p.add_argument("--model_family", default="sd", help="family of --sd_model (default sd)")
+    # A FLUX.1 BFL single file holds only the transformer; its loader needs the other parts' files.
+    p.add_argument("--clip_l", default=None, help="flux: CLIP-L file for a BFL single-file --sd_model")
+    p.add_argument("--t5xxl", default=None, help="flux: T5-XXL file for a BFL single-file --sd_model")
+    p.add_argument("--ae", default=None, help="flux: autoencoder file (ae.safetensors) for a BFL single-file --sd_model")
     return p
 
 
-def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, dtype, device) -> None:
-    """LoRA + LoRA: the shared code of merge_lora.py and svd_merge_lora.py."""
+def _load_base(args):
+    """The --sd_model to merge into, its family configured with the component-file flags (--clip_l, ...)."""
+    from library.families import get_family
+    from library.families.base import LoadOptions
+    from networks.lora_models import LoadedModel
+
+    family = get_family(args.model_family)
+    family.configure_from_args({"clip_l": args.clip_l, "t5xxl": args.t5xxl, "ae": args.ae})
+    return LoadedModel(family, family.load(LoadOptions(args.sd_model)))
+
+
+def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, dtype, device, lbws=None) -> None:
+    """LoRA + LoRA: the shared code of merge_lora.py and svd_merge_lora.py.
+
+    `lbws`: one LoRA Block Weight list per model (svd_merge_lora's --lbws), multiplied into its ratio per block.
+    """
+    from networks.lora_block_weights import check_lbws, module_block_weights
     from networks.lora_files import dim_alpha_summary, load_lora_file, save_lora_file, updated_metadata
     from networks.lora_merge import WeightedLora, check_ratios, concat_merge, svd_merge
 
     ratios = check_ratios(models, ratios)
-    files = [load_lora_file(m) for m in models]
-    loras = [WeightedLora(f.modules, r, f.path) for f, r in zip(files, ratios)]
+    lbws = check_lbws(lbws, models)
+    files = [load_lora_file(m) for m in models]  # all read and checked before any SVD
+    loras = [WeightedLora(f.modules, r, f.path, module_block_weights(w, f.modules, f.path) if w else None)
+             for f, r, w in zip(files, ratios, lbws)]
     if concat:
         modules, how = concat_merge(loras), "concatenated ranks"
     else:
         modules, how = svd_merge(loras, new_rank, new_conv_rank, device), f"SVD to rank {new_rank}"
+    if not modules:
+        raise ConfigError("--lbws: every block of every model is weighted 0; nothing to merge")
     dim, alpha = dim_alpha_summary(modules)
-    names = ", ".join(f"{os.path.basename(m)}x{r:g}" for m, r in zip(models, ratios))
+    names = ", ".join(f"{os.path.basename(m)}x{r:g}" + (f" lbw [{','.join(f'{v:g}' for v in w)}]" if w else "")
+                      for m, r, w in zip(models, ratios, lbws))
     metadata = updated_metadata(files[0].metadata, dim, alpha, f"merged ({how}): {names}")
     save_lora_file(save_to, modules, metadata, dtype or files[0].dtype)
     print(f"saved {save_to}: {len(modules)} modules, rank {dim}")
@@ -70,11 +96,11 @@ def run(argv=None) -> None:
         return
     from networks.lora_files import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from networks.lora_models import load_model, lora_layers, save_model
+    from networks.lora_models import lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
     loras = [WeightedLora(load_lora_file(m).modules, r, m) for m, r in zip(args.models, ratios)]
-    model = load_model(args.sd_model, args.model_family)
+    model = _load_base(args)
     merged = merge_into_layers(lora_layers(model), loras)
     save_model(model, args.save_to, dtype)
     print(f"saved {args.save_to}: {merged} LoRA modules merged into {args.sd_model}")

@@ -1,7 +1,10 @@
 """Merge LoRAs with ratios into one LoRA of --new_rank: Σ ratio·ΔW re-factored by the fast SVD.
 
     python tools/svd_merge_lora.py --models a.safetensors b.safetensors --ratios 0.7 0.3 \
-        --new_rank 32 --save_to merged.safetensors --save_precision fp16
+        --new_rank 32 --save_to merged.safetensors --save_precision fp16 \
+        --lbws 1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1 0,0,0,0,0,0,0,1,1,1,1,1,1,1,1,1,1
+
+--lbws takes one LoRA Block Weight list per model (networks/lora_block_weights.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.errors import ConfigError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["float", "fp16", "bf16"], default="float",
                    help="accepted for sd-scripts compatibility; merging always computes in float32")
     p.add_argument("--device", default="cpu", help="where to compute")
-    p.add_argument("--lbws", nargs="*", default=None, help="block weights per model (not supported yet)")
+    p.add_argument("--lbws", nargs="*", default=None,
+                   help="one LoRA Block Weight list per model, e.g. 1,0,0,0,0,0,0,1,1,1,1,1 (12 or 20 values for "
+                        "SDXL, 17 or 26 for SD 1.x/2.x; the first, BASE, weights the text encoders)")
     return p
 
 
@@ -36,10 +40,8 @@ def run(argv=None) -> None:
     from networks.lora_files import parse_precision
     from tools.merge_lora import merge_lora_files
 
-    if args.lbws:
-        raise ConfigError("--lbws: block weights are not supported yet; merge without them")
     merge_lora_files(args.models, args.ratios, args.save_to, False, args.new_rank, args.new_conv_rank,
-                     parse_precision(args.save_precision), args.device)
+                     parse_precision(args.save_precision), args.device, lbws=args.lbws)
 
 
 def main(argv=None) -> int:

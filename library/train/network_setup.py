@@ -6,7 +6,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -27,12 +28,22 @@ def build_network(module, family: ModelFamily, components: Components, opts) -> 
     if opts.dim_from_weights:  # network_options_from_args checked that --network_weights is given
         if module.__name__ == "networks.lora":
             kwargs["weights_sd"] = _family_state_dict(family, module.load_state_dict(opts.network_weights))
+        else:
+            kwargs["weights_sd"] = external_state_dict(opts.network_weights, family, components)
         network, _ = module.create_network_from_weights(opts.network_multiplier, opts.network_weights,
                                                         components.vae, te, components.denoiser, **kwargs)
     else:
-        network = module.create_network(opts.network_multiplier, opts.network_dim, opts.network_alpha,
-                                        components.vae, te, components.denoiser,
-                                        neuron_dropout=opts.network_dropout, **kwargs)
+        try:
+            with lycoris_preset_aliases(module, family.lycoris_module_aliases):
+                network = module.create_network(opts.network_multiplier, opts.network_dim, opts.network_alpha,
+                                                components.vae, te, components.denoiser,
+                                                neuron_dropout=opts.network_dropout, **kwargs)
+        except (ValueError, KeyError) as exc:  # e.g. LyCORIS: an unknown algo, a rank BOFT cannot factor
+            if module.__name__ == "networks.lora":
+                raise
+            from library.errors import ConfigError
+            raise ConfigError(f"--network_module {opts.network_module} --network_args "
+                              f"{' '.join(f'{k}={v}' for k, v in opts.network_args.items())}: {exc}") from exc
     if network is None:
         from library.errors import ConfigError
         raise ConfigError(f"--network_module {opts.network_module}: create_network returned nothing")
@@ -46,7 +57,10 @@ def merge_base_weights(module, family: ModelFamily, components: Components, opts
         if not os.path.isfile(path):
             from library.errors import ConfigError
             raise ConfigError(f"--base_weights {path}: file not found")
-        kwargs = _family_lora_kwargs(family, components) if module.__name__ == "networks.lora" else {}
+        if module.__name__ == "networks.lora":
+            kwargs = _family_lora_kwargs(family, components)
+        else:
+            kwargs = {"weights_sd": external_state_dict(path, family, components)}
         network, weights = module.create_network_from_weights(multiplier, path, components.vae, te,
                                                               components.denoiser, for_inference=True, **kwargs)
         network.merge_to(te, components.denoiser, weights, components.denoiser.dtype, components.denoiser.device)
@@ -68,14 +82,17 @@ def _family_state_dict(family: ModelFamily, state_dict: dict) -> dict:
     return convert(state_dict) if convert is not None else state_dict
 
 
-def load_network_weights(network, family: ModelFamily, path: str) -> Any:
+def load_network_weights(network, family: ModelFamily, path: str, name_map: Optional[dict[str, str]] = None) -> Any:
     """--network_weights: load a LoRA file into the network, renamed to the family's naming first if needed.
 
     Only our own networks.lora uses the family's kohya naming, so only it gets the
-    renamed state dict; any other network module loads the file as it is.
+    renamed state dict; any other network module loads the file as it is, or, given the
+    `name_map` it was saved with (kohya_name_map), with those renames undone first.
     """
     from networks.lora import LoRANetwork, load_state_dict
 
+    if name_map and not isinstance(network, LoRANetwork):
+        return network.load_state_dict(_renamed(load_state_dict(path), _inverse(name_map)), strict=False)
     convert = getattr(family, "convert_lora_state_dict", None)
     if convert is None or not isinstance(network, LoRANetwork):
         return network.load_weights(path)
@@ -114,11 +131,15 @@ def kohya_name_map(targets) -> dict[str, str]:
 
     External modules name a LoRA `prefix_` + its module path; where the family renames paths
     (transformers 5's CLIP has no `text_model.` level; SDXL uses SGM block names) the file
-    must still carry the names ComfyUI, A1111 and diffusers expect.
+    must still carry the names ComfyUI, A1111 and diffusers expect. A model whose kohya layout
+    fuses modules (Flux's `img_attn_qkv`, `linear1`) keeps its raw names under that prefix, all
+    of them so the file has one naming: an external network wraps q, k and v apart and has no
+    shared factor to fuse them by (LoHa, LoKr, ...).
     """
+    fused_prefixes = {target.prefix for target in targets if target.fused_slot is not None}
     mapping: dict[str, str] = {}
     for target in targets:
-        if target.rename is None:
+        if target.rename is None or target.prefix in fused_prefixes:
             continue
         for path, module in target.root.named_modules():
             if not path or not _can_carry_adapter(module):
@@ -137,6 +158,56 @@ def _can_carry_adapter(module: torch.nn.Module) -> bool:
     The class test keeps layers whose weight an adapter took over (LyCORIS `full` deletes it).
     """
     return isinstance(module, ADAPTABLE_LAYERS) or next(module.parameters(recurse=False), None) is not None
+
+
+def external_state_dict(path: str, family: ModelFamily, components: Components) -> dict:
+    """A file an external network saved (kohya names, see kohya_name_map) with its raw module names back."""
+    from networks.lora import load_state_dict
+
+    return _renamed(load_state_dict(path), _inverse(kohya_name_map(family.lora_targets(components))))
+
+
+def preset_with_aliases(preset: dict, aliases: tuple[tuple[str, str], ...]) -> dict:
+    """A LyCORIS preset whose target classes (and per-class algo overrides) also name each alias class."""
+    out = dict(preset)
+    for key in ("unet_target_module", "text_encoder_target_module"):
+        if key in out:
+            names = list(out[key])
+            names += [alias for name, alias in aliases if name in names and alias not in names]
+            out[key] = names
+    if "module_algo_map" in out:
+        algo_map = dict(out["module_algo_map"])
+        algo_map.update({alias: algo_map[name] for name, alias in aliases if name in algo_map})
+        out["module_algo_map"] = algo_map
+    return out
+
+
+@contextmanager
+def lycoris_preset_aliases(module, aliases: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """While creating the network, extend every preset lycoris.kohya applies by the family's aliases.
+
+    lycoris.kohya.create_network resolves `preset=` (a built-in name or a TOML file) and hands it
+    to LycorisNetworkKohya.apply_preset; wrapping that one classmethod covers both kinds of preset
+    without re-implementing how LyCORIS reads them. Other modules are left alone.
+    """
+    network_class = getattr(module, "LycorisNetworkKohya", None)
+    original = getattr(network_class, "__dict__", {}).get("apply_preset")
+    if not aliases or not isinstance(original, classmethod):
+        yield
+        return
+
+    def apply_preset(cls, preset):
+        return original.__func__(cls, preset_with_aliases(preset, aliases))
+
+    network_class.apply_preset = classmethod(apply_preset)
+    try:
+        yield
+    finally:
+        network_class.apply_preset = original
+
+
+def _inverse(name_map: dict[str, str]) -> dict[str, str]:
+    return {dst: src for src, dst in name_map.items()}
 
 
 def _renamed(state: dict, name_map: dict[str, str]) -> dict:
