@@ -193,15 +193,16 @@ def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
 
 
 def test_text_cache_key_includes_the_flags_that_change_t5_outputs():
-    from library.data.te_cache import text_cache_model_id
+    from library.data.te_cache import cache_source_id
 
     family = get_family("flux")
     base = {"t5xxl_max_token_length": 16, "apply_t5_attn_mask": False, "guidance_scale": 3.5}
-    key = text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags, base)
-    assert key == "tiny:flux|torch.float32|t5xxl_max_token_length=16|apply_t5_attn_mask=False"
-    assert text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags,
+    key = cache_source_id("tiny:flux", torch.float32, family.text_cache_flags, base)
+    assert key == "tiny:flux|torch.float32|clip_l=None|t5xxl=None|t5xxl_max_token_length=16|apply_t5_attn_mask=False"
+    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags, {**base, "t5xxl": "t5.sft"}) != key
+    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags,
                                {**base, "apply_t5_attn_mask": True}) != key
-    assert text_cache_model_id("tiny:flux", torch.float32, family.text_cache_flags,
+    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags,
                                {**base, "guidance_scale": 1.0}) == key  # not a text-encoder setting
 
 

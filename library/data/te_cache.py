@@ -116,9 +116,13 @@ def final_captions(samples: Iterable, subsets: list, max_train_steps: int) -> li
     return out
 
 
-def text_cache_model_id(model_path: str, dtype, flag_names: Iterable[str], flags: Mapping) -> str:
-    """What produced a cache entry: the model, its dtype, and the family's flags that change the outputs
-    (e.g. Flux's T5 length and attention mask), so changing any of them rebuilds the cache."""
+# Flags of every family that change the text encoders' outputs.
+TEXT_OUTPUT_FLAGS = ("fp8_base",)
+
+
+def cache_source_id(model_path: str, dtype, flag_names: Iterable[str], flags: Mapping) -> str:
+    """What produced a cache entry: the model, its dtype, and the flags that change the outputs (e.g. fp8
+    weights, Flux's --t5xxl file, T5 length and attention mask), so changing any of them rebuilds the cache."""
     extra = "".join(f"|{name}={flags.get(name)}" for name in flag_names)
     return f"{model_path}|{dtype}{extra}"
 

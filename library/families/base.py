@@ -98,6 +98,8 @@ class ModelFamily:
     bucket_reso_multiple: int = 64  # bucket_reso_steps must be a multiple of this
     # This family's own flags that change what the text encoders output (part of the text-cache validity key).
     text_cache_flags: tuple[str, ...] = ()
+    # This family's own flags that name or change the VAE (part of the latent-cache validity key).
+    latent_cache_flags: tuple[str, ...] = ()
     # This family's own flags that saved LoRAs mirror as ss_<flag> metadata.
     metadata_flags: tuple[str, ...] = ()
     # Why a --network_module other than networks.lora (e.g. lycoris.kohya) cannot train this family; None: it can.

@@ -52,7 +52,8 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
-    text_cache_flags = ("t5xxl_max_token_length", "apply_t5_attn_mask")
+    text_cache_flags = ("clip_l", "t5xxl", "t5xxl_max_token_length", "apply_t5_attn_mask")
+    latent_cache_flags = ("ae",)
     metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
                       "apply_t5_attn_mask")

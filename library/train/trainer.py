@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 
 from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
 from library.args.text_cache import text_cache_options_from_args
-from library.data.te_cache import (build_text_cache, check_text_cache_allowed, final_captions, subset_caption_settings,
-                                   text_cache_model_id)
+from library.data.te_cache import (TEXT_OUTPUT_FLAGS, build_text_cache, cache_source_id, check_text_cache_allowed,
+                                   final_captions, subset_caption_settings)
 from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
@@ -151,7 +151,8 @@ class NetworkTrainer:
         if not d.cache_latents:
             return
         vae = self.components.vae
-        vae_id = f"{self.s.model.vae or self.s.model.pretrained_model_name_or_path}|{vae.dtype}"
+        vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
+                                 self.family.latent_cache_flags, self.s.flags)
         self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
                                 vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                 num_workers=d.data_loader_workers())
@@ -194,8 +195,8 @@ class NetworkTrainer:
         self.ctx.text_cache = build_text_cache(
             final_captions(self.data.samples, self.data.subsets, self.max_train_steps),
             lambda captions: encode_captions(self.ctx, captions).tensors,
-            model_id=text_cache_model_id(self.s.model.pretrained_model_name_or_path, te_dtype,
-                                         self.family.text_cache_flags, self.s.flags),
+            model_id=cache_source_id(self.s.model.pretrained_model_name_or_path, te_dtype,
+                                     TEXT_OUTPUT_FLAGS + self.family.text_cache_flags, self.s.flags),
             max_token_length=self.s.max_token_length, suffix=getattr(self.family, "text_cache_suffix", None),
             to_disk=opts.to_disk, batch_size=opts.batch_size)
 
