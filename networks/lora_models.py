@@ -57,9 +57,15 @@ class LoadedModel:
     components: Components
 
 
-def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a checkpoint (file, diffusers folder or preset) with the named family."""
+def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.float32,
+               flags: Optional[dict] = None) -> LoadedModel:
+    """Load a checkpoint (file, diffusers folder or preset) with the named family.
+
+    `flags`: the family's own flags that loading needs (FLUX.1's --clip_l / --t5xxl / --ae for a BFL file).
+    """
     family = get_family(family_name)
+    if flags:
+        family.configure_from_args(flags)
     components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype))
     return LoadedModel(family, components)
 

@@ -305,3 +305,32 @@ def test_sd_vae_as_ae_is_refused(files, tmp_path):
     with pytest.raises(ModelLoadError, match=r"^--ae .*sd_vae\.safetensors: expected the FLUX.1 autoencoder with 16 "
                                              r"latent channels, found 4 \(an SD/SDXL VAE\?\)$"):
         _load(files["transformer"], clip_l=files["clip_l"], t5xxl=files["t5xxl"], ae=path)
+
+
+# --- the other tools take the component files too ------------------------------------------------------
+def test_generate_and_extract_take_the_component_files(files, tmp_path):
+    from safetensors import safe_open
+
+    from tools import extract_lora_from_models, generate
+
+    out = tmp_path / "images"
+    assert generate.main(["--flux", "--ckpt", files["transformer"], *_flags(files), "--outdir", str(out),
+                          "--prompt", "a red square", "--W", "64", "--H", "64", "--steps", "2", "--seed", "1"]) == 0
+    assert len([p for p in os.listdir(out) if p.endswith(".png")]) == 1
+
+    tuned = str(tmp_path / "tuned.safetensors")
+    state = load_file(files["transformer"])
+    state["single_blocks.0.linear2.weight"] += 0.05 * torch.ones_like(state["single_blocks.0.linear2.weight"])
+    save_file(state, tuned)
+    lora = str(tmp_path / "extracted.safetensors")
+    assert extract_lora_from_models.main(["--model_family", "flux", "--model_org", files["transformer"],
+                                          "--model_tuned", tuned, *_flags(files), "--dim", "2", "--clamp_quantile", "1",
+                                          "--save_to", lora]) == 0
+    changed = "lora_unet_single_blocks_0_linear2"
+    with safe_open(lora, "pt") as f:
+        names = {k.split(".")[0] for k in f.keys()}
+        delta = {n: f.get_tensor(f"{n}.lora_up.weight") @ f.get_tensor(f"{n}.lora_down.weight") for n in names}
+    assert len(names) == 37  # every transformer layer (29 in blocks, 8 outside); CLIP-L did not change
+    torch.testing.assert_close(delta.pop(changed), 0.05 * torch.ones_like(state["single_blocks.0.linear2.weight"]),
+                               rtol=0, atol=1e-3)
+    assert max(d.abs().max().item() for d in delta.values()) < 1e-4

@@ -13,6 +13,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.args.flux import add_component_file_arguments  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sdxl", action="store_true", help="accepted for sd-scripts compatibility; use --model_family")
     p.add_argument("--model_family", default="sd", help="family of both models (default sd)")
     p.add_argument("--no_metadata", action="store_true", help="write only the minimal ss_* keys")
+    add_component_file_arguments(p)  # a FLUX.1 BFL single file holds only the transformer
     return p
 
 
@@ -40,14 +43,15 @@ def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
     from networks.lora_extract import ExtractOptions, extract_lora, text_encoder_included
     from networks.lora_files import dim_alpha_summary, parse_precision, save_lora_file
+    from library.args.flux import component_files
     from networks.lora_models import load_model, lora_layers
 
     opts = ExtractOptions(args.dim, args.conv_dim, args.clamp_quantile, args.min_diff, args.device, args.svd)
     opts.check()
     dtype = parse_precision(args.save_precision)
     include_conv = args.conv_dim is not None
-    org = load_model(args.model_org, args.model_family)
-    tuned = load_model(args.model_tuned, args.model_family)
+    org = load_model(args.model_org, args.model_family, flags=component_files(args))
+    tuned = load_model(args.model_tuned, args.model_family, flags=component_files(args))
     org_layers = lora_layers(org, include_conv)
     modules = extract_lora(org_layers, lora_layers(tuned, include_conv), opts)
     if not text_encoder_included(modules, org_layers):

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from library.args.flux import add_component_file_arguments, component_files  # noqa: E402
 from library.errors import ConfigError, UserError  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--v_parameterization", action="store_true", help="the model predicts v (SD 2.x 768-v)")
     g.add_argument("--sdxl", action="store_true", help="the model is SDXL (default: SD 1.x/2.x)")
     g.add_argument("--flux", action="store_true", help="the model is FLUX.1")
+    add_component_file_arguments(g)
     g.add_argument("--clip_skip", type=int, default=None, help="text encoder layer from the end (2 = penultimate)")
     g.add_argument("--fp16", action="store_true", help="run the model in float16")
     g.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
@@ -78,6 +80,7 @@ class GenerateOptions:
     prompts: list = field(default_factory=list)  # SamplePrompt
     family: str = "sd"
     vae: Optional[str] = None
+    component_files: dict = field(default_factory=dict)  # FLUX.1 --clip_l / --t5xxl / --ae
     v2: bool = False
     v_parameterization: bool = False
     clip_skip: Optional[int] = None
@@ -118,7 +121,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family="sdxl" if a.sdxl else "flux" if a.flux else (detect_family(a.ckpt) or "sd"),
-        vae=a.vae, v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
+        vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
@@ -138,6 +141,8 @@ def load_model(o: GenerateOptions):
     if type(family).generate is ModelFamily.generate:
         raise ConfigError(f"--{o.family}: image generation for {o.family} models is not implemented yet")
     device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if any(o.component_files.values()):
+        family.configure_from_args(o.component_files)
     components = family.load(LoadOptions(o.ckpt, vae=o.vae, v2=o.v2, v_parameterization=o.v_parameterization,
                                          dtype=o.dtype, vae_dtype=torch.float32))
     for module in [components.denoiser, *components.text_encoders]:

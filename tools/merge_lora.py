@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.args.flux import add_component_file_arguments  # noqa: E402
 from library.errors import ConfigError  # noqa: E402
 
 
@@ -36,22 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new_conv_rank", type=int, default=None, help="rank for 3x3 conv modules with --new_rank")
     p.add_argument("--device", default="cpu", help="where to compute")
     p.add_argument("--model_family", default="sd", help="family of --sd_model (default sd)")
-    # A FLUX.1 BFL single file holds only the transformer; its loader needs the other parts' files.
-    p.add_argument("--clip_l", default=None, help="flux: CLIP-L file for a BFL single-file --sd_model")
-    p.add_argument("--t5xxl", default=None, help="flux: T5-XXL file for a BFL single-file --sd_model")
-    p.add_argument("--ae", default=None, help="flux: autoencoder file (ae.safetensors) for a BFL single-file --sd_model")
+    add_component_file_arguments(p)  # a FLUX.1 BFL single file holds only the transformer
     return p
-
-
-def _load_base(args):
-    """The --sd_model to merge into, its family configured with the component-file flags (--clip_l, ...)."""
-    from library.families import get_family
-    from library.families.base import LoadOptions
-    from networks.lora_models import LoadedModel
-
-    family = get_family(args.model_family)
-    family.configure_from_args({"clip_l": args.clip_l, "t5xxl": args.t5xxl, "ae": args.ae})
-    return LoadedModel(family, family.load(LoadOptions(args.sd_model)))
 
 
 def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, dtype, device, lbws=None) -> None:
@@ -96,11 +83,12 @@ def run(argv=None) -> None:
         return
     from networks.lora_files import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from networks.lora_models import lora_layers, save_model
+    from library.args.flux import component_files
+    from networks.lora_models import load_model, lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
     loras = [WeightedLora(load_lora_file(m).modules, r, m) for m, r in zip(args.models, ratios)]
-    model = _load_base(args)
+    model = load_model(args.sd_model, args.model_family, flags=component_files(args))
     merged = merge_into_layers(lora_layers(model), loras)
     save_model(model, args.save_to, dtype)
     print(f"saved {args.save_to}: {merged} LoRA modules merged into {args.sd_model}")

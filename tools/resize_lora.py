@@ -15,6 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.args.flux import add_component_file_arguments  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS  # noqa: E402
 
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base_model", default=None,
                    help="base checkpoint, needed by recipes with spn_ckpt / fro_ckpt")
     p.add_argument("--model_family", default="sd", help="family of --base_model (default sd)")
+    add_component_file_arguments(p)  # for a FLUX.1 BFL single-file --base_model
     return p
 
 
@@ -50,9 +52,10 @@ def run(argv=None) -> None:
     lora = load_lora_file(args.model)
     base = None
     if args.base_model:
+        from library.args.flux import component_files
         from networks.lora_models import base_weights, load_model
 
-        base = base_weights(load_model(args.base_model, args.model_family))
+        base = base_weights(load_model(args.base_model, args.model_family, flags=component_files(args)))
     result = resize_modules(lora.modules, opts, base)
     if args.verbose:
         for report in result.reports:

@@ -37,9 +37,25 @@ def add_flux_arguments(parser: argparse.ArgumentParser) -> None:
                    help="T5 tokens per caption (default: 512 for dev, 256 for schnell)")
     g.add_argument("--apply_t5_attn_mask", action="store_true",
                    help="mask T5 padding in the text encoder and in the transformer's attention")
-    g.add_argument("--clip_l", type=str, default=None, help="CLIP-L text encoder file (.safetensors) for a BFL single-file transformer")
-    g.add_argument("--t5xxl", type=str, default=None, help="T5-XXL text encoder file (.safetensors) for a BFL single-file transformer")
-    g.add_argument("--ae", type=str, default=None, help="autoencoder file (ae.safetensors) for a BFL single-file transformer")
+    add_component_file_arguments(g)
+
+
+COMPONENT_FILE_FLAGS = ("clip_l", "t5xxl", "ae")
+
+
+def add_component_file_arguments(group) -> None:
+    """--clip_l / --t5xxl / --ae: the parts a BFL single-file transformer does not hold (also for the tools)."""
+    group.add_argument("--clip_l", type=str, default=None,
+                       help="FLUX.1: CLIP-L text encoder file (.safetensors) for a BFL single-file transformer")
+    group.add_argument("--t5xxl", type=str, default=None,
+                       help="FLUX.1: T5-XXL text encoder file (.safetensors) for a BFL single-file transformer")
+    group.add_argument("--ae", type=str, default=None,
+                       help="FLUX.1: autoencoder file (ae.safetensors) for a BFL single-file transformer")
+
+
+def component_files(ns: argparse.Namespace) -> dict[str, Optional[str]]:
+    """The component-file flags of a parsed namespace, as the family's configure_from_args takes them."""
+    return {name: getattr(ns, name, None) for name in COMPONENT_FILE_FLAGS}
 
 
 def flux_options_from_args(values: Mapping[str, Any]) -> FluxOptions:
