@@ -92,3 +92,19 @@ def test_lycoris_on_sdxl_saves_sgm_kohya_names(tmp_path, algo, parts):
                  "lora_unet_label_emb_0_0", "lora_unet_time_embed_2"):
         assert name in modules
     assert sorted({k.split(".", 1)[1] for k in saved}) == parts
+
+
+def test_lycoris_network_weights_continue_training_from_a_saved_file(tmp_path):
+    """--network_weights with lycoris.kohya: every saved tensor (kohya names, text encoder included) is loaded."""
+    data = make_dataset(str(tmp_path), n=1)
+    extra = ["--network_module", "lycoris.kohya", "--learning_rate", "1e-2", "--network_args", "algo=locon",
+             "preset=attn-mlp"]
+    first = make_trainer(base_args(data, str(tmp_path / "a"), steps=2, extra=extra)).run()
+    saved = load_file(first)
+    assert any(k.startswith("lora_te_text_model_") for k in saved)
+    second = make_trainer(base_args(data, str(tmp_path / "b"), steps=1, extra=[
+        *extra, "--network_weights", first, "--learning_rate", "1e-12"]))
+    again = load_file(second.run())  # a negligible learning rate: the file's weights come out as loaded
+    assert again.keys() == saved.keys()
+    for k in saved:
+        torch.testing.assert_close(again[k].float(), saved[k].float(), rtol=0, atol=1e-8, msg=k)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import pickle
 import random
@@ -22,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from library.errors import UserError
 from library.io_utils import atomic_directory
+
+logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 TRAIN_STATE = "train_state.json"
@@ -126,3 +129,26 @@ def load_state(state_dir: str, network, optimizer, scheduler, generators: dict[s
 
 def progress_dict(progress: TrainProgress) -> dict:
     return asdict(progress)
+
+
+def resume_progress(where: Optional[str], output_dir: str, max_train_steps: int, network, optimizer, scheduler,
+                    generators: dict[str, torch.Generator], scaler=None) -> TrainProgress:
+    """--resume: load the state folder (or, for "auto", the newest one in output_dir) and return where it stood.
+
+    A fresh TrainProgress when nothing is to be resumed; UserError for a missing folder or a finished run.
+    """
+    if not where:
+        return TrainProgress()
+    if where == "auto":
+        where = find_latest_state(output_dir)
+        if where is None:
+            logger.info("--resume auto: no saved state in %s; starting fresh", output_dir)
+            return TrainProgress()
+    if not os.path.isdir(where):
+        raise UserError(f"--resume {where}: folder not found")
+    progress = load_state(where, network, optimizer, scheduler, generators, scaler)
+    if progress.global_step >= max_train_steps:
+        raise UserError(f"--resume {where}: that run already finished ({progress.global_step} of "
+                        f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
+    logger.info("resumed from %s at epoch %d, step %d", where, progress.epoch, progress.global_step)
+    return progress

@@ -34,7 +34,7 @@ from library.train.run_metadata import RunFacts, lora_metadata
 from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
                                          optimizer_groups, save_network)
 from library.train.optimizers import create_optimizer, is_schedule_free
-from library.train.state import TrainProgress, find_latest_state, load_state, save_state
+from library.train.state import TrainProgress, resume_progress, save_state
 from library.train.step import StepContext, batch_loss, encode_captions
 from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
@@ -168,24 +168,9 @@ class NetworkTrainer:
         self.schedule_free = is_schedule_free(self.optimizer)
 
     def _resume(self) -> TrainProgress:
-        where = self.t.resume
-        if not where:
-            return TrainProgress()
-        if where == "auto":
-            where = find_latest_state(self.t.output_dir)
-            if where is None:
-                logger.info("--resume auto: no saved state in %s; starting fresh", self.t.output_dir)
-                return TrainProgress()
-        if not os.path.isdir(where):
-            raise UserError(f"--resume {where}: folder not found")
-        progress = load_state(where, self.accelerator.unwrap_model(self.network), self.optimizer,
-                              self.lr_scheduler, {"noise": self.noise_generator},
-                              getattr(self.accelerator, "scaler", None))
-        if progress.global_step >= self.max_train_steps:
-            raise UserError(f"--resume {where}: that run already finished ({progress.global_step} of "
-                            f"{self.max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
-        logger.info("resumed from %s at epoch %d, step %d", where, progress.epoch, progress.global_step)
-        return progress
+        return resume_progress(self.t.resume, self.t.output_dir, self.max_train_steps,
+                               self.accelerator.unwrap_model(self.network), self.optimizer, self.lr_scheduler,
+                               {"noise": self.noise_generator}, getattr(self.accelerator, "scaler", None))
 
     def _cache_text_outputs(self) -> None:
         opts = self.text_cache_opts
