@@ -19,6 +19,7 @@ import torch
 
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.flux_configs import PRESETS, build_flux_modules
+from library.families.loading import load_folder_parts
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -60,21 +61,9 @@ def _diffusers_parts(folder: str) -> dict:
         T5TokenizerFast,
     )
 
-    try:
-        parts = {
-            "transformer": FluxTransformer2DModel.from_pretrained(folder, subfolder="transformer"),
-            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae"),
-            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder"),
-            "text_encoder_2": T5EncoderModel.from_pretrained(folder, subfolder="text_encoder_2"),
-            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"),
-            "tokenizer_2": T5TokenizerFast.from_pretrained(folder, subfolder="tokenizer_2"),
-        }
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"{folder}: cannot load the FLUX.1 diffusers model "
-                             f"({str(e).strip().splitlines()[0][:200]})") from None
-    for key in _PARTS:
-        parts[key].eval()
-    return parts
+    return load_folder_parts(folder, {
+        "transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+        "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": T5TokenizerFast}, "FLUX.1")
 
 
 # --- reading one file ------------------------------------------------------------------------

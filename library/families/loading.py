@@ -249,6 +249,25 @@ def find_tokenizer(v2: bool, vocab_size: int, tokenizer_cache_dir: Optional[str]
                              f"(folder {repo.replace('/', '_')}) or use a diffusers folder")
 
 
+def load_folder_parts(folder: str, classes: dict, what: str) -> dict:
+    """{part: cls.from_pretrained(folder, subfolder=part)} for `classes` {part: cls}; models in eval mode.
+
+    Every subfolder is checked first, and any loading failure becomes one ModelLoadError line naming `what`.
+    """
+    for part in classes:
+        if not os.path.isdir(os.path.join(folder, part)):
+            raise ModelLoadError(f"{folder}: {what} diffusers folder has no {part}/ subfolder")
+    try:
+        parts = {part: cls.from_pretrained(folder, subfolder=part) for part, cls in classes.items()}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{folder}: cannot load the {what} diffusers model "
+                             f"({str(e).strip().splitlines()[0][:200]})") from None
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            part.eval()
+    return parts
+
+
 def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] = None) -> dict:
     """UNet, VAE, text encoder and tokenizer of a diffusers folder; also its scheduler's prediction type."""
     import json
@@ -256,15 +275,9 @@ def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] 
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    for sub in ("unet", "vae", "text_encoder"):
-        if not os.path.isdir(os.path.join(folder, sub)):
-            raise ModelLoadError(f"{folder}: diffusers folder has no {sub}/ subfolder")
-    try:
-        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet")
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae")
-        text_encoder = CLIPTextModel.from_pretrained(folder, subfolder="text_encoder")
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"{folder}: cannot load the diffusers model ({str(e).splitlines()[0][:200]})") from None
+    parts = load_folder_parts(folder, {"unet": UNet2DConditionModel, "vae": AutoencoderKL,
+                                       "text_encoder": CLIPTextModel}, "SD")
+    unet, text_encoder = parts["unet"], parts["text_encoder"]
     v2 = is_v2(unet)
     if os.path.isdir(os.path.join(folder, "tokenizer")):
         tokenizer = CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer")
@@ -275,8 +288,7 @@ def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] 
     if os.path.isfile(scheduler_config):
         with open(scheduler_config, encoding="utf-8") as f:
             prediction_type = json.load(f).get("prediction_type")
-    return {"unet": unet.eval(), "vae": vae.eval(), "text_encoder": text_encoder.eval(), "tokenizer": tokenizer,
-            "prediction_type": prediction_type}
+    return {**parts, "tokenizer": tokenizer, "prediction_type": prediction_type}
 
 
 def _cached_hub_folder(repo_id: str) -> str:

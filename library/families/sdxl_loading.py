@@ -19,6 +19,7 @@ from library.families.loading import (
     SINGLE_FILE_SUFFIXES,
     _materialize,
     find_tokenizer,
+    load_folder_parts,
     load_vae,
     read_checkpoint,
     vae_from_ldm,
@@ -112,22 +113,9 @@ def parts_from_diffusers_folder(folder: str) -> dict:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    for sub in (*_PARTS, "tokenizer", "tokenizer_2"):
-        if not os.path.isdir(os.path.join(folder, sub)):
-            raise ModelLoadError(f"{folder}: SDXL diffusers folder has no {sub}/ subfolder")
-    try:
-        parts = {
-            "unet": UNet2DConditionModel.from_pretrained(folder, subfolder="unet"),
-            "vae": AutoencoderKL.from_pretrained(folder, subfolder="vae"),
-            "text_encoder": CLIPTextModel.from_pretrained(folder, subfolder="text_encoder"),
-            "text_encoder_2": CLIPTextModelWithProjection.from_pretrained(folder, subfolder="text_encoder_2"),
-            "tokenizer": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer"),
-            "tokenizer_2": CLIPTokenizer.from_pretrained(folder, subfolder="tokenizer_2"),
-        }
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"{folder}: cannot load the SDXL model ({str(e).splitlines()[0][:200]})") from None
+    parts = load_folder_parts(folder, {
+        "unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+        "text_encoder_2": CLIPTextModelWithProjection, "tokenizer": CLIPTokenizer, "tokenizer_2": CLIPTokenizer}, "SDXL")
     if parts["unet"].config.addition_embed_type != "text_time":
         raise ModelLoadError(f"{folder}: its UNet has no SDXL text_time conditioning; not an SDXL base model")
-    for key in _PARTS:
-        parts[key].eval()
     return parts
