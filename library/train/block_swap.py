@@ -167,7 +167,7 @@ class BlockSwapper:
             self._note("forward", i)
             if not torch.is_grad_enabled():
                 return None
-            return _wrap_tensors((args, kwargs), lambda ts: _AfterBackward.apply(self, i, *ts))
+            return _wrap_tensors((args, kwargs), lambda ts: _OnBackward.apply(lambda: self._after_backward(i), *ts))
 
         return hook
 
@@ -175,7 +175,7 @@ class BlockSwapper:
         def hook(module, args, output):
             wrapped = output
             if torch.is_grad_enabled():
-                wrapped = _wrap_tensors(output, lambda ts: _BeforeBackward.apply(self, i, *ts))
+                wrapped = _wrap_tensors(output, lambda ts: _OnBackward.apply(lambda: self._before_backward(i), *ts))
             if not _in_backward():
                 self._unload(i)
             return wrapped
@@ -194,32 +194,22 @@ class BlockSwapper:
         self._unload(i)
 
 
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a block's outputs; its backward (which runs before the block's) brings the block back."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors whose backward first calls `callback`.
+
+    On a block's outputs its backward runs before the block's (bring the block back); on its
+    inputs, after it (drop the block again).
+    """
 
     @staticmethod
-    def forward(ctx, swapper: BlockSwapper, i: int, *tensors):
-        ctx.swapper, ctx.i = swapper, i
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.swapper._before_backward(ctx.i)
-        return (None, None, *grads)
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a block's inputs; its backward (which runs after the block's) drops the block again."""
-
-    @staticmethod
-    def forward(ctx, swapper: BlockSwapper, i: int, *tensors):
-        ctx.swapper, ctx.i = swapper, i
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.swapper._after_backward(ctx.i)
-        return (None, None, *grads)
+        ctx.callback()
+        return (None, *grads)
 
 
 def _wrap_tensors(tree: Any, apply) -> Any:
