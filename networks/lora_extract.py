@@ -2,7 +2,10 @@
 
 Per layer: D = W_tuned − W_org flattened to [out, in·k²]; its top-r SVD gives
 up = U_r·diag(S_r), down = V_rᵀ, alpha = r (scale 1). Both factors are clamped to
-the `clamp_quantile` of their joined values, as sd-scripts does against outliers.
+±(the `clamp_quantile` of their joined absolute values) against outliers. sd-scripts
+takes the quantile of the signed values; as the sign of each singular pair is
+arbitrary (it differs between SVD implementations), its clamp can cut one pair hard
+and leave its negation alone. The absolute values make the result sign-invariant.
 The text encoder is included only when some layer differs by more than
 `min_diff`. For r ≪ min(out, in) a randomized SVD replaces the dense one; on the
 spectra of fine-tuning differences its error is within 1% of the optimum (see
@@ -77,7 +80,7 @@ def extract_module(name: str, diff: torch.Tensor, rank: int, clamp_quantile: flo
     up = svd.U * svd.S
     down = svd.Vh
     if clamp_quantile < 1:
-        limit = quantile(torch.cat([up.flatten(), down.flatten()]), clamp_quantile)
+        limit = quantile(torch.cat([up.flatten(), down.flatten()]).abs(), clamp_quantile)
         up = up.clamp(-limit, limit)
         down = down.clamp(-limit, limit)
     if diff.dim() == 4:

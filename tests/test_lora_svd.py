@@ -108,3 +108,20 @@ def test_resize_conv_rank_and_dynamic_reports():
     assert [tuple(m.down.shape) for m in result.modules] == [(4, 64), (2, 16, 3, 3)]
     with pytest.raises(ConfigError, match="--dynamic_param: required with --dynamic_method sv_fro"):
         resize_modules(modules, ResizeOptions(new_rank=4, dynamic_method="sv_fro"))
+
+
+def test_extract_clamp_is_sign_invariant_and_keeps_a_rank_one_change():
+    from networks.lora_extract import extract_module
+
+    # A uniform shift of a layer: sd-scripts' signed-quantile clamp returns it intact, at 5/8 of its size
+    # or as nothing, depending on the signs the SVD happens to give (all four occur here).
+    for shape in ((32, 160), (160, 32)):
+        for diff in (torch.full(shape, 0.05), torch.full(shape, -0.05)):
+            for method in ("full", "randomized"):
+                module = extract_module("m", diff, rank=2, clamp_quantile=0.99, method=method)
+                torch.testing.assert_close(module.up @ module.down, diff, rtol=0, atol=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    noisy = torch.randn(64, 48, generator=gen) @ torch.diag(torch.linspace(2, 0.01, 48)) @ torch.randn(48, 48, generator=gen)
+    plus = extract_module("m", noisy, rank=4, method="full")
+    minus = extract_module("m", -noisy, rank=4, method="full")
+    torch.testing.assert_close(minus.up @ minus.down, -(plus.up @ plus.down), rtol=1e-5, atol=1e-6)
