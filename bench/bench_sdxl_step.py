@@ -30,13 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from bench.common import compare_steps, peak_rss_mib, print_comparison  # noqa: E402
+from bench.common import compare_steps, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
 from library.families import get_family
 from library.families.base import Components
 from library.families.sdxl_configs import build_sdxl_modules
 from library.train.losses import LossOptions
 from library.train.noise import NoiseOptions
-from library.train.step import StepContext, batch_loss
+from library.train.step import StepContext
 from networks import lora
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,15 +112,7 @@ def main() -> None:
     ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
                       device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
                       train_text_encoder=False, autocast=contextlib.nullcontext)
-    generator = torch.Generator().manual_seed(0)
-
-    def our_step() -> None:
-        loss, _ = batch_loss(ctx, batch, generator)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} UNet; {a.resolution}x{a.resolution}, batch 1, {a.dtype}, {device}")

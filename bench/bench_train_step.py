@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import compare_steps, print_comparison  # noqa: E402
+from bench.common import compare_steps, print_comparison, trainer_step  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.train.losses import LossOptions  # noqa: E402
 from library.train.noise import NoiseOptions  # noqa: E402
-from library.train.step import StepContext, batch_loss  # noqa: E402
+from library.train.step import StepContext  # noqa: E402
 from networks import lora  # noqa: E402
 
 
@@ -84,15 +84,7 @@ def main() -> None:
                       device=torch.device("cpu"), weight_dtype=torch.float32, clip_skip=None,
                       max_token_length=None, train_text_encoder=True, autocast=contextlib.nullcontext)
     batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None}
-    generator = torch.Generator().manual_seed(0)
-
-    def our_step() -> None:
-        loss, _ = batch_loss(ctx, batch, generator)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print_comparison(result)

@@ -56,3 +56,20 @@ def print_comparison(result: dict[str, tuple[float, float]]) -> None:
     print(f"peak RSS:                       {peak_rss_mib():.0f} MiB")
     if torch.cuda.is_available():
         print(f"peak VRAM:                      {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+
+
+def trainer_step(ctx, batch: dict, params: list, optimizer, scheduler) -> Callable[[], None]:
+    """One optimizer step exactly as NetworkTrainer runs it: batch_loss, backward, clipping, optimizer, scheduler."""
+    from library.train.step import batch_loss
+
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        loss, _ = batch_loss(ctx, batch, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
