@@ -19,7 +19,7 @@ import torch
 
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.flux_configs import PRESETS, build_flux_modules
-from library.families.loading import load_folder_parts
+from library.families.loading import classify_source, load_folder_parts
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -31,25 +31,8 @@ T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"  # the tokenizer sd-scripts pairs with 
 
 def flux_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file"; ModelLoadError naming the problem otherwise."""
-    if path in PRESETS:
-        return "preset"
-    if path.startswith(("tiny:", "random:")):
-        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown FLUX.1 preset {path!r}; "
-                             f"expected one of {', '.join(PRESETS)}")
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
-        missing = [p for p in _PARTS if not os.path.isdir(os.path.join(path, p))]
-        if missing:
-            raise ModelLoadError(f"{path}: not a FLUX.1 diffusers folder (no {missing[0]}/); "
-                                 "expected transformer/, vae/, text_encoder/ and text_encoder_2/")
-        return "diffusers"
-    if os.path.isfile(path):
-        if not path.lower().endswith(".safetensors"):
-            raise ModelLoadError(f"{path}: expected a .safetensors FLUX.1 checkpoint or a diffusers folder")
-        return "single_file"
-    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist (FLUX.1 needs a local "
-                         "diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux)")
+    return classify_source(path, PRESETS, "FLUX.1", folder_parts=_PARTS, file_suffixes=(".safetensors",),
+                           expected="a local diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux")
 
 
 def _diffusers_parts(folder: str) -> dict:

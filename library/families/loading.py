@@ -29,22 +29,43 @@ _REFERENCE_TOKENIZERS = {False: ("openai/clip-vit-large-patch14", None),
                          True: ("stabilityai/stable-diffusion-2", "tokenizer")}
 
 
-def source_kind(path: str) -> str:
-    """What a model path is: "preset", "diffusers", "single_file" or "hub"; ModelLoadError if none."""
-    if path in PRESETS:
+def classify_source(path: str, presets, what: str = "", folder_parts: tuple[str, ...] = (),
+                    file_suffixes: Optional[tuple[str, ...]] = None, expected: str = "",
+                    allow_hub: bool = False) -> str:
+    """What a model path is: "preset", "diffusers", "single_file" or (with allow_hub) "hub".
+
+    `what` names the family in messages ("SDXL"), `folder_parts` are the subfolders its diffusers
+    folder must have, `file_suffixes` the single-file names it takes (None: any file), `expected`
+    what a missing path should have been. Anything else is a one-line ModelLoadError naming the problem.
+    """
+    family = f"{what} " if what else ""
+    if path in presets:
         return "preset"
     if path.startswith(("tiny:", "random:")):
-        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown preset {path!r}; "
-                             f"expected one of {', '.join(PRESETS)}")
+        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown {family}preset {path!r}; "
+                             f"expected one of {', '.join(presets)}")
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            return "diffusers"
-        raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
+        missing = [p for p in folder_parts if not os.path.isdir(os.path.join(path, p))]
+        if missing:
+            raise ModelLoadError(f"{path}: not a diffusers {family}model (no {missing[0]}/ subfolder; expected "
+                                 f"{', '.join(p + '/' for p in folder_parts)})")
+        return "diffusers"
     if os.path.isfile(path):
+        if file_suffixes and not path.lower().endswith(file_suffixes):
+            raise ModelLoadError(f"{path}: expected a {' or '.join(file_suffixes)} {family}checkpoint or a "
+                                 "diffusers folder")
         return "single_file"
-    if _HUB_ID.match(path) and not path.lower().endswith(SINGLE_FILE_SUFFIXES):
+    if allow_hub and _HUB_ID.match(path) and not path.lower().endswith(SINGLE_FILE_SUFFIXES):
         return "hub"
-    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist")
+    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist" +
+                         (f" ({family}needs {expected})" if expected else ""))
+
+
+def source_kind(path: str) -> str:
+    """What an SD 1.x/2.x model path is: "preset", "diffusers", "single_file" or "hub"; ModelLoadError if none."""
+    return classify_source(path, PRESETS, allow_hub=True)
 
 
 def load_sd_components(opts: LoadOptions) -> Components:

@@ -7,7 +7,6 @@ are used for tiny models, the real CLIP tokenizers from a local cache (or
 
 from __future__ import annotations
 
-import os
 from typing import Mapping, Optional
 
 import torch
@@ -18,6 +17,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.loading import (
     SINGLE_FILE_SUFFIXES,
     _materialize,
+    classify_source,
     find_tokenizer,
     load_folder_parts,
     load_vae,
@@ -42,22 +42,9 @@ def sdxl_source_kind(path: str) -> str:
     if path in SD_PRESETS:
         raise ModelLoadError(f"--pretrained_model_name_or_path: {path} is an SD 1.x/2.x preset, not SDXL; "
                              f"use train_network.py or one of {', '.join(PRESETS)}")
-    if path.startswith(("tiny:", "random:")):
-        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown SDXL preset {path!r}; "
-                             f"expected one of {', '.join(PRESETS)}")
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
-        if not os.path.isdir(os.path.join(path, "text_encoder_2")):
-            raise ModelLoadError(f"{path}: not an SDXL diffusers folder (no text_encoder_2/); "
-                                 "for SD 1.x/2.x use train_network.py")
-        return "diffusers"
-    if os.path.isfile(path):
-        if not path.lower().endswith(SINGLE_FILE_SUFFIXES):
-            raise ModelLoadError(f"{path}: expected a .safetensors or .ckpt checkpoint or a diffusers folder")
-        return "single_file"
-    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist (SDXL needs a local "
-                         "diffusers folder, an SGM .safetensors file, or a preset)")
+    return classify_source(path, PRESETS, "SDXL", folder_parts=_PARTS,
+                           file_suffixes=SINGLE_FILE_SUFFIXES,
+                           expected="a local diffusers folder, an SGM .safetensors file, or a preset")
 
 
 def load_sdxl_components(opts: LoadOptions) -> Components:
