@@ -120,8 +120,22 @@ def test_bad_prompt_files_name_file_and_line(tmp_path, name, text, message):
 
 
 def test_missing_prompt_file(tmp_path):
-    with pytest.raises(ConfigError, match=r"^--sample_prompts .*nope.txt: file not found$"):
+    with pytest.raises(ConfigError, match=r"^/.*nope.txt: file not found$"):
         load_prompts(str(tmp_path / "nope.txt"))
+
+
+def test_missing_prompt_file_is_named_once_with_its_flag(tmp_path, capsys):
+    from library.train.cli import run_training
+    from tests.train_helpers import base_args, make_dataset
+    from tools import generate
+
+    missing = str(tmp_path / "nope.txt")
+    argv = base_args(make_dataset(str(tmp_path), n=1), str(tmp_path / "out"), steps=1,
+                     extra=["--sample_prompts", missing])
+    assert run_training("sd", "test", argv) == 2
+    assert capsys.readouterr().err.strip() == f"error: --sample_prompts: {missing}: file not found"
+    assert generate.main(["--ckpt", "tiny:sd1", "--outdir", str(tmp_path), "--from_file", missing]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --from_file: {missing}: file not found"
 
 
 def test_bad_prompt_file_fails_before_training(tmp_path, capsys):

@@ -113,8 +113,11 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         raise ConfigError(f"--guidance: expected a number >= 0, got {a.guidance}")
     if a.fp16 and a.bf16:
         raise ConfigError("--fp16 and --bf16: expected at most one")
-    prompts = [parse_prompt_line(a.prompt, "--prompt")] if a.prompt else \
-        load_prompts(a.from_file, check_sampler=canonical_sampler)
+    try:
+        prompts = [parse_prompt_line(a.prompt, "--prompt")] if a.prompt else \
+            load_prompts(a.from_file, check_sampler=canonical_sampler)
+    except ConfigError as e:
+        raise ConfigError(f"--from_file: {e}" if a.from_file else str(e)) from None
     for path in a.network_weights:
         if not os.path.isfile(path):  # now, not after the model has loaded
             raise ConfigError(f"--network_weights {path}: file not found")

@@ -139,7 +139,7 @@ def load_prompts(path: str, check_sampler: Optional[Callable[[str], Any]] = None
     `sample_sampler` so a typo is reported now, with its line.
     """
     if not os.path.isfile(path):
-        raise ConfigError(f"--sample_prompts {path}: file not found")
+        raise ConfigError(f"{path}: file not found")
     ext = os.path.splitext(path)[1].lower()
     readers = {".txt": _read_txt, ".toml": _read_toml, ".json": _read_json}
     if ext not in readers:
