@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from library.errors import ConfigError
 from library.families.base import ModelFamily
+
+
+class _NoEmptyFp32Warning(logging.Filter):
+    """diffusers warns on every `.to(dtype)` of a model whose list of float32-only modules is empty
+    (FluxTransformer2DModel: "... should be kept in float32: []"); there is nothing to keep, so drop it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFp32Warning())
 
 
 def _sd() -> ModelFamily:
