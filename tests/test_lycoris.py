@@ -108,3 +108,16 @@ def test_lycoris_network_weights_continue_training_from_a_saved_file(tmp_path):
     assert again.keys() == saved.keys()
     for k in saved:
         torch.testing.assert_close(again[k].float(), saved[k].float(), rtol=0, atol=1e-8, msg=k)
+
+
+@pytest.mark.parametrize("algo", ["locon", "loha"])
+def test_lycoris_on_an_fp8_base_runs_in_bypass_mode(tmp_path, algo):
+    """LyCORIS' default forward adds ΔW to the base weight, which float8 cannot; bypass mode adds outputs."""
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=3, extra=[
+        "--network_module", "lycoris.kohya", "--learning_rate", "1e-2", "--fp8_base",
+        "--network_args", f"algo={algo}", "preset=attn-mlp"]))
+    path = trainer.run()  # the second step is the first with a non-zero adapter
+    saved = load_file(path)
+    assert all(m.bypass_mode for m in trainer.accelerator.unwrap_model(trainer.network).loras)
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "up" in k or "w2" in k)

@@ -19,12 +19,22 @@ logger = logging.getLogger(__name__)
 SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def build_network(module, family: ModelFamily, components: Components, opts) -> Any:
-    """Create the network from --network_* options; our own module gets the family's LoRA targets."""
+def build_network(module, family: ModelFamily, components: Components, opts, fp8_base: bool = False) -> Any:
+    """Create the network from --network_* options; our own module gets the family's LoRA targets.
+
+    With an fp8 base, LyCORIS runs in its bypass mode (base output + adapter output): its default
+    path rebuilds W + ΔW in the base weight's dtype, which float8 cannot compute.
+    """
     te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
     kwargs = dict(opts.network_args)
     if module.__name__ == "networks.lora":
         kwargs.update(_family_lora_kwargs(family, components))
+    elif fp8_base and module.__name__.startswith("lycoris"):
+        if str(kwargs.get("bypass_mode", "true")).lower() in ("false", "0", "no"):
+            from library.errors import ConfigError
+            raise ConfigError("--network_args bypass_mode=False: LyCORIS needs bypass_mode with --fp8_base "
+                              "(it cannot add ΔW to float8 weights); drop the argument")
+        kwargs["bypass_mode"] = "True"
     if opts.dim_from_weights:  # network_options_from_args checked that --network_weights is given
         if module.__name__ == "networks.lora":
             kwargs["weights_sd"] = _family_state_dict(family, module.load_state_dict(opts.network_weights))

@@ -124,7 +124,8 @@ class NetworkTrainer:
 
     def _setup_network(self) -> None:
         opts = self.s.network
-        self.network = build_network(self.s.network_module, self.family, self.components, opts)
+        self.network = build_network(self.s.network_module, self.family, self.components, opts,
+                                     fp8_base=bool(self.s.memory and self.s.memory.fp8_base))
         train_unet = opts.train_unet
         train_te = opts.train_text_encoder
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
