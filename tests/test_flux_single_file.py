@@ -190,6 +190,17 @@ def test_component_flags_replace_parts_of_a_preset(files):
     assert comps.text_encoders[1].config.num_layers == 24
 
 
+def test_a_part_given_as_a_file_is_not_read_from_the_diffusers_folder(files, tmp_path):
+    import shutil
+
+    folder = str(tmp_path / "flux")
+    get_family("flux").save_checkpoint(_load("tiny:flux"), folder)
+    shutil.rmtree(os.path.join(folder, "text_encoder_2"))
+    os.makedirs(os.path.join(folder, "text_encoder_2"))  # present but empty: loading it would fail
+    comps = _load(folder, t5xxl=files["t5xxl"])
+    assert type(comps.text_encoders[1]).__name__ == "T5EncoderModel"
+
+
 def test_save_checkpoint_safetensors_writes_the_bfl_transformer(files, tmp_path):
     comps = _load("tiny:flux")
     with torch.no_grad():

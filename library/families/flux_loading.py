@@ -35,7 +35,8 @@ def flux_source_kind(path: str) -> str:
                            expected="a local diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux")
 
 
-def _diffusers_parts(folder: str) -> dict:
+def _diffusers_parts(folder: str, skip: set[str] = frozenset()) -> dict:
+    """The parts of a FLUX.1 diffusers folder, except those in `skip` (given as files instead)."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import (
         CLIPTextModel,
@@ -44,9 +45,9 @@ def _diffusers_parts(folder: str) -> dict:
         T5TokenizerFast,
     )
 
-    return load_folder_parts(folder, {
-        "transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
-        "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": T5TokenizerFast}, "FLUX.1")
+    classes = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
+               "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": T5TokenizerFast}
+    return load_folder_parts(folder, {k: v for k, v in classes.items() if k not in skip}, "FLUX.1")
 
 
 # --- reading one file ------------------------------------------------------------------------
@@ -272,8 +273,9 @@ def load_flux_components(opts: LoadOptions, files=None) -> Components:
         _require_component_files(files, path)
         parts = {"transformer": load_bfl_transformer(path, opts.dtype), **_component_parts(files, opts)}
     else:
-        parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path)
-        parts.update(_component_parts(files, opts))
+        replaced = _component_parts(files, opts)
+        parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path, skip=set(replaced))
+        parts.update(replaced)
     if opts.vae:
         from library.families.loading import load_vae
 
