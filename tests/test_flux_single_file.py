@@ -270,11 +270,15 @@ def _cli_error(tmp_path, capsys, model, extra) -> str:
     return err
 
 
-def test_missing_t5xxl_stops_with_one_line(files, tmp_path, capsys):
-    extra = ["--clip_l", files["clip_l"], "--ae", files["ae"]]
-    err = _cli_error(tmp_path, capsys, files["transformer"], extra)
-    assert err == (f"error: --t5xxl: required with a BFL single-file transformer ({files['transformer']}); "
-                   "give a T5-XXL text encoder (t5xxl_fp16.safetensors)")
+def test_missing_t5xxl_stops_with_one_line_before_the_data_is_read(files, tmp_path, capsys):
+    from library.train.cli import run_training
+
+    argv = base_args(str(tmp_path / "no_data_here"), str(tmp_path / "out"), files["transformer"], steps=1,
+                     extra=["--clip_l", files["clip_l"], "--ae", files["ae"]])
+    assert run_training("flux", "test", argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --t5xxl: required with a BFL single-file transformer ({files['transformer']}); "
+        "give a T5-XXL text encoder (t5xxl_fp16.safetensors)")
 
 
 def test_sdxl_file_as_the_flux_model_stops_with_one_line(files, tmp_path, capsys):

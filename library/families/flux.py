@@ -101,6 +101,11 @@ class FluxFamily(ModelFamily):
 
         self.flow = flow_options_from_args(flags)
         self.options = flux_options_from_args(flags)
+        path = flags.get("pretrained_model_name_or_path")
+        if path:  # a BFL file without its --clip_l / --t5xxl / --ae is named now, not after the data scan
+            from library.families.flux_loading import check_model_source
+
+            check_model_source(path, self.options)
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:

@@ -261,6 +261,13 @@ def _require_component_files(files, path: str) -> None:
                                  f"give {what}")
 
 
+def check_model_source(path: str, files) -> None:
+    """The checks of load_flux_components that need no weights: the path's kind and, for a BFL file,
+    the --clip_l / --t5xxl / --ae it requires (one-line ModelLoadError)."""
+    if flux_source_kind(path) == "single_file":
+        _require_component_files(files, path)
+
+
 def load_flux_components(opts: LoadOptions, files=None) -> Components:
     """Components of a FLUX.1 model: denoiser = transformer, text encoders = [CLIP-L, T5].
 
