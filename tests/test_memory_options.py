@@ -190,8 +190,11 @@ def test_fp8_flux_with_block_swap_samples_and_validates(tmp_path):
 # ---------------------------------------------------------------------------- flags
 def test_memory_flag_checks():
     sd, flux = get_family("sd"), get_family("flux")
+    from library.args.memory import gradient_checkpointing_wanted
+
     opts = memory_options_from_args({"cpu_offload_checkpointing": True}, flux)
-    assert (opts.cpu_offload_checkpointing, opts.gradient_checkpointing) == (True, True)  # turned on, as sd-scripts
+    assert opts.cpu_offload_checkpointing and gradient_checkpointing_wanted(opts, False)  # turned on, as sd-scripts
+    assert not gradient_checkpointing_wanted(memory_options_from_args({}, flux), False)
     assert memory_options_from_args({"fp8_base_unet": True}, sd).fp8_base  # implies --fp8_base
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap: expected an integer >= 1, got 0$"):
         memory_options_from_args({"blocks_to_swap": 0}, flux)

@@ -20,7 +20,6 @@ class MemoryOptions:
     fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
-    gradient_checkpointing: bool = False  # as given, or switched on by cpu_offload_checkpointing
 
     @property
     def fp8_text_encoders(self) -> bool:
@@ -45,11 +44,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
-    """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError).
-
-    --cpu_offload_checkpointing without --gradient_checkpointing turns checkpointing on with
-    a warning, as sd-scripts does.
-    """
+    """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError)."""
     fp8_unet = bool(values.get("fp8_base_unet"))
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
@@ -62,12 +57,17 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     if offload and family is not None and not family_supports_block_swap(family):
         raise ConfigError(f"--cpu_offload_checkpointing: not supported for {name} (DiT families only); "
                           "use --gradient_checkpointing alone")
-    checkpointing = bool(values.get("gradient_checkpointing"))
-    if offload and not checkpointing:
-        logger.warning("--cpu_offload_checkpointing: turning on --gradient_checkpointing, which it works through")
-        checkpointing = True
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
-                         blocks_to_swap=swap, cpu_offload_checkpointing=offload, gradient_checkpointing=checkpointing)
+                         blocks_to_swap=swap, cpu_offload_checkpointing=offload)
+
+
+def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:
+    """--gradient_checkpointing as given, or turned on (with a warning, as sd-scripts) by
+    --cpu_offload_checkpointing, which works through it."""
+    if opts.cpu_offload_checkpointing and not given:
+        logger.warning("--cpu_offload_checkpointing: turning on --gradient_checkpointing, which it works through")
+        return True
+    return given
 
 
 def family_supports_block_swap(family: Any) -> bool:

@@ -116,7 +116,7 @@ def final_captions(samples: Iterable, subsets: list, max_train_steps: int) -> li
     return out
 
 
-# Flags of every family that change the text encoders' outputs.
+# Settings of every family that change the text encoders' outputs ("fp8_base": the encoders hold float8 weights).
 TEXT_OUTPUT_FLAGS = ("fp8_base",)
 
 

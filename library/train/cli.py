@@ -20,7 +20,7 @@ def settings_from_args(ns, family, parser):
     """Translate the namespace into RunSettings: each concern through its own from_args function."""
     from library.args.config_file import config_values
     from library.args.dataset import data_options_from_args
-    from library.args.memory import memory_options_from_args
+    from library.args.memory import gradient_checkpointing_wanted, memory_options_from_args
     from library.args.model import load_options_from_args
     from library.args.network import import_network_module, network_options_from_args
     from library.args.noise_loss import loss_options_from_args, noise_options_from_args
@@ -33,7 +33,7 @@ def settings_from_args(ns, family, parser):
     if hasattr(family, "configure_from_args"):  # the family's own flags, checked before any model loads
         family.configure_from_args(dict(vars(ns)))
     memory = memory_options_from_args(vars(ns), family)
-    ns.gradient_checkpointing = memory.gradient_checkpointing  # --cpu_offload_checkpointing may turn it on
+    ns.gradient_checkpointing = gradient_checkpointing_wanted(memory, ns.gradient_checkpointing)
     training = training_options_from_args(ns)
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load

@@ -50,7 +50,7 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
     move_except(c.denoiser, device, swapper.swapped if swapper else [])
     for te in c.text_encoders:
         te.to(device)
-    if gradient_checkpointing or opts.gradient_checkpointing:
+    if gradient_checkpointing:
         enable_gradient_checkpointing(c.denoiser, opts.cpu_offload_checkpointing)
     elif swapper is not None:
         logger.warning("--blocks_to_swap without --gradient_checkpointing: autograd keeps the device copies of "

@@ -28,6 +28,7 @@ from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
+from library.args.memory import MemoryOptions
 from library.train.memory_setup import apply_memory_options
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
@@ -68,7 +69,7 @@ class RunSettings:
     zero_terminal_snr: bool = False
     no_half_vae: bool = False
     hooks: list = field(default_factory=list)  # callables(trainer, event, step) e.g. sampling
-    memory: Any = None  # library.args.memory MemoryOptions (None: none of them)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
 
 class NetworkTrainer:
@@ -125,7 +126,7 @@ class NetworkTrainer:
     def _setup_network(self) -> None:
         opts = self.s.network
         self.network = build_network(self.s.network_module, self.family, self.components, opts,
-                                     fp8_base=bool(self.s.memory and self.s.memory.fp8_base))
+                                     fp8_base=self.s.memory.fp8_base)
         train_unet = opts.train_unet
         train_te = opts.train_text_encoder
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
@@ -182,7 +183,8 @@ class NetworkTrainer:
             final_captions(self.data.samples, self.data.subsets, self.max_train_steps),
             lambda captions: encode_captions(self.ctx, captions).tensors,
             model_id=cache_source_id(self.s.model.pretrained_model_name_or_path, te_dtype,
-                                     TEXT_OUTPUT_FLAGS + self.family.text_cache_flags, self.s.flags),
+                                     TEXT_OUTPUT_FLAGS + self.family.text_cache_flags,
+                                     {**self.s.flags, "fp8_base": self.s.memory.fp8_text_encoders}),
             max_token_length=self.s.max_token_length, suffix=getattr(self.family, "text_cache_suffix", None),
             to_disk=opts.to_disk, batch_size=opts.batch_size)
 
