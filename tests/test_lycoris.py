@@ -121,3 +121,34 @@ def test_lycoris_on_an_fp8_base_runs_in_bypass_mode(tmp_path, algo):
     saved = load_file(path)
     assert all(m.bypass_mode for m in trainer.accelerator.unwrap_model(trainer.network).loras)
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "up" in k or "w2" in k)
+
+
+def test_lycoris_network_weights_that_fit_nothing_stop_with_one_line(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from library.train.cli import run_training
+
+    data = make_dataset(str(tmp_path), n=1)
+    foreign = str(tmp_path / "foreign.safetensors")
+    save_file({"lora_unet_nowhere.lora_down.weight": torch.zeros(4, 8),
+               "lora_unet_nowhere.lora_up.weight": torch.zeros(8, 4)}, foreign)
+    argv = base_args(data, str(tmp_path / "out"), steps=1, extra=[
+        "--network_module", "lycoris.kohya", "--network_args", "algo=locon", "--network_weights", foreign])
+    assert run_training("sd", "test", argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --network_weights {foreign}: none of its 2 tensors fits this network "
+        "(e.g. lora_unet_nowhere.lora_down.weight); was it trained with other --network_args or another model?")
+
+
+@pytest.mark.parametrize("family_name, preset, names", [
+    ("sd", "tiny:sd1", ["lora_unet_time_embedding_linear_1", "lora_unet_time_embedding_linear_2"]),
+    ("sdxl", "tiny:sdxl", ["lora_unet_time_embed_0", "lora_unet_time_embed_2"]),  # SGM names
+])
+def test_lycoris_default_full_preset_wraps_the_time_embedding_once(tmp_path, family_name, preset, names):
+    """LyCORIS' "full" preset names TimestepEmbedding and its layers; each layer gets one module."""
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset, steps=1, extra=[
+        "--network_module", "lycoris.kohya", "--network_args", "algo=locon"]), family_name)
+    saved = load_file(trainer.run())
+    time_modules = sorted({k.split(".")[0] for k in saved if "time_embed" in k})
+    assert time_modules == names

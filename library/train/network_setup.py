@@ -44,7 +44,7 @@ def build_network(module, family: ModelFamily, components: Components, opts, fp8
                                                         components.vae, te, components.denoiser, **kwargs)
     else:
         try:
-            with lycoris_preset_aliases(module, family.lycoris_module_aliases):
+            with lycoris_preset_aliases(module, family.lycoris_module_aliases, components.denoiser):
                 network = module.create_network(opts.network_multiplier, opts.network_dim, opts.network_alpha,
                                                 components.vae, te, components.denoiser,
                                                 neuron_dropout=opts.network_dropout, **kwargs)
@@ -102,7 +102,17 @@ def load_network_weights(network, family: ModelFamily, path: str, name_map: Opti
     from networks.lora import LoRANetwork, load_state_dict
 
     if name_map and not isinstance(network, LoRANetwork):
-        return network.load_state_dict(_renamed(load_state_dict(path), _inverse(name_map)), strict=False)
+        state = _renamed(load_state_dict(path), _inverse(name_map))
+        info = network.load_state_dict(state, strict=False)
+        if state and len(info.unexpected_keys) == len(state):  # nothing loaded: do not train on from scratch
+            from library.errors import ConfigError
+            raise ConfigError(f"--network_weights {path}: none of its {len(state)} tensors fits this network "
+                              f"(e.g. {info.unexpected_keys[0]}); was it trained with other --network_args or "
+                              "another model?")
+        if info.unexpected_keys:
+            logger.warning("--network_weights %s: %d tensors fit no module of this network (e.g. %s)", path,
+                           len(info.unexpected_keys), info.unexpected_keys[0])
+        return info
     convert = getattr(family, "convert_lora_state_dict", None)
     if convert is None or not isinstance(network, LoRANetwork):
         return network.load_weights(path)
@@ -192,9 +202,25 @@ def preset_with_aliases(preset: dict, aliases: tuple[tuple[str, str], ...]) -> d
     return out
 
 
+def without_names_inside_targets(preset: dict, denoiser) -> dict:
+    """The preset without the `unet_target_name` entries that lie inside a module of a targeted class.
+
+    LyCORIS' "full" preset names both the class TimestepEmbedding and its layers
+    `time_embedding.linear_1/2`; on a diffusers UNet both match, LyCORIS creates the module
+    twice and stops on its own duplicate-name assertion. Wrapped once, via the class, is the intent.
+    """
+    names, classes = preset.get("unet_target_name"), set(preset.get("unet_target_module", ()))
+    if not names or denoiser is None:
+        return preset
+    inside = {path for path, m in denoiser.named_modules() if path and type(m).__name__ in classes}
+    kept = [n for n in names if not any(n == p or n.startswith(p + ".") for p in inside)]
+    return preset if len(kept) == len(names) else {**preset, "unet_target_name": kept}
+
+
 @contextmanager
-def lycoris_preset_aliases(module, aliases: tuple[tuple[str, str], ...]) -> Iterator[None]:
-    """While creating the network, extend every preset lycoris.kohya applies by the family's aliases.
+def lycoris_preset_aliases(module, aliases: tuple[tuple[str, str], ...], denoiser=None) -> Iterator[None]:
+    """While creating the network, fit every preset lycoris.kohya applies to this model: extended by
+    the family's aliases, and (given the denoiser) without names its target classes already cover.
 
     lycoris.kohya.create_network resolves `preset=` (a built-in name or a TOML file) and hands it
     to LycorisNetworkKohya.apply_preset; wrapping that one classmethod covers both kinds of preset
@@ -202,12 +228,12 @@ def lycoris_preset_aliases(module, aliases: tuple[tuple[str, str], ...]) -> Iter
     """
     network_class = getattr(module, "LycorisNetworkKohya", None)
     original = getattr(network_class, "__dict__", {}).get("apply_preset")
-    if not aliases or not isinstance(original, classmethod):
+    if not (aliases or denoiser is not None) or not isinstance(original, classmethod):
         yield
         return
 
     def apply_preset(cls, preset):
-        return original.__func__(cls, preset_with_aliases(preset, aliases))
+        return original.__func__(cls, without_names_inside_targets(preset_with_aliases(preset, aliases), denoiser))
 
     network_class.apply_preset = classmethod(apply_preset)
     try:
