@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from library.args.memory import memory_options_from_args
-from library.errors import ConfigError
+from library.errors import ConfigError, UserError
 from library.families import get_family
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
@@ -214,3 +214,23 @@ def test_memory_flag_errors_exit_2_with_one_line(tmp_path, capsys, family, prese
     assert run_training(family, "test", base_args(data, str(tmp_path / "out"), preset, steps=1, extra=extra)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(message)
+
+
+def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
+    """On CUDA each swapped block's weights sit in one buffer registered with cudaHostRegister (mocked here)."""
+    from unittest import mock
+
+    from library.train.block_swap import _page_locked_copies
+
+    tensors = [torch.randn(3, 5).bfloat16(), torch.randn(7), torch.tensor(2.0), torch.arange(10)]
+    cudart = mock.Mock()
+    cudart.cudaHostRegister.return_value = 0
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer, copies = _page_locked_copies(tensors)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(tensors, copies))
+    assert all(c.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for c in copies)
+    assert buffer.numel() == 4 * 256  # each copy starts on a 256-byte boundary
+    cudart.cudaHostRegister.assert_called_once_with(buffer.data_ptr(), 1024, 0)
+    cudart.cudaHostRegister.return_value = 2  # cudaErrorMemoryAllocation
+    with pytest.raises(UserError, match=r"^--blocks_to_swap: cannot page-lock 0 MiB of host memory"):
+        _page_locked_copies(tensors)
