@@ -48,3 +48,14 @@ def test_training_logs_tflops_and_checkpointing_recompute_is_not_counted(tmp_pat
     # Checkpointing re-runs the forward in backward; the meter subtracts it (to within the un-checkpointed embedders).
     assert checkpointed.backward_flops > 1.9 * plain.forward_flops
     assert abs(checkpointed.step_flops / plain.step_flops - 1) < 0.05
+
+
+def test_time_spent_sampling_or_saving_is_not_step_time():
+    meter = ThroughputMeter(every=2, device=torch.device("cpu"))
+    meter._now = iter([0.0, 1.0, 3.0, 4.0]).__next__  # step 1 ends at 0; 1..3 sampling; step 2 ends at 4
+    meter.forward_flops = 10**12
+    assert meter.step_done(1) is None  # the counted step: the clock starts when it ends
+    with meter.paused():
+        pass
+    report = meter.step_done(2)
+    assert (report.step_seconds, report.tflops) == (2.0, 0.5)

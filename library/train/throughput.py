@@ -6,8 +6,8 @@ forward and backward). Under gradient checkpointing the backward also re-runs
 the checkpointed forward; that recomputation is not model work, so the
 forward count is subtracted once (the checkpointed blocks are nearly all of
 the denoiser; the small embedders outside them make this a slight undercount).
-Every N steps the mean wall time per step since the last report turns the
-count into TFLOP/s and, on a GPU whose bf16 dense peak we know, a fraction of
+Every N steps the mean wall time per step since the last report (less the
+time spent sampling, saving and validating) turns the count into TFLOP/s and, on a GPU whose bf16 dense peak we know, a fraction of
 that peak (model FLOPs utilisation).
 """
 
@@ -62,6 +62,7 @@ class ThroughputMeter:
         self.backward_flops = 0
         self._since: Optional[float] = None
         self._steps = 0
+        self._paused = 0.0  # seconds of non-training work (sampling, saving, validation) since the last report
 
     @property
     def step_flops(self) -> int:
@@ -85,6 +86,15 @@ class ThroughputMeter:
         else:
             self.backward_flops += counter.get_total_flops()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work inside (sampling, saving, validation) does not count as step time."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._paused += self._now() - start
+
     def _now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -94,14 +104,14 @@ class ThroughputMeter:
         """Call after each optimizer step; a report every `every` steps (timing starts after the counted step)."""
         if self.counting:  # the counted step runs slowly under the counter: start the clock after it
             self.counting = False
-            self._since, self._steps = self._now(), 0
+            self._since, self._steps, self._paused = self._now(), 0, 0.0
             return None
         self._steps += 1
         if step % self.every or not self._steps:
             return None
         now = self._now()
-        seconds = (now - self._since) / self._steps
-        self._since, self._steps = now, 0
+        seconds = (now - self._since - self._paused) / self._steps
+        self._since, self._steps, self._paused = now, 0, 0.0
         tflops = self.step_flops / seconds / 1e12
         peak = bf16_peak_tflops(self.device)
         return ThroughputReport(seconds, tflops, tflops / peak if peak else None)

@@ -297,12 +297,14 @@ class NetworkTrainer:
                 done = global_step >= self.max_train_steps
                 batches_done = i + 1 if i + 1 < len(refs) else 0
                 next_epoch = epoch if batches_done else epoch + 1
-                self._after_step(global_step, TrainProgress(next_epoch, global_step, batches_done), done)
+                with self._untimed():
+                    self._after_step(global_step, TrainProgress(next_epoch, global_step, batches_done), done)
                 if self._stop_signal is not None:
                     return self._stop(TrainProgress(next_epoch, global_step, batches_done))
                 if done:
                     break
-            self._after_epoch(epoch, global_step, epoch_losses)
+            with self._untimed():
+                self._after_epoch(epoch, global_step, epoch_losses)
             if global_step >= self.max_train_steps:
                 break
         bar.close()
@@ -348,6 +350,10 @@ class NetworkTrainer:
             values.update({"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
                            "max_norm/max_key_norm": max_norm})
         self.tracker.log(values, step)
+
+    def _untimed(self):
+        """Sampling, saving and validation are not step time for --log_tflops."""
+        return self.meter.paused() if self.meter else contextlib.nullcontext()
 
     def _log_throughput(self, step: int) -> None:
         report = self.meter.step_done(step) if self.meter else None
