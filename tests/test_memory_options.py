@@ -106,6 +106,15 @@ def test_block_swapper_residency_and_gradients(checkpoint):
     assert swapper.resident() == [0, 1, 2]
 
 
+def test_a_block_whose_inputs_need_no_gradient_is_released_after_backward():
+    model = _Toy()
+    swapper = BlockSwapper(list(model.blocks), 6, "cpu", "cpu")
+    model(torch.randn(3, 8)).sum().backward()  # block 0's input needs no gradient: no node drops it
+    assert swapper.resident() == [0]
+    swapper.release()  # what the trainer does after each backward
+    assert swapper.resident() == []
+
+
 # ---------------------------------------------------------------------------- FLUX.1: swap and offload
 def test_flux_block_swap_and_cpu_offload_checkpointing_train_exactly_as_without(tmp_path):
     base_losses, base_lora, _ = _train(tmp_path, "plain", "tiny:flux", "flux", FLUX_ARGS)

@@ -155,6 +155,11 @@ class BlockSwapper:
             t.data = c
         del self._resident[i]
 
+    def release(self) -> None:
+        """Send every swapped block back to offload memory (after a backward pass: a block whose inputs
+        need no gradient has no node to drop it, so it would stay until the next forward)."""
+        self._keep_only(set())
+
     def _keep_only(self, keep: set[int]) -> None:
         for j in [j for j in self._resident if j not in keep]:
             self._unload(j)

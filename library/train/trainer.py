@@ -324,6 +324,8 @@ class NetworkTrainer:
                                     f"try --mixed_precision bf16 or fp32, --no_half_vae, or a lower learning rate")
             with meter("backward"):
                 self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+            if self.block_swapper is not None:
+                self.block_swapper.release()
         return loss.item()
 
     def _optimizer_step(self) -> None:
