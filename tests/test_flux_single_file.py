@@ -349,3 +349,13 @@ def test_generate_and_extract_take_the_component_files(files, tmp_path):
     torch.testing.assert_close(delta.pop(changed), 0.05 * torch.ones_like(state["single_blocks.0.linear2.weight"]),
                                rtol=0, atol=1e-3)
     assert max(d.abs().max().item() for d in delta.values()) < 1e-4
+
+
+def test_block_counts_are_read_without_loading_weights(files, tmp_path):
+    from library.families.flux_loading import block_counts
+
+    folder = str(tmp_path / "flux")
+    get_family("flux").save_checkpoint(_load("tiny:flux"), folder)
+    assert block_counts("tiny:flux") == block_counts(files["transformer"]) == block_counts(folder) == (2, 3)
+    assert block_counts("random:flux-dev") == (19, 38)
+    assert block_counts(str(tmp_path / "missing.safetensors")) is None

@@ -49,6 +49,19 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
     return ids.reshape(-1, 3)
 
 
+def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
+    """(double, single) blocks that --blocks_to_swap N swaps: N//2 and 2·(N − N//2), as sd-scripts;
+    a one-line ConfigError when the model has fewer."""
+    from library.errors import ConfigError
+
+    fits = [n for n in range(1, 2 * (double + single) + 1) if n // 2 <= double and 2 * (n - n // 2) <= single]
+    if num_swap not in fits:
+        limit = f"1..{fits[-1]}" if fits else "nothing"
+        raise ConfigError(f"--blocks_to_swap {num_swap}: expected {limit} for this model ({double} double "
+                          f"and {single} single blocks; N swaps N//2 double and 2*(N-N//2) single ones)")
+    return num_swap // 2, 2 * (num_swap - num_swap // 2)
+
+
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
@@ -102,10 +115,13 @@ class FluxFamily(ModelFamily):
         self.flow = flow_options_from_args(flags)
         self.options = flux_options_from_args(flags)
         path = flags.get("pretrained_model_name_or_path")
-        if path:  # a BFL file without its --clip_l / --t5xxl / --ae is named now, not after the data scan
-            from library.families.flux_loading import check_model_source
+        if path:  # a missing --clip_l / --t5xxl / --ae or too many blocks to swap: named now, not after the data scan
+            from library.families.flux_loading import block_counts, check_model_source
 
             check_model_source(path, self.options)
+            counts = block_counts(path) if flags.get("blocks_to_swap") else None
+            if counts:
+                swap_split(flags["blocks_to_swap"], *counts)
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
@@ -263,15 +279,7 @@ class FluxFamily(ModelFamily):
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
         """sd-scripts' rule: N swaps the last N//2 double and 2·(N − N//2) single blocks (a single block
         costs about half a double one), in forward order; N is bounded by the model's block counts."""
-        from library.errors import ConfigError
-
         model = components.denoiser
         double, single = list(model.transformer_blocks), list(model.single_transformer_blocks)
-        fits = [n for n in range(1, 2 * (len(double) + len(single)) + 1)
-                if n // 2 <= len(double) and 2 * (n - n // 2) <= len(single)]
-        if num_swap not in fits:
-            limit = f"1..{fits[-1]}" if fits else "nothing"
-            raise ConfigError(f"--blocks_to_swap {num_swap}: expected {limit} for this model ({len(double)} double "
-                              f"and {len(single)} single blocks; N swaps N//2 double and 2*(N-N//2) single ones)")
-        n_double, n_single = num_swap // 2, 2 * (num_swap - num_swap // 2)
+        n_double, n_single = swap_split(num_swap, len(double), len(single))
         return double[len(double) - n_double:] + single[len(single) - n_single:]

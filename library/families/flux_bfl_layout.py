@@ -162,7 +162,7 @@ def bfl_to_diffusers(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 # --- configuration from shapes -----------------------------------------------------------------
 
-def _block_count(keys: Iterable[str], kind: str) -> int:
+def block_count(keys: Iterable[str], kind: str) -> int:
     return len({m[1] for k in keys if (m := re.match(kind + r"\.(\d+)\.", k))})
 
 
@@ -190,8 +190,8 @@ def infer_transformer_config(checkpoint: Mapping[str, torch.Tensor]) -> dict:
     axes = next((p.axes_dims_rope for p in PRESETS.values() if p.head_dim == head_dim), None)
     if axes is None or inner % head_dim:
         raise BflLayoutError(f"unsupported attention head size {head_dim} (hidden size {inner})")
-    config = dict(patch_size=1, in_channels=in_channels, num_layers=_block_count(ckpt, "double_blocks"),
-                  num_single_layers=_block_count(ckpt, "single_blocks"), attention_head_dim=head_dim,
+    config = dict(patch_size=1, in_channels=in_channels, num_layers=block_count(ckpt, "double_blocks"),
+                  num_single_layers=block_count(ckpt, "single_blocks"), attention_head_dim=head_dim,
                   num_attention_heads=inner // head_dim, joint_attention_dim=joint_dim,
                   pooled_projection_dim=pooled_dim, guidance_embeds="guidance_in.in_layer.weight" in ckpt,
                   axes_dims_rope=tuple(axes))

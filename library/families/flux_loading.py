@@ -261,6 +261,30 @@ def _require_component_files(files, path: str) -> None:
                                  f"give {what}")
 
 
+def block_counts(path: str) -> Optional[tuple[int, int]]:
+    """(double, single) transformer blocks of a preset, diffusers folder or BFL file, read without
+    loading weights; None when the path cannot tell (the loader then reports what is wrong)."""
+    import json
+
+    from library.families.flux_bfl_layout import block_count, transformer_tensors
+
+    try:
+        kind = flux_source_kind(path)
+        if kind == "preset":
+            return PRESETS[path].double_blocks, PRESETS[path].single_blocks
+        if kind == "diffusers":
+            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            return int(config["num_layers"]), int(config["num_single_layers"])
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            keys = list(transformer_tensors(dict.fromkeys(f.keys())))
+        return block_count(keys, "double_blocks"), block_count(keys, "single_blocks")
+    except (OSError, ValueError, KeyError, ModelLoadError):
+        return None
+
+
 def check_model_source(path: str, files) -> None:
     """The checks of load_flux_components that need no weights: the path's kind and, for a BFL file,
     the --clip_l / --t5xxl / --ae it requires (one-line ModelLoadError)."""
