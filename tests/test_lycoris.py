@@ -152,3 +152,24 @@ def test_lycoris_default_full_preset_wraps_the_time_embedding_once(tmp_path, fam
     saved = load_file(trainer.run())
     time_modules = sorted({k.split(".")[0] for k in saved if "time_embed" in k})
     assert time_modules == names
+
+
+def test_generation_applies_every_module_of_a_lycoris_file(tmp_path):
+    """tools/generate and sampling from a file: kohya-renamed keys (text_model, SGM) find their modules again."""
+    from library.sampling.generate import NetworkSpec, apply_networks
+
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=[
+        "--network_module", "lycoris.kohya", "--learning_rate", "1e-2", "--network_args", "algo=loha",
+        "preset=attn-mlp"]))
+    path = trainer.run()
+    trainer.accelerator.unwrap_model(trainer.network).eval()
+    trained = unet_and_te_outputs(trainer.components)
+    family = get_family("sd")
+    fresh = family.load(LoadOptions("tiny:sd1"))
+    applied = apply_networks(family, fresh, [NetworkSpec("lycoris.kohya", path, 1.0)], False, torch.device("cpu"),
+                             torch.float32)
+    network = applied.networks[0]
+    assert len(network.unet_loras) + len(network.text_encoder_loras) == len({k.split(".")[0] for k in load_file(path)})
+    for got, want in zip(unet_and_te_outputs(fresh), trained):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -185,7 +185,12 @@ def apply_networks(family: ModelFamily, components: Components, specs: Sequence[
         if not os.path.isfile(spec.weights):
             raise ConfigError(f"--network_weights {spec.weights}: file not found")
         module = import_network_module(spec.module)
-        kwargs = {"lora_targets": family.lora_targets(components)} if module.__name__ == "networks.lora" else {}
+        if module.__name__ == "networks.lora":
+            kwargs = {"lora_targets": family.lora_targets(components)}
+        else:  # its file carries kohya names (network_setup.kohya_name_map); the module knows raw paths
+            from library.train.network_setup import external_state_dict
+
+            kwargs = {"weights_sd": external_state_dict(spec.weights, family, components)}
         network, weights_sd = module.create_network_from_weights(spec.multiplier, spec.weights, components.vae, te,
                                                                  components.denoiser, for_inference=True, **kwargs)
         if merge:
@@ -194,10 +199,11 @@ def apply_networks(family: ModelFamily, components: Components, specs: Sequence[
             network.merge_to(te, components.denoiser, weights_sd, dtype, device)
             logger.info("merged %s at multiplier %s", spec.weights, spec.multiplier)
             continue
-        network.apply_to(te, components.denoiser)
+        network.apply_to(te, components.denoiser, True, True)
         info = network.load_state_dict(weights_sd, strict=False)
         for lora in getattr(network, "text_encoder_loras", []) + getattr(network, "unet_loras", []):
-            lora.refresh_scale()  # the scale follows the loaded alpha
+            if hasattr(lora, "refresh_scale"):  # ours: the scale follows the loaded alpha
+                lora.refresh_scale()
         network.to(device, dtype).eval()
         network.set_multiplier(spec.multiplier)
         applied.networks.append(network)
