@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from library.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.train.network_setup import (kohya_name_map, load_network_weights, lycoris_preset_aliases,
-                                         preset_with_aliases)
+from library.train.network_setup import (external_state_dict, kohya_name_map, load_network_weights,
+                                         lycoris_preset_aliases, preset_with_aliases)
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 lycoris_kohya = pytest.importorskip("lycoris.kohya")
@@ -28,9 +28,10 @@ SINGLE_0 = ["attn_to_k", "attn_to_q", "attn_to_v", "norm_linear", "proj_mlp", "p
 # LyCORIS' presets list diffusers' TimestepEmbedding (for another model): Flux's time and guidance embedders.
 EMBEDDERS = ["time_text_embed_guidance_embedder_linear_1", "time_text_embed_guidance_embedder_linear_2",
              "time_text_embed_timestep_embedder_linear_1", "time_text_embed_timestep_embedder_linear_2"]
-UNET_MODULES = sorted([f"lora_unet_transformer_blocks_{i}_{n}" for i in range(2) for n in DOUBLE_0]
-                      + [f"lora_unet_single_transformer_blocks_{i}_{n}" for i in range(3) for n in SINGLE_0]
-                      + [f"lora_unet_{n}" for n in EMBEDDERS])
+# Saved as `lycoris_<diffusers path>`, the names ComfyUI maps onto its fused FLUX.1 weights.
+UNET_MODULES = sorted([f"lycoris_transformer_blocks_{i}_{n}" for i in range(2) for n in DOUBLE_0]
+                      + [f"lycoris_single_transformer_blocks_{i}_{n}" for i in range(3) for n in SINGLE_0]
+                      + [f"lycoris_{n}" for n in EMBEDDERS])
 PARTS = {
     "locon": ["alpha", "lora_down.weight", "lora_up.weight"],
     "loha": ["alpha", "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"],
@@ -75,13 +76,18 @@ def test_preset_with_aliases_adds_the_family_classes_after_the_named_ones():
     assert preset_with_aliases(preset, ()) == preset
 
 
-def test_saved_names_keep_diffusers_paths_for_the_transformer_and_kohya_names_for_clip():
+def test_saved_names_are_comfyui_lycoris_paths_for_the_transformer_and_kohya_names_for_clip():
     family = get_family("flux")
     components = family.load(LoadOptions("tiny:flux"))
     mapping = kohya_name_map(family.lora_targets(components))
-    assert not [k for k in mapping if k.startswith("lora_unet_")]  # one naming for the whole transformer
+    transformer = {k: v for k, v in mapping.items() if k.startswith("lora_unet_")}
+    # one naming for the whole transformer: ComfyUI's `lycoris_` + the diffusers path
+    assert all(v == "lycoris_" + k[len("lora_unet_"):] for k, v in transformer.items())
+    assert transformer["lora_unet_transformer_blocks_0_attn_to_q"] == "lycoris_transformer_blocks_0_attn_to_q"
+    assert transformer["lora_unet_single_transformer_blocks_2_proj_mlp"] == "lycoris_single_transformer_blocks_2_proj_mlp"
     # CLIP-L (transformers 5 has no `text_model.` level): 72 Linear, 25 LayerNorm, 2 Embedding
-    assert len(mapping) == 99 and {k.split("_")[1] for k in mapping} == {"te1"}
+    clip = {k: v for k, v in mapping.items() if not k.startswith("lora_unet_")}
+    assert len(clip) == 99 and {k.split("_")[1] for k in clip} == {"te1"}
     assert mapping["lora_te1_encoder_layers_0_self_attn_q_proj"] == "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
 
 
@@ -109,7 +115,7 @@ def test_lycoris_algo_trains_saves_and_reloads_on_flux(tmp_path, algo):
         network = lycoris_kohya.create_network(1.0, int(RANK.get(algo, "4")), 4, fresh.vae, fresh.text_encoders,
                                                fresh.denoiser, algo=algo)
     network.apply_to(fresh.text_encoders, fresh.denoiser, False, True)
-    missing, unexpected = network.load_state_dict(saved, strict=False)
+    missing, unexpected = network.load_state_dict(external_state_dict(path, family, fresh), strict=False)
     assert not unexpected and not [k for k in missing if not k.endswith("org_weight")], (missing, unexpected)
     network.eval()
     torch.testing.assert_close(flux_output(family, fresh), trained, rtol=1e-4, atol=1e-5)
@@ -122,7 +128,8 @@ def test_lycoris_create_network_from_weights_rebuilds_the_trained_flux_network(t
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = flux_output(family, trainer.components)
     fresh = family.load(LoadOptions("tiny:flux"))
-    network, _ = lycoris_kohya.create_network_from_weights(1.0, path, fresh.vae, fresh.text_encoders, fresh.denoiser)
+    network, _ = lycoris_kohya.create_network_from_weights(1.0, path, fresh.vae, fresh.text_encoders, fresh.denoiser,
+                                                           weights_sd=external_state_dict(path, family, fresh))
     assert len(network.unet_loras) == len(UNET_MODULES)
     network.apply_to(fresh.text_encoders, fresh.denoiser, False, True)
     network.eval()
@@ -172,3 +179,17 @@ def test_lycoris_arguments_it_refuses_are_one_line_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^--network_module lycoris.kohya --network_args algo=boft: It is "
                                           r"impossible to decompose 192 with factor 4 under BOFT constraints.$"):
         make_trainer(argv, "flux").run()
+
+
+def test_generation_applies_a_lycoris_flux_file_with_the_trained_output(tmp_path):
+    from library.sampling.generate import NetworkSpec, apply_networks
+
+    trainer, path = train(tmp_path, "lokr", extra=["--network_train_unet_only"])
+    family = trainer.family
+    trainer.accelerator.unwrap_model(trainer.network).eval()
+    trained = flux_output(family, trainer.components)
+    fresh = family.load(LoadOptions("tiny:flux"))
+    applied = apply_networks(family, fresh, [NetworkSpec("lycoris.kohya", path, 1.0)], False, torch.device("cpu"),
+                             torch.float32)
+    assert len(applied.networks[0].unet_loras) == len(UNET_MODULES)
+    torch.testing.assert_close(flux_output(family, fresh), trained, rtol=1e-4, atol=1e-5)

@@ -67,6 +67,10 @@ class LoraTarget:
     # output slice in the fused module named by `rename`, or None for an ordinary module. Modules
     # that share a kohya name become one LoRA with a shared lora_down and one lora_up slice each.
     fused_slot: Optional[Callable[[str], Optional[int]]] = None
+    # The prefix that modules of an external network (lycoris.kohya), which keep raw module paths under a
+    # fused target, get in saved files instead of `prefix` (Flux: "lycoris", which ComfyUI maps from
+    # diffusers paths onto its fused BFL weights). None: `prefix`.
+    external_prefix: Optional[str] = None
     # An optional target: the --network_args key that turns it on (Flux: T5 by train_t5xxl, the layers outside
     # the blocks by in_dims). A network built from a file (--dim_from_weights, generation, merging) takes every
     # module the file has, whatever this says. None: always on.

@@ -230,7 +230,7 @@ class FluxFamily(ModelFamily):
         args = FluxNetworkArgs.for_transformer(transformer)
         targets = [
             LoraTarget("lora_unet", transformer, TRANSFORMER_TARGETS, rename=bfl_module_path, fused_slot=fused_slot,
-                       network_args=args),
+                       network_args=args, external_prefix="lycoris"),
             *in_layer_targets(transformer, args),
         ]
         if encoders[0] is not None:  # a caller that builds only the transformer (counting, conversion) has none

@@ -152,13 +152,19 @@ def kohya_name_map(targets) -> dict[str, str]:
     External modules name a LoRA `prefix_` + its module path; where the family renames paths
     (transformers 5's CLIP has no `text_model.` level; SDXL uses SGM block names) the file
     must still carry the names ComfyUI, A1111 and diffusers expect. A model whose kohya layout
-    fuses modules (Flux's `img_attn_qkv`, `linear1`) keeps its raw names under that prefix, all
-    of them so the file has one naming: an external network wraps q, k and v apart and has no
-    shared factor to fuse them by (LoHa, LoKr, ...).
+    fuses modules (Flux's `img_attn_qkv`, `linear1`) keeps the raw paths under that target, all
+    of them so the file has one naming, behind the target's `external_prefix` when it has one:
+    an external network wraps q, k and v apart and has no shared factor to fuse them by (LoHa, LoKr, ...).
     """
     fused_prefixes = {target.prefix for target in targets if target.fused_slot is not None}
     mapping: dict[str, str] = {}
     for target in targets:
+        if target.fused_slot is not None and target.external_prefix:
+            for path, module in target.root.named_modules():
+                if path and _can_carry_adapter(module):
+                    raw = path.replace(".", "_")
+                    mapping[f"{target.prefix}_{raw}"] = f"{target.external_prefix}_{raw}"
+            continue
         if target.rename is None or target.prefix in fused_prefixes:
             continue
         for path, module in target.root.named_modules():
