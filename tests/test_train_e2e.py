@@ -130,6 +130,18 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: ") and "missing" in err[0]
+    assert not os.path.exists(tmp_path / "out")  # a run that never started leaves nothing behind
+
+
+def test_cli_writes_the_run_config_once_training_starts(tmp_path):
+    import toml
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert run_training("sd", "test", base_args(data, str(tmp_path / "out"), steps=1)) == 0
+    config = toml.load(tmp_path / "out" / "lora_config.toml")
+    flat = {k: v for section in config.values() for k, v in section.items()} if all(
+        isinstance(v, dict) for v in config.values()) else config
+    assert flat["max_train_steps"] == 1 and flat["train_data_dir"] == data
 
 
 def test_cli_rejects_unknown_config_file_key(tmp_path, capsys):

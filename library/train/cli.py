@@ -84,9 +84,13 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
     try:
         ns = parse_with_config_file(parser, argv)
         settings = settings_from_args(ns, family, parser)
-        os.makedirs(settings.training.output_dir, exist_ok=True)
-        write_config_file(ns, os.path.join(settings.training.output_dir,
-                                           f"{settings.training.output_name}_config.toml"), parser)
+        config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
+
+        def write_config(trainer, event: str, step: int) -> None:  # once every check has passed
+            if event == "train_start":
+                write_config_file(ns, config_path, parser)
+
+        settings.hooks.insert(0, write_config)
         path = NetworkTrainer(family, settings).run()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
