@@ -108,17 +108,10 @@ def test_ddpm_sampler_falls_back_to_flow_euler(loaded, caplog):
 
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory, loaded):
-    from networks.lora import create_network
+    from tests.train_helpers import random_lora_file
 
     family, c, _ = loaded
-    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for lora in net.text_encoder_loras + net.unet_loras:
-            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.2)
-    path = str(tmp_path_factory.mktemp("lora") / "toy_flux.safetensors")
-    net.save_weights(path, None, {})
-    return path
+    return random_lora_file(family, c, str(tmp_path_factory.mktemp("lora") / "toy_flux.safetensors"))
 
 
 def options(outdir, **kw):

@@ -47,3 +47,19 @@ def make_trainer(argv: list[str], family_name: str = "sd") -> NetworkTrainer:
     parser = build_parser("test", family)
     ns = parse_with_config_file(parser, argv)
     return NetworkTrainer(family, settings_from_args(ns, family, parser))
+
+
+def random_lora_file(family, components, path: str, seed: int = 0) -> str:
+    """A networks.lora file on every text-encoder and denoiser target with random (non-zero) up weights."""
+    import torch
+
+    from networks.lora import create_network
+
+    c = components
+    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for lora in net.text_encoder_loras + net.unet_loras:
+            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.2)
+    net.save_weights(path, None, {})
+    return path
