@@ -9,7 +9,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from library.errors import ConfigError
@@ -29,17 +28,10 @@ def loaded():
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory, loaded):
     """A LoRA on the text encoder and UNet with random (non-zero) up weights."""
-    from networks.lora import create_network
+    from tests.train_helpers import random_lora_file
 
     family, c, _ = loaded
-    net = create_network(1.0, 4, 2, c.vae, c.text_encoders[0], c.denoiser, lora_targets=family.lora_targets(c))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for lora in net.text_encoder_loras + net.unet_loras:
-            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.2)
-    path = str(tmp_path_factory.mktemp("lora") / "toy.safetensors")
-    net.save_weights(path, None, {})
-    return path
+    return random_lora_file(family, c, str(tmp_path_factory.mktemp("lora") / "toy.safetensors"))
 
 
 def options(outdir, prompt="a red cat --n blurry", **kw):
