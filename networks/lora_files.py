@@ -106,14 +106,19 @@ def parse_precision(value: Optional[str], flag: str = "--save_precision") -> Opt
     return PRECISIONS[value]
 
 
+def lycoris_algo(key: str) -> Optional[str]:
+    """The LyCORIS-only algorithm a key belongs to ("LoHa", "LoKr", ...), or None for LoRA/LoCon keys."""
+    suffix = key.partition(".")[2]  # kohya: everything after the module name
+    return next((algo for marker, algo in LYCORIS_MARKERS if re.match(marker, suffix)), None)
+
+
 def check_not_lycoris(keys: Iterable[str], source: str) -> None:
     """Refuse LyCORIS-only algorithms with the first key that shows which one."""
     for key in keys:
-        suffix = key.partition(".")[2]  # kohya: everything after the module name
-        for marker, algo in LYCORIS_MARKERS:
-            if re.match(marker, suffix):
-                raise UnsupportedLoraError(f"{source}: {key}: a LyCORIS {algo} module; only LoRA/LoCon "
-                                           f"(lora_down/lora_up) files are supported by this tool")
+        algo = lycoris_algo(key)
+        if algo:
+            raise UnsupportedLoraError(f"{source}: {key}: a LyCORIS {algo} module; only LoRA/LoCon "
+                                       f"(lora_down/lora_up) files are supported by this tool")
 
 
 def group_modules(state_dict: Mapping[str, torch.Tensor], source: str) -> dict[str, LoraModule]:
@@ -241,6 +246,35 @@ def summarize(lora: LoraFile) -> dict:
         "dtype": str(lora.dtype).replace("torch.", ""),
         "network_module": lora.metadata.get("ss_network_module", "unknown"),
         "network_args": json.loads(lora.metadata["ss_network_args"]) if lora.metadata.get("ss_network_args", "")
+        .startswith("{") else None,
+    }
+
+
+def summarize_lycoris(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict:
+    """show_metadata's summary of a file with LyCORIS-only modules: parts, algorithms and module counts."""
+    algos: dict[str, str] = {}
+    for key in state_dict:
+        name = key.partition(".")[0]
+        algo = lycoris_algo(key)
+        if algo or name not in algos:
+            algos[name] = algo or algos.get(name) or "LoRA/LoCon"
+    by_part: dict[str, int] = {}
+    for name in algos:
+        part = "lycoris" if name.startswith("lycoris_") else "_".join(name.split("_")[:2])
+        by_part[part] = by_part.get(part, 0) + 1
+    by_algo: dict[str, int] = {}
+    for algo in algos.values():
+        by_algo[algo] = by_algo.get(algo, 0) + 1
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in state_dict.values()})
+    return {
+        "layout": "lycoris",
+        "base_model_version": metadata.get("ss_base_model_version", "unknown"),
+        "modules": len(algos),
+        "modules_by_part": dict(sorted(by_part.items())),
+        "algorithms": dict(sorted(by_algo.items())),
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "network_module": metadata.get("ss_network_module", "unknown"),
+        "network_args": json.loads(metadata["ss_network_args"]) if metadata.get("ss_network_args", "")
         .startswith("{") else None,
     }
 

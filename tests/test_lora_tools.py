@@ -234,6 +234,25 @@ def test_show_metadata_prints_sorted_json_and_summary(tmp_path, capsys):
     assert "lora_unet_output_blocks_2_0_in_layers_2.lora_down.weight\t[8, 2560, 3, 3]\tfloat32" in out
 
 
+def test_show_metadata_summarizes_a_lycoris_file(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    t = torch.zeros(2, 2)
+    state = {"lycoris_transformer_blocks_0_attn_to_q.lokr_w1": t, "lycoris_transformer_blocks_0_attn_to_q.alpha": t[0, 0],
+             "lycoris_transformer_blocks_0_attn_to_k.hada_w1_a": t, "lycoris_transformer_blocks_0_attn_to_k.alpha": t[0, 0],
+             "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": t,
+             "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": t}
+    path = str(tmp_path / "lyco.safetensors")
+    save_file({k: v.clone() for k, v in state.items()}, path, {"ss_network_module": "lycoris.kohya", "ss_base_model_version": "flux1"})
+    assert _run("show_metadata", [path, "--keys"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.rindex("\n{") + 1:])
+    assert summary == {"layout": "lycoris", "base_model_version": "flux1", "modules": 3,
+                       "modules_by_part": {"lora_te1": 1, "lycoris": 2},
+                       "algorithms": {"LoHa": 1, "LoKr": 1, "LoRA/LoCon": 1}, "dtype": "float32",
+                       "network_module": "lycoris.kohya", "network_args": None}
+
+
 QKV, LINEAR1, PROJ = ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1",
                       "lora_unet_double_blocks_0_img_attn_proj")
 

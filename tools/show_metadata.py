@@ -1,4 +1,4 @@
-"""Print a LoRA's metadata as sorted JSON; --keys adds its tensors and a summary.
+"""Print a LoRA's metadata as sorted JSON; --keys adds its tensors and a summary (LyCORIS files too).
 
     python tools/show_metadata.py my_lora.safetensors
     python tools/show_metadata.py my_lora.safetensors --keys
@@ -34,14 +34,17 @@ def _decoded(metadata: dict) -> dict:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from networks.lora_files import load_lora_file, read_state_dict, summarize
+    from networks.lora_files import load_lora_file, lycoris_algo, read_state_dict, summarize, summarize_lycoris
 
     state, metadata = read_state_dict(args.model)
     print(json.dumps(_decoded(metadata), indent=2, sort_keys=True, ensure_ascii=False))
     if args.keys:
         for key in sorted(state):
             print(f"{key}\t{list(state[key].shape)}\t{str(state[key].dtype).replace('torch.', '')}")
-        print(json.dumps(summarize(load_lora_file(args.model)), indent=2))
+        if any(lycoris_algo(key) for key in state):  # LoHa, LoKr, ...: the LoRA summary does not apply
+            print(json.dumps(summarize_lycoris(state, metadata), indent=2))
+        else:
+            print(json.dumps(summarize(load_lora_file(args.model)), indent=2))
 
 
 def main(argv=None) -> int:
