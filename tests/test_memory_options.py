@@ -244,3 +244,17 @@ def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
     cudart.cudaHostRegister.return_value = 2  # cudaErrorMemoryAllocation
     with pytest.raises(UserError, match=r"^--blocks_to_swap: cannot page-lock 0 MiB of host memory"):
         _page_locked_copies(tensors)
+
+
+def test_parts_whose_outputs_are_cached_wait_in_cpu_memory():
+    from types import SimpleNamespace
+
+    from library.train.memory_setup import park_cached_parts
+
+    vae, te1, te2 = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    components = SimpleNamespace(vae=vae, text_encoders=[te1, te2])
+    assert park_cached_parts(components, "cuda", latents_cached=True, text_cached=True) == [
+        "VAE", "text encoder 1", "text encoder 2"]
+    assert park_cached_parts(components, "cuda", latents_cached=False, text_cached=True) == [
+        "text encoder 1", "text encoder 2"]
+    assert park_cached_parts(components, "cpu", latents_cached=True, text_cached=True) == []  # nothing to free

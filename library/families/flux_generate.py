@@ -99,7 +99,8 @@ def decode_images(family: ModelFamily, vae: torch.nn.Module, latents: torch.Tens
     scale = getattr(config, "scaling_factor", None) or family.ae_scale
     shift = getattr(config, "shift_factor", None)
     latents = latents / scale + (family.ae_shift if shift is None else shift)
-    pixels = vae.decode(latents.to(vae.device, vae.dtype)).sample.float()
+    with borrowed_on(vae, latents.device):  # with cached latents the AE waits in CPU memory
+        pixels = vae.decode(latents.to(latents.device, vae.dtype)).sample.float()
     if not torch.isfinite(pixels).all():
         logger.warning("generated image has NaN/inf values (fp16 overflow?); they are drawn black. Try bf16")
         pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)

@@ -163,7 +163,8 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
         latents = scheduler.step(pred, t, latents, **step_kwargs).prev_sample
 
     latents = latents / family.latents_scale + family.latents_shift
-    pixels = vae.decode(latents.to(vae.device, vae.dtype)).sample.float()
+    with borrowed_on(vae, latents.device):  # with cached latents the VAE waits in CPU memory
+        pixels = vae.decode(latents.to(latents.device, vae.dtype)).sample.float()
     if not torch.isfinite(pixels).all():
         logger.warning("generated image has NaN/inf values (fp16 overflow?); they are drawn black. "
                        "Try --no_half_vae or bf16")

@@ -56,3 +56,26 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
         logger.warning("--blocks_to_swap without --gradient_checkpointing: autograd keeps the device copies of "
                        "weights it saved for backward, so little memory is saved; add --gradient_checkpointing")
     return swapper
+
+
+def park_cached_parts(components: Components, device: Any, latents_cached: bool, text_cached: bool) -> list[str]:
+    """Move the parts whose outputs are all cached (the VAE, frozen text encoders) to CPU memory.
+
+    The step never runs them then; sampling borrows them back for its prompts and decoding.
+    Returns what was moved, for the log (nothing when training on the CPU).
+    """
+    if torch.device(device).type == "cpu":
+        return []
+    parked = []
+    if latents_cached:
+        components.vae.to("cpu")
+        parked.append("VAE")
+    if text_cached:
+        for i, encoder in enumerate(components.text_encoders):
+            encoder.to("cpu")
+            parked.append(f"text encoder {i + 1}")
+    if parked:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("outputs cached: %s wait in CPU memory (sampling borrows them)", ", ".join(parked))
+    return parked

@@ -29,7 +29,7 @@ from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
 from library.train.losses import check_loss_options
 from library.args.memory import MemoryOptions
-from library.train.memory_setup import apply_memory_options
+from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
 from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
@@ -227,6 +227,7 @@ class NetworkTrainer:
         self._setup_optimizer()
         self._setup_step_context()
         self._cache_text_outputs()
+        park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cache_opts.enabled)
         progress = self._resume()
         self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
         self.started_at = time.time()
