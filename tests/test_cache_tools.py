@@ -42,13 +42,13 @@ def test_cache_text_encoder_outputs_tool_then_sdxl_training_never_encodes(tmp_pa
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(data, "*", "*.npz")))
     assert files == ["img0_te_outputs.npz", "img1_te_outputs.npz"]
 
-    import library.train.trainer as trainer_module
+    import library.train.text_caching as text_caching
 
     trainer = make_trainer(args, "sdxl")
     encoded = []
-    original = trainer_module.encode_captions
-    monkeypatch.setattr(trainer_module, "encode_captions", lambda ctx, captions: encoded.append(captions) or
-                        original(ctx, captions))
+    original = text_caching.encode_captions
+    monkeypatch.setattr(text_caching, "encode_captions", lambda ctx, captions, *a: encoded.append(captions) or
+                        original(ctx, captions, *a))
     te_calls = []
     encode_text = trainer.family.encode_text
     monkeypatch.setattr(trainer.family, "encode_text", lambda *a, **k: te_calls.append(1) or encode_text(*a, **k))

@@ -228,3 +228,33 @@ def test_disk_latent_cache_uses_sd_scripts_flux_keys_one_file_for_all_resolution
     monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
     trainer.run()
     assert encoded == []  # both resolutions were found in the one file
+
+
+def test_clip_l_trains_while_t5_outputs_are_cached_and_equals_an_uncached_run(tmp_path):
+    """As sd-scripts allows for FLUX.1: CLIP-L's LoRA trains live, T5's outputs come from the cache."""
+    from safetensors.torch import load_file
+
+    data = make_dataset(str(tmp_path), n=2)
+    flags = ["--t5xxl_max_token_length", "8", "--text_encoder_lr", "1e-3"]
+    plain = make_trainer(base_args(data, str(tmp_path / "a"), "tiny:flux", steps=3, extra=flags), "flux")
+    cached = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:flux", steps=3,
+                                    extra=flags + ["--cache_text_encoder_outputs"]), "flux")
+    a, b = load_file(plain.run()), load_file(cached.run())
+    assert cached.trained_encoders == frozenset({0}) and cached.ctx.live_encoders == frozenset({0})
+    assert {k for entry in cached.ctx.text_cache.values() for k in entry} == {"t5_out", "txt_ids", "t5_attn_mask"}
+    assert a.keys() == b.keys() and any(k.startswith("lora_te1_") for k in b)
+    assert b["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight"].abs().sum() > 0  # CLIP trained
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_caching_text_outputs_while_every_encoder_trains_stops_with_one_line(tmp_path, capsys):
+    from library.train.cli import run_training
+
+    data = make_dataset(str(tmp_path), n=1)
+    argv = base_args(data, str(tmp_path / "out"), "tiny:flux", steps=1, extra=[
+        "--t5xxl_max_token_length", "8", "--cache_text_encoder_outputs", "--network_args", "train_t5xxl=True"])
+    assert run_training("flux", "test", argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --cache_text_encoder_outputs: every text encoder trains, so there is nothing to cache; drop the flag, "
+        "or train fewer encoders (e.g. --network_train_unet_only)")

@@ -253,8 +253,6 @@ def test_parts_whose_outputs_are_cached_wait_in_cpu_memory():
 
     vae, te1, te2 = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
     components = SimpleNamespace(vae=vae, text_encoders=[te1, te2])
-    assert park_cached_parts(components, "cuda", latents_cached=True, text_cached=True) == [
-        "VAE", "text encoder 1", "text encoder 2"]
-    assert park_cached_parts(components, "cuda", latents_cached=False, text_cached=True) == [
-        "text encoder 1", "text encoder 2"]
-    assert park_cached_parts(components, "cpu", latents_cached=True, text_cached=True) == []  # nothing to free
+    assert park_cached_parts(components, "cuda", True, {0, 1}) == ["VAE", "text encoder 1", "text encoder 2"]
+    assert park_cached_parts(components, "cuda", False, {1}) == ["text encoder 2"]  # encoder 1 trains
+    assert park_cached_parts(components, "cpu", True, {0, 1}) == []  # nothing to free

@@ -53,12 +53,14 @@ def te_cache_path(image_path: str, suffix: str) -> str:
     return os.path.splitext(image_path)[0] + suffix
 
 
-def check_text_cache_allowed(captions: Iterable[tuple[str, CaptionSettings]], train_text_encoder: bool) -> None:
+def check_text_cache_allowed(captions: Iterable[tuple[str, CaptionSettings]], train_text_encoder: bool,
+                             splittable: bool = False) -> None:
     """ConfigError when cached outputs would be stale: random captions or a text encoder that trains.
 
-    `captions` holds (where, settings) per subset, `where` naming it for the message.
+    `captions` holds (where, settings) per subset, `where` naming it for the message. With
+    `splittable` (the family can cache frozen encoders while others train) training is allowed here.
     """
-    if train_text_encoder:
+    if train_text_encoder and not splittable:
         raise ConfigError("--cache_text_encoder_outputs: the text encoders would train but their outputs are cached; "
                           "add --network_train_unet_only (or drop the cache flag)")
     for where, s in captions:

@@ -104,6 +104,10 @@ class ModelFamily:
     text_cache_flags: tuple[str, ...] = ()
     # This family's own flags that name or change the VAE (part of the latent-cache validity key).
     latent_cache_flags: tuple[str, ...] = ()
+    # The TextConditioning keys each text encoder produces, in encoder order. Given, the outputs of frozen
+    # encoders can be cached while another one trains (Flux: T5 cached, CLIP-L trained, as sd-scripts
+    # allows); empty: the outputs are cached all together or not at all.
+    text_encoder_outputs: tuple[tuple[str, ...], ...] = ()
     # This family's own flags that saved LoRAs mirror as ss_<flag> metadata.
     metadata_flags: tuple[str, ...] = ()
     # Why a --network_module other than networks.lora (e.g. lycoris.kohya) cannot train this family; None: it can.
@@ -127,6 +131,17 @@ class ModelFamily:
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
         raise NotImplementedError
+
+    def encode_text_with(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int],
+                         encoders: frozenset[int]) -> TextConditioning:
+        """The outputs of only the text encoders numbered in `encoders` (see text_encoder_outputs).
+
+        This default encodes with all of them and keeps those keys; a family overrides it to run
+        only the encoders asked for.
+        """
+        text = self.encode_text(components, tokens, clip_skip)
+        keep = {key for i in encoders for key in self.text_encoder_outputs[i]}
+        return TextConditioning({k: v for k, v in text.tensors.items() if k in keep})
 
     # --- images ------------------------------------------------------------
     @torch.no_grad()

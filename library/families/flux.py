@@ -66,6 +66,7 @@ class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
     text_cache_flags = ("clip_l", "t5xxl", "t5xxl_max_token_length", "apply_t5_attn_mask")
+    text_encoder_outputs = (("l_pooled",), ("t5_out", "txt_ids", "t5_attn_mask"))
     latent_cache_flags = ("ae",)
     metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
                       "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
@@ -152,18 +153,24 @@ class FluxFamily(ModelFamily):
         return [clip, t5.input_ids, t5.attention_mask]
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
+        return self.encode_text_with(components, tokens, clip_skip, frozenset((0, 1)))
+
+    def encode_text_with(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int],
+                         encoders: frozenset[int]) -> TextConditioning:
+        """CLIP-L's pooled output (encoder 0) and/or T5's states, ids and mask (encoder 1)."""
         clip, t5 = components.text_encoders
         clip_ids, t5_ids, t5_mask = tokens
-        pooled = clip(clip_ids.to(clip.device), return_dict=True).pooler_output
-        mask = t5_mask.to(t5.device)
-        t5_out = t5(t5_ids.to(t5.device), attention_mask=mask if self.options.apply_t5_attn_mask else None,
-                    return_dict=True).last_hidden_state
-        return TextConditioning(tensors={
-            "l_pooled": pooled,
-            "t5_out": t5_out,
-            "txt_ids": torch.zeros(t5_out.shape[0], t5_out.shape[1], 3, device=t5_out.device, dtype=t5_out.dtype),
-            "t5_attn_mask": mask,
-        })
+        out: dict[str, torch.Tensor] = {}
+        if 0 in encoders:
+            out["l_pooled"] = clip(clip_ids.to(clip.device), return_dict=True).pooler_output
+        if 1 in encoders:
+            mask = t5_mask.to(t5.device)
+            t5_out = t5(t5_ids.to(t5.device), attention_mask=mask if self.options.apply_t5_attn_mask else None,
+                        return_dict=True).last_hidden_state
+            out["t5_out"] = t5_out
+            out["txt_ids"] = torch.zeros(t5_out.shape[0], t5_out.shape[1], 3, device=t5_out.device, dtype=t5_out.dtype)
+            out["t5_attn_mask"] = mask
+        return TextConditioning(tensors=out)
 
     # --- images ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -58,8 +58,9 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
     return swapper
 
 
-def park_cached_parts(components: Components, device: Any, latents_cached: bool, text_cached: bool) -> list[str]:
-    """Move the parts whose outputs are all cached (the VAE, frozen text encoders) to CPU memory.
+def park_cached_parts(components: Components, device: Any, latents_cached: bool,
+                      cached_text_encoders: Iterable[int] = ()) -> list[str]:
+    """Move the parts whose outputs are all cached (the VAE, the numbered frozen text encoders) to CPU memory.
 
     The step never runs them then; sampling borrows them back for its prompts and decoding.
     Returns what was moved, for the log (nothing when training on the CPU).
@@ -70,10 +71,9 @@ def park_cached_parts(components: Components, device: Any, latents_cached: bool,
     if latents_cached:
         components.vae.to("cpu")
         parked.append("VAE")
-    if text_cached:
-        for i, encoder in enumerate(components.text_encoders):
-            encoder.to("cpu")
-            parked.append(f"text encoder {i + 1}")
+    for i in sorted(cached_text_encoders):
+        components.text_encoders[i].to("cpu")
+        parked.append(f"text encoder {i + 1}")
     if parked:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -292,3 +292,15 @@ def network_args_json(opts) -> str:
 
 def utc_now() -> float:
     return time.time()
+
+
+def trained_text_encoders(network, components: Components) -> frozenset[int]:
+    """Indices of the text encoders the network has adapter modules on (ours or an external module's)."""
+    owner = {id(m): i for i, encoder in enumerate(components.text_encoders) for m in encoder.modules()}
+    found = set()
+    for lora in getattr(network, "text_encoder_loras", []):
+        org = getattr(lora, "org_module", None)
+        org = org[0] if isinstance(org, (list, tuple)) else org  # LyCORIS keeps it in a list
+        if id(org) in owner:
+            found.add(owner[id(org)])
+    return frozenset(found)

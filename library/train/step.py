@@ -29,6 +29,7 @@ class StepContext:
     train_text_encoder: bool
     autocast: object  # a context-manager factory (accelerator.autocast)
     text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
+    live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
 
 
 def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -40,11 +41,14 @@ def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Gener
     return ctx.family.scale_latents(latents.to(ctx.device, torch.float32))
 
 
-def encode_captions(ctx: StepContext, captions: list[str]) -> TextConditioning:
+def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[frozenset] = None) -> TextConditioning:
+    """The text conditioning of `captions`: from every text encoder, or only those numbered in `encoders`."""
     tokens = ctx.family.tokenize(ctx.components, captions, ctx.max_token_length)
     tokens = [t.to(ctx.device) for t in tokens]
     with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():
-        return ctx.family.encode_text(ctx.components, tokens, ctx.clip_skip)
+        if encoders is None:
+            return ctx.family.encode_text(ctx.components, tokens, ctx.clip_skip)
+        return ctx.family.encode_text_with(ctx.components, tokens, ctx.clip_skip, encoders)
 
 
 def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
@@ -53,6 +57,8 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
     latents = batch_latents(ctx, batch, generator)
     if ctx.text_cache is not None:
         text = cached_conditioning(ctx.text_cache, batch["captions"], ctx.device)
+        if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step
+            text.tensors.update(encode_captions(ctx, batch["captions"], ctx.live_encoders).tensors)
     else:
         text = encode_captions(ctx, batch["captions"])
     bsz = latents.shape[0]

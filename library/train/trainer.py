@@ -22,8 +22,7 @@ from tqdm.auto import tqdm
 
 from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
 from library.args.text_cache import text_cache_options_from_args
-from library.data.te_cache import (TEXT_OUTPUT_FLAGS, build_text_cache, cache_source_id, check_text_cache_allowed,
-                                   final_captions, subset_caption_settings)
+from library.data.te_cache import cache_source_id, check_text_cache_allowed, subset_caption_settings
 from library.errors import UserError
 from library.families.base import LoadOptions, ModelFamily
 from library.train import checkpoints as ckpt
@@ -33,10 +32,11 @@ from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata
 from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
-                                         optimizer_groups, save_network)
+                                         optimizer_groups, save_network, trained_text_encoders)
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.state import TrainProgress, resume_progress, save_state
-from library.train.step import StepContext, batch_loss, encode_captions
+from library.train.step import StepContext, batch_loss
+from library.train.text_caching import build_step_text_cache
 from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
 from library.train.validation import validation_loss
@@ -105,8 +105,10 @@ class NetworkTrainer:
         self.data.plan(self.max_train_steps, accum)
         self.num_epochs = self.data.num_epochs()
         self.text_cache_opts = text_cache_options_from_args(self.s.flags)
+        self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         if self.text_cache_opts.enabled:  # refused before any model loads when captions are random
-            check_text_cache_allowed(subset_caption_settings(self.data), self.s.network.train_text_encoder)
+            check_text_cache_allowed(subset_caption_settings(self.data), self.s.network.train_text_encoder,
+                                     splittable=bool(self.family.text_encoder_outputs))
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
@@ -137,6 +139,7 @@ class NetworkTrainer:
             info = load_network_weights(self.network, self.family, opts.network_weights, self.name_map)
             logger.info("loaded network weights from %s: %s", opts.network_weights, info)
         self.train_text_encoder = train_te
+        self.trained_encoders = trained_text_encoders(self.network, self.components) if train_te else frozenset()
         net_dtype = torch.float32
         if self.t.full_fp16:
             net_dtype = torch.float16
@@ -175,18 +178,9 @@ class NetworkTrainer:
                                {"noise": self.noise_generator}, getattr(self.accelerator, "scaler", None))
 
     def _cache_text_outputs(self) -> None:
-        opts = self.text_cache_opts
-        if not opts.enabled:
-            return
-        te_dtype = self.components.text_encoders[0].dtype
-        self.ctx.text_cache = build_text_cache(
-            final_captions(self.data.samples, self.data.subsets, self.max_train_steps),
-            lambda captions: encode_captions(self.ctx, captions).tensors,
-            model_id=cache_source_id(self.s.model.pretrained_model_name_or_path, te_dtype,
-                                     TEXT_OUTPUT_FLAGS + self.family.text_cache_flags,
-                                     {**self.s.flags, "fp8_base": self.s.memory.fp8_text_encoders}),
-            max_token_length=self.s.max_token_length, suffix=getattr(self.family, "text_cache_suffix", None),
-            to_disk=opts.to_disk, batch_size=opts.batch_size)
+        if self.text_cache_opts.enabled:
+            self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.text_cache_opts,
+                                                              self.trained_encoders, self.max_train_steps)
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -201,6 +195,7 @@ class NetworkTrainer:
         self._setup_data()
         self._setup_model()
         self.train_text_encoder = False  # no network is built: the encoders stay frozen
+        self.trained_encoders = frozenset()
         self._setup_step_context()
         self._cache_text_outputs()
 
@@ -227,7 +222,7 @@ class NetworkTrainer:
         self._setup_optimizer()
         self._setup_step_context()
         self._cache_text_outputs()
-        park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cache_opts.enabled)
+        park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
         progress = self._resume()
         self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
         self.started_at = time.time()
