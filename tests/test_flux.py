@@ -258,3 +258,27 @@ def test_caching_text_outputs_while_every_encoder_trains_stops_with_one_line(tmp
     assert capsys.readouterr().err.strip() == (
         "error: --cache_text_encoder_outputs: every text encoder trains, so there is nothing to cache; drop the flag, "
         "or train fewer encoders (e.g. --network_train_unet_only)")
+
+
+def test_full_text_cache_files_serve_a_run_that_trains_clip_l(tmp_path, monkeypatch):
+    """Files holding both encoders' outputs (a unet-only run or the cache tool) are reused for T5's part."""
+    import glob
+
+    import numpy as np
+
+    data = make_dataset(str(tmp_path), n=2)
+    flags = ["--t5xxl_max_token_length", "8", "--cache_text_encoder_outputs_to_disk"]
+    make_trainer(base_args(data, str(tmp_path / "a"), "tiny:flux", steps=1,
+                           extra=flags + ["--network_train_unet_only"]), "flux").run()
+    files = sorted(glob.glob(os.path.join(data, "*", "*_flux_te.npz")))
+    assert len(files) == 2
+    trainer = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:flux", steps=1, extra=flags), "flux")
+    encoded = []
+    original = trainer.family.encode_text_with
+    monkeypatch.setattr(trainer.family, "encode_text_with",
+                        lambda c, t, s, enc: encoded.append((len(t[0]), tuple(sorted(enc)))) or original(c, t, s, enc))
+    trainer.run()
+    # the shape probe ("") and the training step run CLIP-L; T5 ran only for the probe
+    assert [e for e in encoded if 1 in e[1]] == [(1, (1,))]
+    with np.load(files[0]) as npz:
+        assert {"l_pooled", "t5_out", "txt_ids", "t5_attn_mask"} <= set(npz.files)  # left whole

@@ -47,6 +47,19 @@ class TextCacheSettings:
                            "caption": self.caption, "shapes": [[k, list(s)] for k, s in self.shapes]},
                           sort_keys=True, separators=(",", ":"))
 
+    def served_by(self, signature: str) -> bool:
+        """Whether a file stored with `signature` holds these outputs: the same encoders, length and caption,
+        and at least these arrays (a file of every encoder serves a run that caches only the frozen ones)."""
+        try:
+            stored = json.loads(signature)
+            if [stored["model_id"], stored["max_token_length"], stored["caption"]] != \
+                    [self.model_id, self.max_token_length, self.caption]:
+                return False
+            have = {(k, tuple(s)) for k, s in stored["shapes"]}
+        except (ValueError, KeyError, TypeError):
+            return False
+        return all((k, tuple(s)) in have for k, s in self.shapes)
+
 
 def te_cache_path(image_path: str, suffix: str) -> str:
     """`<dir>/<stem><suffix>`, e.g. `img_te_outputs.npz` for `img.png`."""
@@ -84,11 +97,12 @@ def save_text_cache(path: str, arrays: Mapping[str, torch.Tensor], settings: Tex
 
 
 def load_text_cache(path: str, expected: TextCacheSettings) -> Optional[dict[str, torch.Tensor]]:
-    """The arrays of a valid file (signature and shapes match, all finite), else None; never raises."""
+    """The expected arrays of a valid file (signature serves `expected`, shapes match, all finite), else None;
+    never raises."""
     try:
         with np.load(path, allow_pickle=False) as data:
             stored = data[SETTINGS_KEY] if SETTINGS_KEY in data.files else None
-            if stored is None or stored.shape != () or str(stored.item()) != expected.signature():
+            if stored is None or stored.shape != () or not expected.served_by(str(stored.item())):
                 return None
             out = {}
             for key, shape in expected.shapes:
