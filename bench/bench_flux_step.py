@@ -1,0 +1,122 @@
+"""FLUX.1 LoRA training step time against the bare diffusers step, measured in the same run.
+
+The FLUX.1-dev transformer at full width (hidden 3072, 24 heads, the real
+embedders) with fewer blocks, so it fits a CPU machine: --double / --single set
+how many (the real model has 19 / 38; per-block work is the same). Random
+weights, bf16 base, batch 1, cached text outputs (random CLIP pooled and T5
+states of --t5_tokens tokens), transformer-only fused kohya LoRA.
+
+- reference: rectified-flow noising by hand, 2x2 packing, FluxTransformer2DModel
+  forward with guidance 1.0, MSE against noise - x0, backward, AdamW step.
+- ours: library.train.step.batch_loss (the trainer's micro-step, text from the
+  cache) + clipping + optimizer and scheduler step, as NetworkTrainer runs them.
+
+Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
+
+    python bench/bench_flux_step.py [--steps 4] [--double 1] [--single 2] [--t5_tokens 64] [--resolution 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import compare_steps, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
+from library.families import get_family  # noqa: E402
+from library.families.base import Components  # noqa: E402
+from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
+from library.families.flux_configs import PRESETS, transformer_config  # noqa: E402
+from library.families.tiny import build_seeded  # noqa: E402
+from library.train.flow import FlowOptions  # noqa: E402
+from library.train.losses import LossOptions  # noqa: E402
+from library.train.noise import NoiseOptions  # noqa: E402
+from library.train.step import StepContext  # noqa: E402
+from networks import lora  # noqa: E402
+
+
+def build_transformer(double: int, single: int, dtype: torch.dtype):
+    """FLUX.1-dev's transformer with `double` / `single` blocks, created directly in `dtype`."""
+    from diffusers import FluxTransformer2DModel
+
+    preset = dataclasses.replace(PRESETS["random:flux-dev"], double_blocks=double, single_blocks=single)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_seeded(lambda: FluxTransformer2DModel(**transformer_config(preset)), 0)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--double", type=int, default=1, help="double blocks (FLUX.1: 19)")
+    p.add_argument("--single", type=int, default=2, help="single blocks (FLUX.1: 38)")
+    p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (dev default 512)")
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dtype, device = torch.bfloat16, torch.device(a.device)
+
+    family = get_family("flux")
+    family.flow = FlowOptions(timestep_sampling="sigmoid")
+    family.options = dataclasses.replace(family.options, guidance_scale=1.0, t5xxl_max_token_length=a.t5_tokens)
+    t0 = time.perf_counter()
+    transformer = build_transformer(a.double, a.single, dtype).to(device)
+    print(f"built FLUX.1-dev transformer with {a.double} double / {a.single} single blocks (bf16) in "
+          f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
+    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[])
+    network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
+    network.apply_to([], transformer, False, True)
+    network.to(device)
+    groups, _ = network.prepare_optimizer_params(None, None, 1e-4)
+    params = [q for g in groups for q in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    latent = a.resolution // 8
+    latents = torch.randn(1, 16, latent, latent)
+    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
+    text = {"l_pooled": torch.randn(768), "t5_out": torch.randn(a.t5_tokens, 4096),
+            "txt_ids": torch.zeros(a.t5_tokens, 3), "t5_attn_mask": torch.ones(a.t5_tokens)}
+    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
+
+    def reference_step() -> None:
+        x0 = latents.to(device)
+        noise = torch.randn_like(x0)
+        sigma = torch.sigmoid(torch.randn(1, device=device))
+        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+        out = transformer(hidden_states=pack_latents(noisy), encoder_hidden_states=text["t5_out"][None].to(device, dtype),
+                          pooled_projections=text["l_pooled"][None].to(device, dtype), timestep=sigma.to(dtype),
+                          img_ids=image_ids(latent, latent, device, dtype), txt_ids=text["txt_ids"].to(device, dtype),
+                          guidance=torch.ones(1, device=device, dtype=dtype), return_dict=False)[0]
+        F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
+                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
+                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache={caption: text})
+    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+
+    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
+    print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
+          f"({latent * latent // 4} image + {a.t5_tokens} text tokens), batch 1, bf16, {device}")
+    print_comparison(result)
+
+
+if __name__ == "__main__":
+    main()
