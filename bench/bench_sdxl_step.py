@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from bench.common import compare_steps, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
+from bench.common import compare_steps, lora_optimizer, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
 from library.families import get_family
 from library.families.base import Components
 from library.families.sdxl_configs import build_sdxl_modules
@@ -79,10 +79,7 @@ def main() -> None:
     network = lora.create_network(1.0, a.dim, a.dim, None, [te1, te2], unet, lora_targets=family.lora_targets(comps))
     network.apply_to([te1, te2], unet, False, True)
     network.to(device)
-    groups, _ = network.prepare_optimizer_params(None, None, 1e-4)
-    params = [q for g in groups for q in g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    params, optimizer, scheduler = lora_optimizer(network)
     scheme = family.noise_scheme(comps)
     latent = a.resolution // 8
     latents = torch.randn(1, 4, latent, latent)

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import compare_steps, print_comparison, trainer_step  # noqa: E402
+from bench.common import compare_steps, lora_optimizer, print_comparison, trainer_step  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.train.losses import LossOptions  # noqa: E402
@@ -58,10 +58,7 @@ def main() -> None:
         m.eval()
     network = lora.create_network(1.0, a.dim, a.dim, comps.vae, te, unet, lora_targets=family.lora_targets(comps))
     network.apply_to(te, unet, True, True)
-    groups, _ = network.prepare_optimizer_params(None, None, 1e-4)
-    params = [q for g in groups for q in g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    params, optimizer, scheduler = lora_optimizer(network)
     scheme = family.noise_scheme(comps)
     latent = a.resolution // 8
     latents = torch.randn(1, 4, latent, latent)

@@ -73,3 +73,11 @@ def trainer_step(ctx, batch: dict, params: list, optimizer, scheduler) -> Callab
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def lora_optimizer(network, lr: float = 1e-4):
+    """(trainable params, AdamW, constant LambdaLR) over the network's parameter groups, as both steps use them."""
+    groups, _ = network.prepare_optimizer_params(None, None, lr)
+    params = [q for g in groups for q in g["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=lr)
+    return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
