@@ -1,5 +1,7 @@
 """Errors meant for the user: one line naming the input and what was expected."""
 
+from typing import Any, Callable
+
 
 class UserError(Exception):
     """Bad input (a path, image, caption, TOML key, flag). Entry scripts print it and exit 2."""
@@ -11,3 +13,16 @@ class DataError(UserError):
 
 class ConfigError(UserError):
     """A flag, a --config_file key or a dataset TOML key is wrong."""
+
+
+def run_tool(body: Callable[..., Any], *args: Any) -> int:
+    """The command-line convention: run `body(*args)`; a UserError becomes one line "error: ..." on
+    stderr and exit code 2, anything else returned is success (0)."""
+    import sys
+
+    try:
+        body(*args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

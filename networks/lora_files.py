@@ -278,14 +278,3 @@ def summarize_lycoris(state_dict: Mapping[str, torch.Tensor], metadata: Mapping[
         .startswith("{") else None,
     }
 
-
-def run_tool(body, argv=None) -> int:
-    """The tools' error convention: a UserError becomes one line "error: ..." on stderr and exit code 2."""
-    import sys
-
-    try:
-        body(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0

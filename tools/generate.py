@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from library.args.flux import add_component_file_arguments, component_files  # noqa: E402
-from library.errors import ConfigError, UserError  # noqa: E402
+from library.errors import ConfigError, run_tool  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
 
@@ -184,14 +184,13 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         start = time.time()
         paths = run(options_from_args(args))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
-    return 0
+        print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
+
+    return run_tool(body)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.errors import UserError  # noqa: E402
+from library.errors import UserError, run_tool  # noqa: E402
 
 FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux"}
 
@@ -48,24 +48,24 @@ def _write_flux(out: str, single_file: bool) -> None:
           + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def write(args: argparse.Namespace) -> None:
+    """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
     from library.families.sdxl_saving import write_sdxl_preset
 
-    try:
-        if args.family == "flux":
-            _write_flux(args.out, args.single_file)
-            return 0
-        if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
-            raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")
-        writer = {"sdxl": write_sdxl_preset}.get(args.family, write_preset)  # SDXL has its own SGM layout
-        writer(FAMILIES[args.family], args.out, single_file=args.single_file)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.family == "flux":
+        _write_flux(args.out, args.single_file)
+        return
+    if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
+        raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")
+    writer = {"sdxl": write_sdxl_preset}.get(args.family, write_preset)  # SDXL has its own SGM layout
+    writer(FAMILIES[args.family], args.out, single_file=args.single_file)
     print(f"wrote {FAMILIES[args.family]} to {args.out}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool(write, build_parser().parse_args(argv))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -95,7 +95,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from networks.lora_files import run_tool
+    from library.errors import run_tool
 
     return run_tool(run, argv)
 

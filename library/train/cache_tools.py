@@ -7,7 +7,7 @@ import sys
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from library.errors import UserError
+from library.errors import run_tool
 
 
 def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -32,7 +32,8 @@ def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags
 
     _setup_logging()
     name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
-    try:
+
+    def body() -> None:
         family = get_family(name)
         if check_family is not None:
             check_family(family)
@@ -41,7 +42,5 @@ def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags
         if not ns.output_dir:
             ns.output_dir = tempfile.mkdtemp(prefix="cache_")
         action(NetworkTrainer(family, settings_from_args(ns, family, parser)))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_tool(body)
