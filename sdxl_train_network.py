@@ -5,7 +5,7 @@
 
 import sys
 
-from library.train.cli import run_training
+from library.cli.entry import run_training
 
 if __name__ == "__main__":
     sys.exit(run_training("sdxl", "Train a LoRA / LyCORIS network on Stable Diffusion XL"))

@@ -30,15 +30,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import compare_steps, lora_optimizer, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
+from bench.common import (  # noqa: E402
+    compare_steps,
+    lora_optimizer,
+    peak_rss_mib,
+    print_comparison,
+    trainer_step,
+)
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
 from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
 from library.families.flux_configs import PRESETS, transformer_config  # noqa: E402
+from library.families.flux_options import FluxOptions  # noqa: E402
 from library.families.tiny import build_seeded  # noqa: E402
-from library.train.flow import FlowOptions  # noqa: E402
-from library.train.losses import LossOptions  # noqa: E402
-from library.train.noise import NoiseOptions  # noqa: E402
+from library.objectives.flow import FlowOptions  # noqa: E402
+from library.objectives.losses import LossOptions  # noqa: E402
+from library.objectives.noise import NoiseOptions  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 from networks import lora  # noqa: E402
 
@@ -72,13 +79,13 @@ def main() -> None:
     dtype, device = torch.bfloat16, torch.device(a.device)
 
     family = get_family("flux")
-    family.flow = FlowOptions(timestep_sampling="sigmoid")
-    family.options = dataclasses.replace(family.options, guidance_scale=1.0, t5xxl_max_token_length=a.t5_tokens)
+    options = FluxOptions(guidance_scale=1.0, t5xxl_max_token_length=a.t5_tokens,
+                          flow=FlowOptions(timestep_sampling="sigmoid"))
     t0 = time.perf_counter()
     transformer = build_transformer(a.double, a.single, dtype).to(device)
     print(f"built FLUX.1-dev transformer with {a.double} double / {a.single} single blocks (bf16) in "
           f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[])
+    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
     network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
     network.apply_to([], transformer, False, True)
     network.to(device)

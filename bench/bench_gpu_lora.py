@@ -71,8 +71,8 @@ def main() -> None:
     family_name = detect_family(a.preset) or "sd"
     family = get_family(family_name)
 
-    from library.args.config_file import parse_with_config_file
-    from library.train.cli import build_parser, settings_from_args
+    from library.cli.config_file import parse_with_config_file
+    from library.cli.entry import build_parser, settings_from_args
     from library.train.throughput import ThroughputMeter
     from library.train.trainer import NetworkTrainer
 
@@ -80,7 +80,7 @@ def main() -> None:
         write_images(os.path.join(tmp, "train", "1_bench"), a.resolution, 2)
         argv = trainer_args(a, os.path.join(tmp, "train"), os.path.join(tmp, "out"), family_name)
         parser = build_parser("bench", family)
-        trainer = NetworkTrainer(family, settings_from_args(parse_with_config_file(parser, argv), family, parser))
+        trainer = NetworkTrainer(family, settings_from_args(parse_with_config_file(parser, argv), family))
         if a.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         reports = []

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from networks.lora_extract import top_svd  # noqa: E402
 from networks.lora_files import LoraModule  # noqa: E402
 from networks.lora_resize import ResizeOptions, resize_modules  # noqa: E402
 from networks.lora_svd import full_svd  # noqa: E402
-from networks.lora_extract import top_svd  # noqa: E402
 
 CONTEXT_DIM = 2048  # SDXL cross-attention input (both text encoders' states)
 

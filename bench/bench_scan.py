@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from library.args.dataset import DataOptions  # noqa: E402
+from library.cli.dataset import DataOptions  # noqa: E402
 from library.data.dataset import DataFamilyInfo, build_training_data  # noqa: E402
 
 SIZES = [(512, 512), (640, 384), (384, 640), (768, 512), (512, 768), (1024, 256)]

@@ -30,12 +30,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.nn.functional as F
 
-from bench.common import compare_steps, lora_optimizer, peak_rss_mib, print_comparison, trainer_step  # noqa: E402
+from bench.common import (  # noqa: E402
+    compare_steps,
+    lora_optimizer,
+    peak_rss_mib,
+    print_comparison,
+    trainer_step,
+)
 from library.families import get_family
 from library.families.base import Components
 from library.families.sdxl_configs import build_sdxl_modules
-from library.train.losses import LossOptions
-from library.train.noise import NoiseOptions
+from library.objectives.losses import LossOptions
+from library.objectives.noise import NoiseOptions
 from library.train.step import StepContext
 from networks import lora
 

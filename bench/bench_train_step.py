@@ -29,13 +29,10 @@ import torch.nn.functional as F  # noqa: E402
 from bench.common import compare_steps, lora_optimizer, print_comparison, trainer_step  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
-from library.train.losses import LossOptions  # noqa: E402
-from library.train.noise import NoiseOptions  # noqa: E402
+from library.objectives.losses import LossOptions  # noqa: E402
+from library.objectives.noise import NoiseOptions  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 from networks import lora  # noqa: E402
-
-
-
 
 
 def main() -> None:

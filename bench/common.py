@@ -59,18 +59,16 @@ def print_comparison(result: dict[str, tuple[float, float]]) -> None:
 
 
 def trainer_step(ctx, batch: dict, params: list, optimizer, scheduler) -> Callable[[], None]:
-    """One optimizer step exactly as NetworkTrainer runs it: batch_loss, backward, clipping, optimizer, scheduler."""
-    from library.train.step import batch_loss
+    """One optimizer step exactly as NetworkTrainer runs it: batch_loss, backward, then the trainer's own
+    optimizer_step (clipping at 1.0, optimizer, scheduler, zero_grad)."""
+    from library.train.step import batch_loss, optimizer_step
 
     generator = torch.Generator().manual_seed(0)
 
     def step() -> None:
         loss, _ = batch_loss(ctx, batch, generator)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, scheduler, 1.0)
 
     return step
 

@@ -19,16 +19,31 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from library.errors import ConfigError, UserError
-from library.families.base import LoraTarget
+from library.core.errors import ConfigError, UserError
+from library.core.metadata import save_lora_state_dict
 from networks import lora_math
+from networks.lora_args import (
+    SD_BLOCK_LAYOUT,
+    BlockLayout,
+    LoraNetworkArgs,
+    parse_network_args,
+)
 from networks.lora_fused import FusedLoRAModule
 from networks.lora_module import LoRAModule
-from networks.lora_targets import (CLIP_TARGETS, SD_UNET_CONV_TARGETS, SD_UNET_TARGETS,  # noqa: F401 (re-exported)
-                                   _is_linear_like, clip_text_model_rename, default_lora_targets,
-                                   iter_target_groups, iter_target_modules, iter_target_paths, kohya_module_name)
-from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, LoraNetworkArgs, parse_network_args
 from networks.lora_rules import ModuleRules, rules_of
+from networks.lora_targets import (  # noqa: F401 (re-exported)
+    CLIP_TARGETS,
+    SD_UNET_CONV_TARGETS,
+    SD_UNET_TARGETS,
+    LoraTarget,
+    _is_linear_like,
+    clip_text_model_rename,
+    default_lora_targets,
+    iter_target_groups,
+    iter_target_modules,
+    iter_target_paths,
+    kohya_module_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +200,6 @@ class LoRANetwork(nn.Module):
 
     def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
         """Write the kohya-format file atomically; .safetensors files get sshs_* hashes."""
-        from library.train.metadata import save_lora_state_dict
 
         state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone() for k, v in self.state_dict().items()}
         save_lora_state_dict(file, state_dict, metadata)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 KNOWN_ARGS = (
     "conv_dim", "conv_alpha", "rank_dropout", "module_dropout",
@@ -244,3 +244,30 @@ def _parse_block_dims(kwargs: Mapping[str, Any], a: LoraNetworkArgs, layout: Blo
             a.block_dims[idx] = 0
             if a.conv_block_dims is not None:
                 a.conv_block_dims[idx] = 0
+
+
+# sd-scripts' SDXL LoRA block layout: a fact of the kohya key format (SGM module names), so it lives here.
+SDXL_NUM_BLOCKS = 23
+_UNET_PREFIX = "lora_unet_"
+
+
+def sdxl_unet_block_index(lora_name: str) -> int:
+    """Block (0-22) of an SDXL UNet LoRA name in sd-scripts' 23-block layout; -1 for none."""
+    if not lora_name.startswith(_UNET_PREFIX):
+        return -1
+    name = lora_name[len(_UNET_PREFIX):]
+    if name.startswith(("time_embed_", "label_emb_")):
+        return 0
+    for start, base in (("input_blocks_", 1), ("middle_block_", 10), ("output_blocks_", 13)):
+        if name.startswith(start):
+            return base + int(name[len(start):].split("_")[0])
+    if name.startswith("out_"):
+        return SDXL_NUM_BLOCKS - 1
+    return -1
+
+
+def sdxl_block_layout() -> BlockLayout:
+    """sd-scripts' SDXL block layout for networks.lora: 23 block_dims; 9 down, 3 mid, 9 up lr weights."""
+    return BlockLayout(num_blocks=SDXL_NUM_BLOCKS, down=range(1, 10), mid=range(10, 13), up=range(13, 22),
+                       index_of=sdxl_unet_block_index, names="emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out")
+

@@ -18,8 +18,8 @@ import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from library.errors import ConfigError
-from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout
+from library.core.errors import ConfigError
+from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, sdxl_block_layout
 
 TEXT_ENCODER_PREFIX = "lora_te"  # lora_te_, lora_te1_, lora_te2_, lora_te3_: the BASE block
 UNET_PREFIX = "lora_unet_"
@@ -46,12 +46,6 @@ class BlockWeightStandard:
         return self.layout_blocks[index] if index >= 0 else None
 
 
-def _sdxl_layout() -> BlockLayout:
-    from library.families.sdxl_lora_names import sdxl_block_layout
-
-    return sdxl_block_layout()
-
-
 # The layouts' block indices as block names. SD: IN00-IN11, MID, OUT00-OUT11 (25). SDXL (23): the time and
 # label embeddings sit with IN00 (as in sd-scripts), the three parts of the middle block are M00, and the
 # final `out` layers go with the last block, OUT08.
@@ -62,7 +56,7 @@ SDXL_LAYOUT_BLOCKS = ("IN00",) + _blocks("IN", 9) + ("M00",) * 3 + _blocks("OUT"
 @functools.lru_cache(maxsize=1)
 def standards() -> dict[int, BlockWeightStandard]:
     """The four list lengths the extension (and sd-scripts' svd_merge_lora) accept."""
-    sdxl = _sdxl_layout()
+    sdxl = sdxl_block_layout()
     return {
         26: BlockWeightStandard("SD 1.x/2.x", ("BASE",) + SD_LAYOUT_BLOCKS, SD_BLOCK_LAYOUT, SD_LAYOUT_BLOCKS),
         17: BlockWeightStandard("SD 1.x/2.x", ("BASE", "IN01", "IN02", "IN04", "IN05", "IN07", "IN08", "M00")

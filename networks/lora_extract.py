@@ -20,10 +20,10 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from library.errors import ConfigError, UserError
+from library.core.errors import ConfigError, UserError
 from networks import lora_svd
 from networks.lora_files import LoraModule
-from networks.lora_models import LoraLayer
+from networks.lora_targets import LoraLayer
 
 SVD_METHODS = ("auto", "full", "randomized")
 # Randomized SVD pays off only when the rank is a small part of the matrix.

@@ -2,7 +2,7 @@
 
 Modules are kept in kohya form: `<name>.lora_down.weight`, `<name>.lora_up.weight`
 and an optional `<name>.alpha`. Files in another layout (diffusers/PEFT,
-ai-toolkit) are converted on load by networks/lora_convert.py. LyCORIS-only
+ai-toolkit) are converted on load by library/families/lora_convert.py. LyCORIS-only
 algorithms (LoHa, LoKr, OFT, ...) are refused with a one-line error naming the key;
 LoCon (kohya keys on convs) is an ordinary LoRA here.
 """
@@ -17,7 +17,8 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from library.errors import UserError
+from library.core.errors import UserError
+from library.core.metadata import save_lora_state_dict
 from networks import lora_math
 
 KOHYA_SUFFIXES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha",
@@ -163,18 +164,6 @@ def read_state_dict(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return state, {}
 
 
-def load_lora_file(path: str) -> LoraFile:
-    """Load a LoRA in kohya, diffusers/PEFT or ai-toolkit layout as kohya modules."""
-    from networks.lora_convert import detect_layout, to_kohya
-
-    state, metadata = read_state_dict(path)
-    if not state:
-        raise UnsupportedLoraError(f"{path}: the file holds no tensors")
-    layout = detect_layout(state, path)
-    if layout != "kohya":
-        state = to_kohya(state, path)
-    dtype = next(v.dtype for k, v in state.items() if not k.endswith(".alpha"))
-    return LoraFile(path, group_modules(state, path), metadata, dtype, layout)
 
 
 def modules_state_dict(modules: Iterable[LoraModule], dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
@@ -206,7 +195,6 @@ def updated_metadata(metadata: Mapping[str, str], network_dim: object, network_a
 def save_lora_file(path: str, modules: Iterable[LoraModule], metadata: Mapping[str, str],
                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """Write kohya modules atomically with metadata and recomputed sshs_* hashes; return what was written."""
-    from library.train.metadata import save_lora_state_dict
 
     state = modules_state_dict(modules, dtype)
     save_lora_state_dict(path, state, dict(metadata))

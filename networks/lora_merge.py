@@ -13,10 +13,10 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from library.errors import ConfigError, UserError
+from library.core.errors import ConfigError, UserError
 from networks import lora_math, lora_svd
 from networks.lora_files import LoraModule
-from networks.lora_models import LoraLayer
+from networks.lora_targets import LoraLayer
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from networks import lora_svd
 from networks.lora_files import LoraModule
 from networks.lora_svd import SVD, RankRule

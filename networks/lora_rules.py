@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Generic, Mapping, Optional, Protocol, TypeVar
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 T = TypeVar("T", int, float)
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 MIN_SV = 1e-6  # below this the first singular value counts as a zero matrix (sd-scripts)
 DYNAMIC_METHODS = ("sv_ratio", "sv_fro", "sv_cumulative", "recipe")

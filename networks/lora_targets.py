@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+import torch
 from torch import nn
 
-from library.families.base import LoraTarget
+
+@dataclass
+class LoraTarget:
+    """One model part that receives LoRA modules.
+
+    Every nn.Linear / nn.Conv2d inside a submodule whose class name is in
+    `target_classes` gets a LoRA; `conv_target_classes` are added when conv_dim is
+    set. The kohya module name is `prefix + "_" + rename(path).replace(".", "_")`
+    where `path` is the dotted module path inside `root`.
+    """
+
+    prefix: str  # "lora_unet", "lora_te", "lora_te1", ...
+    root: nn.Module
+    target_classes: tuple[str, ...]
+    conv_target_classes: tuple[str, ...] = ()
+    is_text_encoder: bool = False
+    rename: Optional[Callable[[str], str]] = None  # diffusers path -> kohya path (SDXL: SGM names)
+    # Fused kohya modules (Flux `img_attn_qkv`, `linear1`): diffusers path -> the position of its
+    # output slice in the fused module named by `rename`, or None for an ordinary module. Modules
+    # that share a kohya name become one LoRA with a shared lora_down and one lora_up slice each.
+    fused_slot: Optional[Callable[[str], Optional[int]]] = None
+    # The prefix that modules of an external network (lycoris.kohya), which keep raw module paths under a
+    # fused target, get in saved files instead of `prefix` (Flux: "lycoris", which ComfyUI maps from
+    # diffusers paths onto its fused BFL weights). None: `prefix`.
+    external_prefix: Optional[str] = None
+    # An optional target: the --network_args key that turns it on (Flux: T5 by train_t5xxl, the layers outside
+    # the blocks by in_dims). A network built from a file (--dim_from_weights, generation, merging) takes every
+    # module the file has, whatever this says. None: always on.
+    enabled_by: Optional[str] = None
+    # The family's own networks.lora --network_args (networks/lora_rules.py NetworkArgRules: the keys it reads and
+    # the per-module dims / learning rates they give); the same object on each of the family's targets.
+    network_args: Optional[Any] = None
+
+
 
 # Targets used when the caller passes no `lora_targets` (an sd-scripts style caller).
 SD_UNET_TARGETS = ("Transformer2DModel",)
@@ -86,3 +121,37 @@ def iter_target_groups(target: LoraTarget, include_conv: bool) -> Iterable[tuple
 
 def _is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or tuple(module.kernel_size) == (1, 1)
+
+
+@dataclass
+class LoraLayer:
+    """The weight a kohya LoRA name points at: one Linear / Conv2d, or a fused kohya module.
+
+    A fused module (Flux's `img_attn_qkv`, `linear1`) is several diffusers Linears that read
+    the same input; `fused` holds them in slot order, and the kohya layer's weight is theirs
+    stacked by rows, so ΔW's rows split across them in that order.
+    """
+
+    module: nn.Module
+    is_text_encoder: bool
+    fused: tuple[nn.Module, ...] = ()
+
+    @property
+    def members(self) -> tuple[nn.Module, ...]:
+        return self.fused or (self.module,)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The layer's weight; for a fused module a (detached) row-stacked copy of its members'."""
+        if not self.fused:
+            return self.module.weight
+        return torch.cat([m.weight.detach() for m in self.fused], dim=0)
+
+    def set_weight(self, value: torch.Tensor) -> None:
+        """Replace the weight in place; a fused module's members each take their rows of `value`."""
+        start = 0
+        for member in self.members:
+            rows = member.weight.shape[0]
+            member.weight.data = value[start:start + rows].to(member.weight.dtype).reshape(member.weight.shape)
+            start += rows
+

@@ -1,5 +1,6 @@
 import pytest
 
+from library.core.errors import ConfigError, DataError
 from library.data.buckets import (
     BucketManager,
     ImageTooSmallError,
@@ -8,7 +9,6 @@ from library.data.buckets import (
     make_bucket_resolutions,
     validate_bucket_settings,
 )
-from library.errors import ConfigError, DataError
 
 SD_512_BUCKETS = [
     (256, 832), (256, 896), (256, 960), (256, 1024), (320, 704), (320, 768),

@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from library.data.captions import CaptionSettings, process_caption, resolve_wildcards, tag_frequency, warmup_steps
+from library.data.captions import (
+    CaptionSettings,
+    process_caption,
+    resolve_wildcards,
+    tag_frequency,
+    warmup_steps,
+)
 
 
 def run(caption, seed=0, epoch=1, step=0, max_steps=100, **settings):

@@ -7,9 +7,14 @@ import pytest
 import torch
 from PIL import Image
 
-from library.args.dataset import DataOptions
-from library.data import BatchDataset, DataFamilyInfo, build_training_data, split_for_validation
-from library.errors import DataError
+from library.core.errors import DataError
+from library.data import (
+    BatchDataset,
+    DataFamilyInfo,
+    build_training_data,
+    split_for_validation,
+)
+from library.data.options import DataOptions
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples", "data", "train")
 FAMILY = DataFamilyInfo(bucket_reso_multiple=64, latent_cache_arch="_sd", vae_scale_factor=8, latent_channels=4)

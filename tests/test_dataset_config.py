@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from library.args.dataset import DataOptions, add_dataset_arguments, data_options_from_args
+from library.cli.dataset import add_dataset_arguments, data_options_from_args
+from library.core.errors import ConfigError
 from library.data.config import resolve_datasets, resolve_from_toml
-from library.errors import ConfigError
+from library.data.options import DataOptions
 
 
 def write(tmp_path, text, name="dataset.toml"):

@@ -7,8 +7,8 @@ from PIL import Image
 
 from library.data.batching import balance_reg_repeats
 from library.data.config import SubsetConfig
-from library.data.discovery import (caption_candidates, discover_subset, find_mask, find_repeat_folders,
-                                    list_images)
+from library.data.discovery import caption_candidates, discover_subset, find_mask
+from library.data.folders import find_repeat_folders, list_images
 
 
 def png(path, size=(64, 64), color=(255, 0, 0)):

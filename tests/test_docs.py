@@ -2,8 +2,8 @@
 
 import re
 
+from library.cli.entry import build_parser
 from library.families import get_family
-from library.train.cli import build_parser
 
 
 def test_every_train_network_flag_is_documented():

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.families import family_names, get_family
 from library.families.base import LoadOptions, TextConditioning
-from library.families.sd import SDFamily, final_layer_norm
+from library.families.clip_text import final_layer_norm
+from library.families.sd import SDFamily
 from library.families.tiny import build_sd_modules, tiny_vocab_size
 
 
@@ -191,7 +192,7 @@ def test_lora_targets_and_metadata(family, sd1, sd2):
 
 
 def test_noise_scheme_prediction_type(family, sd1):
-    noise = pytest.importorskip("library.train.noise")
+    noise = pytest.importorskip("library.objectives.noise")
     sd2v = family.load(LoadOptions("tiny:sd2-v"))
     eps, v = family.noise_scheme(sd1), family.noise_scheme(sd2v, zero_terminal_snr=True)
     assert isinstance(eps, noise.DDPMScheme)

@@ -14,13 +14,10 @@ import torch
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
 from library.families.sdxl_configs import build_sdxl_modules
-from library.families.sdxl_lora_names import (
-    convert_to_sgm_names,
-    sdxl_unet_block_index,
-    sgm_lora_name,
-)
+from library.families.sdxl_lora_names import convert_to_sgm_names, sgm_lora_name
 from networks import lora
 from networks.lora import iter_target_modules
+from networks.lora_args import sdxl_unet_block_index
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
-"""Rectified-flow scheme (library/train/flow.py) and its flags: golden values."""
+"""Rectified-flow scheme (library/objectives/flow.py) and its flags: golden values."""
 
 import math
 
 import pytest
 import torch
 
-from library.args.flow import flow_options_from_args
-from library.errors import ConfigError
-from library.train.flow import (
+from library.cli.flow import flow_options_from_args
+from library.core.errors import ConfigError
+from library.objectives.flow import (
     FlowMatchScheme,
     FlowOptions,
     density_samples,
@@ -16,7 +16,7 @@ from library.train.flow import (
     shift_sigmas,
     time_shift,
 )
-from library.train.losses import LossOptions, check_loss_options, huber_c_for
+from library.objectives.losses import LossOptions, check_loss_options, huber_c_for
 
 
 def sigmas(**kw):

@@ -1,5 +1,6 @@
 """FLUX.1 family: packing, LoRA names and counts, the fused qkv LoRA, diffusers' converter, a tiny run."""
 
+import dataclasses
 import logging
 import os
 
@@ -8,11 +9,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from library.errors import ConfigError  # noqa: E402
-from library.families import get_family  # noqa: E402
+from library.cli.options import options_from_values
+from library.core.errors import ConfigError  # noqa: E402
+from library.families import get_family
 from library.families.base import LoadOptions  # noqa: E402
 from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
 from library.families.flux_configs import build_flux_modules  # noqa: E402
+from library.families.flux_options import FluxOptions  # noqa: E402
 from networks.lora import create_network  # noqa: E402
 from networks.lora_fused import FusedLoRAModule  # noqa: E402
 from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
@@ -105,7 +108,9 @@ def test_fused_lora_equals_split_delta_and_merge(tiny):
 
 
 def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
-    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_kohya_flux_lora_to_diffusers,
+    )
 
     family = get_family("flux")
     from library.families.base import Components
@@ -148,7 +153,7 @@ def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
 def test_flag_errors_are_one_line():
     family = get_family("flux")
     with pytest.raises(ConfigError, match="^--t5xxl_max_token_length: expected an integer from 1 to 512"):
-        family.configure_from_args({"t5xxl_max_token_length": 1024})
+        options_from_values(FluxOptions, {"t5xxl_max_token_length": 1024})
     from library.families.base import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="unknown FLUX.1 preset 'tiny:sd1'"):
@@ -196,14 +201,16 @@ def test_text_cache_key_includes_the_flags_that_change_t5_outputs():
     from library.data.te_cache import cache_source_id
 
     family = get_family("flux")
-    base = {"t5xxl_max_token_length": 16, "apply_t5_attn_mask": False, "guidance_scale": 3.5}
-    key = cache_source_id("tiny:flux", torch.float32, family.text_cache_flags, base)
+    base = FluxOptions(t5xxl_max_token_length=16, apply_t5_attn_mask=False, guidance_scale=3.5)
+
+    def key_of(options):
+        return cache_source_id("tiny:flux", torch.float32, family.text_cache_values(options))
+
+    key = key_of(base)
     assert key == "tiny:flux|torch.float32|clip_l=None|t5xxl=None|t5xxl_max_token_length=16|apply_t5_attn_mask=False"
-    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags, {**base, "t5xxl": "t5.sft"}) != key
-    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags,
-                               {**base, "apply_t5_attn_mask": True}) != key
-    assert cache_source_id("tiny:flux", torch.float32, family.text_cache_flags,
-                               {**base, "guidance_scale": 1.0}) == key  # not a text-encoder setting
+    assert key_of(dataclasses.replace(base, t5xxl="t5.sft")) != key
+    assert key_of(dataclasses.replace(base, apply_t5_attn_mask=True)) != key
+    assert key_of(dataclasses.replace(base, guidance_scale=1.0)) == key  # not a text-encoder setting
 
 
 def test_disk_latent_cache_uses_sd_scripts_flux_keys_one_file_for_all_resolutions(tmp_path, monkeypatch):
@@ -249,7 +256,7 @@ def test_clip_l_trains_while_t5_outputs_are_cached_and_equals_an_uncached_run(tm
 
 
 def test_caching_text_outputs_while_every_encoder_trains_stops_with_one_line(tmp_path, capsys):
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
 
     data = make_dataset(str(tmp_path), n=1)
     argv = base_args(data, str(tmp_path / "out"), "tiny:flux", steps=1, extra=[

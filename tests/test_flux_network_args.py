@@ -10,10 +10,14 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from library.errors import ConfigError  # noqa: E402
+from library.core.errors import ConfigError  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import Components, LoadOptions  # noqa: E402
-from library.families.flux_configs import PRESETS, build_flux_modules, transformer_config  # noqa: E402
+from library.families.flux_configs import (  # noqa: E402
+    PRESETS,
+    build_flux_modules,
+    transformer_config,
+)
 from networks.lora import create_network, create_network_from_weights  # noqa: E402
 from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
 

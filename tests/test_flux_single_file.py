@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from library.families import get_family  # noqa: E402
+from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError  # noqa: E402
 from library.families.flux_bfl_layout import (  # noqa: E402
     bfl_to_diffusers,
@@ -22,6 +22,7 @@ from library.families.flux_configs import (  # noqa: E402
     build_flux_modules,
     transformer_config,
 )
+from library.families.flux_options import FluxOptions  # noqa: E402
 from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
 
 DOUBLE_BLOCK_KEYS = sorted(
@@ -56,8 +57,7 @@ def _flags(files) -> list[str]:
 
 def _load(path, **flags):
     family = get_family("flux")
-    family.configure_from_args(flags)
-    return family.load(LoadOptions(path))
+    return family.load(LoadOptions(path, family_options=FluxOptions(**flags)))
 
 
 def _meta_transformer(preset_name):
@@ -215,7 +215,7 @@ def test_save_checkpoint_safetensors_writes_the_bfl_transformer(files, tmp_path)
     expected = {k: v.half().float() for k, v in comps.denoiser.state_dict().items()}
     got = back.denoiser.state_dict()
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-    from library.errors import UserError
+    from library.core.errors import UserError
 
     with pytest.raises(UserError, match=r"merged\.ckpt: a FLUX.1 single file is written as \.safetensors only"):
         family.save_checkpoint(comps, str(tmp_path / "merged.ckpt"))
@@ -261,7 +261,7 @@ def test_lora_training_from_bfl_files_equals_the_diffusers_folder_run(files, tmp
 # --- errors --------------------------------------------------------------------------------
 
 def _cli_error(tmp_path, capsys, model, extra) -> str:
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
 
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("flux", "test", base_args(data, str(tmp_path / "out"), model, steps=1, extra=extra)) == 2
@@ -271,7 +271,7 @@ def _cli_error(tmp_path, capsys, model, extra) -> str:
 
 
 def test_missing_t5xxl_stops_with_one_line_before_the_data_is_read(files, tmp_path, capsys):
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
 
     argv = base_args(str(tmp_path / "no_data_here"), str(tmp_path / "out"), files["transformer"], steps=1,
                      extra=["--clip_l", files["clip_l"], "--ae", files["ae"]])

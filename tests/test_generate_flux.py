@@ -17,9 +17,14 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from library.families.flux_generate import decode_images, encode_prompts_flux, flux_sigmas  # noqa: E402
-from library.sampling.generate import GenerationRequest, NetworkSpec, generate_images  # noqa: E402
+from library.families.flux_generate import (  # noqa: E402
+    decode_images,
+    encode_prompts_flux,
+    flux_sigmas,
+)
+from library.sampling.generate import GenerationRequest, generate_images  # noqa: E402
 from library.sampling.output import read_png_text  # noqa: E402
+from library.train.network_apply import NetworkSpec  # noqa: E402
 from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
 from tools import generate as tool  # noqa: E402
 
@@ -29,7 +34,7 @@ def loaded():
     family, c, device = tool.load_model(tool.GenerateOptions(ckpt="tiny:flux", outdir="unused", family="flux",
                                                              device="cpu"))
     # 16 T5 tokens instead of dev's 512 keep the tests fast; the loop does not depend on it.
-    family.options = dataclasses.replace(family.options, t5xxl_max_token_length=16)
+    c.options = dataclasses.replace(family.options(c), t5xxl_max_token_length=16)
     return family, c, device
 
 
@@ -45,7 +50,7 @@ def pixels(generated):
 def test_sigmas_match_diffusers_flux_schedule():
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from library.train.flow import flux_shift_mu
+    from library.objectives.flow import flux_shift_mu
 
     ours = flux_sigmas(4, 16, shift=True)
     # μ(16 tokens) = 0.5 + 0.65 · (16 - 256) / 3840
@@ -97,9 +102,9 @@ def test_cfg_guidance_and_batching(loaded):
 
 def test_ddpm_sampler_falls_back_to_flow_euler(loaded, caplog):
     family, c, _ = loaded
-    from library.families import flux_generate
+    from library.core import errors
 
-    flux_generate._warned_samplers.clear()
+    errors._warned.clear()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING):
         a, b = generate_images(family, c, [request(sampler="euler_a"), request()])
     assert a.request.sampler == "flow_euler" and np.array_equal(np.asarray(a.image), np.asarray(b.image))
@@ -144,7 +149,7 @@ def test_tool_accepts_flux_flags(tmp_path):
                                            "--prompt", "a cat", "--guidance", "2.5"])
     o = tool.options_from_args(args)
     assert (o.family, o.overrides.guidance) == ("flux", 2.5)
-    from library.errors import ConfigError
+    from library.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^--guidance: expected a number >= 0, got -1.0$"):
         tool.options_from_args(tool.build_parser().parse_args(

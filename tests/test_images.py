@@ -5,6 +5,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from library.core.errors import ConfigError, DataError
 from library.data.images import (
     FaceBox,
     ImageDecodeError,
@@ -24,7 +25,6 @@ from library.data.images import (
     to_tensor,
     validate_interpolation,
 )
-from library.errors import ConfigError, DataError
 
 
 def save(img: Image.Image, path, **kwargs) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from networks.lora_block_weights import module_block_weights, parse_lbw, standards
 from networks.lora_files import LoraModule, save_lora_file
 from networks.lora_merge import WeightedLora, svd_merge

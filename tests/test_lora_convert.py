@@ -7,7 +7,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from networks.lora_convert import convert, detect_layout, to_diffusers, to_kohya  # noqa: E402
+from library.families.lora_convert import convert, detect_layout, to_diffusers, to_kohya  # noqa: E402
 from networks.lora_files import UnsupportedLoraError, group_modules  # noqa: E402
 
 H = 3072  # Flux hidden size: diffusers' converter hard-codes the single-block split dims
@@ -50,7 +50,9 @@ def _max_delta_error(a, b):
 
 
 def test_flux_to_diffusers_matches_diffusers_converter():
-    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_kohya_flux_lora_to_diffusers,
+    )
 
     sd = _flux_lora()
     ours = to_diffusers(sd, "flux.safetensors")

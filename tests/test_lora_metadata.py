@@ -1,4 +1,4 @@
-"""library/train/metadata.py and library/args/network.py: ss_* keys, modelspec, hashes, flags."""
+"""library/core/metadata.py and library/cli/network.py: ss_* keys, modelspec, hashes, flags."""
 
 import argparse
 import datetime
@@ -9,10 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from library.args.network import (NetworkOptions, add_network_arguments, import_network_module,
-                                  network_args_to_dict, network_options_from_args)
-from library.errors import ConfigError
-from library.train import metadata as M
+from library.cli.network import (
+    add_network_arguments,
+    network_args_to_dict,
+    network_options_from_args,
+)
+from library.core.errors import ConfigError
+from library.core import metadata as M
+from library.train.network_kinds import import_network_module
+from library.train.settings import NetworkOptions
 
 TINY_SD = {"a.lora_down.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a.alpha": torch.tensor(1.0)}
 # sha256 of the tensor-data section: safetensors lays out "a.alpha" then "a.lora_down.weight"

@@ -10,10 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from library.errors import ConfigError, UserError
-from library.families.base import LoraTarget
+from library.core.errors import ConfigError, UserError
 from networks import lora, lora_math
-from networks.lora_args import SD_BLOCK_LAYOUT, BlockLayout, parse_network_args, sd_unet_block_index
+from networks.lora_args import (
+    SD_BLOCK_LAYOUT,
+    BlockLayout,
+    parse_network_args,
+    sd_unet_block_index,
+)
+from networks.lora_targets import LoraTarget
 
 
 # --- a hand-built model: one attention-like block and one conv block ------------------
@@ -470,7 +475,7 @@ def sdxl_network(sdxl, **network_args):
 
 
 def test_sdxl_block_layout():
-    from library.families.sdxl_lora_names import sdxl_block_layout
+    from networks.lora_args import sdxl_block_layout
 
     layout = sdxl_block_layout()
     assert (layout.num_blocks, list(layout.down), list(layout.mid), list(layout.up)) == (
@@ -503,7 +508,7 @@ def test_sdxl_block_dims_golden(sdxl):
 
 
 def test_sdxl_lr_weights_golden():
-    from library.families.sdxl_lora_names import sdxl_block_layout
+    from networks.lora_args import sdxl_block_layout
 
     layout = sdxl_block_layout()
     a = parse_network_args({"down_lr_weight": "linear", "mid_lr_weight": "0.5", "up_lr_weight": "0,,0.5",

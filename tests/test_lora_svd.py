@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from networks import lora_svd
 from networks.lora_files import LoraModule
 from networks.lora_resize import ResizeOptions, resize_modules

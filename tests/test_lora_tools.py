@@ -9,8 +9,9 @@ from safetensors import safe_open
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from library import hashes  # noqa: E402
-from networks.lora_files import LoraModule, load_lora_file, save_lora_file  # noqa: E402
+from library.core import hashes  # noqa: E402
+from library.families.lora_convert import load_lora_file  # noqa: E402
+from networks.lora_files import LoraModule, save_lora_file  # noqa: E402
 from networks.lora_merge import WeightedLora, concat_merge, svd_merge  # noqa: E402
 
 # SDXL-style names (SGM UNet blocks, two text encoders): the tools work by key pattern, not by model.
@@ -134,7 +135,7 @@ def test_merge_tool_lora_plus_lora(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from networks.lora_models import load_model
+    from tools.lora_models import load_model
 
     return load_model("tiny:sd1")
 
@@ -162,7 +163,7 @@ def _unet_out(components):
 def test_merge_into_base_equals_running_the_lora(tiny, tmp_path):
     from networks.lora import create_network_from_weights
     from networks.lora_files import modules_state_dict
-    from networks.lora_models import load_model, lora_layers
+    from tools.lora_models import load_model, lora_layers
 
     layers = lora_layers(tiny)
     names = [n for n in layers if n.startswith("lora_unet")][::7]
@@ -192,7 +193,7 @@ def test_merge_into_base_equals_running_the_lora(tiny, tmp_path):
 
 def test_extract_recovers_a_low_rank_difference(tiny):
     from networks.lora_extract import ExtractOptions, extract_lora
-    from networks.lora_models import LoraLayer, lora_layers
+    from tools.lora_models import LoraLayer, lora_layers
 
     layers = lora_layers(tiny, include_conv=True)
     names = [n for n in layers if n.startswith("lora_unet")][::5]
@@ -269,7 +270,7 @@ def test_flux_fused_modules_merge_like_the_trained_network():
     from networks.lora import create_network_from_weights
     from networks.lora_files import modules_state_dict
     from networks.lora_merge import merge_into_layers
-    from networks.lora_models import load_model, lora_layers
+    from tools.lora_models import load_model, lora_layers
 
     flux = load_model("tiny:flux", "flux")
     layers, projections = lora_layers(flux), _flux_projections(flux)
@@ -297,7 +298,7 @@ def test_flux_fused_modules_merge_like_the_trained_network():
 
 def test_flux_fused_modules_extract_the_stacked_difference():
     from networks.lora_extract import ExtractOptions, extract_lora
-    from networks.lora_models import load_model, lora_layers
+    from tools.lora_models import load_model, lora_layers
 
     org, tuned = load_model("tiny:flux", "flux"), load_model("tiny:flux", "flux")
     org_layers, tuned_layers = lora_layers(org), lora_layers(tuned)

@@ -5,15 +5,15 @@ import math
 import pytest
 import torch
 
-from library.errors import ConfigError
-from library.train.losses import (
+from library.core.errors import ConfigError
+from library.objectives.losses import (
     LossOptions,
     check_loss_options,
     elementwise_loss,
     huber_c_for,
     training_loss,
 )
-from library.train.noise import DDPMScheme
+from library.objectives.noise import DDPMScheme
 
 T3 = torch.tensor([0, 500, 999])
 # float64 references of the SD scaled-linear schedule at t = 0, 500, 999
@@ -166,7 +166,7 @@ def test_check_loss_options():
 
 import argparse  # noqa: E402
 
-from library.args.noise_loss import add_noise_loss_arguments, loss_options_from_args  # noqa: E402
+from library.cli.noise_loss import add_noise_loss_arguments, loss_options_from_args  # noqa: E402
 
 
 def parse(argv):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.train.lr_schedulers import (
     SCHEDULERS,
     SchedulerOptions,

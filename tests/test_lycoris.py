@@ -74,7 +74,7 @@ def test_lycoris_algo_trains_saves_and_reloads(tmp_path, algo):
 def test_lycoris_on_sdxl_saves_sgm_kohya_names(tmp_path, algo, parts):
     from collections import Counter
 
-    from library.families.sdxl_lora_names import sdxl_unet_block_index
+    from networks.lora_args import sdxl_unet_block_index
 
     data = make_dataset(str(tmp_path), n=1)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=2, extra=[
@@ -126,7 +126,7 @@ def test_lycoris_on_an_fp8_base_runs_in_bypass_mode(tmp_path, algo):
 def test_lycoris_network_weights_that_fit_nothing_stop_with_one_line(tmp_path, capsys):
     from safetensors.torch import save_file
 
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
 
     data = make_dataset(str(tmp_path), n=1)
     foreign = str(tmp_path / "foreign.safetensors")
@@ -156,7 +156,7 @@ def test_lycoris_default_full_preset_wraps_the_time_embedding_once(tmp_path, fam
 
 def test_generation_applies_every_module_of_a_lycoris_file(tmp_path):
     """tools/generate and sampling from a file: kohya-renamed keys (text_model, SGM) find their modules again."""
-    from library.sampling.generate import NetworkSpec, apply_networks
+    from library.train.network_apply import NetworkSpec, apply_networks
 
     data = make_dataset(str(tmp_path), n=1)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=[

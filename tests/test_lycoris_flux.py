@@ -11,11 +11,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.train.network_setup import (external_state_dict, kohya_name_map, load_network_weights,
-                                         lycoris_preset_aliases, preset_with_aliases)
+from library.train.network_kinds import network_kind
+from library.train.network_setup import (
+    external_state_dict,
+    kohya_name_map,
+    load_network_weights,
+    preset_with_aliases,
+)
+from library.train.settings import NetworkOptions
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 lycoris_kohya = pytest.importorskip("lycoris.kohya")
@@ -106,14 +112,14 @@ def test_lycoris_algo_trains_saves_and_reloads_on_flux(tmp_path, algo):
     family = trainer.family
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = flux_output(family, trainer.components)
-    fresh = family.load(LoadOptions("tiny:flux"))
+    fresh = family.load(LoadOptions("tiny:flux", family_options=trainer.components.options))
     assert not torch.allclose(flux_output(family, fresh), trained), "training changed nothing"
     if algo == "dylora":
         return  # LyCORIS saves DyLoRA as plain lora_down/lora_up and cannot load it back into DyLoRA
     # The same arguments (and the family's preset aliases) rebuild the network; its state loads strictly.
-    with lycoris_preset_aliases(lycoris_kohya, family.lycoris_module_aliases):
-        network = lycoris_kohya.create_network(1.0, int(RANK.get(algo, "4")), 4, fresh.vae, fresh.text_encoders,
-                                               fresh.denoiser, algo=algo)
+    network = network_kind("lycoris.kohya").create(family, fresh, NetworkOptions(
+        network_module="lycoris.kohya", network_dim=int(RANK.get(algo, "4")), network_alpha=4,
+        network_args={"algo": algo}))
     network.apply_to(fresh.text_encoders, fresh.denoiser, False, True)
     missing, unexpected = network.load_state_dict(external_state_dict(path, family, fresh), strict=False)
     assert not unexpected and not [k for k in missing if not k.endswith("org_weight")], (missing, unexpected)
@@ -127,7 +133,7 @@ def test_lycoris_create_network_from_weights_rebuilds_the_trained_flux_network(t
     family = trainer.family
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = flux_output(family, trainer.components)
-    fresh = family.load(LoadOptions("tiny:flux"))
+    fresh = family.load(LoadOptions("tiny:flux", family_options=trainer.components.options))
     network, _ = lycoris_kohya.create_network_from_weights(1.0, path, fresh.vae, fresh.text_encoders, fresh.denoiser,
                                                            weights_sd=external_state_dict(path, family, fresh))
     assert len(network.unet_loras) == len(UNET_MODULES)
@@ -161,10 +167,10 @@ def test_locon_with_clip_samples_and_resumes_exactly(tmp_path):
     family = trainer.family
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = flux_output(family, trainer.components)
-    fresh = family.load(LoadOptions("tiny:flux"))
-    with lycoris_preset_aliases(lycoris_kohya, family.lycoris_module_aliases):
-        network = lycoris_kohya.create_network(1.0, 4, 4, fresh.vae, fresh.text_encoders, fresh.denoiser,
-                                               algo="locon", preset="attn-mlp")
+    fresh = family.load(LoadOptions("tiny:flux", family_options=trainer.components.options))
+    network = network_kind("lycoris.kohya").create(family, fresh, NetworkOptions(
+        network_module="lycoris.kohya", network_dim=4, network_alpha=4,
+        network_args={"algo": "locon", "preset": "attn-mlp"}))
     network.apply_to(fresh.text_encoders, fresh.denoiser, True, True)
     info = load_network_weights(network, family, straight, kohya_name_map(family.lora_targets(fresh)))
     assert not info.unexpected_keys and not info.missing_keys
@@ -182,13 +188,13 @@ def test_lycoris_arguments_it_refuses_are_one_line_config_errors(tmp_path):
 
 
 def test_generation_applies_a_lycoris_flux_file_with_the_trained_output(tmp_path):
-    from library.sampling.generate import NetworkSpec, apply_networks
+    from library.train.network_apply import NetworkSpec, apply_networks
 
     trainer, path = train(tmp_path, "lokr", extra=["--network_train_unet_only"])
     family = trainer.family
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = flux_output(family, trainer.components)
-    fresh = family.load(LoadOptions("tiny:flux"))
+    fresh = family.load(LoadOptions("tiny:flux", family_options=trainer.components.options))
     applied = apply_networks(family, fresh, [NetworkSpec("lycoris.kohya", path, 1.0)], False, torch.device("cpu"),
                              torch.float32)
     assert len(applied.networks[0].unet_loras) == len(UNET_MODULES)

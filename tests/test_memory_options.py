@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from library.args.memory import memory_options_from_args
-from library.errors import ConfigError, UserError
+from library.cli.memory import memory_options_from_args
+from library.core.errors import ConfigError, UserError
 from library.families import get_family
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
@@ -199,7 +199,7 @@ def test_fp8_flux_with_block_swap_samples_and_validates(tmp_path):
 # ---------------------------------------------------------------------------- flags
 def test_memory_flag_checks():
     sd, flux = get_family("sd"), get_family("flux")
-    from library.args.memory import gradient_checkpointing_wanted
+    from library.cli.memory import gradient_checkpointing_wanted
 
     opts = memory_options_from_args({"cpu_offload_checkpointing": True}, flux)
     assert opts.cpu_offload_checkpointing and gradient_checkpointing_wanted(opts, False)  # turned on, as sd-scripts
@@ -218,7 +218,7 @@ def test_memory_flag_checks():
 ])
 def test_memory_flag_errors_exit_2_with_one_line_before_the_data_is_read(tmp_path, capsys, family, preset, extra,
                                                                           message):
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
 
     no_data = str(tmp_path / "no_data_here")
     assert run_training(family, "test", base_args(no_data, str(tmp_path / "out"), preset, steps=1, extra=extra)) == 2

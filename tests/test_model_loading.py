@@ -9,8 +9,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from library.args.model import add_model_arguments, load_options_from_args, text_options_from_args
-from library.errors import ConfigError
+from library.cli.model import (
+    add_model_arguments,
+    load_options_from_args,
+    text_options_from_args,
+)
+from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
 from library.families.loading import find_tokenizer
@@ -69,7 +73,10 @@ def test_ldm_key_layout(presets):
     assert state["first_stage_model.encoder.mid.attn_1.q.weight"].shape == (128, 128, 1, 1)
     assert torch.equal(state["first_stage_model.decoder.up.3.upsample.conv.weight"], sd1.vae.decoder.up_blocks[0].upsamplers[0].conv.weight)
     # diffusers' own LDM converter reads our layout back to the same UNet and VAE.
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, convert_ldm_vae_checkpoint
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_unet_checkpoint,
+        convert_ldm_vae_checkpoint,
+    )
 
     back = convert_ldm_unet_checkpoint(dict(state), dict(unet.config))
     assert all(torch.equal(back[k], v) for k, v in unet.state_dict().items())

@@ -9,8 +9,13 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-from library.errors import ConfigError
-from library.train.noise import DDPMScheme, NoiseOptions, make_noise, perturb_for_input
+from library.core.errors import ConfigError
+from library.objectives.noise import (
+    DDPMScheme,
+    NoiseOptions,
+    make_noise,
+    perturb_for_input,
+)
 
 SHAPE = (2, 4, 8, 8)
 
@@ -175,7 +180,7 @@ def test_noise_keeps_latent_dtype():
 
 import argparse  # noqa: E402
 
-from library.args.noise_loss import add_noise_loss_arguments, noise_options_from_args  # noqa: E402
+from library.cli.noise_loss import add_noise_loss_arguments, noise_options_from_args  # noqa: E402
 
 
 def parse(argv):

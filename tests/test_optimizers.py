@@ -8,8 +8,12 @@ import sys
 import pytest
 import torch
 
-from library.args.optimizer import add_optimizer_arguments, optimizer_options_from_args, scheduler_options_from_args
-from library.errors import ConfigError
+from library.cli.optimizer import (
+    add_optimizer_arguments,
+    optimizer_options_from_args,
+    scheduler_options_from_args,
+)
+from library.core.errors import ConfigError
 from library.train.optimizers import (
     OptimizerOptions,
     create_optimizer,

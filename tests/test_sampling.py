@@ -13,9 +13,20 @@ from safetensors.torch import load_file
 
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.sampling.generate import GenerationRequest, PromptOverrides, batches, generate_images, \
-    requests_from_prompts
-from library.sampling.output import contact_sheet, grid_file_name, read_png_text, sample_file_name, save_samples
+from library.sampling.generate import (
+    GenerationRequest,
+    PromptOverrides,
+    batches,
+    generate_images,
+    requests_from_prompts,
+)
+from library.sampling.output import (
+    contact_sheet,
+    grid_file_name,
+    read_png_text,
+    sample_file_name,
+    save_samples,
+)
 from library.sampling.prompt_weighting import apply_token_weights, weighted_windows
 from library.sampling.prompts import SamplePrompt
 from library.sampling.samplers import sampler_names

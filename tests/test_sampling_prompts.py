@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.sampling.prompt_weighting import parse_prompt_attention
 from library.sampling.prompts import SamplePrompt, load_prompts, parse_prompt_line
 from library.sampling.samplers import canonical_sampler, make_scheduler, sampler_names
@@ -125,7 +125,7 @@ def test_missing_prompt_file(tmp_path):
 
 
 def test_missing_prompt_file_is_named_once_with_its_flag(tmp_path, capsys):
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
     from tests.train_helpers import base_args, make_dataset
     from tools import generate
 
@@ -140,7 +140,7 @@ def test_missing_prompt_file_is_named_once_with_its_flag(tmp_path, capsys):
 
 def test_bad_prompt_file_fails_before_training(tmp_path, capsys):
     """The training script reports the line and exits 2 before any model is loaded."""
-    from library.train.cli import run_training
+    from library.cli.entry import run_training
     from tests.train_helpers import base_args, make_dataset
 
     data = make_dataset(str(tmp_path), n=1)

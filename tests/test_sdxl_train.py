@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from library.cli.entry import run_training
+from library.core.errors import ConfigError
 from library.data.captions import CaptionSettings
 from library.data.te_cache import (
     build_text_cache,
     check_text_cache_allowed,
     te_cache_path,
 )
-from library.errors import ConfigError
-from library.train.cli import run_training
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 UNET, TE1, TE2 = 722, 72, 192

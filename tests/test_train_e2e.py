@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from library.train.cli import run_training
+from library.cli.entry import run_training
 from library.train.trainer import InterruptedTraining, TrainingError
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

@@ -8,10 +8,10 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
+from library.cli.config_file import parse_with_config_file
+from library.cli.entry import build_parser, settings_from_args
 from library.families import get_family
-from library.train.cli import build_parser, settings_from_args
 from library.train.trainer import NetworkTrainer
-from library.args.config_file import parse_with_config_file
 
 
 def make_dataset(root: str, n: int = 4, sizes=((64, 64), (128, 64))) -> str:
@@ -46,7 +46,7 @@ def make_trainer(argv: list[str], family_name: str = "sd") -> NetworkTrainer:
     family = get_family(family_name)
     parser = build_parser("test", family)
     ns = parse_with_config_file(parser, argv)
-    return NetworkTrainer(family, settings_from_args(ns, family, parser))
+    return NetworkTrainer(family, settings_from_args(ns, family))
 
 
 def random_lora_file(family, components, path: str, seed: int = 0) -> str:

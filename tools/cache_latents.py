@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.train.cache_tools import run_cache_tool  # noqa: E402
+from library.cli.cache_tools import run_cache_tool  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.errors import UserError  # noqa: E402
-from library.train.cache_tools import run_cache_tool  # noqa: E402
+from library.cli.cache_tools import run_cache_tool  # noqa: E402
+from library.core.errors import UserError  # noqa: E402
 
 
 def _has_text_cache(family) -> None:

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from networks.lora_convert import LAYOUTS  # noqa: E402
+from library.families.lora_convert import LAYOUTS  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from library.train.metadata import save_lora_state_dict
-    from networks.lora_convert import convert, detect_layout
+    from library.core.metadata import save_lora_state_dict
+    from library.families.lora_convert import convert, detect_layout
     from networks.lora_files import parse_precision, read_state_dict
 
     dtype = parse_precision(args.save_precision)
@@ -46,7 +46,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

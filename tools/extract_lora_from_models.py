@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.args.flux import add_component_file_arguments  # noqa: E402
+from library.cli.flux import add_component_file_arguments  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from networks.lora_extract import ExtractOptions, extract_lora, text_encoder_included
+    from library.cli.flux import component_files
+    from networks.lora_extract import (
+        ExtractOptions,
+        extract_lora,
+        text_encoder_included,
+    )
     from networks.lora_files import dim_alpha_summary, parse_precision, save_lora_file
-    from library.args.flux import component_files
-    from networks.lora_models import load_model, lora_layers
+    from tools.lora_models import load_model, lora_layers
 
     opts = ExtractOptions(args.dim, args.conv_dim, args.clamp_quantile, args.min_diff, args.device, args.svd)
     opts.check()
@@ -75,7 +79,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from library.args.flux import add_component_file_arguments, component_files  # noqa: E402
-from library.errors import ConfigError, run_tool  # noqa: E402
+from library.cli.flux import add_component_file_arguments, component_files  # noqa: E402
+from library.cli.options import options_from_values  # noqa: E402
+from library.core.errors import ConfigError, run_tool  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
 
@@ -97,9 +98,10 @@ class GenerateOptions:
 
 def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     """Check the flags and read the prompts; ConfigError on anything wrong."""
-    from library.sampling.generate import PromptOverrides, network_specs
+    from library.sampling.generate import PromptOverrides
     from library.sampling.prompts import load_prompts, parse_prompt_line
     from library.sampling.samplers import canonical_sampler
+    from library.train.network_apply import network_specs
 
     if a.sdxl and a.flux:
         raise ConfigError("--sdxl and --flux: expected at most one")
@@ -144,10 +146,9 @@ def load_model(o: GenerateOptions):
     if type(family).generate is ModelFamily.generate:
         raise ConfigError(f"--{o.family}: image generation for {o.family} models is not implemented yet")
     device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if any(o.component_files.values()):
-        family.configure_from_args(o.component_files)
+    options = options_from_values(family.options_type, o.component_files)
     components = family.load(LoadOptions(o.ckpt, vae=o.vae, v2=o.v2, v_parameterization=o.v_parameterization,
-                                         dtype=o.dtype, vae_dtype=torch.float32))
+                                         dtype=o.dtype, vae_dtype=torch.float32, family_options=options))
     for module in [components.denoiser, *components.text_encoders]:
         if module.dtype != o.dtype:  # (diffusers warns on every .to() that names a dtype)
             module.to(dtype=o.dtype)
@@ -165,8 +166,9 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     `loaded` reuses a (family, components, device) from load_model; with `o.merge` the
     networks are merged into those weights for good.
     """
-    from library.sampling.generate import apply_networks, generate_images, requests_from_prompts
+    from library.sampling.generate import generate_images, requests_from_prompts
     from library.sampling.output import save_samples
+    from library.train.network_apply import apply_networks
 
     family, components, device = loaded or load_model(o)
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)

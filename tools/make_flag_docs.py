@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.cli.entry import build_parser  # noqa: E402
 from library.families import get_family  # noqa: E402
-from library.train.cli import build_parser  # noqa: E402
 
 
 def flag_tables(parser: argparse.ArgumentParser) -> str:

@@ -16,8 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.args.flux import add_component_file_arguments  # noqa: E402
-from library.errors import ConfigError  # noqa: E402
+from library.cli.flux import add_component_file_arguments  # noqa: E402
+from library.core.errors import ConfigError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +46,9 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
 
     `lbws`: one LoRA Block Weight list per model (svd_merge_lora's --lbws), multiplied into its ratio per block.
     """
+    from library.families.lora_convert import load_lora_file
     from networks.lora_block_weights import check_lbws, module_block_weights
-    from networks.lora_files import dim_alpha_summary, load_lora_file, save_lora_file, updated_metadata
+    from networks.lora_files import dim_alpha_summary, save_lora_file, updated_metadata
     from networks.lora_merge import WeightedLora, check_ratios, concat_merge, svd_merge
 
     ratios = check_ratios(models, ratios)
@@ -81,10 +82,10 @@ def run(argv=None) -> None:
         merge_lora_files(args.models, args.ratios, args.save_to, args.concat, args.new_rank, args.new_conv_rank,
                          dtype, args.device)
         return
-    from networks.lora_files import load_lora_file
+    from library.cli.flux import component_files
+    from library.families.lora_convert import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from library.args.flux import component_files
-    from networks.lora_models import load_model, lora_layers, save_model
+    from tools.lora_models import load_model, lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
     loras = [WeightedLora(load_lora_file(m).modules, r, m) for m, r in zip(args.models, ratios)]
@@ -95,7 +96,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.args.flux import add_component_file_arguments  # noqa: E402
+from library.cli.flux import add_component_file_arguments  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS  # noqa: E402
 
 
@@ -42,8 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from networks.lora_files import load_lora_file, parse_precision, save_lora_file, updated_metadata
-    from networks.lora_files import dim_alpha_summary
+    from library.families.lora_convert import load_lora_file
+    from networks.lora_files import (
+        dim_alpha_summary,
+        parse_precision,
+        save_lora_file,
+        updated_metadata,
+    )
     from networks.lora_resize import ResizeOptions, resize_comment, resize_modules
 
     opts = ResizeOptions(args.new_rank, args.new_conv_rank, args.dynamic_method, args.dynamic_param, args.device)
@@ -52,8 +57,8 @@ def run(argv=None) -> None:
     lora = load_lora_file(args.model)
     base = None
     if args.base_model:
-        from library.args.flux import component_files
-        from networks.lora_models import base_weights, load_model
+        from library.cli.flux import component_files
+        from tools.lora_models import base_weights, load_model
 
         base = base_weights(load_model(args.base_model, args.model_family, flags=component_files(args)))
     result = resize_modules(lora.modules, opts, base)
@@ -73,7 +78,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

@@ -34,7 +34,13 @@ def _decoded(metadata: dict) -> dict:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from networks.lora_files import load_lora_file, lycoris_algo, read_state_dict, summarize, summarize_lycoris
+    from library.families.lora_convert import load_lora_file
+    from networks.lora_files import (
+        lycoris_algo,
+        read_state_dict,
+        summarize,
+        summarize_lycoris,
+    )
 
     state, metadata = read_state_dict(args.model)
     print(json.dumps(_decoded(metadata), indent=2, sort_keys=True, ensure_ascii=False))
@@ -48,7 +54,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

@@ -45,7 +45,7 @@ def run(argv=None) -> None:
 
 
 def main(argv=None) -> int:
-    from library.errors import run_tool
+    from library.core.errors import run_tool
 
     return run_tool(run, argv)
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence, Union
 
-from library.errors import ConfigError, DataError
+from library.core.errors import ConfigError, DataError
 
 Size = tuple[int, int]
 

@@ -10,20 +10,25 @@ import hashlib
 import logging
 import os
 import random
-from typing import Optional, Union
+from typing import Optional, TypeVar, Union
 
-from library.args.dataset import DataOptions
+from library.core.errors import ConfigError, DataError
 from library.data.batching import Group, Placement, Sample, balance_reg_repeats
-from library.data.buckets import (BucketManager, ImageTooSmallError, check_fixed_resolution,
-                                  validate_bucket_settings)
+from library.data.buckets import (
+    BucketManager,
+    ImageTooSmallError,
+    check_fixed_resolution,
+    validate_bucket_settings,
+)
 from library.data.config import DatasetConfig, SubsetConfig, resolve_datasets
-from library.data.dataset import DataFamilyInfo, TrainingData
 from library.data.discovery import DiscoveredImage, discover_subset
 from library.data.image_scan import scan_image_sizes
+from library.data.options import DataOptions
+from library.data.plan import DataFamilyInfo, DatasetPlan
 from library.data.validation_split import split_for_validation
-from library.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
+P = TypeVar("P", bound=DatasetPlan)
 
 SIZE_CACHE_NAME = "image_size_cache.json"  # written in image_dir only when cache_info = true
 
@@ -128,8 +133,8 @@ def _warn_missing_captions(sub: SubsetConfig, count: int) -> None:
                        "empty caption", sub.where, count, sub.caption_extension)
 
 
-def build(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
-    """See library.data.dataset.build_training_data."""
+def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
+    """See library.data.dataset.build_training_data; the result is a `make` (a DatasetPlan class)."""
     resolved = resolve_datasets(opts)
     source = f"{opts.dataset_config}: " if resolved.from_config_file else ""
     _check_bucket_settings(resolved.datasets, family, source)
@@ -194,7 +199,7 @@ def build(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
             raise DataError(unique[0])
         raise DataError(f"{len(unique)} problems in the training data; fix them and start again:\n  "
                         + "\n  ".join(unique))
-    return TrainingData(opts=opts, family=family, seed=seed, datasets=resolved.datasets, subsets=subsets,
-                        samples=samples, groups=groups, group_resolution_index=group_res,
-                        from_config_file=resolved.from_config_file, num_train_images=counts["train"],
-                        num_reg_images=counts["reg"], num_validation_images=counts["val"])
+    return make(opts=opts, family=family, seed=seed, datasets=resolved.datasets, subsets=subsets,
+                samples=samples, groups=groups, group_resolution_index=group_res,
+                from_config_file=resolved.from_config_file, num_train_images=counts["train"],
+                num_reg_images=counts["reg"], num_validation_images=counts["val"])

@@ -12,15 +12,15 @@ import difflib
 import json
 import logging
 import os
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import tomllib
-
-from library.args.dataset import RESIZE_INTERPOLATIONS, DataOptions
+from library.core.errors import ConfigError
 from library.data import schema
 from library.data.captions import CaptionSettings
-from library.errors import ConfigError
+from library.data.folders import find_repeat_folders
+from library.data.options import RESIZE_INTERPOLATIONS, DataOptions
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,6 @@ def resolve_from_toml(path: str, opts: DataOptions) -> ResolvedConfig:
 
 def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
     """Folder mode: --train_data_dir (N_name subfolders) + --reg_data_dir, or --in_json fine-tune metadata."""
-    from library.data.discovery import find_repeat_folders
 
     errors = _Errors("")
     cli = _cli_values(opts, errors)

@@ -10,135 +10,35 @@ The loop's contract:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from library.args.dataset import DataOptions
-from library.data.batching import (BatchRef, Group, ResolutionSchedule, Sample, active_groups, chunk_group,
-                                   plan_epoch)
-from library.data.config import DatasetConfig, SubsetConfig
-from library.data.latent_cache import LatentCacheEntry
+from library.data.batching import BatchRef
+from library.data.building import build
+from library.data.latent_caching import cache_all_latents
+from library.data.loading import load_batch
+from library.data.metadata import dataset_metadata
+from library.data.options import DataOptions
+from library.data.plan import DataFamilyInfo, DatasetPlan
 
 
-@dataclass
-class DataFamilyInfo:
-    """What the data layer needs from the model family."""
-
-    bucket_reso_multiple: int = 64
-    latent_cache_arch: str = "_sd"
-    vae_scale_factor: int = 8
-    latent_channels: int = 4
-    # sd-scripts' newer caches (Flux) suffix every key with the latent size, `latents_<h>x<w>`, so one
-    # file holds an image at several resolutions; None keeps the plain SD/SDXL keys.
-    latent_cache_key_stride: Optional[int] = None
-
-    @classmethod
-    def from_family(cls, family) -> "DataFamilyInfo":
-        """From a library.families ModelFamily (its class attributes of the same names)."""
-        return cls(family.bucket_reso_multiple, family.latent_cache_arch, family.vae_scale_factor, family.latent_channels,
-                   getattr(family, "latent_cache_key_stride", None))
-
-
-@dataclass
-class TrainingData:
-    """Samples, bucket groups and caches of every dataset; plans and loads batches."""
-
-    opts: DataOptions
-    family: DataFamilyInfo
-    seed: int
-    datasets: list[DatasetConfig]
-    subsets: list[SubsetConfig]  # all subsets, flattened; Sample.subset indexes this
-    samples: list[Sample]
-    groups: list[Group]
-    group_resolution_index: list[int]  # index of each group's resolution in its dataset's list
-    from_config_file: bool
-    num_train_images: int = 0  # with repeats, as sd-scripts counts them
-    num_reg_images: int = 0
-    num_validation_images: int = 0
-    max_train_steps: int = 0
-    gradient_accumulation_steps: int = 1
-    schedule: ResolutionSchedule = field(default_factory=ResolutionSchedule)
-    latents: dict[tuple[int, int], LatentCacheEntry] = field(default_factory=dict)  # (sample id, group id)
-    latent_signatures: dict[tuple[int, int], str] = field(default_factory=dict)  # CacheSettings of each entry
-    bad_paths: set[str] = field(default_factory=set)  # failed to decode during caching
-
-    # --- planning -----------------------------------------------------------------
-    def plan(self, max_train_steps: int, gradient_accumulation_steps: int) -> None:
-        """Fix the step budget: token warmup fractions and the progressive resolution schedule depend on it."""
-        self.max_train_steps = max_train_steps
-        self.gradient_accumulation_steps = max(1, gradient_accumulation_steps)
-        progressive = {i: ds.resolution_step_fractions for i, ds in enumerate(self.datasets)
-                       if ds.resolution_schedule == "progressive"}
-        self.schedule = ResolutionSchedule.build(progressive, max_train_steps)
-
-    def bucketing(self, group: Group) -> bool:
-        return self.datasets[group.dataset].enable_bucket
-
-    def _active(self, step: int) -> list[int]:
-        return active_groups(self.groups, self.group_resolution_index, self.schedule, step)
-
-    def batches_per_epoch(self) -> int:
-        """Batches in a full epoch at the start of training (progressive: at the first resolution)."""
-        return sum(self.groups[g].num_batches() for g in self._active(0))
-
-    def epoch_batches(self, epoch: int, start_step: int) -> list[BatchRef]:
-        """The batches of `epoch` (1-based) starting at global step `start_step`; deterministic in (seed, epoch).
-
-        With a progressive schedule an epoch ends early where the resolution changes, so
-        the next epoch starts at the new resolution (an epoch never mixes resolutions).
-        """
-        boundary = self.schedule.next_boundary(start_step)
-        limit = (boundary - start_step) * self.gradient_accumulation_steps if boundary is not None else None
-        return plan_epoch(self.groups, self._active(start_step), self.seed, epoch, start_step,
-                          self.gradient_accumulation_steps, limit)
-
-    def num_epochs(self) -> int:
-        """Epochs needed to reach max_train_steps (after plan()); constant-length epochs unless progressive."""
-        step, epochs = 0, 0
-        while step < self.max_train_steps:
-            epochs += 1
-            n = len(self.epoch_batches(epochs, step))
-            if n == 0:
-                break
-            step += math.ceil(n / self.gradient_accumulation_steps)
-        return epochs
-
-    def validation_batches(self) -> list[BatchRef]:
-        """Fixed validation batches (repeats 1, no augmentation); empty without a split."""
-        refs: list[BatchRef] = []
-        for gid, group in enumerate(self.groups):
-            if not group.validation:
-                continue
-            for bucket, ids in chunk_group(group, None):
-                refs.append(BatchRef(epoch=0, index=len(refs), step=0, group=gid, bucket=bucket, samples=ids, validation=True))
-        return refs
-
-    def resolution_for_metadata(self) -> tuple[int, int]:
-        """(width, height) for modelspec.resolution: the largest resolution of the first dataset."""
-        return max(self.datasets[0].resolutions, key=lambda r: r[0] * r[1])
+class TrainingData(DatasetPlan):
+    """A DatasetPlan that loads its batches, caches its latents and describes itself in metadata."""
 
     # --- loading --------------------------------------------------------------------
     def load_batch(self, ref: BatchRef) -> Optional[dict]:
         """The tensors of one batch (see library/data/loading.py); None if none of its images could be decoded."""
-        from library.data.loading import load_batch
-
         return load_batch(self, ref)
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str, to_disk: bool,
                       batch_size: int, num_workers: int) -> None:
         """Encode every image once per bucket (and flipped when flip_aug); memory always, disk when `to_disk`."""
-        from library.data.latent_caching import cache_all_latents
-
         cache_all_latents(self, encode, vae_id, to_disk, batch_size, num_workers)
 
     # --- metadata ----------------------------------------------------------------------
     def metadata(self) -> dict[str, str]:
         """The dataset ss_* metadata (all values strings)."""
-        from library.data.metadata import dataset_metadata
-
         return dataset_metadata(self)
 
 
@@ -158,6 +58,4 @@ class BatchDataset(torch.utils.data.Dataset):
 
 def build_training_data(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
     """Discover, scan, split, bucket and validate every dataset; raise DataError/ConfigError listing all problems."""
-    from library.data.building import build
-
-    return build(opts, family)
+    return build(opts, family, TrainingData)

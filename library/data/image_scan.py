@@ -16,8 +16,8 @@ from typing import Optional
 
 from PIL import Image
 
+from library.core.io_utils import atomic_write_text
 from library.data.images import exif_orientation, oriented_size
-from library.io_utils import atomic_write_text
 
 CACHE_VERSION = 1
 PROGRESS_MIN_FILES = 300  # below this a progress bar is only noise

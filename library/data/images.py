@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
-from library.errors import ConfigError, DataError
+from library.core.errors import ConfigError, DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from library.io_utils import atomic_path
+from library.core.io_utils import atomic_path
 
 SETTINGS_KEY = "cache_settings"
 _SIZE_IN_NAME = re.compile(r"_(\d{4,})x(\d{4,})(_[A-Za-z0-9]+)?\.npz$")

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -21,12 +21,16 @@ from tqdm import tqdm
 
 from library.data.batching import Placement
 from library.data.images import ImageDecodeError, crop_ltrb_for, to_tensor
-from library.data.latent_cache import (CacheSettings, LatentCacheEntry, disk_cache_path, latent_key_suffix,
-                                       load_latent_cache, save_latent_cache)
+from library.data.latent_cache import (
+    CacheSettings,
+    LatentCacheEntry,
+    disk_cache_path,
+    latent_key_suffix,
+    load_latent_cache,
+    save_latent_cache,
+)
 from library.data.loading import load_and_crop
-
-if TYPE_CHECKING:
-    from library.data.dataset import TrainingData
+from library.data.plan import DatasetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ class CacheJob:
     key_suffix: str = ""
 
 
-def plan_cache_jobs(data: "TrainingData", vae_id: str, to_disk: bool) -> tuple[list[CacheJob], int]:
+def plan_cache_jobs(data: DatasetPlan, vae_id: str, to_disk: bool) -> tuple[list[CacheJob], int]:
     """Jobs for entries not valid in memory or on disk (valid disk entries are loaded); also the stale count."""
     f, channels = data.family.vae_scale_factor, data.family.latent_channels
     jobs, stale = [], 0
@@ -92,7 +96,7 @@ def batch_jobs(jobs: list[CacheJob], batch_size: int) -> list[list[CacheJob]]:
 class _DecodeBatches(torch.utils.data.Dataset):
     """Decodes and crops the images of one job batch (centre crop, no augmentation)."""
 
-    def __init__(self, data: "TrainingData", batches: list[list[CacheJob]]):
+    def __init__(self, data: DatasetPlan, batches: list[list[CacheJob]]):
         self.data, self.batches = data, batches
 
     def __len__(self) -> int:
@@ -122,9 +126,9 @@ def _check_shape(latents: torch.Tensor, n: int, expected: tuple[int, int, int]) 
         raise ValueError(f"encode returned latents of shape {tuple(latents.shape)}, expected {(n, *expected)}")
 
 
-def cache_all_latents(data: "TrainingData", encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str,
+def cache_all_latents(data: DatasetPlan, encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str,
                       to_disk: bool, batch_size: int, num_workers: int) -> None:
-    """See TrainingData.cache_latents."""
+    """See DatasetPlan.cache_latents."""
     jobs, stale = plan_cache_jobs(data, vae_id, to_disk)
     if stale:
         logger.info("%d latent cache files are stale (other settings, VAE or shape) and will be rebuilt", stale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -13,11 +13,19 @@ import torch
 from library.data.batching import BatchRef, Placement, Sample, sample_rng
 from library.data.captions import process_caption
 from library.data.config import SubsetConfig
-from library.data.images import (ImageDecodeError, color_augment, face_crop, flip_crop_ltrb, flip_horizontal, load_image,
-                                 parse_face_box, resize_and_crop_with_mask, resize_mask, to_tensor)
-
-if TYPE_CHECKING:
-    from library.data.dataset import TrainingData
+from library.data.images import (
+    ImageDecodeError,
+    color_augment,
+    face_crop,
+    flip_crop_ltrb,
+    flip_horizontal,
+    load_image,
+    parse_face_box,
+    resize_and_crop_with_mask,
+    resize_mask,
+    to_tensor,
+)
+from library.data.plan import DatasetPlan
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -67,8 +75,8 @@ def load_and_crop(sample: Sample, sub: SubsetConfig, place: Placement, bucketing
     return LoadedImage(image, mask, crop_ltrb)
 
 
-def load_batch(data: "TrainingData", ref: BatchRef) -> Optional[dict]:
-    """The batch dict of `ref` (see TrainingData.load_batch); None when no image of it could be loaded."""
+def load_batch(data: DatasetPlan, ref: BatchRef) -> Optional[dict]:
+    """The batch dict of `ref` (see DatasetPlan.load_batch); None when no image of it could be loaded."""
     group = data.groups[ref.group]
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 from library.data.captions import tag_frequency
-
-if TYPE_CHECKING:
-    from library.data.dataset import TrainingData
+from library.data.plan import DatasetPlan
 
 
 def _dumps(value) -> str:
@@ -20,7 +17,7 @@ def _dir_name(sub) -> str:
     return os.path.basename(os.path.normpath(sub.image_dir or sub.metadata_file or ""))
 
 
-def _subset_counts(data: "TrainingData") -> list[int]:
+def _subset_counts(data: DatasetPlan) -> list[int]:
     counts = [0] * len(data.subsets)
     for s in data.samples:
         if not s.is_validation:
@@ -28,7 +25,7 @@ def _subset_counts(data: "TrainingData") -> list[int]:
     return counts
 
 
-def _tag_frequency(data: "TrainingData", dataset: int) -> dict[str, dict[str, int]]:
+def _tag_frequency(data: DatasetPlan, dataset: int) -> dict[str, dict[str, int]]:
     """{dir name: {tag: count}} over the raw captions of the dataset's training images."""
     out: dict[str, dict[str, int]] = {}
     for i, sub in enumerate(data.subsets):
@@ -42,13 +39,13 @@ def _tag_frequency(data: "TrainingData", dataset: int) -> dict[str, dict[str, in
     return out
 
 
-def _dataset_dirs(data: "TrainingData", reg: bool) -> dict[str, dict[str, int]]:
+def _dataset_dirs(data: DatasetPlan, reg: bool) -> dict[str, dict[str, int]]:
     counts = _subset_counts(data)
     return {_dir_name(sub): {"n_repeats": sub.num_repeats, "img_count": counts[i]}
             for i, sub in enumerate(data.subsets) if sub.is_reg == reg}
 
 
-def _first_train_group(data: "TrainingData", dataset: int):
+def _first_train_group(data: DatasetPlan, dataset: int):
     return next(g for g in data.groups if g.dataset == dataset and not g.validation)
 
 
@@ -69,7 +66,7 @@ def _subset_entry(sub, count: int) -> dict:
     return entry
 
 
-def _datasets_json(data: "TrainingData") -> list[dict]:
+def _datasets_json(data: DatasetPlan) -> list[dict]:
     counts = _subset_counts(data)
     out = []
     first = 0  # subsets are flattened dataset by dataset
@@ -97,7 +94,7 @@ def _datasets_json(data: "TrainingData") -> list[dict]:
     return out
 
 
-def dataset_metadata(data: "TrainingData") -> dict[str, str]:
+def dataset_metadata(data: DatasetPlan) -> dict[str, str]:
     """ss_datasets (with a dataset config) or the flat keys (folder mode), plus counts; every value a string."""
     meta: dict[str, str] = {
         "ss_num_train_images": str(data.num_train_images),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from library.args.dataset import RESIZE_INTERPOLATIONS
+from library.data.options import RESIZE_INTERPOLATIONS
 
 
 class Expected(Exception):

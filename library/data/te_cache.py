@@ -16,16 +16,15 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from library.core.errors import ConfigError
+from library.core.io_utils import atomic_path
 from library.data.captions import CaptionSettings, process_caption
-from library.errors import ConfigError
-from library.families.base import TextConditioning
-from library.io_utils import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +131,10 @@ def final_captions(samples: Iterable, subsets: list, max_train_steps: int) -> li
     return out
 
 
-# Settings of every family that change the text encoders' outputs ("fp8_base": the encoders hold float8 weights).
-TEXT_OUTPUT_FLAGS = ("fp8_base",)
-
-
-def cache_source_id(model_path: str, dtype, flag_names: Iterable[str], flags: Mapping) -> str:
-    """What produced a cache entry: the model, its dtype, and the flags that change the outputs (e.g. fp8
+def cache_source_id(model_path: str, dtype, settings: Mapping[str, Any]) -> str:
+    """What produced a cache entry: the model, its dtype, and the settings that change the outputs (e.g. fp8
     weights, Flux's --t5xxl file, T5 length and attention mask), so changing any of them rebuilds the cache."""
-    extra = "".join(f"|{name}={flags.get(name)}" for name in flag_names)
+    extra = "".join(f"|{name}={value}" for name, value in settings.items())
     return f"{model_path}|{dtype}{extra}"
 
 
@@ -184,7 +179,7 @@ def build_text_cache(items: list[tuple[str, str]], encode: Encode, *, model_id: 
 
 
 def cached_conditioning(cache: Mapping[str, Mapping[str, torch.Tensor]], captions: list[str],
-                        device: torch.device) -> TextConditioning:
-    """Stack the cached outputs of a batch's captions into the TextConditioning encode_text would return."""
+                        device: torch.device) -> dict[str, torch.Tensor]:
+    """Stack the cached outputs of a batch's captions into the tensors encode_text would return."""
     entries = [cache[c] for c in captions]
-    return TextConditioning(tensors={k: torch.stack([e[k] for e in entries]).to(device) for k in entries[0]})
+    return {k: torch.stack([e[k] for e in entries]).to(device) for k in entries[0]}

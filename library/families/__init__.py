@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.families.base import ModelFamily
 
 

@@ -7,13 +7,17 @@ targets and their kohya names, and the strings written into metadata.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
-from library.errors import UserError
+from library.core.errors import UserError
+from library.objectives.noise import NoiseScheme
+from networks.lora_args import BlockLayout
+from networks.lora_targets import LoraTarget
 
 
 class ModelLoadError(UserError):
@@ -22,7 +26,7 @@ class ModelLoadError(UserError):
 
 @dataclass
 class LoadOptions:
-    """What a family needs to load a model (translated from flags in library/args/model.py)."""
+    """What a family needs to load a model (translated from flags in library/cli/model.py)."""
 
     pretrained_model_name_or_path: str
     vae: Optional[str] = None
@@ -31,6 +35,9 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     vae_dtype: torch.dtype = torch.float32
     tokenizer_cache_dir: Optional[str] = None
+    # The family's own options (an instance of its options_type; None: the defaults). Loading may need them
+    # (FLUX.1's --clip_l / --t5xxl / --ae) and the loaded Components carry them for every later call.
+    family_options: Any = None
 
 
 @dataclass
@@ -45,39 +52,9 @@ class Components:
     v2: bool = False
     model_path: str = ""  # what the user passed (for ss_sd_model_name and hashes)
     vae_path: Optional[str] = None
+    options: Any = None  # the family's options of this run (LoadOptions.family_options, defaults filled in)
 
 
-@dataclass
-class LoraTarget:
-    """One model part that receives LoRA modules.
-
-    Every nn.Linear / nn.Conv2d inside a submodule whose class name is in
-    `target_classes` gets a LoRA; `conv_target_classes` are added when conv_dim is
-    set. The kohya module name is `prefix + "_" + rename(path).replace(".", "_")`
-    where `path` is the dotted module path inside `root`.
-    """
-
-    prefix: str  # "lora_unet", "lora_te", "lora_te1", ...
-    root: nn.Module
-    target_classes: tuple[str, ...]
-    conv_target_classes: tuple[str, ...] = ()
-    is_text_encoder: bool = False
-    rename: Optional[Callable[[str], str]] = None  # diffusers path -> kohya path (SDXL: SGM names)
-    # Fused kohya modules (Flux `img_attn_qkv`, `linear1`): diffusers path -> the position of its
-    # output slice in the fused module named by `rename`, or None for an ordinary module. Modules
-    # that share a kohya name become one LoRA with a shared lora_down and one lora_up slice each.
-    fused_slot: Optional[Callable[[str], Optional[int]]] = None
-    # The prefix that modules of an external network (lycoris.kohya), which keep raw module paths under a
-    # fused target, get in saved files instead of `prefix` (Flux: "lycoris", which ComfyUI maps from
-    # diffusers paths onto its fused BFL weights). None: `prefix`.
-    external_prefix: Optional[str] = None
-    # An optional target: the --network_args key that turns it on (Flux: T5 by train_t5xxl, the layers outside
-    # the blocks by in_dims). A network built from a file (--dim_from_weights, generation, merging) takes every
-    # module the file has, whatever this says. None: always on.
-    enabled_by: Optional[str] = None
-    # The family's own networks.lora --network_args (networks/lora_rules.py NetworkArgRules: the keys it reads and
-    # the per-module dims / learning rates they give); the same object on each of the family's targets.
-    network_args: Optional[Any] = None
 
 
 @dataclass
@@ -87,50 +64,81 @@ class TextConditioning:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class ModelFamily:
-    """Base class; subclasses fill in the class attributes and methods."""
+@dataclass
+class NoOptions:
+    """The options of a family that declares none of its own."""
 
-    name: str = ""  # "sd1", "sd2", "sdxl", "flux"
-    latent_cache_arch: str = ""  # suffix of disk latent caches: "_sd", "_sdxl", "_flux"
+
+class ModelFamily(ABC):
+    """The interface of a model family. Families are stateless: what one run chose lives in its options
+    (an `options_type` instance), which `load` puts on the Components every later call receives.
+
+    Subclasses set the class attributes and implement the abstract methods; the others have defaults
+    that a family overrides where its model differs.
+    """
+
+    name: ClassVar[str] = ""  # "sd", "sdxl", "flux"
+    # The dataclass of this family's own options. Its fields (with help text in their metadata; nested
+    # dataclasses flattened) become the script's flags, named as the fields (library/cli/options.py).
+    options_type: ClassVar[type] = NoOptions
+    latent_cache_arch: ClassVar[str] = ""  # suffix of disk latent caches: "_sd", "_sdxl", "_flux"
     # Disk latent keys carry the latent size, `latents_<h>x<w>` (h, w = bucket size / this stride), as
     # sd-scripts' Flux caches do; None: plain `latents` keys (SD, SDXL).
-    latent_cache_key_stride: Optional[int] = None
-    latent_channels: int = 4
-    vae_scale_factor: int = 8
-    latents_scale: float = 0.18215  # applied at train time; caches hold unscaled latents
-    latents_shift: float = 0.0
-    bucket_reso_multiple: int = 64  # bucket_reso_steps must be a multiple of this
-    # This family's own flags that change what the text encoders output (part of the text-cache validity key).
-    text_cache_flags: tuple[str, ...] = ()
-    # This family's own flags that name or change the VAE (part of the latent-cache validity key).
-    latent_cache_flags: tuple[str, ...] = ()
+    latent_cache_key_stride: ClassVar[Optional[int]] = None
+    latent_channels: ClassVar[int] = 4
+    vae_scale_factor: ClassVar[int] = 8
+    latents_scale: ClassVar[float] = 0.18215  # applied at train time; caches hold unscaled latents
+    latents_shift: ClassVar[float] = 0.0
+    bucket_reso_multiple: ClassVar[int] = 64  # bucket_reso_steps must be a multiple of this
+    # Whether the script takes --cache_text_encoder_outputs (SDXL, FLUX.1), and the suffix of its disk files
+    # beside each image (None: `_te_outputs.npz`).
+    supports_text_cache: ClassVar[bool] = False
+    text_cache_suffix: ClassVar[Optional[str]] = None
     # The TextConditioning keys each text encoder produces, in encoder order. Given, the outputs of frozen
     # encoders can be cached while another one trains (Flux: T5 cached, CLIP-L trained, as sd-scripts
     # allows); empty: the outputs are cached all together or not at all.
-    text_encoder_outputs: tuple[tuple[str, ...], ...] = ()
-    # This family's own flags that saved LoRAs mirror as ss_<flag> metadata.
-    metadata_flags: tuple[str, ...] = ()
+    text_encoder_outputs: ClassVar[tuple[tuple[str, ...], ...]] = ()
     # Why a --network_module other than networks.lora (e.g. lycoris.kohya) cannot train this family; None: it can.
-    external_networks_unsupported: Optional[str] = None
+    external_networks_unsupported: ClassVar[Optional[str]] = None
     # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
     # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
-    lycoris_module_aliases: tuple[tuple[str, str], ...] = ()
+    lycoris_module_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
 
-    # --- flags ---------------------------------------------------------------
-    def configure_from_args(self, flags: dict) -> None:
-        """Read and check this family's own flags (those its add_arguments adds) before anything loads."""
+    # --- options ---------------------------------------------------------------
+    def options(self, components: Components) -> Any:
+        """The run's options carried by `components` (the defaults when loaded without any)."""
+        return components.options if components.options is not None else self.options_type()
+
+    def check_options(self, options: Any, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
+                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
+                      zero_terminal_snr: bool = False) -> None:
+        """Check this family's options against the rest of the run before anything loads (one-line ConfigError)."""
+
+    def latent_cache_values(self, options: Any) -> dict[str, Any]:
+        """The options that change what the VAE outputs (part of the latent-cache validity key)."""
+        return {}
+
+    def text_cache_values(self, options: Any) -> dict[str, Any]:
+        """The options that change what the text encoders output (part of the text-cache validity key)."""
+        return {}
+
+    def metadata_values(self, options: Any) -> dict[str, Any]:
+        """The options that saved LoRAs record, as ss_<name> metadata."""
+        return {}
 
     # --- loading -----------------------------------------------------------
+    @abstractmethod
     def load(self, opts: LoadOptions) -> Components:
-        raise NotImplementedError
+        """Load every part; the Components carry `opts.family_options` (or the defaults) as `options`."""
 
     # --- text --------------------------------------------------------------
+    @abstractmethod
     def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
         """One LongTensor per tokenizer, shape (B, n_chunks * 77) for CLIP families."""
-        raise NotImplementedError
 
+    @abstractmethod
     def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
-        raise NotImplementedError
+        """The conditioning tensors of tokenized captions."""
 
     def encode_text_with(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int],
                          encoders: frozenset[int]) -> TextConditioning:
@@ -158,13 +166,14 @@ class ModelFamily:
         return (latents - self.latents_shift) * self.latents_scale
 
     # --- denoising -----------------------------------------------------------
-    def noise_scheme(self, components: Components, **options: Any):
-        """The noise/timestep scheme (library/train/noise.py) this family trains with."""
-        raise NotImplementedError
+    @abstractmethod
+    def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> NoiseScheme:
+        """The noise/timestep scheme (library/objectives) this family trains with."""
 
+    @abstractmethod
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
-        raise NotImplementedError
+        """The denoiser's output for a batch, in the latent layout of `noisy_latents`."""
 
     # --- generation ------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
@@ -174,8 +183,17 @@ class ModelFamily:
         raise NotImplementedError(f"{self.name}: image generation is not implemented for this family yet")
 
     # --- LoRA ----------------------------------------------------------------
+    @abstractmethod
     def lora_targets(self, components: Components) -> list[LoraTarget]:
-        raise NotImplementedError
+        """The model parts that receive LoRA modules, with their kohya names (networks/lora_targets.py)."""
+
+    def lora_block_layout(self) -> Optional[BlockLayout]:
+        """The block layout of block_dims / block lr weights for networks.lora; None: SD's."""
+        return None
+
+    def convert_lora_state_dict(self, state_dict: dict) -> dict:
+        """A LoRA state dict in this family's kohya naming (e.g. a diffusers-named SDXL file renamed to SGM)."""
+        return state_dict
 
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
@@ -192,13 +210,13 @@ class ModelFamily:
         raise NotImplementedError(f"model family {self.name!r} cannot save checkpoints yet")
 
     # --- metadata --------------------------------------------------------------
+    @abstractmethod
     def base_model_version(self, components: Components) -> str:
         """ss_base_model_version: sd_v1, sd_v2, sd_v2_v, sdxl_base_v1-0, flux1."""
-        raise NotImplementedError
 
+    @abstractmethod
     def modelspec_architecture(self, components: Components, resolution: int) -> str:
         """modelspec.architecture without the '/lora' suffix."""
-        raise NotImplementedError
 
     def modelspec_implementation(self) -> str:
         return "diffusers"

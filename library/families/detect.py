@@ -7,6 +7,8 @@ import json
 import os
 from typing import Iterable, Optional
 
+from library.families import flux_configs, sd_configs, sdxl_configs
+
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
     ("conditioner.embedders.", "sdxl"),
@@ -17,7 +19,6 @@ _SINGLE_FILE_MARKERS = (
 
 
 def _preset_family(path: str) -> Optional[str]:
-    from library.families import flux_configs, sd_configs, sdxl_configs
 
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS)):
         if path in presets:

@@ -15,9 +15,31 @@ from typing import Any, Optional
 
 import torch
 
-from library.families.base import Components, LoadOptions, LoraTarget, ModelFamily, TextConditioning
-from library.families.flux_configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR, LATENT_CHANNELS
-from library.families.sd import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+from library.core.errors import ConfigError, warn_once
+from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+from library.families.flux_configs import (
+    AE_SCALING_FACTOR,
+    AE_SHIFT_FACTOR,
+    LATENT_CHANNELS,
+)
+from library.families.flux_generate import generate_flux
+from library.families.flux_loading import (
+    block_counts,
+    check_model_source,
+    load_flux_components,
+)
+from library.families.flux_lora_names import (
+    T5_TARGETS,
+    TRANSFORMER_TARGETS,
+    bfl_module_path,
+    fused_slot,
+)
+from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
+from library.families.flux_options import FluxOptions
+from library.families.flux_saving import save_flux_bfl_file, save_flux_diffusers_folder
+from library.objectives.flow import FlowMatchScheme, check_flow_compatible
+from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +74,6 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     """(double, single) blocks that --blocks_to_swap N swaps: N//2 and 2·(N − N//2), as sd-scripts;
     a one-line ConfigError when the model has fewer."""
-    from library.errors import ConfigError
 
     fits = [n for n in range(1, 2 * (double + single) + 1) if n // 2 <= double and 2 * (n - n // 2) <= single]
     if num_swap not in fits:
@@ -65,12 +86,9 @@ def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
-    text_cache_flags = ("clip_l", "t5xxl", "t5xxl_max_token_length", "apply_t5_attn_mask")
+    options_type = FluxOptions
+    supports_text_cache = True
     text_encoder_outputs = (("l_pooled",), ("t5_out", "txt_ids", "t5_attn_mask"))
-    latent_cache_flags = ("ae",)
-    metadata_flags = ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "weighting_scheme", "logit_mean",
-                      "logit_std", "mode_scale", "model_prediction_type", "guidance_scale", "t5xxl_max_token_length",
-                      "apply_t5_attn_mask")
     # LyCORIS presets name the BFL block classes of sd-scripts' own Flux model; diffusers' blocks hold
     # the same layers (q/k/v separate), so a preset's targets are extended by these classes.
     lycoris_module_aliases = (("DoubleStreamBlock", "FluxTransformerBlock"),
@@ -90,61 +108,59 @@ class FluxFamily(ModelFamily):
     bucket_reso_multiple = 32  # as sd-scripts (the 2x2 packing alone needs 16)
     text_cache_suffix = "_flux_te.npz"
 
-    def __init__(self) -> None:
-        from library.args.flux import FluxOptions
-        from library.train.flow import FlowOptions
-
-        self.options = FluxOptions()
-        self.flow = FlowOptions()
-        self._warned_text_flags = False
-
-    # --- flags ---------------------------------------------------------------------
-    def add_arguments(self, parser) -> None:
-        """Flux scripts take the flow-matching, FLUX.1 and text-encoder cache flags."""
-        from library.args.flow import add_flow_arguments
-        from library.args.flux import add_flux_arguments
-        from library.args.text_cache import add_text_cache_arguments
-
-        add_flow_arguments(parser)
-        add_flux_arguments(parser)
-        add_text_cache_arguments(parser)
-
-    def configure_from_args(self, flags: dict) -> None:
-        from library.args.flow import flow_options_from_args
-        from library.args.flux import flux_options_from_args
-
-        self.flow = flow_options_from_args(flags)
-        self.options = flux_options_from_args(flags)
-        path = flags.get("pretrained_model_name_or_path")
-        if path:  # a missing --clip_l / --t5xxl / --ae or too many blocks to swap: named now, not after the data scan
-            from library.families.flux_loading import block_counts, check_model_source
-
-            check_model_source(path, self.options)
-            counts = block_counts(path) if flags.get("blocks_to_swap") else None
+    # --- options ---------------------------------------------------------------------
+    def check_options(self, options: FluxOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
+                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
+                      zero_terminal_snr: bool = False) -> None:
+        """DDPM-only flags, a missing --clip_l / --t5xxl / --ae or too many blocks to swap: named now, before the
+        data scan (block counts come from the preset, config.json or the file header; no weights are read)."""
+        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
+        path = model.pretrained_model_name_or_path
+        if path:
+            check_model_source(path, options)
+            counts = block_counts(path) if blocks_to_swap else None
             if counts:
-                swap_split(flags["blocks_to_swap"], *counts)
+                swap_split(blocks_to_swap, *counts)
+
+    def latent_cache_values(self, options: FluxOptions) -> dict[str, Any]:
+        return {"ae": options.ae}
+
+    def text_cache_values(self, options: FluxOptions) -> dict[str, Any]:
+        return {"clip_l": options.clip_l, "t5xxl": options.t5xxl,
+                "t5xxl_max_token_length": options.t5xxl_max_token_length,
+                "apply_t5_attn_mask": options.apply_t5_attn_mask}
+
+    def metadata_values(self, options: FluxOptions) -> dict[str, Any]:
+        flow = options.flow
+        return {"timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
+                "discrete_flow_shift": flow.discrete_flow_shift, "weighting_scheme": flow.weighting_scheme,
+                "logit_mean": flow.logit_mean, "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
+                "model_prediction_type": flow.model_prediction_type, "guidance_scale": options.guidance_scale,
+                "t5xxl_max_token_length": options.t5xxl_max_token_length,
+                "apply_t5_attn_mask": options.apply_t5_attn_mask}
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:flux, random:flux-dev, random:flux-schnell), a FLUX.1 diffusers folder, or a BFL
         single-file transformer with --clip_l / --t5xxl / --ae (which otherwise replace those parts)."""
-        from library.families.flux_loading import load_flux_components
-
-        return load_flux_components(opts, self.options)
+        options = opts.family_options if opts.family_options is not None else FluxOptions()
+        components = load_flux_components(opts, options)
+        components.options = options
+        return components
 
     # --- text --------------------------------------------------------------------------
     def t5_token_length(self, components: Components) -> int:
         """--t5xxl_max_token_length, or sd-scripts' default: 512 for dev (guidance) and 256 for schnell."""
-        if self.options.t5xxl_max_token_length:
-            return self.options.t5xxl_max_token_length
+        length = self.options(components).t5xxl_max_token_length
+        if length:
+            return length
         return 512 if components.denoiser.config.guidance_embeds else 256
 
     def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
         """[CLIP ids (B, 77), T5 ids (B, L), T5 attention mask (B, L)]."""
-        if max_token_length not in (None, 75) and not self._warned_text_flags:
-            logger.warning("--max_token_length is ignored for FLUX.1: CLIP-L reads 77 tokens; "
-                           "use --t5xxl_max_token_length for T5")
-            self._warned_text_flags = True
+        if max_token_length not in (None, 75):
+            warn_once(logger, "--max_token_length is ignored for FLUX.1: CLIP-L reads 77 tokens; "
+                              "use --t5xxl_max_token_length for T5")
         clip_tok, t5_tok = components.tokenizers
         clip = clip_tok(captions, padding="max_length", truncation=True, max_length=CLIP_TOKENS,
                         return_tensors="pt").input_ids
@@ -165,7 +181,7 @@ class FluxFamily(ModelFamily):
             out["l_pooled"] = clip(clip_ids.to(clip.device), return_dict=True).pooler_output
         if 1 in encoders:
             mask = t5_mask.to(t5.device)
-            t5_out = t5(t5_ids.to(t5.device), attention_mask=mask if self.options.apply_t5_attn_mask else None,
+            t5_out = t5(t5_ids.to(t5.device), attention_mask=mask if self.options(components).apply_t5_attn_mask else None,
                         return_dict=True).last_hidden_state
             out["t5_out"] = t5_out
             out["txt_ids"] = torch.zeros(t5_out.shape[0], t5_out.shape[1], 3, device=t5_out.device, dtype=t5_out.dtype)
@@ -183,14 +199,13 @@ class FluxFamily(ModelFamily):
         return (latents - (self.ae_shift if shift is None else shift)) * scale
 
     # --- denoising -------------------------------------------------------------------------
-    def noise_scheme(self, components: Components, **options: Any):
-        from library.train.flow import FlowMatchScheme
-
-        return FlowMatchScheme(self.flow)
+    def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:
+        return FlowMatchScheme(self.options(components).flow)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
         model = components.denoiser
+        options = self.options(components)
         t = text.tensors
         dtype, device = noisy_latents.dtype, noisy_latents.device
         b, _, h, w = noisy_latents.shape
@@ -200,9 +215,9 @@ class FluxFamily(ModelFamily):
             # batch["guidance"] (B,): a per-call value (generation's --g); else --guidance_scale
             given = batch.get("guidance")
             guidance = given.to(device, dtype) if given is not None else \
-                torch.full((b,), self.options.guidance_scale, device=device, dtype=dtype)
+                torch.full((b,), options.guidance_scale, device=device, dtype=dtype)
         kwargs = None
-        if self.options.apply_t5_attn_mask:
+        if options.apply_t5_attn_mask:
             # One boolean mask over the joint [text, image] sequence; image tokens always attend.
             mask = torch.cat([t["t5_attn_mask"].to(device).bool(),
                               torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=device)], dim=1)
@@ -218,7 +233,6 @@ class FluxFamily(ModelFamily):
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
         """Flow-match Euler generation (library/families/flux_generate.py); clip_skip does not apply."""
-        from library.families.flux_generate import generate_flux
 
         return generate_flux(self, components, requests, device or components.denoiser.device)
 
@@ -229,8 +243,6 @@ class FluxFamily(ModelFamily):
         (library/families/flux_network_args.py)."""
         from dataclasses import replace
 
-        from library.families.flux_lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
-        from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
 
         transformer = components.denoiser
         encoders = list(components.text_encoders) + [None] * (2 - len(components.text_encoders))
@@ -250,7 +262,6 @@ class FluxFamily(ModelFamily):
     def t5_lora_target(self, components: Components) -> LoraTarget:
         """The T5 target (`lora_te3_encoder_block_N_...`) on its own, always on; lora_targets has it behind
         sd-scripts' `train_t5xxl=True`."""
-        from library.families.flux_lora_names import T5_TARGETS
 
         return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
 
@@ -259,11 +270,9 @@ class FluxFamily(ModelFamily):
         """A `.safetensors` path: the transformer alone in the BFL layout (as flux1-dev.safetensors; CLIP-L, T5
         and the AE are not written). Any other path: a diffusers folder with every part."""
         if path.lower().endswith((".safetensors", ".ckpt")):
-            from library.families.flux_saving import save_flux_bfl_file
 
             save_flux_bfl_file(components.denoiser, path, dtype)
             return
-        from library.families.flux_saving import save_flux_diffusers_folder
 
         clip, t5 = components.text_encoders
         parts = {"transformer": components.denoiser, "vae": components.vae, "text_encoder": clip,

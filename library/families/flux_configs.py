@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from library.families.sd_configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config
+from library.families.sd_configs import (
+    NORM_GROUPS,
+    REAL_VOCAB_SIZE,
+    text_encoder_config,
+)
+from library.families.tiny import build_seeded, build_tokenizer
 
 # The FLUX.1 autoencoder's own latent normalisation (diffusers' vae config of black-forest-labs/FLUX.1-dev).
 AE_SCALING_FACTOR = 0.3611
@@ -108,7 +113,14 @@ def _t5_vocab() -> tuple[tuple[str, float], ...]:
 
 def build_t5_tokenizer():
     """A small local T5 tokenizer (SentencePiece-style Unigram, lower-cased; appends </s>)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import T5TokenizerFast
 
     core = Tokenizer(models.Unigram(list(_t5_vocab()), unk_id=2, byte_fallback=False))
@@ -131,7 +143,6 @@ def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
 
-    from library.families.tiny import build_seeded, build_tokenizer
 
     p = PRESETS[name]
     clip_tok, t5_tok = build_tokenizer(False), build_t5_tokenizer()

@@ -22,8 +22,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.families.sd_generate import borrowed_on
+from library.objectives.flow import flux_shift_mu, time_shift
+from library.sampling.generate import GeneratedImage
+from library.sampling.samplers import sampler_spec
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,6 @@ DEFAULT_SAMPLER = "flow_euler"
 SIZE_MULTIPLE = 16  # VAE factor 8 times the 2x2 patch packing
 MIN_SIZE = 64
 
-_warned_samplers: set[str] = set()
 
 
 def _flow_sampler(name: Optional[str]) -> str:
@@ -45,16 +48,13 @@ def _flow_sampler(name: Optional[str]) -> str:
     sd-scripts ignores --sample_sampler for FLUX.1; a DDPM sampler name (say from a shared
     prompt file) is therefore replaced rather than an error in the middle of training.
     """
-    from library.sampling.samplers import sampler_spec
 
     if not name:
         return DEFAULT_SAMPLER
     spec = sampler_spec(name)
     if spec.kind == "flow":
         return spec.name
-    if spec.name not in _warned_samplers:
-        logger.warning("sampler %r does not apply to FLUX.1 (a flow model); using %s", name, DEFAULT_SAMPLER)
-        _warned_samplers.add(spec.name)
+    warn_once(logger, f"sampler {name!r} does not apply to FLUX.1 (a flow model); using {DEFAULT_SAMPLER}")
     return DEFAULT_SAMPLER
 
 
@@ -74,7 +74,6 @@ def resolve_flux_request(request):
 
 def flux_sigmas(steps: int, image_tokens: int, shift: bool) -> torch.Tensor:
     """steps + 1 σ from 1 down to 0, time-shifted for `image_tokens` packed patches when `shift`."""
-    from library.train.flow import flux_shift_mu, time_shift
 
     sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
     if shift:
@@ -113,7 +112,6 @@ def generate_flux(family: ModelFamily, components: Components, requests: list, d
     """Denoise one batch of requests that share size, steps, scale, guidance and sampler."""
     from PIL import Image
 
-    from library.sampling.generate import GeneratedImage
 
     resolved = [resolve_flux_request(r) for r in requests]
     first = resolved[0]

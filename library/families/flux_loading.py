@@ -17,9 +17,35 @@ from typing import Callable, Optional
 
 import torch
 
+from library.core.tensors import aligned
+from library.families import flux_bfl_layout as bfl
+from library.families import ldm_layout as ldm
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_configs import PRESETS, build_flux_modules
-from library.families.loading import classify_source, load_folder_parts
+from library.families.detect import describe_keys
+from library.families.flux_bfl_layout import (
+    FLOAT8_DTYPES,
+    block_count,
+    clip_l_from_file,
+    t5_from_file,
+    transformer_tensors,
+    upcast_float8,
+)
+from library.families.flux_configs import (
+    LATENT_CHANNELS,
+    PRESETS,
+    build_flux_modules,
+    build_t5_tokenizer,
+    flux_vae_config,
+    t5_config,
+)
+from library.families.loading import (
+    classify_source,
+    find_tokenizer,
+    infer_vae_config,
+    load_folder_parts,
+    load_vae,
+)
+from library.families.sd_configs import text_encoder_config
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -61,8 +87,6 @@ def _read_file(label: str, path: str, expected: str, holds: Callable[[list[str]]
     """
     from safetensors import safe_open
 
-    from library.families.detect import describe_keys
-    from library.families.flux_bfl_layout import FLOAT8_DTYPES, upcast_float8
 
     if not os.path.isfile(path):
         raise ModelLoadError(f"{label}: {path} does not exist")
@@ -102,7 +126,7 @@ def _adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) 
     if wrong is not None:
         raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
                              f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
-    model.load_state_dict({k: state_dict[k] for k in wanted}, strict=True, assign=True)
+    model.load_state_dict(aligned({k: state_dict[k] for k in wanted}), strict=True, assign=True)
     return model.eval()
 
 
@@ -112,7 +136,6 @@ def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: s
     """FluxTransformer2DModel from a BFL single file (flux1-dev / flux1-schnell layout, any precision)."""
     from diffusers import FluxTransformer2DModel
 
-    from library.families import flux_bfl_layout as bfl
 
     tensors = _read_file(label, path, "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)",
                          lambda keys: any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks."))
@@ -131,9 +154,6 @@ def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_ca
 
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from library.families.flux_bfl_layout import clip_l_from_file
-    from library.families.loading import find_tokenizer
-    from library.families.sd_configs import text_encoder_config
 
     label = "--clip_l"
     raw = _read_file(label, path, _COMPONENT_FLAGS[0][2],
@@ -161,8 +181,6 @@ def load_t5xxl_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cac
 
     from transformers import T5EncoderModel
 
-    from library.families.flux_bfl_layout import t5_from_file
-    from library.families.flux_configs import t5_config
 
     label = "--t5xxl"
     ckpt = t5_from_file(_read_file(label, path, _COMPONENT_FLAGS[1][2],
@@ -191,7 +209,6 @@ def find_t5_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path:
     """The local tiny T5 tokenizer for the tiny encoder, else T5-XXL's from --tokenizer_cache_dir or the HF cache."""
     from transformers import T5TokenizerFast
 
-    from library.families.flux_configs import build_t5_tokenizer
 
     tiny = build_t5_tokenizer()
     if vocab_size == len(tiny):
@@ -215,9 +232,6 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKL from BFL's ae.safetensors (LDM VAE keys without prefix, 16 latent channels)."""
     from diffusers import AutoencoderKL
 
-    from library.families import ldm_layout as ldm
-    from library.families.flux_configs import LATENT_CHANNELS, flux_vae_config
-    from library.families.loading import infer_vae_config
 
     label = "--ae"
     ckpt = _read_file(label, path, _COMPONENT_FLAGS[2][2],
@@ -266,7 +280,6 @@ def block_counts(path: str) -> Optional[tuple[int, int]]:
     loading weights; None when the path cannot tell (the loader then reports what is wrong)."""
     import json
 
-    from library.families.flux_bfl_layout import block_count, transformer_tensors
 
     try:
         kind = flux_source_kind(path)
@@ -295,7 +308,7 @@ def check_model_source(path: str, files) -> None:
 def load_flux_components(opts: LoadOptions, files=None) -> Components:
     """Components of a FLUX.1 model: denoiser = transformer, text encoders = [CLIP-L, T5].
 
-    `files` carries the --clip_l / --t5xxl / --ae paths (library.args.flux.FluxOptions):
+    `files` carries the --clip_l / --t5xxl / --ae paths (library.families.flux_options.FluxOptions):
     required with a BFL single file, replacing that part of a preset or a diffusers folder.
     """
     path = opts.pretrained_model_name_or_path
@@ -308,7 +321,6 @@ def load_flux_components(opts: LoadOptions, files=None) -> Components:
         parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path, skip=set(replaced))
         parts.update(replaced)
     if opts.vae:
-        from library.families.loading import load_vae
 
         parts["vae"] = load_vae(opts.vae)
     for key, dtype in (("transformer", opts.dtype), ("text_encoder", opts.dtype), ("text_encoder_2", opts.dtype),

@@ -22,10 +22,19 @@ from typing import Mapping, Optional
 
 from torch import nn
 
-from library.errors import ConfigError
-from library.families.base import LoraTarget
-from library.families.flux_lora_names import OUTSIDE_BLOCKS, bfl_path, outside_block_name
-from networks.lora_rules import RegexValues, parse_bool, parse_number, parse_regex_values
+from library.core.errors import ConfigError
+from library.families.flux_lora_names import (
+    OUTSIDE_BLOCKS,
+    bfl_path,
+    outside_block_name,
+)
+from networks.lora_rules import (
+    RegexValues,
+    parse_bool,
+    parse_number,
+    parse_regex_values,
+)
+from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
 

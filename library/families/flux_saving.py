@@ -9,9 +9,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from library.errors import UserError
+from library.core.errors import UserError
+from library.core.io_utils import save_safetensors_atomic
+from library.families import ldm_layout as ldm
+from library.families.flux_bfl_layout import (
+    clip_l_to_file,
+    diffusers_to_bfl,
+    t5_to_file,
+)
+from library.families.flux_configs import build_flux_modules
 from library.families.sd_saving import write_diffusers_folder
-from library.io_utils import save_safetensors_atomic
 
 # As FluxPipeline.save_pretrained writes it, without importing the pipeline.
 _MODEL_INDEX = {
@@ -47,7 +54,6 @@ def save_flux_bfl_file(transformer: nn.Module, path: str, dtype: Optional[torch.
 
     CLIP-L, T5 and the AE are not part of such a file; load it back with --clip_l / --t5xxl / --ae.
     """
-    from library.families.flux_bfl_layout import diffusers_to_bfl
 
     if not path.lower().endswith(".safetensors"):
         raise UserError(f"{path}: a FLUX.1 single file is written as .safetensors only (or give a folder "
@@ -61,8 +67,6 @@ COMPONENT_FILES = {"clip_l": "clip_l.safetensors", "t5xxl": "t5xxl.safetensors",
 
 def save_flux_component_files(parts: dict, folder: str) -> dict[str, str]:
     """Write CLIP-L, T5 and the AE as the separate files --clip_l / --t5xxl / --ae take; {flag: path}."""
-    from library.families import ldm_layout as ldm
-    from library.families.flux_bfl_layout import clip_l_to_file, t5_to_file
 
     vae_state = parts["vae"].state_dict()
     states = {"clip_l": clip_l_to_file(parts["text_encoder"].state_dict()),
@@ -79,7 +83,6 @@ def write_flux_preset(preset: str, out: str, single_file: bool = False) -> dict[
     """Build a preset ("tiny:flux") and write it: a diffusers folder, or with `single_file` the BFL transformer
     plus clip_l / t5xxl / ae files next to it. `out` is then a .safetensors name or a folder (which gets
     flux1-tiny.safetensors). Returns {"transformer" | "clip_l" | "t5xxl" | "ae" | "folder": path}."""
-    from library.families.flux_configs import build_flux_modules
 
     parts = build_flux_modules(preset)
     if not single_file:

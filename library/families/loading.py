@@ -15,9 +15,15 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from library.core.tensors import aligned
 from library.families import ldm_layout as ldm
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.sd_configs import PRESETS, text_encoder_config, unet_config, vae_config
+from library.families.sd_configs import (
+    PRESETS,
+    text_encoder_config,
+    unet_config,
+    vae_config,
+)
 from library.families.tiny import build_sd_modules, build_tokenizer, tiny_vocab_size
 
 logger = logging.getLogger(__name__)
@@ -198,7 +204,7 @@ def _materialize(factory, convert) -> torch.nn.Module:
     with init_empty_weights(include_buffers=False):
         model = factory()
     shapes = {k: v.shape for k, v in model.state_dict().items()}
-    model.load_state_dict(convert(shapes), strict=True, assign=True)
+    model.load_state_dict(aligned(convert(shapes)), strict=True, assign=True)
     return model.eval()
 
 

@@ -22,6 +22,15 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.clip_text import encode_token_chunks
+from library.sampling.generate import GeneratedImage
+from library.sampling.prompt_weighting import (
+    apply_token_weights,
+    chunk_count,
+    tokens_with_weights,
+    weighted_windows,
+)
+from library.sampling.samplers import make_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +72,6 @@ def resolve_request(request, default_size: int = DEFAULT_SIZE):
 def encode_prompts(components: Components, texts: list[str], clip_skip: Optional[int],
                    device: torch.device) -> torch.Tensor:
     """Weighted, chunked CLIP states (B, n*75+2, D) for texts that share one window count."""
-    from library.families.sd import encode_token_chunks
-    from library.sampling.prompt_weighting import apply_token_weights, chunk_count, tokens_with_weights, \
-        weighted_windows
 
     tokenizer, text_encoder = components.tokenizers[0], components.text_encoders[0]
     window = tokenizer.model_max_length
@@ -127,8 +133,6 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
     """
     from PIL import Image
 
-    from library.sampling.generate import GeneratedImage
-    from library.sampling.samplers import make_scheduler
 
     resolved = [resolve(r) for r in requests]
     first = resolved[0]

@@ -12,8 +12,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from library.core.io_utils import atomic_directory, atomic_path, save_safetensors_atomic
 from library.families import ldm_layout as ldm
-from library.io_utils import atomic_directory, atomic_path, save_safetensors_atomic
+from library.families.sd_configs import PRESETS
+from library.families.tiny import build_sd_modules
 
 # The training noise schedule of every SD 1.x / 2.x model (scaled_linear, 0.00085 .. 0.012, 1000 steps).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -81,8 +83,6 @@ def save_single_file(unet: nn.Module, vae: nn.Module, text_encoder: nn.Module, p
 
 def write_preset(preset: str, out: str, single_file: bool = False) -> None:
     """Build a preset ("tiny:sd1", ...) and write it as a diffusers folder or one LDM-layout file."""
-    from library.families.sd_configs import PRESETS
-    from library.families.tiny import build_sd_modules
 
     parts = build_sd_modules(preset)
     if single_file:

@@ -10,25 +10,34 @@ batch: original size, the (flip-aware) crop top-left and the bucket size.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from library.families.base import (
-    Components,
-    LoadOptions,
-    LoraTarget,
-    ModelFamily,
-    TextConditioning,
-)
-from library.families.sd import (
+from library.core.errors import warn_once
+from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.clip_text import (
     TEXT_ENCODER_TARGETS,
-    UNET_CONV_TARGETS,
-    UNET_TARGETS,
     chunk_token_ids,
     join_token_chunks,
+    penultimate_states,
     text_encoder_kohya_path,
 )
+from library.families.sd import UNET_CONV_TARGETS, UNET_TARGETS
+from library.families.sdxl_generate import generate_sdxl
+from library.families.sdxl_loading import load_sdxl_components
+from library.families.sdxl_lora_names import (
+    convert_to_sgm_names,
+    is_diffusers_named,
+    sgm_module_path,
+)
+from library.families.sdxl_saving import (
+    save_sdxl_diffusers_folder,
+    save_sdxl_single_file,
+)
+from library.objectives.noise import DDPMScheme
+from networks.lora_args import BlockLayout, sdxl_block_layout
+from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +45,6 @@ SGM_IMPLEMENTATION = "https://github.com/Stability-AI/generative-models"
 TEXT_KEYS = ("hidden_state1", "hidden_state2", "pool2")  # also the keys of `*_te_outputs.npz`
 
 
-def penultimate_states(text_encoder, tokens: torch.Tensor, window: int) -> tuple[torch.Tensor, Any]:
-    """(B*n, 77, D) penultimate-layer states of (B, n*77) ids, and the encoder's full output."""
-    out = text_encoder(tokens.reshape(-1, window).to(text_encoder.device), output_hidden_states=True, return_dict=True)
-    return out.hidden_states[-2], out
 
 
 def time_ids(batch: dict, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -58,22 +63,12 @@ class SDXLFamily(ModelFamily):
     latents_scale = 0.13025
     latents_shift = 0.0
     bucket_reso_multiple = 32
+    supports_text_cache = True
     text_cache_suffix = "_te_outputs.npz"
-
-    def __init__(self) -> None:
-        self._warned_clip_skip = False
-
-    # --- flags ----------------------------------------------------------------
-    def add_arguments(self, parser) -> None:
-        """SDXL scripts also take the text-encoder output cache flags."""
-        from library.args.text_cache import add_text_cache_arguments
-
-        add_text_cache_arguments(parser)
 
     # --- loading ----------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
-        from library.families.sdxl_loading import load_sdxl_components
 
         return load_sdxl_components(opts)
 
@@ -96,17 +91,14 @@ class SDXLFamily(ModelFamily):
         })
 
     def _warn_clip_skip(self, clip_skip: Optional[int]) -> None:
-        if clip_skip not in (None, 2) and not self._warned_clip_skip:
-            logger.warning("--clip_skip %s is ignored: SDXL always uses the penultimate layer of both encoders",
-                           clip_skip)
-            self._warned_clip_skip = True
+        if clip_skip not in (None, 2):
+            warn_once(logger, f"--clip_skip {clip_skip} is ignored: SDXL always uses the penultimate layer of both "
+                              "encoders")
 
     # --- denoising ------------------------------------------------------------------
-    def noise_scheme(self, components: Components, **options: Any):
-        from library.train.noise import DDPMScheme
-
+    def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> DDPMScheme:
         return DDPMScheme(prediction_type="v_prediction" if components.v_parameterization else "epsilon",
-                          zero_terminal_snr=options.get("zero_terminal_snr", False))
+                          zero_terminal_snr=zero_terminal_snr)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
@@ -119,14 +111,12 @@ class SDXLFamily(ModelFamily):
     # --- generation -----------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
-        from library.families.sdxl_generate import generate_sdxl
 
         self._warn_clip_skip(clip_skip)
         return generate_sdxl(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA -------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
-        from library.families.sdxl_lora_names import sgm_module_path
 
         te1, te2 = components.text_encoders
         return [
@@ -135,24 +125,18 @@ class SDXLFamily(ModelFamily):
             LoraTarget("lora_te2", te2, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
         ]
 
-    def lora_block_layout(self):
+    def lora_block_layout(self) -> BlockLayout:
         """The 23-block layout of block_dims / block lr weights for networks.lora (sd-scripts' SDXL layout)."""
-        from library.families.sdxl_lora_names import sdxl_block_layout
 
         return sdxl_block_layout()
 
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
         """A LoRA state dict in this family's kohya naming; diffusers-named SDXL files are renamed to SGM."""
-        from library.families.sdxl_lora_names import (
-            convert_to_sgm_names,
-            is_diffusers_named,
-        )
 
         return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
 
     # --- metadata -----------------------------------------------------------------------
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        from library.families.sdxl_saving import save_sdxl_diffusers_folder, save_sdxl_single_file
 
         te1, te2 = components.text_encoders
         parts = {"unet": components.denoiser, "vae": components.vae, "text_encoder": te1, "text_encoder_2": te2,

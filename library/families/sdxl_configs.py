@@ -23,6 +23,7 @@ from library.families.sd_configs import (
     text_heads,
     vae_config,
 )
+from library.families.tiny import build_seeded, build_tokenizer
 
 HEAD_CHANNELS = 64
 SDXL_DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")
@@ -119,7 +120,6 @@ def build_sdxl_modules(name: str, device: str | torch.device = "cpu") -> dict[st
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from library.families.tiny import build_seeded, build_tokenizer
 
     p = PRESETS[name]
     tok1, tok2 = build_tokenizer(False), build_tokenizer(True)  # SDXL's second tokenizer pads with "!"

@@ -11,10 +11,18 @@ width) with a (0, 0) crop: an uncropped image of the size asked for.
 from __future__ import annotations
 
 import functools
+
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.clip_text import join_token_chunks, penultimate_states
 from library.families.sd_generate import borrowed_on, generate_ddpm, resolve_request
+from library.sampling.prompt_weighting import (
+    apply_token_weights,
+    chunk_count,
+    tokens_with_weights,
+    weighted_windows,
+)
 
 # SDXL's native resolution: the size an image gets when neither the prompt nor a flag sets one.
 DEFAULT_SIZE = 1024
@@ -25,10 +33,6 @@ resolve_sdxl_request = functools.partial(resolve_request, default_size=DEFAULT_S
 @torch.no_grad()
 def encode_prompts_sdxl(components: Components, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     """hidden_state1 (B, n*75+2, D1), hidden_state2 (B, n*75+2, D2), pool2 (B, P): weighted, chunked."""
-    from library.families.sd import join_token_chunks
-    from library.families.sdxl import penultimate_states
-    from library.sampling.prompt_weighting import apply_token_weights, chunk_count, tokens_with_weights, \
-        weighted_windows
 
     lengths = [len(tokens_with_weights(tok, t)[0]) for tok in components.tokenizers for t in texts]
     window = components.tokenizers[0].model_max_length

@@ -18,7 +18,6 @@ from library.families.sgm_layout import unet_key_to_sgm
 UNET_PREFIX = "lora_unet_"
 # SDXL's 23 blocks (sd-scripts' block_dims layout): 0 embeddings, 1-9 input_blocks 0-8,
 # 10-12 middle_block 0-2, 13-21 output_blocks 0-8, 22 out.
-NUM_BLOCKS = 23
 _DIFFUSERS_BLOCK = re.compile(
     r"^(?:(?P<side>down_blocks|up_blocks)_(?P<i>\d+)_|mid_block_)"
     r"(?P<kind>attentions|resnets|downsamplers|upsamplers)_(?P<j>\d+)_(?P<tail>.+)$")
@@ -129,24 +128,5 @@ def convert_to_sgm_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, to
     return out
 
 
-def sdxl_unet_block_index(lora_name: str) -> int:
-    """Block (0-22) of an SDXL UNet LoRA name in sd-scripts' 23-block layout; -1 for none."""
-    if not lora_name.startswith(UNET_PREFIX):
-        return -1
-    name = lora_name[len(UNET_PREFIX):]
-    if name.startswith(("time_embed_", "label_emb_")):
-        return 0
-    for start, base in (("input_blocks_", 1), ("middle_block_", 10), ("output_blocks_", 13)):
-        if name.startswith(start):
-            return base + int(name[len(start):].split("_")[0])
-    if name.startswith("out_"):
-        return NUM_BLOCKS - 1
-    return -1
 
 
-def sdxl_block_layout():
-    """sd-scripts' SDXL block layout for networks.lora: 23 block_dims; 9 down, 3 mid, 9 up lr weights."""
-    from networks.lora_args import BlockLayout  # networks/ builds on library/, so import late
-
-    return BlockLayout(num_blocks=NUM_BLOCKS, down=range(1, 10), mid=range(10, 13), up=range(13, 22),
-                       index_of=sdxl_unet_block_index, names="emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out")

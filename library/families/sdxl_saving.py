@@ -6,9 +6,10 @@ from typing import Optional
 
 import torch
 
+from library.core.io_utils import atomic_path, save_safetensors_atomic
 from library.families import sgm_layout as sgm
 from library.families.sd_saving import write_diffusers_folder
-from library.io_utils import atomic_path, save_safetensors_atomic
+from library.families.sdxl_configs import build_sdxl_modules
 
 # SDXL base's training schedule (scaled_linear 0.00085 .. 0.012, 1000 steps) as its EulerDiscrete scheduler.
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -56,7 +57,6 @@ def save_sdxl_single_file(parts: dict, path: str, dtype: Optional[torch.dtype] =
 
 def write_sdxl_preset(preset: str, out: str, single_file: bool = False) -> None:
     """Build an SDXL preset ("tiny:sdxl") and write it as a diffusers folder or one SGM file."""
-    from library.families.sdxl_configs import build_sdxl_modules
 
     parts = build_sdxl_modules(preset)
     if single_file:

@@ -13,7 +13,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from library.families.sd_configs import PRESETS, SDPreset, text_encoder_config, unet_config, vae_config
+from library.families.sd_configs import (
+    PRESETS,
+    SDPreset,
+    text_encoder_config,
+    unet_config,
+    vae_config,
+)
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
-from library.errors import ConfigError
-from library.families.base import Components, ModelFamily
+from library.core.errors import ConfigError
 from library.sampling.prompts import SamplePrompt
 from library.sampling.samplers import canonical_sampler
 
@@ -117,8 +116,15 @@ def batches(requests: Sequence[GenerationRequest], batch_size: int) -> list[list
     return out
 
 
+class ImageGenerator(Protocol):
+    """What generate_images needs of a model family (library/families/base.py ModelFamily.generate)."""
+
+    def generate(self, components: Any, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list: ...
+
+
 @torch.no_grad()
-def generate_images(family: ModelFamily, components: Components, requests: Sequence[GenerationRequest], *,
+def generate_images(family: ImageGenerator, components: Any, requests: Sequence[GenerationRequest], *,
                     clip_skip: Optional[int] = None, device: Optional[torch.device] = None, batch_size: int = 1,
                     progress: bool = False) -> list[GeneratedImage]:
     """Generate every request, in order, batching where the settings allow."""
@@ -132,80 +138,9 @@ def generate_images(family: ModelFamily, components: Components, requests: Seque
     return out
 
 
-@dataclass
-class NetworkSpec:
-    """One LoRA/LyCORIS file to apply at generation: --network_module, --network_weights, --network_mul."""
-
-    module: str
-    weights: str
-    multiplier: float = 1.0
 
 
-@dataclass
-class AppliedNetworks:
-    """Networks hooked into a model (not merged); `remove()` unhooks them."""
-
-    networks: list = field(default_factory=list)
-
-    def remove(self) -> None:
-        for network in self.networks:
-            network.restore()
-        self.networks.clear()
 
 
-def network_specs(modules: Sequence[str], weights: Sequence[str], multipliers: Sequence[float]) -> list[NetworkSpec]:
-    """Pair the per-network flags as sd-scripts' gen_img.py does (one module may serve every file)."""
-    if not weights:
-        if multipliers:
-            raise ConfigError("--network_mul: given without --network_weights")
-        return []
-    modules = list(modules) or ["networks.lora"]
-    if len(modules) == 1:
-        modules = modules * len(weights)
-    if len(modules) != len(weights):
-        raise ConfigError(f"--network_module: expected 1 or {len(weights)} values (one per --network_weights), "
-                          f"got {len(modules)}")
-    if len(multipliers) > len(weights):
-        raise ConfigError(f"--network_mul: expected at most {len(weights)} values (one per --network_weights), "
-                          f"got {len(multipliers)}")
-    muls = list(multipliers) + [1.0] * (len(weights) - len(multipliers))
-    return [NetworkSpec(m, w, float(x)) for m, w, x in zip(modules, weights, muls)]
 
 
-def apply_networks(family: ModelFamily, components: Components, specs: Sequence[NetworkSpec], merge: bool,
-                   device: torch.device, dtype: torch.dtype) -> AppliedNetworks:
-    """Load each network file and merge it into the weights (`merge`) or hook it in at its multiplier."""
-    import os
-
-    from library.args.network import import_network_module
-
-    applied = AppliedNetworks()
-    te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
-    for spec in specs:
-        if not os.path.isfile(spec.weights):
-            raise ConfigError(f"--network_weights {spec.weights}: file not found")
-        module = import_network_module(spec.module)
-        if module.__name__ == "networks.lora":
-            kwargs = {"lora_targets": family.lora_targets(components)}
-        else:  # its file carries kohya names (network_setup.kohya_name_map); the module knows raw paths
-            from library.train.network_setup import external_state_dict
-
-            kwargs = {"weights_sd": external_state_dict(spec.weights, family, components)}
-        network, weights_sd = module.create_network_from_weights(spec.multiplier, spec.weights, components.vae, te,
-                                                                 components.denoiser, for_inference=True, **kwargs)
-        if merge:
-            if hasattr(network, "is_mergeable") and not network.is_mergeable():
-                raise ConfigError(f"--merge: {spec.weights} ({spec.module}) cannot be merged; drop --merge")
-            network.merge_to(te, components.denoiser, weights_sd, dtype, device)
-            logger.info("merged %s at multiplier %s", spec.weights, spec.multiplier)
-            continue
-        network.apply_to(te, components.denoiser, True, True)
-        info = network.load_state_dict(weights_sd, strict=False)
-        for lora in getattr(network, "text_encoder_loras", []) + getattr(network, "unet_loras", []):
-            if hasattr(lora, "refresh_scale"):  # ours: the scale follows the loaded alpha
-                lora.refresh_scale()
-        network.to(device, dtype).eval()
-        network.set_multiplier(spec.multiplier)
-        applied.networks.append(network)
-        logger.info("applied %s at multiplier %s (%s)", spec.weights, spec.multiplier, info)
-    return applied

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Optional, Sequence
 
-from library.io_utils import atomic_path
+from library.core.io_utils import atomic_path
 
 SAMPLE_DIR = "sample"
 

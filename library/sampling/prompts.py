@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

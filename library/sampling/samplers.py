@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from library.errors import UserError
+from library.core.errors import UserError
 
 
 def _in_backward() -> bool:

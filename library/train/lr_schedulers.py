@@ -19,8 +19,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from library.errors import ConfigError
-from library.train.optimizers import is_schedule_free, parse_literal_args, unwrap_optimizer
+from library.core.errors import ConfigError
+from library.train.optimizers import (
+    is_schedule_free,
+    parse_literal_args,
+    unwrap_optimizer,
+)
 
 StepCount = Union[int, float, str, None]
 LrLambda = Callable[[int], float]
@@ -44,7 +48,7 @@ _EXTRA_ARGS = {
 
 @dataclass
 class SchedulerOptions:
-    """The scheduler flags (library/args/optimizer.py translates them)."""
+    """The scheduler flags (library/cli/optimizer.py translates them)."""
 
     lr_scheduler: str = "constant"
     lr_warmup_steps: StepCount = 0  # int, ratio < 1 of the total, or "N%"

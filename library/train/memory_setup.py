@@ -8,11 +8,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from library.args.memory import MemoryOptions
 from library.families.base import Components, ModelFamily
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import cast_base_to_fp8
 from library.train.offload_checkpoint import enable_gradient_checkpointing
+from library.train.settings import MemoryOptions
 
 logger = logging.getLogger(__name__)
 

@@ -6,90 +6,31 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
+from library.core.errors import ConfigError
+from library.core.io_utils import atomic_path
 from library.families.base import Components, ModelFamily
-from library.io_utils import atomic_path
+from networks.lora import LoRANetwork, load_state_dict
 
 logger = logging.getLogger(__name__)
 
 SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def build_network(module, family: ModelFamily, components: Components, opts, fp8_base: bool = False) -> Any:
-    """Create the network from --network_* options; our own module gets the family's LoRA targets.
-
-    With an fp8 base, LyCORIS runs in its bypass mode (base output + adapter output): its default
-    path rebuilds W + ΔW in the base weight's dtype, which float8 cannot compute.
-    """
-    te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
-    kwargs = dict(opts.network_args)
-    if module.__name__ == "networks.lora":
-        kwargs.update(_family_lora_kwargs(family, components))
-    elif fp8_base and module.__name__.startswith("lycoris"):
-        if str(kwargs.get("bypass_mode", "true")).lower() in ("false", "0", "no"):
-            from library.errors import ConfigError
-            raise ConfigError("--network_args bypass_mode=False: LyCORIS needs bypass_mode with --fp8_base "
-                              "(it cannot add ΔW to float8 weights); drop the argument")
-        kwargs["bypass_mode"] = "True"
-    if opts.dim_from_weights:  # network_options_from_args checked that --network_weights is given
-        if module.__name__ == "networks.lora":
-            kwargs["weights_sd"] = _family_state_dict(family, module.load_state_dict(opts.network_weights))
-        else:
-            kwargs["weights_sd"] = external_state_dict(opts.network_weights, family, components)
-        network, _ = module.create_network_from_weights(opts.network_multiplier, opts.network_weights,
-                                                        components.vae, te, components.denoiser, **kwargs)
-    else:
-        try:
-            with lycoris_preset_aliases(module, family.lycoris_module_aliases, components.denoiser):
-                network = module.create_network(opts.network_multiplier, opts.network_dim, opts.network_alpha,
-                                                components.vae, te, components.denoiser,
-                                                neuron_dropout=opts.network_dropout, **kwargs)
-        except (ValueError, KeyError) as exc:  # e.g. LyCORIS: an unknown algo, a rank BOFT cannot factor
-            if module.__name__ == "networks.lora":
-                raise
-            from library.errors import ConfigError
-            raise ConfigError(f"--network_module {opts.network_module} --network_args "
-                              f"{' '.join(f'{k}={v}' for k, v in opts.network_args.items())}: {exc}") from exc
-    if network is None:
-        from library.errors import ConfigError
-        raise ConfigError(f"--network_module {opts.network_module}: create_network returned nothing")
-    return network
 
 
-def merge_base_weights(module, family: ModelFamily, components: Components, opts) -> None:
-    """--base_weights: bake each LoRA file into the base model (at its multiplier) before training."""
-    te = components.text_encoders if len(components.text_encoders) > 1 else components.text_encoders[0]
-    for path, multiplier in zip(opts.base_weights, opts.base_weights_multiplier):
-        if not os.path.isfile(path):
-            from library.errors import ConfigError
-            raise ConfigError(f"--base_weights {path}: file not found")
-        if module.__name__ == "networks.lora":
-            kwargs = _family_lora_kwargs(family, components)
-        else:
-            kwargs = {"weights_sd": external_state_dict(path, family, components)}
-        network, weights = module.create_network_from_weights(multiplier, path, components.vae, te,
-                                                              components.denoiser, for_inference=True, **kwargs)
-        network.merge_to(te, components.denoiser, weights, components.denoiser.dtype, components.denoiser.device)
-        logger.info("merged base weights %s at multiplier %s", path, multiplier)
 
 
-def _family_lora_kwargs(family: ModelFamily, components: Components) -> dict:
-    """networks.lora arguments the family decides: its targets and, where it has one, its block layout."""
-    kwargs: dict[str, Any] = {"lora_targets": family.lora_targets(components)}
-    block_layout = getattr(family, "lora_block_layout", None)
-    if block_layout is not None:
-        kwargs["block_layout"] = block_layout()
-    return kwargs
 
 
-def _family_state_dict(family: ModelFamily, state_dict: dict) -> dict:
-    """A LoRA state dict in the family's kohya naming (e.g. a diffusers-named SDXL file renamed to SGM)."""
-    convert = getattr(family, "convert_lora_state_dict", None)
-    return convert(state_dict) if convert is not None else state_dict
+
+
+
+
+
 
 
 def load_network_weights(network, family: ModelFamily, path: str, name_map: Optional[dict[str, str]] = None) -> Any:
@@ -99,13 +40,11 @@ def load_network_weights(network, family: ModelFamily, path: str, name_map: Opti
     renamed state dict; any other network module loads the file as it is, or, given the
     `name_map` it was saved with (kohya_name_map), with those renames undone first.
     """
-    from networks.lora import LoRANetwork, load_state_dict
 
     if name_map and not isinstance(network, LoRANetwork):
         state = _renamed(load_state_dict(path), _inverse(name_map))
         info = network.load_state_dict(state, strict=False)
         if state and len(info.unexpected_keys) == len(state):  # nothing loaded: do not train on from scratch
-            from library.errors import ConfigError
             raise ConfigError(f"--network_weights {path}: none of its {len(state)} tensors fits this network "
                               f"(e.g. {info.unexpected_keys[0]}); was it trained with other --network_args or "
                               "another model?")
@@ -113,11 +52,10 @@ def load_network_weights(network, family: ModelFamily, path: str, name_map: Opti
             logger.warning("--network_weights %s: %d tensors fit no module of this network (e.g. %s)", path,
                            len(info.unexpected_keys), info.unexpected_keys[0])
         return info
-    convert = getattr(family, "convert_lora_state_dict", None)
-    if convert is None or not isinstance(network, LoRANetwork):
+    if not isinstance(network, LoRANetwork):
         return network.load_weights(path)
     state_dict = load_state_dict(path)
-    converted = convert(state_dict)
+    converted = family.convert_lora_state_dict(state_dict)
     if converted is not state_dict:
         logger.info("%s: diffusers-named LoRA, renamed to %s naming", path, family.name)
     return network.load_weights(converted, source=path)
@@ -136,7 +74,6 @@ def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]
     if not names or len(names) != len(groups):
         names = [f"group{i}" for i in range(len(groups))]
     if not groups:
-        from library.errors import ConfigError
         raise ConfigError("nothing to train: every parameter group has learning rate 0 "
                           "(check --unet_lr / --text_encoder_lr / --network_train_*_only)")
     return groups, names
@@ -188,7 +125,6 @@ def _can_carry_adapter(module: torch.nn.Module) -> bool:
 
 def external_state_dict(path: str, family: ModelFamily, components: Components) -> dict:
     """A file an external network saved (kohya names, see kohya_name_map) with its raw module names back."""
-    from networks.lora import load_state_dict
 
     return _renamed(load_state_dict(path), _inverse(kohya_name_map(family.lora_targets(components))))
 
@@ -223,29 +159,6 @@ def without_names_inside_targets(preset: dict, denoiser) -> dict:
     return preset if len(kept) == len(names) else {**preset, "unet_target_name": kept}
 
 
-@contextmanager
-def lycoris_preset_aliases(module, aliases: tuple[tuple[str, str], ...], denoiser=None) -> Iterator[None]:
-    """While creating the network, fit every preset lycoris.kohya applies to this model: extended by
-    the family's aliases, and (given the denoiser) without names its target classes already cover.
-
-    lycoris.kohya.create_network resolves `preset=` (a built-in name or a TOML file) and hands it
-    to LycorisNetworkKohya.apply_preset; wrapping that one classmethod covers both kinds of preset
-    without re-implementing how LyCORIS reads them. Other modules are left alone.
-    """
-    network_class = getattr(module, "LycorisNetworkKohya", None)
-    original = getattr(network_class, "__dict__", {}).get("apply_preset")
-    if not (aliases or denoiser is not None) or not isinstance(original, classmethod):
-        yield
-        return
-
-    def apply_preset(cls, preset):
-        return original.__func__(cls, without_names_inside_targets(preset_with_aliases(preset, aliases), denoiser))
-
-    network_class.apply_preset = classmethod(apply_preset)
-    try:
-        yield
-    finally:
-        network_class.apply_preset = original
 
 
 def _inverse(name_map: dict[str, str]) -> dict[str, str]:

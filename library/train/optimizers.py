@@ -16,14 +16,14 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class OptimizerOptions:
-    """The optimizer flags (library/args/optimizer.py translates them)."""
+    """The optimizer flags (library/cli/optimizer.py translates them)."""
 
     optimizer_type: str = "AdamW"
     learning_rate: float = 2e-6
@@ -125,7 +125,7 @@ def parse_optimizer_args(items: Optional[Iterable[str]]) -> dict[str, Any]:
 
 
 def resolve_optimizer_type(options: OptimizerOptions) -> str:
-    """--optimizer_type after the legacy --use_8bit_adam / --use_lion_optimizer flags."""
+    """--optimizer_type after the legacy --use_8bit_adam / --use_lion_optimizer flags have been applied."""
     given = (options.optimizer_type or "").strip()
     unset = given == "" or given.lower() == "adamw"
     if options.use_8bit_adam and options.use_lion_optimizer:

@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from library.core.hashes import file_legacy_hash, file_sha256
+from library.core.metadata import modelspec_metadata, training_metadata
+from library.data.dataset import TrainingData
 from library.families.base import Components, ModelFamily
-from library.hashes import file_legacy_hash, file_sha256
-from library.train.metadata import modelspec_metadata, training_metadata
+from library.train.settings import RunSettings
 
 
 @dataclass
@@ -36,12 +38,14 @@ def _file_hashes(path: Optional[str]) -> tuple[Optional[str], Optional[str]]:
     return file_legacy_hash(path), file_sha256(path)
 
 
-def lora_metadata(family: ModelFamily, components: Components, settings, data, facts: RunFacts) -> dict[str, str]:
+def lora_metadata(family: ModelFamily, components: Components, settings: RunSettings, data: TrainingData,
+                  facts: RunFacts) -> dict[str, str]:
+    """Every ss_* and modelspec.* key of a LoRA saved now."""
     s, c = settings, components
     model_path = c.model_path or s.model.pretrained_model_name_or_path
     model_legacy, model_sha = _file_hashes(c.model_path)
     vae_legacy, vae_sha = _file_hashes(s.model.vae)
-    run = dict(s.flags)
+    run = dict(s.recorded_flags)
     run.update({
         "session_id": facts.session_id, "training_started_at": facts.started_at,
         "training_finished_at": time.time(), "steps": facts.steps, "epoch": facts.epoch,
@@ -58,7 +62,7 @@ def lora_metadata(family: ModelFamily, components: Components, settings, data, f
         "network_args": s.network.network_args,
         "v2": c.v2, "v_parameterization": c.v_parameterization,
         "no_metadata": s.network.no_metadata,
-        "family_metadata_flags": family.metadata_flags,
+        "family_metadata": family.metadata_values(family.options(c)),
     })
     metadata = training_metadata(run)
     reso = data.resolution_for_metadata() or (512, 512)
@@ -67,5 +71,5 @@ def lora_metadata(family: ModelFamily, components: Components, settings, data, f
         implementation=family.modelspec_implementation(), title=s.training.output_name,
         resolution=reso, prediction_type="v" if c.v_parameterization else "epsilon",
         timestep_range=(s.noise.min_timestep, s.noise.max_timestep),
-        encoder_layer=s.clip_skip, date=None, is_lora=True, extra=s.network.metadata))
+        encoder_layer=s.text.clip_skip, date=None, is_lora=True, extra=s.network.metadata))
     return metadata

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from library.errors import UserError
-from library.io_utils import atomic_directory
+from library.core.errors import UserError
+from library.core.io_utils import atomic_directory
 
 logger = logging.getLogger(__name__)
 

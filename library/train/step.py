@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from library.data.te_cache import cached_conditioning
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.train.losses import LossOptions, training_loss
-from library.train.noise import NoiseOptions, make_noise, perturb_for_input
+from library.objectives.losses import LossOptions, training_loss
+from library.objectives.noise import NoiseOptions, make_noise, perturb_for_input
 
 
 @dataclass
@@ -19,7 +19,7 @@ class StepContext:
 
     family: ModelFamily
     components: Components
-    scheme: object  # library.train.noise.DDPMScheme or a family's flow scheme
+    scheme: object  # library.objectives.noise.DDPMScheme or a family's flow scheme
     noise: NoiseOptions
     loss: LossOptions
     device: torch.device
@@ -56,7 +56,7 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch, generator)
     if ctx.text_cache is not None:
-        text = cached_conditioning(ctx.text_cache, batch["captions"], ctx.device)
+        text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step
             text.tensors.update(encode_captions(ctx, batch["captions"], ctx.live_encoders).tensors)
     else:
@@ -83,3 +83,18 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
     weights = batch["loss_weights"].to(ctx.device, torch.float32)
     weights = weights * ctx.scheme.loss_weights(timesteps).to(weights)  # flow weighting schemes; 1 for DDPM
     return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, lr_scheduler, max_grad_norm: Optional[float],
+                   clip_grad_norm: Callable = torch.nn.utils.clip_grad_norm_) -> None:
+    """One optimizer step after the gradients are in: clip (when `max_grad_norm`), step, schedule, zero.
+
+    The trainer passes accelerate's clip_grad_norm_ (and no norm while gradients still accumulate);
+    the step benchmarks call this same function.
+    """
+    if max_grad_norm:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        clip_grad_norm(params, max_grad_norm)
+    optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from library.data.te_cache import TEXT_OUTPUT_FLAGS, build_text_cache, cache_source_id, final_captions
-from library.errors import UserError
+from library.core.errors import UserError
+from library.data.dataset import TrainingData
+from library.data.te_cache import (
+    build_text_cache,
+    cache_source_id,
+    final_captions,
+)
+from library.train.settings import RunSettings
 from library.train.step import StepContext, encode_captions
 
 
-def build_step_text_cache(ctx: StepContext, data, settings, opts, trained: frozenset[int],
+def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSettings, trained: frozenset[int],
                           max_train_steps: int) -> frozenset[int]:
     """Fill ctx.text_cache with the outputs of the text encoders that do not train; returns their indices.
 
@@ -21,11 +27,12 @@ def build_step_text_cache(ctx: StepContext, data, settings, opts, trained: froze
                         "drop the flag, or train fewer encoders (e.g. --network_train_unet_only)")
     ctx.live_encoders = trained
     model_id = cache_source_id(settings.model.pretrained_model_name_or_path, components.text_encoders[0].dtype,
-                               TEXT_OUTPUT_FLAGS + family.text_cache_flags,
-                               {**settings.flags, "fp8_base": settings.memory.fp8_text_encoders})
+                               {"fp8_base": settings.memory.fp8_text_encoders,
+                                **family.text_cache_values(family.options(components))})
+    opts = settings.text_cache
     ctx.text_cache = build_text_cache(
         final_captions(data.samples, data.subsets, max_train_steps),
         lambda captions: encode_captions(ctx, captions, cached if trained else None).tensors,
-        model_id=model_id, max_token_length=settings.max_token_length,
-        suffix=getattr(family, "text_cache_suffix", None), to_disk=opts.to_disk, batch_size=opts.batch_size)
+        model_id=model_id, max_token_length=settings.text.max_token_length,
+        suffix=family.text_cache_suffix, to_disk=opts.to_disk, batch_size=opts.batch_size)
     return cached

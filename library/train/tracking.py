@@ -8,6 +8,8 @@ import time
 from collections import deque
 from typing import Optional
 
+from library.core.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,7 +37,6 @@ class Tracker:
         self.log_dir = None
         if log_with in ("tensorboard", "all"):
             if not logging_dir:
-                from library.errors import ConfigError
                 raise ConfigError("--log_with tensorboard: needs --logging_dir")
             from torch.utils.tensorboard import SummaryWriter
 

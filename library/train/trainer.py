@@ -14,28 +14,35 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
+from library.core.errors import UserError
 from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
-from library.args.text_cache import text_cache_options_from_args
-from library.data.te_cache import cache_source_id, check_text_cache_allowed, subset_caption_settings
-from library.errors import UserError
-from library.families.base import LoadOptions, ModelFamily
+from library.data.te_cache import (
+    cache_source_id,
+    check_text_cache_allowed,
+    subset_caption_settings,
+)
+from library.families.base import ModelFamily
+from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
-from library.train.losses import check_loss_options
-from library.args.memory import MemoryOptions
-from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
-from library.train.run_metadata import RunFacts, lora_metadata
-from library.train.network_setup import (build_network, kohya_name_map, load_network_weights, merge_base_weights,
-                                         optimizer_groups, save_network, trained_text_encoders)
+from library.train.memory_setup import apply_memory_options, park_cached_parts
+from library.train.network_kinds import build_network, merge_base_weights
+from library.train.network_setup import (
+    load_network_weights,
+    optimizer_groups,
+    save_network,
+    trained_text_encoders,
+)
 from library.train.optimizers import create_optimizer, is_schedule_free
+from library.train.run_metadata import RunFacts, lora_metadata
+from library.train.settings import RunSettings
 from library.train.state import TrainProgress, resume_progress, save_state
-from library.train.step import StepContext, batch_loss
+from library.train.step import StepContext, batch_loss, optimizer_step
 from library.train.text_caching import build_step_text_cache
 from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
@@ -50,26 +57,6 @@ class TrainingError(UserError):
     """Training cannot go on (e.g. a NaN loss); the last saved files stay valid."""
 
 
-@dataclass
-class RunSettings:
-    """Everything one run needs, each part translated from flags in library/args/."""
-
-    model: LoadOptions
-    clip_skip: Optional[int]
-    max_token_length: Optional[int]
-    data: Any  # library.data DataOptions
-    network: Any  # library.args.network NetworkOptions
-    optimizer: Any  # library.train.optimizers OptimizerOptions
-    scheduler: Any  # library.train.lr_schedulers SchedulerOptions
-    noise: Any  # library.train.noise NoiseOptions
-    loss: Any  # library.train.losses LossOptions
-    training: Any  # library.args.training TrainingOptions
-    flags: dict = field(default_factory=dict)  # every flag value, for ss_* metadata
-    network_module: Any = None
-    zero_terminal_snr: bool = False
-    no_half_vae: bool = False
-    hooks: list = field(default_factory=list)  # callables(trainer, event, step) e.g. sampling
-    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
 
 class NetworkTrainer:
@@ -104,7 +91,7 @@ class NetworkTrainer:
             self.max_train_steps = self.t.max_train_steps
         self.data.plan(self.max_train_steps, accum)
         self.num_epochs = self.data.num_epochs()
-        self.text_cache_opts = text_cache_options_from_args(self.s.flags)
+        self.text_cache_opts = self.s.text_cache
         self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         if self.text_cache_opts.enabled:  # refused before any model loads when captions are random
             check_text_cache_allowed(subset_caption_settings(self.data), self.s.network.train_text_encoder,
@@ -121,20 +108,19 @@ class NetworkTrainer:
         for m in [c.denoiser, *c.text_encoders]:
             m.to(dtype=self.weight_dtype)  # placed by apply_memory_options: swapped blocks stay in CPU memory
         if self.s.network.base_weights:  # merged before any float8 cast
-            merge_base_weights(self.s.network_module, self.family, c, self.s.network)
+            merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
                                                   self.t.gradient_checkpointing)
 
     def _setup_network(self) -> None:
         opts = self.s.network
-        self.network = build_network(self.s.network_module, self.family, self.components, opts,
+        self.network = build_network(self.s.network_kind, self.family, self.components, opts,
                                      fp8_base=self.s.memory.fp8_base)
         train_unet = opts.train_unet
         train_te = opts.train_text_encoder
         te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
         self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
-        self.name_map = None if self.s.network_module.__name__ == "networks.lora" else \
-            kohya_name_map(self.family.lora_targets(self.components))
+        self.name_map = self.s.network_kind.name_map(self.family, self.components)
         if opts.network_weights and not opts.dim_from_weights:
             info = load_network_weights(self.network, self.family, opts.network_weights, self.name_map)
             logger.info("loaded network weights from %s: %s", opts.network_weights, info)
@@ -157,7 +143,7 @@ class NetworkTrainer:
             return
         vae = self.components.vae
         vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
-                                 self.family.latent_cache_flags, self.s.flags)
+                                 self.family.latent_cache_values(self.family.options(self.components)))
         self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
                                 vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                 num_workers=d.data_loader_workers())
@@ -179,8 +165,8 @@ class NetworkTrainer:
 
     def _cache_text_outputs(self) -> None:
         if self.text_cache_opts.enabled:
-            self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.text_cache_opts,
-                                                              self.trained_encoders, self.max_train_steps)
+            self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
+                                                              self.max_train_steps)
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -205,8 +191,8 @@ class NetworkTrainer:
         check_loss_options(self.s.loss, self.scheme)
         self.ctx = StepContext(
             family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
-            loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.clip_skip,
-            max_token_length=self.s.max_token_length, train_text_encoder=self.train_text_encoder,
+            loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
+            max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
         self.meter = ThroughputMeter(self.t.log_tflops, self.device, self.t.gradient_checkpointing) \
             if self.t.log_tflops else None
@@ -326,12 +312,9 @@ class NetworkTrainer:
 
     def _optimizer_step(self) -> None:
         opts = self.s
-        if opts.optimizer.max_grad_norm and self.accelerator.sync_gradients:
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
-            self.accelerator.clip_grad_norm_(params, opts.optimizer.max_grad_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, self.lr_scheduler,
+                       opts.optimizer.max_grad_norm if self.accelerator.sync_gradients else None,
+                       self.accelerator.clip_grad_norm_)
         if opts.network.scale_weight_norms:
             unwrapped = self.accelerator.unwrap_model(self.network)
             self.last_max_norm = unwrapped.apply_max_norm_regularization(opts.network.scale_weight_norms, self.device)

@@ -11,44 +11,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
-from library.errors import UserError
+from library.cli.options import options_from_values
+from library.core.errors import UserError
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelFamily
-
-
-@dataclass
-class LoraLayer:
-    """The weight a kohya LoRA name points at: one Linear / Conv2d, or a fused kohya module.
-
-    A fused module (Flux's `img_attn_qkv`, `linear1`) is several diffusers Linears that read
-    the same input; `fused` holds them in slot order, and the kohya layer's weight is theirs
-    stacked by rows, so ΔW's rows split across them in that order.
-    """
-
-    module: nn.Module
-    is_text_encoder: bool
-    fused: tuple[nn.Module, ...] = ()
-
-    @property
-    def members(self) -> tuple[nn.Module, ...]:
-        return self.fused or (self.module,)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The layer's weight; for a fused module a (detached) row-stacked copy of its members'."""
-        if not self.fused:
-            return self.module.weight
-        return torch.cat([m.weight.detach() for m in self.fused], dim=0)
-
-    def set_weight(self, value: torch.Tensor) -> None:
-        """Replace the weight in place; a fused module's members each take their rows of `value`."""
-        start = 0
-        for member in self.members:
-            rows = member.weight.shape[0]
-            member.weight.data = value[start:start + rows].to(member.weight.dtype).reshape(member.weight.shape)
-            start += rows
+from networks.lora_targets import LoraLayer
 
 
 @dataclass
@@ -64,9 +32,8 @@ def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.fl
     `flags`: the family's own flags that loading needs (FLUX.1's --clip_l / --t5xxl / --ae for a BFL file).
     """
     family = get_family(family_name)
-    if flags:
-        family.configure_from_args(flags)
-    components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype))
+    options = options_from_values(family.options_type, flags or {})
+    components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype, family_options=options))
     return LoadedModel(family, components)
 
 

@@ -7,7 +7,11 @@ import sys
 import tempfile
 from typing import Callable, Optional, Sequence
 
-from library.errors import run_tool
+from library.cli.config_file import parse_with_config_file
+from library.cli.entry import _setup_logging, build_parser, settings_from_args
+from library.core.errors import run_tool
+from library.families import get_family
+from library.train.trainer import NetworkTrainer
 
 
 def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -25,10 +29,6 @@ def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
 def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags: list[str],
                    action: Callable, check_family: Optional[Callable] = None) -> int:
     """Parse training flags (+ `forced_flags`), build the trainer and run `action(trainer)`; exit code."""
-    from library.args.config_file import parse_with_config_file
-    from library.families import get_family
-    from library.train.cli import _setup_logging, build_parser, settings_from_args
-    from library.train.trainer import NetworkTrainer
 
     _setup_logging()
     name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
@@ -41,6 +41,6 @@ def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags
         ns = parse_with_config_file(parser, rest + forced_flags)
         if not ns.output_dir:
             ns.output_dir = tempfile.mkdtemp(prefix="cache_")
-        action(NetworkTrainer(family, settings_from_args(ns, family, parser)))
+        action(NetworkTrainer(family, settings_from_args(ns, family)))
 
     return run_tool(body)

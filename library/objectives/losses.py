@@ -11,7 +11,7 @@
 6. debiased estimation;
 then the mean over the batch.
 
-The scheme (library/train/noise.py) supplies `snr()`, `sigmas()` and
+The scheme (library/objectives/noise.py) supplies `snr()`, `sigmas()` and
 `prediction_type`; a scheme without SNR (rectified flow) rejects the SNR terms
 in `check_loss_options` before training starts.
 """
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 LOSS_TYPES = ("l2", "l1", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("snr", "exponential", "constant")
@@ -37,7 +37,7 @@ SNR_CAP = 1000.0
 
 @dataclass
 class LossOptions:
-    """The loss flags (library/args/noise_loss.py translates them)."""
+    """The loss flags (library/cli/noise_loss.py translates them)."""
 
     loss_type: str = "l2"
     huber_schedule: str = "snr"

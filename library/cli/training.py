@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
 from typing import Optional
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
+from library.train.settings import TrainingOptions
 
 SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
@@ -63,41 +63,6 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max_validation_steps", type=int, default=None, help="at most N validation batches each time")
 
 
-@dataclass
-class TrainingOptions:
-    output_dir: str
-    output_name: str
-    save_model_as: str = "safetensors"
-    save_precision: Optional[str] = None
-    save_every_n_epochs: Optional[int] = None
-    save_every_n_steps: Optional[int] = None
-    save_last_n_epochs: Optional[int] = None
-    save_last_n_epochs_state: Optional[int] = None
-    save_last_n_steps: Optional[int] = None
-    save_last_n_steps_state: Optional[int] = None
-    save_state: bool = False
-    save_state_on_train_end: bool = False
-    resume: Optional[str] = None
-    max_train_steps: int = 1600
-    max_train_epochs: Optional[int] = None
-    save_n_epoch_ratio: Optional[int] = None
-    seed: int = 0  # a random one is drawn (and recorded in metadata) when --seed is not given
-    gradient_accumulation_steps: int = 1
-    mixed_precision: str = "no"
-    full_fp16: bool = False
-    full_bf16: bool = False
-    gradient_checkpointing: bool = False
-    xformers: bool = False
-    cpu: bool = False
-    logging_dir: Optional[str] = None
-    log_with: Optional[str] = None
-    log_prefix: Optional[str] = None
-    log_tracker_name: Optional[str] = None
-    log_every_n_steps: int = 1
-    log_tflops: Optional[int] = None
-    validate_every_n_steps: Optional[int] = None
-    validate_every_n_epochs: Optional[int] = None
-    max_validation_steps: Optional[int] = None
 
 
 def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> None:
@@ -108,8 +73,9 @@ def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> No
         raise ConfigError(f"--{name}: expected an integer >= {0 if allow_zero else 1}, got {value}")
 
 
-def training_options_from_args(ns: argparse.Namespace) -> TrainingOptions:
-    """Translate the namespace into TrainingOptions, checking flag combinations."""
+def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
+    """Translate the namespace into TrainingOptions, checking flag combinations. `gradient_checkpointing`:
+    the value other flags imply (library/cli/memory.py), else the flag."""
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
     for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
@@ -154,7 +120,7 @@ def training_options_from_args(ns: argparse.Namespace) -> TrainingOptions:
         mixed_precision=ns.mixed_precision,
         full_fp16=ns.full_fp16,
         full_bf16=ns.full_bf16,
-        gradient_checkpointing=ns.gradient_checkpointing,
+        gradient_checkpointing=ns.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing,
         xformers=ns.xformers,
         cpu=ns.cpu,
         logging_dir=ns.logging_dir,

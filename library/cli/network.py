@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Optional
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
+from library.train.settings import NetworkOptions
 
 # Where to get network modules that are not part of this toolkit.
-KNOWN_PACKAGES = {"lycoris": "lycoris-lora"}
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,28 +51,6 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metadata_tags", type=str, default=None, help="modelspec.tags (comma-separated)")
 
 
-@dataclass
-class NetworkOptions:
-    """The network flags in typed form; `network_args` holds the raw key=value strings."""
-
-    network_module: str = "networks.lora"
-    network_dim: Optional[int] = 4
-    network_alpha: Optional[float] = 1.0
-    network_dropout: Optional[float] = None
-    network_args: dict[str, str] = field(default_factory=dict)
-    network_weights: Optional[str] = None
-    dim_from_weights: bool = False
-    base_weights: list[str] = field(default_factory=list)
-    base_weights_multiplier: list[float] = field(default_factory=list)
-    train_unet: bool = True
-    train_text_encoder: bool = True
-    unet_lr: Optional[float] = None
-    text_encoder_lr: Optional[list[float]] = None
-    scale_weight_norms: Optional[float] = None
-    no_metadata: bool = False
-    training_comment: Optional[str] = None
-    network_multiplier: float = 1.0
-    metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
 def network_args_to_dict(items: Optional[list[str]]) -> dict[str, str]:
@@ -128,17 +103,3 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
     )
 
 
-def import_network_module(name: str) -> ModuleType:
-    """Import a --network_module; it must define create_network."""
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        top = name.split(".")[0]
-        if e.name is not None and not (name == e.name or name.startswith(e.name + ".")):
-            raise  # the module exists but one of its own imports is missing: show the real error
-        hint = f"; pip install {KNOWN_PACKAGES[top]}" if top in KNOWN_PACKAGES else ""
-        raise ConfigError(f"--network_module {name}: not installed{hint}") from None
-    if not hasattr(module, "create_network"):
-        raise ConfigError(f"--network_module {name}: expected a module defining create_network(), "
-                          f"e.g. networks.lora")
-    return module

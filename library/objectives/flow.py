@@ -22,13 +22,13 @@ compared with the target:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from library.errors import ConfigError
-from library.train.noise import rand, randn
+from library.core.errors import ConfigError
+from library.objectives.noise import rand, randn
 
 TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 WEIGHTING_SCHEMES = ("uniform", "none", "logit_normal", "mode", "cosmap", "sigma_sqrt")
@@ -40,16 +40,27 @@ FLUX_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
 
 @dataclass
 class FlowOptions:
-    """The flow-matching flags (library/args/flow.py translates them); defaults as sd-scripts except prediction."""
+    """The flow-matching flags (declared here, turned into flags by library/cli/options.py); defaults as
+    sd-scripts except the prediction type."""
 
-    timestep_sampling: str = "sigma"
-    sigmoid_scale: float = 1.0
-    discrete_flow_shift: float = 3.0
-    weighting_scheme: str = "uniform"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    mode_scale: float = 1.29
-    model_prediction_type: str = "raw"
+    timestep_sampling: str = field(default="sigma", metadata={
+        "choices": TIMESTEP_SAMPLINGS,
+        "help": "how σ is drawn: sigma (by --weighting_scheme, on the shifted schedule), uniform, sigmoid, "
+                "shift (sigmoid then --discrete_flow_shift) or flux_shift (shifted by image size)"})
+    sigmoid_scale: float = field(default=1.0, metadata={
+        "help": "scale of the normal draw inside sigmoid/shift/flux_shift sampling"})
+    discrete_flow_shift: float = field(default=3.0, metadata={
+        "help": "shift of the schedule for --timestep_sampling sigma and shift (> 1: noisier)"})
+    weighting_scheme: str = field(default="uniform", metadata={
+        "choices": WEIGHTING_SCHEMES,
+        "help": "density of σ for --timestep_sampling sigma; loss weight under sigma_scaled"})
+    logit_mean: float = field(default=0.0, metadata={"help": "mean of the logit_normal weighting scheme"})
+    logit_std: float = field(default=1.0, metadata={"help": "std of the logit_normal weighting scheme"})
+    mode_scale: float = field(default=1.29, metadata={"help": "scale of the mode weighting scheme"})
+    model_prediction_type: str = field(default="raw", metadata={
+        "choices": PREDICTION_TYPES,
+        "help": "raw (default here: the output is the velocity), additive (output + x_t) or sigma_scaled "
+                "(sd-scripts' default: an x0 estimate compared with the velocity target)"})
 
     def check(self) -> None:
         """ConfigError naming the flag when a value is outside what the scheme accepts."""
@@ -62,6 +73,16 @@ class FlowOptions:
                             ("--logit_std", self.logit_std)):
             if not value > 0:
                 raise ConfigError(f"{flag}: expected a number > 0, got {value}")
+
+
+def check_flow_compatible(min_timestep: Optional[int], max_timestep: Optional[int], zero_terminal_snr: bool) -> None:
+    """Refuse the DDPM-only flags for a flow-matching model (one-line ConfigError naming the flag)."""
+    for flag, value in (("min_timestep", min_timestep), ("max_timestep", max_timestep)):
+        if value is not None:
+            raise ConfigError(f"--{flag}: not supported for flow-matching models (FLUX.1); "
+                              "shape the σ distribution with --timestep_sampling instead")
+    if zero_terminal_snr:
+        raise ConfigError("--zero_terminal_snr: only for DDPM models; a flow-matching model already reaches pure noise")
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -151,7 +172,7 @@ class FlowMatchScheme:
     def sample_timesteps(self, batch_size: int, min_timestep: Optional[int] = None,
                          max_timestep: Optional[int] = None, generator: Optional[torch.Generator] = None,
                          device="cpu", latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """Timesteps σ·1000 (B,) float32. --min_timestep/--max_timestep are refused earlier by the flags."""
+        """Timesteps σ·1000 (B,) float32. --min_timestep/--max_timestep are refused when the flags are read (check_flow_compatible)."""
         return (self.sample_sigmas(batch_size, generator, latent_shape) * NUM_TRAIN_TIMESTEPS).to(device)
 
     @staticmethod

@@ -14,8 +14,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from library import hashes
-from library.io_utils import atomic_path, save_safetensors_atomic
+from library.core import hashes
+from library.core.io_utils import atomic_path, save_safetensors_atomic
 
 TOOLKIT_NAME = "sd-lora-toolkit"
 TOOLKIT_VERSION = "0.1.0"
@@ -38,7 +38,7 @@ MIRRORED_FLAGS: tuple[str, ...] = (
 BOOL_FLAGS = frozenset({"full_fp16", "v2", "cache_latents", "fp8_base", "fp8_base_unet"})
 # ss_ names that differ from the flag name.
 RENAMED_FLAGS: dict[str, str] = {"debiased_estimation": "debiased_estimation_loss"}
-# Written only without a dataset config (sd-scripts' flat dataset keys); values from flags.
+# Written only without a dataset config (sd-scripts' flat dataset keys); values as the flags give them.
 FLAT_DATASET_FLAGS: dict[str, str] = {
     "batch_size_per_device": "train_batch_size", "resolution": "resolution", "color_aug": "color_aug",
     "flip_aug": "flip_aug", "random_crop": "random_crop", "shuffle_caption": "shuffle_caption",
@@ -52,6 +52,9 @@ RUN_FACTS: tuple[str, ...] = (
     "base_model_version", "sd_model_name", "sd_model_hash", "new_sd_model_hash", "vae_name", "vae_hash",
     "new_vae_hash", "total_batch_size",
 )
+# Every flag training_metadata reads from its `run`: the values RunSettings.recorded_flags keeps.
+RECORDED_FLAGS: tuple[str, ...] = tuple(dict.fromkeys(
+    MIRRORED_FLAGS + tuple(RENAMED_FLAGS.values()) + ("text_encoder_lr",) + tuple(FLAT_DATASET_FLAGS.values())))
 # Kept with --no_metadata so that UIs can still filter LoRAs by base model and rank.
 MINIMUM_KEYS: tuple[str, ...] = (
     "ss_v2", "ss_base_model_version", "ss_network_module", "ss_network_dim", "ss_network_alpha", "ss_network_args",
@@ -76,8 +79,8 @@ def training_metadata(run: Mapping[str, Any]) -> dict[str, str]:
     for flag in MIRRORED_FLAGS:
         value = run.get(flag)
         md[f"ss_{flag}"] = bool(value) if flag in BOOL_FLAGS else value
-    for flag in run.get("family_metadata_flags") or ():  # e.g. Flux's timestep and guidance settings
-        md[f"ss_{flag}"] = run.get(flag)
+    for name, value in (run.get("family_metadata") or {}).items():  # e.g. Flux's timestep and guidance settings
+        md[f"ss_{name}"] = value
     for ss_name, flag in RENAMED_FLAGS.items():
         md[f"ss_{ss_name}"] = bool(run.get(flag))
     md["ss_text_encoder_lr"] = _text_encoder_lr(run.get("text_encoder_lr"))

@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence
 
 import toml
 
-from library.errors import ConfigError
-from library.io_utils import atomic_write_text
+from library.core.errors import ConfigError
+from library.core.io_utils import atomic_write_text
 
 _NOT_SAVED = {"config_file", "output_config"}
 

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from library.errors import ConfigError
-from library.train.lr_schedulers import SCHEDULERS, SchedulerOptions, parse_scheduler_args, resolve_steps
-from library.train.optimizers import OptimizerOptions, parse_optimizer_args, resolve_optimizer_type
+from library.core.errors import ConfigError
+from library.train.lr_schedulers import (
+    SCHEDULERS,
+    SchedulerOptions,
+    parse_scheduler_args,
+    resolve_steps,
+)
+from library.train.optimizers import (
+    OptimizerOptions,
+    parse_optimizer_args,
+    resolve_optimizer_type,
+)
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,10 +6,10 @@ import argparse
 import logging
 from typing import Optional
 
-from library.errors import ConfigError
-from library.sampling.during_training import SampleHook, SamplingOptions
+from library.core.errors import ConfigError
 from library.sampling.prompts import load_prompts
 from library.sampling.samplers import canonical_sampler, sampler_names
+from library.train.sampling_hook import SampleHook, SamplingOptions
 
 logger = logging.getLogger(__name__)
 

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
+from library.families.base import ModelFamily
+from library.train.settings import MemoryOptions
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class MemoryOptions:
-    """How the frozen base model is stored and placed during training."""
-
-    fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
-    fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
-    blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
-    cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
-
-    @property
-    def fp8_text_encoders(self) -> bool:
-        return self.fp8_base and not self.fp8_base_unet
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +61,6 @@ def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:
 
 def family_supports_block_swap(family: Any) -> bool:
     """Whether the family overrides ModelFamily.swappable_blocks (the DiT families)."""
-    from library.families.base import ModelFamily
 
     method = getattr(type(family), "swappable_blocks", None)
     return method is not None and method is not ModelFamily.swappable_blocks

@@ -1,5 +1,6 @@
 """Errors meant for the user: one line naming the input and what was expected."""
 
+import logging
 from typing import Any, Callable
 
 
@@ -26,3 +27,13 @@ def run_tool(body: Callable[..., Any], *args: Any) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+_warned: set[str] = set()
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """Log `message` as a warning the first time it is seen in this process."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)

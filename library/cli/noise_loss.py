@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from library.errors import ConfigError
-from library.train.losses import HUBER_SCHEDULES, LOSS_TYPES, LossOptions
-from library.train.noise import NoiseOptions
+from library.core.errors import ConfigError
+from library.objectives.losses import HUBER_SCHEDULES, LOSS_TYPES, LossOptions
+from library.objectives.noise import NoiseOptions
 
 MAX_TIMESTEP = 1000  # the SD / SDXL / Flux trainers all count 1000 training timesteps
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any
 
 import torch
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 from library.families.base import LoadOptions
+from library.train.settings import TextEncodingOptions
 
 _PRECISION_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -37,12 +37,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="folder holding a saved copy of the tokenizer (for single-file models without one)")
 
 
-@dataclass
-class TextEncodingOptions:
-    """How captions are tokenised and encoded."""
-
-    clip_skip: Optional[int] = None
-    max_token_length: Optional[int] = None
 
 
 def text_options_from_args(ns: argparse.Namespace) -> TextEncodingOptions:
@@ -56,7 +50,7 @@ def text_options_from_args(ns: argparse.Namespace) -> TextEncodingOptions:
     return TextEncodingOptions(clip_skip=clip_skip, max_token_length=None if max_len == 75 else max_len)
 
 
-def load_options_from_args(ns: argparse.Namespace) -> LoadOptions:
+def load_options_from_args(ns: argparse.Namespace, family_options: Any = None) -> LoadOptions:
     """The LoadOptions a family needs, from the model flags (and --mixed_precision for dtypes).
 
     Frozen base weights are held in the mixed-precision dtype, as in sd-scripts; the
@@ -69,14 +63,13 @@ def load_options_from_args(ns: argparse.Namespace) -> LoadOptions:
     if precision not in _PRECISION_DTYPES:
         raise ConfigError(f"--mixed_precision: expected one of no, fp16, bf16, got {precision!r}")
     dtype = _PRECISION_DTYPES[precision]
-    opts = LoadOptions(
+    return LoadOptions(
         pretrained_model_name_or_path=path,
         vae=getattr(ns, "vae", None),
         v2=bool(getattr(ns, "v2", False)),
         v_parameterization=bool(getattr(ns, "v_parameterization", False)),
         dtype=dtype,
         vae_dtype=torch.float32 if getattr(ns, "no_half_vae", False) else dtype,
+        tokenizer_cache_dir=getattr(ns, "tokenizer_cache_dir", None),
+        family_options=family_options,
     )
-    # LoadOptions has no tokenizer_cache_dir field yet; the SD loader reads it as an attribute.
-    opts.tokenizer_cache_dir = getattr(ns, "tokenizer_cache_dir", None)  # type: ignore[attr-defined]
-    return opts

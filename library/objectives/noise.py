@@ -12,12 +12,12 @@ saves and restores the generator state resumes with the exact same noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from library.errors import ConfigError
+from library.core.errors import ConfigError
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
@@ -49,6 +49,24 @@ def rand(shape, generator: Optional[torch.Generator], device) -> torch.Tensor:
 def _per_sample(values: torch.Tensor, ndim: int) -> torch.Tensor:
     """(B,) -> (B, 1, ..., 1) broadcastable against a tensor of `ndim` dims."""
     return values.reshape(values.shape[0], *([1] * (ndim - 1)))
+
+
+class NoiseScheme(Protocol):
+    """What the loop and the losses ask of a training scheme (DDPMScheme here, flow.FlowMatchScheme)."""
+
+    def sample_timesteps(self, batch_size: int, min_timestep: Optional[int] = None,
+                         max_timestep: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                         device: Any = "cpu", latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor: ...
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def prediction(self, model_output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor: ...
+
+    def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor: ...
 
 
 class DDPMScheme:
@@ -165,7 +183,7 @@ def rescale_betas_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class NoiseOptions:
-    """The noise and timestep flags (library/args/noise_loss.py translates them)."""
+    """The noise and timestep flags (library/cli/noise_loss.py translates them)."""
 
     noise_offset: Optional[float] = None
     noise_offset_random_strength: bool = False

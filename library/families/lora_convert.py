@@ -21,8 +21,21 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.lora_layouts import KOHYA_PREFIXES, UnmappedPathError, kohya_modules, peft_targets
-from networks.lora_files import KOHYA_SUFFIXES, LoraModule, UnsupportedLoraError, check_not_lycoris, group_modules
+from library.families.lora_layouts import (
+    KOHYA_PREFIXES,
+    UnmappedPathError,
+    kohya_modules,
+    peft_targets,
+)
+from networks.lora_files import (
+    KOHYA_SUFFIXES,
+    LoraFile,
+    LoraModule,
+    UnsupportedLoraError,
+    check_not_lycoris,
+    group_modules,
+    read_state_dict,
+)
 
 LAYOUTS = ("kohya", "diffusers", "ai-toolkit")
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
@@ -177,3 +190,16 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str
     if to == "kohya":
         return kohya
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
+
+
+def load_lora_file(path: str) -> LoraFile:
+    """Load a LoRA in kohya, diffusers/PEFT or ai-toolkit layout as kohya modules."""
+    state, metadata = read_state_dict(path)
+    if not state:
+        raise UnsupportedLoraError(f"{path}: the file holds no tensors")
+    layout = detect_layout(state, path)
+    if layout != "kohya":
+        state = to_kohya(state, path)
+    dtype = next(v.dtype for k, v in state.items() if not k.endswith(".alpha"))
+    return LoraFile(path, group_modules(state, path), metadata, dtype, layout)
+

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-
-@dataclass
-class TextCacheOptions:
-    """Whether to encode every caption once before training, and where to keep the outputs."""
-
-    enabled: bool = False
-    to_disk: bool = False
-    batch_size: int = 1
+from library.train.settings import TextCacheOptions
 
 
 def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,16 +25,21 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from library.sampling.generate import PromptOverrides, generate_images, requests_from_prompts
+from library.sampling.generate import (
+    PromptOverrides,
+    generate_images,
+    requests_from_prompts,
+)
 from library.sampling.output import SAMPLE_DIR, progress_suffix, save_samples
 from library.sampling.prompts import SamplePrompt
+from library.train.state import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class SamplingOptions:
-    """--sample_* flags (translated in library/args/sampling.py)."""
+    """--sample_* flags (translated in library/cli/sampling.py)."""
 
     sample_prompts: Optional[str] = None
     sample_every_n_steps: Optional[int] = None
@@ -86,7 +91,6 @@ class SampleHook:
 
     def sample(self, trainer, step: int, epoch: Optional[int], suffix: str) -> list[str]:
         """Generate every prompt with the current network and save / log the images."""
-        from library.train.state import capture_rng, restore_rng
 
         generators = {"noise": trainer.noise_generator}
         rng_state = capture_rng(generators)
@@ -108,7 +112,7 @@ class SampleHook:
             logger.info("sampling %d image(s) at step %d", len(requests), step)
             with trainer.accelerator.autocast():
                 generated = generate_images(trainer.family, trainer.components, requests,
-                                            clip_skip=trainer.s.clip_skip, device=trainer.device,
+                                            clip_skip=trainer.s.text.clip_skip, device=trainer.device,
                                             batch_size=self.options.sample_batch_size)
             t = trainer.t
             current_epoch = epoch if epoch is not None else math.ceil(step / max(1, trainer.steps_per_epoch))

@@ -1,0 +1,122 @@
+"""What a training entry script does: parse flags, build settings, run, and turn errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from library.cli.config_file import (
+    parse_with_config_file,
+    write_config_file,
+)
+from library.cli.dataset import data_options_from_args
+from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args
+from library.cli.model import load_options_from_args, text_options_from_args
+from library.cli.network import network_options_from_args
+from library.cli.noise_loss import loss_options_from_args, noise_options_from_args
+from library.cli.optimizer import (
+    optimizer_options_from_args,
+    scheduler_options_from_args,
+)
+from library.cli.options import options_from_namespace
+from library.cli.parser import build_network_training_parser
+from library.cli.sampling import sampling_hook_from_args
+from library.cli.text_cache import text_cache_options_from_args
+from library.cli.training import training_options_from_args
+from library.core.errors import ConfigError, UserError
+from library.core.metadata import RECORDED_FLAGS
+from library.families import get_family
+from library.families.base import ModelFamily
+from library.train.network_kinds import network_kind
+from library.train.optimizers import optimizer_class
+from library.train.settings import RunSettings
+from library.train.trainer import InterruptedTraining, NetworkTrainer
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettings:
+    """Translate the namespace into RunSettings, each concern through its own from_args function.
+
+    Every flag is checked here, before the dataset scan and before any model loads; the namespace
+    itself goes no further than this function.
+    """
+    family_options = options_from_namespace(family.options_type, ns)
+    model = load_options_from_args(ns, family_options)
+    memory = memory_options_from_args(vars(ns), family)
+    noise = noise_options_from_args(ns)
+    family.check_options(family_options, model, blocks_to_swap=memory.blocks_to_swap, min_timestep=noise.min_timestep,
+                         max_timestep=noise.max_timestep, zero_terminal_snr=bool(ns.zero_terminal_snr))
+    gradient_checkpointing = gradient_checkpointing_wanted(memory, ns.gradient_checkpointing)
+    training = training_options_from_args(ns, gradient_checkpointing)
+    optimizer = optimizer_options_from_args(ns)
+    optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
+    network = network_options_from_args(ns)
+    if network.network_module != "networks.lora" and family.external_networks_unsupported:
+        raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
+                          f"{family.external_networks_unsupported}")
+    # A drawn seed and implied checkpointing are what the data layer and the metadata must see.
+    recorded = {**vars(ns), "seed": training.seed, "gradient_checkpointing": gradient_checkpointing}
+    settings = RunSettings(
+        model=model,
+        data=data_options_from_args(ns, seed=training.seed),
+        network=network,
+        network_kind=network_kind(network.network_module),
+        optimizer=optimizer,
+        scheduler=scheduler_options_from_args(ns),
+        noise=noise,
+        loss=loss_options_from_args(ns),
+        training=training,
+        text=text_options_from_args(ns),
+        text_cache=text_cache_options_from_args(ns),
+        memory=memory,
+        zero_terminal_snr=bool(ns.zero_terminal_snr),
+        no_half_vae=bool(ns.no_half_vae),
+        recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
+    )
+    sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
+    if sample_hook is not None:
+        if type(family).generate is ModelFamily.generate:
+            raise ConfigError(f"--sample_prompts: sampling is not implemented for the {family.name} family yet; "
+                              "drop the flag (or generate afterwards with tools/generate.py)")
+        settings.hooks.append(sample_hook)
+    return settings
+
+
+def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point shared by train_network.py and the family scripts. Returns the exit code."""
+    _setup_logging()
+
+    family = get_family(family_name)
+    parser = build_parser(description, family)
+    try:
+        ns = parse_with_config_file(parser, argv)
+        settings = settings_from_args(ns, family)
+        config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
+
+        def write_config(trainer, event: str, step: int) -> None:  # once every check has passed
+            if event == "train_start":
+                write_config_file(ns, config_path, parser)
+
+        settings.hooks.insert(0, write_config)
+        path = NetworkTrainer(family, settings).run()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except InterruptedTraining as e:
+        print(str(e), file=sys.stderr)
+        return 128 + int(e.signum)
+    print(f"saved {path}")
+    return 0
+
+
+def build_parser(description: str, family=None):
+
+    return build_network_training_parser(description, family)

@@ -1,0 +1,22 @@
+"""FLUX.1 component-file flags for the tools (--clip_l / --t5xxl / --ae), declared by FluxOptions.
+
+The training scripts get every FluxOptions flag through the family's options_type (library/cli/parser.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from library.cli.options import add_option_arguments
+from library.families.flux_options import COMPONENT_FILE_FLAGS, FluxOptions
+
+
+def add_component_file_arguments(group) -> None:
+    """--clip_l / --t5xxl / --ae: the parts a BFL single-file transformer does not hold."""
+    add_option_arguments(group, FluxOptions, only=COMPONENT_FILE_FLAGS)
+
+
+def component_files(ns: argparse.Namespace) -> dict[str, Optional[str]]:
+    """The component-file flags of a parsed namespace (values for library.cli.options.options_from_values)."""
+    return {name: getattr(ns, name, None) for name in COMPONENT_FILE_FLAGS}

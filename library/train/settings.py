@@ -1,0 +1,140 @@
+"""The typed settings of one training run, one dataclass per component, built from flags in library/cli/.
+
+Nothing below library/cli/ sees the argparse namespace: each component takes its own dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from library.data.options import DataOptions
+from library.families.base import LoadOptions
+from library.objectives.losses import LossOptions
+from library.objectives.noise import NoiseOptions
+from library.train.lr_schedulers import SchedulerOptions
+from library.train.optimizers import OptimizerOptions
+
+
+@dataclass
+class TrainingOptions:
+    output_dir: str
+    output_name: str
+    save_model_as: str = "safetensors"
+    save_precision: Optional[str] = None
+    save_every_n_epochs: Optional[int] = None
+    save_every_n_steps: Optional[int] = None
+    save_last_n_epochs: Optional[int] = None
+    save_last_n_epochs_state: Optional[int] = None
+    save_last_n_steps: Optional[int] = None
+    save_last_n_steps_state: Optional[int] = None
+    save_state: bool = False
+    save_state_on_train_end: bool = False
+    resume: Optional[str] = None
+    max_train_steps: int = 1600
+    max_train_epochs: Optional[int] = None
+    save_n_epoch_ratio: Optional[int] = None
+    seed: int = 0  # a random one is drawn (and recorded in metadata) when --seed is not given
+    gradient_accumulation_steps: int = 1
+    mixed_precision: str = "no"
+    full_fp16: bool = False
+    full_bf16: bool = False
+    gradient_checkpointing: bool = False
+    xformers: bool = False
+    cpu: bool = False
+    logging_dir: Optional[str] = None
+    log_with: Optional[str] = None
+    log_prefix: Optional[str] = None
+    log_tracker_name: Optional[str] = None
+    log_every_n_steps: int = 1
+    log_tflops: Optional[int] = None
+    validate_every_n_steps: Optional[int] = None
+    validate_every_n_epochs: Optional[int] = None
+    max_validation_steps: Optional[int] = None
+
+
+
+@dataclass
+class NetworkOptions:
+    """The network flags in typed form; `network_args` holds the raw key=value strings."""
+
+    network_module: str = "networks.lora"
+    network_dim: Optional[int] = 4
+    network_alpha: Optional[float] = 1.0
+    network_dropout: Optional[float] = None
+    network_args: dict[str, str] = field(default_factory=dict)
+    network_weights: Optional[str] = None
+    dim_from_weights: bool = False
+    base_weights: list[str] = field(default_factory=list)
+    base_weights_multiplier: list[float] = field(default_factory=list)
+    train_unet: bool = True
+    train_text_encoder: bool = True
+    unet_lr: Optional[float] = None
+    text_encoder_lr: Optional[list[float]] = None
+    scale_weight_norms: Optional[float] = None
+    no_metadata: bool = False
+    training_comment: Optional[str] = None
+    network_multiplier: float = 1.0
+    metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
+
+
+
+@dataclass
+class MemoryOptions:
+    """How the frozen base model is stored and placed during training."""
+
+    fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
+    fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
+    blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
+    cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+
+    @property
+    def fp8_text_encoders(self) -> bool:
+        return self.fp8_base and not self.fp8_base_unet
+
+
+
+@dataclass
+class TextCacheOptions:
+    """Whether to encode every caption once before training, and where to keep the outputs."""
+
+    enabled: bool = False
+    to_disk: bool = False
+    batch_size: int = 1
+
+
+
+@dataclass
+class TextEncodingOptions:
+    """How captions are tokenised and encoded."""
+
+    clip_skip: Optional[int] = None
+    max_token_length: Optional[int] = None
+
+
+# A trainer hook: called as hook(trainer, event, step) at "train_start", "step", "epoch" and "train_end".
+Hook = Callable[[Any, str, int], None]
+
+
+@dataclass
+class RunSettings:
+    """Everything one run needs, each part translated from flags in library/cli/ (and nowhere else)."""
+
+    model: LoadOptions  # model.family_options: the family's own options (its options_type)
+    data: DataOptions
+    network: NetworkOptions
+    network_kind: Any  # library.train.network_kinds.NetworkKind of --network_module (chosen once, in the CLI)
+    optimizer: OptimizerOptions
+    scheduler: SchedulerOptions
+    noise: NoiseOptions
+    loss: LossOptions
+    training: TrainingOptions
+    text: TextEncodingOptions = field(default_factory=TextEncodingOptions)
+    text_cache: TextCacheOptions = field(default_factory=TextCacheOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    zero_terminal_snr: bool = False
+    no_half_vae: bool = False
+    # The flag values sd-scripts mirrors into ss_* metadata, as the user gave them (library/core/metadata.py
+    # RECORDED_FLAGS); only metadata reads them.
+    recorded_flags: Mapping[str, Any] = field(default_factory=dict)
+    hooks: list[Hook] = field(default_factory=list)  # e.g. sampling (library/train/sampling_hook.py)
