@@ -200,7 +200,6 @@ class LoRANetwork(nn.Module):
 
     def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
         """Write the kohya-format file atomically; .safetensors files get sshs_* hashes."""
-
         state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone() for k, v in self.state_dict().items()}
         save_lora_state_dict(file, state_dict, metadata)
 

@@ -195,7 +195,6 @@ def updated_metadata(metadata: Mapping[str, str], network_dim: object, network_a
 def save_lora_file(path: str, modules: Iterable[LoraModule], metadata: Mapping[str, str],
                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """Write kohya modules atomically with metadata and recomputed sshs_* hashes; return what was written."""
-
     state = modules_state_dict(modules, dtype)
     save_lora_state_dict(path, state, dict(metadata))
     return state

@@ -29,7 +29,6 @@ def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
 def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags: list[str],
                    action: Callable, check_family: Optional[Callable] = None) -> int:
     """Parse training flags (+ `forced_flags`), build the trainer and run `action(trainer)`; exit code."""
-
     _setup_logging()
     name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
 

@@ -118,5 +118,4 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def build_parser(description: str, family=None):
-
     return build_network_training_parser(description, family)

@@ -61,6 +61,5 @@ def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:
 
 def family_supports_block_swap(family: Any) -> bool:
     """Whether the family overrides ModelFamily.swappable_blocks (the DiT families)."""
-
     method = getattr(type(family), "swappable_blocks", None)
     return method is not None and method is not ModelFamily.swappable_blocks

@@ -287,7 +287,6 @@ def resolve_from_toml(path: str, opts: DataOptions) -> ResolvedConfig:
 
 def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
     """Folder mode: --train_data_dir (N_name subfolders) + --reg_data_dir, or --in_json fine-tune metadata."""
-
     errors = _Errors("")
     cli = _cli_values(opts, errors)
     errors.raise_if_any()

@@ -25,7 +25,6 @@ from library.data.plan import DataFamilyInfo, DatasetPlan
 
 class TrainingData(DatasetPlan):
     """A DatasetPlan that loads its batches, caches its latents and describes itself in metadata."""
-
     # --- loading --------------------------------------------------------------------
     def load_batch(self, ref: BatchRef) -> Optional[dict]:
         """The tensors of one batch (see library/data/loading.py); None if none of its images could be decoded."""

@@ -13,7 +13,6 @@ RESIZE_INTERPOLATIONS = ("lanczos", "nearest", "bilinear", "linear", "bicubic", 
 class DataOptions:
     """Every dataset flag. Values here are the CLI layer of the precedence
     subset > dataset > general > CLI > default; the dataclass defaults are the sd-scripts defaults."""
-
     train_data_dir: Optional[str] = None
     reg_data_dir: Optional[str] = None
     in_json: Optional[str] = None

@@ -27,7 +27,6 @@ from library.data.options import DataOptions
 @dataclass
 class DataFamilyInfo:
     """What the data layer needs from the model family."""
-
     bucket_reso_multiple: int = 64
     latent_cache_arch: str = "_sd"
     vae_scale_factor: int = 8
@@ -47,7 +46,6 @@ class DataFamilyInfo:
 class DatasetPlan:
     """Samples, bucket groups and caches of every dataset, and the batch plan (library/data/dataset.py's
     TrainingData adds loading, latent caching and metadata on top)."""
-
     opts: DataOptions
     family: DataFamilyInfo
     seed: int

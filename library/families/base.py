@@ -27,7 +27,6 @@ class ModelLoadError(UserError):
 @dataclass
 class LoadOptions:
     """What a family needs to load a model (translated from flags in library/cli/model.py)."""
-
     pretrained_model_name_or_path: str
     vae: Optional[str] = None
     v2: bool = False

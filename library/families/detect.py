@@ -19,7 +19,6 @@ _SINGLE_FILE_MARKERS = (
 
 
 def _preset_family(path: str) -> Optional[str]:
-
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS)):
         if path in presets:
             return name

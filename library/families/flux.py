@@ -74,7 +74,6 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
 def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     """(double, single) blocks that --blocks_to_swap N swaps: N//2 and 2·(N − N//2), as sd-scripts;
     a one-line ConfigError when the model has fewer."""
-
     fits = [n for n in range(1, 2 * (double + single) + 1) if n // 2 <= double and 2 * (n - n // 2) <= single]
     if num_swap not in fits:
         limit = f"1..{fits[-1]}" if fits else "nothing"
@@ -233,7 +232,6 @@ class FluxFamily(ModelFamily):
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
         """Flow-match Euler generation (library/families/flux_generate.py); clip_skip does not apply."""
-
         return generate_flux(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------
@@ -262,7 +260,6 @@ class FluxFamily(ModelFamily):
     def t5_lora_target(self, components: Components) -> LoraTarget:
         """The T5 target (`lora_te3_encoder_block_N_...`) on its own, always on; lora_targets has it behind
         sd-scripts' `train_t5xxl=True`."""
-
         return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
 
     # --- metadata -------------------------------------------------------------------------------

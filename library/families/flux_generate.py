@@ -48,7 +48,6 @@ def _flow_sampler(name: Optional[str]) -> str:
     sd-scripts ignores --sample_sampler for FLUX.1; a DDPM sampler name (say from a shared
     prompt file) is therefore replaced rather than an error in the middle of training.
     """
-
     if not name:
         return DEFAULT_SAMPLER
     spec = sampler_spec(name)
@@ -74,7 +73,6 @@ def resolve_flux_request(request):
 
 def flux_sigmas(steps: int, image_tokens: int, shift: bool) -> torch.Tensor:
     """steps + 1 σ from 1 down to 0, time-shifted for `image_tokens` packed patches when `shift`."""
-
     sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
     if shift:
         # time_shift(σ=0) is e^μ / inf = 0: the last σ stays exactly 0.

@@ -19,7 +19,6 @@ COMPONENT_FILE_FLAGS = ("clip_l", "t5xxl", "ae")
 @dataclass
 class FluxOptions:
     """How captions are encoded, the transformer is called and trained, and where its parts come from."""
-
     guidance_scale: float = field(default=3.5, metadata={
         "help": "guidance value fed to a guidance-distilled transformer (dev) during training "
                 "(sd-scripts' default 3.5; 1.0 is the usual advice for dev LoRAs)"})

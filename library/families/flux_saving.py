@@ -54,7 +54,6 @@ def save_flux_bfl_file(transformer: nn.Module, path: str, dtype: Optional[torch.
 
     CLIP-L, T5 and the AE are not part of such a file; load it back with --clip_l / --t5xxl / --ae.
     """
-
     if not path.lower().endswith(".safetensors"):
         raise UserError(f"{path}: a FLUX.1 single file is written as .safetensors only (or give a folder "
                         "for a diffusers folder)")
@@ -67,7 +66,6 @@ COMPONENT_FILES = {"clip_l": "clip_l.safetensors", "t5xxl": "t5xxl.safetensors",
 
 def save_flux_component_files(parts: dict, folder: str) -> dict[str, str]:
     """Write CLIP-L, T5 and the AE as the separate files --clip_l / --t5xxl / --ae take; {flag: path}."""
-
     vae_state = parts["vae"].state_dict()
     states = {"clip_l": clip_l_to_file(parts["text_encoder"].state_dict()),
               "t5xxl": t5_to_file(parts["text_encoder_2"].state_dict()),
@@ -83,7 +81,6 @@ def write_flux_preset(preset: str, out: str, single_file: bool = False) -> dict[
     """Build a preset ("tiny:flux") and write it: a diffusers folder, or with `single_file` the BFL transformer
     plus clip_l / t5xxl / ae files next to it. `out` is then a .safetensors name or a folder (which gets
     flux1-tiny.safetensors). Returns {"transformer" | "clip_l" | "t5xxl" | "ae" | "folder": path}."""
-
     parts = build_flux_modules(preset)
     if not single_file:
         save_flux_diffusers_folder(parts, out)

@@ -55,7 +55,6 @@ class SDFamily(ModelFamily):
 
     def load(self, opts: LoadOptions) -> Components:
         """Load a diffusers folder, a single-file checkpoint, a hub id from the local cache, or a preset."""
-
         return load_sd_components(opts)
 
     def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
@@ -88,7 +87,6 @@ class SDFamily(ModelFamily):
         ]
 
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-
         unet, vae, te = components.denoiser, components.vae, components.text_encoders[0]
         if path.lower().endswith((".safetensors", ".ckpt")):
             sd_saving.save_single_file(unet, vae, te, path, components.v2, dtype)

@@ -72,7 +72,6 @@ def resolve_request(request, default_size: int = DEFAULT_SIZE):
 def encode_prompts(components: Components, texts: list[str], clip_skip: Optional[int],
                    device: torch.device) -> torch.Tensor:
     """Weighted, chunked CLIP states (B, n*75+2, D) for texts that share one window count."""
-
     tokenizer, text_encoder = components.tokenizers[0], components.text_encoders[0]
     window = tokenizer.model_max_length
     n_chunks = chunk_count([len(tokens_with_weights(tokenizer, t)[0]) for t in texts], window - 2)

@@ -83,7 +83,6 @@ def save_single_file(unet: nn.Module, vae: nn.Module, text_encoder: nn.Module, p
 
 def write_preset(preset: str, out: str, single_file: bool = False) -> None:
     """Build a preset ("tiny:sd1", ...) and write it as a diffusers folder or one LDM-layout file."""
-
     parts = build_sd_modules(preset)
     if single_file:
         save_single_file(parts["unet"], parts["vae"], parts["text_encoder"], out, PRESETS[preset].v2)

@@ -69,7 +69,6 @@ class SDXLFamily(ModelFamily):
     # --- loading ----------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
-
         return load_sdxl_components(opts)
 
     # --- text ---------------------------------------------------------------------
@@ -117,7 +116,6 @@ class SDXLFamily(ModelFamily):
 
     # --- LoRA -------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
-
         te1, te2 = components.text_encoders
         return [
             LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS, rename=sgm_module_path),
@@ -127,17 +125,14 @@ class SDXLFamily(ModelFamily):
 
     def lora_block_layout(self) -> BlockLayout:
         """The 23-block layout of block_dims / block lr weights for networks.lora (sd-scripts' SDXL layout)."""
-
         return sdxl_block_layout()
 
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
         """A LoRA state dict in this family's kohya naming; diffusers-named SDXL files are renamed to SGM."""
-
         return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
 
     # --- metadata -----------------------------------------------------------------------
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-
         te1, te2 = components.text_encoders
         parts = {"unet": components.denoiser, "vae": components.vae, "text_encoder": te1, "text_encoder_2": te2,
                  "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}

@@ -33,7 +33,6 @@ resolve_sdxl_request = functools.partial(resolve_request, default_size=DEFAULT_S
 @torch.no_grad()
 def encode_prompts_sdxl(components: Components, texts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     """hidden_state1 (B, n*75+2, D1), hidden_state2 (B, n*75+2, D2), pool2 (B, P): weighted, chunked."""
-
     lengths = [len(tokens_with_weights(tok, t)[0]) for tok in components.tokenizers for t in texts]
     window = components.tokenizers[0].model_max_length
     n_chunks = chunk_count(lengths, window - 2)  # one window count for both encoders keeps the states aligned

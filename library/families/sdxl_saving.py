@@ -57,7 +57,6 @@ def save_sdxl_single_file(parts: dict, path: str, dtype: Optional[torch.dtype] =
 
 def write_sdxl_preset(preset: str, out: str, single_file: bool = False) -> None:
     """Build an SDXL preset ("tiny:sdxl") and write it as a diffusers folder or one SGM file."""
-
     parts = build_sdxl_modules(preset)
     if single_file:
         save_sdxl_single_file(parts, out)

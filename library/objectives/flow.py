@@ -42,7 +42,6 @@ FLUX_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
 class FlowOptions:
     """The flow-matching flags (declared here, turned into flags by library/cli/options.py); defaults as
     sd-scripts except the prediction type."""
-
     timestep_sampling: str = field(default="sigma", metadata={
         "choices": TIMESTEP_SAMPLINGS,
         "help": "how σ is drawn: sigma (by --weighting_scheme, on the shifted schedule), uniform, sigmoid, "
@@ -129,7 +128,6 @@ def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class FlowMatchScheme:
     """Rectified flow with sd-scripts' FLUX.1 timestep samplers, weighting and prediction types."""
-
     has_snr = False  # min-SNR, debiased and v-pred loss terms do not apply
     prediction_type = "flow"
     num_train_timesteps = NUM_TRAIN_TIMESTEPS

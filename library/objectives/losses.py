@@ -38,7 +38,6 @@ SNR_CAP = 1000.0
 @dataclass
 class LossOptions:
     """The loss flags (library/cli/noise_loss.py translates them)."""
-
     loss_type: str = "l2"
     huber_schedule: str = "snr"
     huber_c: float = 0.1

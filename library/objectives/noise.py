@@ -53,7 +53,6 @@ def _per_sample(values: torch.Tensor, ndim: int) -> torch.Tensor:
 
 class NoiseScheme(Protocol):
     """What the loop and the losses ask of a training scheme (DDPMScheme here, flow.FlowMatchScheme)."""
-
     def sample_timesteps(self, batch_size: int, min_timestep: Optional[int] = None,
                          max_timestep: Optional[int] = None, generator: Optional[torch.Generator] = None,
                          device: Any = "cpu", latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor: ...
@@ -77,7 +76,6 @@ class DDPMScheme:
     are built in float32 exactly as diffusers does, because that is what
     sd-scripts trains with and bit-equal noising keeps results reproducible.
     """
-
     has_snr = True  # loss weights based on SNR apply (a flow-matching scheme sets False)
 
     def __init__(
@@ -184,7 +182,6 @@ def rescale_betas_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
 @dataclass
 class NoiseOptions:
     """The noise and timestep flags (library/cli/noise_loss.py translates them)."""
-
     noise_offset: Optional[float] = None
     noise_offset_random_strength: bool = False
     adaptive_noise_scale: Optional[float] = None

@@ -118,7 +118,6 @@ def batches(requests: Sequence[GenerationRequest], batch_size: int) -> list[list
 
 class ImageGenerator(Protocol):
     """What generate_images needs of a model family (library/families/base.py ModelFamily.generate)."""
-
     def generate(self, components: Any, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list: ...
 

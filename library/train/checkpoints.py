@@ -30,7 +30,6 @@ def state_path(output_dir: str, stem: str) -> str:
 @dataclass
 class SavePlan:
     """Save cadence and retention, as the --save_* flags give them."""
-
     every_n_epochs: Optional[int] = None
     every_n_steps: Optional[int] = None
     last_n_epochs: Optional[int] = None

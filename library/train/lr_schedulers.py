@@ -49,7 +49,6 @@ _EXTRA_ARGS = {
 @dataclass
 class SchedulerOptions:
     """The scheduler flags (library/cli/optimizer.py translates them)."""
-
     lr_scheduler: str = "constant"
     lr_warmup_steps: StepCount = 0  # int, ratio < 1 of the total, or "N%"
     lr_decay_steps: StepCount = 0  # same forms (warmup_stable_decay)

@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class NetworkSpec:
     """One LoRA/LyCORIS file to apply at generation: --network_module, --network_weights, --network_mul."""
-
     module: str
     weights: str
     multiplier: float = 1.0
@@ -28,7 +27,6 @@ class NetworkSpec:
 @dataclass
 class AppliedNetworks:
     """Networks hooked into a model (not merged); `remove()` unhooks them."""
-
     networks: list = field(default_factory=list)
 
     def remove(self) -> None:

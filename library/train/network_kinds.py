@@ -55,7 +55,6 @@ def import_network_module(name: str) -> ModuleType:
 
 class NetworkKind:
     """How the loop creates, loads and names the networks of one --network_module."""
-
     own = False  # whether its modules carry kohya names themselves (no renaming on save/load)
 
     def __init__(self, name: str, module: ModuleType):
@@ -98,7 +97,6 @@ class NetworkKind:
 
 class OwnLoRA(NetworkKind):
     """networks.lora: the family's targets, block layout and kohya names."""
-
     own = True
 
     def _family_kwargs(self, family: ModelFamily, components: Components) -> dict[str, Any]:
@@ -134,7 +132,6 @@ class ExternalNetwork(NetworkKind):
 
 class LycorisNetwork(ExternalNetwork):
     """lycoris.kohya: presets fitted to the model, bypass mode over float8 weights."""
-
     def create_kwargs(self, family, components, opts, fp8_base):
         kwargs = dict(opts.network_args)
         if fp8_base:  # its default path rebuilds W + ΔW in the base weight's dtype, which float8 cannot compute

@@ -125,7 +125,6 @@ def _can_carry_adapter(module: torch.nn.Module) -> bool:
 
 def external_state_dict(path: str, family: ModelFamily, components: Components) -> dict:
     """A file an external network saved (kohya names, see kohya_name_map) with its raw module names back."""
-
     return _renamed(load_state_dict(path), _inverse(kohya_name_map(family.lora_targets(components))))
 
 

@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class OptimizerOptions:
     """The optimizer flags (library/cli/optimizer.py translates them)."""
-
     optimizer_type: str = "AdamW"
     learning_rate: float = 2e-6
     optimizer_args: dict[str, Any] = field(default_factory=dict)

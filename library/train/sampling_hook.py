@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SamplingOptions:
     """--sample_* flags (translated in library/cli/sampling.py)."""
-
     sample_prompts: Optional[str] = None
     sample_every_n_steps: Optional[int] = None
     sample_every_n_epochs: Optional[int] = None
@@ -57,7 +56,6 @@ class SamplingOptions:
 
 class SampleHook:
     """Callable `hook(trainer, event, step)` that samples on the events the options ask for."""
-
     def __init__(self, options: SamplingOptions, prompts: Sequence[SamplePrompt]):
         self.options = options
         self.prompts = list(prompts)
@@ -91,7 +89,6 @@ class SampleHook:
 
     def sample(self, trainer, step: int, epoch: Optional[int], suffix: str) -> list[str]:
         """Generate every prompt with the current network and save / log the images."""
-
         generators = {"noise": trainer.noise_generator}
         rng_state = capture_rng(generators)
         network = trainer.accelerator.unwrap_model(trainer.network)

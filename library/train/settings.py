@@ -57,7 +57,6 @@ class TrainingOptions:
 @dataclass
 class NetworkOptions:
     """The network flags in typed form; `network_args` holds the raw key=value strings."""
-
     network_module: str = "networks.lora"
     network_dim: Optional[int] = 4
     network_alpha: Optional[float] = 1.0
@@ -82,7 +81,6 @@ class NetworkOptions:
 @dataclass
 class MemoryOptions:
     """How the frozen base model is stored and placed during training."""
-
     fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
     fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
@@ -97,7 +95,6 @@ class MemoryOptions:
 @dataclass
 class TextCacheOptions:
     """Whether to encode every caption once before training, and where to keep the outputs."""
-
     enabled: bool = False
     to_disk: bool = False
     batch_size: int = 1
@@ -107,7 +104,6 @@ class TextCacheOptions:
 @dataclass
 class TextEncodingOptions:
     """How captions are tokenised and encoded."""
-
     clip_skip: Optional[int] = None
     max_token_length: Optional[int] = None
 
@@ -119,7 +115,6 @@ Hook = Callable[[Any, str, int], None]
 @dataclass
 class RunSettings:
     """Everything one run needs, each part translated from flags in library/cli/ (and nowhere else)."""
-
     model: LoadOptions  # model.family_options: the family's own options (its options_type)
     data: DataOptions
     network: NetworkOptions
