@@ -7,8 +7,6 @@ import torch
 from safetensors.torch import save_file
 
 from library.families.detect import detect_family
-from library.families.sd_saving import write_preset
-from library.families.sdxl_saving import write_sdxl_preset
 
 
 @pytest.mark.parametrize("preset,family", [("tiny:sd1", "sd"), ("random:sd15", "sd"), ("tiny:sdxl", "sdxl"),
@@ -30,11 +28,10 @@ def test_single_files_by_their_keys(tmp_path):
     assert detect_family(str(tmp_path / "missing.safetensors")) is None
 
 
-def test_real_layouts_written_by_the_tools(tmp_path):
-    write_preset("tiny:sd1", str(tmp_path / "sd1.safetensors"), single_file=True)
-    write_sdxl_preset("tiny:sdxl", str(tmp_path / "sdxl_folder"))
-    assert detect_family(str(tmp_path / "sd1.safetensors")) == "sd"
-    assert detect_family(str(tmp_path / "sdxl_folder")) == "sdxl"
+def test_real_layouts_written_by_the_tools(tiny_sd1_file, tiny_sdxl_folder):
+    # written by write_preset("tiny:sd1", ..., single_file=True) and write_sdxl_preset("tiny:sdxl", folder)
+    assert detect_family(tiny_sd1_file) == "sd"
+    assert detect_family(tiny_sdxl_folder) == "sdxl"
 
 
 def test_generate_tool_uses_the_detected_family(tmp_path):

@@ -1,16 +1,12 @@
 """SD 1.x / 2.x family: registry, presets, topology counts, text chunking, clip_skip, metadata."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
 import torch
 from torch import nn
 
 from library.core.errors import ConfigError
 from library.families import family_names, get_family
-from library.families.base import LoadOptions, TextConditioning
+from library.families.base import TextConditioning
 from library.families.clip_text import final_layer_norm
 from library.families.sd import SDFamily
 from library.families.tiny import build_sd_modules, tiny_vocab_size
@@ -21,14 +17,14 @@ def family():
     return get_family("sd")
 
 
-@pytest.fixture(scope="module")
-def sd1(family):
-    return family.load(LoadOptions("tiny:sd1"))
+@pytest.fixture
+def sd1(tiny_sd1):
+    return tiny_sd1
 
 
-@pytest.fixture(scope="module")
-def sd2(family):
-    return family.load(LoadOptions("tiny:sd2"))
+@pytest.fixture
+def sd2(tiny_sd2):
+    return tiny_sd2
 
 
 def kohya_modules(target, conv: bool) -> list[str]:
@@ -85,13 +81,16 @@ def test_tiny_topology_matches_real(sd1, sd2):
 
 
 @pytest.mark.parametrize("preset,tiny", [("random:sd15", "tiny:sd1"), ("random:sd21", "tiny:sd2")])
-def test_lora_module_counts_full_size_equal_tiny(family, preset, tiny):
+def test_lora_module_counts_full_size_equal_tiny(family, preset, tiny, request):
+    from library.families.base import Components
+
     counts = {}
     for name in (preset, tiny):
-        parts = build_sd_modules(name, device="meta") if name == preset else build_sd_modules(name)
-        from library.families.base import Components
-
-        comps = Components(parts["unet"], parts["vae"], [parts["text_encoder"]], [parts["tokenizer"]])
+        if name == preset:
+            parts = build_sd_modules(name, device="meta")
+            comps = Components(parts["unet"], parts["vae"], [parts["text_encoder"]], [parts["tokenizer"]])
+        else:  # the session's tiny:sd1 / tiny:sd2
+            comps = request.getfixturevalue("tiny_" + name.split(":")[1])
         unet_t, te_t = family.lora_targets(comps)
         counts[name] = (kohya_modules(unet_t, False), kohya_modules(unet_t, True), kohya_modules(te_t, False))
     full, small = counts[preset], counts[tiny]
@@ -177,8 +176,8 @@ def test_predict_calls_unet(family, sd1):
     assert torch.equal(out, sd1.denoiser(latents, t, text.tensors["encoder_hidden_states"]).sample)
 
 
-def test_lora_targets_and_metadata(family, sd1, sd2):
-    sd2v = family.load(LoadOptions("tiny:sd2-v"))
+def test_lora_targets_and_metadata(family, sd1, sd2, tiny_sd2v):
+    sd2v = tiny_sd2v
     unet_t, te_t = family.lora_targets(sd1)
     assert (unet_t.prefix, unet_t.target_classes, unet_t.conv_target_classes) == (
         "lora_unet", ("Transformer2DModel",), ("ResnetBlock2D", "Downsample2D", "Upsample2D"))
@@ -191,9 +190,9 @@ def test_lora_targets_and_metadata(family, sd1, sd2):
         False, True, True, True, False)
 
 
-def test_noise_scheme_prediction_type(family, sd1):
+def test_noise_scheme_prediction_type(family, sd1, tiny_sd2v):
     noise = pytest.importorskip("library.objectives.noise")
-    sd2v = family.load(LoadOptions("tiny:sd2-v"))
+    sd2v = tiny_sd2v
     eps, v = family.noise_scheme(sd1), family.noise_scheme(sd2v, zero_terminal_snr=True)
     assert isinstance(eps, noise.DDPMScheme)
     assert eps.prediction_type == "epsilon" and v.prediction_type == "v_prediction"

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
@@ -20,20 +17,15 @@ from networks.lora import iter_target_modules
 from networks.lora_args import sdxl_unet_block_index
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return build_sdxl_modules("tiny:sdxl")
+@pytest.fixture
+def tiny(tiny_sdxl_modules):
+    return tiny_sdxl_modules
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    from library.families.sdxl_saving import write_sdxl_preset
-
-    root = tmp_path_factory.mktemp("sdxl")
-    single, folder = str(root / "tiny-sdxl.safetensors"), str(root / "tiny-sdxl")
-    write_sdxl_preset("tiny:sdxl", single, single_file=True)
-    write_sdxl_preset("tiny:sdxl", folder)
-    return single, folder
+@pytest.fixture
+def layouts(tiny_sdxl_file, tiny_sdxl_folder):
+    """tiny:sdxl written by write_sdxl_preset as one SGM file and as a diffusers folder."""
+    return tiny_sdxl_file, tiny_sdxl_folder
 
 
 def _components(parts):
@@ -80,11 +72,8 @@ def test_both_layouts_load_back_bitwise(layouts, tiny):
             assert all(torch.equal(a[k], b[k]) for k in a), path
 
 
-def test_wrong_family_inputs_give_one_line_errors(tmp_path, layouts):
-    from library.families.sd_saving import write_preset
-
-    sd1 = str(tmp_path / "sd1.safetensors")
-    write_preset("tiny:sd1", sd1, single_file=True)
+def test_wrong_family_inputs_give_one_line_errors(tiny_sd1_file, layouts):
+    sd1 = tiny_sd1_file
     with pytest.raises(ModelLoadError, match=r"SD 1\.x/2\.x checkpoint .*not SDXL; use train_network\.py") as e:
         get_family("sdxl").load(LoadOptions(sd1))
     assert "\n" not in str(e.value)
@@ -253,10 +242,10 @@ def test_saved_lora_loads_in_diffusers_sdxl_pipeline(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("name", ["merged.safetensors", "merged_folder"])
-def test_save_checkpoint_round_trip(tmp_path, name):
+def test_save_checkpoint_round_trip(tmp_path, name, tiny_sdxl_copy):
     """SDXLFamily.save_checkpoint (used by merge_lora) writes what SDXLFamily.load reads back exactly."""
     family = get_family("sdxl")
-    comps = family.load(LoadOptions("tiny:sdxl"))
+    comps = tiny_sdxl_copy  # changed below
     with torch.no_grad():
         next(comps.denoiser.parameters()).add_(1.0)  # as a merge would change it
     path = str(tmp_path / name)

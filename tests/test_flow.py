@@ -55,9 +55,19 @@ def test_schedule_equals_diffusers_flow_match_euler():
 def test_density_and_weighting():
     g = torch.Generator().manual_seed(0)
     assert density_samples("uniform", 2, g).tolist() == pytest.approx([0.4963, 0.7682], abs=1e-4)
-    # mode: u = 0.5 maps to itself for any scale (cos²(π/4) - 1 + 0.5 = 0)
-    u = 1 - 0.5 - 1.29 * (math.cos(math.pi * 0.5 / 2) ** 2 - 1 + 0.5)
-    assert u == pytest.approx(0.5)
+    # mode (SD3 paper, eq. 20): f(u) = 1 - u - s·(cos²(πu/2) - 1 + u) of the same uniform draws as "uniform"
+    u = density_samples("uniform", 3, torch.Generator().manual_seed(0)).tolist()
+    assert u == pytest.approx([0.4963, 0.7682, 0.0885], abs=1e-4)
+
+    def mode(scale=None):
+        kw = {} if scale is None else {"mode_scale": scale}
+        return density_samples("mode", 3, torch.Generator().manual_seed(0), **kw).tolist()
+
+    assert mode() == pytest.approx([0.5010, 0.3672, 0.8221], abs=1e-4)  # golden, default scale 1.29
+    assert mode(0.0) == pytest.approx([1 - x for x in u], abs=1e-6)  # scale 0: plain 1 - u
+    for scale in (1.29, 3.0):
+        expected = [1 - x - scale * (math.cos(math.pi * x / 2) ** 2 - 1 + x) for x in u]
+        assert mode(scale) == pytest.approx(expected, abs=1e-6)
     s = torch.tensor([0.5, 0.25])
     assert loss_weighting("sigma_sqrt", s).tolist() == [4.0, 16.0]
     assert loss_weighting("cosmap", s).tolist() == pytest.approx([2 / (math.pi * 0.5), 2 / (math.pi * 0.625)])

@@ -7,28 +7,25 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from library.cli.options import options_from_values
-from library.core.errors import ConfigError  # noqa: E402
+from library.core.errors import ConfigError
 from library.families import get_family
-from library.families.base import LoadOptions  # noqa: E402
-from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
-from library.families.flux_configs import build_flux_modules  # noqa: E402
-from library.families.flux_options import FluxOptions  # noqa: E402
-from networks.lora import create_network  # noqa: E402
-from networks.lora_fused import FusedLoRAModule  # noqa: E402
-from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
+from library.families.base import LoadOptions
+from library.families.flux import image_ids, pack_latents, unpack_latents
+from library.families.flux_configs import build_flux_modules
+from library.families.flux_options import FluxOptions
+from networks.lora import create_network
+from networks.lora_fused import FusedLoRAModule
+from tests.train_helpers import base_args, make_dataset, make_trainer
 
 DOUBLE_0 = ["img_mod_lin", "txt_mod_lin", "img_attn_qkv", "img_attn_proj", "txt_attn_qkv", "txt_attn_proj",
             "img_mlp_0", "img_mlp_2", "txt_mlp_0", "txt_mlp_2"]
 SINGLE_0 = ["modulation_lin", "linear1", "linear2"]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    family = get_family("flux")
-    return family, family.load(LoadOptions("tiny:flux"))
+@pytest.fixture
+def tiny(tiny_flux):
+    return get_family("flux"), tiny_flux
 
 
 def _network(family, components, dim=4, alpha=2.0):
@@ -81,8 +78,8 @@ def test_full_size_counts_on_meta():
     assert ups["lora_unet_single_blocks_37_linear1"] == 21504
 
 
-def test_fused_lora_equals_split_delta_and_merge(tiny):
-    family, components = tiny
+def test_fused_lora_equals_split_delta_and_merge(tiny_flux_copy):
+    family, components = get_family("flux"), tiny_flux_copy  # merged into below
     net = _network(family, components)
     net.apply_to(components.text_encoders, components.denoiser, False, True)
     lora = dict((m.lora_name, m) for m in net.unet_loras)["lora_unet_single_blocks_0_linear1"]
@@ -186,9 +183,9 @@ def test_tiny_flux_lora_training_run(tmp_path):
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
 
 
-def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path):
+def test_save_checkpoint_writes_a_folder_the_loader_reads(tmp_path, tiny_flux_copy):
     family = get_family("flux")
-    comps = family.load(LoadOptions("tiny:flux"))
+    comps = tiny_flux_copy  # changed below
     with torch.no_grad():
         next(comps.denoiser.parameters()).add_(1.0)  # as a merge would change it
     family.save_checkpoint(comps, str(tmp_path / "merged"))

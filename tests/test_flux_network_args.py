@@ -3,23 +3,20 @@ regex dims / learning rates, T5 training; names and shapes on tiny, counts on th
 
 import json
 import logging
-import os
 
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from library.core.errors import ConfigError  # noqa: E402
-from library.families import get_family  # noqa: E402
-from library.families.base import Components, LoadOptions  # noqa: E402
-from library.families.flux_configs import (  # noqa: E402
+from library.core.errors import ConfigError
+from library.families import get_family
+from library.families.base import Components
+from library.families.flux_configs import (
     PRESETS,
     build_flux_modules,
     transformer_config,
 )
-from networks.lora import create_network, create_network_from_weights  # noqa: E402
-from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
+from networks.lora import create_network, create_network_from_weights
+from tests.train_helpers import base_args, make_dataset, make_trainer
 
 DOUBLE = ["img_mod_lin", "txt_mod_lin", "img_attn_qkv", "img_attn_proj", "txt_attn_qkv", "txt_attn_proj",
           "img_mlp_0", "img_mlp_2", "txt_mlp_0", "txt_mlp_2"]
@@ -33,10 +30,9 @@ TYPE_LAYERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    family = get_family("flux")
-    return family, family.load(LoadOptions("tiny:flux"))
+@pytest.fixture
+def tiny(tiny_flux):
+    return get_family("flux"), tiny_flux
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +235,7 @@ def test_flux_args_are_refused_for_other_models():
     assert create_network(1.0, 4, 1.0, None, None, None, lora_targets=[]).unet_loras == []
 
 
-def test_tiny_run_with_flux_args_trains_t5_and_reloads(tmp_path):
+def test_tiny_run_with_flux_args_trains_t5_and_reloads(tmp_path, tiny_flux):
     from safetensors import safe_open
 
     data = make_dataset(str(tmp_path), n=2)
@@ -264,7 +260,7 @@ def test_tiny_run_with_flux_args_trains_t5_and_reloads(tmp_path):
 
     # --dim_from_weights rebuilds the same modules from the file alone, no network args needed
     family = get_family("flux")
-    c = family.load(LoadOptions("tiny:flux"))
+    c = tiny_flux
     net, sd = create_network_from_weights(1.0, path, None, c.text_encoders, c.denoiser,
                                           lora_targets=family.lora_targets(c))
     assert sorted(lora.lora_name for lora in net.text_encoder_loras + net.unet_loras) == names

@@ -4,26 +4,22 @@ import os
 
 import pytest
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file, save_file
 
 from library.families import get_family
-from library.families.base import LoadOptions, ModelLoadError  # noqa: E402
-from library.families.flux_bfl_layout import (  # noqa: E402
+from library.families.base import LoadOptions, ModelLoadError
+from library.families.flux_bfl_layout import (
     bfl_to_diffusers,
     diffusers_key_to_bfl,
     diffusers_to_bfl,
     infer_transformer_config,
 )
-from library.families.flux_configs import (  # noqa: E402
+from library.families.flux_configs import (
     PRESETS,
-    build_flux_modules,
     transformer_config,
 )
-from library.families.flux_options import FluxOptions  # noqa: E402
-from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
+from library.families.flux_options import FluxOptions
+from tests.train_helpers import base_args, make_dataset, make_trainer
 
 DOUBLE_BLOCK_KEYS = sorted(
     [f"{side}_{name}.{p}" for side in ("img", "txt") for name in ("attn.proj", "attn.qkv", "mlp.0", "mlp.2", "mod.lin")
@@ -35,20 +31,16 @@ TRAIN_FLAGS = ["--t5xxl_max_token_length", "16", "--cache_text_encoder_outputs",
                "--guidance_scale", "1.0"]
 
 
-@pytest.fixture(scope="module")
-def preset():
-    return build_flux_modules("tiny:flux")
+@pytest.fixture
+def preset(tiny_flux_modules):
+    """tiny:flux as build_flux_modules returns it."""
+    return tiny_flux_modules
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
+@pytest.fixture
+def files(tiny_flux_files):
     """The tiny model written by tools/make_tiny_model.py in the BFL layout: {"transformer", "clip_l", "t5xxl", "ae"}."""
-    from tools.make_tiny_model import main
-
-    out = tmp_path_factory.mktemp("bfl")
-    assert main(["--family", "flux", "--out", str(out), "--single_file"]) == 0
-    return {"transformer": str(out / "flux1-tiny.safetensors"),
-            **{flag: str(out / f"{flag}.safetensors") for flag in ("clip_l", "t5xxl", "ae")}}
+    return tiny_flux_files
 
 
 def _flags(files) -> list[str]:
@@ -190,19 +182,19 @@ def test_component_flags_replace_parts_of_a_preset(files):
     assert comps.text_encoders[1].config.num_layers == 24
 
 
-def test_a_part_given_as_a_file_is_not_read_from_the_diffusers_folder(files, tmp_path):
+def test_a_part_given_as_a_file_is_not_read_from_the_diffusers_folder(files, tmp_path, tiny_flux):
     import shutil
 
     folder = str(tmp_path / "flux")
-    get_family("flux").save_checkpoint(_load("tiny:flux"), folder)
+    get_family("flux").save_checkpoint(tiny_flux, folder)
     shutil.rmtree(os.path.join(folder, "text_encoder_2"))
     os.makedirs(os.path.join(folder, "text_encoder_2"))  # present but empty: loading it would fail
     comps = _load(folder, t5xxl=files["t5xxl"])
     assert type(comps.text_encoders[1]).__name__ == "T5EncoderModel"
 
 
-def test_save_checkpoint_safetensors_writes_the_bfl_transformer(files, tmp_path):
-    comps = _load("tiny:flux")
+def test_save_checkpoint_safetensors_writes_the_bfl_transformer(files, tmp_path, tiny_flux_copy):
+    comps = tiny_flux_copy  # changed below
     with torch.no_grad():
         comps.denoiser.transformer_blocks[0].attn.to_k.weight.add_(1.0)  # as a merge would change it
     family = get_family("flux")
@@ -242,11 +234,8 @@ def test_merge_lora_into_a_bfl_file(files, tmp_path):
 
 # --- training ------------------------------------------------------------------------------
 
-def test_lora_training_from_bfl_files_equals_the_diffusers_folder_run(files, tmp_path):
-    from tools.make_tiny_model import main
-
-    folder = str(tmp_path / "tiny-flux")
-    assert main(["--family", "flux", "--out", folder]) == 0
+def test_lora_training_from_bfl_files_equals_the_diffusers_folder_run(files, tmp_path, tiny_flux_folder):
+    folder = tiny_flux_folder  # tools/make_tiny_model.py's diffusers folder
     data = make_dataset(str(tmp_path), n=2)
     loras = []
     for name, model, extra in (("bfl", files["transformer"], _flags(files)), ("folder", folder, [])):
@@ -281,11 +270,8 @@ def test_missing_t5xxl_stops_with_one_line_before_the_data_is_read(files, tmp_pa
         "give a T5-XXL text encoder (t5xxl_fp16.safetensors)")
 
 
-def test_sdxl_file_as_the_flux_model_stops_with_one_line(files, tmp_path, capsys):
-    from library.families.sdxl_saving import write_sdxl_preset
-
-    sdxl = str(tmp_path / "tiny-sdxl.safetensors")
-    write_sdxl_preset("tiny:sdxl", sdxl, single_file=True)
+def test_sdxl_file_as_the_flux_model_stops_with_one_line(files, tmp_path, capsys, tiny_sdxl_file):
+    sdxl = tiny_sdxl_file  # written by write_sdxl_preset
     err = _cli_error(tmp_path, capsys, sdxl, _flags(files))
     assert err == (f"error: --pretrained_model_name_or_path {sdxl}: expected a FLUX.1 transformer in the BFL layout "
                    "(double_blocks.* keys), found an SDXL checkpoint")
@@ -310,11 +296,10 @@ def test_wrong_component_file_names_the_flag_and_what_it_holds(files, flag, give
     assert str(e.value).endswith(f", found {found}")
 
 
-def test_sd_vae_as_ae_is_refused(files, tmp_path):
+def test_sd_vae_as_ae_is_refused(files, tmp_path, tiny_sd1):
     from library.families import ldm_layout as ldm
-    from library.families.tiny import build_sd_modules
 
-    vae = build_sd_modules("tiny:sd1")["vae"].state_dict()
+    vae = tiny_sd1.vae.state_dict()
     path = str(tmp_path / "sd_vae.safetensors")
     save_file({k: v.contiguous() for k, v in ldm.push(vae, ldm.vae_key_map(vae.keys(), "")).items()}, path)
     with pytest.raises(ModelLoadError, match=r"^--ae .*sd_vae\.safetensors: expected the FLUX.1 autoencoder with 16 "
@@ -351,11 +336,10 @@ def test_generate_and_extract_take_the_component_files(files, tmp_path):
     assert max(d.abs().max().item() for d in delta.values()) < 1e-4
 
 
-def test_block_counts_are_read_without_loading_weights(files, tmp_path):
+def test_block_counts_are_read_without_loading_weights(files, tmp_path, tiny_flux_folder):
     from library.families.flux_loading import block_counts
 
-    folder = str(tmp_path / "flux")
-    get_family("flux").save_checkpoint(_load("tiny:flux"), folder)
+    folder = tiny_flux_folder
     assert block_counts("tiny:flux") == block_counts(files["transformer"]) == block_counts(folder) == (2, 3)
     assert block_counts("random:flux-dev") == (19, 38)
     assert block_counts(str(tmp_path / "missing.safetensors")) is None

@@ -9,24 +9,22 @@ import logging
 import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from library.families.flux_generate import (  # noqa: E402
+from library.families.flux_generate import (
     decode_images,
     encode_prompts_flux,
     flux_sigmas,
 )
-from library.sampling.generate import GenerationRequest, generate_images  # noqa: E402
-from library.sampling.output import read_png_text  # noqa: E402
-from library.train.network_apply import NetworkSpec  # noqa: E402
-from tests.train_helpers import base_args, make_dataset, make_trainer  # noqa: E402
-from tools import generate as tool  # noqa: E402
+from library.sampling.generate import GenerationRequest, generate_images
+from library.sampling.output import read_png_text
+from library.train.network_apply import NetworkSpec
+from tests.train_helpers import base_args, make_dataset, make_trainer
+from tools import generate as tool
 
 
 @pytest.fixture(scope="module")

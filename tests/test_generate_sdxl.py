@@ -6,8 +6,6 @@ import glob
 import os
 import re
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import numpy as np
 import pytest
 import torch

@@ -1,14 +1,10 @@
 """Key conversion kohya <-> diffusers/PEFT <-> ai-toolkit: golden key names, exact round trips, diffusers parity."""
 
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from library.families.lora_convert import convert, detect_layout, to_diffusers, to_kohya  # noqa: E402
-from networks.lora_files import UnsupportedLoraError, group_modules  # noqa: E402
+from library.families.lora_convert import convert, detect_layout, to_diffusers, to_kohya
+from networks.lora_files import UnsupportedLoraError, group_modules
 
 H = 3072  # Flux hidden size: diffusers' converter hard-codes the single-block split dims
 

@@ -3,9 +3,6 @@ and diffusers computes what our network computes."""
 
 import copy
 import logging
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
@@ -41,13 +38,11 @@ def _close(a, b):
     return torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
 
 
-def test_diffusers_load_lora_weights_matches_our_network(tmp_path):
+def test_diffusers_load_lora_weights_matches_our_network(tmp_path, tiny_sd1_modules):
     from peft.tuners.lora import LoraLayer
 
-    from library.families.tiny import build_sd_modules
-
-    ours = build_sd_modules("tiny:sd1")
-    theirs, merged = copy.deepcopy(ours), copy.deepcopy(ours)
+    # three private copies: ours gets the network hooked in, theirs diffusers' LoRA layers, merged the merge
+    ours, theirs, merged = (copy.deepcopy(tiny_sd1_modules) for _ in range(3))
     # conv_dim: Linear, 1x1 and 3x3 conv modules all take part
     net = lora.create_network(1.0, 4, 2, None, ours["text_encoder"], ours["unet"], conv_dim="4", conv_alpha="2")
     g = torch.Generator().manual_seed(0)

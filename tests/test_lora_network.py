@@ -3,8 +3,6 @@
 import math
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,11 +220,9 @@ def test_scale_weight_norms_on_network():
 
 
 # --- tiny SD1 / SD2 -----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sd1():
-    from library.families.tiny import build_sd_modules
-
-    return build_sd_modules("tiny:sd1")
+@pytest.fixture
+def sd1(tiny_sd1_modules):
+    return tiny_sd1_modules
 
 
 @pytest.fixture(scope="module")
@@ -281,10 +277,8 @@ def test_tiny_conv_names_equal_full_size_names(sd1, full_meta):
     assert sorted(tiny.state_dict()) == sorted(full.state_dict())
 
 
-def test_tiny_sd2_proj_in_is_linear():
-    from library.families.tiny import build_sd_modules
-
-    m = build_sd_modules("tiny:sd2")
+def test_tiny_sd2_proj_in_is_linear(tiny_sd2_modules):
+    m = tiny_sd2_modules
     net = lora.create_network(1.0, 4, 1, None, m["text_encoder"], m["unet"])
     sd = net.state_dict()
     assert (len(net.unet_loras), len(net.text_encoder_loras)) == (192, 138)  # 23 text layers x 6
@@ -458,14 +452,11 @@ def test_one_learning_rate_per_text_encoder():
 
 
 # --- tiny SDXL: 23 blocks, 9 / 3 / 9 lr weights, two text encoders ----------------------------------
-@pytest.fixture(scope="module")
-def sdxl():
+@pytest.fixture
+def sdxl(tiny_sdxl):
     from library.families import get_family
-    from library.families.base import LoadOptions
 
-    family = get_family("sdxl")
-    components = family.load(LoadOptions("tiny:sdxl"))
-    return family, components
+    return get_family("sdxl"), tiny_sdxl
 
 
 def sdxl_network(sdxl, **network_args):

@@ -7,12 +7,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from library.core import hashes  # noqa: E402
-from library.families.lora_convert import load_lora_file  # noqa: E402
-from networks.lora_files import LoraModule, save_lora_file  # noqa: E402
-from networks.lora_merge import WeightedLora, concat_merge, svd_merge  # noqa: E402
+from library.core import hashes
+from library.families import get_family
+from library.families.lora_convert import load_lora_file
+from networks.lora_files import LoraModule, save_lora_file
+from networks.lora_merge import WeightedLora, concat_merge, svd_merge
 
 # SDXL-style names (SGM UNet blocks, two text encoders): the tools work by key pattern, not by model.
 SDXL_MODULES = [("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q", 640, 640, None),
@@ -133,11 +132,12 @@ def test_merge_tool_lora_plus_lora(tmp_path):
 # --- with the tiny SD 1.x model -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from tools.lora_models import load_model
+@pytest.fixture
+def tiny(tiny_sd1):
+    """tiny:sd1 as tools.lora_models.load_model("tiny:sd1") returns it (the session's shared model)."""
+    from tools.lora_models import LoadedModel
 
-    return load_model("tiny:sd1")
+    return LoadedModel(get_family("sd"), tiny_sd1)
 
 
 def _lora_for(layers, names, rank=2, seed=0):
@@ -266,13 +266,13 @@ def _flux_projections(model):
             PROJ: [double.to_out[0]]}
 
 
-def test_flux_fused_modules_merge_like_the_trained_network():
+def test_flux_fused_modules_merge_like_the_trained_network(tiny_flux_copy):
     from networks.lora import create_network_from_weights
     from networks.lora_files import modules_state_dict
     from networks.lora_merge import merge_into_layers
-    from tools.lora_models import load_model, lora_layers
+    from tools.lora_models import LoadedModel, lora_layers
 
-    flux = load_model("tiny:flux", "flux")
+    flux = LoadedModel(get_family("flux"), tiny_flux_copy)  # merged into below
     layers, projections = lora_layers(flux), _flux_projections(flux)
     for name, members in projections.items():  # one layer per kohya name, members in slot order
         assert [id(m) for m in layers[name].members] == [id(m) for m in members]
@@ -296,11 +296,12 @@ def test_flux_fused_modules_merge_like_the_trained_network():
                 torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_flux_fused_modules_extract_the_stacked_difference():
+def test_flux_fused_modules_extract_the_stacked_difference(tiny_flux, tiny_flux_copy):
     from networks.lora_extract import ExtractOptions, extract_lora
-    from tools.lora_models import load_model, lora_layers
+    from tools.lora_models import LoadedModel, lora_layers
 
-    org, tuned = load_model("tiny:flux", "flux"), load_model("tiny:flux", "flux")
+    family = get_family("flux")
+    org, tuned = LoadedModel(family, tiny_flux), LoadedModel(family, tiny_flux_copy)  # tuned is changed below
     org_layers, tuned_layers = lora_layers(org), lora_layers(tuned)
     truth = _lora_for(org_layers, [QKV, LINEAR1, PROJ], seed=5)
     for name, module in truth.items():

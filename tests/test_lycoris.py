@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from library.families import get_family
-from library.families.base import LoadOptions
 from library.train.network_setup import kohya_name_map
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
@@ -29,7 +28,7 @@ def unet_and_te_outputs(components):
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_lycoris_algo_trains_saves_and_reloads(tmp_path, algo):
+def test_lycoris_algo_trains_saves_and_reloads(tmp_path, algo, tiny_sd1_copy):
     data = make_dataset(str(tmp_path), n=1)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=[
         "--network_module", "lycoris.kohya", "--learning_rate", "1e-2",
@@ -42,7 +41,7 @@ def test_lycoris_algo_trains_saves_and_reloads(tmp_path, algo):
     trained_out, trained_hidden = unet_and_te_outputs(trainer.components)
 
     family = get_family("sd")
-    fresh = family.load(LoadOptions("tiny:sd1"))
+    fresh = tiny_sd1_copy  # the base model; the network is hooked into it below
     base_out, _ = unet_and_te_outputs(fresh)
     assert not torch.allclose(base_out, trained_out), "training changed nothing"
     if algo == "dylora":
@@ -154,7 +153,7 @@ def test_lycoris_default_full_preset_wraps_the_time_embedding_once(tmp_path, fam
     assert time_modules == names
 
 
-def test_generation_applies_every_module_of_a_lycoris_file(tmp_path):
+def test_generation_applies_every_module_of_a_lycoris_file(tmp_path, tiny_sd1_copy):
     """tools/generate and sampling from a file: kohya-renamed keys (text_model, SGM) find their modules again."""
     from library.train.network_apply import NetworkSpec, apply_networks
 
@@ -166,7 +165,7 @@ def test_generation_applies_every_module_of_a_lycoris_file(tmp_path):
     trainer.accelerator.unwrap_model(trainer.network).eval()
     trained = unet_and_te_outputs(trainer.components)
     family = get_family("sd")
-    fresh = family.load(LoadOptions("tiny:sd1"))
+    fresh = tiny_sd1_copy  # the base model; the network is hooked into it below
     applied = apply_networks(family, fresh, [NetworkSpec("lycoris.kohya", path, 1.0)], False, torch.device("cpu"),
                              torch.float32)
     network = applied.networks[0]

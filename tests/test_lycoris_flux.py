@@ -82,9 +82,9 @@ def test_preset_with_aliases_adds_the_family_classes_after_the_named_ones():
     assert preset_with_aliases(preset, ()) == preset
 
 
-def test_saved_names_are_comfyui_lycoris_paths_for_the_transformer_and_kohya_names_for_clip():
+def test_saved_names_are_comfyui_lycoris_paths_for_the_transformer_and_kohya_names_for_clip(tiny_flux):
     family = get_family("flux")
-    components = family.load(LoadOptions("tiny:flux"))
+    components = tiny_flux
     mapping = kohya_name_map(family.lora_targets(components))
     transformer = {k: v for k, v in mapping.items() if k.startswith("lora_unet_")}
     # one naming for the whole transformer: ComfyUI's `lycoris_` + the diffusers path

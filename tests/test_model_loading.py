@@ -3,8 +3,6 @@
 import argparse
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -24,9 +22,9 @@ from tools.make_tiny_model import main as make_tiny_model
 FAMILY = get_family("sd")
 
 
-@pytest.fixture(scope="module")
-def presets():
-    return {name: FAMILY.load(LoadOptions(name)) for name in ("tiny:sd1", "tiny:sd2")}
+@pytest.fixture
+def presets(tiny_sd1, tiny_sd2):
+    return {"tiny:sd1": tiny_sd1, "tiny:sd2": tiny_sd2}
 
 
 @torch.no_grad()
@@ -98,14 +96,14 @@ def test_open_clip_layout(presets):
     assert state["cond_stage_model.model.positional_embedding"].shape == (77, 32)
 
 
-def test_diffusers_folder_round_trip_and_pipeline(presets, tmp_path):
+def test_diffusers_folder_round_trip_and_pipeline(tiny_sd2v, tmp_path):
     out = str(tmp_path / "tiny-sd2-v")
     assert make_tiny_model(["--family", "sd2-v", "--out", out]) == 0
     assert sorted(os.listdir(out)) == ["model_index.json", "scheduler", "text_encoder", "tokenizer", "unet", "vae"]
     loaded = FAMILY.load(LoadOptions(out, v_parameterization=True))
     assert loaded.v2 and loaded.v_parameterization
     assert loaded.tokenizers[0].pad_token_id == 0
-    assert_same_model(FAMILY.load(LoadOptions("tiny:sd2-v")), loaded)
+    assert_same_model(tiny_sd2v, loaded)
 
     from diffusers import StableDiffusionPipeline
 

@@ -1,9 +1,5 @@
 """DDPM scheme vs diffusers, and the noise options drawn from a torch.Generator."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from library.families import get_family
-from library.families.base import LoadOptions
 from library.sampling.generate import (
     GenerationRequest,
     PromptOverrides,
@@ -33,10 +32,9 @@ from library.sampling.samplers import sampler_names
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 
-@pytest.fixture(scope="module")
-def sd1():
-    family = get_family("sd")
-    return family, family.load(LoadOptions("tiny:sd1"))
+@pytest.fixture
+def sd1(tiny_sd1):
+    return get_family("sd"), tiny_sd1
 
 
 def request(sampler="ddim", seed=1, prompt="a red cat", **kw):

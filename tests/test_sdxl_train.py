@@ -5,8 +5,6 @@ from __future__ import annotations
 import glob
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import numpy as np
 import pytest
 import torch
@@ -26,13 +24,10 @@ from tests.train_helpers import base_args, make_dataset, make_trainer
 UNET, TE1, TE2 = 722, 72, 192
 
 
-@pytest.fixture(scope="module")
-def single_file(tmp_path_factory):
-    from library.families.sdxl_saving import write_sdxl_preset
-
-    path = str(tmp_path_factory.mktemp("model") / "tiny-sdxl.safetensors")
-    write_sdxl_preset("tiny:sdxl", path, single_file=True)
-    return path
+@pytest.fixture
+def single_file(tiny_sdxl_file):
+    """tiny:sdxl written by write_sdxl_preset as one SGM file."""
+    return tiny_sdxl_file
 
 
 def test_train_unet_only_from_sgm_file_with_cached_text(tmp_path, single_file):
@@ -56,11 +51,8 @@ def test_train_unet_only_from_sgm_file_with_cached_text(tmp_path, single_file):
     assert shapes == {"hidden_state1": (77, 32), "hidden_state2": (77, 64), "pool2": (64,)}
 
 
-def test_train_both_text_encoders_from_diffusers_folder(tmp_path):
-    from library.families.sdxl_saving import write_sdxl_preset
-
-    folder = str(tmp_path / "tiny-sdxl")
-    write_sdxl_preset("tiny:sdxl", folder)
+def test_train_both_text_encoders_from_diffusers_folder(tmp_path, tiny_sdxl_folder):
+    folder = tiny_sdxl_folder  # written by write_sdxl_preset
     data = make_dataset(str(tmp_path), n=1)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset=folder, steps=2, extra=[
         "--text_encoder_lr", "1e-4", "--unet_lr", "1e-3"]), "sdxl")
@@ -126,9 +118,7 @@ def test_text_cache_refused_with_random_captions_or_text_encoder_training():
             check_text_cache_allowed([("subset 0", CaptionSettings()), ("subset 1", settings)], False)
 
 
-def test_cli_errors_are_one_line_and_before_training(tmp_path, capsys):
-    from library.families.sd_saving import write_preset
-
+def test_cli_errors_are_one_line_and_before_training(tmp_path, capsys, tiny_sd1_file):
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")
     args = base_args(data, out, preset="tiny:sdxl", steps=1,
@@ -137,24 +127,19 @@ def test_cli_errors_are_one_line_and_before_training(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --cache_text_encoder_outputs: subset 0") and "\n" not in err
 
-    sd1 = str(tmp_path / "sd1.safetensors")
-    write_preset("tiny:sd1", sd1, single_file=True)
+    sd1 = tiny_sd1_file  # written by write_preset
     assert run_training("sdxl", "t", base_args(data, out, preset=sd1, steps=1)) == 2
     err = capsys.readouterr().err.strip()
     assert "SD 1.x/2.x checkpoint" in err and "use train_network.py" in err and "\n" not in err
     assert not glob.glob(os.path.join(out, "*.safetensors"))
 
 
-def test_diffusers_named_network_weights_are_converted(tmp_path):
+def test_diffusers_named_network_weights_are_converted(tmp_path, tiny_sdxl):
     from library.families import get_family
-    from library.families.base import Components
-    from library.families.sdxl_configs import build_sdxl_modules
     from library.train.network_setup import load_network_weights
     from networks import lora
 
-    parts = build_sdxl_modules("tiny:sdxl")
-    c = Components(parts["unet"], parts["vae"], [parts["text_encoder"], parts["text_encoder_2"]],
-                   [parts["tokenizer"], parts["tokenizer_2"]])
+    c = tiny_sdxl
     family = get_family("sdxl")
     net = lora.create_network(1.0, 4, 4, None, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
     up = torch.full((64, 4), 0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 
 import pytest
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from library.cli.entry import run_training
+from library.core.errors import UserError
 from library.train.trainer import InterruptedTraining, TrainingError
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
@@ -103,7 +105,9 @@ def test_resume_of_finished_run_is_an_error(tmp_path):
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")
     make_trainer(base_args(data, out, steps=2, extra=["--save_state"])).run()
-    with pytest.raises(Exception, match="already finished"):
+    state = re.escape(os.path.join(out, "lora-state"))
+    with pytest.raises(UserError, match=rf"^--resume {state}: that run already finished \(2 of 2 steps\); "
+                                        r"raise --max_train_steps/--max_train_epochs to go on$"):
         make_trainer(base_args(data, out, steps=2, extra=["--resume", "auto"])).run()
 
 
