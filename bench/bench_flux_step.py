@@ -9,7 +9,7 @@ states of --t5_tokens tokens), transformer-only fused kohya LoRA.
 - reference: rectified-flow noising by hand, 2x2 packing, FluxTransformer2DModel
   forward with guidance 1.0, MSE against noise - x0, backward, AdamW step.
 - ours: library.train.step.batch_loss (the trainer's micro-step, text from the
-  cache) + clipping + optimizer and scheduler step, as NetworkTrainer runs them.
+  cache) + clipping + optimizer and scheduler step, as Trainer runs them.
 
 Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
 

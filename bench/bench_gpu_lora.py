@@ -74,13 +74,13 @@ def main() -> None:
     from library.cli.config_file import parse_with_config_file
     from library.cli.entry import build_parser, settings_from_args
     from library.train.throughput import ThroughputMeter
-    from library.train.trainer import NetworkTrainer
+    from library.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_images(os.path.join(tmp, "train", "1_bench"), a.resolution, 2)
         argv = trainer_args(a, os.path.join(tmp, "train"), os.path.join(tmp, "out"), family_name)
         parser = build_parser("bench", family)
-        trainer = NetworkTrainer(family, settings_from_args(parse_with_config_file(parser, argv), family))
+        trainer = Trainer(family, settings_from_args(parse_with_config_file(parser, argv), family))
         if a.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         reports = []

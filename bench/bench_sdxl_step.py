@@ -8,7 +8,7 @@ UNet-only LoRA (the usual SDXL setting: both text encoders frozen).
   pooled projection, DDPM add_noise, UNet forward with text_time conditioning, MSE,
   backward, AdamW step on the same LoRA parameters.
 - ours: library.train.step.batch_loss (the trainer's micro-step) + clipping +
-  optimizer and scheduler step, exactly as NetworkTrainer runs them.
+  optimizer and scheduler step, exactly as Trainer runs them.
 
 Base weights default to bf16 (held as the trainer holds them under
 --mixed_precision bf16) so the model fits a shared CPU machine; pass --dtype fp32

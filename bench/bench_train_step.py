@@ -6,7 +6,7 @@ trained ones), 64x64 images, batch 1, LoRA dim 8 on UNet and text encoder.
 - reference: tokenize + text encoder forward, VAE-free random latents, DDPM add_noise,
   UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
 - ours: library.train.step.batch_loss (the trainer's micro-step) + clipping + optimizer
-  and scheduler step, exactly as NetworkTrainer runs them.
+  and scheduler step, exactly as Trainer runs them.
 
 Prints seconds per step for both, their ratio (goal <= 1.10) and peak RSS.
 

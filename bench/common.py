@@ -59,7 +59,7 @@ def print_comparison(result: dict[str, tuple[float, float]]) -> None:
 
 
 def trainer_step(ctx, batch: dict, params: list, optimizer, scheduler) -> Callable[[], None]:
-    """One optimizer step exactly as NetworkTrainer runs it: batch_loss, backward, then the trainer's own
+    """One optimizer step exactly as Trainer runs it: batch_loss, backward, then the trainer's own
     optimizer_step (clipping at 1.0, optimizer, scheduler, zero_grad)."""
     from library.train.step import batch_loss, optimizer_step
 

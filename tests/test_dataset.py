@@ -166,7 +166,7 @@ def test_load_batch_shapes_reg_weight_and_alpha_mask(tmp_path):
     assert batch["crop_top_lefts"].tolist() == [[0, 0]] * 4 and batch["target_sizes_hw"].tolist() == [[128, 64]] * 4
 
 
-def test_undecodable_image_is_skipped_and_an_all_bad_batch_is_none(tmp_path):
+def test_undecodable_image_is_skipped_and_an_all_bad_batch_is_empty(tmp_path):
     train = folder(tmp_path, "train/1_x", [(64, 64)] * 2, caption="x")
     data = build_training_data(opts(tmp_path / "train", train_batch_size=2), FAMILY)
     data.plan(10, 1)
@@ -177,7 +177,9 @@ def test_undecodable_image_is_skipped_and_an_all_bad_batch_is_none(tmp_path):
     assert batch["skipped_images"] == [os.path.join(train, "p1.png")] and len(batch["captions"]) == 1
     assert batch["images"].shape[0] == 1
     os.replace(os.path.join(train, "p1.png"), os.path.join(train, "p2.png"))
-    assert data.load_batch(ref) is None
+    empty = data.load_batch(ref)
+    assert empty["image_paths"] == [] and sorted(empty["skipped_images"]) == [os.path.join(train, "p1.png"),
+                                                                              os.path.join(train, "p2.png")]
 
 
 def test_latent_cache_memory_disk_reuse_and_rebuild(tmp_path):

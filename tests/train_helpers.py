@@ -11,7 +11,7 @@ from PIL import Image
 from library.cli.config_file import parse_with_config_file
 from library.cli.entry import build_parser, settings_from_args
 from library.families import get_family
-from library.train.trainer import NetworkTrainer
+from library.train.trainer import Trainer
 
 
 def make_dataset(root: str, n: int = 4, sizes=((64, 64), (128, 64))) -> str:
@@ -42,11 +42,11 @@ def base_args(data_dir: str, out_dir: str, preset: str = "tiny:sd1", steps: int 
     ] + list(extra or [])
 
 
-def make_trainer(argv: list[str], family_name: str = "sd") -> NetworkTrainer:
+def make_trainer(argv: list[str], family_name: str = "sd") -> Trainer:
     family = get_family(family_name)
     parser = build_parser("test", family)
     ns = parse_with_config_file(parser, argv)
-    return NetworkTrainer(family, settings_from_args(ns, family))
+    return Trainer(family, settings_from_args(ns, family))
 
 
 def random_lora_file(family, components, path: str, seed: int = 0) -> str:

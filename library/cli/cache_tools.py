@@ -11,7 +11,7 @@ from library.cli.config_file import parse_with_config_file
 from library.cli.entry import _setup_logging, build_parser, settings_from_args
 from library.core.errors import run_tool
 from library.families import get_family
-from library.train.trainer import NetworkTrainer
+from library.train.trainer import Trainer
 
 
 def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -40,6 +40,6 @@ def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags
         ns = parse_with_config_file(parser, rest + forced_flags)
         if not ns.output_dir:
             ns.output_dir = tempfile.mkdtemp(prefix="cache_")
-        action(NetworkTrainer(family, settings_from_args(ns, family)))
+        action(Trainer(family, settings_from_args(ns, family)))
 
     return run_tool(body)

@@ -33,7 +33,8 @@ from library.families.base import ModelFamily
 from library.train.network_kinds import network_kind
 from library.train.optimizers import optimizer_class
 from library.train.settings import RunSettings
-from library.train.trainer import InterruptedTraining, NetworkTrainer
+from library.train.stopping import StopHandler, StopRequested
+from library.train.trainer import InterruptedTraining, Trainer
 
 
 def _setup_logging() -> None:
@@ -93,7 +94,17 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettin
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None) -> int:
     """Entry point shared by train_network.py and the family scripts. Returns the exit code."""
     _setup_logging()
+    stop = StopHandler().install()  # from here on a signal stops cleanly, also while loading and caching
+    try:
+        return _run(family_name, description, argv, stop)
+    except StopRequested as e:
+        print(str(e), file=sys.stderr)
+        return 128 + int(e.signum)
+    finally:
+        stop.uninstall()
 
+
+def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler) -> int:
     family = get_family(family_name)
     parser = build_parser(description, family)
     try:
@@ -106,7 +117,7 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
                 write_config_file(ns, config_path, parser)
 
         settings.hooks.insert(0, write_config)
-        path = NetworkTrainer(family, settings).run()
+        path = Trainer(family, settings, stop).run()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,8 +26,8 @@ from library.data.plan import DataFamilyInfo, DatasetPlan
 class TrainingData(DatasetPlan):
     """A DatasetPlan that loads its batches, caches its latents and describes itself in metadata."""
     # --- loading --------------------------------------------------------------------
-    def load_batch(self, ref: BatchRef) -> Optional[dict]:
-        """The tensors of one batch (see library/data/loading.py); None if none of its images could be decoded."""
+    def load_batch(self, ref: BatchRef) -> dict:
+        """The tensors of one batch (see library/data/loading.py); no `image_paths` if none could be decoded."""
         return load_batch(self, ref)
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str, to_disk: bool,
@@ -51,7 +51,7 @@ class BatchDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.refs)
 
-    def __getitem__(self, i: int) -> Optional[dict]:
+    def __getitem__(self, i: int) -> dict:
         return self.data.load_batch(self.refs[i])
 
 

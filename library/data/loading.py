@@ -75,8 +75,8 @@ def load_and_crop(sample: Sample, sub: SubsetConfig, place: Placement, bucketing
     return LoadedImage(image, mask, crop_ltrb)
 
 
-def load_batch(data: DatasetPlan, ref: BatchRef) -> Optional[dict]:
-    """The batch dict of `ref` (see DatasetPlan.load_batch); None when no image of it could be loaded."""
+def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
+    """The batch dict of `ref` (see DatasetPlan.load_batch); `image_paths` is empty when no image could be loaded."""
     group = data.groups[ref.group]
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
@@ -122,8 +122,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> Optional[dict]:
         paths.append(sample.path)
         orig_hw.append((sample.size[1], sample.size[0]))
         crop_tl.append((crop[1], crop[0]))
-    if not paths:
-        return None
+    if not paths:  # no image of the batch could be loaded: no step is taken, the names are reported
+        return {"image_paths": [], "skipped_images": skipped}
     bucket = group.placements[ref.samples[0]].bucket
     has_masks = any(m is not None for m in masks)
     return {

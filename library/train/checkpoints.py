@@ -19,8 +19,14 @@ def step_stem(name: str, step: int) -> str:
     return f"{name}-step{step:08d}"
 
 
-def model_path(output_dir: str, stem: str, ext: str) -> str:
-    return os.path.join(output_dir, f"{stem}.{ext}")
+FOLDER_FORMATS = ("diffusers", "diffusers_safetensors")
+
+
+def model_path(output_dir: str, stem: str, save_model_as: str) -> str:
+    """`<stem>.<ext>` for file formats; a folder `<stem>` for the diffusers formats."""
+    if save_model_as in FOLDER_FORMATS:
+        return os.path.join(output_dir, stem)
+    return os.path.join(output_dir, f"{stem}.{save_model_as}")
 
 
 def state_path(output_dir: str, stem: str) -> str:

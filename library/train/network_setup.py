@@ -20,19 +20,6 @@ logger = logging.getLogger(__name__)
 SAVE_DTYPES = {None: None, "float": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 def load_network_weights(network, family: ModelFamily, path: str, name_map: Optional[dict[str, str]] = None) -> Any:
     """--network_weights: load a LoRA file into the network, renamed to the family's naming first if needed.
 
@@ -61,22 +48,48 @@ def load_network_weights(network, family: ModelFamily, path: str, name_map: Opti
     return network.load_weights(converted, source=path)
 
 
-def optimizer_groups(network, opts, default_lr: float) -> tuple[list, list[str]]:
-    """Parameter groups and their names; accepts both the (groups, names) and the bare-list API."""
-    te_lr = opts.text_encoder_lr
-    if isinstance(te_lr, (list, tuple)) and len(te_lr) == 0:
-        te_lr = None
-    result = network.prepare_optimizer_params(te_lr, opts.unet_lr, default_lr)
+def optimizer_groups(network, opts, default_lr: float, kind=None, components: Optional[Components] = None
+                     ) -> tuple[list, list[str]]:
+    """Parameter groups and their names; accepts both the (groups, names) and the bare-list API.
+
+    --text_encoder_lr may hold one rate per text encoder. Our LoRA takes the list; other modules
+    (LyCORIS) take one number, so they get the first and, when the rates differ, their text-encoder
+    groups are split by encoder afterwards, so two rates work for every module.
+    """
+    te_lr = list(opts.text_encoder_lr or []) or None
+    own = kind is None or kind.own
+    result = network.prepare_optimizer_params(te_lr if own or te_lr is None else te_lr[0], opts.unet_lr, default_lr)
     if isinstance(result, tuple):
         groups, names = result
     else:
         groups, names = result, []
     if not names or len(names) != len(groups):
         names = [f"group{i}" for i in range(len(groups))]
+    if not own and te_lr and len(set(te_lr)) > 1 and components is not None:
+        groups, names = _split_text_encoder_groups(groups, names, network, components, te_lr)
     if not groups:
         raise ConfigError("nothing to train: every parameter group has learning rate 0 "
                           "(check --unet_lr / --text_encoder_lr / --network_train_*_only)")
     return groups, names
+
+
+def _split_text_encoder_groups(groups: list, names: list[str], network, components: Components,
+                               rates: list[float]) -> tuple[list, list[str]]:
+    """Groups made only of text-encoder adapter parameters, split by encoder at that encoder's rate."""
+    encoder_of = {id(p): enc for lora, enc in _text_encoder_adapters(network, components) for p in lora.parameters()}
+    out_groups, out_names = [], []
+    for group, name in zip(groups, names):
+        params = list(group["params"])
+        if not params or not all(id(p) in encoder_of for p in params):
+            out_groups.append(group)
+            out_names.append(name)
+            continue
+        for enc in sorted({encoder_of[id(p)] for p in params}):
+            lr = rates[min(enc, len(rates) - 1)]
+            if lr:
+                out_groups.append({**group, "params": [p for p in params if encoder_of[id(p)] == enc], "lr": lr})
+                out_names.append(f"textencoder {enc + 1}")
+    return out_groups, out_names
 
 
 ADAPTABLE_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Embedding, torch.nn.LayerNorm,
@@ -158,8 +171,6 @@ def without_names_inside_targets(preset: dict, denoiser) -> dict:
     return preset if len(kept) == len(names) else {**preset, "unet_target_name": kept}
 
 
-
-
 def _inverse(name_map: dict[str, str]) -> dict[str, str]:
     return {dst: src for src, dst in name_map.items()}
 
@@ -206,13 +217,18 @@ def utc_now() -> float:
     return time.time()
 
 
-def trained_text_encoders(network, components: Components) -> frozenset[int]:
-    """Indices of the text encoders the network has adapter modules on (ours or an external module's)."""
+def _text_encoder_adapters(network, components: Components) -> list[tuple[torch.nn.Module, int]]:
+    """(adapter module, index of the text encoder it wraps) for every text-encoder adapter of the network."""
     owner = {id(m): i for i, encoder in enumerate(components.text_encoders) for m in encoder.modules()}
-    found = set()
+    found = []
     for lora in getattr(network, "text_encoder_loras", []):
         org = getattr(lora, "org_module", None)
         org = org[0] if isinstance(org, (list, tuple)) else org  # LyCORIS keeps it in a list
         if id(org) in owner:
-            found.add(owner[id(org)])
-    return frozenset(found)
+            found.append((lora, owner[id(org)]))
+    return found
+
+
+def trained_text_encoders(network, components: Components) -> frozenset[int]:
+    """Indices of the text encoders the network has adapter modules on (ours or an external module's)."""
+    return frozenset(enc for _, enc in _text_encoder_adapters(network, components))

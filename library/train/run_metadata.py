@@ -73,3 +73,17 @@ def lora_metadata(family: ModelFamily, components: Components, settings: RunSett
         timestep_range=(s.noise.min_timestep, s.noise.max_timestep),
         encoder_layer=s.text.clip_skip, date=None, is_lora=True, extra=s.network.metadata))
     return metadata
+
+
+def model_metadata(family: ModelFamily, components: Components, settings: RunSettings, data: TrainingData,
+                   facts: RunFacts) -> dict[str, str]:
+    """The modelspec.* keys of a full model saved now (sd-scripts writes no ss_* keys into fine-tuned models)."""
+    s, c = settings, components
+    reso = data.resolution_for_metadata() or (512, 512)
+    timestep_range = (s.noise.min_timestep, s.noise.max_timestep)
+    return modelspec_metadata(
+        architecture=family.modelspec_architecture(c, reso[0]), implementation=family.modelspec_implementation(),
+        title=f"{s.training.output_name} (step {facts.steps})", resolution=reso,
+        prediction_type="v" if c.v_parameterization else "epsilon",
+        timestep_range=None if timestep_range == (None, None) else timestep_range,
+        encoder_layer=s.text.clip_skip, date=None, is_lora=False, extra=s.fine_tune.metadata)

@@ -32,7 +32,6 @@ from library.sampling.generate import (
 )
 from library.sampling.output import SAMPLE_DIR, progress_suffix, save_samples
 from library.sampling.prompts import SamplePrompt
-from library.train.state import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +88,7 @@ class SampleHook:
 
     def sample(self, trainer, step: int, epoch: Optional[int], suffix: str) -> list[str]:
         """Generate every prompt with the current network and save / log the images."""
-        generators = {"noise": trainer.noise_generator}
-        rng_state = capture_rng(generators)
+        rng_state = trainer.run_state.capture_rng()
         network = trainer.accelerator.unwrap_model(trainer.network)
         was_training = network.training
         old_multiplier = getattr(network, "multiplier", None)
@@ -100,14 +98,14 @@ class SampleHook:
             if schedule_free:
                 trainer.optimizer.eval()  # sample with the averaged weights, as the final model will be
             network.eval()
-            user_multiplier = getattr(trainer.s.network, "network_multiplier", None)
+            user_multiplier = getattr(trainer.s.network, "network_multiplier", None) if trainer.s.network else None
             if user_multiplier is not None and hasattr(network, "set_multiplier"):
                 network.set_multiplier(user_multiplier)
             # Seeds of prompts without --d come from their own generator, never the training RNG.
             overrides = PromptOverrides(sampler=self.options.sample_sampler)
             requests = requests_from_prompts(self.prompts, overrides=overrides, rng=random.Random())
             logger.info("sampling %d image(s) at step %d", len(requests), step)
-            with trainer.accelerator.autocast():
+            with trainer.accelerator.autocast(), trainer.eval_weights("sampling"):
                 generated = generate_images(trainer.family, trainer.components, requests,
                                             clip_skip=trainer.s.text.clip_skip, device=trainer.device,
                                             batch_size=self.options.sample_batch_size)
@@ -126,7 +124,7 @@ class SampleHook:
                 network.set_multiplier(old_multiplier)
             if schedule_free:
                 trainer.optimizer.train()
-            restore_rng(rng_state, generators)
+            trainer.run_state.restore_rng(rng_state)
             del generated
             gc.collect()  # give the sampling activations back before training resumes
             if torch.cuda.is_available():

@@ -53,7 +53,6 @@ class TrainingOptions:
     max_validation_steps: Optional[int] = None
 
 
-
 @dataclass
 class NetworkOptions:
     """The network flags in typed form; `network_args` holds the raw key=value strings."""
@@ -77,7 +76,6 @@ class NetworkOptions:
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
-
 @dataclass
 class MemoryOptions:
     """How the frozen base model is stored and placed during training."""
@@ -91,7 +89,6 @@ class MemoryOptions:
         return self.fp8_base and not self.fp8_base_unet
 
 
-
 @dataclass
 class TextCacheOptions:
     """Whether to encode every caption once before training, and where to keep the outputs."""
@@ -100,12 +97,35 @@ class TextCacheOptions:
     batch_size: int = 1
 
 
-
 @dataclass
 class TextEncodingOptions:
     """How captions are tokenised and encoded."""
     clip_skip: Optional[int] = None
     max_token_length: Optional[int] = None
+
+
+@dataclass
+class FineTuneOptions:
+    """A full fine-tune (fine_tune.py, sdxl_train.py, flux_train.py): the model's own weights train."""
+    train_text_encoder: bool = False
+    learning_rate_te: list[Optional[float]] = field(default_factory=list)  # per text encoder; None: --learning_rate
+    mem_eff_save: bool = False  # write checkpoints tensor by tensor, without a second copy in memory
+    fused_backward_pass: bool = False  # step each parameter as soon as its gradient is complete
+    metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
+
+
+@dataclass
+class EmaOptions:
+    """An exponential moving average of the trained weights (full fine-tunes and adapters alike)."""
+    use_ema: bool = False
+    decay: float = 0.9999
+    warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t)) over the t-th update
+    update_every: int = 1
+    device: str = "cpu"  # "cpu" or "same" (the training device)
+    start_step: int = 0
+    save_ema_only: bool = True  # False: also save the trained weights as <name>-nonema
+    for_sampling: bool = True
+    for_validation: bool = True
 
 
 # A trainer hook: called as hook(trainer, event, step) at "train_start", "step", "epoch" and "train_end".
@@ -117,7 +137,7 @@ class RunSettings:
     """Everything one run needs, each part translated from flags in library/cli/ (and nowhere else)."""
     model: LoadOptions  # model.family_options: the family's own options (its options_type)
     data: DataOptions
-    network: NetworkOptions
+    network: Optional[NetworkOptions]  # None for a full fine-tune
     network_kind: Any  # library.train.network_kinds.NetworkKind of --network_module (chosen once, in the CLI)
     optimizer: OptimizerOptions
     scheduler: SchedulerOptions
@@ -127,6 +147,8 @@ class RunSettings:
     text: TextEncodingOptions = field(default_factory=TextEncodingOptions)
     text_cache: TextCacheOptions = field(default_factory=TextCacheOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
+    ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False
     no_half_vae: bool = False
     # The flag values sd-scripts mirrors into ss_* metadata, as the user gave them (library/core/metadata.py

@@ -1,9 +1,13 @@
-"""Training state on disk: save it atomically, find the newest, and restore it exactly.
+"""Training state on disk: one `RunState` per run, saved atomically, validated and restored exactly.
 
 A state folder holds the files sd-scripts users know (model.safetensors with the
-network weights, optimizer.bin, scheduler.bin, random_states_0.pkl,
-train_state.json) plus what exact resumption needs: the number of batches
-already consumed in the current epoch and the noise generator's state.
+trained weights, optimizer.bin, scheduler.bin, random_states_0.pkl,
+train_state.json) plus what exact resumption needs: the micro-batches already
+consumed in the current epoch, the noise generator, the EMA weights when
+--use_ema is on, and the flags that fix tensor shapes (checked on resume).
+
+A state is read completely (every file parsed) before any of it is applied, so a
+damaged one is named and, with `--resume auto`, skipped for the newest intact one.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import logging
 import os
 import pickle
 import random
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 import torch
+from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 
 from library.core.errors import UserError
@@ -26,8 +31,11 @@ from library.core.io_utils import atomic_directory
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 TRAIN_STATE = "train_state.json"
+WEIGHTS, OPTIMIZER, SCHEDULER, RNG, SCALER, EMA = (
+    "model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "scaler.pt", "ema.safetensors")
+REQUIRED_FILES = (TRAIN_STATE, WEIGHTS, OPTIMIZER, SCHEDULER, RNG)
 
 
 @dataclass
@@ -39,116 +47,189 @@ class TrainProgress:
     batches_done: int = 0
 
 
-def capture_rng(generators: dict[str, torch.Generator]) -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "generators": {name: g.get_state() for name, g in generators.items()},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class DamagedState(UserError):
+    """A state folder that cannot be resumed from (a file missing, truncated or unreadable)."""
 
 
-def restore_rng(state: dict, generators: dict[str, torch.Generator]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for name, g in generators.items():
-        if name in state.get("generators", {}):
-            g.set_state(state["generators"][name])
+@dataclass
+class RunState:
+    """Where a run stands and every source of randomness it draws from: what makes a resume exact.
+
+    Created once per run by `RunState.start(seed)`; the loop advances `progress` after every
+    optimizer step, and `save_state` / `resume_state` write and restore it whole.
+    """
+
+    progress: TrainProgress
+    noise_generator: torch.Generator
+
+    @classmethod
+    def start(cls, seed: int) -> "RunState":
+        set_seed(seed)  # Python, NumPy, torch and every accelerator's RNG
+        return cls(TrainProgress(), torch.Generator("cpu").manual_seed(seed))
+
+    def advance(self, epoch: int, global_step: int, batches_done: int) -> None:
+        self.progress = TrainProgress(epoch, global_step, batches_done)
+
+    def capture_rng(self) -> dict:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                 "generators": {"noise": self.noise_generator.get_state()}}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def restore_rng(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+        if "noise" in state.get("generators", {}):
+            self.noise_generator.set_state(state["generators"]["noise"])
 
 
-def save_state(state_dir: str, network_state: dict[str, torch.Tensor], optimizer, scheduler,
-               progress: TrainProgress, generators: dict[str, torch.Generator], scaler=None) -> None:
+@dataclass
+class SavedState:
+    """A state folder read into memory and checked; nothing applied yet."""
+
+    path: str
+    progress: TrainProgress
+    weights: dict[str, torch.Tensor]
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+    scaler: Optional[dict] = None
+    ema: Optional[dict[str, torch.Tensor]] = None
+    shape_settings: dict[str, Any] = field(default_factory=dict)
+
+
+def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer, scheduler, run: RunState,
+               progress: TrainProgress, scaler=None, ema: Optional[dict[str, torch.Tensor]] = None,
+               shape_settings: Optional[dict[str, Any]] = None) -> None:
     """Write the whole state into a temporary folder, then rename it into place."""
     with atomic_directory(state_dir) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in network_state.items()},
-                  os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.bin"))
-        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.bin"))
-        with open(os.path.join(tmp, "random_states_0.pkl"), "wb") as f:
-            pickle.dump(capture_rng(generators), f)
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS))
+        torch.save(optimizer.state_dict(), os.path.join(tmp, OPTIMIZER))
+        torch.save(scheduler.state_dict(), os.path.join(tmp, SCHEDULER))
+        with open(os.path.join(tmp, RNG), "wb") as f:
+            pickle.dump(run.capture_rng(), f)
         if scaler is not None:
-            torch.save(scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+            torch.save(scaler.state_dict(), os.path.join(tmp, SCALER))
+        if ema is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in ema.items()}, os.path.join(tmp, EMA))
         with open(os.path.join(tmp, TRAIN_STATE), "w", encoding="utf-8") as f:
             json.dump({"current_epoch": progress.epoch, "current_step": progress.global_step,
-                       "batches_done": progress.batches_done, "format": STATE_FORMAT}, f)
+                       "batches_done": progress.batches_done, "format": STATE_FORMAT,
+                       "shape_settings": shape_settings or {}}, f)
 
 
 def read_progress(state_dir: str) -> TrainProgress:
+    return _read_train_state(state_dir)[0]
+
+
+def _read_train_state(state_dir: str) -> tuple[TrainProgress, dict]:
     path = os.path.join(state_dir, TRAIN_STATE)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        return TrainProgress(epoch=int(data["current_epoch"]), global_step=int(data["current_step"]),
-                             batches_done=int(data.get("batches_done", 0)))
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"--resume {state_dir}: not a training state folder ({TRAIN_STATE}: {e})") from None
+        progress = TrainProgress(epoch=int(data["current_epoch"]), global_step=int(data["current_step"]),
+                                 batches_done=int(data.get("batches_done", 0)))
+        return progress, dict(data.get("shape_settings") or {})
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DamagedState(f"{state_dir}: not a training state folder ({TRAIN_STATE}: {e})") from None
+
+
+def read_state(state_dir: str) -> SavedState:
+    """Read and parse every file of a state folder; DamagedState names the first one that fails."""
+    progress, shape_settings = _read_train_state(state_dir)
+    for name in REQUIRED_FILES:
+        if not os.path.isfile(os.path.join(state_dir, name)):
+            raise DamagedState(f"{state_dir}: {name} is missing; the state is incomplete")
+
+    def read(name: str, how):
+        try:
+            return how(os.path.join(state_dir, name))
+        except Exception as e:  # truncated or garbled: every reader raises its own type
+            raise DamagedState(f"{state_dir}: {name} is damaged ({type(e).__name__}: {str(e)[:120]})") from None
+
+    def unpickle(path: str):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+    def torch_load(path: str):
+        return torch.load(path, weights_only=False, map_location="cpu")
+
+    return SavedState(
+        path=state_dir, progress=progress, weights=read(WEIGHTS, load_file), optimizer=read(OPTIMIZER, torch_load),
+        scheduler=read(SCHEDULER, torch_load), rng=read(RNG, unpickle),
+        scaler=read(SCALER, torch_load) if os.path.isfile(os.path.join(state_dir, SCALER)) else None,
+        ema=read(EMA, load_file) if os.path.isfile(os.path.join(state_dir, EMA)) else None,
+        shape_settings=shape_settings)
+
+
+def state_folders(output_dir: str) -> list[str]:
+    """Finished state folders in output_dir, newest (highest step) first; temporary folders are ignored."""
+    found = []
+    for path in glob.glob(os.path.join(output_dir, "*-state")):
+        try:
+            found.append((read_progress(path).global_step, path))
+        except DamagedState:
+            found.append((-1, path))
+    return [path for _, path in sorted(found, key=lambda item: (-item[0], item[1]))]
 
 
 def find_latest_state(output_dir: str) -> Optional[str]:
-    """The complete state folder in output_dir with the highest step (temporary folders are ignored)."""
-    best, best_step = None, -1
-    for path in glob.glob(os.path.join(output_dir, "*-state")):
-        if not os.path.isfile(os.path.join(path, TRAIN_STATE)):
-            continue
+    """The newest state folder in output_dir that reads completely, or None."""
+    for path in state_folders(output_dir):
         try:
-            step = read_progress(path).global_step
-        except UserError:
+            read_state(path)
+            return path
+        except DamagedState:
             continue
-        if step > best_step:
-            best, best_step = path, step
-    return best
+    return None
 
 
-def load_state(state_dir: str, network, optimizer, scheduler, generators: dict[str, torch.Generator],
-               scaler=None) -> TrainProgress:
-    """Restore network weights, optimizer, scheduler and RNG states; return the progress counters."""
-    progress = read_progress(state_dir)
-    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"):
-        if not os.path.isfile(os.path.join(state_dir, name)):
-            raise UserError(f"--resume {state_dir}: {name} is missing; the state is incomplete")
-    weights = load_file(os.path.join(state_dir, "model.safetensors"))
-    missing, unexpected = network.load_state_dict(weights, strict=False)
-    if unexpected or missing:
-        raise UserError(f"--resume {state_dir}: network weights do not match this network "
-                        f"({len(missing)} missing, {len(unexpected)} unexpected keys, e.g. {(missing + unexpected)[0]})")
-    optimizer.load_state_dict(torch.load(os.path.join(state_dir, "optimizer.bin"), weights_only=False))
-    scheduler.load_state_dict(torch.load(os.path.join(state_dir, "scheduler.bin"), weights_only=False))
-    with open(os.path.join(state_dir, "random_states_0.pkl"), "rb") as f:
-        restore_rng(pickle.load(f), generators)
-    scaler_path = os.path.join(state_dir, "scaler.pt")
-    if scaler is not None and os.path.isfile(scaler_path):
-        scaler.load_state_dict(torch.load(scaler_path, weights_only=False))
-    return progress
+def check_shapes(saved: SavedState, weights: dict[str, torch.Tensor], shape_settings: dict[str, Any],
+                 where: str) -> None:
+    """Refuse a state whose tensors or shape-fixing flags differ from this run's, naming the difference."""
+    changed = [f"{name} {saved.shape_settings[name]!r} -> {value!r}" for name, value in shape_settings.items()
+               if name in saved.shape_settings and saved.shape_settings[name] != value]
+    if changed:
+        raise UserError(f"--resume {where}: the state was saved with other shape flags ({'; '.join(changed)}); "
+                        "resume with the flags it was trained with, or start a new run")
+    missing = sorted(set(weights) - set(saved.weights))
+    unexpected = sorted(set(saved.weights) - set(weights))
+    if missing or unexpected:
+        example = (missing + unexpected)[0]
+        raise UserError(f"--resume {where}: the saved weights do not match this run ({len(missing)} missing, "
+                        f"{len(unexpected)} unexpected tensors, e.g. {example}); was it another network or model?")
+    for key, tensor in weights.items():
+        if tuple(saved.weights[key].shape) != tuple(tensor.shape):
+            raise UserError(f"--resume {where}: {key} has shape {tuple(saved.weights[key].shape)} in the state "
+                            f"but {tuple(tensor.shape)} in this run; resume with the flags it was trained with")
+
+
+def choose_state(where: Optional[str], output_dir: str) -> Optional[SavedState]:
+    """--resume: the state to continue from (None: start fresh); "auto" takes the newest intact one."""
+    if not where:
+        return None
+    if where != "auto":
+        if not os.path.isdir(where):
+            raise UserError(f"--resume {where}: folder not found")
+        try:
+            return read_state(where)
+        except DamagedState as e:
+            raise UserError(f"--resume {e}") from None
+    for path in state_folders(output_dir):
+        try:
+            saved = read_state(path)
+        except DamagedState as e:
+            logger.warning("--resume auto: skipping %s", e)
+            continue
+        logger.info("--resume auto: newest intact state is %s", path)
+        return saved
+    logger.info("--resume auto: no saved state in %s; starting fresh", output_dir)
+    return None
 
 
 def progress_dict(progress: TrainProgress) -> dict:
     return asdict(progress)
-
-
-def resume_progress(where: Optional[str], output_dir: str, max_train_steps: int, network, optimizer, scheduler,
-                    generators: dict[str, torch.Generator], scaler=None) -> TrainProgress:
-    """--resume: load the state folder (or, for "auto", the newest one in output_dir) and return where it stood.
-
-    A fresh TrainProgress when nothing is to be resumed; UserError for a missing folder or a finished run.
-    """
-    if not where:
-        return TrainProgress()
-    if where == "auto":
-        where = find_latest_state(output_dir)
-        if where is None:
-            logger.info("--resume auto: no saved state in %s; starting fresh", output_dir)
-            return TrainProgress()
-    if not os.path.isdir(where):
-        raise UserError(f"--resume {where}: folder not found")
-    progress = load_state(where, network, optimizer, scheduler, generators, scaler)
-    if progress.global_step >= max_train_steps:
-        raise UserError(f"--resume {where}: that run already finished ({progress.global_step} of "
-                        f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
-    logger.info("resumed from %s at epoch %d, step %d", where, progress.epoch, progress.global_step)
-    return progress

@@ -1,8 +1,8 @@
-"""The one training loop for every family: a recipe that reads top to bottom.
+"""The one training loop for every family and for adapters and full fine-tunes alike: a recipe that reads top to bottom.
 
-setup: data (validated first, before any model is loaded) -> model -> network ->
-latent cache -> optimizer/scheduler -> resume. train: epochs of planned batches,
-gradient accumulation, clipping, logging, validation, saving, clean stop on signals.
+setup: data (validated first, before any model is loaded) -> model -> what trains (a `Trainable`) ->
+latent cache -> optimizer/scheduler -> EMA -> resume. train: epochs of planned batches, gradient
+accumulation, clipping, logging, validation, saving, clean stop on signals.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import time
 import uuid
 from typing import Optional
@@ -29,23 +28,20 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.ema import EMA
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
-from library.train.network_kinds import build_network, merge_base_weights
-from library.train.network_setup import (
-    load_network_weights,
-    optimizer_groups,
-    save_network,
-    trained_text_encoders,
-)
+from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
-from library.train.run_metadata import RunFacts, lora_metadata
+from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
-from library.train.state import TrainProgress, resume_progress, save_state
+from library.train.state import RunState, TrainProgress, check_shapes, choose_state, save_state
 from library.train.step import StepContext, batch_loss, optimizer_step
+from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
 from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
+from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 from library.train.validation import validation_loss
 
 logger = logging.getLogger(__name__)
@@ -57,15 +53,49 @@ class TrainingError(UserError):
     """Training cannot go on (e.g. a NaN loss); the last saved files stay valid."""
 
 
+class Trainer:
+    """One run: `run()` sets everything up from the settings and trains; every attribute is listed here."""
 
-
-class NetworkTrainer:
-    def __init__(self, family: ModelFamily, settings: RunSettings):
+    def __init__(self, family: ModelFamily, settings: RunSettings, stop: Optional[StopHandler] = None):
         self.family = family
         self.s = settings
         self.t = settings.training
-        self._stop_signal: Optional[int] = None
+        self.stop = stop  # installed by the entry script at process start; run() installs one otherwise
         self.skipped_images: set[str] = set()
+        # set up by run(), in this order
+        self.accelerator = self.device = self.weight_dtype = None
+        self.run_state: Optional[RunState] = None  # progress + every RNG: what a state folder restores
+        self.data = None
+        self.batches_per_epoch = self.steps_per_epoch = self.max_train_steps = self.num_epochs = 0
+        self.components = None
+        self.block_swapper = None
+        self.trainable: Optional[Trainable] = None
+        self.network = None  # the trainable's module as accelerate prepared it
+        self.optimizer = self.lr_scheduler = None
+        self.optimizer_name = self.optimizer_descr = None
+        self.group_names: list[str] = []
+        self.lr_names: list[str] = []
+        self.schedule_free = False
+        self.ema: Optional[EMA] = None
+        self.scheme = self.ctx = self.meter = None
+        self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
+        self.tracker: Optional[Tracker] = None
+        self.session_id = 0
+        self.started_at = 0.0
+        self.last_saved: Optional[str] = None
+        self.step_logs: dict[str, float] = {}
+
+    @property
+    def noise_generator(self) -> torch.Generator:
+        return self.run_state.noise_generator
+
+    @property
+    def trained_encoders(self) -> frozenset[int]:
+        return self.trainable.trained_encoders if self.trainable else frozenset()
+
+    @property
+    def train_text_encoder(self) -> bool:
+        return bool(self.trainable and self.trainable.train_text_encoder)
 
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
@@ -74,10 +104,7 @@ class NetworkTrainer:
         self.accelerator = Accelerator(mixed_precision=self.t.mixed_precision, cpu=self.t.cpu)
         self.device = self.accelerator.device
         self.weight_dtype = DTYPES[self.t.mixed_precision]
-        from accelerate.utils import set_seed
-
-        set_seed(self.t.seed)  # python, numpy and torch RNGs
-        self.noise_generator = torch.Generator("cpu").manual_seed(self.t.seed)
+        self.run_state = RunState.start(self.t.seed)
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
@@ -91,11 +118,14 @@ class NetworkTrainer:
             self.max_train_steps = self.t.max_train_steps
         self.data.plan(self.max_train_steps, accum)
         self.num_epochs = self.data.num_epochs()
-        self.text_cache_opts = self.s.text_cache
-        self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
-        if self.text_cache_opts.enabled:  # refused before any model loads when captions are random
-            check_text_cache_allowed(subset_caption_settings(self.data), self.s.network.train_text_encoder,
+        if self.s.text_cache.enabled:  # refused before any model loads when captions are random
+            train_te = self.s.fine_tune.train_text_encoder if self.s.fine_tune else self.s.network.train_text_encoder
+            check_text_cache_allowed(subset_caption_settings(self.data), train_te,
                                      splittable=bool(self.family.text_encoder_outputs))
+
+    def _full_dtype(self) -> torch.dtype:
+        """The dtype of trained weights: float32 unless --full_bf16 / --full_fp16."""
+        return torch.float16 if self.t.full_fp16 else torch.bfloat16 if self.t.full_bf16 else torch.float32
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
@@ -105,37 +135,31 @@ class NetworkTrainer:
             m.eval()
         vae_dtype = torch.float32 if self.s.no_half_vae else self.weight_dtype
         c.vae.to(self.device, vae_dtype)
-        for m in [c.denoiser, *c.text_encoders]:
-            m.to(dtype=self.weight_dtype)  # placed by apply_memory_options: swapped blocks stay in CPU memory
-        if self.s.network.base_weights:  # merged before any float8 cast
+        trained = self._fine_tune_parts()
+        parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
+        for name, m in parts.items():  # placed by apply_memory_options: swapped blocks stay in CPU memory
+            m.to(dtype=self._full_dtype() if name in trained else self.weight_dtype)
+        if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
                                                   self.t.gradient_checkpointing)
 
-    def _setup_network(self) -> None:
-        opts = self.s.network
-        self.network = build_network(self.s.network_kind, self.family, self.components, opts,
-                                     fp8_base=self.s.memory.fp8_base)
-        train_unet = opts.train_unet
-        train_te = opts.train_text_encoder
-        te = self.components.text_encoders if len(self.components.text_encoders) > 1 else self.components.text_encoders[0]
-        self.network.apply_to(te, self.components.denoiser, train_te, train_unet)
-        self.name_map = self.s.network_kind.name_map(self.family, self.components)
-        if opts.network_weights and not opts.dim_from_weights:
-            info = load_network_weights(self.network, self.family, opts.network_weights, self.name_map)
-            logger.info("loaded network weights from %s: %s", opts.network_weights, info)
-        self.train_text_encoder = train_te
-        self.trained_encoders = trained_text_encoders(self.network, self.components) if train_te else frozenset()
-        net_dtype = torch.float32
-        if self.t.full_fp16:
-            net_dtype = torch.float16
-        elif self.t.full_bf16:
-            net_dtype = torch.bfloat16
-        self.network.to(self.device, net_dtype)
-        if self.t.gradient_checkpointing and hasattr(self.network, "enable_gradient_checkpointing"):
-            self.network.enable_gradient_checkpointing()
-        if hasattr(self.network, "prepare_grad_etc"):
-            self.network.prepare_grad_etc(te, self.components.denoiser)
+    def _fine_tune_parts(self) -> dict[str, float]:
+        if self.s.fine_tune is None:
+            return {}
+        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate, len(self.components.text_encoders))
+
+    def _setup_trainable(self) -> None:
+        t = self.t
+        if self.s.fine_tune is not None:
+            self.trainable = ModelTrainable(self.family, self.components, self._fine_tune_parts(), self.s.fine_tune,
+                                            t.save_model_as, t.save_precision, device=self.device,
+                                            gradient_checkpointing=t.gradient_checkpointing)
+        else:
+            self.trainable = AdapterTrainable(self.s.network_kind, self.family, self.components, self.s.network,
+                                              t.save_model_as, t.save_precision, fp8_base=self.s.memory.fp8_base,
+                                              full_dtype=self._full_dtype(), device=self.device,
+                                              gradient_checkpointing=t.gradient_checkpointing)
 
     def _cache_latents(self) -> None:
         d = self.s.data
@@ -149,22 +173,40 @@ class NetworkTrainer:
                                 num_workers=d.data_loader_workers())
 
     def _setup_optimizer(self) -> None:
-        opts = self.s.network
-        groups, self.group_names = optimizer_groups(self.network, opts, self.s.optimizer.learning_rate)
+        groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
-        self.network, self.optimizer = self.accelerator.prepare(self.network, self.optimizer)
+        self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
         self.schedule_free = is_schedule_free(self.optimizer)
+        if self.s.ema.use_ema:
+            self.ema = EMA(self.trainable.module, self.s.ema, self.device)
 
-    def _resume(self) -> TrainProgress:
-        return resume_progress(self.t.resume, self.t.output_dir, self.max_train_steps,
-                               self.accelerator.unwrap_model(self.network), self.optimizer, self.lr_scheduler,
-                               {"noise": self.noise_generator}, getattr(self.accelerator, "scaler", None))
+    def _resume(self) -> None:
+        saved = choose_state(self.t.resume, self.t.output_dir)
+        if saved is None:
+            return
+        weights = self.trainable.weights()
+        check_shapes(saved, weights, self.trainable.shape_settings(), saved.path)
+        if saved.progress.global_step >= self.max_train_steps:
+            raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
+                            f"{self.max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
+        self.trainable.load_weights(saved.weights)
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.lr_scheduler.load_state_dict(saved.scheduler)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and saved.scaler is not None:
+            scaler.load_state_dict(saved.scaler)
+        if self.ema is not None:
+            self.ema.load_state(saved.ema)
+        self.run_state.restore_rng(saved.rng)
+        self.run_state.progress = saved.progress
+        logger.info("resumed from %s at epoch %d, step %d (batch %d of the epoch)", saved.path,
+                    saved.progress.epoch, saved.progress.global_step, saved.progress.batches_done)
 
     def _cache_text_outputs(self) -> None:
-        if self.text_cache_opts.enabled:
+        if self.s.text_cache.enabled:
             self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
                                                               self.max_train_steps)
 
@@ -180,9 +222,7 @@ class NetworkTrainer:
         self._setup_accelerator()
         self._setup_data()
         self._setup_model()
-        self.train_text_encoder = False  # no network is built: the encoders stay frozen
-        self.trained_encoders = frozenset()
-        self._setup_step_context()
+        self._setup_step_context()  # no trainable: the encoders stay frozen
         self._cache_text_outputs()
 
     def _setup_step_context(self) -> None:
@@ -199,44 +239,53 @@ class NetworkTrainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
-        """Train; returns the path of the final LoRA file."""
-        self._setup_accelerator()
-        self._setup_data()
-        self._setup_model()
-        self._setup_network()
-        self._cache_latents()
-        self._setup_optimizer()
-        self._setup_step_context()
-        self._cache_text_outputs()
-        park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
-        progress = self._resume()
-        self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
-        self.started_at = time.time()
-        os.makedirs(self.t.output_dir, exist_ok=True)
-        self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
-                               resume_step=progress.global_step)
-        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
+        """Train; returns the path of the final model or network file."""
+        own_handler = self.stop is None
+        if own_handler:
+            self.stop = StopHandler().install()
         try:
-            return self._train(progress)
+            self._setup_accelerator()
+            self._setup_data()
+            self._setup_model()
+            self._setup_trainable()
+            self._cache_latents()
+            self._setup_optimizer()
+            self._setup_step_context()
+            self._cache_text_outputs()
+            park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
+            self._resume()
+            self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
+            self.started_at = time.time()
+            os.makedirs(self.t.output_dir, exist_ok=True)
+            self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
+                                   resume_step=self.run_state.progress.global_step)
+            self.stop.in_loop = True
+            return self._train()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.tracker.close()
-            if self.skipped_images:
-                logger.warning("%d image(s) failed to decode during training and were skipped:\n  %s",
-                               len(self.skipped_images), "\n  ".join(sorted(self.skipped_images)))
+            self.stop.in_loop = False
+            if own_handler:
+                self.stop.uninstall()
+            if self.tracker is not None:
+                self.tracker.close()
+            self._report()
 
-    def _on_signal(self, signum, frame) -> None:
-        if self._stop_signal is not None:
-            raise KeyboardInterrupt  # a second Ctrl+C stops at once
-        self._stop_signal = signum
-        logger.warning("signal %d: saving state after the current step, then stopping", signum)
+    def _report(self) -> None:
+        """The end-of-run summary, however the run ended."""
+        if self.run_state is not None and self.started_at:
+            steps = self.run_state.progress.global_step
+            logger.info("run ended at step %d of %d after %.0f s; last saved: %s", steps, self.max_train_steps,
+                        time.time() - self.started_at, self.last_saved or "nothing")
+        if self.skipped_images:
+            logger.warning("%d image(s) failed to decode during training and were skipped:\n  %s",
+                           len(self.skipped_images), "\n  ".join(sorted(self.skipped_images)))
 
-    def _train(self, progress: TrainProgress) -> str:
+    def _on_signal(self, signum, frame) -> None:  # tests simulate a signal through this
+        self.stop._on_signal(signum, frame)
+
+    def _train(self) -> str:
         accum = self.t.gradient_accumulation_steps
-        global_step = progress.global_step
+        start = self.run_state.progress
+        global_step = start.global_step
         loss_window = LossWindow(self.batches_per_epoch)
         bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
                    disable=not self.accelerator.is_local_main_process)
@@ -246,43 +295,44 @@ class NetworkTrainer:
         if self.schedule_free:
             self.optimizer.train()
         self._run_hooks("train_start", global_step)
-        for epoch in range(progress.epoch, self.num_epochs + 1):
-            skip = progress.batches_done if epoch == progress.epoch else 0
-            epoch_start_step = global_step - skip // accum
-            refs = self.data.epoch_batches(epoch, epoch_start_step)
-            unwrapped = self.accelerator.unwrap_model(self.network)
-            if hasattr(unwrapped, "on_epoch_start"):
-                te = self.components.text_encoders
-                unwrapped.on_epoch_start(te if len(te) > 1 else te[0], self.components.denoiser)
+        for epoch in range(start.epoch, self.num_epochs + 1):
+            skip = start.batches_done if epoch == start.epoch else 0
+            refs = self.data.epoch_batches(epoch, global_step - skip // accum)
+            self.trainable.on_epoch_start()
             loader = torch.utils.data.DataLoader(
                 BatchDataset(self.data, refs[skip:]), batch_size=None, shuffle=False,
-                num_workers=self.s.data.data_loader_workers(),
-                persistent_workers=False,
+                num_workers=self.s.data.data_loader_workers(), persistent_workers=False,
                 # Its own generator: creating an iterator must not draw from the global RNG, or a
                 # resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
                 generator=torch.Generator().manual_seed(self.t.seed + epoch))
             epoch_losses: list[float] = []
+            group_losses: list[float] = []
             for i, batch in enumerate(loader, start=skip):
                 last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1
-                if batch is not None:
-                    self.skipped_images.update(batch.get("skipped_images") or [])
-                    loss = self._micro_step(batch, global_step, last_in_group)
-                    epoch_losses.append(loss)
-                    loss_window.add(loss)
+                self.skipped_images.update(batch["skipped_images"])
+                if batch["image_paths"]:  # empty when every image of the batch failed to decode
+                    group_losses.append(self._micro_step(batch, global_step, last_in_group))
+                batches_done = i + 1 if i + 1 < len(refs) else 0
+                self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
                 if not last_in_group:
                     continue
-                self._optimizer_step()
+                if not group_losses:  # every image of the group failed to decode: no step was taken
+                    continue
+                self._optimizer_step(global_step + 1)
                 global_step += 1
+                epoch_losses.extend(group_losses)
+                for loss in group_losses:
+                    loss_window.add(loss)
+                group_losses = []
+                self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
                 bar.update(1)
-                self._log_step(global_step, loss_window, epoch_losses[-1] if epoch_losses else float("nan"), bar)
+                self._log_step(global_step, loss_window, epoch_losses[-1], bar)
                 self._log_throughput(global_step)
                 done = global_step >= self.max_train_steps
-                batches_done = i + 1 if i + 1 < len(refs) else 0
-                next_epoch = epoch if batches_done else epoch + 1
                 with self._untimed():
-                    self._after_step(global_step, TrainProgress(next_epoch, global_step, batches_done), done)
-                if self._stop_signal is not None:
-                    return self._stop(TrainProgress(next_epoch, global_step, batches_done))
+                    self._after_step(global_step, done)
+                if self.stop.requested:
+                    return self._stop()
                 if done:
                     break
             with self._untimed():
@@ -290,7 +340,7 @@ class NetworkTrainer:
             if global_step >= self.max_train_steps:
                 break
         bar.close()
-        return self._finish(global_step, epoch)
+        return self._finish()
 
     def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
         accumulating = not sync and self.accelerator.num_processes > 1
@@ -303,21 +353,21 @@ class NetworkTrainer:
                 paths = ", ".join(batch.get("image_paths", [])[:8])
                 raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                     f"Images in this batch: {paths}. The files saved so far are intact; "
-                                    f"try --mixed_precision bf16 or fp32, --no_half_vae, or a lower learning rate")
+                                    f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
+                                    f"or a lower learning rate")
             with meter("backward"):
                 self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
             if self.block_swapper is not None:
                 self.block_swapper.release()
         return loss.item()
 
-    def _optimizer_step(self) -> None:
-        opts = self.s
+    def _optimizer_step(self, step: int) -> None:
         optimizer_step(self.optimizer, self.lr_scheduler,
-                       opts.optimizer.max_grad_norm if self.accelerator.sync_gradients else None,
+                       self.s.optimizer.max_grad_norm if self.accelerator.sync_gradients else None,
                        self.accelerator.clip_grad_norm_)
-        if opts.network.scale_weight_norms:
-            unwrapped = self.accelerator.unwrap_model(self.network)
-            self.last_max_norm = unwrapped.apply_max_norm_regularization(opts.network.scale_weight_norms, self.device)
+        self.step_logs = self.trainable.after_optimizer_step(self.device)
+        if self.ema is not None:
+            self.ema.step(step)
 
     def _log_step(self, step: int, window: LossWindow, current: float, bar) -> None:
         lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -326,10 +376,7 @@ class NetworkTrainer:
             return
         values = {"loss/current": current, "loss/average": window.average}
         values.update(lr_logs(self.lr_scheduler, self.optimizer, self.lr_names, adaptive=self.optimizer_descr.adaptive))
-        if self.s.network.scale_weight_norms and getattr(self, "last_max_norm", None):
-            keys_scaled, mean_norm, max_norm = self.last_max_norm
-            values.update({"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
-                           "max_norm/max_key_norm": max_norm})
+        values.update(self.step_logs)
         self.tracker.log(values, step)
 
     def _untimed(self):
@@ -343,12 +390,12 @@ class NetworkTrainer:
             self.tracker.log(report.as_scalars(), step)
 
     # ------------------------------------------------------------------ after steps / epochs
-    def _after_step(self, step: int, progress: TrainProgress, done: bool) -> None:
+    def _after_step(self, step: int, done: bool) -> None:
         t = self.t
         plan = self._save_plan()
         if plan.save_at_step(step, self.max_train_steps):
-            self._save_and_rotate(ckpt.step_stem(t.output_name, step), progress, step, progress.epoch,
-                                  plan.step_to_remove(step, for_state=False),
+            self._save_and_rotate(ckpt.step_stem(t.output_name, step), self.run_state.progress, step,
+                                  self.run_state.progress.epoch, plan.step_to_remove(step, for_state=False),
                                   plan.step_to_remove(step, for_state=True), ckpt.step_stem)
         if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
             self._validate(step, "step")
@@ -371,9 +418,9 @@ class NetworkTrainer:
                          old_model: Optional[int], old_state: Optional[int], stem_of) -> None:
         """Save the model (and state) under `stem`; remove the ones that fell out of retention."""
         t = self.t
-        self._save_model(ckpt.model_path(t.output_dir, stem, t.save_model_as), step, epoch)
+        self._save_model(stem, step, epoch)
         if old_model:
-            ckpt.remove_path(ckpt.model_path(t.output_dir, stem_of(t.output_name, old_model), t.save_model_as))
+            self._remove_model(stem_of(t.output_name, old_model))
         if t.save_state:
             self._save_state(ckpt.state_path(t.output_dir, stem), progress)
             if old_state:
@@ -387,6 +434,11 @@ class NetworkTrainer:
         return ckpt.SavePlan(every_epochs, t.save_every_n_steps, t.save_last_n_epochs, t.save_last_n_epochs_state,
                              t.save_last_n_steps, t.save_last_n_steps_state)
 
+    def eval_weights(self, purpose: str):
+        """The EMA weights in place for "sampling" / "validation" when asked for (and always for "saving")."""
+        wanted = {"sampling": self.s.ema.for_sampling, "validation": self.s.ema.for_validation, "saving": True}
+        return self.ema.swapped_in() if self.ema is not None and wanted[purpose] else contextlib.nullcontext()
+
     def _validate(self, at: int, kind: str) -> None:
         refs = self.data.validation_batches()
         if not refs:
@@ -394,7 +446,8 @@ class NetworkTrainer:
         if self.t.max_validation_steps:
             refs = refs[: self.t.max_validation_steps]
         self.network.eval()
-        value = validation_loss(self.ctx, self.data, refs, seed=self.s.data.validation_seed or self.t.seed)
+        with self.eval_weights("validation"):
+            value = validation_loss(self.ctx, self.data, refs, seed=self.s.data.validation_seed or self.t.seed)
         self.network.train()
         self.tracker.log({f"loss/validation/{kind}_average": value}, at)
         logger.info("validation loss at %s %d: %.5f", kind, at, value)
@@ -407,37 +460,50 @@ class NetworkTrainer:
     def _metadata(self, step: int, epoch: int) -> dict:
         facts = RunFacts(self.session_id, self.started_at, step, epoch, self.num_epochs, self.max_train_steps,
                          self.batches_per_epoch, self.t.seed, self.optimizer_descr.ss_optimizer)
-        return lora_metadata(self.family, self.components, self.s, self.data, facts)
+        build = lora_metadata if self.trainable.is_adapter else model_metadata
+        return build(self.family, self.components, self.s, self.data, facts)
 
-    def _save_model(self, path: str, step: int, epoch: int) -> None:
+    def _save_model(self, stem: str, step: int, epoch: int) -> str:
+        """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked)."""
+        path = self.trainable.file_path(self.t.output_dir, stem)
         if not self.accelerator.is_main_process:
-            return
-        save_network(self.accelerator.unwrap_model(self.network), path, self.t.save_precision,
-                     self._metadata(step, epoch), self.name_map)
+            return path
+        metadata = self._metadata(step, epoch)
+        if self.ema is not None and not self.s.ema.save_ema_only:
+            self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
+        with self.eval_weights("saving"):
+            self.trainable.save(path, metadata)
+        self.last_saved = path
         logger.info("saved %s", path)
+        return path
+
+    def _remove_model(self, stem: str) -> None:
+        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))
+        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
 
     def _save_state(self, state_dir: str, progress: TrainProgress) -> None:
         if not self.accelerator.is_main_process:
             return
-        save_state(state_dir, self.accelerator.unwrap_model(self.network).state_dict(), self.optimizer,
-                   self.lr_scheduler, progress, {"noise": self.noise_generator},
-                   getattr(self.accelerator, "scaler", None))
+        save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state, progress,
+                   getattr(self.accelerator, "scaler", None), self.ema.state() if self.ema is not None else None,
+                   self.trainable.shape_settings())
         logger.info("saved state %s", state_dir)
 
-    def _stop(self, progress: TrainProgress) -> str:
+    def _stop(self) -> str:
+        progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
         self._save_state(ckpt.state_path(self.t.output_dir, stem), progress)
-        raise InterruptedTraining(self._stop_signal or signal.SIGINT, ckpt.state_path(self.t.output_dir, stem))
+        raise InterruptedTraining(self.stop.signum, ckpt.state_path(self.t.output_dir, stem))
 
-    def _finish(self, step: int, epoch: int) -> str:
+    def _finish(self) -> str:
         t = self.t
+        progress = self.run_state.progress  # mid-epoch when --max_train_steps ended the run: resume goes on there
         if self.schedule_free:
             self.optimizer.eval()
-        path = ckpt.model_path(t.output_dir, t.output_name, t.save_model_as)
-        self._save_model(path, step, epoch)
+        path = self._save_model(t.output_name, progress.global_step, max(1, progress.epoch - (not progress.batches_done)))
         if t.save_state or t.save_state_on_train_end:
-            self._save_state(ckpt.state_path(t.output_dir, t.output_name), TrainProgress(epoch + 1, step, 0))
-        self._run_hooks("train_end", step)
+            self._save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        self._run_hooks("train_end", progress.global_step)
         return path
 
 

@@ -18,7 +18,7 @@ def validation_loss(ctx: StepContext, data, refs, seed: int) -> float:
     total, count = 0.0, 0
     for ref in refs:
         batch = data.load_batch(ref)
-        if batch is None:
+        if not batch["image_paths"]:
             continue
         bsz = len(batch["captions"])
         for t in timesteps:

@@ -1,0 +1,79 @@
+"""An exponential moving average of the trained weights (--use_ema), for full fine-tunes and adapters alike.
+
+ema <- decay_t * ema + (1 - decay_t) * weights, every --ema_update_every optimizer steps from
+--ema_start_step on (the average starts as a copy of the weights then). With warm-up, decay_t is
+min(decay, (1 + t) / (10 + t)) at the t-th update, so early averages are not dominated by the
+initial weights. The averages live in float32 on the CPU (--ema_device cpu) or beside the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from library.train.settings import EmaOptions
+
+
+class EMA:
+    """The moving averages of a module's trainable parameters, keyed by parameter name."""
+
+    def __init__(self, module: nn.Module, opts: EmaOptions, device: torch.device):
+        self.opts = opts
+        self.device = torch.device("cpu") if opts.device == "cpu" else torch.device(device)
+        self.params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+        self.shadow: dict[str, torch.Tensor] = {}
+        self.updates = 0
+
+    def decay(self) -> float:
+        if not self.opts.warmup:
+            return self.opts.decay
+        return min(self.opts.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def step(self, global_step: int) -> None:
+        """Called after optimizer step `global_step` (1-based)."""
+        if global_step < self.opts.start_step:
+            return
+        if not self.shadow:
+            self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in self.params.items()}
+            return
+        if (global_step - self.opts.start_step) % self.opts.update_every:
+            return
+        d = self.decay()
+        for name, p in self.params.items():
+            self.shadow[name].lerp_(p.detach().to(self.device, torch.float32), 1.0 - d)
+        self.updates += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The averaged weights in place of the trained ones inside the block (nothing before the first step)."""
+        if not self.shadow:
+            yield
+            return
+        backup = {}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                backup[name] = p.detach().to("cpu", copy=True)
+                p.copy_(self.shadow[name].to(p.device, p.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(backup[name].to(p.device))
+
+    def state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The averages and the update count, for the state folder (None before the first step)."""
+        if not self.shadow:
+            return None
+        return {**self.shadow, "__ema_updates__": torch.tensor(self.updates, dtype=torch.int64)}
+
+    def load_state(self, state: Optional[dict[str, torch.Tensor]]) -> None:
+        if not state:
+            return
+        state = dict(state)
+        self.updates = int(state.pop("__ema_updates__"))
+        self.shadow = {n: state[n].to(self.device, torch.float32) for n in self.params}

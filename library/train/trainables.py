@@ -1,0 +1,189 @@
+"""What a run trains, behind one interface: adapter weights over a frozen model, or the model's own weights.
+
+The loop asks a `Trainable` for its parameter groups, its weights (for the state), a save of the
+result and a few per-step hooks; it never asks which kind it has. `AdapterTrainable` wraps a
+--network_module network; `ModelTrainable` trains the denoiser and/or text encoders themselves
+(fine_tune.py, sdxl_train.py, flux_train.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from library.core.errors import ConfigError
+from library.families.base import Components, ModelFamily
+from library.train import checkpoints as ckpt
+from library.train.network_kinds import NetworkKind, build_network, text_encoders_arg
+from library.train.network_setup import (
+    SAVE_DTYPES,
+    load_network_weights,
+    optimizer_groups,
+    save_network,
+    trained_text_encoders,
+)
+from library.train.settings import FineTuneOptions, NetworkOptions
+
+logger = logging.getLogger(__name__)
+
+
+class Trainable(ABC):
+    """The trained weights of a run. `module` is what accelerate prepares and the optimizer steps."""
+
+    module: nn.Module
+    is_adapter: bool
+    train_text_encoder: bool  # whether any text encoder's output depends on trained weights
+    trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
+
+    @abstractmethod
+    def parameter_groups(self, default_lr: float) -> tuple[list[dict], list[str]]:
+        """Optimizer parameter groups and their names (for the lr logs)."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trained tensors, by name: what a state folder stores and restores."""
+        return self.module.state_dict()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(weights, strict=True)
+
+    def shape_settings(self) -> dict[str, Any]:
+        """The settings that fix the trained tensors' shapes; a resume with others is refused by name."""
+        return {}
+
+    @abstractmethod
+    def file_path(self, output_dir: str, stem: str) -> str:
+        """Where a save under `stem` goes (a file, or a folder for diffusers formats)."""
+
+    @abstractmethod
+    def save(self, path: str, metadata: dict[str, str]) -> None:
+        """Write the trained result to `path` (atomically)."""
+
+    def on_epoch_start(self) -> None:
+        """Called before each epoch's first batch."""
+
+    def after_optimizer_step(self, device: torch.device) -> dict[str, float]:
+        """Called after each optimizer step; returns values to log."""
+        return {}
+
+
+class AdapterTrainable(Trainable):
+    """A --network_module network (LoRA, LyCORIS, ...) over a frozen model."""
+
+    is_adapter = True
+
+    def __init__(self, kind: NetworkKind, family: ModelFamily, components: Components, opts: NetworkOptions,
+                 save_model_as: str, save_precision: Optional[str], *, fp8_base: bool, full_dtype: torch.dtype,
+                 device: torch.device, gradient_checkpointing: bool):
+        self.kind, self.family, self.components, self.opts = kind, family, components, opts
+        self.save_model_as, self.save_precision = save_model_as, save_precision
+        network = build_network(kind, family, components, opts, fp8_base=fp8_base)
+        te = text_encoders_arg(components)
+        network.apply_to(te, components.denoiser, opts.train_text_encoder, opts.train_unet)
+        self.name_map = kind.name_map(family, components)
+        if opts.network_weights:  # also with --dim_from_weights: the file gave the shapes, now its values
+            info = load_network_weights(network, family, opts.network_weights, self.name_map)
+            logger.info("loaded network weights from %s: %s", opts.network_weights, info)
+        self.train_text_encoder = opts.train_text_encoder
+        self.trained_encoders = trained_text_encoders(network, components) if opts.train_text_encoder else frozenset()
+        network.to(device, full_dtype)
+        if gradient_checkpointing and hasattr(network, "enable_gradient_checkpointing"):
+            network.enable_gradient_checkpointing()
+        if hasattr(network, "prepare_grad_etc"):
+            network.prepare_grad_etc(te, components.denoiser)
+        self.module = network
+
+    def parameter_groups(self, default_lr):
+        return optimizer_groups(self.module, self.opts, default_lr, self.kind, self.components)
+
+    def shape_settings(self):
+        o = self.opts
+        return {"network_module": o.network_module, "network_dim": o.network_dim,
+                "network_args": dict(sorted(o.network_args.items()))}
+
+    def file_path(self, output_dir, stem):
+        return ckpt.model_path(output_dir, stem, self.save_model_as)
+
+    def save(self, path, metadata):
+        save_network(self.module, path, self.save_precision, metadata, self.name_map)
+
+    def on_epoch_start(self):
+        if hasattr(self.module, "on_epoch_start"):
+            self.module.on_epoch_start(text_encoders_arg(self.components), self.components.denoiser)
+
+    def after_optimizer_step(self, device):
+        if not self.opts.scale_weight_norms:
+            return {}
+        keys_scaled, mean_norm, max_norm = self.module.apply_max_norm_regularization(self.opts.scale_weight_norms,
+                                                                                     device)
+        return {"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
+                "max_norm/max_key_norm": max_norm}
+
+
+def fine_tune_plan(opts: FineTuneOptions, learning_rate: float, num_text_encoders: int) -> dict[str, float]:
+    """The parts a full fine-tune trains and their learning rates: {"denoiser": lr, "text_encoder1": lr, ...}.
+
+    As sd-scripts: the denoiser trains unless --learning_rate is 0; a text encoder trains with
+    --train_text_encoder unless its own rate (--learning_rate_te / _te1 / _te2, else the base rate) is 0.
+    """
+    plan = {}
+    if learning_rate:
+        plan["denoiser"] = learning_rate
+    if opts.train_text_encoder:
+        rates = list(opts.learning_rate_te or [])
+        if len(rates) > num_text_encoders:
+            raise ConfigError(f"--learning_rate_te: {len(rates)} values given, the model has {num_text_encoders} "
+                              "text encoder(s)")
+        for i in range(num_text_encoders):
+            lr = rates[i] if i < len(rates) and rates[i] is not None else learning_rate
+            if lr:
+                plan[f"text_encoder{i + 1}"] = lr
+    if not plan:
+        raise ConfigError("nothing to train: --learning_rate is 0 and no text encoder trains "
+                          "(add --train_text_encoder with a non-zero --learning_rate_te)")
+    return plan
+
+
+class ModelTrainable(Trainable):
+    """The model's own weights: the denoiser and/or text encoders, as `fine_tune_plan` says."""
+
+    is_adapter = False
+
+    def __init__(self, family: ModelFamily, components: Components, plan: dict[str, float], opts: FineTuneOptions,
+                 save_model_as: str, save_precision: Optional[str], *, device: torch.device,
+                 gradient_checkpointing: bool):
+        self.family, self.components, self.plan, self.opts = family, components, plan, opts
+        self.save_model_as, self.save_precision = save_model_as, save_precision
+        parts = {"denoiser": components.denoiser}
+        parts.update({f"text_encoder{i + 1}": te for i, te in enumerate(components.text_encoders)})
+        self.module = nn.ModuleDict({name: parts[name] for name in plan})
+        self.trained_encoders = frozenset(i for i in range(len(components.text_encoders))
+                                          if f"text_encoder{i + 1}" in plan)
+        self.train_text_encoder = bool(self.trained_encoders)
+        for name, part in self.module.items():
+            part.requires_grad_(True)
+            part.train()
+            if name != "denoiser" and gradient_checkpointing and hasattr(part, "gradient_checkpointing_enable"):
+                part.gradient_checkpointing_enable()
+
+    def parameter_groups(self, default_lr):
+        groups, names = [], []
+        for name, part in self.module.items():
+            params = [p for p in part.parameters() if p.requires_grad]
+            if params:
+                groups.append({"params": params, "lr": self.plan[name]})
+                names.append(name)
+        return groups, names
+
+    def shape_settings(self):
+        return {"trained_parts": sorted(self.plan)}
+
+    def file_path(self, output_dir, stem):
+        return ckpt.model_path(output_dir, stem, self.save_model_as)
+
+    def save(self, path, metadata):
+        self.family.save_model(self.components, path, self.save_model_as, SAVE_DTYPES[self.save_precision],
+                               metadata, mem_eff=self.opts.mem_eff_save)

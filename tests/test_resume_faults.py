@@ -1,0 +1,184 @@
+"""Resume and stop behaviour users met switching from sd-scripts (issue 11, items 1, 2, 3, 14, 15, 16, 22)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.cli.entry import run_training
+from library.core.errors import UserError
+from library.families import get_family
+from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
+
+
+def _equal_files(a: str, b: str) -> None:
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+
+
+def test_resume_auto_after_max_train_steps_mid_epoch_continues_exactly(tmp_path):
+    """Item 1: stopped by --max_train_steps mid-epoch, resumed with a higher limit: no crash, bitwise equal."""
+    data = make_dataset(str(tmp_path), n=2)  # 2 images x 5 repeats = 10 batches per epoch
+    extra = ["--shuffle_caption", "--flip_aug", "--noise_offset", "0.05"]
+    straight = make_trainer(base_args(data, str(tmp_path / "a"), steps=14, extra=extra)).run()
+    out = str(tmp_path / "b")
+    make_trainer(base_args(data, out, steps=7, extra=extra + ["--save_state"])).run()
+    with open(os.path.join(out, "lora-state", "train_state.json")) as f:
+        assert '"current_epoch": 1, "current_step": 7, "batches_done": 7' in f.read()
+    resumed = make_trainer(base_args(data, out, steps=14, extra=extra + ["--resume", "auto"])).run()
+    _equal_files(straight, resumed)
+
+
+def _damage(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(max(1, os.path.getsize(path) // 3))
+
+
+def test_damaged_newest_state_falls_back_and_explicit_path_is_one_line(tmp_path, caplog):
+    """Item 14: --resume auto skips a truncated state for the newest intact one; a named one is refused."""
+    data = make_dataset(str(tmp_path), n=2)
+    straight = make_trainer(base_args(data, str(tmp_path / "a"), steps=6)).run()
+    out = str(tmp_path / "b")
+    make_trainer(base_args(data, out, steps=4, extra=["--save_state", "--save_every_n_steps", "2"])).run()
+    newest = os.path.join(out, "lora-state")
+    _damage(os.path.join(newest, "optimizer.bin"))
+    with pytest.raises(UserError, match=rf"^--resume {re.escape(newest)}: optimizer.bin is damaged \("):
+        make_trainer(base_args(data, out, steps=6, extra=["--resume", newest])).run()
+    with caplog.at_level(logging.INFO):
+        resumed = make_trainer(base_args(data, out, steps=6, extra=["--resume", "auto"])).run()
+    assert f"--resume auto: skipping {newest}: optimizer.bin is damaged" in caplog.text
+    assert "newest intact state is " + os.path.join(out, "lora-step00000002-state") in caplog.text
+    _equal_files(straight, resumed)
+    open(os.path.join(out, "lora-step00000002-state", "model.safetensors"), "w").close()  # empty file
+    with pytest.raises(UserError, match=r"model.safetensors is damaged"):
+        make_trainer(base_args(data, out, steps=6, extra=["--resume", os.path.join(out, "lora-step00000002-state")])).run()
+
+
+def test_resume_with_other_network_dim_names_the_difference(tmp_path):
+    """Item 15: a state saved with --network_dim 4 resumed with 8 is refused by name before training."""
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    make_trainer(base_args(data, out, steps=2, extra=["--save_state"])).run()
+    argv = base_args(data, out, steps=4, extra=["--resume", "auto"])
+    argv[argv.index("--network_dim") + 1] = "8"
+    state = re.escape(os.path.join(out, "lora-state"))
+    with pytest.raises(UserError, match=rf"^--resume {state}: the state was saved with other shape flags "
+                                        r"\(network_dim 4 -> 8\)"):
+        make_trainer(argv).run()
+
+
+def test_dim_from_weights_starts_from_the_files_values(tmp_path, tiny_sd1):
+    """Item 3: --network_weights F --dim_from_weights builds the network from F's shapes AND loads F's values."""
+    family = get_family("sd")
+    path = random_lora_file(family, tiny_sd1, str(tmp_path / "init.safetensors"), seed=3)
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=1, extra=[
+        "--network_weights", path, "--dim_from_weights"]))
+    trainer._setup_accelerator()
+    trainer._setup_data()
+    trainer._setup_model()
+    trainer._setup_trainable()
+    saved = load_file(path)
+    state = trainer.trainable.module.state_dict()
+    ups = [k for k in saved if k.endswith("lora_up.weight")]
+    assert len(ups) == 264
+    for key in ups:
+        assert torch.equal(state[key], saved[key]), key
+
+
+@pytest.mark.parametrize("rates,expected", [(["1e-5"], {1e-5}), (["1e-5", "2e-5"], {1e-5, 2e-5})])
+def test_lycoris_takes_one_or_two_text_encoder_rates(tmp_path, rates, expected):
+    """Item 2: LyCORIS with --text_encoder_lr (one value, or one per SDXL encoder) builds its optimizer."""
+    pytest.importorskip("lycoris")
+    data = make_dataset(str(tmp_path), n=1)
+    argv = base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=1, extra=[
+        "--text_encoder_lr", *rates, "--unet_lr", "1e-4"])
+    argv[argv.index("--network_module") + 1] = "lycoris.kohya"
+    argv += ["--network_args", "algo=lora"]
+    trainer = make_trainer(argv, "sdxl")
+    trainer._setup_accelerator()
+    trainer._setup_data()
+    trainer._setup_model()
+    trainer._setup_trainable()
+    trainer._setup_optimizer()
+    lrs = {g["lr"] for g in trainer.optimizer.param_groups}
+    assert lrs == expected | {1e-4}
+    if len(rates) == 2:
+        assert trainer.group_names.count("textencoder 1") == 1 and trainer.group_names.count("textencoder 2") == 1
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN])
+def test_signal_while_loading_stops_cleanly_in_one_line(tmp_path, capsys, monkeypatch, inherited):
+    """Item 16: SIGINT while the model loads (also when the job inherited SIG_IGN): exit 130, one line, no files."""
+    family = get_family("sd")
+    real_load = type(family).load
+
+    def load_then_interrupted(self, opts):
+        components = real_load(self, opts)
+        os.kill(os.getpid(), signal.SIGINT)
+        return components
+
+    monkeypatch.setattr(type(family), "load", load_then_interrupted)
+    previous = signal.signal(signal.SIGINT, inherited)
+    try:
+        data = make_dataset(str(tmp_path), n=1)
+        code = run_training("sd", "test", base_args(data, str(tmp_path / "out"), steps=2))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130
+    assert err == ["stopped by signal 2 before training started; nothing more was saved"]
+    assert not os.path.exists(tmp_path / "out" / "lora.safetensors")
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def test_undecodable_batch_is_not_a_step_and_the_run_reports(tmp_path, caplog):
+    """Item 22: a batch whose every image fails to decode takes no step; the end-of-run summary names it."""
+    data = make_dataset(str(tmp_path), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=6))
+    broken = os.path.join(data, "5_sks toy", "img1.png")
+
+    def corrupt(tr, event, step):
+        if event == "train_start":
+            with open(broken, "wb") as f:
+                f.write(b"\x89PNG truncated")
+
+    trainer.s.hooks.append(corrupt)
+    taken = []
+    real_step = trainer._optimizer_step
+    trainer._optimizer_step = lambda step: (taken.append(step), real_step(step))
+    with caplog.at_level(logging.INFO):
+        trainer.run()
+    # 2 images x 5 repeats, one epoch planned for 6 steps: the 5 batches of img1 take no step, so the
+    # planned epoch ends after 5 steps and the summary says so.
+    assert taken == [1, 2, 3, 4, 5]
+    assert trainer.run_state.progress.global_step == 5
+    assert trainer.skipped_images == {broken}
+    assert "run ended at step 5 of 6" in caplog.text
+    assert f"1 image(s) failed to decode during training and were skipped:\n  {broken}" in caplog.text
+
+
+def test_nan_message_names_valid_mixed_precision_values(tmp_path):
+    """Item 22: the NaN hint names values --mixed_precision accepts (no, fp16, bf16)."""
+    from library.train.trainer import TrainingError
+
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=3))
+
+    def poison(tr, event, step):
+        if event == "step" and step == 1:
+            with torch.no_grad():
+                next(tr.trainable.module.parameters()).fill_(float("nan"))
+
+    trainer.s.hooks.append(poison)
+    with pytest.raises(TrainingError) as e:
+        trainer.run()
+    assert "--mixed_precision bf16 (or no, for float32)" in str(e.value) and "fp32" not in str(e.value)
