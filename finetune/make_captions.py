@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> None:
 
     from finetune.common import logger, progress, warn_list
     from library.core.errors import UserError
+    from library.core.io_utils import atomic_write_text
     from library.data.finetune_metadata import list_dataset_images
 
     for name in ("batch_size", "num_beams", "max_length"):
@@ -120,8 +121,7 @@ def run(args: argparse.Namespace) -> None:
             ids = model.generate(pixel_values=inputs["pixel_values"], **generate)
         for (path, _), caption in zip(pending, processor.batch_decode(ids, skip_special_tokens=True)):
             caption = caption.strip()
-            with open(os.path.splitext(path)[0] + ext, "w", encoding="utf-8") as f:
-                f.write(caption + "\n")
+            atomic_write_text(os.path.splitext(path)[0] + ext, caption + "\n")
             if args.debug:
                 logger.info("%s: %s", path, caption)
         pending.clear()

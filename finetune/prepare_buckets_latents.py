@@ -70,6 +70,7 @@ def _training_flags(args: argparse.Namespace, metadata_path: str, output_dir: st
 def run(args: argparse.Namespace, extra: list[str]) -> None:
     from library.cli.cache_tools import build_trainer
     from library.core.errors import UserError
+    from finetune.common import progress, warn_list
     from library.data.finetune_metadata import (
         check_unique_keys,
         image_key,
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
         load_metadata,
         save_metadata,
     )
+    from library.data.image_scan import read_image_size
     from library.families import get_family
 
     if len(args.max_resolution.split(",")) != 2:
@@ -87,6 +89,17 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
     check_unique_keys(images, args.train_data_dir, args.full_path)
     metadata = load_metadata(args.in_json)
     logger.info("found %d images; %d entries in %s", len(images), len(metadata), args.in_json)
+    readable, unreadable = [], []
+    for path in progress(images, "reading image headers"):
+        try:
+            read_image_size(path)
+            readable.append(path)
+        except Exception as e:  # damaged files are left out (as sd-scripts), not fatal for the folder
+            unreadable.append(f"{path} ({e})")
+    images = readable
+    warn_list("images could not be read and are left out", unreadable)
+    if not images:
+        raise UserError(f"train_data_dir: no readable images in {args.train_data_dir}")
     family = get_family("sdxl" if args.sdxl else "flux" if args.flux else "sd")
 
     with tempfile.TemporaryDirectory(prefix="prepare_buckets_") as tmp:

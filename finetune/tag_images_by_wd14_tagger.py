@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> None:
 
     from finetune.common import logger, progress, warn_list
     from library.core.errors import UserError
+    from library.core.io_utils import atomic_write_text
     from library.data.finetune_metadata import list_dataset_images
     from library.data.wd14_tags import (
         TagFrequency,
@@ -177,8 +178,7 @@ def run(args: argparse.Namespace) -> None:
                 with open(out, encoding="utf-8") as f:
                     tags = merge_with_existing(f.read(), tags, sep)
             freq.add(tags)
-            with open(out, "w", encoding="utf-8") as f:
-                f.write(sep.join(tags) + "\n")
+            atomic_write_text(out, sep.join(tags) + "\n")
             if args.debug:
                 logger.info("%s: %s", path, sep.join(tags))
         pending.clear()

@@ -75,6 +75,13 @@ def test_merge_recursive_relative_keys_and_missing_files(folder, tmp_path, caplo
     assert merge_dd_tags_to_metadata.main([folder, out, "--recursive", "--caption_extension", "txt"]) == 0
     assert _read_json(out)["sub/c"] == {"caption": "blue"}  # no sub/c.txt: left out, with a warning
     assert "1 images have no (or an empty) .txt file and were left out" in caplog.text
+    # The trainer's --in_json reader finds every image of these keys under --train_data_dir.
+    from library.data.finetune_metadata import read_metadata_entries, resolve_image
+
+    entries, problems = read_metadata_entries(out)
+    assert problems == []
+    assert {key: resolve_image(key, folder) for key, _ in entries} == {
+        "a": os.path.join(folder, "a.png"), "b": os.path.join(folder, "b.jpg"), "sub/c": os.path.join(folder, "sub/c.png")}
 
 
 def test_merge_full_path_keys_and_in_json(folder, tmp_path):
@@ -194,7 +201,7 @@ def test_prepare_buckets_latents_then_training_reuses_every_latent(tmp_path, mon
     assert sorted(n for n in os.listdir(root) if n.endswith(".npz")) == npz
 
 
-def test_prepare_buckets_latents_errors(tmp_path, capsys):
+def test_prepare_buckets_latents_errors(tmp_path, capsys, caplog):
     root = str(tmp_path / "imgs")
     _image(os.path.join(root, "a.png"), (64, 64), (0, 0, 0))
     missing = str(tmp_path / "none.json")
@@ -204,6 +211,13 @@ def test_prepare_buckets_latents_errors(tmp_path, capsys):
     _write(meta, "{}")
     assert prepare_buckets_latents.main([root, meta, str(tmp_path / "o.json"), "tiny:sd1", "--max_resolution", "512"]) == 2
     assert capsys.readouterr().err == "error: --max_resolution: expected 'width,height', got '512'\n"
+    # A damaged image is left out with a warning; the others get their bucket.
+    _write(os.path.join(root, "bad.png"), "not an image")
+    out = str(tmp_path / "o.json")
+    assert prepare_buckets_latents.main([root, meta, out, "tiny:sd1", "--max_resolution", "64,64",
+                                         "--min_bucket_reso", "64", "--max_bucket_reso", "128"]) == 0
+    assert _read_json(out) == {"a": {"train_resolution": [64, 64]}}
+    assert "1 images could not be read and are left out" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------- BLIP
