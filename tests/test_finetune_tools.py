@@ -201,6 +201,32 @@ def test_prepare_buckets_latents_then_training_reuses_every_latent(tmp_path, mon
     assert sorted(n for n in os.listdir(root) if n.endswith(".npz")) == npz
 
 
+def test_prepare_buckets_latents_sdxl_files_are_valid_for_tools_cache_latents(tmp_path, monkeypatch):
+    from library.families import get_family
+    from tools import cache_latents
+
+    root = str(tmp_path / "imgs")
+    _image(os.path.join(root, "a.png"), (64, 64), (200, 20, 20))
+    _image(os.path.join(root, "b.png"), (192, 64), (20, 200, 20))
+    meta = str(tmp_path / "meta.json")
+    _write(meta, json.dumps({"a": {"caption": "red"}, "b": {"caption": "green"}}))
+    out = str(tmp_path / "out.json")
+    buckets = ["--min_bucket_reso", "32", "--max_bucket_reso", "128", "--bucket_reso_steps", "32"]
+    assert prepare_buckets_latents.main([root, meta, out, "tiny:sdxl", "--sdxl", "--max_resolution", "64,64"] + buckets) == 0
+    assert _read_json(out) == {"a": {"caption": "red", "train_resolution": [64, 64]},
+                               "b": {"caption": "green", "train_resolution": [96, 32]}}
+    assert sorted(n for n in os.listdir(root) if n.endswith(".npz")) == ["a_0064x0064_sdxl.npz", "b_0192x0064_sdxl.npz"]
+
+    sdxl = get_family("sdxl")
+    encoded = []
+    original = sdxl.encode_images
+    monkeypatch.setattr(type(sdxl), "encode_images", lambda self, vae, x: encoded.append(len(x)) or original(vae, x))
+    assert cache_latents.main(["--sdxl", "--pretrained_model_name_or_path", "tiny:sdxl", "--in_json", out,
+                               "--train_data_dir", root, "--resolution", "64,64", "--enable_bucket",
+                               "--max_data_loader_n_workers", "0", "--output_dir", str(tmp_path / "o")] + buckets) == 0
+    assert encoded == []
+
+
 def test_prepare_buckets_latents_errors(tmp_path, capsys, caplog):
     root = str(tmp_path / "imgs")
     _image(os.path.join(root, "a.png"), (64, 64), (0, 0, 0))
