@@ -11,6 +11,7 @@ from library.cli.config_file import parse_with_config_file
 from library.cli.entry import _setup_logging, build_parser, settings_from_args
 from library.core.errors import run_tool
 from library.families import get_family
+from library.families.base import ModelFamily
 from library.train.trainer import Trainer
 
 
@@ -36,10 +37,14 @@ def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags
         family = get_family(name)
         if check_family is not None:
             check_family(family)
-        parser = build_parser(description, family)
-        ns = parse_with_config_file(parser, rest + forced_flags)
-        if not ns.output_dir:
-            ns.output_dir = tempfile.mkdtemp(prefix="cache_")
-        action(Trainer(family, settings_from_args(ns, family)))
+        action(build_trainer(family, rest + forced_flags, description))
 
     return run_tool(body)
+
+
+def build_trainer(family: ModelFamily, flags: Sequence[str], description: str = "cache") -> Trainer:
+    """The trainer a training run with these flags would build (a temporary --output_dir when none is given)."""
+    ns = parse_with_config_file(build_parser(description, family), list(flags))
+    if not ns.output_dir:
+        ns.output_dir = tempfile.mkdtemp(prefix="cache_")
+    return Trainer(family, settings_from_args(ns, family))

@@ -6,13 +6,13 @@ the user sees all of them at once before training starts.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from library.data.config import SubsetConfig
+from library.data.finetune_metadata import read_metadata_entries, resolve_image
 from library.data.folders import REPEAT_FOLDER, list_images
 from library.data.images import IMAGE_EXTENSIONS
 
@@ -34,12 +34,6 @@ class SubsetImages:
     images: list[DiscoveredImage] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing_captions: int = 0
-
-
-
-
-
-
 
 
 def _no_images_reason(folder: str) -> str:
@@ -128,60 +122,15 @@ def discover_dreambooth(sub: SubsetConfig) -> SubsetImages:
     return result
 
 
-def _read_metadata(path: str) -> tuple[list[tuple[str, dict]], list[str]]:
-    """(image key, entry) pairs of a fine-tune metadata .json ({key: {...}}) or .jsonl ({"image_path": ...} per line)."""
-    if not os.path.isfile(path):
-        return [], [f"{path}: metadata file not found"]
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        return [], [f"{path}: cannot read metadata file: {e}"]
-    if path.lower().endswith(".jsonl"):
-        entries, problems = [], []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                problems.append(f"{path}: line {n}: not valid JSON ({e.msg})")
-                continue
-            if not isinstance(item, dict) or not isinstance(item.get("image_path"), str):
-                problems.append(f"{path}: line {n}: expected an object with \"image_path\"")
-                continue
-            entries.append((item["image_path"], item))
-        return entries, problems
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        return [], [f"{path}: not valid JSON (line {e.lineno}: {e.msg})"]
-    if not isinstance(data, dict):
-        return [], [f"{path}: expected a JSON object {{image: {{caption, tags}}}}"]
-    bad = [f"{path}: {key}: expected an object with caption/tags" for key, v in data.items() if not isinstance(v, dict)]
-    return [(k, v) for k, v in data.items() if isinstance(v, dict)], bad
-
-
-def _resolve_image(key: str, image_dir: Optional[str]) -> Optional[str]:
-    candidates = [key] if os.path.isabs(key) or not image_dir else [os.path.join(image_dir, key), key]
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return candidate
-        for ext in IMAGE_EXTENSIONS:
-            if os.path.isfile(candidate + ext):
-                return candidate + ext
-    return None
-
-
 def discover_finetune(sub: SubsetConfig) -> SubsetImages:
     """Images listed in a metadata file; caption = caption + ", " + tags (tags alone when no caption)."""
     result = SubsetImages()
-    entries, result.problems = _read_metadata(sub.metadata_file or "")
+    entries, result.problems = read_metadata_entries(sub.metadata_file or "")
     if sub.image_dir and not os.path.isdir(sub.image_dir):
         result.problems.append(f"{sub.where}.image_dir: folder not found: {sub.image_dir}")
         return result
     for key, entry in entries:
-        path = _resolve_image(key, sub.image_dir)
+        path = resolve_image(key, sub.image_dir)
         if path is None:
             where = f" in {sub.image_dir}" if sub.image_dir else ""
             result.problems.append(f"{sub.metadata_file}: {key}: image not found{where}")

@@ -1,0 +1,51 @@
+"""What the finetune/ scripts share: the common flags, logging, the one-line error convention, progress bars."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from tqdm import tqdm
+
+from library.core.errors import run_tool
+
+logger = logging.getLogger("finetune")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_caption_extension(parser: argparse.ArgumentParser, default: str, what: str) -> None:
+    """--caption_extension, and sd-scripts' old misspelling --caption_extention (it wins when given)."""
+    parser.add_argument("--caption_extension", type=str, default=default, help=f"extension of the {what} files (default {default})")
+    parser.add_argument("--caption_extention", type=str, default=None, help=argparse.SUPPRESS)
+
+
+def caption_extension(args: argparse.Namespace) -> str:
+    ext = args.caption_extention if args.caption_extention is not None else args.caption_extension
+    return ext if ext.startswith(".") else "." + ext
+
+
+def progress(items: Iterable, desc: str, total: Optional[int] = None, unit: str = "image") -> Iterable:
+    """A tqdm bar with rate and ETA (smoothing 0: the ETA uses the mean rate, steady on large folders)."""
+    return tqdm(items, desc=desc, total=total, unit=unit, smoothing=0.0, dynamic_ncols=True)
+
+
+def warn_list(message: str, items: Sequence[Any], limit: int = 5) -> None:
+    """One warning naming the count and the first few items."""
+    if items:
+        shown = ", ".join(str(i) for i in items[:limit]) + (" ..." if len(items) > limit else "")
+        logger.warning("%d %s: %s", len(items), message, shown)
+
+
+def script_main(build_parser: Callable[[], argparse.ArgumentParser], run: Callable[[argparse.Namespace], None],
+                argv: Optional[Sequence[str]] = None) -> int:
+    """Parse flags (argparse errors exit 2), then run with the one-line error convention (run_tool)."""
+    setup_logging()
+    args = build_parser().parse_args(argv)
+    return run_tool(run, args)
