@@ -13,6 +13,7 @@ from library.cli.config_file import (
     write_config_file,
 )
 from library.cli.dataset import data_options_from_args
+from library.cli.fine_tune import ema_options_from_args, fine_tune_options_from_args
 from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args
 from library.cli.model import load_options_from_args, text_options_from_args
 from library.cli.network import network_options_from_args
@@ -22,7 +23,7 @@ from library.cli.optimizer import (
     scheduler_options_from_args,
 )
 from library.cli.options import options_from_namespace
-from library.cli.parser import build_network_training_parser
+from library.cli.parser import build_fine_tune_parser, build_network_training_parser
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import training_options_from_args
@@ -43,11 +44,11 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettings:
+def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
     Every flag is checked here, before the dataset scan and before any model loads; the namespace
-    itself goes no further than this function.
+    itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
     family_options = options_from_namespace(family.options_type, ns)
     model = load_options_from_args(ns, family_options)
@@ -59,8 +60,8 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettin
     training = training_options_from_args(ns, gradient_checkpointing)
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
-    network = network_options_from_args(ns)
-    if network.network_module != "networks.lora" and family.external_networks_unsupported:
+    network = None if fine_tune else network_options_from_args(ns)
+    if network and network.network_module != "networks.lora" and family.external_networks_unsupported:
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
                           f"{family.external_networks_unsupported}")
     # A drawn seed and implied checkpointing are what the data layer and the metadata must see.
@@ -69,7 +70,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettin
         model=model,
         data=data_options_from_args(ns, seed=training.seed),
         network=network,
-        network_kind=network_kind(network.network_module),
+        network_kind=network_kind(network.network_module) if network else None,
+        fine_tune=fine_tune_options_from_args(ns) if fine_tune else None,
+        ema=ema_options_from_args(ns),
         optimizer=optimizer,
         scheduler=scheduler_options_from_args(ns),
         noise=noise,
@@ -91,12 +94,13 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily) -> RunSettin
     return settings
 
 
-def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point shared by train_network.py and the family scripts. Returns the exit code."""
+def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
+                 fine_tune: bool = False) -> int:
+    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
     _setup_logging()
     stop = StopHandler().install()  # from here on a signal stops cleanly, also while loading and caching
     try:
-        return _run(family_name, description, argv, stop)
+        return _run(family_name, description, argv, stop, fine_tune)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -104,12 +108,13 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
         stop.uninstall()
 
 
-def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler) -> int:
+def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
+         fine_tune: bool) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family)
+    parser = build_parser(description, family, fine_tune)
     try:
         ns = parse_with_config_file(parser, argv)
-        settings = settings_from_args(ns, family)
+        settings = settings_from_args(ns, family, fine_tune)
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed
@@ -128,5 +133,5 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     return 0
 
 
-def build_parser(description: str, family=None):
-    return build_network_training_parser(description, family)
+def build_parser(description: str, family=None, fine_tune: bool = False):
+    return (build_fine_tune_parser if fine_tune else build_network_training_parser)(description, family)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from library.cli.fine_tune import METADATA_FLAGS, add_metadata_arguments
 from library.core.errors import ConfigError
 from library.train.settings import NetworkOptions
-
-# Where to get network modules that are not part of this toolkit.
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,13 +43,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--training_comment", type=str, default=None, help="free text stored as ss_training_comment")
     g.add_argument("--network_multiplier", type=float, default=1.0,
                    help="multiplier of the LoRA while training (default 1.0)")
-    g.add_argument("--metadata_title", type=str, default=None, help="modelspec.title (default: output name)")
-    g.add_argument("--metadata_author", type=str, default=None, help="modelspec.author")
-    g.add_argument("--metadata_description", type=str, default=None, help="modelspec.description")
-    g.add_argument("--metadata_license", type=str, default=None, help="modelspec.license")
-    g.add_argument("--metadata_tags", type=str, default=None, help="modelspec.tags (comma-separated)")
-
-
+    add_metadata_arguments(g)
 
 
 def network_args_to_dict(items: Optional[list[str]]) -> dict[str, str]:
@@ -98,8 +91,7 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
         no_metadata=bool(getattr(ns, "no_metadata", False)),
         training_comment=getattr(ns, "training_comment", None),
         network_multiplier=getattr(ns, "network_multiplier", 1.0),
-        metadata={k: getattr(ns, k, None) for k in ("metadata_title", "metadata_author", "metadata_description",
-                                                     "metadata_license", "metadata_tags")},
+        metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS},
     )
 
 

@@ -1,0 +1,96 @@
+"""Flags of a full fine-tune (fine_tune.py, sdxl_train.py, flux_train.py) and of EMA, and their typed forms."""
+
+from __future__ import annotations
+
+import argparse
+
+from library.core.errors import ConfigError
+from library.train.settings import EmaOptions, FineTuneOptions
+
+MODEL_FORMATS = ["ckpt", "safetensors", "diffusers", "diffusers_safetensors"]
+METADATA_FLAGS = ("metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags")
+
+
+def add_metadata_arguments(g) -> None:
+    """--metadata_* (modelspec.*), shared by LoRA and full-model training."""
+    g.add_argument("--metadata_title", type=str, default=None, help="modelspec.title (default: output name)")
+    g.add_argument("--metadata_author", type=str, default=None, help="modelspec.author")
+    g.add_argument("--metadata_description", type=str, default=None, help="modelspec.description")
+    g.add_argument("--metadata_license", type=str, default=None, help="modelspec.license")
+    g.add_argument("--metadata_tags", type=str, default=None, help="modelspec.tags (comma-separated)")
+
+
+def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fine-tuning")
+    g.add_argument("--train_text_encoder", action="store_true",
+                   help="also train the text encoder(s); each trains unless its learning rate is 0")
+    g.add_argument("--learning_rate_te", type=float, default=None,
+                   help="learning rate of every text encoder (default: --learning_rate)")
+    g.add_argument("--learning_rate_te1", type=float, default=None,
+                   help="learning rate of the first text encoder (SDXL: CLIP-L); overrides --learning_rate_te")
+    g.add_argument("--learning_rate_te2", type=float, default=None,
+                   help="learning rate of the second text encoder (SDXL: OpenCLIP-G); overrides --learning_rate_te")
+    g.add_argument("--mem_eff_save", action="store_true",
+                   help="write checkpoints tensor by tensor, without a second copy of the model in memory")
+    g.add_argument("--fused_backward_pass", action="store_true",
+                   help="step each parameter as soon as its gradient is complete: the gradients of the whole "
+                        "model are never held at once (no gradient accumulation)")
+    add_metadata_arguments(g)
+
+
+def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("EMA (moving average of the trained weights)")
+    g.add_argument("--use_ema", action="store_true", help="keep an EMA of the trained weights and save it")
+    g.add_argument("--ema_decay", type=float, default=0.9999, help="EMA decay (default 0.9999)")
+    g.add_argument("--ema_no_warmup", action="store_true",
+                   help="use --ema_decay from the first update (default: min(decay, (1+t)/(10+t)) at update t)")
+    g.add_argument("--ema_update_every", type=int, default=1, help="update the EMA every N optimizer steps")
+    g.add_argument("--ema_device", type=str, default="cpu", choices=["cpu", "same"],
+                   help="where the EMA weights live: cpu (default) or the training device")
+    g.add_argument("--ema_start_step", type=int, default=0, help="start the EMA at this optimizer step")
+    g.add_argument("--save_ema_only", type=_bool, default=True, metavar="true|false",
+                   help="save only the EMA weights (default true); false also saves the trained ones as <name>-nonema")
+    g.add_argument("--ema_for_sampling", type=_bool, default=True, metavar="true|false",
+                   help="sample images with the EMA weights (default true)")
+    g.add_argument("--ema_for_validation", type=_bool, default=True, metavar="true|false",
+                   help="compute the validation loss with the EMA weights (default true)")
+
+
+def _bool(value: str) -> bool:
+    v = str(value).strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
+    te = [ns.learning_rate_te1, ns.learning_rate_te2]
+    te = [v if v is not None else ns.learning_rate_te for v in te]
+    while te and te[-1] is None:
+        te.pop()
+    if ns.fused_backward_pass and ns.gradient_accumulation_steps > 1:
+        raise ConfigError("--fused_backward_pass: gradients are applied during backward, so it cannot accumulate "
+                          f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
+    for flag in ("fp8_base", "fp8_base_unet"):
+        if getattr(ns, flag, False):
+            raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")
+    return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=te,
+                           mem_eff_save=bool(ns.mem_eff_save), fused_backward_pass=bool(ns.fused_backward_pass),
+                           metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
+
+
+def ema_options_from_args(ns: argparse.Namespace) -> EmaOptions:
+    if not getattr(ns, "use_ema", False):
+        return EmaOptions()
+    if not 0.0 < ns.ema_decay < 1.0:
+        raise ConfigError(f"--ema_decay: expected a number between 0 and 1, got {ns.ema_decay}")
+    if ns.ema_update_every < 1:
+        raise ConfigError(f"--ema_update_every: expected an integer >= 1, got {ns.ema_update_every}")
+    if ns.ema_start_step < 0:
+        raise ConfigError(f"--ema_start_step: expected an integer >= 0, got {ns.ema_start_step}")
+    return EmaOptions(use_ema=True, decay=ns.ema_decay, warmup=not ns.ema_no_warmup,
+                      update_every=ns.ema_update_every, device=ns.ema_device, start_step=ns.ema_start_step,
+                      save_ema_only=ns.save_ema_only, for_sampling=ns.ema_for_sampling,
+                      for_validation=ns.ema_for_validation)
