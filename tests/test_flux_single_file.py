@@ -209,7 +209,7 @@ def test_save_checkpoint_safetensors_writes_the_bfl_transformer(files, tmp_path,
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     from library.core.errors import UserError
 
-    with pytest.raises(UserError, match=r"merged\.ckpt: a FLUX.1 single file is written as \.safetensors only"):
+    with pytest.raises(UserError, match=r"merged\.ckpt: cannot save a flux model as ckpt \(--save_model_as takes safetensors, diffusers, "):
         family.save_checkpoint(comps, str(tmp_path / "merged.ckpt"))
 
 

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+import os
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
 from torch import nn
 
 from library.core.errors import UserError
+from library.families import model_saving
 from library.objectives.noise import NoiseScheme
 from networks.lora_args import BlockLayout
 from networks.lora_targets import LoraTarget
+
+
+# --save_model_as of the full-model scripts (sd-scripts' names): one original-layout file, or a diffusers
+# folder with .bin (torch pickle) or .safetensors weights.
+SAVE_FORMATS = ("ckpt", "safetensors", "diffusers", "diffusers_safetensors")
+
+
+def model_save_path(output_dir: str, stem: str, fmt: str) -> str:
+    """Where a model saved as `fmt` goes: `<stem>.ckpt` / `<stem>.safetensors`, or the folder `<stem>`."""
+    model_saving.check_save_format(fmt, SAVE_FORMATS)
+    return os.path.join(output_dir, stem if fmt in model_saving.FOLDER_FORMATS else f"{stem}.{fmt}")
 
 
 class ModelLoadError(UserError):
@@ -37,6 +50,10 @@ class LoadOptions:
     # The family's own options (an instance of its options_type; None: the defaults). Loading may need them
     # (FLUX.1's --clip_l / --t5xxl / --ae) and the loaded Components carry them for every later call.
     family_options: Any = None
+    # --from_scratch: build the denoiser from its config with weights drawn from torch.manual_seed(init_seed)
+    # (--seed) instead of loading them; the VAE and text encoders are still loaded.
+    from_scratch: bool = False
+    init_seed: int = 0
 
 
 @dataclass
@@ -204,9 +221,39 @@ class ModelFamily(ABC):
         raise UserError(f"--blocks_to_swap is not supported for {self.name}")
 
     # --- saving ----------------------------------------------------------------
+    # The formats save_model writes for this family (a family without one original-layout format drops it).
+    save_formats: ClassVar[tuple[str, ...]] = SAVE_FORMATS
+
+    def save_model(self, components: Components, path: str, fmt: str, dtype: Optional[torch.dtype] = None,
+                   metadata: Optional[dict[str, str]] = None, mem_eff: bool = False) -> str:
+        """Write the whole model (denoiser + text encoders + VAE as the format holds) to `path`; return the path written.
+
+        `fmt`: one of SAVE_FORMATS (see model_save_path for names). `dtype`: --save_precision (floating
+        tensors cast as written; None keeps them). `metadata`: safetensors header metadata of a single
+        `.safetensors` file; for `ckpt` only `ss_epoch` / `ss_steps` are read (the pickle's epoch and
+        global_step); folders ignore it. `mem_eff`: --mem_eff_save, stream each safetensors file tensor
+        by tensor. The components are not changed. Atomic: a complete file / folder or none.
+        """
+        model_saving.check_save_format(fmt, self.save_formats, self.name, path)
+        if fmt in model_saving.FOLDER_FORMATS:
+            parts, model_index = self.pipeline_folder(components)
+            return model_saving.write_pipeline_folder(parts, model_index, path, fmt == "diffusers_safetensors",
+                                                      dtype, mem_eff)
+        return model_saving.write_single_file(self.single_file_state_dict(components), path, fmt, dtype,
+                                              metadata, mem_eff)
+
+    def single_file_state_dict(self, components: Components) -> Mapping[str, torch.Tensor]:
+        """The model in its original single-file layout, holding the model's own tensors (not copies)."""
+        raise NotImplementedError(f"model family {self.name!r} cannot save single-file checkpoints yet")
+
+    def pipeline_folder(self, components: Components) -> tuple[dict[str, Any], dict[str, Any]]:
+        """({subfolder: model, tokenizer or scheduler}, model_index.json) of this family's diffusers pipeline."""
+        raise NotImplementedError(f"model family {self.name!r} cannot save diffusers folders yet")
+
     def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        """Write the whole model: one file (.safetensors/.ckpt, original layout) or a diffusers folder."""
-        raise NotImplementedError(f"model family {self.name!r} cannot save checkpoints yet")
+        """Write the whole model as its path names it: a .safetensors / .ckpt file, otherwise a diffusers
+        folder with safetensors weights (tools: merged models)."""
+        self.save_model(components, path, model_saving.format_of_path(path), dtype)
 
     # --- metadata --------------------------------------------------------------
     @abstractmethod

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError, warn_once
+from library.families import flux_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
 from library.families.flux_configs import (
@@ -37,7 +38,6 @@ from library.families.flux_lora_names import (
 )
 from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
 from library.families.flux_options import FluxOptions
-from library.families.flux_saving import save_flux_bfl_file, save_flux_diffusers_folder
 from library.objectives.flow import FlowMatchScheme, check_flow_compatible
 from networks.lora_targets import LoraTarget
 
@@ -262,23 +262,24 @@ class FluxFamily(ModelFamily):
         sd-scripts' `train_t5xxl=True`."""
         return LoraTarget("lora_te3", components.text_encoders[1], T5_TARGETS, is_text_encoder=True)
 
-    # --- metadata -------------------------------------------------------------------------------
-    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        """A `.safetensors` path: the transformer alone in the BFL layout (as flux1-dev.safetensors; CLIP-L, T5
-        and the AE are not written). Any other path: a diffusers folder with every part."""
-        if path.lower().endswith((".safetensors", ".ckpt")):
+    # --- saving -------------------------------------------------------------------------------------
+    # As sd-scripts' flux_train.py, which writes only `.safetensors` (no `.ckpt`).
+    save_formats = ("safetensors", "diffusers", "diffusers_safetensors")
 
-            save_flux_bfl_file(components.denoiser, path, dtype)
-            return
+    def single_file_state_dict(self, components: Components) -> dict:
+        """The transformer alone in the BFL layout, as flux1-dev.safetensors and sd-scripts' flux_train.py save it
+        (CLIP-L, T5 and the AE are not written; load it back with --clip_l / --t5xxl / --ae)."""
+        return flux_saving.bfl_tensors(components.denoiser)
 
+    def pipeline_folder(self, components: Components) -> tuple[dict, dict]:
+        """A whole FluxPipeline folder (not a transformer-only one): it loads back with every part and no flags."""
         clip, t5 = components.text_encoders
-        parts = {"transformer": components.denoiser, "vae": components.vae, "text_encoder": clip,
-                 "text_encoder_2": t5, "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}
-        if dtype is not None:
-            for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-                parts[name].to(dtype=dtype)
-        save_flux_diffusers_folder(parts, path)
+        return flux_saving.pipeline_folder({"transformer": components.denoiser, "vae": components.vae,
+                                            "text_encoder": clip, "text_encoder_2": t5,
+                                            "tokenizer": components.tokenizers[0],
+                                            "tokenizer_2": components.tokenizers[1]})
 
+    # --- metadata -------------------------------------------------------------------------------
     def base_model_version(self, components: Components) -> str:
         return "flux1"
 

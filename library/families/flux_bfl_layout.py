@@ -15,10 +15,11 @@ upcast, since nothing here trains in float8.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
+from library.core.safetensors_io import Deferred, concat
 from library.families.flux_lora_names import (
     SWAPPED_HALVES,
     bfl_module_path,
@@ -103,21 +104,30 @@ def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([second, first], dim=0)
 
 
-def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A FluxTransformer2DModel state dict in the BFL layout (as in flux1-dev.safetensors, no prefix)."""
-    out: dict[str, torch.Tensor] = {}
+def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor], lazy: bool = False) -> dict[str, Any]:
+    """A FluxTransformer2DModel state dict in the BFL layout (as in flux1-dev.safetensors, no prefix).
+
+    With `lazy`, the fused and half-swapped tensors are Deferred (made when written), so the result
+    holds only the model's own tensors.
+    """
+    out: dict[str, Any] = {}
     fused: dict[str, dict[int, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         bfl_key, slot = diffusers_key_to_bfl(key)
         if slot is not None:
             fused.setdefault(bfl_key, {})[slot] = tensor
             continue
-        out[bfl_key] = _swap_halves(tensor) if key.rsplit(".", 1)[0] in SWAPPED_HALVES else tensor
+        if key.rsplit(".", 1)[0] not in SWAPPED_HALVES:
+            out[bfl_key] = tensor
+        else:
+            out[bfl_key] = Deferred(lambda t=tensor: _swap_halves(t), tensor.shape, tensor.dtype) if lazy \
+                else _swap_halves(tensor)
     for bfl_key, slots in fused.items():
         expected = len(fused_widths(bfl_key.rsplit(".", 1)[0]))
         if sorted(slots) != list(range(expected)):
             raise BflLayoutError(f"{bfl_key}: expected {expected} projections to fuse, found slots {sorted(slots)}")
-        out[bfl_key] = torch.cat([slots[i] for i in range(expected)], dim=0)
+        ordered = [slots[i] for i in range(expected)]
+        out[bfl_key] = concat(ordered) if lazy else torch.cat(ordered, dim=0)
     return out
 
 

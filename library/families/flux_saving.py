@@ -1,24 +1,23 @@
-"""Writing a FLUX.1 model: a diffusers folder, or BFL single files (the transformer as flux1-dev.safetensors,
-plus clip_l / t5xxl / ae files for the tiny model). Every file is written atomically."""
+"""What a FLUX.1 model is saved as: the BFL transformer file (as sd-scripts' flux_train.py saves: the
+transformer alone, as flux1-dev.safetensors), the FluxPipeline folder, and for the tiny model the
+clip_l / t5xxl / ae files that --clip_l / --t5xxl / --ae take. Writing is library/families/model_saving.py.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Mapping
 
-import torch
 from torch import nn
 
-from library.core.errors import UserError
-from library.core.io_utils import save_safetensors_atomic
 from library.families import ldm_layout as ldm
+from library.families import model_saving
 from library.families.flux_bfl_layout import (
     clip_l_to_file,
     diffusers_to_bfl,
     t5_to_file,
 )
 from library.families.flux_configs import build_flux_modules
-from library.families.sd_saving import write_diffusers_folder
 
 # As FluxPipeline.save_pretrained writes it, without importing the pipeline.
 _MODEL_INDEX = {
@@ -31,33 +30,24 @@ _MODEL_INDEX = {
 # FLUX.1-dev's scheduler settings (dynamic shifting by image size).
 _SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
                   base_image_seq_len=256, max_image_seq_len=4096)
+PART_NAMES = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
-def save_flux_diffusers_folder(parts: dict, out_dir: str) -> None:
-    """A folder the Flux loader (and diffusers' FluxPipeline) reads; written atomically."""
+def pipeline_folder(parts: Mapping[str, Any]) -> tuple[dict, dict]:
+    """The parts and model_index.json of a folder the Flux loader and diffusers' FluxPipeline read."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    names = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
     model_index = {**_MODEL_INDEX, "_diffusers_version": diffusers.__version__}
-    write_diffusers_folder({**{n: parts[n] for n in names}, "scheduler": FlowMatchEulerDiscreteScheduler(**_SCHEDULER)},
-                           model_index, out_dir)
+    return {**{n: parts[n] for n in PART_NAMES}, "scheduler": FlowMatchEulerDiscreteScheduler(**_SCHEDULER)}, model_index
 
 
-def _plain(state: dict, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    # safetensors wants contiguous CPU tensors; none of these share storage (fused rows are concatenated anew)
-    return {k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous() for k, v in state.items()}
-
-
-def save_flux_bfl_file(transformer: nn.Module, path: str, dtype: Optional[torch.dtype] = None) -> None:
-    """Write only the transformer, in the BFL single-file layout of flux1-dev.safetensors (keys without prefix).
+def bfl_tensors(transformer: nn.Module) -> dict[str, Any]:
+    """The transformer in the BFL single-file layout (keys without prefix; fused tensors Deferred).
 
     CLIP-L, T5 and the AE are not part of such a file; load it back with --clip_l / --t5xxl / --ae.
     """
-    if not path.lower().endswith(".safetensors"):
-        raise UserError(f"{path}: a FLUX.1 single file is written as .safetensors only (or give a folder "
-                        "for a diffusers folder)")
-    save_safetensors_atomic(_plain(diffusers_to_bfl(transformer.state_dict()), dtype), path, {"format": "pt"})
+    return diffusers_to_bfl(transformer.state_dict(), lazy=True)
 
 
 # File names that sd-scripts' Flux docs use for the separate parts.
@@ -73,7 +63,7 @@ def save_flux_component_files(parts: dict, folder: str) -> dict[str, str]:
     written = {}
     for flag, state in states.items():
         written[flag] = os.path.join(folder, COMPONENT_FILES[flag])
-        save_safetensors_atomic(_plain(state), written[flag], {"format": "pt"})
+        model_saving.write_single_file(state, written[flag], "safetensors", metadata=model_saving.SAFETENSORS_METADATA)
     return written
 
 
@@ -83,10 +73,11 @@ def write_flux_preset(preset: str, out: str, single_file: bool = False) -> dict[
     flux1-tiny.safetensors). Returns {"transformer" | "clip_l" | "t5xxl" | "ae" | "folder": path}."""
     parts = build_flux_modules(preset)
     if not single_file:
-        save_flux_diffusers_folder(parts, out)
+        model_saving.write_pipeline_folder(*pipeline_folder(parts), out)
         return {"folder": out}
     transformer_path = out if out.lower().endswith(".safetensors") else os.path.join(out, "flux1-tiny.safetensors")
     folder = os.path.dirname(os.path.abspath(transformer_path))
     os.makedirs(folder, exist_ok=True)
-    save_flux_bfl_file(parts["transformer"], transformer_path)
+    model_saving.write_single_file(bfl_tensors(parts["transformer"]), transformer_path, "safetensors",
+                                   metadata=model_saving.SAFETENSORS_METADATA)
     return {"transformer": transformer_path, **save_flux_component_files(parts, folder)}

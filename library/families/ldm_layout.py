@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
+
+from library.core.safetensors_io import Deferred, concat, materialized
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
@@ -194,14 +196,15 @@ def push(state_dict: Mapping[str, torch.Tensor], key_map: Mapping[str, str]) -> 
     return out
 
 
-def push_open_clip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def push_open_clip(state_dict: Mapping[str, torch.Tensor], lazy: bool = False) -> dict[str, Any]:
     """SD2's CLIPTextModel state dict in OpenCLIP layout, with the parts real SD2 files also hold.
 
     diffusers keeps 23 of OpenCLIP-H's 24 layers; like sd-scripts we write a copy of
     the last layer as the 24th, plus text_projection and logit_scale, so other tools
-    accept the file. The loader ignores all three.
+    accept the file. The loader ignores all three. With `lazy`, the fused in_proj
+    tensors and the copied layer are Deferred (made when written).
     """
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     fused: dict[str, list] = {}
     for key, tensor in state_dict.items():
         if key.endswith("position_ids"):
@@ -212,11 +215,12 @@ def push_open_clip(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
         else:
             fused.setdefault(ldm_key, [None, None, None])[part] = tensor
     for ldm_key, parts in fused.items():
-        out[ldm_key] = torch.cat(parts, dim=0)
+        out[ldm_key] = concat(parts) if lazy else torch.cat(parts, dim=0)
     last = max(int(m[1]) for k in out if (m := re.match(re.escape(OPEN_CLIP_PREFIX) + r"transformer\.resblocks\.(\d+)\.", k)))
     src, dst = f"{OPEN_CLIP_PREFIX}transformer.resblocks.{last}.", f"{OPEN_CLIP_PREFIX}transformer.resblocks.{last + 1}."
     for k in [k for k in out if k.startswith(src)]:
-        out[dst + k[len(src):]] = out[k].clone()
+        t = out[k]
+        out[dst + k[len(src):]] = Deferred(lambda t=t: materialized(t).clone(), t.shape, t.dtype) if lazy else t.clone()
     width = out[OPEN_CLIP_PREFIX + "ln_final.weight"].shape[0]
     dtype = out[OPEN_CLIP_PREFIX + "ln_final.weight"].dtype
     out[OPEN_CLIP_PREFIX + "text_projection"] = torch.eye(width, dtype=dtype)
@@ -235,13 +239,14 @@ def normalize_checkpoint(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, to
 
 
 def diffusers_to_ldm(unet_sd: Mapping[str, torch.Tensor], vae_sd: Mapping[str, torch.Tensor],
-                     text_encoder_sd: Mapping[str, torch.Tensor], v2: bool, layers_per_block: int = 2
-                     ) -> dict[str, torch.Tensor]:
-    """One LDM-layout state dict (as in an SD1 / SD2 `.safetensors` / `.ckpt`) from the three parts."""
+                     text_encoder_sd: Mapping[str, torch.Tensor], v2: bool, layers_per_block: int = 2,
+                     lazy: bool = False) -> dict[str, Any]:
+    """One LDM-layout state dict (as in an SD1 / SD2 `.safetensors` / `.ckpt`) from the three parts
+    (`lazy`: derived tensors Deferred, see push_open_clip)."""
     out = push(unet_sd, unet_key_map(unet_sd.keys(), layers_per_block))
     out.update(push(vae_sd, vae_key_map(vae_sd.keys())))
     if v2:
-        out.update(push_open_clip(text_encoder_sd))
+        out.update(push_open_clip(text_encoder_sd, lazy))
     else:
         out.update(push(text_encoder_sd, clip_l_key_map(text_encoder_sd.keys())))
     return out

@@ -86,15 +86,14 @@ class SDFamily(ModelFamily):
                        rename=text_encoder_kohya_path),
         ]
 
-    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
-        unet, vae, te = components.denoiser, components.vae, components.text_encoders[0]
-        if path.lower().endswith((".safetensors", ".ckpt")):
-            sd_saving.save_single_file(unet, vae, te, path, components.v2, dtype)
-            return
-        if dtype is not None:
-            for part in (unet, vae, te):
-                part.to(dtype=dtype)
-        sd_saving.save_diffusers_folder(unet, vae, te, components.tokenizers[0], path, components.v_parameterization)
+    def single_file_state_dict(self, components: Components) -> dict[str, torch.Tensor]:
+        """The original LDM layout (`model.diffusion_model.`, `first_stage_model.`, SD1 `cond_stage_model.transformer.`
+        / SD2 OpenCLIP `cond_stage_model.model.`), as A1111 / Forge, ComfyUI and sd-scripts load it."""
+        return sd_saving.ldm_tensors(components.denoiser, components.vae, components.text_encoders[0], components.v2)
+
+    def pipeline_folder(self, components: Components) -> tuple[dict, dict]:
+        return sd_saving.pipeline_folder(components.denoiser, components.vae, components.text_encoders[0],
+                                         components.tokenizers[0], components.v_parameterization)
 
     def base_model_version(self, components: Components) -> str:
         if not components.v2:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from library.core.errors import warn_once
+from library.families import sdxl_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.clip_text import (
     TEXT_ENCODER_TARGETS,
@@ -30,10 +31,6 @@ from library.families.sdxl_lora_names import (
     convert_to_sgm_names,
     is_diffusers_named,
     sgm_module_path,
-)
-from library.families.sdxl_saving import (
-    save_sdxl_diffusers_folder,
-    save_sdxl_single_file,
 )
 from library.objectives.noise import DDPMScheme
 from networks.lora_args import BlockLayout, sdxl_block_layout
@@ -132,17 +129,18 @@ class SDXLFamily(ModelFamily):
         return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
 
     # --- metadata -----------------------------------------------------------------------
-    def save_checkpoint(self, components: Components, path: str, dtype: Optional[torch.dtype] = None) -> None:
+    def _parts(self, components: Components) -> dict:
         te1, te2 = components.text_encoders
-        parts = {"unet": components.denoiser, "vae": components.vae, "text_encoder": te1, "text_encoder_2": te2,
-                 "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}
-        if path.lower().endswith((".safetensors", ".ckpt")):
-            save_sdxl_single_file(parts, path, dtype)
-            return
-        if dtype is not None:
-            for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
-                parts[name].to(dtype=dtype)
-        save_sdxl_diffusers_folder(parts, path, components.v_parameterization)
+        return {"unet": components.denoiser, "vae": components.vae, "text_encoder": te1, "text_encoder_2": te2,
+                "tokenizer": components.tokenizers[0], "tokenizer_2": components.tokenizers[1]}
+
+    def single_file_state_dict(self, components: Components) -> dict[str, torch.Tensor]:
+        """The SGM layout of sd_xl_base_1.0.safetensors (`model.diffusion_model.`, `first_stage_model.`,
+        `conditioner.embedders.0.transformer.`, `conditioner.embedders.1.model.`)."""
+        return sdxl_saving.sgm_tensors(self._parts(components))
+
+    def pipeline_folder(self, components: Components) -> tuple[dict, dict]:
+        return sdxl_saving.pipeline_folder(self._parts(components), components.v_parameterization)
 
     def base_model_version(self, components: Components) -> str:
         return "sdxl_base_v1-0"

@@ -1,23 +1,27 @@
-"""Write an SDXL model as a diffusers folder or as one SGM-layout `.safetensors` file (both atomic)."""
+"""What an SDXL model is saved as: the SGM single-file layout and the StableDiffusionXLPipeline folder.
+
+The writing itself (formats, dtype, atomic files and folders) is library/families/model_saving.py.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping
 
 import torch
 
-from library.core.io_utils import atomic_path, save_safetensors_atomic
+from library.families import model_saving
 from library.families import sgm_layout as sgm
-from library.families.sd_saving import write_diffusers_folder
 from library.families.sdxl_configs import build_sdxl_modules
 
 # SDXL base's training schedule (scaled_linear 0.00085 .. 0.012, 1000 steps) as its EulerDiscrete scheduler.
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                         steps_offset=1, timestep_spacing="leading")
+PART_NAMES = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 
 
-def save_sdxl_diffusers_folder(parts: dict, out_dir: str, v_parameterization: bool = False) -> None:
-    """A folder StableDiffusionXLPipeline.from_pretrained loads offline; `parts` as build_sdxl_modules returns."""
+def pipeline_folder(parts: Mapping[str, Any], v_parameterization: bool = False) -> tuple[dict, dict]:
+    """The parts and model_index.json of a folder StableDiffusionXLPipeline.from_pretrained loads offline;
+    `parts` as build_sdxl_modules returns them."""
     import diffusers
     from diffusers import EulerDiscreteScheduler
 
@@ -33,32 +37,21 @@ def save_sdxl_diffusers_folder(parts: dict, out_dir: str, v_parameterization: bo
         "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "CLIPTokenizer"],
         "unet": ["diffusers", "UNet2DConditionModel"], "vae": ["diffusers", "AutoencoderKL"],
     }
-    names = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-    write_diffusers_folder({**{n: parts[n] for n in names}, "scheduler": scheduler}, model_index, out_dir)
+    return {**{n: parts[n] for n in PART_NAMES}, "scheduler": scheduler}, model_index
 
 
-def sgm_state_dict(parts: dict, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """The four models as one SGM-layout state dict (optionally cast to `dtype`), on the CPU."""
+def sgm_tensors(parts: Mapping[str, Any]) -> dict[str, Any]:
+    """The four models as one SGM-layout state dict of their own tensors (renamed; fused ones Deferred)."""
     unet = parts["unet"]
-    state = sgm.diffusers_to_sgm(unet.state_dict(), parts["vae"].state_dict(), parts["text_encoder"].state_dict(),
-                                 parts["text_encoder_2"].state_dict(), unet.config.layers_per_block)
-    return {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in state.items()}
-
-
-def save_sdxl_single_file(parts: dict, path: str, dtype: Optional[torch.dtype] = None) -> None:
-    """Write an SGM-layout checkpoint: `.safetensors`, or a torch pickle `{"state_dict": ...}` otherwise."""
-    state = sgm_state_dict(parts, dtype)
-    if path.lower().endswith(".safetensors"):
-        save_safetensors_atomic(state, path)
-    else:
-        with atomic_path(path) as tmp:
-            torch.save({"state_dict": state}, tmp)
+    return sgm.diffusers_to_sgm(unet.state_dict(), parts["vae"].state_dict(), parts["text_encoder"].state_dict(),
+                                parts["text_encoder_2"].state_dict(), unet.config.layers_per_block, lazy=True)
 
 
 def write_sdxl_preset(preset: str, out: str, single_file: bool = False) -> None:
     """Build an SDXL preset ("tiny:sdxl") and write it as a diffusers folder or one SGM file."""
     parts = build_sdxl_modules(preset)
     if single_file:
-        save_sdxl_single_file(parts, out)
+        fmt = "ckpt" if model_saving.format_of_path(out) == "ckpt" else "safetensors"
+        model_saving.write_single_file(sgm_tensors(parts), out, fmt)
     else:
-        save_sdxl_diffusers_folder(parts, out)
+        model_saving.write_pipeline_folder(*pipeline_folder(parts), out)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
+from library.core.safetensors_io import Deferred, concat
 from library.families import ldm_layout as ldm
 from library.families.base import ModelLoadError
 from library.families.sdxl_configs import SDXL_UP_BLOCKS, TIME_IDS, sdxl_unet_config
@@ -84,9 +85,10 @@ def pull_te2(checkpoint: Mapping[str, torch.Tensor], target_shapes: Mapping[str,
     return out
 
 
-def push_te2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A CLIPTextModelWithProjection state dict in the SGM/OpenCLIP layout (plus logit_scale, as real files)."""
-    out: dict[str, torch.Tensor] = {}
+def push_te2(state_dict: Mapping[str, torch.Tensor], lazy: bool = False) -> dict[str, Any]:
+    """A CLIPTextModelWithProjection state dict in the SGM/OpenCLIP layout (plus logit_scale, as real files);
+    with `lazy` the fused in_proj and transposed projection are Deferred (made when written)."""
+    out: dict[str, Any] = {}
     fused: dict[str, list] = {}
     for key, tensor in state_dict.items():
         if key.endswith("position_ids"):
@@ -95,11 +97,12 @@ def push_te2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if part is not None:
             fused.setdefault(sgm_key, [None, None, None])[part] = tensor
         elif key.endswith(TEXT_PROJECTION):
-            out[sgm_key] = tensor.t().contiguous()
+            out[sgm_key] = Deferred(lambda t=tensor: t.t().contiguous(), tensor.shape[::-1], tensor.dtype) if lazy \
+                else tensor.t().contiguous()
         else:
             out[sgm_key] = tensor.contiguous()
     for sgm_key, parts in fused.items():
-        out[sgm_key] = torch.cat(parts, dim=0)
+        out[sgm_key] = concat(parts) if lazy else torch.cat(parts, dim=0)
     dtype = out[TE2_PREFIX + "ln_final.weight"].dtype
     out[TE2_PREFIX + "logit_scale"] = torch.tensor(math.log(100.0), dtype=dtype)
     return out
@@ -107,12 +110,13 @@ def push_te2(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def diffusers_to_sgm(unet_sd: Mapping[str, torch.Tensor], vae_sd: Mapping[str, torch.Tensor],
                      te1_sd: Mapping[str, torch.Tensor], te2_sd: Mapping[str, torch.Tensor],
-                     layers_per_block: int = 2) -> dict[str, torch.Tensor]:
-    """One SGM-layout state dict (as in `sd_xl_base_1.0.safetensors`) from the four parts."""
+                     layers_per_block: int = 2, lazy: bool = False) -> dict[str, Any]:
+    """One SGM-layout state dict (as in `sd_xl_base_1.0.safetensors`) from the four parts
+    (`lazy`: derived tensors Deferred, see push_te2)."""
     out = ldm.push(unet_sd, unet_key_map(unet_sd.keys(), layers_per_block))
     out.update(ldm.push(vae_sd, ldm.vae_key_map(vae_sd.keys())))
     out.update(ldm.push(te1_sd, te1_key_map(te1_sd.keys())))
-    out.update(push_te2(te2_sd))
+    out.update(push_te2(te2_sd, lazy))
     return out
 
 
