@@ -66,17 +66,14 @@ def _bool(value: str) -> bool:
 
 
 def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
-    te = [ns.learning_rate_te1, ns.learning_rate_te2]
-    te = [v if v is not None else ns.learning_rate_te for v in te]
-    while te and te[-1] is None:
-        te.pop()
     if ns.fused_backward_pass and ns.gradient_accumulation_steps > 1:
         raise ConfigError("--fused_backward_pass: gradients are applied during backward, so it cannot accumulate "
                           f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
     for flag in ("fp8_base", "fp8_base_unet"):
         if getattr(ns, flag, False):
             raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")
-    return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=te,
+    return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=ns.learning_rate_te,
+                           learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2],
                            mem_eff_save=bool(ns.mem_eff_save), fused_backward_pass=bool(ns.fused_backward_pass),
                            metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
 

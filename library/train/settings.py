@@ -108,7 +108,8 @@ class TextEncodingOptions:
 class FineTuneOptions:
     """A full fine-tune (fine_tune.py, sdxl_train.py, flux_train.py): the model's own weights train."""
     train_text_encoder: bool = False
-    learning_rate_te: list[Optional[float]] = field(default_factory=list)  # per text encoder; None: --learning_rate
+    learning_rate_te: Optional[float] = None  # every text encoder; None: --learning_rate
+    learning_rate_te_each: list[Optional[float]] = field(default_factory=list)  # --learning_rate_te1, _te2
     mem_eff_save: bool = False  # write checkpoints tensor by tensor, without a second copy in memory
     fused_backward_pass: bool = False  # step each parameter as soon as its gradient is complete
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...

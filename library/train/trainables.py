@@ -133,12 +133,13 @@ def fine_tune_plan(opts: FineTuneOptions, learning_rate: float, num_text_encoder
     if learning_rate:
         plan["denoiser"] = learning_rate
     if opts.train_text_encoder:
-        rates = list(opts.learning_rate_te or [])
-        if len(rates) > num_text_encoders:
-            raise ConfigError(f"--learning_rate_te: {len(rates)} values given, the model has {num_text_encoders} "
-                              "text encoder(s)")
+        each = list(opts.learning_rate_te_each)
+        for i, value in enumerate(each):
+            if value is not None and i >= num_text_encoders:
+                raise ConfigError(f"--learning_rate_te{i + 1}: the model has {num_text_encoders} text encoder(s)")
         for i in range(num_text_encoders):
-            lr = rates[i] if i < len(rates) and rates[i] is not None else learning_rate
+            lr = each[i] if i < len(each) and each[i] is not None else opts.learning_rate_te
+            lr = learning_rate if lr is None else lr
             if lr:
                 plan[f"text_encoder{i + 1}"] = lr
     if not plan:
