@@ -74,9 +74,11 @@ def test_other_formats_load_back_equal(tmp_path, fmt):
     assert all(torch.equal(got[k].float(), want[k].float()) for k in want)
 
 
-def test_full_fine_tune_resume_is_bitwise_equal(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_full_fine_tune_resume_is_bitwise_equal(tmp_path, fused):
     data = make_dataset(str(tmp_path), n=2)
-    extra = ["--train_text_encoder", "--use_ema", "--shuffle_caption"]
+    extra = ["--train_text_encoder", "--use_ema", "--shuffle_caption", "--optimizer_type", "AdamW"]
+    extra += ["--fused_backward_pass"] if fused else []
     straight = ft_trainer(ft_args(data, str(tmp_path / "a"), steps=4, extra=extra)).run()
     out = str(tmp_path / "b")
     first = ft_trainer(ft_args(data, out, steps=4, extra=extra + ["--save_state"]))
@@ -150,3 +152,19 @@ def test_fine_tune_refuses_fp8_and_fused_backward_with_accumulation(tmp_path, ca
         "--fused_backward_pass", "--gradient_accumulation_steps", "2"]), fine_tune=True)
     assert code == 2
     assert "cannot accumulate" in capsys.readouterr().err
+
+
+def test_fused_backward_pass_equals_the_usual_step_and_holds_no_gradients(tmp_path):
+    data = make_dataset(str(tmp_path), n=1)
+    common = ["--optimizer_type", "AdamW", "--max_grad_norm", "0", "--train_text_encoder"]
+    usual = ft_trainer(ft_args(data, str(tmp_path / "a"), steps=3, extra=common))
+    a = load_file(usual.run())
+    fused = ft_trainer(ft_args(data, str(tmp_path / "b"), steps=3, extra=common + ["--fused_backward_pass"]))
+    held = []
+    fused.s.hooks.append(lambda tr, event, step: held.append(
+        sum(p.grad is not None for p in tr.trainable.module.parameters())) if event == "step" else None)
+    b = load_file(fused.run())
+    assert held == [0, 0, 0]
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < 1e-6, worst

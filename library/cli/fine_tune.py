@@ -69,6 +69,9 @@ def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
     if ns.fused_backward_pass and ns.gradient_accumulation_steps > 1:
         raise ConfigError("--fused_backward_pass: gradients are applied during backward, so it cannot accumulate "
                           f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
+    if ns.fused_backward_pass and ns.mixed_precision == "fp16" and not ns.full_fp16:
+        raise ConfigError("--fused_backward_pass: not with --mixed_precision fp16 (loss scaling must see every "
+                          "gradient before a step); use bf16, or --full_fp16")
     for flag in ("fp8_base", "fp8_base_unet"):
         if getattr(ns, flag, False):
             raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")

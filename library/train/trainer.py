@@ -29,6 +29,7 @@ from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
 from library.train.ema import EMA
+from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
@@ -88,6 +89,10 @@ class Trainer:
     @property
     def noise_generator(self) -> torch.Generator:
         return self.run_state.noise_generator
+
+    @property
+    def fused_backward(self) -> bool:
+        return bool(self.s.fine_tune and self.s.fine_tune.fused_backward_pass)
 
     @property
     def trained_encoders(self) -> frozenset[int]:
@@ -175,6 +180,12 @@ class Trainer:
     def _setup_optimizer(self) -> None:
         groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
+        if self.fused_backward:
+            if is_schedule_free(self.optimizer):
+                raise UserError(f"--fused_backward_pass: not with the schedule-free {self.optimizer_name}")
+            inner_type = type(self.optimizer)
+            self.optimizer = FusedBackwardOptimizer(self.optimizer.param_groups, inner_type,
+                                                    self.s.optimizer.max_grad_norm)
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
@@ -362,8 +373,8 @@ class Trainer:
         return loss.item()
 
     def _optimizer_step(self, step: int) -> None:
-        optimizer_step(self.optimizer, self.lr_scheduler,
-                       self.s.optimizer.max_grad_norm if self.accelerator.sync_gradients else None,
+        clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
+        optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
                        self.accelerator.clip_grad_norm_)
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
