@@ -85,6 +85,7 @@ class MemoryOptions:
     fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+    xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
 
     @property
     def fp8_text_encoders(self) -> bool:
