@@ -36,6 +36,16 @@ def truncated_png(path) -> str:
     return str(path)
 
 
+def truncated_jpeg(path) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pixels = np.random.default_rng(1).integers(0, 255, (300, 400, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, quality=90)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) * 7 // 10])
+    return str(path)
+
+
 def opts(train_dir, **kw) -> DataOptions:
     base = dict(train_data_dir=str(train_dir), resolution="64", enable_bucket=True, min_bucket_reso=64,
                 max_bucket_reso=128, caption_extension=".txt", seed=1, max_data_loader_n_workers=0)
@@ -59,6 +69,7 @@ def test_truncated_tiny_and_elongated_images_are_skipped_and_named_once(tmp_path
     good = [png(train / f"good{i}.png") for i in range(2)]
     bad = {
         truncated_png(train / "truncated.png"): "cannot decode image: ",
+        truncated_jpeg(train / "truncated.jpg"): "cannot decode image: image file is truncated",
         png(train / "one.png", (1, 1)): "image is 1x1, a side shorter than min_image_side 64 px",
         png(train / "strip.png", (20000, 10)): "image is 20000x10, a side shorter than min_image_side 64 px",
         png(train / "long.png", (1100, 128)): "image is 1100x128, aspect ratio 8.59:1 beyond max_aspect_ratio 8",
@@ -73,7 +84,7 @@ def test_truncated_tiny_and_elongated_images_are_skipped_and_named_once(tmp_path
     warnings = _skip_warnings(caplog)
     assert len(warnings) == 1
     lines = warnings[0].splitlines()
-    assert lines[0] == "4 image file(s) skipped, not trained:"
+    assert lines[0] == "5 image file(s) skipped, not trained:"
     assert sorted(line.strip() for line in lines[1:]) == sorted(f"{p}: {w}" for p, w in data.skipped_images.items())
 
 

@@ -64,6 +64,8 @@ def read_image_size(path: str, decode: bool = False) -> tuple[int, int]:
         size = oriented_size(width, height, exif_orientation(img))
         if decode:
             try:
+                if img.format == "JPEG":  # decode at 1/8 scale: every byte is still read and checked, 64x less memory
+                    img.draft(None, (max(1, width // 8), max(1, height // 8)))
                 img.load()
             except Exception as exc:  # decoders raise OSError, SyntaxError, ValueError, zlib errors...
                 raise _DecodeFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
