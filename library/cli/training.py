@@ -115,7 +115,6 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         full_fp16=ns.full_fp16,
         full_bf16=ns.full_bf16,
         gradient_checkpointing=ns.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing,
-        xformers=ns.xformers,
         cpu=ns.cpu,
         logging_dir=ns.logging_dir,
         log_with=log_with,

@@ -40,7 +40,6 @@ class TrainingOptions:
     full_fp16: bool = False
     full_bf16: bool = False
     gradient_checkpointing: bool = False
-    xformers: bool = False
     cpu: bool = False
     logging_dir: Optional[str] = None
     log_with: Optional[str] = None
