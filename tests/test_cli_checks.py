@@ -59,16 +59,18 @@ def test_unwritable_logging_dir_is_one_line(tmp_path, capsys, no_training):
     code = run_training("sd", "test", _argv(str(out), "--logging_dir", "/proc/lora-logs"))
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: --logging_dir /proc/lora-logs: cannot create the folder")
-    assert out.is_dir() and os.listdir(out) == []  # created, probed, probe removed
+    assert not out.exists()  # created to probe it, then removed: a run that never started leaves nothing
 
 
-def test_writable_output_dir_is_created_and_left_clean(tmp_path):
-    """Item 12: a missing --output_dir is created; no probe file remains."""
+def test_writable_output_dir_check_leaves_nothing_behind(tmp_path):
+    """Item 12: a missing --output_dir passes (created, probed, removed again); an existing one keeps no probe."""
     from library.cli.preflight import check_writable_dir
 
-    target = tmp_path / "new" / "deeper"
-    check_writable_dir("--output_dir", str(target))
-    assert target.is_dir() and os.listdir(target) == []
+    check_writable_dir("--output_dir", str(tmp_path / "new" / "deeper"))
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "there").mkdir()
+    check_writable_dir("--output_dir", str(tmp_path / "there"))
+    assert os.listdir(tmp_path / "there") == []
 
 
 def _parser():

@@ -2,6 +2,9 @@
 
 Every data problem is collected and reported together in one DataError (one
 line each), so a user fixes the dataset once instead of restarting per error.
+Image files that cannot be used (they do not decode, broken links, outside the
+dataset's size limits) are skipped instead, all named in one warning, and kept
+on the result as `skipped_images`.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
         if image.path not in scan.sizes:
             continue
         if image.mask_path and image.mask_path not in scan.sizes:
-            skipped[image.path] = f"its mask {image.mask_path} cannot be used"
+            skipped[image.path] = f"its mask {image.mask_path} cannot be used ({scan.problems.get(image.mask_path)})"
             continue
         why = size_problem(scan.sizes[image.path], ds)
         if why:

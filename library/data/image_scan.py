@@ -1,7 +1,8 @@
 """Read image sizes and decode-check every image, in parallel, with a metadata cache so a second scan is near-instant.
 
-Each file is decoded in full once (Pillow releases the GIL while decoding, so a thread pool
-spreads it over the cores), so a truncated or corrupt image is found before training instead of
+Each file is decoded once, every byte of it (JPEGs at 1/8 scale, which reads and checks the same
+data with 64x less memory; Pillow releases the GIL while decoding, so a thread pool spreads the
+work over the cores), so a truncated or corrupt image is found before training instead of
 being skipped mid-run. The EXIF orientation is applied to the reported size, so the size here is
 the size load_image() returns. The cache is a JSON file keyed by absolute path; an entry (a size
 or the problem found) is reused only while the file's modification time (ns) and byte size are
