@@ -1,5 +1,17 @@
 from setuptools import find_packages, setup
 
+# Optional packages, by what they add (pip install .[lycoris,optim]); docs/README "Install" explains the split.
+# Each is imported only when a flag asks for it, and a missing one is a one-line error naming the pip command.
+EXTRAS = {
+    # --network_module lycoris.kohya (LoHa, LoKr, LoCon, ...)
+    "lycoris": ["lycoris-lora>=3.1"],
+    # --optimizer_type AdamW8bit / PagedAdamW* / Lion8bit / SGDNesterov8bit, Prodigy, Lion, DAdapt*, *ScheduleFree
+    "optim": ["bitsandbytes>=0.45", "prodigyopt", "lion-pytorch", "dadaptation", "schedulefree"],
+    # --xformers (CUDA only; PyTorch SDPA is used without it)
+    "xformers": ["xformers"],
+}
+EXTRAS["all"] = sorted({p for name, pkgs in EXTRAS.items() if name != "xformers" for p in pkgs})
+
 setup(
     name="lora-trainer-toolkit",
     version="0.1.0",
@@ -7,4 +19,5 @@ setup(
     packages=find_packages(include=["library", "library.*", "networks", "networks.*"]),
     python_requires=">=3.10",
     install_requires=[line.strip() for line in open("requirements.txt") if line.strip() and not line.startswith("#")],
+    extras_require=EXTRAS,
 )

@@ -113,7 +113,9 @@ def test_validation_split_in_the_dataset(tmp_path):
     assert batch["captions"] == ["x, tag7"]
 
 
-def test_bad_data_report_lists_every_problem(tmp_path):
+def test_bad_data_report_lists_every_problem(tmp_path, caplog):
+    """Unusable image files are skipped and named in one warning (issue 11 item 21); the other problems
+    stop the run, all listed."""
     train = folder(tmp_path, "train/2_x", [(64, 64)] * 2, caption="x")
     with open(os.path.join(train, "corrupt.png"), "wb") as f:
         f.write(b"not a png at all")
@@ -123,19 +125,21 @@ def test_bad_data_report_lists_every_problem(tmp_path):
     with pytest.raises(DataError) as e:
         build_training_data(opts(tmp_path / "train", reg_data_dir=reg), FAMILY)
     lines = str(e.value).splitlines()
-    assert lines[0] == "4 problems in the training data; fix them and start again:"
+    assert lines[0] == "2 problems in the training data; fix them and start again:"
     assert sorted(line.strip() for line in lines[1:]) == sorted([
         f"--reg_data_dir: no images found in {reg}: the folder does not exist",
         f"{train}/p2.txt: empty caption file (delete it to use the class tokens, or write a caption)",
-        f"{train}/corrupt.png: not a recognised image format (unreadable header)",
-        f"{train}/zero.png: empty file (0 bytes)",
     ])
+    warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert warnings == ["2 image file(s) skipped, not trained:\n"
+                        f"  {train}/corrupt.png: not a recognised image format (unreadable header)\n"
+                        f"  {train}/zero.png: empty file (0 bytes)"]
 
 
 def test_small_images_without_buckets_and_too_few_for_a_batch(tmp_path):
     folder(tmp_path, "train/1_x", [(32, 32), (64, 64)], caption="x")
     with pytest.raises(DataError) as e:
-        build_training_data(opts(tmp_path / "train", enable_bucket=False, train_batch_size=4), FAMILY)
+        build_training_data(opts(tmp_path / "train", enable_bucket=False, train_batch_size=4, min_image_side=0), FAMILY)
     assert [line.strip() for line in str(e.value).splitlines()[1:]] == [
         f"{tmp_path}/train/1_x/p1.png: image is 32x32, smaller than the resolution 64x64; enlarge it or set enable_bucket = true",
         "command line: 1 images (with repeats) at 64x64, fewer than one batch (batch_size 4)",

@@ -169,7 +169,8 @@ def test_import_network_module(monkeypatch):
     # As if lycoris-lora were not installed (a None entry makes the import fail).
     monkeypatch.setitem(sys.modules, "lycoris", None)
     monkeypatch.delitem(sys.modules, "lycoris.kohya", raising=False)
-    with pytest.raises(ConfigError, match=r"^--network_module lycoris.kohya: not installed; pip install lycoris-lora$"):
+    with pytest.raises(ConfigError, match=r"^--network_module lycoris.kohya: not installed; pip install lycoris-lora "
+                                         r"\(or, in this repository: pip install \.\[lycoris\]\)$"):
         import_network_module("lycoris.kohya")
     with pytest.raises(ConfigError, match="expected a module defining create_network"):
         import_network_module("networks.lora_math")

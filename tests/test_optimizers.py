@@ -73,7 +73,7 @@ BNB_NAMES = ["AdamW8bit", "PagedAdamW", "PagedAdamW8bit", "PagedAdamW32bit", "Li
 @pytest.mark.parametrize("name", BNB_NAMES)
 def test_missing_package_gives_install_hint(name, monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
-    with pytest.raises(ConfigError, match=f"^--optimizer_type {name} needs bitsandbytes: pip install bitsandbytes$"):
+    with pytest.raises(ConfigError, match=rf"^--optimizer_type {name} needs bitsandbytes: pip install bitsandbytes \(or, in this repository: pip install \.\[optim\]\)$"):
         create_optimizer(params(), OptimizerOptions(name))
 
 
@@ -84,7 +84,8 @@ def test_missing_package_gives_install_hint(name, monkeypatch):
                                                      ("some_pkg.optim.Fancy", "some_pkg", "some_pkg")])
 def test_install_hints(name, package, pip_name, monkeypatch):
     monkeypatch.setitem(sys.modules, package, None)
-    with pytest.raises(ConfigError, match=f"^--optimizer_type {name} needs {pip_name}: pip install {pip_name}$"):
+    extra = "" if package == "some_pkg" else r" \(or, in this repository: pip install \.\[optim\]\)"
+    with pytest.raises(ConfigError, match=f"^--optimizer_type {name} needs {pip_name}: pip install {pip_name}{extra}$"):
         create_optimizer(params(), OptimizerOptions(name))
 
 

@@ -197,4 +197,5 @@ def test_missing_optimizer_package_is_reported_before_data_and_model(tmp_path, c
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     argv = base_args(str(tmp_path / "missing"), str(tmp_path / "out"), extra=["--optimizer_type", "AdamW8bit"])
     assert run_training("sd", "test", argv) == 2
-    assert capsys.readouterr().err.strip() == "error: --optimizer_type AdamW8bit needs bitsandbytes: pip install bitsandbytes"
+    assert capsys.readouterr().err.strip() == ("error: --optimizer_type AdamW8bit needs bitsandbytes: pip install bitsandbytes "
+                                              "(or, in this repository: pip install .[optim])")

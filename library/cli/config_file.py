@@ -44,12 +44,15 @@ def read_config_file(path: str, parser: argparse.ArgumentParser) -> dict[str, An
     flat: dict[str, Any] = {}
     origin: dict[str, str] = {}
     _flatten(data, "", flat, origin)
-    known = {a.dest for a in parser._actions}
+    known = {a.dest for a in parser._actions} - _NOT_SAVED - {"help"}
+    lines = []
     for key in flat:
-        if key not in known or key in _NOT_SAVED:
+        if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"{path}: {origin[key]}: unknown flag{hint}")
+            lines.append(f"{path}: {origin[key]}: unknown flag{hint}")
+    if lines:  # every unknown key at once, one line each (sd-scripts ignores them silently)
+        raise ConfigError("\n".join(lines))
     return flat
 
 

@@ -59,6 +59,12 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resize_interpolation", type=str, default=None, choices=RESIZE_INTERPOLATIONS, help="resampling filter (default: area to shrink, lanczos to enlarge)")
     g.add_argument("--resolution_schedule", type=str, default="all", choices=("all", "progressive"), help="'progressive': train several resolutions in order, low to high")
     g.add_argument("--resolution_step_fractions", type=str, default=None, help="progressive schedule, e.g. '0.3,0.7'")
+    g.add_argument("--min_image_side", type=int, default=None,
+                   help="skip (and name) images with a side shorter than this, in pixels (default 64, or the "
+                        "smallest resolution side if smaller; 0 = no limit, as sd-scripts)")
+    g.add_argument("--max_aspect_ratio", type=float, default=None,
+                   help="skip (and name) images whose longer side is more than this many times the shorter "
+                        "(default 8; 0 = no limit, as sd-scripts)")
 
 
 def data_options_from_args(ns: argparse.Namespace, seed: Optional[int] = None) -> DataOptions:

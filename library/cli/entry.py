@@ -24,6 +24,7 @@ from library.cli.optimizer import (
 )
 from library.cli.options import options_from_namespace
 from library.cli.parser import build_fine_tune_parser, build_network_training_parser
+from library.cli.preflight import check_output_folders
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import training_options_from_args
@@ -115,6 +116,7 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     try:
         ns = parse_with_config_file(parser, argv)
         settings = settings_from_args(ns, family, fine_tune)
+        check_output_folders(settings.training)  # before the dataset scan and the model load
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed

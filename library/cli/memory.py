@@ -47,7 +47,8 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
         raise ConfigError(f"--cpu_offload_checkpointing: not supported for {name} (DiT families only); "
                           "use --gradient_checkpointing alone")
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
-                         blocks_to_swap=swap, cpu_offload_checkpointing=offload)
+                         blocks_to_swap=swap, cpu_offload_checkpointing=offload,
+                         xformers=bool(values.get("xformers")))
 
 
 def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import sys
+from typing import NoReturn
 
 from library.cli.config_file import add_config_file_arguments
 from library.cli.dataset import add_dataset_arguments
@@ -18,6 +21,47 @@ from library.cli.sampling import add_sampling_arguments
 from library.cli.text_cache import add_text_cache_arguments
 from library.cli.training import add_training_arguments
 from library.families.base import ModelFamily
+
+
+class TrainingArgumentParser(argparse.ArgumentParser):
+    """argparse as sd-scripts uses it (unambiguous abbreviations such as --network_di are accepted), but a bad
+    command line is one line on stderr, with the closest flag names for an unknown one, and exit code 2:
+    no usage dump of every flag (--help prints that)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown_arguments_message(extras))
+        return ns
+
+    def flag_names(self) -> list[str]:
+        return sorted({o for a in self._actions for o in a.option_strings if o.startswith("--")})
+
+    def suggestions(self, flag: str, n: int = 3) -> list[str]:
+        """The closest long flag names to `flag` (which may be written --flag=value)."""
+        name = flag.split("=", 1)[0]
+        close = difflib.get_close_matches(name, self.flag_names(), n=n, cutoff=0.6)
+        ratio = lambda other: difflib.SequenceMatcher(None, name, other).ratio()  # noqa: E731
+        return [c for c in close if ratio(c) >= ratio(close[0]) - 0.05]  # only the near-equal best ones
+
+    def unknown_arguments_message(self, extras: list[str]) -> str:
+        flags = [e for e in extras if e.startswith("-")]
+        if not flags:
+            return f"unexpected value{'s' if len(extras) > 1 else ''} {' '.join(extras)} (a value without a flag)"
+        parts = []
+        for flag in flags:
+            close = self.suggestions(flag)
+            hint = f"; did you mean {' or '.join(close)}?" if close else " (--help lists every flag)"
+            parts.append(f"{flag.split('=', 1)[0]}{hint}")
+        return f"unrecognized argument{'s' if len(flags) > 1 else ''} " + "; ".join(parts)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+    def exit(self, status: int = 0, message=None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise SystemExit(status)
 
 
 def build_network_training_parser(description: str, family=None) -> argparse.ArgumentParser:
@@ -39,7 +83,7 @@ def build_fine_tune_parser(description: str, family=None) -> argparse.ArgumentPa
 
 
 def _training_parser(description: str, family, add_trained) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = TrainingArgumentParser(description=description, allow_abbrev=True)
     add_config_file_arguments(parser)
     add_model_arguments(parser)
     add_dataset_arguments(parser)

@@ -40,7 +40,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--full_fp16", action="store_true", help="train the network itself in fp16")
     g.add_argument("--full_bf16", action="store_true", help="train the network itself in bf16")
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
-    g.add_argument("--xformers", action="store_true", help="xformers attention (when installed; SDPA otherwise)")
+    g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
     g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
     g.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility; SDPA is used")
     g.add_argument("--lowram", action="store_true", help="accepted for compatibility")
@@ -89,12 +89,6 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         raise ConfigError("--full_fp16 needs --mixed_precision fp16")
     if ns.full_bf16 and ns.mixed_precision != "bf16":
         raise ConfigError("--full_bf16 needs --mixed_precision bf16")
-    if ns.xformers:
-        try:
-            import xformers  # noqa: F401
-        except ImportError:
-            raise ConfigError("--xformers: the xformers package is not installed; drop the flag to use PyTorch SDPA "
-                              "(as fast on recent PyTorch) or pip install xformers") from None
     log_with = ns.log_with
     if log_with is None and ns.logging_dir:
         log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given
@@ -121,7 +115,6 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         full_fp16=ns.full_fp16,
         full_bf16=ns.full_bf16,
         gradient_checkpointing=ns.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing,
-        xformers=ns.xformers,
         cpu=ns.cpu,
         logging_dir=ns.logging_dir,
         log_with=log_with,

@@ -2,6 +2,9 @@
 
 Every data problem is collected and reported together in one DataError (one
 line each), so a user fixes the dataset once instead of restarting per error.
+Image files that cannot be used (they do not decode, broken links, outside the
+dataset's size limits) are skipped instead, all named in one warning, and kept
+on the result as `skipped_images`.
 """
 
 from __future__ import annotations
@@ -66,18 +69,58 @@ def size_cache_path(sub: SubsetConfig) -> Optional[str]:
     return os.path.join(root, "image_sizes", f"{key}.json")
 
 
-def _scan_subset(sub: SubsetConfig, images: list[DiscoveredImage], problems: list[str]) -> list[tuple[DiscoveredImage, tuple]]:
-    """(image, size) of every image (and mask) whose header reads; the rest become problems."""
+def effective_min_side(ds: DatasetConfig) -> int:
+    """min_image_side, but never more than the smallest side of the dataset's resolutions (0 = no limit)."""
+    if not ds.min_image_side:
+        return 0
+    return min(ds.min_image_side, *(min(r) for r in ds.resolutions))
+
+
+def size_problem(size: tuple[int, int], ds: DatasetConfig) -> Optional[str]:
+    """Why an image of `size` (width, height) is skipped under the dataset's limits, or None."""
+    w, h = size
+    min_side = effective_min_side(ds)
+    if min_side and min(w, h) < min_side:
+        return (f"image is {w}x{h}, a side shorter than min_image_side {min_side} px (set min_image_side = 0 "
+                "to train it anyway, as sd-scripts does)")
+    ratio = max(w, h) / min(w, h)
+    if ds.max_aspect_ratio and ratio > ds.max_aspect_ratio:
+        return (f"image is {w}x{h}, aspect ratio {ratio:.3g}:1 beyond max_aspect_ratio {ds.max_aspect_ratio:g} "
+                "(set max_aspect_ratio = 0 for no limit, as sd-scripts)")
+    return None
+
+
+def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredImage], problems: list[str],
+                 skipped: dict[str, str]) -> list[tuple[DiscoveredImage, tuple]]:
+    """(image, size) of every image (and mask) that decodes and is within the dataset's size limits; the
+    others go to `skipped` with the reason."""
     cache = size_cache_path(sub)
     paths = [i.path for i in images] + [i.mask_path for i in images if i.mask_path]
     scan = scan_image_sizes(paths, cache, progress=True)
-    problems.extend(f"{path}: {why}" for path, why in scan.problems.items())
-    good = [(i, scan.sizes[i.path]) for i in images
-            if i.path in scan.sizes and (i.mask_path is None or i.mask_path in scan.sizes)]
+    skipped.update(scan.problems)
+    good = []
+    for image in images:
+        if image.path not in scan.sizes:
+            continue
+        if image.mask_path and image.mask_path not in scan.sizes:
+            skipped[image.path] = f"its mask {image.mask_path} cannot be used ({scan.problems.get(image.mask_path)})"
+            continue
+        why = size_problem(scan.sizes[image.path], ds)
+        if why:
+            skipped[image.path] = why
+            continue
+        good.append((image, scan.sizes[image.path]))
     if images and not good:
         problems.append(f"{sub.where}: no usable images in {sub.image_dir or sub.metadata_file}: "
-                        f"all {len(images)} images have problems (listed above)")
+                        f"all {len(images)} images were skipped (listed in the warning above)")
     return good
+
+
+def log_skipped(skipped: dict[str, str]) -> None:
+    """One warning naming every image file left out, before anything is loaded or trained."""
+    if skipped:
+        logger.warning("%d image file(s) skipped, not trained:\n  %s", len(skipped),
+                       "\n  ".join(f"{path}: {why}" for path, why in skipped.items()))
 
 
 def _place(ds: DatasetConfig, reso: tuple[int, int], sub: SubsetConfig, size: tuple[int, int],
@@ -140,6 +183,7 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
     _check_bucket_settings(resolved.datasets, family, source)
     seed = opts.seed if opts.seed is not None else random.randint(0, 2**31 - 1)
     problems = list(resolved.problems)
+    skipped: dict[str, str] = dict(resolved.skipped)
     subsets: list[SubsetConfig] = []
     samples: list[Sample] = []
     groups: list[Group] = []
@@ -164,8 +208,9 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
                 logger.warning("%s: face_crop_aug_range only applies without enable_bucket; ignored", sub.where)
             found = discover_subset(sub)
             problems.extend(found.problems)
+            skipped.update(found.skipped)
             _warn_missing_captions(sub, found.missing_captions)
-            good = _scan_subset(sub, found.images, problems)
+            good = _scan_subset(sub, ds, found.images, problems, skipped)
             if sub.is_reg:
                 reg_found.extend((img, size, si, sub) for img, size in good)
                 continue
@@ -193,6 +238,7 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
             if val and ri in val_resolutions:
                 groups.append(_make_group(di, ds, ri, val, subsets, True, problems))
                 group_res.append(ri)
+    log_skipped(skipped)
     if problems:
         unique = list(dict.fromkeys(problems))
         if len(unique) == 1:
@@ -202,4 +248,4 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
     return make(opts=opts, family=family, seed=seed, datasets=resolved.datasets, subsets=subsets,
                 samples=samples, groups=groups, group_resolution_index=group_res,
                 from_config_file=resolved.from_config_file, num_train_images=counts["train"],
-                num_reg_images=counts["reg"], num_validation_images=counts["val"])
+                num_reg_images=counts["reg"], num_validation_images=counts["val"], skipped_images=skipped)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from library.core.errors import ConfigError
 from library.data import schema
 from library.data.captions import CaptionSettings
-from library.data.folders import find_repeat_folders
+from library.data.folders import REPEAT_FOLDER, broken_links, find_repeat_folders
 from library.data.options import RESIZE_INTERPOLATIONS, DataOptions
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class DatasetConfig:
     resolution_schedule: str = "all"
     resolution_step_fractions: list[float] = field(default_factory=list)
     subsets: list[SubsetConfig] = field(default_factory=list)
+    min_image_side: int = 64  # smaller images are skipped (capped at the smallest resolution side; 0 = no limit)
+    max_aspect_ratio: float = 8.0  # longer side / shorter side beyond it is skipped (0 = no limit)
 
     @property
     def is_dreambooth(self) -> bool:
@@ -79,6 +81,7 @@ class ResolvedConfig:
     datasets: list[DatasetConfig]
     from_config_file: bool
     problems: list[str]  # data problems found while resolving (missing folders); reported with the rest
+    skipped: dict[str, str] = field(default_factory=dict)  # N_name folder links that cannot be followed, with why
 
 
 def _toml_repr(value: Any) -> str:
@@ -186,7 +189,7 @@ def _build_dataset(where: str, layers: list[dict[str, Any]], subsets: list[Subse
         min_bucket_reso=get("min_bucket_reso"), max_bucket_reso=get("max_bucket_reso"),
         bucket_reso_steps=get("bucket_reso_steps"), bucket_no_upscale=get("bucket_no_upscale"),
         resolution_schedule=get("resolution_schedule"), resolution_step_fractions=list(get("resolution_step_fractions") or []),
-        subsets=subsets,
+        subsets=subsets, min_image_side=get("min_image_side"), max_aspect_ratio=get("max_aspect_ratio"),
     )
     _check_schedule(ds, errors)
     kinds = {s.kind for s in subsets}
@@ -291,6 +294,7 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
     cli = _cli_values(opts, errors)
     errors.raise_if_any()
     problems: list[str] = []
+    skipped: dict[str, str] = {}
     subsets: list[SubsetConfig] = []
     if opts.in_json:
         layers = [{"metadata_file": opts.in_json, "image_dir": opts.train_data_dir, "num_repeats": opts.dataset_repeats}, cli]
@@ -304,6 +308,8 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
                 continue
             found, folder_problems = find_repeat_folders(folder, flag)
             problems.extend(folder_problems)
+            if os.path.isdir(folder):
+                skipped.update(broken_links(folder, lambda name: bool(REPEAT_FOLDER.match(name))))
             for sub_dir, repeats, class_tokens in found:
                 layers = [{"image_dir": sub_dir, "num_repeats": repeats, "class_tokens": class_tokens, "is_reg": is_reg}, cli]
                 subsets.append(_build_subset(f"{flag} {os.path.basename(sub_dir)}", "dreambooth", layers, errors))
@@ -311,7 +317,7 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
         raise ConfigError("no training data: pass --dataset_config, --train_data_dir or --in_json")
     dataset = _build_dataset("command line", [cli], subsets, errors)
     errors.raise_if_any()
-    return ResolvedConfig(datasets=[dataset], from_config_file=False, problems=problems)
+    return ResolvedConfig(datasets=[dataset], from_config_file=False, problems=problems, skipped=skipped)
 
 
 def resolve_datasets(opts: DataOptions) -> ResolvedConfig:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from library.data.config import SubsetConfig
 from library.data.finetune_metadata import read_metadata_entries, resolve_image
-from library.data.folders import REPEAT_FOLDER, list_images
+from library.data.folders import REPEAT_FOLDER, broken_links, list_images
 from library.data.images import IMAGE_EXTENSIONS
 
 # `name_cx_cy_w_h`: the face-crop suffix sd-scripts strips when looking for a caption file.
@@ -34,6 +34,7 @@ class SubsetImages:
     images: list[DiscoveredImage] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     missing_captions: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)  # image files left out (broken symbolic links), with why
 
 
 def _no_images_reason(folder: str) -> str:
@@ -106,8 +107,12 @@ def discover_dreambooth(sub: SubsetConfig) -> SubsetImages:
         result.problems.append(f"{sub.where}: no images found in {folder}: the folder does not exist")
         return result
     paths = list_images(folder)
+    result.skipped.update(broken_links(folder))
     if not paths:
-        result.problems.append(f"{sub.where}: no images found in {folder}: {_no_images_reason(folder)}")
+        why = _no_images_reason(folder)
+        if result.skipped:
+            why = f"{len(result.skipped)} broken symbolic links (listed with the skipped images)"
+        result.problems.append(f"{sub.where}: no images found in {folder}: {why}")
         return result
     for path in paths:
         caption, problem = read_caption_file(path, sub.caption_extension)

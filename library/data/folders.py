@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+from typing import Optional
 
 from library.data.images import IMAGE_EXTENSIONS
 
@@ -12,6 +14,39 @@ REPEAT_FOLDER = re.compile(r"^(\d+)_(.*)$")
 
 def is_image_path(path: str) -> bool:
     return os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS
+
+
+def broken_link_reason(path: str) -> Optional[str]:
+    """Why a symbolic link cannot be followed (a loop, or a target that does not exist), or None when `path`
+    is not a link or the link works."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+    except OSError as e:
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        if e.errno == errno.ELOOP:
+            return f"symbolic link loop ({os.path.basename(path)} -> {target} never reaches a file)"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"dangling symbolic link (its target {target} does not exist)"
+        return f"cannot follow symbolic link to {target}: {e.strerror or e}"
+    return None
+
+
+def broken_links(folder: str, wanted=is_image_path) -> dict[str, str]:
+    """The entries of `folder` (names accepted by `wanted`) that are symbolic links which cannot be followed,
+    with the reason: list_images and find_repeat_folders would otherwise drop them without a word."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if wanted(name):
+            reason = broken_link_reason(path)
+            if reason:
+                out[path] = reason
+    return out
 
 
 def list_images(folder: str) -> list[str]:

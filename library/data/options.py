@@ -58,6 +58,8 @@ class DataOptions:
     resize_interpolation: Optional[str] = None
     resolution_schedule: str = "all"  # extension: "all" or "progressive"
     resolution_step_fractions: Optional[str] = None  # extension: "0.3,0.7"
+    min_image_side: Optional[int] = None  # extension: skip smaller images (None: the dataset default, 64 px)
+    max_aspect_ratio: Optional[float] = None  # extension: skip longer/shorter side beyond it (None: 8; 0: no limit)
     seed: Optional[int] = None  # added to the parser by the training args, not here
 
     def data_loader_workers(self) -> int:

@@ -64,6 +64,9 @@ class DatasetPlan:
     latents: dict[tuple[int, int], LatentCacheEntry] = field(default_factory=dict)  # (sample id, group id)
     latent_signatures: dict[tuple[int, int], str] = field(default_factory=dict)  # CacheSettings of each entry
     bad_paths: set[str] = field(default_factory=set)  # failed to decode during caching
+    # Image files the scan left out, with why (unreadable, too small, too elongated, broken links); logged once
+    # before training and kept for the end-of-run report.
+    skipped_images: dict[str, str] = field(default_factory=dict)
 
     # --- planning -----------------------------------------------------------------
     def plan(self, max_train_steps: int, gradient_accumulation_steps: int) -> None:

@@ -188,6 +188,12 @@ def _fractions_cli(v: Any) -> list[float]:
         raise Expected('comma-separated numbers like "0.3,0.7"') from None
 
 
+def _aspect_limit(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v == 0 or v >= 1):
+        raise Expected("a number >= 1 (the longer side over the shorter), or 0 for no limit")
+    return float(v)
+
+
 def _opt(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda v: None if v is None else check(v)
 
@@ -204,6 +210,9 @@ _KEYS = [
     Key("network_multiplier", _number(-1e9, 1e9), 1.0, DATASET),  # accepted for compatibility; unused, as in sd-scripts
     Key("resolution_schedule", _choice("all", "progressive"), "all", DATASET, "resolution_schedule"),
     Key("resolution_step_fractions", _fractions, None, DATASET, "resolution_step_fractions", _fractions_cli),
+    # extensions: images outside these limits are skipped and named before training (docs/dataset_config.md)
+    Key("min_image_side", _int(0), 64, DATASET, "min_image_side"),
+    Key("max_aspect_ratio", _aspect_limit, 8.0, DATASET, "max_aspect_ratio"),
     # subset level (may ascend to dataset / general)
     Key("num_repeats", _int(1), 1, SUBSET),
     Key("shuffle_caption", _bool, False, SUBSET, "shuffle_caption"),

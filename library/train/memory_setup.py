@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
+from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import cast_base_to_fp8
@@ -47,6 +49,8 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
                     len(blocks), device)
         if torch.device(device) == offload:
             logger.warning("--blocks_to_swap: training on the CPU, so swapping only costs time")
+    if opts.xformers:
+        apply_xformers(c)
     move_except(c.denoiser, device, swapper.swapped if swapper else [])
     for te in c.text_encoders:
         te.to(device)
@@ -56,6 +60,42 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
         logger.warning("--blocks_to_swap without --gradient_checkpointing: autograd keeps the device copies of "
                        "weights it saved for backward, so little memory is saved; add --gradient_checkpointing")
     return swapper
+
+
+XFORMERS_MISSING = ("--xformers: the xformers package is not installed, so PyTorch SDPA attention is used "
+                    "(as fast on recent PyTorch); pip install xformers to use it")
+
+
+def xformers_installed() -> bool:
+    return importlib.util.find_spec("xformers") is not None
+
+
+def apply_xformers(components: Components) -> list[str]:
+    """--xformers: xformers attention in the denoiser and the VAE through diffusers, as sd-scripts does.
+
+    Without the package (or where a model's attention cannot use it) a warning is logged once and the
+    model keeps PyTorch SDPA. Returns the parts that use xformers.
+    """
+    if not xformers_installed():
+        warn_once(logger, XFORMERS_MISSING)
+        return []
+    used = []
+    for name, model in (("denoiser", components.denoiser), ("VAE", components.vae)):
+        enable = getattr(model, "enable_xformers_memory_efficient_attention", None)
+        if enable is None:
+            warn_once(logger, f"--xformers: the {name} ({type(model).__name__}) has no xformers attention; "
+                              "it uses PyTorch SDPA")
+            continue
+        try:
+            enable()
+        except Exception as e:  # no CUDA build, an attention processor without an xformers variant, ...
+            warn_once(logger, f"--xformers: cannot use xformers in the {name} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                              "it uses PyTorch SDPA")
+            continue
+        used.append(name)
+    if used:
+        logger.info("--xformers: xformers attention in the %s", " and ".join(used))
+    return used
 
 
 def park_cached_parts(components: Components, device: Any, latents_cached: bool,

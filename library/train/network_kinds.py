@@ -45,7 +45,8 @@ def import_network_module(name: str) -> ModuleType:
         top = name.split(".")[0]
         if e.name is not None and not (name == e.name or name.startswith(e.name + ".")):
             raise  # the module exists but one of its own imports is missing: show the real error
-        hint = f"; pip install {KNOWN_PACKAGES[top]}" if top in KNOWN_PACKAGES else ""
+        hint = (f"; pip install {KNOWN_PACKAGES[top]} (or, in this repository: pip install .[{top}])"
+                if top in KNOWN_PACKAGES else "")
         raise ConfigError(f"--network_module {name}: not installed{hint}") from None
     if not hasattr(module, "create_network"):
         raise ConfigError(f"--network_module {name}: expected a module defining create_network(), "

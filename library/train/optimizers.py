@@ -144,7 +144,8 @@ def _import_class(module: str, cls: str, optimizer_type: str, package: Optional[
         top = module.split(".")[0]
         if (e.name or "").split(".")[0] == top:  # the package itself is missing, not one of its dependencies
             pip_name = package or top
-            raise ConfigError(f"--optimizer_type {optimizer_type} needs {pip_name}: pip install {pip_name}") from None
+            raise ConfigError(f"--optimizer_type {optimizer_type} needs {pip_name}: pip install {pip_name}"
+                              + (" (or, in this repository: pip install .[optim])" if package else "")) from None
         raise ConfigError(f"--optimizer_type {optimizer_type}: cannot import {module}: {e}") from None
     except Exception as e:  # a package that is present but broken (e.g. no CUDA build of bitsandbytes)
         raise ConfigError(f"--optimizer_type {optimizer_type}: cannot import {module}: {str(e).splitlines()[0]}") from None

@@ -40,7 +40,6 @@ class TrainingOptions:
     full_fp16: bool = False
     full_bf16: bool = False
     gradient_checkpointing: bool = False
-    xformers: bool = False
     cpu: bool = False
     logging_dir: Optional[str] = None
     log_with: Optional[str] = None
@@ -83,6 +82,7 @@ class MemoryOptions:
     fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+    xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
 
     @property
     def fp8_text_encoders(self) -> bool:

@@ -1,0 +1,128 @@
+"""Command-line checks before any work: writable output folders (issue 11 item 12) and the parser's
+abbreviations, one-line errors and suggestions (issue 11 item 23)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from library.cli.config_file import parse_with_config_file
+from library.cli.entry import build_parser, run_training
+from library.families import get_family
+from library.train.trainer import NetworkTrainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_DATA = os.path.join(ROOT, "examples", "data", "train")
+
+
+def _argv(out: str, *extra: str) -> list[str]:
+    return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", EXAMPLE_DATA,
+            "--caption_extension", ".txt", "--resolution", "64", "--output_dir", out, *extra]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """NetworkTrainer.run must never be reached: the checks come before the data scan and model load."""
+    def run(self):
+        raise AssertionError("the trainer started: the check must come before anything loads")
+    monkeypatch.setattr(NetworkTrainer, "run", run)
+
+
+def _bad_dirs(tmp_path) -> list[tuple[str, str, str]]:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return [
+        (str(a_file), "is a file, not a folder", "file"),
+        (str(a_file / "sub"), "cannot create the folder", "under a file"),
+        ("/proc/lora-out", "cannot create the folder", "under /proc"),
+        ("/proc", "the folder is not writable", "/proc itself"),
+    ]
+
+
+def test_unwritable_output_dir_is_one_line_before_anything_loads(tmp_path, capsys, no_training):
+    """Item 12: --output_dir that is a file, under a file or under /proc: one line naming flag and path, exit 2,
+    before the dataset scan and the model load (the trainer is never run)."""
+    for path, why, case in _bad_dirs(tmp_path):
+        code = run_training("sd", "test", _argv(path))
+        err = capsys.readouterr().err.strip()
+        assert code == 2, case
+        assert err.startswith(f"error: --output_dir {path}: {why}"), (case, err)
+        assert len(err.splitlines()) == 1, case
+
+
+def test_unwritable_logging_dir_is_one_line(tmp_path, capsys, no_training):
+    """Item 12: the same check for --logging_dir; the probe file is removed from a good --output_dir."""
+    out = tmp_path / "out"
+    code = run_training("sd", "test", _argv(str(out), "--logging_dir", "/proc/lora-logs"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: --logging_dir /proc/lora-logs: cannot create the folder")
+    assert not out.exists()  # created to probe it, then removed: a run that never started leaves nothing
+
+
+def test_writable_output_dir_check_leaves_nothing_behind(tmp_path):
+    """Item 12: a missing --output_dir passes (created, probed, removed again); an existing one keeps no probe."""
+    from library.cli.preflight import check_writable_dir
+
+    check_writable_dir("--output_dir", str(tmp_path / "new" / "deeper"))
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "there").mkdir()
+    check_writable_dir("--output_dir", str(tmp_path / "there"))
+    assert os.listdir(tmp_path / "there") == []
+
+
+def _parser():
+    return build_parser("test", get_family("sd"))
+
+
+def test_unambiguous_abbreviations_are_accepted_as_in_sd_scripts(tmp_path):
+    """Item 23: argparse's default allow_abbrev, which sd-scripts users' scripts rely on."""
+    ns = parse_with_config_file(_parser(), ["--network_di", "16", "--learning_r", "2e-4", "--output_dir", "x"])
+    assert ns.network_dim == 16 and ns.learning_rate == 2e-4
+
+
+def test_misspelt_flag_is_one_line_with_the_closest_name(capsys):
+    """Item 23: one line, the suggestion, exit 2, no usage dump."""
+    with pytest.raises(SystemExit) as e:
+        parse_with_config_file(_parser(), ["--network_alpah", "4", "--output_dir", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err == "error: unrecognized argument --network_alpah; did you mean --network_alpha?\n"
+
+
+def test_unknown_flags_and_ambiguous_abbreviation_messages(capsys):
+    """Item 23: several unknown flags in one line; no suggestion when nothing is close; an ambiguous
+    abbreviation is one line too."""
+    with pytest.raises(SystemExit):
+        parse_with_config_file(_parser(), ["--lerning_rate=1", "--frobnicate"])
+    assert capsys.readouterr().err == ("error: unrecognized arguments --lerning_rate; did you mean --learning_rate?; "
+                                       "--frobnicate (--help lists every flag)\n")
+    with pytest.raises(SystemExit):
+        parse_with_config_file(_parser(), ["--network", "4"])
+    err = capsys.readouterr().err
+    assert err.startswith("error: ambiguous option: --network could match") and err.count("\n") == 1
+
+
+def test_misspelt_flag_from_the_command_line_subprocess():
+    """Item 23: the real script: exit code 2 and exactly one line on stderr."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_network.py"), "--network_alpah", "4"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == \
+        "error: unrecognized argument --network_alpah; did you mean --network_alpha?"
+    assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_unknown_config_file_keys_are_all_reported(tmp_path, capsys):
+    """Item 23: every unknown --config_file key, one line each with a suggestion (sd-scripts ignores them)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[network]\nnetwork_alpah = 4\nnetwork_dimm = 8\n")
+    code = run_training("sd", "test", ["--config_file", str(cfg)])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {cfg}: network.network_alpah: unknown flag (did you mean network_alpha?)",
+        f"{cfg}: network.network_dimm: unknown flag (did you mean network_dim?)",
+    ]
