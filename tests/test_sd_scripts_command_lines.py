@@ -168,12 +168,7 @@ def test_documented_sd_scripts_command_line_runs(where, command, example_data, s
     data_dir, dataset_toml = example_data
     out_dir = str(tmp_path / "out")
     family, script, argv = adapt(command, data_dir, dataset_toml, out_dir)
-    try:
-        code = run_training(family, script, argv)
-    except TypeError as e:
-        if "can't multiply sequence by non-int" in str(e) and "lycoris.kohya" in argv and "--text_encoder_lr" in argv:
-            pytest.xfail("issue 11 item 2: LyCORIS with --text_encoder_lr (fixed on another branch)")
-        raise
+    code = run_training(family, script, argv)
     captured = capsys.readouterr()
     assert code == 0, f"{where}: exit {code}: {captured.err.strip().splitlines()[-1:] if captured.err else ''}"
     saved = [n for n in os.listdir(out_dir) if n.endswith(".safetensors")]

@@ -286,6 +286,10 @@ class Trainer:
             steps = self.run_state.progress.global_step
             logger.info("run ended at step %d of %d after %.0f s; last saved: %s", steps, self.max_train_steps,
                         time.time() - self.started_at, self.last_saved or "nothing")
+        scanned = self.data.skipped_images if self.data is not None else {}
+        if scanned:
+            logger.warning("%d file(s) were left out when the dataset was scanned:\n  %s", len(scanned),
+                           "\n  ".join(f"{path}: {why}" for path, why in sorted(scanned.items())))
         if self.skipped_images:
             logger.warning("%d image(s) failed to decode during training and were skipped:\n  %s",
                            len(self.skipped_images), "\n  ".join(sorted(self.skipped_images)))
