@@ -12,7 +12,7 @@ import pytest
 from library.cli.config_file import parse_with_config_file
 from library.cli.entry import build_parser, run_training
 from library.families import get_family
-from library.train.trainer import NetworkTrainer
+from library.train.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE_DATA = os.path.join(ROOT, "examples", "data", "train")
@@ -25,10 +25,10 @@ def _argv(out: str, *extra: str) -> list[str]:
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """NetworkTrainer.run must never be reached: the checks come before the data scan and model load."""
+    """Trainer.run must never be reached: the checks come before the data scan and model load."""
     def run(self):
         raise AssertionError("the trainer started: the check must come before anything loads")
-    monkeypatch.setattr(NetworkTrainer, "run", run)
+    monkeypatch.setattr(Trainer, "run", run)
 
 
 def _bad_dirs(tmp_path) -> list[tuple[str, str, str]]:

@@ -182,3 +182,76 @@ def test_nan_message_names_valid_mixed_precision_values(tmp_path):
     with pytest.raises(TrainingError) as e:
         trainer.run()
     assert "--mixed_precision bf16 (or no, for float32)" in str(e.value) and "fp32" not in str(e.value)
+
+
+def test_too_little_disk_space_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    """Item 13: free space is checked against one save (+ state) before step 1."""
+    import library.train.disk_space as disk_space
+
+    monkeypatch.setattr(disk_space, "free_bytes", lambda folder: 2**20)
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    assert run_training("sd", "test", base_args(data, out, steps=2, extra=["--save_state"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert re.fullmatch(rf"error: --output_dir {re.escape(out)}: 1 MiB free, but one save and its state needs "
+                        r"about \d+ MiB; free some space or choose another folder", err[0]), err[0]
+
+
+def test_disk_full_during_a_save_is_one_line_and_earlier_files_stay(tmp_path):
+    """Item 13: ENOSPC while saving names the path and the space needed; the previous save is intact."""
+    import errno
+
+    from library.train.disk_space import DiskFull
+
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    trainer = make_trainer(base_args(data, out, steps=3, extra=["--save_every_n_steps", "1"]))
+
+    def fill_disk(tr, event, step):
+        if event == "step" and step == 1:
+            def no_space(path, metadata):
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            tr.trainable.save = no_space
+
+    trainer.s.hooks.append(fill_disk)
+    with pytest.raises(DiskFull) as e:
+        trainer.run()
+    path = os.path.join(out, "lora-step00000002.safetensors")
+    assert re.fullmatch(rf"{re.escape(path)}: the disk is full \(\d+ MiB free, this save needs about \d+ MiB\); "
+                        r"nothing was half-written and the files saved before are intact; free some space and "
+                        r"resume with --resume auto", str(e.value)), str(e.value)
+    assert len(load_file(os.path.join(out, "lora-step00000001.safetensors"))) == 264 * 3
+
+
+def test_more_than_one_process_is_refused_until_multi_gpu_lands(tmp_path, capsys, monkeypatch):
+    """Item 9: N processes would each train on the same batches; refused in one line instead."""
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    data = make_dataset(str(tmp_path), n=1)
+    assert run_training("sd", "test", base_args(data, str(tmp_path / "out"), steps=1)) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: 2 processes: multi-process training is not supported yet (every process would train on the "
+        "same batches, with no speed-up); launch with --num_processes 1")
+
+
+def test_persistent_data_loader_workers_are_used_and_change_nothing(tmp_path, monkeypatch):
+    """Item 10: --persistent_data_loader_workers keeps one set of workers across epochs; same LoRA."""
+    import torch.utils.data
+
+    data = make_dataset(str(tmp_path), n=1)  # 5 batches per epoch: 7 steps cross an epoch
+    plain = make_trainer(base_args(data, str(tmp_path / "a"), steps=7)).run()
+    made = []
+    real_init = torch.utils.data.DataLoader.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(kwargs.get("persistent_workers"))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__init__", spy)
+    argv = base_args(data, str(tmp_path / "b"), steps=7, extra=["--persistent_data_loader_workers"])
+    argv[argv.index("--max_data_loader_n_workers") + 1] = "2"
+    persistent = make_trainer(argv).run()
+    assert made == [True]
+    _equal_files(plain, persistent)

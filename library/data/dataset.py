@@ -55,6 +55,30 @@ class BatchDataset(torch.utils.data.Dataset):
         return self.data.load_batch(self.refs[i])
 
 
+class PlannedBatches(torch.utils.data.Dataset):
+    """Loads the BatchRef it is indexed with, so one DataLoader (and, with persistent workers, one set of
+    worker processes) serves every epoch: the `EpochSampler` hands it each epoch's refs."""
+
+    def __init__(self, data: TrainingData):
+        self.data = data
+
+    def __getitem__(self, ref: BatchRef) -> dict:
+        return self.data.load_batch(ref)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Yields the refs of the current epoch; the loop sets `refs` before iterating the loader."""
+
+    def __init__(self):
+        self.refs: list[BatchRef] = []
+
+    def __iter__(self):
+        return iter(list(self.refs))
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
 def build_training_data(opts: DataOptions, family: DataFamilyInfo) -> TrainingData:
     """Discover, scan, split, bucket and validate every dataset; raise DataError/ConfigError listing all problems."""
     return build(opts, family, TrainingData)

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from library.core.errors import UserError
-from library.data.dataset import BatchDataset, DataFamilyInfo, build_training_data
+from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
 from library.data.te_cache import (
     cache_source_id,
     check_text_cache_allowed,
@@ -28,11 +28,13 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
+from library.train.network_setup import SAVE_DTYPES
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
@@ -107,6 +109,10 @@ class Trainer:
         from accelerate import Accelerator
 
         self.accelerator = Accelerator(mixed_precision=self.t.mixed_precision, cpu=self.t.cpu)
+        if self.accelerator.num_processes > 1:
+            raise UserError(f"{self.accelerator.num_processes} processes: multi-process training is not supported "
+                            "yet (every process would train on the same batches, with no speed-up); launch with "
+                            "--num_processes 1")
         self.device = self.accelerator.device
         self.weight_dtype = DTYPES[self.t.mixed_precision]
         self.run_state = RunState.start(self.t.seed)
@@ -268,6 +274,7 @@ class Trainer:
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             os.makedirs(self.t.output_dir, exist_ok=True)
+            self._check_disk_space()
             self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
                                    resume_step=self.run_state.progress.global_step)
             self.stop.in_loop = True
@@ -279,6 +286,27 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.close()
             self._report()
+
+    def _save_sizes(self) -> tuple[int, int]:
+        """(bytes of one saved model, bytes of one state folder), estimated from the trained tensors."""
+        weights = list(self.trainable.weights().values())
+        model = tensor_bytes(weights, SAVE_DTYPES.get(self.t.save_precision))
+        if not self.trainable.is_adapter:  # the whole model is written, not only its trained parts
+            c = self.components
+            model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders) for t in m.state_dict().values()],
+                                 SAVE_DTYPES.get(self.t.save_precision))
+        optimizer_states = sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
+                               for state in self.optimizer.state.values()) if hasattr(self.optimizer, "state") else 0
+        per_param = 2 if "adam" in (self.optimizer_name or "").lower() else 1  # states appear at the first step
+        state = tensor_bytes(weights) * (1 + per_param) + optimizer_states
+        return model, state
+
+    def _check_disk_space(self) -> None:
+        model, state = self._save_sizes()
+        needed = model * (2 if self.ema is not None and not self.s.ema.save_ema_only else 1)
+        if self.t.save_state or self.t.save_state_on_train_end:
+            needed += state
+        check_free_space(self.t.output_dir, needed, "one save" + (" and its state" if needed > model else ""))
 
     def _report(self) -> None:
         """The end-of-run summary, however the run ended."""
@@ -310,16 +338,20 @@ class Trainer:
         if self.schedule_free:
             self.optimizer.train()
         self._run_hooks("train_start", global_step)
+        sampler = EpochSampler()
+        workers = self.s.data.data_loader_workers()
+        loader = torch.utils.data.DataLoader(
+            PlannedBatches(self.data), sampler=sampler, batch_size=None, num_workers=workers,
+            persistent_workers=self.s.data.persistent_data_loader_workers and workers > 0,
+            # Its own generator: creating an iterator must not draw from the global RNG, or a resumed
+            # run (which creates one mid-epoch) would diverge from an uninterrupted one. Every random
+            # choice of a batch is drawn from its own (seed, epoch, batch, sample) generator.
+            generator=torch.Generator().manual_seed(self.t.seed))
         for epoch in range(start.epoch, self.num_epochs + 1):
             skip = start.batches_done if epoch == start.epoch else 0
             refs = self.data.epoch_batches(epoch, global_step - skip // accum)
             self.trainable.on_epoch_start()
-            loader = torch.utils.data.DataLoader(
-                BatchDataset(self.data, refs[skip:]), batch_size=None, shuffle=False,
-                num_workers=self.s.data.data_loader_workers(), persistent_workers=False,
-                # Its own generator: creating an iterator must not draw from the global RNG, or a
-                # resumed run (which creates one mid-epoch) would diverge from an uninterrupted one.
-                generator=torch.Generator().manual_seed(self.t.seed + epoch))
+            sampler.refs = refs[skip:]
             epoch_losses: list[float] = []
             group_losses: list[float] = []
             for i, batch in enumerate(loader, start=skip):
@@ -484,10 +516,11 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return path
         metadata = self._metadata(step, epoch)
-        if self.ema is not None and not self.s.ema.save_ema_only:
-            self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
-        with self.eval_weights("saving"):
-            self.trainable.save(path, metadata)
+        with naming_a_full_disk(path, self._save_sizes()[0]):
+            if self.ema is not None and not self.s.ema.save_ema_only:
+                self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
+            with self.eval_weights("saving"):
+                self.trainable.save(path, metadata)
         self.last_saved = path
         logger.info("saved %s", path)
         return path
@@ -499,9 +532,10 @@ class Trainer:
     def _save_state(self, state_dir: str, progress: TrainProgress) -> None:
         if not self.accelerator.is_main_process:
             return
-        save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state, progress,
-                   getattr(self.accelerator, "scaler", None), self.ema.state() if self.ema is not None else None,
-                   self.trainable.shape_settings())
+        with naming_a_full_disk(state_dir, self._save_sizes()[1]):
+            save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
+                       progress, getattr(self.accelerator, "scaler", None),
+                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings())
         logger.info("saved state %s", state_dir)
 
     def _stop(self) -> str:
