@@ -28,17 +28,16 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
-from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
-from library.train.network_setup import SAVE_DTYPES
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
-from library.train.state import RunState, TrainProgress, check_shapes, choose_state, save_state
+from library.train.saving import RunSaver
+from library.train.state import RunState, check_shapes, choose_state
 from library.train.step import StepContext, batch_loss, optimizer_step
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
@@ -85,7 +84,7 @@ class Trainer:
         self.tracker: Optional[Tracker] = None
         self.session_id = 0
         self.started_at = 0.0
-        self.last_saved: Optional[str] = None
+        self.saver: Optional[RunSaver] = None  # made once training starts
         self.step_logs: dict[str, float] = {}
 
     @property
@@ -274,7 +273,10 @@ class Trainer:
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             os.makedirs(self.t.output_dir, exist_ok=True)
-            self._check_disk_space()
+            self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
+                                  self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
+                                  self._metadata, self.num_epochs, self.max_train_steps)
+            self.saver.check_disk_space()
             self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
                                    resume_step=self.run_state.progress.global_step)
             self.stop.in_loop = True
@@ -287,33 +289,12 @@ class Trainer:
                 self.tracker.close()
             self._report()
 
-    def _save_sizes(self) -> tuple[int, int]:
-        """(bytes of one saved model, bytes of one state folder), estimated from the trained tensors."""
-        weights = list(self.trainable.weights().values())
-        model = tensor_bytes(weights, SAVE_DTYPES.get(self.t.save_precision))
-        if not self.trainable.is_adapter:  # the whole model is written, not only its trained parts
-            c = self.components
-            model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders) for t in m.state_dict().values()],
-                                 SAVE_DTYPES.get(self.t.save_precision))
-        optimizer_states = sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
-                               for state in self.optimizer.state.values()) if hasattr(self.optimizer, "state") else 0
-        per_param = 2 if "adam" in (self.optimizer_name or "").lower() else 1  # states appear at the first step
-        state = tensor_bytes(weights) * (1 + per_param) + optimizer_states
-        return model, state
-
-    def _check_disk_space(self) -> None:
-        model, state = self._save_sizes()
-        needed = model * (2 if self.ema is not None and not self.s.ema.save_ema_only else 1)
-        if self.t.save_state or self.t.save_state_on_train_end:
-            needed += state
-        check_free_space(self.t.output_dir, needed, "one save" + (" and its state" if needed > model else ""))
-
     def _report(self) -> None:
         """The end-of-run summary, however the run ended."""
         if self.run_state is not None and self.started_at:
             steps = self.run_state.progress.global_step
             logger.info("run ended at step %d of %d after %.0f s; last saved: %s", steps, self.max_train_steps,
-                        time.time() - self.started_at, self.last_saved or "nothing")
+                        time.time() - self.started_at, (self.saver and self.saver.last_saved) or "nothing")
         scanned = self.data.skipped_images if self.data is not None else {}
         if scanned:
             logger.warning("%d file(s) were left out when the dataset was scanned:\n  %s", len(scanned),
@@ -377,7 +358,7 @@ class Trainer:
                 self._log_throughput(global_step)
                 done = global_step >= self.max_train_steps
                 with self._untimed():
-                    self._after_step(global_step, done)
+                    self._after_step(global_step)
                 if self.stop.requested:
                     return self._stop()
                 if done:
@@ -437,13 +418,9 @@ class Trainer:
             self.tracker.log(report.as_scalars(), step)
 
     # ------------------------------------------------------------------ after steps / epochs
-    def _after_step(self, step: int, done: bool) -> None:
+    def _after_step(self, step: int) -> None:
         t = self.t
-        plan = self._save_plan()
-        if plan.save_at_step(step, self.max_train_steps):
-            self._save_and_rotate(ckpt.step_stem(t.output_name, step), self.run_state.progress, step,
-                                  self.run_state.progress.epoch, plan.step_to_remove(step, for_state=False),
-                                  plan.step_to_remove(step, for_state=True), ckpt.step_stem)
+        self.saver.after_step(step)
         if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
             self._validate(step, "step")
         self._run_hooks("step", step)
@@ -452,39 +429,15 @@ class Trainer:
         t = self.t
         if losses:
             self.tracker.log({"loss/epoch_average": sum(losses) / len(losses)}, epoch)
-        plan = self._save_plan()
-        if plan.save_at_epoch(epoch, self.num_epochs) and step < self.max_train_steps:
-            self._save_and_rotate(ckpt.epoch_stem(t.output_name, epoch), TrainProgress(epoch + 1, step, 0), step,
-                                  epoch, plan.epoch_to_remove(epoch, for_state=False),
-                                  plan.epoch_to_remove(epoch, for_state=True), ckpt.epoch_stem)
+        self.saver.after_epoch(epoch, step)
         if t.validate_every_n_epochs and epoch % t.validate_every_n_epochs == 0:
             self._validate(epoch, "epoch")
         self._run_hooks("epoch", step)
 
-    def _save_and_rotate(self, stem: str, progress: TrainProgress, step: int, epoch: int,
-                         old_model: Optional[int], old_state: Optional[int], stem_of) -> None:
-        """Save the model (and state) under `stem`; remove the ones that fell out of retention."""
-        t = self.t
-        self._save_model(stem, step, epoch)
-        if old_model:
-            self._remove_model(stem_of(t.output_name, old_model))
-        if t.save_state:
-            self._save_state(ckpt.state_path(t.output_dir, stem), progress)
-            if old_state:
-                ckpt.remove_path(ckpt.state_path(t.output_dir, stem_of(t.output_name, old_state)))
-
-    def _save_plan(self) -> ckpt.SavePlan:
-        t = self.t
-        every_epochs = t.save_every_n_epochs
-        if t.save_n_epoch_ratio:
-            every_epochs = max(1, math.floor(self.num_epochs / t.save_n_epoch_ratio))
-        return ckpt.SavePlan(every_epochs, t.save_every_n_steps, t.save_last_n_epochs, t.save_last_n_epochs_state,
-                             t.save_last_n_steps, t.save_last_n_steps_state)
-
     def eval_weights(self, purpose: str):
-        """The EMA weights in place for "sampling" / "validation" when asked for (and always for "saving")."""
-        wanted = {"sampling": self.s.ema.for_sampling, "validation": self.s.ema.for_validation, "saving": True}
-        return self.ema.swapped_in() if self.ema is not None and wanted[purpose] else contextlib.nullcontext()
+        """The EMA weights in place for "sampling" / "validation" when --ema_for_<purpose> (default on)."""
+        wanted = {"sampling": self.s.ema.for_sampling, "validation": self.s.ema.for_validation}[purpose]
+        return self.ema.swapped_in() if self.ema is not None and wanted else contextlib.nullcontext()
 
     def _validate(self, at: int, kind: str) -> None:
         refs = self.data.validation_batches()
@@ -503,55 +456,23 @@ class Trainer:
         for hook in self.s.hooks:
             hook(self, event, step)
 
-    # ------------------------------------------------------------------ saving
     def _metadata(self, step: int, epoch: int) -> dict:
         facts = RunFacts(self.session_id, self.started_at, step, epoch, self.num_epochs, self.max_train_steps,
                          self.batches_per_epoch, self.t.seed, self.optimizer_descr.ss_optimizer)
         build = lora_metadata if self.trainable.is_adapter else model_metadata
         return build(self.family, self.components, self.s, self.data, facts)
 
-    def _save_model(self, stem: str, step: int, epoch: int) -> str:
-        """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked)."""
-        path = self.trainable.file_path(self.t.output_dir, stem)
-        if not self.accelerator.is_main_process:
-            return path
-        metadata = self._metadata(step, epoch)
-        with naming_a_full_disk(path, self._save_sizes()[0]):
-            if self.ema is not None and not self.s.ema.save_ema_only:
-                self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
-            with self.eval_weights("saving"):
-                self.trainable.save(path, metadata)
-        self.last_saved = path
-        logger.info("saved %s", path)
-        return path
-
-    def _remove_model(self, stem: str) -> None:
-        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))
-        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
-
-    def _save_state(self, state_dir: str, progress: TrainProgress) -> None:
-        if not self.accelerator.is_main_process:
-            return
-        with naming_a_full_disk(state_dir, self._save_sizes()[1]):
-            save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
-                       progress, getattr(self.accelerator, "scaler", None),
-                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings())
-        logger.info("saved state %s", state_dir)
-
     def _stop(self) -> str:
         progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
-        self._save_state(ckpt.state_path(self.t.output_dir, stem), progress)
+        self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
         raise InterruptedTraining(self.stop.signum, ckpt.state_path(self.t.output_dir, stem))
 
     def _finish(self) -> str:
-        t = self.t
         progress = self.run_state.progress  # mid-epoch when --max_train_steps ended the run: resume goes on there
         if self.schedule_free:
             self.optimizer.eval()
-        path = self._save_model(t.output_name, progress.global_step, max(1, progress.epoch - (not progress.batches_done)))
-        if t.save_state or t.save_state_on_train_end:
-            self._save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        path = self.saver.final(progress)
         self._run_hooks("train_end", progress.global_step)
         return path
 

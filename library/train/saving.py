@@ -1,0 +1,132 @@
+"""What a run writes and when: model files (the EMA weights with --use_ema), state folders, their
+rotation under --save_last_n_*, and the disk space all of that needs.
+
+The loop tells a `RunSaver` when a step or an epoch ended; the saver knows the cadence (`SavePlan`),
+the names (`checkpoints`), what the trained result is (`Trainable.save`) and the state format
+(`state.save_state`). Only the main process writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Callable, Optional
+
+import torch
+
+from library.train import checkpoints as ckpt
+from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
+from library.train.ema import EMA
+from library.train.network_setup import SAVE_DTYPES
+from library.train.settings import EmaOptions, TrainingOptions
+from library.train.state import RunState, TrainProgress, save_state
+from library.train.trainables import Trainable
+
+logger = logging.getLogger(__name__)
+
+
+class RunSaver:
+    def __init__(self, t: TrainingOptions, ema_opts: EmaOptions, trainable: Trainable, components, optimizer,
+                 optimizer_name: str, lr_scheduler, run_state: RunState, accelerator, ema: Optional[EMA],
+                 metadata: Callable[[int, int], dict], num_epochs: int, max_train_steps: int):
+        self.t, self.ema_opts, self.trainable, self.components = t, ema_opts, trainable, components
+        self.optimizer, self.optimizer_name, self.lr_scheduler = optimizer, optimizer_name, lr_scheduler
+        self.run_state, self.accelerator, self.ema, self.metadata = run_state, accelerator, ema, metadata
+        self.num_epochs, self.max_train_steps = num_epochs, max_train_steps
+        self.last_saved: Optional[str] = None
+        every_epochs = t.save_every_n_epochs
+        if t.save_n_epoch_ratio:
+            every_epochs = max(1, math.floor(num_epochs / t.save_n_epoch_ratio))
+        self.plan = ckpt.SavePlan(every_epochs, t.save_every_n_steps, t.save_last_n_epochs,
+                                  t.save_last_n_epochs_state, t.save_last_n_steps, t.save_last_n_steps_state)
+
+    # --- when ------------------------------------------------------------------------
+    def after_step(self, step: int) -> None:
+        if self.plan.save_at_step(step, self.max_train_steps):
+            progress = self.run_state.progress
+            self._save_and_rotate(ckpt.step_stem(self.t.output_name, step), progress, step, progress.epoch,
+                                  self.plan.step_to_remove(step, for_state=False),
+                                  self.plan.step_to_remove(step, for_state=True), ckpt.step_stem)
+
+    def after_epoch(self, epoch: int, step: int) -> None:
+        if self.plan.save_at_epoch(epoch, self.num_epochs) and step < self.max_train_steps:
+            self._save_and_rotate(ckpt.epoch_stem(self.t.output_name, epoch), TrainProgress(epoch + 1, step, 0),
+                                  step, epoch, self.plan.epoch_to_remove(epoch, for_state=False),
+                                  self.plan.epoch_to_remove(epoch, for_state=True), ckpt.epoch_stem)
+
+    def final(self, progress: TrainProgress) -> str:
+        """The final model (and state with --save_state / --save_state_on_train_end) under --output_name."""
+        t = self.t
+        epoch = max(1, progress.epoch - (not progress.batches_done))  # the epoch the last step belongs to
+        path = self.save_model(t.output_name, progress.global_step, epoch)
+        if t.save_state or t.save_state_on_train_end:
+            self.save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        return path
+
+    def _save_and_rotate(self, stem: str, progress: TrainProgress, step: int, epoch: int,
+                         old_model: Optional[int], old_state: Optional[int], stem_of) -> None:
+        """Save the model (and state) under `stem`; remove the ones that fell out of retention."""
+        t = self.t
+        self.save_model(stem, step, epoch)
+        if old_model:
+            self._remove_model(stem_of(t.output_name, old_model))
+        if t.save_state:
+            self.save_state(ckpt.state_path(t.output_dir, stem), progress)
+            if old_state:
+                ckpt.remove_path(ckpt.state_path(t.output_dir, stem_of(t.output_name, old_state)))
+
+    # --- what ------------------------------------------------------------------------
+    def eval_weights(self, use_ema: bool):
+        """The EMA weights in place of the trained ones inside the block, when there is an EMA and `use_ema`."""
+        return self.ema.swapped_in() if self.ema is not None and use_ema else contextlib.nullcontext()
+
+    def save_model(self, stem: str, step: int, epoch: int) -> str:
+        """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked)."""
+        path = self.trainable.file_path(self.t.output_dir, stem)
+        if not self.accelerator.is_main_process:
+            return path
+        metadata = self.metadata(step, epoch)
+        with naming_a_full_disk(path, self.sizes()[0]):
+            if self.ema is not None and not self.ema_opts.save_ema_only:
+                self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
+            with self.eval_weights(True):
+                self.trainable.save(path, metadata)
+        self.last_saved = path
+        logger.info("saved %s", path)
+        return path
+
+    def _remove_model(self, stem: str) -> None:
+        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))
+        ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
+
+    def save_state(self, state_dir: str, progress: TrainProgress) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with naming_a_full_disk(state_dir, self.sizes()[1]):
+            save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
+                       progress, getattr(self.accelerator, "scaler", None),
+                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings())
+        logger.info("saved state %s", state_dir)
+
+    # --- how much --------------------------------------------------------------------
+    def sizes(self) -> tuple[int, int]:
+        """(bytes of one saved model, bytes of one state folder), estimated from the tensors."""
+        dtype = SAVE_DTYPES.get(self.t.save_precision)
+        weights = list(self.trainable.weights().values())
+        model = tensor_bytes(weights, dtype)
+        if not self.trainable.is_adapter:  # the whole model is written, not only its trained parts
+            c = self.components
+            model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders) for t in m.state_dict().values()],
+                                 dtype)
+        held = sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
+                   for state in getattr(self.optimizer, "state", {}).values())
+        per_param = 2 if "adam" in (self.optimizer_name or "").lower() else 1  # states appear at the first step
+        return model, tensor_bytes(weights) * (1 + per_param) + held
+
+    def check_disk_space(self) -> None:
+        model, state = self.sizes()
+        needed = model * (2 if self.ema is not None and not self.ema_opts.save_ema_only else 1)
+        if self.t.save_state or self.t.save_state_on_train_end:
+            needed += state
+        check_free_space(self.t.output_dir, needed, "one save" + (" and its state" if needed > model else ""))
