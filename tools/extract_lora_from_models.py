@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.flux import add_component_file_arguments  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +75,7 @@ def run(argv=None) -> None:
         metadata["ss_training_comment"] = (f"extracted from {os.path.basename(args.model_tuned)} - "
                                            f"{os.path.basename(args.model_org)}, dim {args.dim}, "
                                            f"conv_dim {args.conv_dim}, clamp_quantile {args.clamp_quantile}")
+    clean_stale_temporaries_of(args.save_to)
     save_lora_file(args.save_to, modules, metadata, dtype or None)
     print(f"saved {args.save_to}: {len(modules)} modules")
 

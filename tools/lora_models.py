@@ -14,6 +14,7 @@ import torch
 
 from library.cli.options import options_from_values
 from library.core.errors import UserError
+from library.core.io_utils import clean_stale_temporaries_of
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelFamily
 from networks.lora_targets import LoraLayer
@@ -58,6 +59,7 @@ def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
 
 def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write the (merged) model: one file for a .safetensors/.ckpt path, otherwise a diffusers folder."""
+    clean_stale_temporaries_of(path)
     try:
         model.family.save_checkpoint(model.components, path, dtype)
     except NotImplementedError as e:

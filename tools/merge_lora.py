@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.flux import add_component_file_arguments  # noqa: E402
 from library.core.errors import ConfigError  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,7 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
     names = ", ".join(f"{os.path.basename(m)}x{r:g}" + (f" lbw [{','.join(f'{v:g}' for v in w)}]" if w else "")
                       for m, r, w in zip(models, ratios, lbws))
     metadata = updated_metadata(files[0].metadata, dim, alpha, f"merged ({how}): {names}")
+    clean_stale_temporaries_of(save_to)
     save_lora_file(save_to, modules, metadata, dtype or files[0].dtype)
     print(f"saved {save_to}: {len(modules)} modules, rank {dim}")
 
