@@ -66,7 +66,7 @@ def run(argv=None) -> None:
     metadata = {
         "ss_v2": str(org.components.v2),
         "ss_base_model_version": org.family.base_model_version(org.components),
-        "ss_network_module": "networks.lora",
+        "ss_network_module": org.family.lora_network_module,  # FLUX.1: networks.lora_flux, as sd-scripts
         "ss_network_dim": dim,
         "ss_network_alpha": alpha,
         "ss_network_args": json.dumps(network_args),

@@ -63,7 +63,7 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
         modules, how = svd_merge(loras, new_rank, new_conv_rank, device), f"SVD to rank {new_rank}"
     if not modules:
         raise ConfigError("--lbws: every block of every model is weighted 0; nothing to merge")
-    dim, alpha = dim_alpha_summary(modules)
+    dim, alpha = dim_alpha_summary(modules, integer_alpha=True)  # as sd-scripts' svd_merge_lora: "6"
     names = ", ".join(f"{os.path.basename(m)}x{r:g}" + (f" lbw [{','.join(f'{v:g}' for v in w)}]" if w else "")
                       for m, r, w in zip(models, ratios, lbws))
     metadata = updated_metadata(files[0].metadata, dim, alpha, f"merged ({how}): {names}")

@@ -35,6 +35,15 @@ logger = logging.getLogger(__name__)
 # Where to get network modules that are not part of this toolkit.
 KNOWN_PACKAGES = {"lycoris": "lycoris-lora"}
 OWN_LORA = "networks.lora"
+# sd-scripts' per-family LoRA modules; here every one of them names the project's LoRA (networks.lora),
+# so sd-scripts command lines (FLUX.1: --network_module networks.lora_flux) run unchanged. Saved files
+# record the family's own name (ModelFamily.lora_network_module), as sd-scripts' files do.
+OWN_LORA_NAMES = (OWN_LORA, "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina", "networks.lora_anima")
+
+
+def is_own_lora(name: str) -> bool:
+    """Whether --network_module `name` is the project's LoRA (networks.lora or one of sd-scripts' per-family names)."""
+    return name in OWN_LORA_NAMES
 
 
 def import_network_module(name: str) -> ModuleType:
@@ -73,6 +82,10 @@ class NetworkKind:
     def name_map(self, family: ModelFamily, components: Components) -> Optional[dict[str, str]]:
         """Module name -> kohya name for saving (None: the names are kohya names already)."""
         return kohya_name_map(family.lora_targets(components))
+
+    def metadata_module(self, family: ModelFamily) -> str:
+        """What saved files record as ss_network_module: the module name as given."""
+        return self.name
 
     def create(self, family: ModelFamily, components: Components, opts: NetworkOptions, fp8_base: bool = False) -> Any:
         """create_network with the --network_* options; a module's own argument errors become one line."""
@@ -121,6 +134,10 @@ class OwnLoRA(NetworkKind):
                                           components.vae, text_encoders_arg(components), components.denoiser,
                                           neuron_dropout=opts.network_dropout, **kwargs)
 
+    def metadata_module(self, family: ModelFamily) -> str:
+        """The family's sd-scripts module name, whichever alias was given."""
+        return family.lora_network_module
+
     def state_dict_in_family_names(self, family: ModelFamily, path: str) -> dict:
         """A LoRA file's tensors in the family's kohya naming (e.g. a diffusers-named SDXL file renamed)."""
         return family.convert_lora_state_dict(self.module.load_state_dict(path))
@@ -164,9 +181,9 @@ class LycorisNetwork(ExternalNetwork):
 
 def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
+    if is_own_lora(name):
+        return OwnLoRA(name, import_network_module(OWN_LORA))
     module = import_network_module(name)
-    if name == OWN_LORA:
-        return OwnLoRA(name, module)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)
     return ExternalNetwork(name, module)
