@@ -8,7 +8,7 @@ recipe resize without changes here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional, TypeVar
 
 import torch
 
@@ -18,6 +18,8 @@ from library.core.io_utils import clean_stale_temporaries_of
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelFamily
 from networks.lora_targets import LoraLayer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -55,6 +57,23 @@ def lora_layers(model: LoadedModel, include_conv: bool = True) -> dict[str, Lora
 def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
     """Weights of the LoRA layers by kohya name (what --base_model recipes compare against)."""
     return {name: layer.weight.detach() for name, layer in lora_layers(model).items()}
+
+
+def in_family_names(model: LoadedModel, modules: Mapping[str, T]) -> dict[str, T]:
+    """A LoRA file's modules by the family's kohya names (`lora_layers` keys): a LyCORIS full-preset SDXL
+    file's `lora_unet_conv_in` is `lora_unet_input_blocks_0_0` here. Names the family does not know stay."""
+    return {model.family.canonical_lora_name(name): module for name, module in modules.items()}
+
+
+def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """base_weights keyed by a LoRA file's own module names (those the model has a layer for)."""
+    weights = base_weights(model)
+    out = {}
+    for name in names:
+        canonical = model.family.canonical_lora_name(name)
+        if canonical in weights:
+            out[name] = weights[canonical]
+    return out
 
 
 def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = None) -> None:

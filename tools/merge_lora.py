@@ -87,11 +87,12 @@ def run(argv=None) -> None:
     from library.cli.flux import component_files
     from library.families.lora_convert import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from tools.lora_models import load_model, lora_layers, save_model
+    from tools.lora_models import in_family_names, load_model, lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
-    loras = [WeightedLora(load_lora_file(m).modules, r, m) for m, r in zip(args.models, ratios)]
+    files = [load_lora_file(m) for m in args.models]
     model = load_model(args.sd_model, args.model_family, flags=component_files(args))
+    loras = [WeightedLora(in_family_names(model, f.modules), r, m) for f, m, r in zip(files, args.models, ratios)]
     merged = merge_into_layers(lora_layers(model), loras)
     save_model(model, args.save_to, dtype)
     print(f"saved {args.save_to}: {merged} LoRA modules merged into {args.sd_model}")

@@ -59,9 +59,10 @@ def run(argv=None) -> None:
     base = None
     if args.base_model:
         from library.cli.flux import component_files
-        from tools.lora_models import base_weights, load_model
+        from tools.lora_models import base_weights_for, load_model
 
-        base = base_weights(load_model(args.base_model, args.model_family, flags=component_files(args)))
+        base = base_weights_for(load_model(args.base_model, args.model_family, flags=component_files(args)),
+                                lora.modules)
     result = resize_modules(lora.modules, opts, base)
     if args.verbose:
         for report in result.reports:

@@ -198,6 +198,11 @@ class ModelFamily(ABC):
         """A LoRA state dict in this family's kohya naming (e.g. a diffusers-named SDXL file renamed to SGM)."""
         return state_dict
 
+    def canonical_lora_name(self, name: str) -> str:
+        """One kohya module name in this family's naming, the names `lora_targets` give (SDXL: a diffusers
+        path such as `lora_unet_conv_in` -> `lora_unet_input_blocks_0_0`); unknown names come back as they are."""
+        return name
+
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
         """The denoiser blocks --blocks_to_swap N keeps in CPU memory, in forward order.

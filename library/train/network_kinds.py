@@ -123,7 +123,9 @@ class OwnLoRA(NetworkKind):
         return {**opts.network_args, **self._family_kwargs(family, components)}
 
     def file_kwargs(self, path, family, components):
-        return self._family_kwargs(family, components)
+        # the file in the family's naming, e.g. a LyCORIS full-preset SDXL file's lora_unet_conv_in as
+        # lora_unet_input_blocks_0_0, so that no module is dropped for its spelling
+        return {**self._family_kwargs(family, components), "weights_sd": self.state_dict_in_family_names(family, path)}
 
     def name_map(self, family, components):
         return None
@@ -140,7 +142,12 @@ class OwnLoRA(NetworkKind):
 
     def state_dict_in_family_names(self, family: ModelFamily, path: str) -> dict:
         """A LoRA file's tensors in the family's kohya naming (e.g. a diffusers-named SDXL file renamed)."""
-        return family.convert_lora_state_dict(self.module.load_state_dict(path))
+        state = family.convert_lora_state_dict(self.module.load_state_dict(path))
+        renamed = {}
+        for key, value in state.items():
+            name, dot, rest = key.partition(".")
+            renamed[family.canonical_lora_name(name) + dot + rest] = value
+        return renamed
 
 
 class ExternalNetwork(NetworkKind):
@@ -158,6 +165,22 @@ class LycorisNetwork(ExternalNetwork):
             kwargs["bypass_mode"] = "True"
         kwargs["preset"] = self._registered_preset(str(kwargs.get("preset", "full")), family, components)
         return kwargs
+
+    def create_from_file(self, family, components, path, multiplier, for_inference=False, **extra):
+        """LyCORIS builds a network from its class-wide preset before it reads the file's modules, and throws
+        those modules away: with its default `full` preset on a diffusers UNet that first build names
+        time_embedding.linear_1 twice and stops ("duplicated lora name"). Build it with an empty preset
+        (also faster), then restore the preset."""
+        from lycoris.kohya import LycorisNetworkKohya as cls
+
+        saved = {name: getattr(cls, name) for name in _LYCORIS_PRESET_ATTRS}
+        cls.apply_preset({"unet_target_module": [], "unet_target_name": [], "text_encoder_target_module": [],
+                          "text_encoder_target_name": []})
+        try:
+            return super().create_from_file(family, components, path, multiplier, for_inference, **extra)
+        finally:
+            for name, value in saved.items():
+                setattr(cls, name, value)
 
     def _registered_preset(self, preset: str, family: ModelFamily, components: Components) -> str:
         """The name under which the fitted preset is registered in LyCORIS' preset table."""
@@ -177,6 +200,12 @@ class LycorisNetwork(ExternalNetwork):
         name = f"sd-lora-toolkit:{family.name}:{preset}:{digest}"
         PRESET[name] = fitted
         return name
+
+
+# The class attributes LycorisNetworkKohya.apply_preset sets.
+_LYCORIS_PRESET_ATTRS = ("ENABLE_CONV", "UNET_TARGET_REPLACE_MODULE", "UNET_TARGET_REPLACE_NAME",
+                         "TEXT_ENCODER_TARGET_REPLACE_MODULE", "TEXT_ENCODER_TARGET_REPLACE_NAME", "MODULE_ALGO_MAP",
+                         "NAME_ALGO_MAP", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
 
 
 def network_kind(name: str) -> NetworkKind:
