@@ -154,3 +154,24 @@ def test_issue6_networks_lora_never_trains_the_outside_layers(tiny_sdxl):
     names = {lora.lora_name for lora in network.unet_loras}
     assert not names & set(OUTSIDE) and "lora_unet_input_blocks_0_0" not in names
     assert "lora_unet_output_blocks_2_0_in_layers_2" in names
+
+
+def test_issue6_sd1_outside_layers_merge_at_generation(tiny_sd1_copy, tmp_path):
+    """Issue 11 item 6, SD 1.x: the same layers under their diffusers names (conv_in, time_embedding_linear_1,
+    conv_out) are applied, not dropped."""
+    unet = tiny_sd1_copy.denoiser
+    gen = torch.Generator().manual_seed(1)
+    state, deltas = {}, {}
+    for name, layer in (("lora_unet_conv_in", "conv_in"), ("lora_unet_time_embedding_linear_1", "time_embedding.linear_1"),
+                        ("lora_unet_conv_out", "conv_out")):
+        weight = unet.get_submodule(layer).weight.detach()
+        down, up = _module_pair(weight, gen)
+        state.update({f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+                      f"{name}.alpha": torch.tensor(float(RANK))})
+        deltas[layer] = (_delta(down, up, weight.shape), weight.clone())
+    path = str(tmp_path / "sd1_full.safetensors")
+    save_file(state, path)
+    apply_networks(get_family("sd"), tiny_sd1_copy, [NetworkSpec("networks.lora", path, 1.0)], merge=True,
+                   device=torch.device("cpu"), dtype=torch.float32)
+    for layer, (delta, before) in deltas.items():
+        torch.testing.assert_close(unet.get_submodule(layer).weight.detach() - before, delta, rtol=1e-4, atol=1e-5)

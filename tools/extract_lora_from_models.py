@@ -57,8 +57,8 @@ def run(argv=None) -> None:
     include_conv = args.conv_dim is not None
     org = load_model(args.model_org, args.model_family, flags=component_files(args))
     tuned = load_model(args.model_tuned, args.model_family, flags=component_files(args))
-    org_layers = lora_layers(org, include_conv)
-    modules = extract_lora(org_layers, lora_layers(tuned, include_conv), opts)
+    org_layers = lora_layers(org, include_conv, file_only=False)  # the modules networks.lora trains, as sd-scripts
+    modules = extract_lora(org_layers, lora_layers(tuned, include_conv, file_only=False), opts)
     if not text_encoder_included(modules, org_layers):
         print(f"text encoder is the same (no weight differs by more than {args.min_diff}): not extracted")
     dim, alpha = dim_alpha_summary(modules)

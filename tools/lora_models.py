@@ -40,15 +40,19 @@ def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.fl
     return LoadedModel(family, components)
 
 
-def lora_layers(model: LoadedModel, include_conv: bool = True) -> dict[str, LoraLayer]:
+def lora_layers(model: LoadedModel, include_conv: bool = True, file_only: bool = True) -> dict[str, LoraLayer]:
     """Every layer that can carry a LoRA, by kohya module name (conv layers of resnets with include_conv).
 
-    Members of a fused kohya module come as one LoraLayer (see LoraLayer.fused).
+    Members of a fused kohya module come as one LoraLayer (see LoraLayer.fused). `file_only`: also the
+    layers only a file names (a UNet's conv_in, conv_out, time embeddings: LyCORIS preset=full), which a
+    tool reading a file needs and extraction, which writes what networks.lora trains, does not.
     """
-    from networks.lora_targets import iter_target_groups
+    from networks.lora_targets import FROM_FILE_ONLY, iter_target_groups
 
     layers: dict[str, LoraLayer] = {}
     for target in model.family.lora_targets(model.components):
+        if not file_only and target.enabled_by == FROM_FILE_ONLY:
+            continue
         for name, modules in iter_target_groups(target, include_conv):
             layers[name] = LoraLayer(modules[0], target.is_text_encoder, tuple(modules) if len(modules) > 1 else ())
     return layers
