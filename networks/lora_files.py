@@ -200,18 +200,20 @@ def save_lora_file(path: str, modules: Iterable[LoraModule], metadata: Mapping[s
     return state
 
 
-def dim_alpha_summary(modules: Iterable[LoraModule]) -> tuple[str, str]:
-    """ss_network_dim / ss_network_alpha values: the common value, or "Dynamic" when modules differ."""
+def dim_alpha_summary(modules: Iterable[LoraModule], integer_alpha: bool = False) -> tuple[str, str]:
+    """ss_network_dim / ss_network_alpha values: the common value, or "Dynamic" when modules differ.
+
+    The alpha is written as sd-scripts' tools write it: a float ("4.0", resize and extract) or, with
+    `integer_alpha`, an integral value without the ".0" ("6", svd_merge).
+    """
     mods = list(modules)
     ranks = {m.rank for m in mods}
     alphas = {m.rank if m.alpha is None else m.alpha for m in mods}
     dim = str(ranks.pop()) if len(ranks) == 1 else "Dynamic"
-    alpha = _number(alphas.pop()) if len(alphas) == 1 else "Dynamic"
-    return dim, alpha
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+    if len(alphas) != 1:
+        return dim, "Dynamic"
+    value = float(alphas.pop())
+    return dim, str(int(value)) if integer_alpha and value.is_integer() else str(value)
 
 
 def summarize(lora: LoraFile) -> dict:

@@ -43,6 +43,31 @@ class LoraTarget:
 
 
 
+# `enabled_by` of the targets that only a file turns on: networks.lora never trains them (sd-scripts' lora.py
+# has no argument for them), but a file that names them (LyCORIS `preset=full`: a UNet's conv_in, time and
+# label embeddings, conv_out) loads, merges and resizes onto them instead of dropping them.
+FROM_FILE_ONLY = "a file that has them"
+
+
+def outside_block_targets(unet: nn.Module, prefix: str, rename: Optional[Callable[[str], str]] = None,
+                          network_args: Optional[Any] = None) -> list[LoraTarget]:
+    """Optional targets (FROM_FILE_ONLY) for a diffusers UNet's layers outside its blocks: `conv_in`,
+    `conv_out` and the Linears of every TimestepEmbedding (`time_embedding`, SDXL's `add_embedding`).
+
+    `rename`: the family's diffusers path -> kohya path (SDXL: SGM, `conv_in` -> `input_blocks.0.0`).
+    """
+    targets = []
+    for path in ("conv_in", "conv_out"):
+        layer = getattr(unet, path, None)
+        if isinstance(layer, nn.Conv2d):
+            targets.append(LoraTarget(prefix, layer, ("Conv2d",),
+                                      rename=lambda _p, path=path: rename(path) if rename is not None else path,
+                                      enabled_by=FROM_FILE_ONLY, network_args=network_args))
+    targets.append(LoraTarget(prefix, unet, ("TimestepEmbedding",), rename=rename, enabled_by=FROM_FILE_ONLY,
+                              network_args=network_args))
+    return targets
+
+
 # Targets used when the caller passes no `lora_targets` (an sd-scripts style caller).
 SD_UNET_TARGETS = ("Transformer2DModel",)
 SD_UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")

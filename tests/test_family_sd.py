@@ -91,7 +91,7 @@ def test_lora_module_counts_full_size_equal_tiny(family, preset, tiny, request):
             comps = Components(parts["unet"], parts["vae"], [parts["text_encoder"]], [parts["tokenizer"]])
         else:  # the session's tiny:sd1 / tiny:sd2
             comps = request.getfixturevalue("tiny_" + name.split(":")[1])
-        unet_t, te_t = family.lora_targets(comps)
+        unet_t, te_t = [t for t in family.lora_targets(comps) if t.enabled_by is None]  # the trained targets
         counts[name] = (kohya_modules(unet_t, False), kohya_modules(unet_t, True), kohya_modules(te_t, False))
     full, small = counts[preset], counts[tiny]
     assert [len(x) for x in full] == ([192, 278, 72] if preset == "random:sd15" else [192, 278, 138])
@@ -178,7 +178,8 @@ def test_predict_calls_unet(family, sd1):
 
 def test_lora_targets_and_metadata(family, sd1, sd2, tiny_sd2v):
     sd2v = tiny_sd2v
-    unet_t, te_t = family.lora_targets(sd1)
+    unet_t, te_t, *optional = family.lora_targets(sd1)
+    assert all(t.enabled_by is not None for t in optional)  # conv_in, conv_out, time_embedding: from files only
     assert (unet_t.prefix, unet_t.target_classes, unet_t.conv_target_classes) == (
         "lora_unet", ("Transformer2DModel",), ("ResnetBlock2D", "Downsample2D", "Upsample2D"))
     assert te_t.prefix == "lora_te" and te_t.is_text_encoder and "CLIPAttention" in te_t.target_classes

@@ -36,8 +36,10 @@ def _components(parts):
                       tokenizers=[parts["tokenizer"], parts["tokenizer_2"]])
 
 
-def _counts(family, components, conv=False):
-    return [sum(1 for _ in iter_target_modules(t, conv)) for t in family.lora_targets(components)]
+def _counts(family, components, conv=False, optional=False):
+    """Modules per target: the trained ones (sd-scripts' counts), or with `optional` those only a file turns on."""
+    return [sum(1 for _ in iter_target_modules(t, conv)) for t in family.lora_targets(components)
+            if (t.enabled_by is not None) == optional]
 
 
 def test_family_constants():
@@ -89,6 +91,8 @@ def test_lora_counts_full_size_on_meta_and_tiny(tiny):
     assert _counts(family, full) == [722, 72, 192]
     assert _counts(family, full, conv=True) == [788, 72, 192]
     assert _counts(family, _components(tiny), conv=True) == [788, 72, 192]  # tiny keeps the topology
+    # issue 11 item 6: conv_in, conv_out, and time_embed + label_emb (2 Linears each), for files that have them
+    assert _counts(family, full, conv=True, optional=True) == [1, 1, 4]
 
 
 def test_lora_key_names_are_sgm(tiny):

@@ -74,13 +74,14 @@ def test_resize_tool_dynamic_updates_metadata_and_hashes(tmp_path, capsys):
 
 
 def test_resize_fixed_keeps_delta_of_kept_rank(tmp_path):
+    """Also issue 11 item 5: the resized alpha is written "4.0", as sd-scripts' resize_lora writes it (was "4")."""
     modules = _modules()
     src = _write(tmp_path / "in.safetensors", modules)
     out = str(tmp_path / "out.safetensors")
     assert _run("resize_lora", ["--model", src, "--save_to", out, "--new_rank", "8"]) == 0
     md, _ = _metadata(out)
     assert (md["ss_network_dim"], md["ss_network_alpha"], md["ss_training_comment"]) == (
-        "8", "4", "Dimension resized from 8 to 8")
+        "8", "4.0", "Dimension resized from 8 to 8")
     resized = load_lora_file(out).modules
     for name, m in modules.items():
         assert float((resized[name].delta() - m.delta()).norm() / m.delta().norm()) < 1e-5

@@ -13,6 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.families.lora_convert import LAYOUTS  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def run(argv=None) -> None:
     old = md.get("ss_training_comment")
     comment = f"converted from {source_layout} to {args.to} layout"
     md["ss_training_comment"] = f"{comment}; {old}" if old and old != "None" else comment
+    clean_stale_temporaries_of(args.dst_path)
     save_lora_state_dict(args.dst_path, out, md)
     print(f"saved {args.dst_path}: {source_layout} -> {args.to}, {len(out)} tensors")
 

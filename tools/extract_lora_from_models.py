@@ -14,6 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.flux import add_component_file_arguments  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +57,8 @@ def run(argv=None) -> None:
     include_conv = args.conv_dim is not None
     org = load_model(args.model_org, args.model_family, flags=component_files(args))
     tuned = load_model(args.model_tuned, args.model_family, flags=component_files(args))
-    org_layers = lora_layers(org, include_conv)
-    modules = extract_lora(org_layers, lora_layers(tuned, include_conv), opts)
+    org_layers = lora_layers(org, include_conv, file_only=False)  # the modules networks.lora trains, as sd-scripts
+    modules = extract_lora(org_layers, lora_layers(tuned, include_conv, file_only=False), opts)
     if not text_encoder_included(modules, org_layers):
         print(f"text encoder is the same (no weight differs by more than {args.min_diff}): not extracted")
     dim, alpha = dim_alpha_summary(modules)
@@ -65,7 +66,7 @@ def run(argv=None) -> None:
     metadata = {
         "ss_v2": str(org.components.v2),
         "ss_base_model_version": org.family.base_model_version(org.components),
-        "ss_network_module": "networks.lora",
+        "ss_network_module": org.family.lora_network_module,  # FLUX.1: networks.lora_flux, as sd-scripts
         "ss_network_dim": dim,
         "ss_network_alpha": alpha,
         "ss_network_args": json.dumps(network_args),
@@ -74,6 +75,7 @@ def run(argv=None) -> None:
         metadata["ss_training_comment"] = (f"extracted from {os.path.basename(args.model_tuned)} - "
                                            f"{os.path.basename(args.model_org)}, dim {args.dim}, "
                                            f"conv_dim {args.conv_dim}, clamp_quantile {args.clamp_quantile}")
+    clean_stale_temporaries_of(args.save_to)
     save_lora_file(args.save_to, modules, metadata, dtype or None)
     print(f"saved {args.save_to}: {len(modules)} modules")
 

@@ -8,15 +8,18 @@ recipe resize without changes here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional, TypeVar
 
 import torch
 
 from library.cli.options import options_from_values
 from library.core.errors import UserError
+from library.core.io_utils import clean_stale_temporaries_of
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelFamily
 from networks.lora_targets import LoraLayer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,15 +40,19 @@ def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.fl
     return LoadedModel(family, components)
 
 
-def lora_layers(model: LoadedModel, include_conv: bool = True) -> dict[str, LoraLayer]:
+def lora_layers(model: LoadedModel, include_conv: bool = True, file_only: bool = True) -> dict[str, LoraLayer]:
     """Every layer that can carry a LoRA, by kohya module name (conv layers of resnets with include_conv).
 
-    Members of a fused kohya module come as one LoraLayer (see LoraLayer.fused).
+    Members of a fused kohya module come as one LoraLayer (see LoraLayer.fused). `file_only`: also the
+    layers only a file names (a UNet's conv_in, conv_out, time embeddings: LyCORIS preset=full), which a
+    tool reading a file needs and extraction, which writes what networks.lora trains, does not.
     """
-    from networks.lora_targets import iter_target_groups
+    from networks.lora_targets import FROM_FILE_ONLY, iter_target_groups
 
     layers: dict[str, LoraLayer] = {}
     for target in model.family.lora_targets(model.components):
+        if not file_only and target.enabled_by == FROM_FILE_ONLY:
+            continue
         for name, modules in iter_target_groups(target, include_conv):
             layers[name] = LoraLayer(modules[0], target.is_text_encoder, tuple(modules) if len(modules) > 1 else ())
     return layers
@@ -56,8 +63,26 @@ def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
     return {name: layer.weight.detach() for name, layer in lora_layers(model).items()}
 
 
+def in_family_names(model: LoadedModel, modules: Mapping[str, T]) -> dict[str, T]:
+    """A LoRA file's modules by the family's kohya names (`lora_layers` keys): a LyCORIS full-preset SDXL
+    file's `lora_unet_conv_in` is `lora_unet_input_blocks_0_0` here. Names the family does not know stay."""
+    return {model.family.canonical_lora_name(name): module for name, module in modules.items()}
+
+
+def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """base_weights keyed by a LoRA file's own module names (those the model has a layer for)."""
+    weights = base_weights(model)
+    out = {}
+    for name in names:
+        canonical = model.family.canonical_lora_name(name)
+        if canonical in weights:
+            out[name] = weights[canonical]
+    return out
+
+
 def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = None) -> None:
     """Write the (merged) model: one file for a .safetensors/.ckpt path, otherwise a diffusers folder."""
+    clean_stale_temporaries_of(path)
     try:
         model.family.save_checkpoint(model.components, path, dtype)
     except NotImplementedError as e:

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.flux import add_component_file_arguments  # noqa: E402
 from library.core.errors import ConfigError  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +63,11 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
         modules, how = svd_merge(loras, new_rank, new_conv_rank, device), f"SVD to rank {new_rank}"
     if not modules:
         raise ConfigError("--lbws: every block of every model is weighted 0; nothing to merge")
-    dim, alpha = dim_alpha_summary(modules)
+    dim, alpha = dim_alpha_summary(modules, integer_alpha=True)  # as sd-scripts' svd_merge_lora: "6"
     names = ", ".join(f"{os.path.basename(m)}x{r:g}" + (f" lbw [{','.join(f'{v:g}' for v in w)}]" if w else "")
                       for m, r, w in zip(models, ratios, lbws))
     metadata = updated_metadata(files[0].metadata, dim, alpha, f"merged ({how}): {names}")
+    clean_stale_temporaries_of(save_to)
     save_lora_file(save_to, modules, metadata, dtype or files[0].dtype)
     print(f"saved {save_to}: {len(modules)} modules, rank {dim}")
 
@@ -85,11 +87,12 @@ def run(argv=None) -> None:
     from library.cli.flux import component_files
     from library.families.lora_convert import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from tools.lora_models import load_model, lora_layers, save_model
+    from tools.lora_models import in_family_names, load_model, lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
-    loras = [WeightedLora(load_lora_file(m).modules, r, m) for m, r in zip(args.models, ratios)]
+    files = [load_lora_file(m) for m in args.models]
     model = load_model(args.sd_model, args.model_family, flags=component_files(args))
+    loras = [WeightedLora(in_family_names(model, f.modules), r, m) for f, m, r in zip(files, args.models, ratios)]
     merged = merge_into_layers(lora_layers(model), loras)
     save_model(model, args.save_to, dtype)
     print(f"saved {args.save_to}: {merged} LoRA modules merged into {args.sd_model}")

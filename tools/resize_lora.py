@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.flux import add_component_file_arguments  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS  # noqa: E402
+from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +59,10 @@ def run(argv=None) -> None:
     base = None
     if args.base_model:
         from library.cli.flux import component_files
-        from tools.lora_models import base_weights, load_model
+        from tools.lora_models import base_weights_for, load_model
 
-        base = base_weights(load_model(args.base_model, args.model_family, flags=component_files(args)))
+        base = base_weights_for(load_model(args.base_model, args.model_family, flags=component_files(args)),
+                                lora.modules)
     result = resize_modules(lora.modules, opts, base)
     if args.verbose:
         for report in result.reports:
@@ -71,6 +73,7 @@ def run(argv=None) -> None:
     else:
         dim, alpha = dim_alpha_summary(result.modules)
     metadata = updated_metadata(lora.metadata, dim, alpha, resize_comment(opts, old_dim))
+    clean_stale_temporaries_of(args.save_to)
     save_lora_file(args.save_to, result.modules, metadata, dtype or lora.dtype)
     kept = sum(r.new_rank for r in result.reports)
     print(f"saved {args.save_to}: {len(result.modules)} modules, total rank {kept} "

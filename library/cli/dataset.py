@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import fields
 from typing import Optional
 
 from library.data.options import RESIZE_INTERPOLATIONS, DataOptions
+
+logger = logging.getLogger(__name__)
 
 
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +49,7 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--caption_tag_dropout_rate", type=float, default=0.0, help="probability of dropping each (non-kept) tag")
     g.add_argument("--prior_loss_weight", type=float, default=1.0, help="loss weight of regularization images")
     g.add_argument("--cache_latents", action="store_true", help="encode every image once before training and keep the latents in memory")
-    g.add_argument("--cache_latents_to_disk", action="store_true", help="also keep them in <image>_<W>x<H>_<arch>.npz files, checked on reuse")
+    g.add_argument("--cache_latents_to_disk", action="store_true", help="also keep them in <image>_<W>x<H>_<arch>.npz files, checked on reuse (implies --cache_latents)")
     g.add_argument("--vae_batch_size", type=int, default=1, help="images per VAE batch while caching")
     g.add_argument("--skip_cache_check", action="store_true", help="accept sd-scripts cache files (no settings signature) whose shapes match")
     g.add_argument("--max_data_loader_n_workers", type=int, default=8, help="capped at the CPU count")
@@ -73,4 +76,6 @@ def data_options_from_args(ns: argparse.Namespace, seed: Optional[int] = None) -
     values = {f.name: getattr(ns, f.name) for f in fields(DataOptions) if hasattr(ns, f.name)}
     if seed is not None:
         values["seed"] = seed
+    if values.get("cache_latents_to_disk") and not values.get("cache_latents"):
+        logger.info("--cache_latents_to_disk implies --cache_latents")
     return DataOptions(**values)

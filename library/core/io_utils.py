@@ -1,25 +1,136 @@
-"""Atomic writes: nothing the toolkit writes is ever half-written."""
+"""Atomic writes: nothing the toolkit writes is ever half-written.
+
+Temporaries live beside their final path and are named once, `.<final name>.<pid>-<random>.tmp<ext>`
+(the extension is kept because some writers - np.savez, save_weights - choose the format by it). A
+writer handed a path that is already one of these temporaries writes it directly instead of wrapping
+it again, so names never nest. `clean_stale_temporaries` removes the ones a killed run left behind.
+
+Files and folders are created with the modes `open()` / `os.mkdir()` use (0666 / 0777 less the
+umask), so a LoRA written under the usual umask 022 is 0644 and its folders 0755.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
+import re
+import secrets
 import shutil
-import tempfile
 from typing import Iterator
+
+logger = logging.getLogger(__name__)
+
+# .<name>.<pid>-<8 hex>.tmp[<ext>]
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{8}\.tmp(?P<ext>\.[^.]*)?$")
+# The names earlier versions used: .<name>.tmp-<mkstemp token><ext> (files), .<name>.<token>.tmp and
+# .<name>.old.<token> (folders).
+_LEGACY_RES = (
+    re.compile(r"^\.(?P<name>.+)\.tmp-[A-Za-z0-9_]{8}(?P<ext>\.[^.]*)?$"),
+    re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$"),
+    re.compile(r"^\.(?P<name>.+)\.old\.[A-Za-z0-9_]{8}$"),
+)
+_OLD_SUFFIX = ".old"
+
+
+def _temp_match(basename: str):
+    m = _TEMP_RE.match(basename)
+    if m:
+        return m
+    for rx in _LEGACY_RES:
+        m = rx.match(basename)
+        if m:
+            return m
+    return None
+
+
+def is_temporary_name(path: str) -> bool:
+    """True for a name this module gives its temporaries (current or earlier scheme)."""
+    return _temp_match(os.path.basename(os.path.normpath(path))) is not None
+
+
+def final_name(path: str) -> str:
+    """The final name a temporary stands for, unwrapping every level; a final name is returned as is."""
+    base = os.path.basename(os.path.normpath(path))
+    m = _temp_match(base)
+    while m is not None:
+        base = m.group("name")
+        if base.endswith(_OLD_SUFFIX):  # the folder an atomic_directory moves the previous version into
+            base = base[: -len(_OLD_SUFFIX)]
+        m = _temp_match(base)
+    return base
+
+
+def _temp_path(final_path: str, ext: str = "", old: bool = False) -> str:
+    directory = os.path.dirname(os.path.abspath(final_path))
+    base = final_name(final_path) + (_OLD_SUFFIX if old else "")
+    return os.path.join(directory, f".{base}.{os.getpid()}-{secrets.token_hex(4)}.tmp{ext}")
+
+
+def _create_file(final_path: str) -> str:
+    """A new empty temporary file beside `final_path`, mode 0666 less the umask."""
+    ext = os.path.splitext(final_name(final_path))[1]
+    for _ in range(100):
+        tmp = _temp_path(final_path, ext)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(errno.EEXIST, "could not create a temporary file", final_path)
+
+
+def _create_dir(final_path: str, old: bool = False) -> str:
+    """A new empty temporary folder beside `final_path`, mode 0777 less the umask."""
+    for _ in range(100):
+        tmp = _temp_path(final_path, old=old)
+        try:
+            os.mkdir(tmp, 0o777)
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(errno.EEXIST, "could not create a temporary folder", final_path)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where /proc allows (os.umask is set-and-return)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _set_file_mode(path: str) -> None:
+    """0666 less the umask, as open() gives: some writers (safetensors >= 0.5) create their files 0600."""
+    with contextlib.suppress(OSError):
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, 0o666 & ~current_umask())
 
 
 @contextlib.contextmanager
 def atomic_path(final_path: str) -> Iterator[str]:
-    """Yield a temporary path beside `final_path`; rename onto it only if the block succeeds."""
+    """Yield a temporary path beside `final_path`; rename onto it only if the block succeeds.
+
+    When `final_path` is itself a temporary of this module (an outer writer's), it is yielded as is:
+    the outer writer renames it, and temporary names never nest.
+    """
+    if is_temporary_name(final_path):
+        yield final_path
+        return
     directory = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(directory, exist_ok=True)
-    base = os.path.basename(final_path)
-    # Keep the extension: some writers (np.savez, save_weights) decide the format by it.
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-", suffix=os.path.splitext(base)[1], dir=directory)
-    os.close(fd)
+    tmp = _create_file(final_path)
     try:
         yield tmp
+        _set_file_mode(tmp)
         os.replace(tmp, final_path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -36,11 +147,14 @@ def atomic_directory(final_dir: str) -> Iterator[str]:
     final_dir = os.path.abspath(final_dir)
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.", suffix=".tmp", dir=parent)
+    tmp = _create_dir(final_dir)
     try:
         yield tmp
+        for root, _dirs, files in os.walk(tmp):
+            for name in files:
+                _set_file_mode(os.path.join(root, name))
         if os.path.exists(final_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final_dir)}.old.", dir=parent)
+            old = _create_dir(final_dir, old=True)
             os.replace(final_dir, os.path.join(old, "previous"))
             os.replace(tmp, final_dir)
             shutil.rmtree(old, ignore_errors=True)
@@ -49,6 +163,62 @@ def atomic_directory(final_dir: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _belongs_to(name: str, output_name: str) -> bool:
+    """`name` (a final name) is `output_name` or one of its derived names (`<name>-000001.safetensors`,
+    `<name>-step00000010-state`, `<name>.safetensors`, ...)."""
+    return name == output_name or name.startswith(output_name + ".") or name.startswith(output_name + "-")
+
+
+def clean_stale_temporaries(directory: str, output_name: str) -> list[str]:
+    """Remove the temporaries a killed run left in `directory` for `output_name`'s files and states.
+
+    Only names this module creates are touched, only those whose final name is `output_name` or derived
+    from it, and not those of a process still alive (a run writing there now). Returns the removed paths.
+    """
+    removed: list[str] = []
+    if not output_name or not os.path.isdir(directory):
+        return removed
+    for entry in os.listdir(directory):
+        m = _temp_match(entry)
+        if m is None or not _belongs_to(final_name(entry), output_name):
+            continue
+        pid = m.groupdict().get("pid")
+        if pid is not None and _pid_alive(int(pid)):
+            continue
+        path = os.path.join(directory, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError as e:
+            logger.warning("could not remove the stale temporary %s: %s", path, e)
+            continue
+        removed.append(path)
+    if removed:
+        logger.info("removed %d stale temporar%s of an earlier run in %s: %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", directory, ", ".join(os.path.basename(p) for p in removed))
+    return removed
+
+
+def clean_stale_temporaries_of(path: str) -> list[str]:
+    """clean_stale_temporaries for one output file or folder a tool is about to write."""
+    path = os.path.abspath(path)
+    return clean_stale_temporaries(os.path.dirname(path), os.path.basename(path))
 
 
 def atomic_write_text(path: str, text: str) -> None:

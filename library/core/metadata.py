@@ -50,8 +50,10 @@ RUN_FACTS: tuple[str, ...] = (
     "session_id", "training_started_at", "training_finished_at", "steps", "epoch", "num_train_images",
     "num_validation_images", "num_reg_images", "num_batches_per_epoch", "num_epochs", "optimizer",
     "base_model_version", "sd_model_name", "sd_model_hash", "new_sd_model_hash", "vae_name", "vae_hash",
-    "new_vae_hash", "total_batch_size",
+    "new_vae_hash",
 )
+# Run facts written only with the flat dataset keys (no dataset config), as sd-scripts does.
+FLAT_RUN_FACTS: tuple[str, ...] = ("total_batch_size",)
 # Every flag training_metadata reads from its `run`: the values RunSettings.recorded_flags keeps.
 RECORDED_FLAGS: tuple[str, ...] = tuple(dict.fromkeys(
     MIRRORED_FLAGS + tuple(RENAMED_FLAGS.values()) + ("text_encoder_lr",) + tuple(FLAT_DATASET_FLAGS.values())))
@@ -92,6 +94,9 @@ def training_metadata(run: Mapping[str, Any]) -> dict[str, str]:
         for ss_name, flag in FLAT_DATASET_FLAGS.items():
             value = run.get(flag)
             md[f"ss_{ss_name}"] = bool(value) if ss_name in FLAT_BOOL_FLAGS else value
+        for fact in FLAT_RUN_FACTS:
+            if run.get(fact) is not None:
+                md[f"ss_{fact}"] = run[fact]
     # The data layer may pass its JSON values already encoded or as dicts/lists.
     md.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in dataset_md.items()})
     network_args = run.get("network_args")
@@ -135,8 +140,10 @@ def modelspec_metadata(architecture: str, implementation: str, title: str, resol
     }
     if prediction_type is not None:
         md["modelspec.prediction_type"] = prediction_type
-    if timestep_range is not None:
-        lo, hi = (timestep_range, timestep_range) if isinstance(timestep_range, int) else tuple(timestep_range)
+    if isinstance(timestep_range, int):
+        timestep_range = (timestep_range, timestep_range)
+    if timestep_range is not None and any(t is not None for t in timestep_range):  # never "None,None"
+        lo, hi = tuple(timestep_range)
         md["modelspec.timestep_range"] = f"{lo},{hi}"
     if encoder_layer is not None:
         md["modelspec.encoder_layer"] = str(encoder_layer)

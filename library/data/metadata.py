@@ -79,10 +79,11 @@ def _datasets_json(data: DatasetPlan) -> list[dict]:
             "num_reg_images": sum(1 for s in samples if s.is_reg),
             "resolution": list(ds.resolutions[0]),
             "enable_bucket": ds.enable_bucket,
-            "min_bucket_reso": ds.min_bucket_reso,
-            "max_bucket_reso": ds.max_bucket_reso,
+            # sd-scripts: None (null) without bucketing
+            "min_bucket_reso": ds.min_bucket_reso if ds.enable_bucket else None,
+            "max_bucket_reso": ds.max_bucket_reso if ds.enable_bucket else None,
             "tag_frequency": _tag_frequency(data, di),
-            "bucket_info": _first_train_group(data, di).bucket_info,
+            "bucket_info": _first_train_group(data, di).bucket_info if ds.enable_bucket else None,
             "subsets": [_subset_entry(sub, counts[first + j]) for j, sub in enumerate(ds.subsets)],
         }
         if len(ds.resolutions) > 1:  # our extension: every resolution and its batch size
@@ -103,9 +104,8 @@ def dataset_metadata(data: DatasetPlan) -> dict[str, str]:
         "ss_num_batches_per_epoch": str(data.batches_per_epoch()),
         "ss_dataset_dirs": _dumps(_dataset_dirs(data, reg=False)),
         "ss_tag_frequency": _dumps({k: v for di in range(len(data.datasets)) for k, v in _tag_frequency(data, di).items()}),
-        "ss_bucket_info": _dumps(_first_train_group(data, 0).bucket_info),
     }
-    if data.from_config_file:
+    if data.from_config_file:  # bucket settings and bucket_info are per dataset, inside ss_datasets
         meta["ss_datasets"] = _dumps(_datasets_json(data))
         return meta
     ds = data.datasets[0]
@@ -115,12 +115,16 @@ def dataset_metadata(data: DatasetPlan) -> dict[str, str]:
         "ss_batch_size_per_device": str(ds.batch_sizes[0]),
         "ss_resolution": str(tuple(ds.resolutions[0])),
         "ss_enable_bucket": str(ds.enable_bucket),
-        "ss_min_bucket_reso": str(ds.min_bucket_reso),
-        "ss_max_bucket_reso": str(ds.max_bucket_reso),
-        "ss_bucket_no_upscale": str(ds.bucket_no_upscale),
+        "ss_bucket_no_upscale": str(bool(ds.enable_bucket and ds.bucket_no_upscale)),
         "ss_reg_dataset_dirs": _dumps(_dataset_dirs(data, reg=True)),
         "ss_prior_loss_weight": str(data.opts.prior_loss_weight),
     })
+    if ds.enable_bucket:  # without bucketing these say nothing (sd-scripts writes "None" / "null")
+        meta.update({
+            "ss_min_bucket_reso": str(ds.min_bucket_reso),
+            "ss_max_bucket_reso": str(ds.max_bucket_reso),
+            "ss_bucket_info": _dumps(_first_train_group(data, 0).bucket_info),
+        })
     if sub is not None:
         meta.update({
             "ss_keep_tokens": str(c.keep_tokens),

@@ -62,6 +62,11 @@ class DataOptions:
     max_aspect_ratio: Optional[float] = None  # extension: skip longer/shorter side beyond it (None: 8; 0: no limit)
     seed: Optional[int] = None  # added to the parser by the training args, not here
 
+    def __post_init__(self) -> None:
+        # --cache_latents_to_disk implies --cache_latents, as in sd-scripts (alone it used to cache nothing).
+        if self.cache_latents_to_disk:
+            self.cache_latents = True
+
     def data_loader_workers(self) -> int:
         """--max_data_loader_n_workers capped at the CPU count (0 = load in the main process)."""
         return max(0, min(self.max_data_loader_n_workers, os.cpu_count() or 1))

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from library.core.errors import ConfigError
+from library.core.hashes import weights_sha256
 from library.core.io_utils import atomic_path
 from library.data.captions import CaptionSettings, process_caption
 
@@ -131,11 +132,17 @@ def final_captions(samples: Iterable, subsets: list, max_train_steps: int) -> li
     return out
 
 
-def cache_source_id(model_path: str, dtype, settings: Mapping[str, Any]) -> str:
+def cache_source_id(model_path: str, dtype, settings: Mapping[str, Any], weights: Any = None) -> str:
     """What produced a cache entry: the model, its dtype, and the settings that change the outputs (e.g. fp8
-    weights, Flux's --t5xxl file, T5 length and attention mask), so changing any of them rebuilds the cache."""
+    weights, Flux's --t5xxl file, T5 length and attention mask), so changing any of them rebuilds the cache.
+
+    `weights` (the loaded model, or its state dict): the model is then named by a content hash of its
+    weights instead of `model_path`, so different weights at the same path (a replaced VAE file) rebuild
+    the cache, and the same weights at another path reuse it.
+    """
+    source = f"sha256:{weights_sha256(weights)}" if weights is not None else model_path
     extra = "".join(f"|{name}={value}" for name, value in settings.items())
-    return f"{model_path}|{dtype}{extra}"
+    return f"{source}|{dtype}{extra}"
 
 
 def build_text_cache(items: list[tuple[str, str]], encode: Encode, *, model_id: str,

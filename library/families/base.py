@@ -114,6 +114,10 @@ class ModelFamily(ABC):
     # encoders can be cached while another one trains (Flux: T5 cached, CLIP-L trained, as sd-scripts
     # allows); empty: the outputs are cached all together or not at all.
     text_encoder_outputs: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    # The `ss_network_module` sd-scripts writes for this family's LoRA ("networks.lora" for SD/SDXL,
+    # "networks.lora_flux" for FLUX.1): files trained with the project's LoRA say this, whichever of its
+    # names (networks.lora, networks.lora_flux, ...) the command line used.
+    lora_network_module: ClassVar[str] = "networks.lora"
     # Why a --network_module other than networks.lora (e.g. lycoris.kohya) cannot train this family; None: it can.
     external_networks_unsupported: ClassVar[Optional[str]] = None
     # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
@@ -211,6 +215,11 @@ class ModelFamily(ABC):
         """A LoRA state dict in this family's kohya naming (e.g. a diffusers-named SDXL file renamed to SGM)."""
         return state_dict
 
+    def canonical_lora_name(self, name: str) -> str:
+        """One kohya module name in this family's naming, the names `lora_targets` give (SDXL: a diffusers
+        path such as `lora_unet_conv_in` -> `lora_unet_input_blocks_0_0`); unknown names come back as they are."""
+        return name
+
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
         """The denoiser blocks --blocks_to_swap N keeps in CPU memory, in forward order.
@@ -266,3 +275,7 @@ class ModelFamily(ABC):
 
     def modelspec_implementation(self) -> str:
         return "diffusers"
+
+    def modelspec_prediction_type(self, components: Components) -> Optional[str]:
+        """modelspec.prediction_type ("epsilon" / "v"); None where sd-scripts writes none (flow models)."""
+        return "v" if components.v_parameterization else "epsilon"

@@ -94,6 +94,7 @@ class FluxFamily(ModelFamily):
                               ("SingleStreamBlock", "FluxSingleTransformerBlock"))
 
     name = "flux"
+    lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
     latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
     latent_channels = LATENT_CHANNELS
@@ -131,7 +132,8 @@ class FluxFamily(ModelFamily):
 
     def metadata_values(self, options: FluxOptions) -> dict[str, Any]:
         flow = options.flow
-        return {"timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
+        return {"model_type": "flux",  # sd-scripts: --model_type flux|chroma; only FLUX.1 here
+                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
                 "discrete_flow_shift": flow.discrete_flow_shift, "weighting_scheme": flow.weighting_scheme,
                 "logit_mean": flow.logit_mean, "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
                 "model_prediction_type": flow.model_prediction_type, "guidance_scale": options.guidance_scale,
@@ -288,6 +290,9 @@ class FluxFamily(ModelFamily):
 
     def modelspec_implementation(self) -> str:
         return BFL_IMPLEMENTATION
+
+    def modelspec_prediction_type(self, components: Components) -> Optional[str]:
+        return None  # sd-scripts writes no prediction type for FLUX.1
 
     # --- memory -----------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:

@@ -23,7 +23,7 @@ from library.families.clip_text import (
 from library.families.loading import load_sd_components
 from library.families.sd_generate import generate_sd
 from library.objectives.noise import DDPMScheme
-from networks.lora_targets import LoraTarget
+from networks.lora_targets import LoraTarget, outside_block_targets
 
 UNET_TARGETS = ("Transformer2DModel",)
 UNET_CONV_TARGETS = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
@@ -84,6 +84,8 @@ class SDFamily(ModelFamily):
             LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS),
             LoraTarget("lora_te", components.text_encoders[0], TEXT_ENCODER_TARGETS, is_text_encoder=True,
                        rename=text_encoder_kohya_path),
+            # conv_in, conv_out, time_embedding: only when a file has them (LyCORIS preset=full)
+            *outside_block_targets(components.denoiser, "lora_unet"),
         ]
 
     def single_file_state_dict(self, components: Components) -> dict[str, torch.Tensor]:

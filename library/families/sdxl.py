@@ -30,11 +30,12 @@ from library.families.sdxl_loading import load_sdxl_components
 from library.families.sdxl_lora_names import (
     convert_to_sgm_names,
     is_diffusers_named,
+    sgm_lora_name,
     sgm_module_path,
 )
 from library.objectives.noise import DDPMScheme
 from networks.lora_args import BlockLayout, sdxl_block_layout
-from networks.lora_targets import LoraTarget
+from networks.lora_targets import LoraTarget, outside_block_targets
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class SDXLFamily(ModelFamily):
             LoraTarget("lora_unet", components.denoiser, UNET_TARGETS, UNET_CONV_TARGETS, rename=sgm_module_path),
             LoraTarget("lora_te1", te1, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
             LoraTarget("lora_te2", te2, TEXT_ENCODER_TARGETS, is_text_encoder=True, rename=text_encoder_kohya_path),
+            # input_blocks.0.0 (conv_in), out.2 (conv_out), time_embed, label_emb: only when a file has them
+            # (LyCORIS preset=full)
+            *outside_block_targets(components.denoiser, "lora_unet", rename=sgm_module_path),
         ]
 
     def lora_block_layout(self) -> BlockLayout:
@@ -127,6 +131,9 @@ class SDXLFamily(ModelFamily):
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
         """A LoRA state dict in this family's kohya naming; diffusers-named SDXL files are renamed to SGM."""
         return convert_to_sgm_names(state_dict) if is_diffusers_named(state_dict) else state_dict
+
+    def canonical_lora_name(self, name: str) -> str:
+        return sgm_lora_name(name)
 
     # --- metadata -----------------------------------------------------------------------
     def _parts(self, components: Components) -> dict:

@@ -38,6 +38,8 @@ _TOP_LAYERS = ("time_embedding.linear_1", "time_embedding.linear_2", "add_embedd
                "add_embedding.linear_2", "conv_in", "conv_out")
 _SGM_TOP = {sgm_module_path(p): p for p in _TOP_LAYERS}
 _SGM_RESNET = {sgm_module_path(f"mid_block.resnets.0.{t}").split(".", 2)[2]: t for t in _RESNET_TAILS}
+# Kohya names (without the prefix) of the top-level layers by diffusers path -> by SGM path.
+_DIFFUSERS_TOP = {p.replace(".", "_"): sgm.replace(".", "_") for sgm, p in _SGM_TOP.items()}
 _SGM_BLOCK = re.compile(r"^(input_blocks|middle_block|output_blocks)\.(\d+)\.?(\d+)?\.(.+)$")
 
 
@@ -84,6 +86,8 @@ def sgm_lora_name(name: str) -> str:
     if not name.startswith(UNET_PREFIX):
         return name
     rest = name[len(UNET_PREFIX):]
+    if rest in _DIFFUSERS_TOP:  # conv_in, conv_out, time_embedding_linear_1, add_embedding_linear_2, ...
+        return UNET_PREFIX + _DIFFUSERS_TOP[rest]
     m = _DIFFUSERS_BLOCK.match(rest)
     if not m:
         return name
@@ -101,6 +105,7 @@ def sgm_lora_name(name: str) -> str:
 def is_diffusers_named(state_dict: Mapping[str, torch.Tensor]) -> bool:
     """True when a LoRA state dict names SDXL UNet modules by diffusers paths or uses diffusers/PEFT keys."""
     return any(k.startswith(("lora_unet_down_blocks_", "lora_unet_up_blocks_", "lora_unet_mid_block_"))
+               or k.partition(".")[0][len(UNET_PREFIX):] in _DIFFUSERS_TOP and k.startswith(UNET_PREFIX)
                or _PEFT_KEY.match(k) for k in state_dict)
 
 

@@ -54,6 +54,19 @@ def network_specs(modules: Sequence[str], weights: Sequence[str], multipliers: S
     return [NetworkSpec(m, w, float(x)) for m, w, x in zip(modules, weights, muls)]
 
 
+def _check_every_module_applies(spec: NetworkSpec, network, weights_sd: dict) -> None:
+    """Stop with one line naming the file's modules that fit no layer of the model (they used to be dropped)."""
+    built = {lora.lora_name for lora in getattr(network, "text_encoder_loras", []) + getattr(network, "unet_loras", [])}
+    if not built:
+        return  # a network module without sd-scripts' module lists: nothing to compare
+    names = sorted({key.partition(".")[0] for key in weights_sd if "." in key})
+    unmatched = [n for n in names if n not in built]
+    if unmatched:
+        shown = ", ".join(unmatched[:6]) + (f", ... ({len(unmatched)} in all)" if len(unmatched) > 6 else "")
+        raise ConfigError(f"--network_weights {spec.weights}: {len(unmatched)} of its {len(names)} modules match no "
+                          f"layer of this model with --network_module {spec.module}: {shown}")
+
+
 def apply_networks(family: ModelFamily, components: Components, specs: Sequence[NetworkSpec], merge: bool,
                    device: torch.device, dtype: torch.dtype) -> AppliedNetworks:
     """Load each network file and merge it into the weights (`merge`) or hook it in at its multiplier."""
@@ -65,6 +78,7 @@ def apply_networks(family: ModelFamily, components: Components, specs: Sequence[
         kind = network_kind(spec.module)
         network, weights_sd = kind.create_from_file(family, components, spec.weights, spec.multiplier,
                                                     for_inference=True)
+        _check_every_module_applies(spec, network, weights_sd)
         if merge:
             if hasattr(network, "is_mergeable") and not network.is_mergeable():
                 raise ConfigError(f"--merge: {spec.weights} ({spec.module}) cannot be merged; drop --merge")

@@ -35,6 +35,15 @@ logger = logging.getLogger(__name__)
 # Where to get network modules that are not part of this toolkit.
 KNOWN_PACKAGES = {"lycoris": "lycoris-lora"}
 OWN_LORA = "networks.lora"
+# sd-scripts' per-family LoRA modules; here every one of them names the project's LoRA (networks.lora),
+# so sd-scripts command lines (FLUX.1: --network_module networks.lora_flux) run unchanged. Saved files
+# record the family's own name (ModelFamily.lora_network_module), as sd-scripts' files do.
+OWN_LORA_NAMES = (OWN_LORA, "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina", "networks.lora_anima")
+
+
+def is_own_lora(name: str) -> bool:
+    """Whether --network_module `name` is the project's LoRA (networks.lora or one of sd-scripts' per-family names)."""
+    return name in OWN_LORA_NAMES
 
 
 def import_network_module(name: str) -> ModuleType:
@@ -75,6 +84,10 @@ class NetworkKind:
         """Module name -> kohya name for saving (None: the names are kohya names already)."""
         return kohya_name_map(family.lora_targets(components))
 
+    def metadata_module(self, family: ModelFamily) -> str:
+        """What saved files record as ss_network_module: the module name as given."""
+        return self.name
+
     def create(self, family: ModelFamily, components: Components, opts: NetworkOptions, fp8_base: bool = False) -> Any:
         """create_network with the --network_* options; a module's own argument errors become one line."""
         kwargs = self.create_kwargs(family, components, opts, fp8_base)
@@ -111,7 +124,9 @@ class OwnLoRA(NetworkKind):
         return {**opts.network_args, **self._family_kwargs(family, components)}
 
     def file_kwargs(self, path, family, components):
-        return self._family_kwargs(family, components)
+        # the file in the family's naming, e.g. a LyCORIS full-preset SDXL file's lora_unet_conv_in as
+        # lora_unet_input_blocks_0_0, so that no module is dropped for its spelling
+        return {**self._family_kwargs(family, components), "weights_sd": self.state_dict_in_family_names(family, path)}
 
     def name_map(self, family, components):
         return None
@@ -122,9 +137,18 @@ class OwnLoRA(NetworkKind):
                                           components.vae, text_encoders_arg(components), components.denoiser,
                                           neuron_dropout=opts.network_dropout, **kwargs)
 
+    def metadata_module(self, family: ModelFamily) -> str:
+        """The family's sd-scripts module name, whichever alias was given."""
+        return family.lora_network_module
+
     def state_dict_in_family_names(self, family: ModelFamily, path: str) -> dict:
         """A LoRA file's tensors in the family's kohya naming (e.g. a diffusers-named SDXL file renamed)."""
-        return family.convert_lora_state_dict(self.module.load_state_dict(path))
+        state = family.convert_lora_state_dict(self.module.load_state_dict(path))
+        renamed = {}
+        for key, value in state.items():
+            name, dot, rest = key.partition(".")
+            renamed[family.canonical_lora_name(name) + dot + rest] = value
+        return renamed
 
 
 class ExternalNetwork(NetworkKind):
@@ -142,6 +166,22 @@ class LycorisNetwork(ExternalNetwork):
             kwargs["bypass_mode"] = "True"
         kwargs["preset"] = self._registered_preset(str(kwargs.get("preset", "full")), family, components)
         return kwargs
+
+    def create_from_file(self, family, components, path, multiplier, for_inference=False, **extra):
+        """LyCORIS builds a network from its class-wide preset before it reads the file's modules, and throws
+        those modules away: with its default `full` preset on a diffusers UNet that first build names
+        time_embedding.linear_1 twice and stops ("duplicated lora name"). Build it with an empty preset
+        (also faster), then restore the preset."""
+        from lycoris.kohya import LycorisNetworkKohya as cls
+
+        saved = {name: getattr(cls, name) for name in _LYCORIS_PRESET_ATTRS}
+        cls.apply_preset({"unet_target_module": [], "unet_target_name": [], "text_encoder_target_module": [],
+                          "text_encoder_target_name": []})
+        try:
+            return super().create_from_file(family, components, path, multiplier, for_inference, **extra)
+        finally:
+            for name, value in saved.items():
+                setattr(cls, name, value)
 
     def _registered_preset(self, preset: str, family: ModelFamily, components: Components) -> str:
         """The name under which the fitted preset is registered in LyCORIS' preset table."""
@@ -163,11 +203,17 @@ class LycorisNetwork(ExternalNetwork):
         return name
 
 
+# The class attributes LycorisNetworkKohya.apply_preset sets.
+_LYCORIS_PRESET_ATTRS = ("ENABLE_CONV", "UNET_TARGET_REPLACE_MODULE", "UNET_TARGET_REPLACE_NAME",
+                         "TEXT_ENCODER_TARGET_REPLACE_MODULE", "TEXT_ENCODER_TARGET_REPLACE_NAME", "MODULE_ALGO_MAP",
+                         "NAME_ALGO_MAP", "USE_FNMATCH", "TARGET_EXCLUDE_NAME")
+
+
 def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
+    if is_own_lora(name):
+        return OwnLoRA(name, import_network_module(OWN_LORA))
     module = import_network_module(name)
-    if name == OWN_LORA:
-        return OwnLoRA(name, module)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)
     return ExternalNetwork(name, module)

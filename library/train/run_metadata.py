@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
-from library.core.hashes import file_legacy_hash, file_sha256
+from accelerate.state import PartialState
+
+from library.core.hashes import cached_file_hashes
 from library.core.metadata import modelspec_metadata, training_metadata
 from library.data.dataset import TrainingData
 from library.families.base import Components, ModelFamily
@@ -30,12 +31,45 @@ class RunFacts:
     ss_optimizer: str
 
 
-@functools.lru_cache(maxsize=16)
 def _file_hashes(path: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(legacy hash, sha256) of a model file, computed once per process; (None, None) for folders/presets."""
+    """(legacy hash, sha256) of a model file, as sd-scripts writes them; (None, None) for a diffusers folder, a
+    hub id or a preset (sd-scripts writes "IsADirectory" for a folder). Cached by path, mtime and size, so a
+    multi-GB checkpoint is read once, not at every save nor at every run."""
     if not path or not os.path.isfile(path):
         return None, None
-    return file_legacy_hash(path), file_sha256(path)
+    try:
+        return cached_file_hashes(path)
+    except OSError:
+        return None, None
+
+
+def _model_name(path: Optional[str]) -> Optional[str]:
+    """ss_sd_model_name / ss_vae_name: the base name of an existing file or folder, otherwise the text given
+    (a hub id, a preset), as sd-scripts records it."""
+    if not path:
+        return None
+    return os.path.basename(os.path.normpath(path)) if os.path.exists(path) else path
+
+
+def _num_processes() -> int:
+    try:
+        return int(PartialState().num_processes)
+    except (RuntimeError, ValueError):
+        return 1
+
+
+def _timestep_range(min_timestep: Optional[int], max_timestep: Optional[int]) -> Optional[tuple[int, int]]:
+    """modelspec.timestep_range as sd-scripts fills it: absent unless a bound is given; a missing bound is 0 / 1000."""
+    if min_timestep is None and max_timestep is None:
+        return None
+    return (0 if min_timestep is None else min_timestep, 1000 if max_timestep is None else max_timestep)
+
+
+def _network_module(settings: RunSettings, family: ModelFamily) -> Any:
+    """ss_network_module: the family's sd-scripts module for the project's LoRA (FLUX.1: networks.lora_flux),
+    otherwise the module given."""
+    kind = settings.network_kind
+    return kind.metadata_module(family) if kind is not None else settings.network.network_module
 
 
 def lora_metadata(family: ModelFamily, components: Components, settings: RunSettings, data: TrainingData,
@@ -43,7 +77,7 @@ def lora_metadata(family: ModelFamily, components: Components, settings: RunSett
     """Every ss_* and modelspec.* key of a LoRA saved now."""
     s, c = settings, components
     model_path = c.model_path or s.model.pretrained_model_name_or_path
-    model_legacy, model_sha = _file_hashes(c.model_path)
+    model_legacy, model_sha = _file_hashes(model_path)
     vae_legacy, vae_sha = _file_hashes(s.model.vae)
     run = dict(s.recorded_flags)
     run.update({
@@ -52,12 +86,14 @@ def lora_metadata(family: ModelFamily, components: Components, settings: RunSett
         "num_epochs": facts.num_epochs, "max_train_steps": facts.max_train_steps,
         "num_batches_per_epoch": facts.batches_per_epoch, "seed": facts.seed,
         "optimizer": facts.ss_optimizer, "base_model_version": family.base_model_version(c),
-        "sd_model_name": os.path.basename(os.path.normpath(model_path)),
+        "sd_model_name": _model_name(model_path),
         "sd_model_hash": model_legacy, "new_sd_model_hash": model_sha,
-        "vae_name": os.path.basename(s.model.vae) if s.model.vae else None,
+        "vae_name": _model_name(s.model.vae),
         "vae_hash": vae_legacy, "new_vae_hash": vae_sha,
         "dataset_metadata": data.metadata(),
-        "network_module": s.network.network_module,
+        "network_module": _network_module(s, family),
+        "cache_latents": s.data.cache_latents,  # as used: --cache_latents_to_disk implies it
+        "total_batch_size": s.data.train_batch_size * _num_processes() * s.training.gradient_accumulation_steps,
         "network_dim": s.network.network_dim, "network_alpha": s.network.network_alpha,
         "network_args": s.network.network_args,
         "v2": c.v2, "v_parameterization": c.v_parameterization,
@@ -69,8 +105,8 @@ def lora_metadata(family: ModelFamily, components: Components, settings: RunSett
     metadata.update(modelspec_metadata(
         architecture=family.modelspec_architecture(c, reso[0]),
         implementation=family.modelspec_implementation(), title=s.training.output_name,
-        resolution=reso, prediction_type="v" if c.v_parameterization else "epsilon",
-        timestep_range=(s.noise.min_timestep, s.noise.max_timestep),
+        resolution=reso, prediction_type=family.modelspec_prediction_type(c),
+        timestep_range=_timestep_range(s.noise.min_timestep, s.noise.max_timestep),
         encoder_layer=s.text.clip_skip, date=None, is_lora=True, extra=s.network.metadata))
     return metadata
 

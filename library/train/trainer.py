@@ -177,7 +177,7 @@ class Trainer:
             return
         vae = self.components.vae
         vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
-                                 self.family.latent_cache_values(self.family.options(self.components)))
+                                 self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
         self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
                                 vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                 num_workers=d.data_loader_workers())
