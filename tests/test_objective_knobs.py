@@ -395,3 +395,60 @@ def test_run_with_knobs_resumes_bitwise_and_records_effective_lr(tmp_path, monke
     resumed = make_trainer(base_args(data, out_b, steps=steps, extra=extra + ["--resume", "auto"])).run()
     a, b = load_file(straight), load_file(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_flux_lora_run_with_bias_and_scale_lr(tmp_path, monkeypatch):
+    from tests.train_helpers import base_args, make_dataset, make_trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+    original = FlowMatchScheme.sample_timesteps
+
+    def spy(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen.append((kwargs.get("bias"), out))
+        return out
+
+    monkeypatch.setattr(FlowMatchScheme, "sample_timesteps", spy)
+    import signal
+
+    from safetensors.torch import load_file
+
+    from library.train.trainer import InterruptedTraining
+
+    data = make_dataset(str(tmp_path), n=2)
+    extra = ["--t5xxl_max_token_length", "8", "--network_train_unet_only", "--timestep_sampling", "sigmoid",
+             "--timestep_bias_strategy", "range", "--timestep_bias_begin", "400", "--timestep_bias_end", "600",
+             "--timestep_bias_multiplier", "4", "--scale_lr"]
+    trainer = make_trainer(base_args(data, str(tmp_path / "a"), "tiny:flux", steps=4, extra=extra), "flux")
+    straight = trainer.run()
+    assert trainer.s.optimizer.learning_rate == pytest.approx(1e-3)  # 1e-3 x 1 x batch 1 x 1
+    assert len(seen) == 4 and all(b == TimestepBias("range", 4.0, 400, 600) for b, _ in seen)
+
+    # acceptance-rejection draws a varying number of values: a resumed run still replays them exactly
+    def stop_at(trainer, event, step):
+        if event == "step" and step == 2:
+            trainer._on_signal(signal.SIGTERM, None)
+
+    first = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:flux", steps=4, extra=extra), "flux")
+    first.s.hooks.append(stop_at)
+    with pytest.raises(InterruptedTraining):
+        first.run()
+    resumed = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:flux", steps=4,
+                                     extra=extra + ["--resume", "auto"]), "flux").run()
+    a, b = load_file(straight), load_file(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert len(seen) == 8  # 4 straight, 2 before the stop, 2 after the resume: the same timesteps
+    assert torch.equal(torch.cat([t for _, t in seen[:4]]), torch.cat([t for _, t in seen[4:]]))
+
+
+@pytest.mark.parametrize("family_name", ["sd", "sdxl", "flux"])
+@pytest.mark.parametrize("fine_tune", [False, True])
+def test_every_training_script_takes_the_knobs(family_name, fine_tune):
+    from library.cli.entry import build_parser
+
+    parser = build_parser("", get_family(family_name), fine_tune)
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert {"--timestep_bias_strategy", "--timestep_bias_multiplier", "--timestep_bias_begin", "--timestep_bias_end",
+            "--timestep_bias_portion", "--prediction_type", "--rescale_zero_terminal_snr", "--timestep_spacing",
+            "--noise_scheduler_overrides", "--soft_min_snr_gamma", "--scale_lr"} <= flags
