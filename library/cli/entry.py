@@ -66,7 +66,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
                           f"{family.external_networks_unsupported}")
     # A drawn seed and implied checkpointing are what the data layer and the metadata must see.
-    recorded = {**vars(ns), "seed": training.seed, "gradient_checkpointing": gradient_checkpointing}
+    recorded = {**vars(ns), "seed": training.seed, "gradient_checkpointing": gradient_checkpointing, "learning_rate": optimizer.learning_rate}
     settings = RunSettings(
         model=model,
         data=data_options_from_args(ns, seed=training.seed),

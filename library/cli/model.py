@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from library.cli.noise_loss import noise_schedule_from_args, prediction_type_from_args
 from library.core.errors import ConfigError
 from library.families.base import LoadOptions
 from library.train.settings import TextEncodingOptions
@@ -25,7 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--v2", action="store_true",
                    help="the base model is Stable Diffusion 2.x (detected from the model; kept for compatibility)")
     g.add_argument("--v_parameterization", action="store_true",
-                   help="train with v-prediction (SD 2.x 768-v models); the weights cannot tell, so set it yourself")
+                   help="train with v-prediction (SD 2.x 768-v models); the weights cannot tell, so set it yourself "
+                        "(the same setting as --prediction_type v_prediction)")
     g.add_argument("--clip_skip", type=int, default=None,
                    help="use the output of the n-th text encoder layer from the end (2 = penultimate)")
     g.add_argument("--max_token_length", type=int, default=None, choices=[75, 150, 225],
@@ -67,7 +69,8 @@ def load_options_from_args(ns: argparse.Namespace, family_options: Any = None) -
         pretrained_model_name_or_path=path,
         vae=getattr(ns, "vae", None),
         v2=bool(getattr(ns, "v2", False)),
-        v_parameterization=bool(getattr(ns, "v_parameterization", False)),
+        v_parameterization=prediction_type_from_args(ns) == "v_prediction",
+        noise_schedule=noise_schedule_from_args(ns),
         dtype=dtype,
         vae_dtype=torch.float32 if getattr(ns, "no_half_vae", False) else dtype,
         tokenizer_cache_dir=getattr(ns, "tokenizer_cache_dir", None),

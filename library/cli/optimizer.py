@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from library.core.errors import ConfigError
 from library.train.lr_schedulers import (
@@ -27,6 +28,9 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
                         "DAdaptAdanIP, DAdaptLion, DAdaptSGD, Prodigy, AdaFactor, RAdamScheduleFree, AdamWScheduleFree, "
                         "SGDScheduleFree, or a class path like torch.optim.RMSprop")
     g.add_argument("--learning_rate", type=float, default=2e-6, help="learning rate (default 2e-6)")
+    g.add_argument("--scale_lr", action="store_true",
+                   help="multiply --learning_rate by processes x --train_batch_size x --gradient_accumulation_steps "
+                        "(the lr recorded in the metadata is the product)")
     g.add_argument("--optimizer_args", type=str, default=None, nargs="*",
                    help='optimizer keyword arguments as Python literals: "weight_decay=0.01" "betas=(0.9,0.99)"')
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="clip gradients to this norm; 0 turns clipping off")
@@ -52,15 +56,45 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
                    help='keyword arguments of the scheduler as Python literals: "step_size=100" "gamma=0.5"')
 
 
+# Learning rates of single parts: --scale_lr scales --learning_rate only, so it refuses to run beside them.
+_PART_LR_FLAGS = ("unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1", "learning_rate_te2")
+
+
+def num_processes() -> int:
+    """How many training processes this launch runs: accelerate / torchrun's WORLD_SIZE, else 1."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE: expected an integer, got {value!r}") from None
+
+
+def scaled_learning_rate(ns: argparse.Namespace) -> float:
+    """--learning_rate, times processes x --train_batch_size x --gradient_accumulation_steps with --scale_lr."""
+    lr = ns.learning_rate
+    if not getattr(ns, "scale_lr", False):
+        return lr
+    given = [f"--{name}" for name in _PART_LR_FLAGS if getattr(ns, name, None) not in (None, [])]
+    if given:
+        raise ConfigError(f"--scale_lr: scales --learning_rate only, and {', '.join(given)} would stay unscaled; "
+                          "scale those yourself or drop --scale_lr")
+    batch = getattr(ns, "train_batch_size", 1) or 1
+    accumulation = getattr(ns, "gradient_accumulation_steps", 1) or 1
+    return lr * num_processes() * batch * accumulation
+
+
 def optimizer_options_from_args(ns: argparse.Namespace) -> OptimizerOptions:
-    """OptimizerOptions from the parsed flags; bad values raise ConfigError naming the flag."""
+    """OptimizerOptions from the parsed flags; bad values raise ConfigError naming the flag.
+
+    `learning_rate` is the effective one: scaled by --scale_lr (scaled_learning_rate).
+    """
     if not ns.learning_rate >= 0:
         raise ConfigError(f"--learning_rate: expected a number >= 0, got {ns.learning_rate}")
     if ns.max_grad_norm is not None and ns.max_grad_norm < 0:
         raise ConfigError(f"--max_grad_norm: expected a number >= 0 (0 = no clipping), got {ns.max_grad_norm}")
     options = OptimizerOptions(
         optimizer_type=ns.optimizer_type or "",
-        learning_rate=ns.learning_rate,
+        learning_rate=scaled_learning_rate(ns),
         optimizer_args=parse_optimizer_args(ns.optimizer_args),
         max_grad_norm=ns.max_grad_norm or 0.0,
         use_8bit_adam=bool(getattr(ns, "use_8bit_adam", False)),

@@ -17,7 +17,7 @@ from torch import nn
 
 from library.core.errors import UserError
 from library.families import model_saving
-from library.objectives.noise import NoiseScheme
+from library.objectives.noise import DDPMSchedule, NoiseScheme
 from networks.lora_args import BlockLayout
 from networks.lora_targets import LoraTarget
 
@@ -47,6 +47,8 @@ class LoadOptions:
     dtype: torch.dtype = torch.float32
     vae_dtype: torch.dtype = torch.float32
     tokenizer_cache_dir: Optional[str] = None
+    # DDPM schedule overrides (--noise_scheduler_overrides, --timestep_spacing); None: the family's own schedule.
+    noise_schedule: Optional[DDPMSchedule] = None
     # The family's own options (an instance of its options_type; None: the defaults). Loading may need them
     # (FLUX.1's --clip_l / --t5xxl / --ae) and the loaded Components carry them for every later call.
     family_options: Any = None
@@ -69,6 +71,7 @@ class Components:
     model_path: str = ""  # what the user passed (for ss_sd_model_name and hashes)
     vae_path: Optional[str] = None
     options: Any = None  # the family's options of this run (LoadOptions.family_options, defaults filled in)
+    noise_schedule: Optional[DDPMSchedule] = None  # LoadOptions.noise_schedule: training scheme and sample images
 
 
 

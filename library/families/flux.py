@@ -115,6 +115,12 @@ class FluxFamily(ModelFamily):
         """DDPM-only flags, a missing --clip_l / --t5xxl / --ae or too many blocks to swap: named now, before the
         data scan (block counts come from the preset, config.json or the file header; no weights are read)."""
         check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
+        if model.v_parameterization:
+            raise ConfigError("--v_parameterization / --prediction_type v_prediction: only for DDPM models; FLUX.1 "
+                              "predicts a velocity (see --model_prediction_type)")
+        if model.noise_schedule is not None:
+            raise ConfigError("--noise_scheduler_overrides / --timestep_spacing: only for DDPM models; FLUX.1's "
+                              "schedule is set by --timestep_sampling and --discrete_flow_shift")
         path = model.pretrained_model_name_or_path
         if path:
             check_model_source(path, options)
@@ -274,7 +280,7 @@ class FluxFamily(ModelFamily):
         return flux_saving.bfl_tensors(components.denoiser)
 
     def pipeline_folder(self, components: Components) -> tuple[dict, dict]:
-        """A whole FluxPipeline folder (not a transformer-only one): it loads back with every part and no flags."""
+        """A whole FluxPipeline folder (not a transformer-only one): it loads back with every part, no flags needed."""
         clip, t5 = components.text_encoders
         return flux_saving.pipeline_folder({"transformer": components.denoiser, "vae": components.vae,
                                             "text_encoder": clip, "text_encoder_2": t5,

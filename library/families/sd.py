@@ -55,7 +55,9 @@ class SDFamily(ModelFamily):
 
     def load(self, opts: LoadOptions) -> Components:
         """Load a diffusers folder, a single-file checkpoint, a hub id from the local cache, or a preset."""
-        return load_sd_components(opts)
+        components = load_sd_components(opts)
+        components.noise_schedule = opts.noise_schedule
+        return components
 
     def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
         return [chunk_token_ids(components.tokenizers[0], captions, max_token_length)]
@@ -66,8 +68,9 @@ class SDFamily(ModelFamily):
         return TextConditioning(tensors={"encoder_hidden_states": states})
 
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> DDPMScheme:
-        return DDPMScheme(prediction_type="v_prediction" if components.v_parameterization else "epsilon",
-                          zero_terminal_snr=zero_terminal_snr)
+        return DDPMScheme.from_schedule(getattr(components, "noise_schedule", None),
+                                        "v_prediction" if components.v_parameterization else "epsilon",
+                                        zero_terminal_snr)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:

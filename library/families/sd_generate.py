@@ -139,7 +139,9 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
         raise ValueError("generate_ddpm: a batch must share size, steps, scale and sampler")
     unet, vae = components.denoiser, components.vae
     prediction = "v_prediction" if components.v_parameterization else "epsilon"
-    config = {**(scheduler_config or SD_SCHEDULER_CONFIG), "prediction_type": prediction}
+    schedule = getattr(components, "noise_schedule", None)  # --noise_scheduler_overrides, --timestep_spacing
+    overrides = schedule.sampler_config() if schedule is not None else {}
+    config = {**(scheduler_config or SD_SCHEDULER_CONFIG), **overrides, "prediction_type": prediction}
     scheduler = make_scheduler(first.sampler, config, kind="ddpm")
     scheduler.set_timesteps(first.steps, device=device)
 

@@ -67,7 +67,9 @@ class SDXLFamily(ModelFamily):
     # --- loading ----------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
-        return load_sdxl_components(opts)
+        components = load_sdxl_components(opts)
+        components.noise_schedule = opts.noise_schedule
+        return components
 
     # --- text ---------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
@@ -94,8 +96,9 @@ class SDXLFamily(ModelFamily):
 
     # --- denoising ------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> DDPMScheme:
-        return DDPMScheme(prediction_type="v_prediction" if components.v_parameterization else "epsilon",
-                          zero_terminal_snr=zero_terminal_snr)
+        return DDPMScheme.from_schedule(getattr(components, "noise_schedule", None),
+                                        "v_prediction" if components.v_parameterization else "epsilon",
+                                        zero_terminal_snr)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 
 from library.core.errors import ConfigError
 from library.objectives.noise import rand, randn
+from library.objectives.timestep_bias import TimestepBias, biased_continuous_timesteps
 
 TIMESTEP_SAMPLINGS = ("sigma", "uniform", "sigmoid", "shift", "flux_shift")
 WEIGHTING_SCHEMES = ("uniform", "none", "logit_normal", "mode", "cosmap", "sigma_sqrt")
@@ -169,9 +170,18 @@ class FlowMatchScheme:
 
     def sample_timesteps(self, batch_size: int, min_timestep: Optional[int] = None,
                          max_timestep: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                         device="cpu", latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """Timesteps σ·1000 (B,) float32. --min_timestep/--max_timestep are refused when the flags are read (check_flow_compatible)."""
-        return (self.sample_sigmas(batch_size, generator, latent_shape) * NUM_TRAIN_TIMESTEPS).to(device)
+                         device="cpu", latent_shape: Optional[Sequence[int]] = None,
+                         bias: Optional[TimestepBias] = None) -> torch.Tensor:
+        """Timesteps σ·1000 (B,) float32. --min_timestep/--max_timestep are refused when the flags are read (check_flow_compatible).
+
+        An active `bias` reweights the sampler's density by its weights on σ·1000 (acceptance-rejection).
+        """
+        def propose(k: int) -> torch.Tensor:
+            return self.sample_sigmas(k, generator, latent_shape) * NUM_TRAIN_TIMESTEPS
+
+        if bias is not None and bias.active:
+            return biased_continuous_timesteps(bias, batch_size, propose, NUM_TRAIN_TIMESTEPS, generator).to(device)
+        return propose(batch_size).to(device)
 
     @staticmethod
     def sigma_of(timesteps: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@
 1. elementwise loss (l2 / l1 / huber / smooth_l1), x mask (area-resized to the
    latent size, not renormalised by the mask's sum);
 2. per-sample mean, x loss weight (e.g. the regularisation-image weight);
-3. min-SNR-gamma weight;
+3. min-SNR-gamma weight (or its soft form, soft_min_snr_gamma);
 4. scale_v_pred_loss_like_noise_pred;
 5. v_pred_like_loss;
 6. debiased estimation;
@@ -43,6 +43,7 @@ class LossOptions:
     huber_c: float = 0.1
     huber_scale: float = 1.0
     min_snr_gamma: Optional[float] = None
+    soft_min_snr_gamma: Optional[float] = None
     scale_v_pred_loss_like_noise_pred: bool = False
     v_pred_like_loss: Optional[float] = None
     debiased_estimation_loss: bool = False
@@ -73,6 +74,7 @@ def check_loss_options(options: LossOptions, scheme) -> None:
     if not _has_snr(scheme):
         for flag, value in (
             ("--min_snr_gamma", options.min_snr_gamma),
+            ("--soft_min_snr_gamma", options.soft_min_snr_gamma),
             ("--scale_v_pred_loss_like_noise_pred", options.scale_v_pred_loss_like_noise_pred),
             ("--v_pred_like_loss", options.v_pred_like_loss),
             ("--debiased_estimation_loss", options.debiased_estimation_loss),
@@ -82,6 +84,10 @@ def check_loss_options(options: LossOptions, scheme) -> None:
         return
     if options.min_snr_gamma is not None and not options.min_snr_gamma > 0:
         raise ConfigError(f"--min_snr_gamma: expected a number > 0, got {options.min_snr_gamma}")
+    if options.soft_min_snr_gamma is not None and not options.soft_min_snr_gamma > 0:
+        raise ConfigError(f"--soft_min_snr_gamma: expected a number > 0, got {options.soft_min_snr_gamma}")
+    if options.min_snr_gamma and options.soft_min_snr_gamma:
+        raise ConfigError("--soft_min_snr_gamma: replaces --min_snr_gamma; set only one of them")
     if options.scale_v_pred_loss_like_noise_pred and not _is_v_pred(scheme):
         raise ConfigError("--scale_v_pred_loss_like_noise_pred: only valid with --v_parameterization")
     if options.v_pred_like_loss and _is_v_pred(scheme):
@@ -144,6 +150,16 @@ def min_snr_weight(snr: torch.Tensor, gamma: float, v_prediction: bool) -> torch
     return clipped / (snr + 1) if v_prediction else clipped / snr
 
 
+def soft_min_snr_weight(snr: torch.Tensor, gamma: float, v_prediction: bool) -> torch.Tensor:
+    """Soft min-SNR: min-SNR with min(SNR, gamma) replaced by the smooth SNR·gamma / (SNR + gamma).
+
+    eps: gamma / (SNR + gamma);  v: SNR·gamma / ((SNR + gamma)(SNR + 1)).
+    """
+    if v_prediction:
+        return snr * gamma / ((snr + gamma) * (snr + 1))
+    return gamma / (snr + gamma)
+
+
 def v_pred_noise_scale(snr: torch.Tensor) -> torch.Tensor:
     """SNR / (SNR + 1) with SNR capped at 1000: scales a v-pred loss to an eps-pred loss's size."""
     capped = torch.clamp(snr, max=SNR_CAP)
@@ -179,13 +195,15 @@ def training_loss(
     if loss_weights is not None:
         per_sample = per_sample * loss_weights.to(per_sample)
 
-    uses_snr = (options.min_snr_gamma or options.scale_v_pred_loss_like_noise_pred
+    uses_snr = (options.min_snr_gamma or options.soft_min_snr_gamma or options.scale_v_pred_loss_like_noise_pred
                 or options.v_pred_like_loss or options.debiased_estimation_loss)
     if uses_snr:
         snr = scheme.snr(timesteps).float().to(per_sample.device)
         v_pred = _is_v_pred(scheme)
         if options.min_snr_gamma:
             per_sample = per_sample * min_snr_weight(snr, options.min_snr_gamma, v_pred)
+        if options.soft_min_snr_gamma:
+            per_sample = per_sample * soft_min_snr_weight(snr, options.soft_min_snr_gamma, v_pred)
         if options.scale_v_pred_loss_like_noise_pred:
             per_sample = per_sample * v_pred_noise_scale(snr)
         if options.v_pred_like_loss:

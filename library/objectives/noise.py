@@ -11,6 +11,7 @@ saves and restores the generator state resumes with the exact same noise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
@@ -18,8 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from library.core.errors import ConfigError
+from library.objectives.timestep_bias import TimestepBias, biased_integer_timesteps
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+BETA_SCHEDULES = ("scaled_linear", "linear", "squaredcos_cap_v2")
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
 # SNR at a zero-terminal-SNR timestep is exactly 0, which turns the min-SNR and
 # debiased weights into 0/0 or 1/0. Flooring it keeps every weight finite and at
@@ -55,7 +59,8 @@ class NoiseScheme(Protocol):
     """What the loop and the losses ask of a training scheme (DDPMScheme here, flow.FlowMatchScheme)."""
     def sample_timesteps(self, batch_size: int, min_timestep: Optional[int] = None,
                          max_timestep: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                         device: Any = "cpu", latent_shape: Optional[Sequence[int]] = None) -> torch.Tensor: ...
+                         device: Any = "cpu", latent_shape: Optional[Sequence[int]] = None,
+                         bias: Optional[TimestepBias] = None) -> torch.Tensor: ...
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor: ...
 
@@ -68,13 +73,63 @@ class NoiseScheme(Protocol):
     def sigmas(self, timesteps: torch.Tensor) -> torch.Tensor: ...
 
 
-class DDPMScheme:
-    """The scaled-linear DDPM forward process used by Stable Diffusion.
+@dataclass(frozen=True)
+class DDPMSchedule:
+    """The DDPM noise-schedule settings a run may override (--noise_scheduler_overrides, --timestep_spacing,
+    --zero_terminal_snr). Defaults are Stable Diffusion's (SD 1.x, 2.x and SDXL ship the same schedule)."""
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    beta_schedule: str = "scaled_linear"
+    zero_terminal_snr: bool = False  # rescale_betas_zero_snr in a scheduler config
+    timestep_spacing: Optional[str] = None  # sampling only: training draws every integer timestep
 
-    Numerically identical to diffusers' `DDPMScheduler(beta_schedule="scaled_linear")`
-    (and, with `zero_terminal_snr`, to its `rescale_betas_zero_snr=True`): the betas
-    are built in float32 exactly as diffusers does, because that is what
-    sd-scripts trains with and bit-equal noising keeps results reproducible.
+    def check(self) -> None:
+        """One-line ConfigError for a value the schedule cannot use."""
+        if isinstance(self.num_train_timesteps, bool) or not isinstance(self.num_train_timesteps, int) \
+                or self.num_train_timesteps < 2:
+            raise ConfigError(f"num_train_timesteps: expected an integer >= 2, got {self.num_train_timesteps!r}")
+        if self.beta_schedule not in BETA_SCHEDULES:
+            raise ConfigError(f"beta_schedule: expected one of {', '.join(BETA_SCHEDULES)}, got {self.beta_schedule!r}")
+        if not 0 < self.beta_start < 1 or not 0 < self.beta_end < 1:
+            raise ConfigError(f"beta_start/beta_end: expected numbers in (0, 1), got {self.beta_start} and {self.beta_end}")
+        if self.beta_start > self.beta_end:
+            raise ConfigError(f"beta_start ({self.beta_start}) is above beta_end ({self.beta_end})")
+        if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
+            raise ConfigError(f"timestep_spacing: expected one of {', '.join(TIMESTEP_SPACINGS)}, "
+                              f"got {self.timestep_spacing!r}")
+
+    def sampler_config(self) -> dict:
+        """The diffusers scheduler keys this schedule sets for sample images (zero terminal SNR is training-only)."""
+        config = {"num_train_timesteps": self.num_train_timesteps, "beta_start": self.beta_start,
+                  "beta_end": self.beta_end, "beta_schedule": self.beta_schedule}
+        if self.timestep_spacing is not None:
+            config["timestep_spacing"] = self.timestep_spacing
+        return config
+
+
+def make_betas(beta_schedule: str, num_train_timesteps: int, beta_start: float, beta_end: float) -> torch.Tensor:
+    """float32 betas exactly as diffusers' DDPMScheduler builds them for `beta_schedule`."""
+    if beta_schedule == "scaled_linear":
+        return torch.linspace(beta_start**0.5, beta_end**0.5, num_train_timesteps, dtype=torch.float32) ** 2
+    if beta_schedule == "linear":
+        return torch.linspace(beta_start, beta_end, num_train_timesteps, dtype=torch.float32)
+    if beta_schedule == "squaredcos_cap_v2":  # Nichol & Dhariwal's cosine schedule, beta capped at 0.999
+        def alpha_bar(t: float) -> float:
+            return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+        n = num_train_timesteps
+        return torch.tensor([min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)],
+                            dtype=torch.float32)
+    raise ConfigError(f"beta_schedule: expected one of {', '.join(BETA_SCHEDULES)}, got {beta_schedule!r}")
+
+
+class DDPMScheme:
+    """The DDPM forward process used by Stable Diffusion (scaled-linear betas unless overridden).
+
+    Numerically identical to diffusers' `DDPMScheduler(beta_schedule=...)` (and, with
+    `zero_terminal_snr`, to its `rescale_betas_zero_snr=True`): the betas are built in
+    float32 exactly as diffusers does, because that is what sd-scripts trains with and
+    bit-equal noising keeps results reproducible.
     """
     has_snr = True  # loss weights based on SNR apply (a flow-matching scheme sets False)
 
@@ -85,21 +140,37 @@ class DDPMScheme:
         num_train_timesteps: int = 1000,
         beta_start: float = 0.00085,
         beta_end: float = 0.012,
+        beta_schedule: str = "scaled_linear",
     ):
         if prediction_type not in PREDICTION_TYPES:
             raise ConfigError(f"prediction_type: expected one of {', '.join(PREDICTION_TYPES)}, got {prediction_type!r}")
         self.prediction_type = prediction_type
         self.zero_terminal_snr = zero_terminal_snr
         self.num_train_timesteps = int(num_train_timesteps)
-        betas = torch.linspace(beta_start**0.5, beta_end**0.5, self.num_train_timesteps, dtype=torch.float32) ** 2
+        self.beta_schedule = beta_schedule
+        betas = make_betas(beta_schedule, self.num_train_timesteps, beta_start, beta_end)
         if zero_terminal_snr:
             betas = rescale_betas_zero_terminal_snr(betas)
         self.betas = betas
         self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
 
+    @classmethod
+    def from_schedule(cls, schedule: Optional[DDPMSchedule], prediction_type: str = "epsilon",
+                      zero_terminal_snr: bool = False) -> "DDPMScheme":
+        """The scheme of a run: its schedule overrides (None: SD's), zero terminal SNR if either asks for it."""
+        s = schedule or DDPMSchedule()
+        return cls(prediction_type=prediction_type, zero_terminal_snr=zero_terminal_snr or s.zero_terminal_snr,
+                   num_train_timesteps=s.num_train_timesteps, beta_start=s.beta_start, beta_end=s.beta_end,
+                   beta_schedule=s.beta_schedule)
+
     @property
     def v_prediction(self) -> bool:
         return self.prediction_type == "v_prediction"
+
+    @property
+    def validation_timesteps(self) -> tuple[int, ...]:
+        """The fixed validation timesteps: 200, 400, 600, 800 of 1000 (the same fractions of another count)."""
+        return tuple(self.num_train_timesteps * k // 5 for k in range(1, 5))
 
     # --- timesteps ----------------------------------------------------------
     def prediction(self, model_output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -118,8 +189,12 @@ class DDPMScheme:
         generator: Optional[torch.Generator] = None,
         device="cpu",
         latent_shape: Optional[tuple] = None,  # part of the scheme interface; DDPM sampling ignores it
+        bias: Optional[TimestepBias] = None,
     ) -> torch.Tensor:
-        """Integer timesteps uniform in [min_timestep, max_timestep); equal bounds give that fixed timestep."""
+        """Integer timesteps uniform in [min_timestep, max_timestep); equal bounds give that fixed timestep.
+
+        With an active `bias` the draw is weighted by it (library/objectives/timestep_bias.py).
+        """
         lo = 0 if min_timestep is None else int(min_timestep)
         hi = self.num_train_timesteps if max_timestep is None else int(max_timestep)
         if not 0 <= lo <= hi <= self.num_train_timesteps:
@@ -129,6 +204,9 @@ class DDPMScheme:
         if lo == hi:
             # sd-scripts semantics: equal bounds pin the timestep (useful for debugging a schedule).
             return torch.full((batch_size,), min(lo, self.num_train_timesteps - 1), dtype=torch.long, device=device)
+        if bias is not None and bias.active:
+            t = biased_integer_timesteps(bias, batch_size, lo, hi, self.num_train_timesteps, generator)
+            return t.to(device=device, dtype=torch.long)
         if generator is None:
             t = torch.randint(lo, hi, (batch_size,))
         else:
@@ -191,6 +269,7 @@ class NoiseOptions:
     ip_noise_gamma_random_strength: bool = False
     min_timestep: Optional[int] = None
     max_timestep: Optional[int] = None
+    timestep_bias: Optional[TimestepBias] = None  # None or inactive: the scheme's own sampling, untouched
 
 
 def make_noise(latents: torch.Tensor, options: NoiseOptions, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -66,8 +66,10 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
     noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)
     if timesteps is None:
         # The latent shape matters to schemes whose timestep density depends on image size (flux_shift).
+        bias = ctx.noise.timestep_bias  # passed only when it changes the draw: schemes without it still work
         timesteps = ctx.scheme.sample_timesteps(bsz, ctx.noise.min_timestep, ctx.noise.max_timestep,
-                                                generator=generator, latent_shape=tuple(latents.shape))
+                                                generator=generator, latent_shape=tuple(latents.shape),
+                                                **({"bias": bias} if bias is not None and bias.active else {}))
     timesteps = timesteps.to(ctx.device)
     input_noise = perturb_for_input(noise.cpu(), ctx.noise, generator=generator).to(ctx.device)
     noisy = ctx.scheme.add_noise(latents, input_noise, timesteps)
