@@ -88,6 +88,21 @@ def test_parquet_file_and_dataset_dict_split_and_caption_options(tmp_path):
         _build(_toml(tmp_path, f'dataset_name = "{tmp_path / "dd"}"\ndataset_split = "valid"\n'))
 
 
+def test_imagefolder_uses_the_files_where_they_are(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    lines = []
+    for i, size in enumerate(SIZES):
+        _image(i, size).save(folder / f"p{i}.png")
+        lines.append(f'{{"file_name": "p{i}.png", "text": "{CAPTIONS[i] or ""}"}}')
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    data = _build(_toml(tmp_path, f'dataset_name = "{folder}"\n' + SUBSET))
+    rows = sorted(data.samples, key=lambda s: s.path)
+    assert [s.path for s in rows] == [str(folder / f"p{i}.png") for i in range(3)]
+    assert [s.caption for s in rows] == ["red square, one", "green wide, two", "sks thing"]
+    assert [data.groups[0].placements[s.id].bucket for s in rows] == SIZES
+
+
 def test_missing_columns_and_undecodable_rows_are_one_line_each(tmp_path):
     _dataset().save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(DataError) as e:

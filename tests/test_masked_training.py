@@ -1,6 +1,7 @@
 """Masked training (OneTrainer-style): -masklabel.png masks, unmasked weight / probability, normalisation, caching."""
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from library.core.errors import DataError
 from library.data import DataFamilyInfo, build_training_data
 from library.data.options import DataOptions
 from library.objectives.losses import LossOptions, mask_weights, training_loss
+from library.train.trainer import InterruptedTraining
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 FAMILY = DataFamilyInfo(bucket_reso_multiple=64, latent_cache_arch="_sd", vae_scale_factor=8, latent_channels=4)
@@ -191,16 +193,41 @@ def test_masklabel_masks_are_cached_with_the_latents(tmp_path):
     assert calls == [1]
 
 
-def test_one_training_step_with_masklabel_files(tmp_path):
-    data = make_dataset(str(tmp_path), n=2)
+def _masklabel_dataset(root, n=2):
+    data = make_dataset(root, n=n)
     folder = os.path.join(data, "5_sks toy")
-    for i in range(2):
+    for i in range(n):
         w, h = Image.open(os.path.join(folder, f"img{i}.png")).size
         mask = np.zeros((h, w), np.uint8)
         mask[h // 4: h // 2, w // 4: w // 2] = 255
         Image.fromarray(mask, mode="L").save(os.path.join(folder, f"img{i}-masklabel.png"))
+    return data
+
+
+def test_one_training_step_with_masklabel_files(tmp_path):
+    data = _masklabel_dataset(str(tmp_path))
     out = str(tmp_path / "out")
     trainer = make_trainer(base_args(data, out, steps=1, extra=[
         "--masked_loss", "--unmasked_weight", "0.1", "--unmasked_probability", "0.2", "--normalize_masked_area_loss"]))
     assert trainer.run() == os.path.join(out, "lora.safetensors")
     assert all(s.mask_path for s in trainer.data.samples) and len(trainer.data.samples) == 2
+
+
+def test_resume_with_unmasked_probability_is_bitwise(tmp_path):
+    from safetensors.torch import load_file
+
+    data = _masklabel_dataset(str(tmp_path))  # 2 images x 5 repeats
+    extra = ["--masked_loss", "--unmasked_probability", "0.5", "--unmasked_weight", "0.1", "--flip_aug"]
+    straight = make_trainer(base_args(data, str(tmp_path / "a"), steps=6, extra=extra)).run()
+    out_b = str(tmp_path / "b")
+    first = make_trainer(base_args(data, out_b, steps=6, extra=extra))
+
+    def stop(trainer, event, step):
+        if event == "step" and step == 3:
+            trainer._on_signal(signal.SIGTERM, None)
+    first.s.hooks.append(stop)
+    with pytest.raises(InterruptedTraining):
+        first.run()
+    resumed = make_trainer(base_args(data, out_b, steps=6, extra=extra + ["--resume", "auto"])).run()
+    a, b = load_file(straight), load_file(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -46,9 +46,15 @@ def _files_with(folder: str, ext: str) -> bool:
     return any(n.lower().endswith(ext) for n in os.listdir(folder))
 
 
+def _builder_cache_dir() -> Optional[str]:
+    """Where load_dataset keeps its arrow files: $HF_DATASETS_CACHE when set, else inside the toolkit's cache."""
+    return None if os.environ.get("HF_DATASETS_CACHE") else os.path.join(cache_root(), "datasets", "hf-cache")
+
+
 def load_local_dataset(sub: SubsetConfig) -> tuple[Any, Optional[str]]:
     """(datasets.Dataset, None) or (None, one-line problem). Never touches the hub."""
     where, path, split = f"{sub.where}.dataset_name", sub.dataset_name or "", sub.dataset_split
+    cache = _builder_cache_dir()
     try:
         import datasets
     except ImportError:
@@ -69,12 +75,12 @@ def load_local_dataset(sub: SubsetConfig) -> tuple[Any, Optional[str]]:
             if ext == ".arrow":
                 return datasets.Dataset.from_file(path), None
             if ext == ".parquet":
-                return datasets.load_dataset("parquet", data_files={split: path}, split=split), None
+                return datasets.load_dataset("parquet", data_files={split: path}, split=split, cache_dir=cache), None
             return None, f"{where}: expected a .parquet or .arrow file or a dataset folder, got {path}"
         for builder, ext in (("parquet", ".parquet"), ("arrow", ".arrow")):
             if _files_with(path, ext):
-                return datasets.load_dataset(builder, data_dir=path, split=split), None
-        return datasets.load_dataset("imagefolder", data_dir=path, split=split), None
+                return datasets.load_dataset(builder, data_dir=path, split=split, cache_dir=cache), None
+        return datasets.load_dataset("imagefolder", data_dir=path, split=split, cache_dir=cache), None
     except Exception as exc:  # the datasets library raises many kinds (ValueError, FileNotFoundError, ...)
         return None, f"{where}: cannot load {path} (split {split!r}): {_first_line(exc)}"
 
