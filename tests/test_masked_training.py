@@ -72,6 +72,33 @@ def test_unmasked_weight_one_equals_no_mask():
     assert torch.equal(_loss(pred, target, mask, unmasked_weight=1.0)[1], _loss(pred, target, None)[1])
 
 
+# --- settings ------------------------------------------------------------------------------------------------
+
+
+def test_mask_keys_at_every_toml_level_and_as_flags(tmp_path):
+    from library.core.errors import ConfigError
+    from library.data.config import resolve_datasets
+
+    toml = tmp_path / "d.toml"
+    toml.write_text('[general]\nunmasked_weight = 0.1\nmasked_loss = true\n'
+                    '[[datasets]]\nresolution = 64\nunmasked_probability = 0.2\n'
+                    '[[datasets.subsets]]\nimage_dir = "a"\nnormalize_masked_area_loss = true\n'
+                    '[[datasets.subsets]]\nimage_dir = "b"\nunmasked_weight = 0.5\nmasked_loss = false\n')
+    a, b = resolve_datasets(DataOptions(dataset_config=str(toml), unmasked_probability=0.9)).datasets[0].subsets
+    assert (a.masked_loss, a.unmasked_probability, a.unmasked_weight, a.normalize_masked_area_loss) == (True, 0.2, 0.1, True)
+    assert (b.masked_loss, b.unmasked_probability, b.unmasked_weight, b.normalize_masked_area_loss) == (False, 0.2, 0.5, False)
+    # Flags are the layer below the TOML.
+    os.makedirs(tmp_path / "train" / "1_x")
+    [sub] = resolve_datasets(DataOptions(train_data_dir=str(tmp_path / "train"), resolution="64", masked_loss=True,
+                                         unmasked_weight=0.3)).datasets[0].subsets
+    assert (sub.masked_loss, sub.unmasked_weight, sub.unmasked_probability) == (True, 0.3, 0.0)
+    with pytest.raises(ConfigError, match=r"^--unmasked_weight: expected a number from 0 to 1, got 1.5$"):
+        resolve_datasets(DataOptions(dataset_config=str(toml), unmasked_weight=1.5))
+    toml.write_text('[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "a"\nunmasked_probability = 2\n')
+    with pytest.raises(ConfigError, match=r"subsets\[0\]\.unmasked_probability: expected a number from 0 to 1, got 2$"):
+        resolve_datasets(DataOptions(dataset_config=str(toml)))
+
+
 # --- masklabel files through the data pipeline ---------------------------------------------------------
 
 

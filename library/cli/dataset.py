@@ -54,7 +54,7 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--validation_split", type=float, default=0.0, help="fraction of the images held out for validation loss")
     g.add_argument("--validation_seed", type=int, default=None, help="seed of the validation split (default: --seed)")
     g.add_argument("--alpha_mask", action="store_true", help="use the image alpha channel as the loss mask")
-    g.add_argument("--masked_loss", action="store_true", help="weight the loss by the alpha channel or the conditioning mask")
+    g.add_argument("--masked_loss", action="store_true", help="weight the loss by the mask: conditioning_data_dir image, else <stem>-masklabel.png, else alpha")
     g.add_argument("--unmasked_probability", type=float, default=0.0,
                    help="share of samples trained without their mask (drawn per sample, per step; OneTrainer uses 0.1)")
     g.add_argument("--unmasked_weight", type=float, default=0.0,
