@@ -238,6 +238,9 @@ def test_one_training_step_with_masklabel_files(tmp_path):
         "--masked_loss", "--unmasked_weight", "0.1", "--unmasked_probability", "0.2", "--normalize_masked_area_loss"]))
     assert trainer.run() == os.path.join(out, "lora.safetensors")
     assert all(s.mask_path for s in trainer.data.samples) and len(trainer.data.samples) == 2
+    batch = trainer.data.load_batch(trainer.data.epoch_batches(1, 0)[0])
+    assert batch["masks"] is not None and batch["mask_unmasked_weights"].tolist() == [pytest.approx(0.1)]
+    assert batch["mask_normalize"].tolist() == [True]
 
 
 def test_resume_with_unmasked_probability_is_bitwise(tmp_path):
