@@ -57,7 +57,13 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--validation_split", type=float, default=0.0, help="fraction of the images held out for validation loss")
     g.add_argument("--validation_seed", type=int, default=None, help="seed of the validation split (default: --seed)")
     g.add_argument("--alpha_mask", action="store_true", help="use the image alpha channel as the loss mask")
-    g.add_argument("--masked_loss", action="store_true", help="weight the loss by the alpha channel or the conditioning mask")
+    g.add_argument("--masked_loss", action="store_true", help="weight the loss by the mask: conditioning_data_dir image, else <stem>-masklabel.png, else alpha")
+    g.add_argument("--unmasked_probability", type=float, default=0.0,
+                   help="share of samples trained without their mask (drawn per sample, per step; OneTrainer uses 0.1)")
+    g.add_argument("--unmasked_weight", type=float, default=0.0,
+                   help="loss weight outside the mask (0 = sd-scripts' masked loss; OneTrainer uses 0.1)")
+    g.add_argument("--normalize_masked_area_loss", action="store_true",
+                   help="divide each sample's loss by the mean of its mask weights, so small masks are not down-weighted")
     g.add_argument("--conditioning_data_dir", type=str, default=None, help="mask images (R channel) with the same stems")
     g.add_argument("--resize_interpolation", type=str, default=None, choices=RESIZE_INTERPOLATIONS, help="resampling filter (default: area to shrink, lanczos to enlarge)")
     g.add_argument("--resolution_schedule", type=str, default="all", choices=("all", "progressive"), help="'progressive': train several resolutions in order, low to high")

@@ -25,7 +25,9 @@ from library.data.buckets import (
 )
 from library.data.config import DatasetConfig, SubsetConfig, resolve_datasets
 from library.data.discovery import DiscoveredImage, discover_subset
+from library.data.hf_source import discover_dataset_subset
 from library.data.image_scan import scan_image_sizes
+from library.data.mask_sources import attach_masklabels, check_mask_sources
 from library.data.options import DataOptions
 from library.data.plan import DataFamilyInfo, DatasetPlan
 from library.data.validation_split import split_for_validation
@@ -111,7 +113,7 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
             continue
         good.append((image, scan.sizes[image.path]))
     if images and not good:
-        problems.append(f"{sub.where}: no usable images in {sub.image_dir or sub.metadata_file}: "
+        problems.append(f"{sub.where}: no usable images in {sub.image_dir or sub.metadata_file or sub.dataset_name}: "
                         f"all {len(images)} images were skipped (listed in the warning above)")
     return good
 
@@ -168,6 +170,10 @@ def _make_group(di: int, ds: DatasetConfig, ri: int, members: list[tuple[Sample,
 def _warn_missing_captions(sub: SubsetConfig, count: int) -> None:
     if not count:
         return
+    if sub.kind == "datasets":
+        logger.warning("%s: %d rows have no caption in column %r; using %s", sub.where, count, sub.caption_column,
+                       repr(sub.class_tokens) if sub.class_tokens else "an empty caption")
+        return
     if sub.class_tokens:
         logger.warning("%s: %d images have no %s caption file; using the class tokens %r",
                        sub.where, count, sub.caption_extension, sub.class_tokens)
@@ -206,7 +212,11 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
             subsets.append(sub)
             if ds.enable_bucket and sub.face_crop_aug_range:
                 logger.warning("%s: face_crop_aug_range only applies without enable_bucket; ignored", sub.where)
-            found = discover_subset(sub)
+            found = discover_dataset_subset(sub) if sub.kind == "datasets" else discover_subset(sub)
+            attach_masklabels(sub, found)
+            mask_problem = check_mask_sources(sub, found)
+            if mask_problem:
+                found.problems.append(mask_problem)
             problems.extend(found.problems)
             skipped.update(found.skipped)
             _warn_missing_captions(sub, found.missing_captions)

@@ -29,18 +29,27 @@ SCHEDULES = ("all", "progressive")
 
 @dataclass
 class SubsetConfig:
-    """One resolved subset: a folder of images (DreamBooth) or a metadata file (fine-tune)."""
+    """One resolved subset: a folder of images (DreamBooth), a metadata file (fine-tune) or a
+    Hugging Face `datasets` dataset on disk (library/data/hf_source.py)."""
 
     where: str  # "datasets[0].subsets[1]" or "--train_data_dir 10_sks"
-    kind: str  # "dreambooth" | "finetune"
+    kind: str  # "dreambooth" | "finetune" | "datasets"
     image_dir: Optional[str] = None
     metadata_file: Optional[str] = None
+    dataset_name: Optional[str] = None  # kind "datasets": a save_to_disk folder, parquet/arrow file(s) or an imagefolder
+    image_column: str = "image"
+    caption_column: str = "text"
+    dataset_split: str = "train"
     is_reg: bool = False
     class_tokens: Optional[str] = None
     caption_extension: str = ".caption"
     cache_info: bool = False
     alpha_mask: bool = False
     conditioning_data_dir: Optional[str] = None
+    masked_loss: bool = False  # use the masks: conditioning_data_dir > <stem>-masklabel.png > alpha channel
+    unmasked_probability: float = 0.0
+    unmasked_weight: float = 0.0
+    normalize_masked_area_loss: bool = False
     num_repeats: int = 1
     captions: CaptionSettings = field(default_factory=CaptionSettings)
     color_aug: bool = False
@@ -166,6 +175,10 @@ def _build_subset(where: str, kind: str, layers: list[dict[str, Any]], errors: _
         random_crop=get("random_crop"), face_crop_aug_range=get("face_crop_aug_range"),
         custom_attributes=get("custom_attributes") or {}, validation_split=get("validation_split"),
         validation_seed=get("validation_seed"), resize_interpolation=get("resize_interpolation"),
+        dataset_name=get("dataset_name"), image_column=get("image_column"), caption_column=get("caption_column"),
+        dataset_split=get("dataset_split"), masked_loss=get("masked_loss"),
+        unmasked_probability=get("unmasked_probability"), unmasked_weight=get("unmasked_weight"),
+        normalize_masked_area_loss=get("normalize_masked_area_loss"),
     )
     if kind == "finetune" and sub.is_reg:
         errors.add(f"{where}.is_reg", "only DreamBooth subsets (image_dir without metadata_file) can be regularization images")
@@ -192,7 +205,7 @@ def _build_dataset(where: str, layers: list[dict[str, Any]], subsets: list[Subse
         subsets=subsets, min_image_side=get("min_image_side"), max_aspect_ratio=get("max_aspect_ratio"),
     )
     _check_schedule(ds, errors)
-    kinds = {s.kind for s in subsets}
+    kinds = {s.kind for s in subsets} - {"datasets"}  # a datasets subset goes with either kind
     if len(kinds) > 1:
         errors.add(where, "mixes DreamBooth subsets (image_dir) and fine-tune subsets (metadata_file); put them in separate [[datasets]]")
     return ds
@@ -219,6 +232,8 @@ def _check_schedule(ds: DatasetConfig, errors: _Errors) -> None:
 
 
 def _subset_kind(layers: list[dict[str, Any]]) -> Optional[str]:
+    if _pick("dataset_name", layers):
+        return "datasets"
     if _pick("metadata_file", layers):
         return "finetune"
     if _pick("image_dir", layers):
@@ -276,8 +291,13 @@ def resolve_from_toml(path: str, opts: DataOptions) -> ResolvedConfig:
             layers = [sub_values, ds_values, general, cli]
             kind = _subset_kind(layers)
             if kind is None:
-                errors.add(swhere, "needs image_dir (DreamBooth subset) or metadata_file (fine-tune subset)")
+                errors.add(swhere, "needs image_dir (DreamBooth subset), metadata_file (fine-tune subset) "
+                                   "or dataset_name (a datasets folder or file)")
                 continue
+            if kind == "datasets":
+                for other in ("image_dir", "metadata_file", "conditioning_data_dir"):
+                    if other in sub_values:
+                        errors.add(f"{swhere}.{other}", "not used with dataset_name (the images come from the dataset)")
             subsets.append(_build_subset(swhere, kind, layers, errors))
         datasets.append(_build_dataset(where, [ds_values, general, cli], subsets, errors))
     errors.raise_if_any()
@@ -339,10 +359,10 @@ def check_option_conflicts(resolved: ResolvedConfig, opts: DataOptions) -> None:
                                      f"--cache_latents/--cache_latents_to_disk")
                 if sub.face_crop_aug_range:
                     lines.append(f"{sub.where}: face_crop_aug_range crops randomly, so it cannot be used with --cache_latents")
-            if opts.masked_loss and not (sub.alpha_mask or sub.conditioning_data_dir) and not sub.is_reg:
-                lines.append(f"{sub.where}: --masked_loss needs alpha_mask = true or conditioning_data_dir for every subset")
-            if sub.conditioning_data_dir and not opts.masked_loss:
-                lines.append(f"{sub.where}: conditioning_data_dir (mask images) needs --masked_loss")
+            # Whether a masked_loss subset has masks at all (alpha, mask folder or -masklabel.png files) is
+            # checked after discovery (library/data/mask_sources.py check_mask_sources).
+            if sub.conditioning_data_dir and not sub.masked_loss:
+                lines.append(f"{sub.where}: conditioning_data_dir (mask images) needs --masked_loss (or masked_loss = true)")
             if sub.resize_interpolation and sub.resize_interpolation not in RESIZE_INTERPOLATIONS:
                 lines.append(f"{sub.where}: resize_interpolation: expected one of {', '.join(RESIZE_INTERPOLATIONS)}")
     if lines:

@@ -2,7 +2,9 @@
 
 File name and keys are sd-scripts' (`<stem>_<WWWW>x<HHHH><arch>.npz` with
 `latents`, `original_size`, `crop_ltrb`, optional `latents_flipped` and
-`alpha_mask`), so the files are interchangeable. We add one key,
+`alpha_mask`), so the files are interchangeable. `alpha_mask` holds the sample's
+loss mask whatever its source (alpha channel, conditioning_data_dir image or
+`-masklabel.png`), cropped like the latents. We add one key,
 `cache_settings`, holding a JSON signature of everything that produced the
 latents; an entry is reused only when that signature and the latent shape
 match what the run expects, so a changed bucket, crop, VAE or flag rebuilds it
@@ -66,10 +68,16 @@ class CacheSettings:
     vae_id: str
     latent_shape: tuple[int, int, int]
     random_crop: bool = False
+    # Where the stored mask came from (library/data/mask_sources.mask_signature): "alpha", or a mask
+    # file's kind, name, size and mtime. Left out of the signature when "", so caches written before
+    # this field existed stay valid.
+    mask_source: str = ""
 
     def signature(self) -> str:
         """Stable JSON text of these settings (sorted keys, tuples as lists, plain ints)."""
         data = asdict(self)
+        if not data["mask_source"]:
+            del data["mask_source"]
         for key in ("bucket_reso", "crop_ltrb", "latent_shape"):
             data[key] = [int(v) for v in data[key]]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

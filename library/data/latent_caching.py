@@ -30,6 +30,7 @@ from library.data.latent_cache import (
     save_latent_cache,
 )
 from library.data.loading import load_and_crop
+from library.data.mask_sources import mask_signature
 from library.data.plan import DatasetPlan
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ def plan_cache_jobs(data: DatasetPlan, vae_id: str, to_disk: bool) -> tuple[list
             sample, sub = data.samples[sid], data.subsets[data.samples[sid].subset]
             bw, bh = place.bucket
             settings = CacheSettings(bucket_reso=place.bucket, crop_ltrb=crop_ltrb_for(place.bucket, sample.size),
-                                     flip_aug=sub.flip_aug, alpha_mask=sub.alpha_mask, vae_id=vae_id,
-                                     latent_shape=(channels, bh // f, bw // f))
+                                     flip_aug=sub.flip_aug, alpha_mask=sub.alpha_mask or sample.mask_path is not None,
+                                     vae_id=vae_id, latent_shape=(channels, bh // f, bw // f),
+                                     mask_source=mask_signature(sample.mask_path, sub.alpha_mask))
             key = (sid, gid)
             if key in data.latents and data.latent_signatures.get(key) == settings.signature():
                 continue
@@ -115,7 +117,7 @@ class _DecodeBatches(torch.utils.data.Dataset):
                 continue
             ok.append(j)
             images.append(to_tensor(loaded.image))
-            alphas.append(loaded.mask if sub.alpha_mask else None)
+            alphas.append(loaded.mask)  # any mask source; stored under sd-scripts' alpha_mask key
             crops.append(loaded.crop_ltrb)
         return {"batch": i, "ok": ok, "images": torch.stack(images) if images else None,
                 "alphas": alphas, "crops": crops, "failed": failed}

@@ -25,6 +25,7 @@ from library.data.images import (
     resize_mask,
     to_tensor,
 )
+from library.data.mask_sources import draw_unmasked, mask_channel
 from library.data.plan import DatasetPlan
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def warn_once(path: str, message: str) -> None:
 
 def _load_mask(sample: Sample, size: tuple[int, int]) -> np.ndarray:
     rgb, _ = load_image(sample.mask_path)
-    mask = rgb[:, :, 0].astype(np.float32) / 255.0  # the R channel, as sd-scripts
+    mask = mask_channel(rgb, sample.mask_path)  # R channel (conditioning_data_dir, as sd-scripts) or grey (-masklabel.png)
     return resize_mask(mask, size) if (mask.shape[1], mask.shape[0]) != size else mask
 
 
@@ -80,6 +81,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     group = data.groups[ref.group]
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
+    unmasked_weights, normalize = [], []
     orig_hw, crop_tl, skipped = [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
@@ -100,7 +102,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
                 latents.append(entry.latents_flipped if flip else entry.latents)
                 crop = flip_crop_ltrb(entry.crop_ltrb, bw) if flip else entry.crop_ltrb
                 mask = entry.alpha_mask
-                if sample.mask_path:
+                if sample.mask_path and mask is None:  # a cache file written without the mask (another tool)
                     mask = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, False).mask
                 if mask is not None and flip:
                     mask = np.ascontiguousarray(mask[:, ::-1])
@@ -116,7 +118,11 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
             warn_once(sample.path, str(e))
             skipped.append(sample.path)
             continue
+        if mask is not None and augment and draw_unmasked(sub, rng):
+            mask = np.ones_like(mask)  # this step trains the whole image (unmasked_probability)
         masks.append(mask)
+        unmasked_weights.append(sub.unmasked_weight)
+        normalize.append(sub.normalize_masked_area_loss)
         captions.append(caption)
         weights.append(sample.loss_weight)
         paths.append(sample.path)
@@ -133,6 +139,9 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         "loss_weights": torch.tensor(weights, dtype=torch.float32),
         "masks": torch.stack([torch.from_numpy(np.asarray(m if m is not None else np.ones((bucket[1], bucket[0]), np.float32)))
                               for m in masks]).unsqueeze(1).float() if has_masks else None,
+        # Per sample: the loss weight outside the mask, and whether the loss is divided by the mask weights' mean.
+        "mask_unmasked_weights": torch.tensor(unmasked_weights, dtype=torch.float32) if has_masks else None,
+        "mask_normalize": torch.tensor(normalize, dtype=torch.bool) if has_masks else None,
         "original_sizes_hw": torch.tensor(orig_hw, dtype=torch.long),
         "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
         "target_sizes_hw": torch.tensor([(bucket[1], bucket[0])] * len(paths), dtype=torch.long),

@@ -14,7 +14,7 @@ def _dumps(value) -> str:
 
 
 def _dir_name(sub) -> str:
-    return os.path.basename(os.path.normpath(sub.image_dir or sub.metadata_file or ""))
+    return os.path.basename(os.path.normpath(sub.image_dir or sub.metadata_file or sub.dataset_name or ""))
 
 
 def _subset_counts(data: DatasetPlan) -> list[int]:
@@ -58,7 +58,12 @@ def _subset_entry(sub, count: int) -> dict:
         "enable_wildcard": c.enable_wildcard, "caption_prefix": c.caption_prefix, "caption_suffix": c.caption_suffix,
         "alpha_mask": sub.alpha_mask,
     }
-    if sub.kind == "dreambooth":
+    if sub.masked_loss:  # our extension (OneTrainer-style masked training)
+        entry.update(masked_loss=True, unmasked_probability=sub.unmasked_probability,
+                     unmasked_weight=sub.unmasked_weight, normalize_masked_area_loss=sub.normalize_masked_area_loss)
+    if sub.kind == "datasets":  # our extension: a Hugging Face datasets source
+        entry.update(dataset_name=_dir_name(sub), dataset_split=sub.dataset_split, is_reg=sub.is_reg)
+    elif sub.kind == "dreambooth":
         entry.update(image_dir=_dir_name(sub), class_tokens=sub.class_tokens, is_reg=sub.is_reg)
     else:
         entry.update(image_dir=os.path.basename(sub.image_dir) if sub.image_dir else None,

@@ -54,6 +54,9 @@ class DataOptions:
     validation_seed: Optional[int] = None
     alpha_mask: bool = False
     masked_loss: bool = False
+    unmasked_probability: float = 0.0  # OneTrainer-style masked training (docs/dataset_config.md "Masks")
+    unmasked_weight: float = 0.0
+    normalize_masked_area_loss: bool = False
     conditioning_data_dir: Optional[str] = None
     resize_interpolation: Optional[str] = None
     resolution_schedule: str = "all"  # extension: "all" or "progressive"

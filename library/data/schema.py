@@ -240,9 +240,17 @@ _KEYS = [
     Key("caption_extension", _nonempty_str, ".caption", SUBSET, "caption_extension"),
     Key("cache_info", _bool, False, SUBSET),
     Key("alpha_mask", _bool, False, SUBSET, "alpha_mask"),
+    Key("masked_loss", _bool, False, SUBSET, "masked_loss"),
+    Key("unmasked_probability", _number(0, 1), 0.0, SUBSET, "unmasked_probability"),
+    Key("unmasked_weight", _number(0, 1), 0.0, SUBSET, "unmasked_weight"),
+    Key("normalize_masked_area_loss", _bool, False, SUBSET, "normalize_masked_area_loss"),
+    Key("image_column", _nonempty_str, "image", SUBSET),
+    Key("caption_column", _nonempty_str, "text", SUBSET),
+    Key("dataset_split", _nonempty_str, "train", SUBSET),
     # subset only
     Key("image_dir", _nonempty_str, None, SUBSET_ONLY),
     Key("metadata_file", _nonempty_str, None, SUBSET_ONLY),
+    Key("dataset_name", _nonempty_str, None, SUBSET_ONLY),
     Key("is_reg", _bool, False, SUBSET_ONLY),
     Key("conditioning_data_dir", _nonempty_str, None, SUBSET_ONLY, "conditioning_data_dir"),
 ]

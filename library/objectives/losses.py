@@ -2,8 +2,10 @@
 
 `training_loss` applies the sd-scripts terms in their fixed order:
 
-1. elementwise loss (l2 / l1 / huber / smooth_l1), x mask (area-resized to the
-   latent size, not renormalised by the mask's sum);
+1. elementwise loss (l2 / l1 / huber / smooth_l1), x mask weights: the mask
+   area-resized to the latent size (as sd-scripts), then
+   mask + unmasked_weight * (1 - mask) (OneTrainer's unmasked weight; 0 = sd-scripts),
+   divided by its per-sample mean with normalize_masked_area_loss;
 2. per-sample mean, x loss weight (e.g. the regularisation-image weight);
 3. min-SNR-gamma weight (or its soft form, soft_min_snr_gamma);
 4. scale_v_pred_loss_like_noise_pred;
@@ -144,6 +146,26 @@ def resize_mask(mask: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
     return F.interpolate(mask.float(), size=tuple(size), mode="area")
 
 
+def mask_weights(mask: torch.Tensor, size: tuple[int, ...], unmasked_weight: float | torch.Tensor = 0.0,
+                 normalize: bool | torch.Tensor = False) -> torch.Tensor:
+    """(B,1,*size) loss weights of a (B,[1,]H,W) mask in [0,1]: w = m + unmasked_weight * (1 - m), m the
+    area-resized mask; where `normalize`, w / mean(w) per sample (a sample whose weights are all 0 stays 0).
+
+    `unmasked_weight` and `normalize` are one value or one per sample (B,).
+    """
+    m = resize_mask(mask, size)
+    b, view = m.shape[0], (-1,) + (1,) * (m.ndim - 1)
+    uw = torch.as_tensor(unmasked_weight, dtype=m.dtype, device=m.device)
+    uw = uw.reshape(view) if uw.ndim else uw
+    w = m + uw * (1.0 - m) if (uw.ndim or float(uw) != 0.0) else m
+    norm = torch.as_tensor(normalize, dtype=torch.bool, device=m.device)
+    if bool(norm.any()):
+        mean = w.mean(dim=tuple(range(1, w.ndim)), keepdim=True)
+        divide = norm.reshape(view).expand(b, *([1] * (m.ndim - 1))) & (mean > 0)
+        w = torch.where(divide, w / torch.where(mean > 0, mean, torch.ones_like(mean)), w)
+    return w
+
+
 def min_snr_weight(snr: torch.Tensor, gamma: float, v_prediction: bool) -> torch.Tensor:
     """Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR; for v-pred min(SNR, gamma) / (SNR + 1)."""
     clipped = torch.clamp(snr, max=gamma)
@@ -172,6 +194,10 @@ def debiased_weight(snr: torch.Tensor, v_prediction: bool) -> torch.Tensor:
     return 1 / (capped + 1) if v_prediction else 1 / torch.sqrt(capped)
 
 
+def _on(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
 def training_loss(
     pred: torch.Tensor,
     target: torch.Tensor,
@@ -180,17 +206,21 @@ def training_loss(
     options: LossOptions,
     loss_weights: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
+    unmasked_weight: float | torch.Tensor = 0.0,
+    normalize_masked_area: bool | torch.Tensor = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scalar loss to backpropagate and the weighted per-sample losses (B,), in float32.
 
-    `mask` (B,1,H,W) or (B,H,W) weights the elementwise loss where given.
+    `mask` (B,1,H,W) or (B,H,W) weights the elementwise loss where given (see mask_weights);
+    `unmasked_weight` / `normalize_masked_area` are one value or one per sample (B,).
     """
     huber_c = None
     if options.loss_type in ("huber", "smooth_l1"):
         huber_c = huber_c_for(timesteps, scheme, options).to(pred.device)
     loss = elementwise_loss(pred, target, options.loss_type, huber_c)
     if mask is not None:
-        loss = loss * resize_mask(mask.to(loss.device), loss.shape[2:])
+        loss = loss * mask_weights(mask.to(loss.device), loss.shape[2:], _on(unmasked_weight, loss.device),
+                                   _on(normalize_masked_area, loss.device))
     per_sample = loss.mean(dim=tuple(range(1, loss.ndim)))
     if loss_weights is not None:
         per_sample = per_sample * loss_weights.to(per_sample)

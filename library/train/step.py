@@ -84,7 +84,11 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
         mask = mask.to(ctx.device)
     weights = batch["loss_weights"].to(ctx.device, torch.float32)
     weights = weights * ctx.scheme.loss_weights(timesteps).to(weights)  # flow weighting schemes; 1 for DDPM
-    return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask)
+    # Per-sample masked-training settings of each sample's subset (library/data/loading.py); absent: sd-scripts' rule.
+    unmasked = batch.get("mask_unmasked_weights")
+    normalize = batch.get("mask_normalize")
+    return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask,
+                         unmasked if unmasked is not None else 0.0, normalize if normalize is not None else False)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr_scheduler, max_grad_norm: Optional[float],
