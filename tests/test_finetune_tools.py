@@ -373,8 +373,8 @@ def tiny_wd14(tmp_path_factory) -> str:
 
 def _tag_folder(tmp_path) -> str:
     root = str(tmp_path / "imgs")
-    _image(os.path.join(root, "red.png"), (48, 48), (255, 0, 0))
-    _image(os.path.join(root, "blue.png"), (48, 48), (0, 0, 255))
+    _image(os.path.join(root, "red.png"), (64, 64), (255, 0, 0))
+    _image(os.path.join(root, "blue.png"), (64, 64), (0, 0, 255))
     return root
 
 

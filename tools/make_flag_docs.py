@@ -1,6 +1,7 @@
 """Print the flag tables of a training script's parser as Markdown (pasted into docs/<script>.md).
 
     python tools/make_flag_docs.py --family sd > /tmp/flags.md
+    python tools/make_flag_docs.py --family sd --fine_tune   # fine_tune.py's flags (docs/fine_tune.md)
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def flag_tables(parser: argparse.ArgumentParser) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--family", default="sd")
+    p.add_argument("--fine_tune", action="store_true", help="the fine-tune script's parser")
     a = p.parse_args()
-    print(flag_tables(build_parser("", get_family(a.family))))
+    print(flag_tables(build_parser("", get_family(a.family), a.fine_tune)))
 
 
 if __name__ == "__main__":

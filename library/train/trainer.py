@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from library.core.errors import UserError
+from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
 from library.data.te_cache import (
     cache_source_id,
@@ -273,6 +274,8 @@ class Trainer:
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             os.makedirs(self.t.output_dir, exist_ok=True)
+            for path in clean_stale_temporaries(self.t.output_dir, self.t.output_name):
+                logger.info("removed %s, left by a run that was killed while saving", path)
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
                                   self._metadata, self.num_epochs, self.max_train_steps)
