@@ -44,6 +44,7 @@ from library.families.loading import (
     infer_vae_config,
     load_folder_parts,
     load_vae,
+    scratch_denoiser,
 )
 from library.families.sd_configs import text_encoder_config
 
@@ -320,6 +321,8 @@ def load_flux_components(opts: LoadOptions, files=None) -> Components:
         replaced = _component_parts(files, opts)
         parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path, skip=set(replaced))
         parts.update(replaced)
+    if opts.from_scratch:
+        parts["transformer"] = scratch_denoiser(parts["transformer"], opts.init_seed)
     if opts.vae:
 
         parts["vae"] = load_vae(opts.vae)

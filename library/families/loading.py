@@ -24,7 +24,7 @@ from library.families.sd_configs import (
     unet_config,
     vae_config,
 )
-from library.families.tiny import build_sd_modules, build_tokenizer, tiny_vocab_size
+from library.families.tiny import build_sd_modules, build_seeded, build_tokenizer, tiny_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ def load_sd_components(opts: LoadOptions) -> Components:
         if parts.pop("prediction_type", None) == "v_prediction" and not v_param:
             logger.warning("%s: its scheduler predicts v but --v_parameterization is not set; "
                            "training as epsilon-prediction as the flags say", path)
+    if opts.from_scratch:
+        parts["unet"] = scratch_denoiser(parts["unet"], opts.init_seed)
     v2 = is_v2(parts["unet"])
     if opts.v2 and not v2:
         logger.warning("%s is an SD 1.x model but --v2 is set: loading it as SD 1.x", path)
@@ -101,6 +103,13 @@ def load_sd_components(opts: LoadOptions) -> Components:
     return Components(denoiser=parts["unet"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
                       tokenizers=[parts["tokenizer"]], v_parameterization=v_param, v2=v2,
                       model_path=path, vae_path=opts.vae)
+
+
+def scratch_denoiser(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """--from_scratch: a new model of `model`'s class and config, its weights drawn after torch.manual_seed(seed)
+    (the caller's RNG state is restored afterwards), in `model`'s dtype. The loaded weights are dropped."""
+    fresh = build_seeded(lambda: type(model).from_config(model.config), seed)
+    return fresh.to(dtype=model.dtype).eval()
 
 
 def is_v2(unet) -> bool:

@@ -22,6 +22,7 @@ from library.families.loading import (
     load_folder_parts,
     load_vae,
     read_checkpoint,
+    scratch_denoiser,
     vae_from_ldm,
 )
 from library.families.sd_configs import PRESETS as SD_PRESETS
@@ -58,6 +59,8 @@ def load_sdxl_components(opts: LoadOptions) -> Components:
         parts = parts_from_sgm_checkpoint(read_checkpoint(path), path, cache_dir)
     else:
         parts = parts_from_diffusers_folder(path)
+    if opts.from_scratch:
+        parts["unet"] = scratch_denoiser(parts["unet"], opts.init_seed)
     if opts.vae:
         parts["vae"] = load_vae(opts.vae)
     for key in _PARTS:
