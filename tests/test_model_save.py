@@ -241,7 +241,12 @@ def test_model_save_path_and_refusals(tmp_path, tiny_flux):
 def test_replacing_an_existing_folder_is_atomic(tmp_path, tiny_sd1):
     family = get_family("sd")
     path = str(tmp_path / "last")
-    family.save_model(tiny_sd1, path, "diffusers_safetensors")
+    old = os.umask(0o027)
+    try:
+        family.save_model(tiny_sd1, path, "diffusers_safetensors")
+    finally:
+        os.umask(old)
+    assert os.stat(path).st_mode & 0o777 == 0o750  # the folder follows the umask (mkdtemp alone gives 0700)
     family.save_model(tiny_sd1, path, "diffusers_safetensors", torch.float16)
     assert os.listdir(tmp_path) == ["last"]
     assert load_file(os.path.join(path, "unet", "diffusion_pytorch_model.safetensors"))["conv_in.weight"].dtype \

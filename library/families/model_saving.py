@@ -110,6 +110,12 @@ def write_model_folder(module: nn.Module, folder: str, safe: bool, dtype: Option
         write_torch_pickle({k: prepared(v, dtype) for k, v in state.items()}, os.path.join(folder, f"{stem}.bin"))
 
 
+def _directory_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 def write_pipeline_folder(parts: Mapping[str, Any], model_index: Mapping[str, Any], out_dir: str, safe: bool = True,
                           dtype: Optional[torch.dtype] = None, mem_eff: bool = False) -> str:
     """A diffusers pipeline folder, atomically: each part in its subfolder, then model_index.json.
@@ -120,6 +126,7 @@ def write_pipeline_folder(parts: Mapping[str, Any], model_index: Mapping[str, An
     import json
 
     with atomic_directory(out_dir) as tmp:
+        os.chmod(tmp, _directory_mode())  # mkdtemp makes it 0700; a saved model folder follows the umask
         for sub, part in parts.items():
             if isinstance(part, nn.Module):
                 write_model_folder(part, os.path.join(tmp, sub), safe, dtype, mem_eff)
