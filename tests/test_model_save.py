@@ -215,11 +215,11 @@ def test_mem_eff_writes_the_same_tensors(request, saved, case, dtype):
 
 def test_metadata_and_ckpt_counters(request, tmp_path, tiny_sd1):
     family = get_family("sd")
-    meta = {"modelspec.architecture": "stable-diffusion-v1", "ss_epoch": "3", "ss_steps": "120"}
-    st = family.save_model(tiny_sd1, str(tmp_path / "m.safetensors"), "safetensors", metadata=meta)
+    meta = {"modelspec.architecture": "stable-diffusion-v1", "modelspec.title": "t"}
+    st = family.save_model(tiny_sd1, str(tmp_path / "m.safetensors"), "safetensors", metadata=meta, epoch=3)
     with safe_open(st, "pt") as f:
         assert f.metadata() == meta
-    ckpt = family.save_model(tiny_sd1, str(tmp_path / "m.ckpt"), "ckpt", metadata=meta)
+    ckpt = family.save_model(tiny_sd1, str(tmp_path / "m.ckpt"), "ckpt", None, meta, epoch=3, global_step=120)
     data = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert (data["epoch"], data["global_step"]) == (3, 120) and set(data) == {"state_dict", "epoch", "global_step"}
     plain = torch.load(family.save_model(tiny_sd1, str(tmp_path / "n.ckpt"), "ckpt"), weights_only=True)
