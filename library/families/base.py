@@ -244,8 +244,9 @@ class ModelFamily(ABC):
         return model_saving.write_single_file(self.single_file_state_dict(components), path, fmt, dtype,
                                               metadata, mem_eff, epoch=epoch, global_step=global_step)
 
-    def single_file_state_dict(self, components: Components) -> Mapping[str, torch.Tensor]:
-        """The model in its original single-file layout, holding the model's own tensors (not copies)."""
+    def single_file_state_dict(self, components: Components) -> Mapping[str, Any]:
+        """The model in its original single-file layout, holding the model's own tensors (not copies); fused or
+        derived tensors as library.core.safetensors_io.Deferred, made only when written."""
         raise NotImplementedError(f"model family {self.name!r} cannot save single-file checkpoints yet")
 
     def pipeline_folder(self, components: Components) -> tuple[dict[str, Any], dict[str, Any]]:
