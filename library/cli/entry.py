@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -59,6 +60,8 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
                          max_timestep=noise.max_timestep, zero_terminal_snr=bool(ns.zero_terminal_snr))
     gradient_checkpointing = gradient_checkpointing_wanted(memory, ns.gradient_checkpointing)
     training = training_options_from_args(ns, gradient_checkpointing)
+    if model.from_scratch:  # a drawn --seed also seeds the from-scratch initialisation
+        model = dataclasses.replace(model, init_seed=training.seed)
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)

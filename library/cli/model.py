@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -37,6 +37,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep the VAE in float32 under fp16/bf16 mixed precision (avoids NaN latents)")
     g.add_argument("--tokenizer_cache_dir", type=str, default=None,
                    help="folder holding a saved copy of the tokenizer (for single-file models without one)")
+    g.add_argument("--from_scratch", action="store_true",
+                   help="build the UNet / transformer from the model's config with random weights drawn from --seed "
+                        "instead of loading its weights (the VAE and text encoders are still loaded)")
 
 
 
@@ -52,11 +55,13 @@ def text_options_from_args(ns: argparse.Namespace) -> TextEncodingOptions:
     return TextEncodingOptions(clip_skip=clip_skip, max_token_length=None if max_len == 75 else max_len)
 
 
-def load_options_from_args(ns: argparse.Namespace, family_options: Any = None) -> LoadOptions:
+def load_options_from_args(ns: argparse.Namespace, family_options: Any = None,
+                           seed: Optional[int] = None) -> LoadOptions:
     """The LoadOptions a family needs, from the model flags (and --mixed_precision for dtypes).
 
     Frozen base weights are held in the mixed-precision dtype, as in sd-scripts; the
-    VAE follows it unless --no_half_vae keeps it in float32.
+    VAE follows it unless --no_half_vae keeps it in float32. `seed`: the run's seed (drawn
+    when --seed is not given), else the flag (else 0); --from_scratch initialises with it.
     """
     path = getattr(ns, "pretrained_model_name_or_path", None)
     if not path:
@@ -75,4 +80,6 @@ def load_options_from_args(ns: argparse.Namespace, family_options: Any = None) -
         vae_dtype=torch.float32 if getattr(ns, "no_half_vae", False) else dtype,
         tokenizer_cache_dir=getattr(ns, "tokenizer_cache_dir", None),
         family_options=family_options,
+        from_scratch=bool(getattr(ns, "from_scratch", False)),
+        init_seed=seed if seed is not None else (getattr(ns, "seed", None) or 0),
     )

@@ -237,14 +237,16 @@ class ModelFamily(ABC):
     save_formats: ClassVar[tuple[str, ...]] = SAVE_FORMATS
 
     def save_model(self, components: Components, path: str, fmt: str, dtype: Optional[torch.dtype] = None,
-                   metadata: Optional[dict[str, str]] = None, mem_eff: bool = False) -> str:
+                   metadata: Optional[dict[str, str]] = None, mem_eff: bool = False, *, epoch: int = 0,
+                   global_step: int = 0) -> str:
         """Write the whole model (denoiser + text encoders + VAE as the format holds) to `path`; return the path written.
 
         `fmt`: one of SAVE_FORMATS (see model_save_path for names). `dtype`: --save_precision (floating
         tensors cast as written; None keeps them). `metadata`: safetensors header metadata of a single
-        `.safetensors` file; for `ckpt` only `ss_epoch` / `ss_steps` are read (the pickle's epoch and
-        global_step); folders ignore it. `mem_eff`: --mem_eff_save, stream each safetensors file tensor
-        by tensor. The components are not changed. Atomic: a complete file / folder or none.
+        `.safetensors` file (ckpt and folders do not carry it). `mem_eff`: --mem_eff_save, stream each
+        safetensors file tensor by tensor. `epoch` / `global_step`: written into a `.ckpt` as sd-scripts
+        does (`{"state_dict", "epoch", "global_step"}`); other formats ignore them. The components are not
+        changed. Atomic: a complete file / folder or none.
         """
         model_saving.check_save_format(fmt, self.save_formats, self.name, path)
         if fmt in model_saving.FOLDER_FORMATS:
@@ -252,10 +254,11 @@ class ModelFamily(ABC):
             return model_saving.write_pipeline_folder(parts, model_index, path, fmt == "diffusers_safetensors",
                                                       dtype, mem_eff)
         return model_saving.write_single_file(self.single_file_state_dict(components), path, fmt, dtype,
-                                              metadata, mem_eff)
+                                              metadata, mem_eff, epoch=epoch, global_step=global_step)
 
-    def single_file_state_dict(self, components: Components) -> Mapping[str, torch.Tensor]:
-        """The model in its original single-file layout, holding the model's own tensors (not copies)."""
+    def single_file_state_dict(self, components: Components) -> Mapping[str, Any]:
+        """The model in its original single-file layout, holding the model's own tensors (not copies); fused or
+        derived tensors as library.core.safetensors_io.Deferred, made only when written."""
         raise NotImplementedError(f"model family {self.name!r} cannot save single-file checkpoints yet")
 
     def pipeline_folder(self, components: Components) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -44,6 +44,7 @@ from library.families.loading import (
     infer_vae_config,
     load_folder_parts,
     load_vae,
+    scratch_denoiser,
 )
 from library.families.sd_configs import text_encoder_config
 
@@ -61,8 +62,9 @@ def flux_source_kind(path: str) -> str:
                            expected="a local diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux")
 
 
-def _diffusers_parts(folder: str, skip: set[str] = frozenset()) -> dict:
-    """The parts of a FLUX.1 diffusers folder, except those in `skip` (given as files instead)."""
+def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Optional[int] = None) -> dict:
+    """The parts of a FLUX.1 diffusers folder, except those in `skip` (given as files instead); `scratch_seed`
+    (--from_scratch): the transformer built from its config with weights drawn from it."""
     from diffusers import AutoencoderKL, FluxTransformer2DModel
     from transformers import (
         CLIPTextModel,
@@ -73,7 +75,8 @@ def _diffusers_parts(folder: str, skip: set[str] = frozenset()) -> dict:
 
     classes = {"transformer": FluxTransformer2DModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
                "text_encoder_2": T5EncoderModel, "tokenizer": CLIPTokenizer, "tokenizer_2": T5TokenizerFast}
-    return load_folder_parts(folder, {k: v for k, v in classes.items() if k not in skip}, "FLUX.1")
+    return load_folder_parts(folder, {k: v for k, v in classes.items() if k not in skip}, "FLUX.1",
+                             scratch=None if scratch_seed is None else ("transformer", scratch_seed))
 
 
 # --- reading one file ------------------------------------------------------------------------
@@ -318,8 +321,11 @@ def load_flux_components(opts: LoadOptions, files=None) -> Components:
         parts = {"transformer": load_bfl_transformer(path, opts.dtype), **_component_parts(files, opts)}
     else:
         replaced = _component_parts(files, opts)
-        parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path, skip=set(replaced))
+        scratch_seed = opts.init_seed if opts.from_scratch else None
+        parts = build_flux_modules(path) if kind == "preset" else _diffusers_parts(path, set(replaced), scratch_seed)
         parts.update(replaced)
+    if opts.from_scratch and kind != "diffusers":  # (a folder's transformer is built from its config.json)
+        parts["transformer"] = scratch_denoiser(parts["transformer"], opts.init_seed)
     if opts.vae:
 
         parts["vae"] = load_vae(opts.vae)

@@ -220,7 +220,8 @@ def push_open_clip(state_dict: Mapping[str, torch.Tensor], lazy: bool = False) -
     src, dst = f"{OPEN_CLIP_PREFIX}transformer.resblocks.{last}.", f"{OPEN_CLIP_PREFIX}transformer.resblocks.{last + 1}."
     for k in [k for k in out if k.startswith(src)]:
         t = out[k]
-        out[dst + k[len(src):]] = Deferred(lambda t=t: materialized(t).clone(), t.shape, t.dtype) if lazy else t.clone()
+        copy = Deferred(lambda t=t: materialized(t).clone(), t.shape, t.dtype) if lazy else t.clone()
+        out[dst + k[len(src):]] = copy
     width = out[OPEN_CLIP_PREFIX + "ln_final.weight"].shape[0]
     dtype = out[OPEN_CLIP_PREFIX + "ln_final.weight"].dtype
     out[OPEN_CLIP_PREFIX + "text_projection"] = torch.eye(width, dtype=dtype)

@@ -24,7 +24,7 @@ from library.families.sd_configs import (
     unet_config,
     vae_config,
 )
-from library.families.tiny import build_sd_modules, build_tokenizer, tiny_vocab_size
+from library.families.tiny import build_sd_modules, build_seeded, build_tokenizer, tiny_vocab_size
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,13 @@ def load_sd_components(opts: LoadOptions) -> Components:
         parts = parts_from_checkpoint(read_checkpoint(path), path, getattr(opts, "tokenizer_cache_dir", None))
     else:
         folder = path if kind == "diffusers" else _cached_hub_folder(path)
-        parts = parts_from_diffusers_folder(folder, getattr(opts, "tokenizer_cache_dir", None))
+        parts = parts_from_diffusers_folder(folder, getattr(opts, "tokenizer_cache_dir", None),
+                                            opts.init_seed if opts.from_scratch else None)
         if parts.pop("prediction_type", None) == "v_prediction" and not v_param:
             logger.warning("%s: its scheduler predicts v but --v_parameterization is not set; "
                            "training as epsilon-prediction as the flags say", path)
+    if opts.from_scratch and kind in ("preset", "single_file"):  # (folders build it from config.json)
+        parts["unet"] = scratch_denoiser(parts["unet"], opts.init_seed)
     v2 = is_v2(parts["unet"])
     if opts.v2 and not v2:
         logger.warning("%s is an SD 1.x model but --v2 is set: loading it as SD 1.x", path)
@@ -101,6 +104,13 @@ def load_sd_components(opts: LoadOptions) -> Components:
     return Components(denoiser=parts["unet"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
                       tokenizers=[parts["tokenizer"]], v_parameterization=v_param, v2=v2,
                       model_path=path, vae_path=opts.vae)
+
+
+def scratch_denoiser(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """--from_scratch: a new model of `model`'s class and config, its weights drawn after torch.manual_seed(seed)
+    (the caller's RNG state is restored afterwards), in `model`'s dtype. The loaded weights are dropped."""
+    fresh = build_seeded(lambda: type(model).from_config(model.config), seed)
+    return fresh.to(dtype=model.dtype).eval()
 
 
 def is_v2(unet) -> bool:
@@ -276,16 +286,25 @@ def find_tokenizer(v2: bool, vocab_size: int, tokenizer_cache_dir: Optional[str]
                              f"(folder {repo.replace('/', '_')}) or use a diffusers folder")
 
 
-def load_folder_parts(folder: str, classes: dict, what: str) -> dict:
+def load_folder_parts(folder: str, classes: dict, what: str, scratch: Optional[tuple[str, int]] = None) -> dict:
     """{part: cls.from_pretrained(folder, subfolder=part)} for `classes` {part: cls}; models in eval mode.
 
     Every subfolder is checked first, and any loading failure becomes one ModelLoadError line naming `what`.
+    `scratch` = (part, seed), --from_scratch: that part is built from its config.json with weights drawn
+    from the seed (scratch_denoiser), its weight files are not read.
     """
     for part in classes:
         if not os.path.isdir(os.path.join(folder, part)):
             raise ModelLoadError(f"{folder}: {what} diffusers folder has no {part}/ subfolder")
+
+    def load(part: str, cls):
+        if scratch and part == scratch[0]:
+            config = cls.load_config(folder, subfolder=part)
+            return build_seeded(lambda: cls.from_config(config), scratch[1])
+        return cls.from_pretrained(folder, subfolder=part)
+
     try:
-        parts = {part: cls.from_pretrained(folder, subfolder=part) for part, cls in classes.items()}
+        parts = {part: load(part, cls) for part, cls in classes.items()}
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{folder}: cannot load the {what} diffusers model "
                              f"({str(e).strip().splitlines()[0][:200]})") from None
@@ -295,15 +314,18 @@ def load_folder_parts(folder: str, classes: dict, what: str) -> dict:
     return parts
 
 
-def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] = None) -> dict:
-    """UNet, VAE, text encoder and tokenizer of a diffusers folder; also its scheduler's prediction type."""
+def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] = None,
+                                scratch_seed: Optional[int] = None) -> dict:
+    """UNet, VAE, text encoder and tokenizer of a diffusers folder; also its scheduler's prediction type.
+    `scratch_seed` (--from_scratch): the UNet is built from its config with weights drawn from it."""
     import json
 
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
     parts = load_folder_parts(folder, {"unet": UNet2DConditionModel, "vae": AutoencoderKL,
-                                       "text_encoder": CLIPTextModel}, "SD")
+                                       "text_encoder": CLIPTextModel}, "SD",
+                              scratch=None if scratch_seed is None else ("unet", scratch_seed))
     unet, text_encoder = parts["unet"], parts["text_encoder"]
     v2 = is_v2(unet)
     if os.path.isdir(os.path.join(folder, "tokenizer")):

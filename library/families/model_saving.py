@@ -5,8 +5,8 @@ A family says what to write (`ModelFamily.single_file_state_dict`: the original 
 writes it, one code path per format:
 
 * `safetensors`: library.core.safetensors_io.write_safetensors (header metadata; `mem_eff` streams).
-* `ckpt`: `torch.save({"state_dict": ..., "epoch": ..., "global_step": ...})` as sd-scripts writes it;
-  epoch and step come from the metadata keys `ss_epoch` / `ss_steps` (0 when absent).
+* `ckpt`: `torch.save({"state_dict": ..., "epoch": ..., "global_step": ...})` as sd-scripts writes it
+  (no metadata).
 * `diffusers` / `diffusers_safetensors`: a pipeline folder; every model part as `config.json` plus
   `diffusion_pytorch_model.bin` / `pytorch_model.bin` (torch pickle, sd-scripts' `safe_serialization=False`)
   or `diffusion_pytorch_model.safetensors` / `model.safetensors` (`True`); tokenizers and the scheduler
@@ -54,20 +54,14 @@ def format_of_path(path: str) -> str:
     return "diffusers_safetensors"
 
 
-def _counter(metadata: Optional[Mapping[str, str]], key: str) -> int:
-    try:
-        return int((metadata or {}).get(key, 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def write_single_file(state: Mapping[str, torch.Tensor], path: str, fmt: str, dtype: Optional[torch.dtype] = None,
-                      metadata: Optional[Mapping[str, str]] = None, mem_eff: bool = False) -> str:
-    """A `.safetensors` file (with `metadata` in its header) or a `.ckpt` pickle of `state`."""
+def write_single_file(state: Mapping[str, Any], path: str, fmt: str, dtype: Optional[torch.dtype] = None,
+                      metadata: Optional[Mapping[str, str]] = None, mem_eff: bool = False, *, epoch: int = 0,
+                      global_step: int = 0) -> str:
+    """A `.safetensors` file (with `metadata` in its header) or a `.ckpt` pickle of `state` (with epoch and step)."""
     if fmt == "safetensors":
         return write_safetensors(state, path, metadata, dtype, mem_eff)
     checkpoint = {"state_dict": {k: prepared(v, dtype) for k, v in state.items()},
-                  "epoch": _counter(metadata, "ss_epoch"), "global_step": _counter(metadata, "ss_steps")}
+                  "epoch": int(epoch), "global_step": int(global_step)}
     return write_torch_pickle(checkpoint, path)
 
 
@@ -110,6 +104,12 @@ def write_model_folder(module: nn.Module, folder: str, safe: bool, dtype: Option
         write_torch_pickle({k: prepared(v, dtype) for k, v in state.items()}, os.path.join(folder, f"{stem}.bin"))
 
 
+def _directory_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 def write_pipeline_folder(parts: Mapping[str, Any], model_index: Mapping[str, Any], out_dir: str, safe: bool = True,
                           dtype: Optional[torch.dtype] = None, mem_eff: bool = False) -> str:
     """A diffusers pipeline folder, atomically: each part in its subfolder, then model_index.json.
@@ -120,6 +120,7 @@ def write_pipeline_folder(parts: Mapping[str, Any], model_index: Mapping[str, An
     import json
 
     with atomic_directory(out_dir) as tmp:
+        os.chmod(tmp, _directory_mode())  # mkdtemp makes it 0700; a saved model folder follows the umask
         for sub, part in parts.items():
             if isinstance(part, nn.Module):
                 write_model_folder(part, os.path.join(tmp, sub), safe, dtype, mem_eff)

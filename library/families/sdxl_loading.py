@@ -22,6 +22,7 @@ from library.families.loading import (
     load_folder_parts,
     load_vae,
     read_checkpoint,
+    scratch_denoiser,
     vae_from_ldm,
 )
 from library.families.sd_configs import PRESETS as SD_PRESETS
@@ -57,7 +58,9 @@ def load_sdxl_components(opts: LoadOptions) -> Components:
     elif kind == "single_file":
         parts = parts_from_sgm_checkpoint(read_checkpoint(path), path, cache_dir)
     else:
-        parts = parts_from_diffusers_folder(path)
+        parts = parts_from_diffusers_folder(path, opts.init_seed if opts.from_scratch else None)
+    if opts.from_scratch and kind != "diffusers":  # (a folder's UNet is built from its config.json)
+        parts["unet"] = scratch_denoiser(parts["unet"], opts.init_seed)
     if opts.vae:
         parts["vae"] = load_vae(opts.vae)
     for key in _PARTS:
@@ -95,14 +98,16 @@ def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
             "tokenizer_2": tok2}
 
 
-def parts_from_diffusers_folder(folder: str) -> dict:
-    """The parts of an SDXL diffusers folder (as StableDiffusionXLPipeline.save_pretrained writes it)."""
+def parts_from_diffusers_folder(folder: str, scratch_seed: Optional[int] = None) -> dict:
+    """The parts of an SDXL diffusers folder (as StableDiffusionXLPipeline.save_pretrained writes it);
+    `scratch_seed` (--from_scratch): the UNet built from its config with weights drawn from it."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     parts = load_folder_parts(folder, {
         "unet": UNet2DConditionModel, "vae": AutoencoderKL, "text_encoder": CLIPTextModel,
-        "text_encoder_2": CLIPTextModelWithProjection, "tokenizer": CLIPTokenizer, "tokenizer_2": CLIPTokenizer}, "SDXL")
+        "text_encoder_2": CLIPTextModelWithProjection, "tokenizer": CLIPTokenizer, "tokenizer_2": CLIPTokenizer}, "SDXL",
+        scratch=None if scratch_seed is None else ("unet", scratch_seed))
     if parts["unet"].config.addition_embed_type != "text_time":
         raise ModelLoadError(f"{folder}: its UNet has no SDXL text_time conditioning; not an SDXL base model")
     return parts
