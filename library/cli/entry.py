@@ -26,6 +26,7 @@ from library.cli.optimizer import (
 from library.cli.options import options_from_namespace
 from library.cli.parser import build_fine_tune_parser, build_network_training_parser
 from library.cli.preflight import check_output_folders
+from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import training_options_from_args
@@ -52,6 +53,8 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     Every flag is checked here, before the dataset scan and before any model loads; the namespace
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
+    check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
     model = load_options_from_args(ns, family_options)
     memory = memory_options_from_args(vars(ns), family)

@@ -134,6 +134,7 @@ class Trainer:
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
+        self.family.check_loaded(self.components, self.s.text)  # --clip_skip against the loaded encoders
         c = self.components
         for m in [c.denoiser, c.vae, *c.text_encoders]:
             m.requires_grad_(False)
