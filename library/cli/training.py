@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 from typing import Optional
 
+import toml
+
 from library.core.errors import ConfigError
 from library.train.settings import TrainingOptions
+from library.train.tracking import WANDB_MISSING, wandb_installed
 
 SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
@@ -52,6 +56,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"], help="tracker (default tensorboard when --logging_dir is given)")
     g.add_argument("--log_prefix", type=str, default=None, help="prefix of the run's log folder name")
     g.add_argument("--log_tracker_name", type=str, default=None, help="tracker name (default network_train)")
+    g.add_argument("--log_tracker_config", type=str, default=None,
+                   help="TOML file of tracker settings: [wandb] (entity, tags, notes, ... for wandb.init) and "
+                        "[tensorboard] (SummaryWriter keyword arguments)")
+    g.add_argument("--wandb_run_name", type=str, default=None, help="name of the wandb run (default: wandb's)")
+    g.add_argument("--wandb_api_key", type=str, default=None,
+                   help="wandb API key (else WANDB_API_KEY or `wandb login`); never written to the saved config")
     g.add_argument("--log_every_n_steps", type=int, default=1, help="write scalars every N steps")
     g.add_argument("--log_tflops", type=int, default=None, metavar="N",
                    help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
@@ -63,6 +73,28 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max_validation_steps", type=int, default=None, help="at most N validation batches each time")
 
 
+
+
+TRACKERS = ("tensorboard", "wandb")
+
+
+def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
+    """--log_tracker_config: {"wandb": {...}, "tensorboard": {...}} from a TOML file, checked now."""
+    if not path:
+        return {}
+    if not log_with:
+        raise ConfigError("--log_tracker_config: no tracker is on; add --log_with (or --logging_dir)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--log_tracker_config {path}: file not found")
+    try:
+        data = toml.load(path)
+    except (toml.TomlDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--log_tracker_config {path}: not valid TOML: {str(e).splitlines()[0]}") from None
+    for key, value in data.items():
+        if key not in TRACKERS or not isinstance(value, dict):
+            raise ConfigError(f"--log_tracker_config {path}: [{key}]: expected tables named "
+                              f"{' or '.join(f'[{t}]' for t in TRACKERS)}")
+    return data
 
 
 def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> None:
@@ -92,6 +124,15 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
     log_with = ns.log_with
     if log_with is None and ns.logging_dir:
         log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given
+    if log_with in ("tensorboard", "all") and not ns.logging_dir:
+        raise ConfigError(f"--log_with {log_with}: needs --logging_dir (the TensorBoard folder)")
+    if log_with in ("wandb", "all") and not wandb_installed():
+        raise ConfigError(WANDB_MISSING)
+    if log_with not in ("wandb", "all"):
+        for flag in ("wandb_run_name", "wandb_api_key"):
+            if getattr(ns, flag, None):
+                raise ConfigError(f"--{flag}: only used with --log_with wandb or all")
+    tracker_config = read_tracker_config(ns.log_tracker_config, log_with)
     return TrainingOptions(
         output_dir=ns.output_dir,
         output_name=ns.output_name or "last",
@@ -120,6 +161,9 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_with=log_with,
         log_prefix=ns.log_prefix,
         log_tracker_name=ns.log_tracker_name,
+        log_tracker_config=tracker_config,
+        wandb_run_name=ns.wandb_run_name,
+        wandb_api_key=ns.wandb_api_key,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
         validate_every_n_steps=ns.validate_every_n_steps,

@@ -269,8 +269,7 @@ class Trainer:
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             os.makedirs(self.t.output_dir, exist_ok=True)
-            self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
-                                   resume_step=self.run_state.progress.global_step)
+            self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
             self.stop.in_loop = True
             return self._train()
         finally:
