@@ -29,7 +29,7 @@ from library.cli.preflight import check_output_folders
 from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
-from library.cli.training import training_options_from_args
+from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
 from library.families import get_family
@@ -54,6 +54,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
     check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    note_compatibility_flags(vars(ns))
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
     model = load_options_from_args(ns, family_options)

@@ -108,8 +108,7 @@ def _number(value: Any) -> bool:
 
 def check_ranges(values: Mapping[str, Any]) -> None:
     """ConfigError for the first numeric flag out of its range or not finite (values: vars(namespace))."""
-    for name in sorted(values):
-        value = values[name]
+    for name, value in sorted(values.items()):  # .items(): a check, not a use (tests/test_flag_audit.py)
         items = value if isinstance(value, (list, tuple)) else [value]
         for item in items:
             if not _number(item):

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-from typing import Optional
+import logging
+from typing import Any, Mapping, Optional
 
 import toml
 
 from library.core.errors import ConfigError
 from library.train.settings import TrainingOptions
 from library.train.tracking import WANDB_MISSING, wandb_installed
+
+logger = logging.getLogger(__name__)
 
 SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
@@ -46,9 +49,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
     g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
     g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
-    g.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility; SDPA is used")
-    g.add_argument("--lowram", action="store_true", help="accepted for compatibility")
-    g.add_argument("--highvram", action="store_true", help="accepted for compatibility")
+    g.add_argument("--mem_eff_attn", action="store_true",
+                   help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
+    g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
+    g.add_argument("--highvram", action="store_true", help="accepted for compatibility; changes nothing here")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
 
     g = parser.add_argument_group("logging")
@@ -76,6 +80,20 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRACKERS = ("tensorboard", "wandb")
+# sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.
+COMPATIBILITY_FLAGS = {
+    "sdpa": "PyTorch SDPA is the default attention here",
+    "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
+    "lowram": "loading does not change with it (recorded as ss_lowram, as sd-scripts does)",
+    "highvram": "nothing here frees memory at a cost in speed that this flag would turn off",
+}
+
+
+def note_compatibility_flags(values: Mapping[str, Any]) -> None:
+    """One info line per given flag of COMPATIBILITY_FLAGS (values: vars(namespace))."""
+    for flag, value in values.items():  # .items(): these flags are listed, not used (tests/test_flag_audit.py)
+        if flag in COMPATIBILITY_FLAGS and value:
+            logger.info("--%s: accepted for sd-scripts compatibility; %s", flag, COMPATIBILITY_FLAGS[flag])
 
 
 def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
