@@ -2,6 +2,7 @@
 --wandb_run_name, --wandb_api_key and --log_tracker_config."""
 
 import glob
+import json
 import os
 import struct
 
@@ -58,7 +59,7 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     out, logs = str(tmp_path / "out"), str(tmp_path / "logs")
     argv = base_args(data, out, steps=3, extra=[
         "--log_with", "all", "--logging_dir", logs, "--log_tracker_name", "proj", "--wandb_run_name", "myrun",
-        "--wandb_api_key", "k" * 40, "--log_tracker_config", str(tmp_path / "trackers.toml")])
+        "--wandb_api_key", "k" * 40, "--log_tracker_config", str(tmp_path / "trackers.toml"), "--log_config"])
     assert run_training("sd", "t", argv) == 0, capsys.readouterr().err
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # set from --wandb_api_key during the run
 
@@ -67,14 +68,18 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     records = _wandb_records(runs[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.display_name, run.project, list(run.tags), run.notes) == ("myrun", "proj", ["issue11"], "flag audit")
+    config = {i.key: i.value_json for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    config.update({i.key: i.value_json for i in run.config.update})
+    assert json.loads(config["learning_rate"]) == 1e-3 and json.loads(config["network_dim"]) == 4  # --log_config
+    assert "wandb_api_key" not in config and "k" * 40 not in str(config)
     history = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item} for r in records if r.WhichOneof("record_type") == "history"]
     wandb_keys = {k for h in history for k in h if not k.startswith("_")}
     tb_dir = glob.glob(os.path.join(logs, "*", "proj"))[0]
     assert wandb_keys == _tensorboard_tags(tb_dir)
     assert {"loss/current", "loss/average", "lr/unet"} <= wandb_keys
     assert sorted(int(h["_step"]) for h in history if "loss/current" in h) == [1, 2, 3]
-    config = open(os.path.join(out, "lora_config.toml")).read()
-    assert "wandb_run_name" in config and "wandb_api_key" not in config
+    saved = open(os.path.join(out, "lora_config.toml")).read()
+    assert "wandb_run_name" in saved and "wandb_api_key" not in saved
 
 
 @pytest.mark.parametrize("extra,message", [

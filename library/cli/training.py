@@ -63,6 +63,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_tracker_config", type=str, default=None,
                    help="TOML file of tracker settings: [wandb] (entity, tags, notes, ... for wandb.init) and "
                         "[tensorboard] (SummaryWriter keyword arguments)")
+    g.add_argument("--log_config", action="store_true",
+                   help="store the run's flags in the tracker (wandb config, TensorBoard hparams; API key left out)")
     g.add_argument("--wandb_run_name", type=str, default=None, help="name of the wandb run (default: wandb's)")
     g.add_argument("--wandb_api_key", type=str, default=None,
                    help="wandb API key (else WANDB_API_KEY or `wandb login`); never written to the saved config")
@@ -80,6 +82,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRACKERS = ("tensorboard", "wandb")
+_SECRET_FLAGS = ("wandb_api_key",)
 # sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.
 COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
@@ -151,6 +154,10 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
             if getattr(ns, flag, None):
                 raise ConfigError(f"--{flag}: only used with --log_with wandb or all")
     tracker_config = read_tracker_config(ns.log_tracker_config, log_with)
+    if ns.log_config and not log_with:
+        raise ConfigError("--log_config: no tracker is on; add --log_with (or --logging_dir)")
+    run_config = ({k: v for k, v in sorted(vars(ns).items()) if k not in _SECRET_FLAGS and v is not None}
+                  if ns.log_config else {})
     return TrainingOptions(
         output_dir=ns.output_dir,
         output_name=ns.output_name or "last",
@@ -182,6 +189,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_tracker_config=tracker_config,
         wandb_run_name=ns.wandb_run_name,
         wandb_api_key=ns.wandb_api_key,
+        log_config=run_config,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
         validate_every_n_steps=ns.validate_every_n_steps,

@@ -49,7 +49,8 @@ class Tracker:
 
     def __init__(self, log_with: Optional[str], logging_dir: Optional[str], log_prefix: Optional[str],
                  tracker_name: Optional[str] = None, resume_step: int = 0, *, wandb_run_name: Optional[str] = None,
-                 wandb_api_key: Optional[str] = None, init_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None):
+                 wandb_api_key: Optional[str] = None, init_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                 run_config: Optional[Mapping[str, Any]] = None):
         self.writer = None
         self.log_dir = None
         self.wandb_run = None
@@ -64,15 +65,19 @@ class Tracker:
             self.log_dir = os.path.join(logging_dir, f"{log_prefix or ''}{stamp}", tracker_name or "network_train")
             self.writer = SummaryWriter(self.log_dir, purge_step=resume_step or None,
                                         **dict(init_kwargs.get("tensorboard", {})))
+            if run_config:  # TensorBoard hparams take scalars only (lists written as text)
+                self.writer.add_hparams({k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                         for k, v in run_config.items()}, {}, run_name=".")
         if log_with in ("wandb", "all"):
             self.wandb_run = _start_wandb(tracker_name or "network_train", wandb_run_name, wandb_api_key, logging_dir,
-                                          dict(init_kwargs.get("wandb", {})))
+                                          dict(init_kwargs.get("wandb", {})), run_config)
 
     @classmethod
     def for_run(cls, t: Any, resume_step: int = 0) -> "Tracker":
         """The tracker a run's TrainingOptions ask for."""
         return cls(t.log_with, t.logging_dir, t.log_prefix, t.log_tracker_name, resume_step=resume_step,
-                   wandb_run_name=t.wandb_run_name, wandb_api_key=t.wandb_api_key, init_kwargs=t.log_tracker_config)
+                   wandb_run_name=t.wandb_run_name, wandb_api_key=t.wandb_api_key, init_kwargs=t.log_tracker_config,
+                   run_config=t.log_config)
 
     def log(self, values: dict[str, float], step: int) -> None:
         if self.writer is not None:
@@ -103,7 +108,7 @@ class Tracker:
 
 
 def _start_wandb(project: str, run_name: Optional[str], api_key: Optional[str], logging_dir: Optional[str],
-                 kwargs: dict[str, Any]):
+                 kwargs: dict[str, Any], run_config: Optional[Mapping[str, Any]] = None):
     """wandb.init as accelerate calls it for sd-scripts (project = --log_tracker_name, name = --wandb_run_name)."""
     try:
         import wandb
@@ -114,6 +119,8 @@ def _start_wandb(project: str, run_name: Optional[str], api_key: Optional[str], 
     kwargs.setdefault("project", project)
     if run_name:
         kwargs.setdefault("name", run_name)
+    if run_config:
+        kwargs["config"] = {**dict(run_config), **dict(kwargs.get("config") or {})}
     if logging_dir and "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
         os.makedirs(logging_dir, exist_ok=True)
         kwargs["dir"] = logging_dir
