@@ -76,3 +76,18 @@ def test_clip_skip_beyond_the_encoder_stops_before_step_one(tmp_path, capsys, ti
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --clip_skip 50: the text encoder of this model has") and "\n" not in err, err
     assert not glob.glob(os.path.join(out, "*.safetensors"))
+
+
+def test_every_numeric_flag_has_a_range():
+    """Issue 11 item 11: each int/float flag of every training parser (sd/sdxl/flux, LoRA and fine-tune) has an
+    entry in library/cli/ranges.py RANGES (a new numeric flag without one fails here)."""
+    from library.cli.entry import build_parser
+    from library.cli.ranges import RANGES
+
+    missing = set()
+    for name in ("sd", "sdxl", "flux"):
+        for fine_tune in (False, True):
+            parser = build_parser("t", get_family(name), fine_tune)
+            missing |= {a.dest for a in parser._actions
+                        if a.type in (int, float) and a.dest not in RANGES and a.dest != "max_token_length"}
+    assert not missing  # max_token_length: argparse choices (75, 150, 225)
