@@ -91,3 +91,13 @@ def test_every_numeric_flag_has_a_range():
             missing |= {a.dest for a in parser._actions
                         if a.type in (int, float) and a.dest not in RANGES and a.dest != "max_token_length"}
     assert not missing  # max_token_length: argparse choices (75, 150, 225)
+
+
+def test_generate_refuses_clip_skip_beyond_the_encoder(tmp_path, capsys):
+    """Issue 11 item 11: tools/generate.py checks --clip_skip against the loaded text encoder too (one line)."""
+    from tools import generate
+
+    rc = generate.main(["--ckpt", "tiny:sd1", "--outdir", str(tmp_path), "--prompt", "a cat", "--steps", "1",
+                        "--W", "64", "--H", "64", "--clip_skip", "50"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: --clip_skip 50: the text encoder of this model has"), err
