@@ -9,6 +9,8 @@ EXTRAS = {
     "optim": ["bitsandbytes>=0.45", "prodigyopt", "lion-pytorch", "dadaptation", "schedulefree"],
     # --xformers (CUDA only; PyTorch SDPA is used without it)
     "xformers": ["xformers"],
+    # --log_with wandb / all (Weights & Biases; WANDB_MODE=offline logs to files without an account)
+    "wandb": ["wandb"],
 }
 EXTRAS["all"] = sorted({p for name, pkgs in EXTRAS.items() if name != "xformers" for p in pkgs})
 

@@ -140,3 +140,41 @@ def test_unknown_and_lycoris_files_are_refused_with_the_key():
     bad["lora_unet_x.lora_mystery.weight"] = torch.zeros(1)
     with pytest.raises(UnsupportedLoraError, match=r"unexpected key 'lora_unet_x.lora_mystery.weight'"):
         group_modules(bad, "bad.safetensors")
+
+
+def _full_size_flux_kohya(rank=2):
+    """Every module of a real FLUX.1 LoRA (19 double + 38 single blocks, fused qkv / linear1), rank `rank`."""
+    from library.families.flux_lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
+
+    shapes = {"img_mod.lin": (6 * H, H), "txt_mod.lin": (6 * H, H), "img_attn.qkv": (3 * H, H),
+              "txt_attn.qkv": (3 * H, H), "img_attn.proj": (H, H), "txt_attn.proj": (H, H),
+              "img_mlp.0": (4 * H, H), "img_mlp.2": (H, 4 * H), "txt_mlp.0": (4 * H, H), "txt_mlp.2": (H, 4 * H),
+              "linear1": (7 * H, H), "linear2": (H, 5 * H), "modulation.lin": (3 * H, H)}
+    sd, seed = {}, 0
+    for kind, count, table in (("double_blocks", 19, DOUBLE_BLOCK), ("single_blocks", 38, SINGLE_BLOCK)):
+        for i in range(count):
+            for bfl in sorted({name for name, _ in table.values()}):
+                out, inn = shapes[bfl]
+                sd.update(_kohya(f"lora_unet_{kind}_{i}_{bfl.replace('.', '_')}", out, inn, rank, 1.0, seed))
+                seed += 1
+    return sd
+
+
+def test_convert_full_size_flux_lora_to_diffusers_saves(tmp_path):
+    """Issue 11 item 8: a real-size FLUX.1 LoRA (fused qkv split into q/k/v sharing one lora_A) converts to the
+    diffusers layout and is written: no 'Some tensors share memory' from safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    from tools import convert_lora
+
+    sd = _full_size_flux_kohya()
+    assert len(sd) == 3 * (19 * 10 + 38 * 3)
+    src, dst = tmp_path / "flux_kohya.safetensors", tmp_path / "flux_peft.safetensors"
+    save_file(sd, str(src))
+    assert convert_lora.main(["--src_path", str(src), "--dst_path", str(dst), "--to", "diffusers"]) == 0
+    out = load_file(str(dst))
+    assert "transformer.transformer_blocks.18.attn.to_q.lora_A.weight" in out
+    assert "transformer.single_transformer_blocks.37.proj_mlp.lora_B.weight" in out
+    assert len(out) == 2 * 19 * (14) + 2 * 38 * 6
+    back = to_kohya(out, "peft")
+    assert _max_delta_error(sd, back) < 1e-5

@@ -316,3 +316,18 @@ def test_flux_fused_modules_extract_the_stacked_difference(tiny_flux, tiny_flux_
     for name, module in truth.items():
         assert modules[name].up.shape == (org_layers[name].weight.shape[0], 2)
         assert float((modules[name].delta() - module.delta()).norm() / module.delta().norm()) < 1e-4
+
+
+def test_merge_lora_into_sdxl_file_without_model_family(tmp_path, tiny_sdxl, tiny_sdxl_file):
+    """Issue 11 item 7: merge_lora.py --sd_model <SDXL single file> without --model_family merges with the family
+    the file shows (it used to detect SDXL, then refuse it as an SD 1.x/2.x checkpoint)."""
+    from tools.lora_models import LoadedModel, load_model, lora_layers
+
+    layers = lora_layers(LoadedModel(get_family("sdxl"), tiny_sdxl))
+    name = next(n for n in layers if n.startswith("lora_unet") and layers[n].weight.dim() == 2)
+    path = _write(tmp_path / "l.safetensors", _lora_for(layers, [name]))
+    out = str(tmp_path / "merged.safetensors")
+    assert _run("merge_lora", ["--sd_model", tiny_sdxl_file, "--save_to", out, "--models", path]) == 0
+    merged = load_model(out)  # detected again: an SDXL file
+    assert merged.family.name == "sdxl"
+    assert not torch.equal(lora_layers(merged)[name].weight, layers[name].weight)

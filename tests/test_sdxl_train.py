@@ -151,3 +151,30 @@ def test_diffusers_named_network_weights_are_converted(tmp_path, tiny_sdxl):
     module = dict((m.lora_name, m) for m in net.unet_loras)["lora_unet_input_blocks_4_1_proj_in"]
     assert torch.equal(module.lora_up.weight, up)
     assert module.scale == 0.5
+
+
+def test_cache_text_encoder_outputs_trains_unet_only_by_default(tmp_path, caplog):
+    """Issue 11 item 7: the README's SDXL command (--cache_text_encoder_outputs, no --network_train_unet_only)
+    is accepted: the UNet trains alone, said once; with --text_encoder_lr the cache is still refused."""
+    import logging
+
+    from library.cli.config_file import parse_with_config_file
+    from library.cli.entry import build_parser, settings_from_args
+    from library.families import get_family
+
+    family = get_family("sdxl")
+    data = make_dataset(str(tmp_path), n=1)
+    args = base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=1,
+                     extra=["--cache_text_encoder_outputs"])
+    with caplog.at_level(logging.INFO):
+        settings = settings_from_args(parse_with_config_file(build_parser("t", family), args), family)
+    assert settings.network.train_unet and not settings.network.train_text_encoder
+    assert sum("training the UNet only" in r.getMessage() for r in caplog.records) == 1
+    check_text_cache_allowed([("subset 0", CaptionSettings())], settings.network.train_text_encoder)
+
+    ns = parse_with_config_file(build_parser("t", family), args + ["--text_encoder_lr", "1e-5"])
+    assert settings_from_args(ns, family).network.train_text_encoder  # asked for: refused before the scan
+    flux = get_family("flux")
+    ns = parse_with_config_file(build_parser("t", flux), base_args(data, str(tmp_path / "o"), preset="tiny:flux",
+                                                                 extra=["--cache_text_encoder_outputs"]))
+    assert settings_from_args(ns, flux).network.train_text_encoder  # FLUX.1: CLIP-L trains, T5 is cached

@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--svd", choices=["auto", "full", "randomized"], default="auto",
                    help="auto: randomized SVD where the rank is small against the layer, else full")
     p.add_argument("--v2", action="store_true", help="accepted for sd-scripts compatibility (detected from the model)")
-    p.add_argument("--sdxl", action="store_true", help="accepted for sd-scripts compatibility; use --model_family")
-    p.add_argument("--model_family", default="sd", help="family of both models (default sd)")
+    p.add_argument("--sdxl", action="store_true", help="the models are SDXL (sd-scripts' flag; same as --model_family sdxl)")
+    p.add_argument("--model_family", default=None,
+                   help="family of both models (sd, sdxl, flux, ...; default: detected from the model, else sd)")
     p.add_argument("--no_metadata", action="store_true", help="write only the minimal ss_* keys")
     add_component_file_arguments(p)  # a FLUX.1 BFL single file holds only the transformer
     return p
@@ -49,14 +50,16 @@ def run(argv=None) -> None:
         text_encoder_included,
     )
     from networks.lora_files import dim_alpha_summary, parse_precision, save_lora_file
+    from library.families.detect import detect_family
     from tools.lora_models import load_model, lora_layers
 
     opts = ExtractOptions(args.dim, args.conv_dim, args.clamp_quantile, args.min_diff, args.device, args.svd)
     opts.check()
     dtype = parse_precision(args.save_precision)
     include_conv = args.conv_dim is not None
-    org = load_model(args.model_org, args.model_family, flags=component_files(args))
-    tuned = load_model(args.model_tuned, args.model_family, flags=component_files(args))
+    family = args.model_family or ("sdxl" if args.sdxl else None) or detect_family(args.model_org)
+    org = load_model(args.model_org, family, flags=component_files(args))
+    tuned = load_model(args.model_tuned, family, flags=component_files(args))
     org_layers = lora_layers(org, include_conv, file_only=False)  # the modules networks.lora trains, as sd-scripts
     modules = extract_lora(org_layers, lora_layers(tuned, include_conv, file_only=False), opts)
     if not text_encoder_included(modules, org_layers):

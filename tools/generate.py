@@ -171,6 +171,7 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     from library.train.network_apply import apply_networks
 
     family, components, device = loaded or load_model(o)
+    family.check_loaded(components, o)  # --clip_skip against the loaded text encoder
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)

@@ -17,6 +17,7 @@ from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries_of
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelFamily
+from library.families.detect import detect_family
 from networks.lora_targets import LoraLayer
 
 T = TypeVar("T")
@@ -28,13 +29,14 @@ class LoadedModel:
     components: Components
 
 
-def load_model(path: str, family_name: str = "sd", dtype: torch.dtype = torch.float32,
+def load_model(path: str, family_name: Optional[str] = None, dtype: torch.dtype = torch.float32,
                flags: Optional[dict] = None) -> LoadedModel:
-    """Load a checkpoint (file, diffusers folder or preset) with the named family.
+    """Load a checkpoint (file, diffusers folder or preset) with the named family; None: the family the file's
+    keys (or the folder's config) show, else sd.
 
     `flags`: the family's own flags that loading needs (FLUX.1's --clip_l / --t5xxl / --ae for a BFL file).
     """
-    family = get_family(family_name)
+    family = get_family(family_name or detect_family(path) or "sd")
     options = options_from_values(family.options_type, flags or {})
     components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype, family_options=options))
     return LoadedModel(family, components)

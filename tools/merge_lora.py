@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new_rank", type=int, default=None, help="LoRA+LoRA: re-factor the sum to this rank by SVD")
     p.add_argument("--new_conv_rank", type=int, default=None, help="rank for 3x3 conv modules with --new_rank")
     p.add_argument("--device", default="cpu", help="where to compute")
-    p.add_argument("--model_family", default="sd", help="family of --sd_model (default sd)")
+    p.add_argument("--model_family", default=None,
+                   help="family of --sd_model (sd, sdxl, flux, ...; default: detected from the model, else sd)")
     add_component_file_arguments(p)  # a FLUX.1 BFL single file holds only the transformer
     return p
 

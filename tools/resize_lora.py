@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the method's parameter: a number, or for recipe e.g. fro_ckpt=1,thr=-3.55")
     p.add_argument("--base_model", default=None,
                    help="base checkpoint, needed by recipes with spn_ckpt / fro_ckpt")
-    p.add_argument("--model_family", default="sd", help="family of --base_model (default sd)")
+    p.add_argument("--model_family", default=None,
+                   help="family of --base_model (sd, sdxl, flux, ...; default: detected from the model, else sd)")
     add_component_file_arguments(p)  # for a FLUX.1 BFL single-file --base_model
     return p
 

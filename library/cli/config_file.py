@@ -13,6 +13,7 @@ from library.core.errors import ConfigError
 from library.core.io_utils import atomic_write_text
 
 _NOT_SAVED = {"config_file", "output_config"}
+_SECRETS = {"wandb_api_key"}  # accepted in a config file, never written to one
 
 
 def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def config_values(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     defaults = getattr(parser, "original_defaults", {})
     for action in parser._actions:
         dest = action.dest
-        if dest in _NOT_SAVED or dest == "help" or not hasattr(ns, dest):
+        if dest in _NOT_SAVED or dest in _SECRETS or dest == "help" or not hasattr(ns, dest):
             continue
         value = getattr(ns, dest)
         if value is None or value == defaults.get(dest, action.default):

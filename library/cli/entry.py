@@ -26,9 +26,10 @@ from library.cli.optimizer import (
 from library.cli.options import options_from_namespace
 from library.cli.parser import build_fine_tune_parser, build_network_training_parser
 from library.cli.preflight import check_output_folders
+from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
-from library.cli.training import training_options_from_args
+from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
 from library.families import get_family
@@ -52,6 +53,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     Every flag is checked here, before the dataset scan and before any model loads; the namespace
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
+    check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    note_compatibility_flags(vars(ns))
+    check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
     model = load_options_from_args(ns, family_options)
     memory = memory_options_from_args(vars(ns), family)
@@ -65,6 +69,8 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)
+    text_cache = text_cache_options_from_args(ns)
+    network = unet_only_when_caching(network, text_cache.enabled, family)
     if network and network.network_module != "networks.lora" and family.external_networks_unsupported:
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
                           f"{family.external_networks_unsupported}")
@@ -83,7 +89,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         loss=loss_options_from_args(ns),
         training=training,
         text=text_options_from_args(ns),
-        text_cache=text_cache_options_from_args(ns),
+        text_cache=text_cache,
         memory=memory,
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
@@ -96,6 +102,20 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
                               "drop the flag (or generate afterwards with tools/generate.py)")
         settings.hooks.append(sample_hook)
     return settings
+
+
+def unet_only_when_caching(network, caching: bool, family: ModelFamily):
+    """--cache_text_encoder_outputs on a family whose cache needs every text encoder frozen (SDXL): train only
+    the UNet, as sd-scripts requires with --network_train_unet_only, and say so once. Kept as given when
+    text-encoder training was asked for (--text_encoder_lr: then the cache is refused before the scan) or when
+    the family caches the frozen encoders while others train (FLUX.1: CLIP-L trains, T5 is cached)."""
+    if network is None or not caching or not network.train_text_encoder or not network.train_unet:
+        return network
+    if family.text_encoder_outputs or network.text_encoder_lr:
+        return network
+    logging.getLogger(__name__).info("--cache_text_encoder_outputs: training the UNet only (the text encoders "
+                                     "are frozen so that their outputs can be cached; as --network_train_unet_only)")
+    return dataclasses.replace(network, train_text_encoder=False)
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,

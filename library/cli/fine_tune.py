@@ -81,8 +81,16 @@ def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
                            metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
 
 
+# The --ema_* flags and their defaults: one given with another value without --use_ema would change nothing.
+EMA_FLAG_DEFAULTS = {"ema_decay": 0.9999, "ema_no_warmup": False, "ema_update_every": 1, "ema_device": "cpu",
+                     "ema_start_step": 0, "save_ema_only": True, "ema_for_sampling": True, "ema_for_validation": True}
+
+
 def ema_options_from_args(ns: argparse.Namespace) -> EmaOptions:
     if not getattr(ns, "use_ema", False):
+        for flag, default in EMA_FLAG_DEFAULTS.items():
+            if getattr(ns, flag, default) != default:
+                raise ConfigError(f"--{flag}: only used with --use_ema; add --use_ema or drop the flag")
         return EmaOptions()
     if not 0.0 < ns.ema_decay < 1.0:
         raise ConfigError(f"--ema_decay: expected a number between 0 and 1, got {ns.ema_decay}")

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
-from typing import Optional
+import logging
+from typing import Any, Mapping, Optional
+
+import toml
 
 from library.core.errors import ConfigError
 from library.train.settings import TrainingOptions
+from library.train.tracking import WANDB_MISSING, wandb_installed
+
+logger = logging.getLogger(__name__)
 
 SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
@@ -42,9 +49,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
     g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
     g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
-    g.add_argument("--mem_eff_attn", action="store_true", help="accepted for compatibility; SDPA is used")
-    g.add_argument("--lowram", action="store_true", help="accepted for compatibility")
-    g.add_argument("--highvram", action="store_true", help="accepted for compatibility")
+    g.add_argument("--mem_eff_attn", action="store_true",
+                   help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
+    g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
+    g.add_argument("--highvram", action="store_true", help="accepted for compatibility; changes nothing here")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
 
     g = parser.add_argument_group("logging")
@@ -52,6 +60,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"], help="tracker (default tensorboard when --logging_dir is given)")
     g.add_argument("--log_prefix", type=str, default=None, help="prefix of the run's log folder name")
     g.add_argument("--log_tracker_name", type=str, default=None, help="tracker name (default network_train)")
+    g.add_argument("--log_tracker_config", type=str, default=None,
+                   help="TOML file of tracker settings: [wandb] (entity, tags, notes, ... for wandb.init) and "
+                        "[tensorboard] (SummaryWriter keyword arguments)")
+    g.add_argument("--log_config", action="store_true",
+                   help="store the run's flags in the tracker (wandb config, TensorBoard hparams; API key left out)")
+    g.add_argument("--wandb_run_name", type=str, default=None, help="name of the wandb run (default: wandb's)")
+    g.add_argument("--wandb_api_key", type=str, default=None,
+                   help="wandb API key (else WANDB_API_KEY or `wandb login`); never written to the saved config")
     g.add_argument("--log_every_n_steps", type=int, default=1, help="write scalars every N steps")
     g.add_argument("--log_tflops", type=int, default=None, metavar="N",
                    help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
@@ -63,6 +79,43 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max_validation_steps", type=int, default=None, help="at most N validation batches each time")
 
 
+
+
+TRACKERS = ("tensorboard", "wandb")
+_SECRET_FLAGS = ("wandb_api_key",)
+# sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.
+COMPATIBILITY_FLAGS = {
+    "sdpa": "PyTorch SDPA is the default attention here",
+    "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
+    "lowram": "loading does not change with it (recorded as ss_lowram, as sd-scripts does)",
+    "highvram": "nothing here frees memory at a cost in speed that this flag would turn off",
+}
+
+
+def note_compatibility_flags(values: Mapping[str, Any]) -> None:
+    """One info line per given flag of COMPATIBILITY_FLAGS (values: vars(namespace))."""
+    for flag, value in values.items():  # .items(): these flags are listed, not used (tests/test_flag_audit.py)
+        if flag in COMPATIBILITY_FLAGS and value:
+            logger.info("--%s: accepted for sd-scripts compatibility; %s", flag, COMPATIBILITY_FLAGS[flag])
+
+
+def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
+    """--log_tracker_config: {"wandb": {...}, "tensorboard": {...}} from a TOML file, checked now."""
+    if not path:
+        return {}
+    if not log_with:
+        raise ConfigError("--log_tracker_config: no tracker is on; add --log_with (or --logging_dir)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--log_tracker_config {path}: file not found")
+    try:
+        data = toml.load(path)
+    except (toml.TomlDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--log_tracker_config {path}: not valid TOML: {str(e).splitlines()[0]}") from None
+    for key, value in data.items():
+        if key not in TRACKERS or not isinstance(value, dict):
+            raise ConfigError(f"--log_tracker_config {path}: [{key}]: expected tables named "
+                              f"{' or '.join(f'[{t}]' for t in TRACKERS)}")
+    return data
 
 
 def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> None:
@@ -92,6 +145,19 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
     log_with = ns.log_with
     if log_with is None and ns.logging_dir:
         log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given
+    if log_with in ("tensorboard", "all") and not ns.logging_dir:
+        raise ConfigError(f"--log_with {log_with}: needs --logging_dir (the TensorBoard folder)")
+    if log_with in ("wandb", "all") and not wandb_installed():
+        raise ConfigError(WANDB_MISSING)
+    if log_with not in ("wandb", "all"):
+        for flag in ("wandb_run_name", "wandb_api_key"):
+            if getattr(ns, flag, None):
+                raise ConfigError(f"--{flag}: only used with --log_with wandb or all")
+    tracker_config = read_tracker_config(ns.log_tracker_config, log_with)
+    if ns.log_config and not log_with:
+        raise ConfigError("--log_config: no tracker is on; add --log_with (or --logging_dir)")
+    run_config = ({k: v for k, v in sorted(vars(ns).items()) if k not in _SECRET_FLAGS and v is not None}
+                  if ns.log_config else {})
     return TrainingOptions(
         output_dir=ns.output_dir,
         output_name=ns.output_name or "last",
@@ -120,6 +186,10 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_with=log_with,
         log_prefix=ns.log_prefix,
         log_tracker_name=ns.log_tracker_name,
+        log_tracker_config=tracker_config,
+        wandb_run_name=ns.wandb_run_name,
+        wandb_api_key=ns.wandb_api_key,
+        log_config=run_config,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
         validate_every_n_steps=ns.validate_every_n_steps,

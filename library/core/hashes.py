@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from library.core.io_utils import atomic_write_text
+from library.core.tensors import unshared
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def _ss_only(metadata: Optional[Mapping[str, str]]) -> dict[str, str]:
 
 def model_hash(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> str:
     """sshs_model_hash: sha256 of the serialized tensor data of `state_dict`."""
-    blob = safetensors_save(dict(state_dict), metadata=_ss_only(metadata))
+    blob = safetensors_save(unshared(state_dict), metadata=_ss_only(metadata))
     return hashlib.sha256(_tensor_data_section(blob)).hexdigest()
 
 
@@ -46,13 +47,13 @@ def legacy_hash_of_bytes(blob: bytes) -> str:
 
 
 def legacy_hash(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> str:
-    blob = safetensors_save(dict(state_dict), metadata=_ss_only(metadata))
+    blob = safetensors_save(unshared(state_dict), metadata=_ss_only(metadata))
     return legacy_hash_of_bytes(blob)
 
 
 def sshs_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> tuple[str, str]:
     """(sshs_model_hash, sshs_legacy_hash) computed from one serialization."""
-    blob = safetensors_save(dict(state_dict), metadata=_ss_only(metadata))
+    blob = safetensors_save(unshared(state_dict), metadata=_ss_only(metadata))
     return hashlib.sha256(_tensor_data_section(blob)).hexdigest(), legacy_hash_of_bytes(blob)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from library.core import hashes
 from library.core.io_utils import atomic_path, save_safetensors_atomic
+from library.core.tensors import unshared
 
 TOOLKIT_NAME = "sd-lora-toolkit"
 TOOLKIT_VERSION = "0.1.0"
@@ -171,7 +172,7 @@ def with_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mappi
 def save_lora_state_dict(path: str, state_dict: Mapping[str, torch.Tensor],
                          metadata: Optional[Mapping[str, str]] = None) -> None:
     """Write a LoRA file atomically: .safetensors with metadata and hashes, otherwise a torch pickle."""
-    tensors = {k: v.contiguous() for k, v in state_dict.items()}
+    tensors = unshared(state_dict)  # split q/k/v views of one fused tensor are written as copies
     if os.path.splitext(path)[1] == ".safetensors":
         save_safetensors_atomic(tensors, path, with_hashes(tensors, metadata))
     else:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import torch
 from torch import nn
 
-from library.core.errors import UserError
+from library.core.errors import ConfigError, UserError
 from library.families import model_saving
 from library.objectives.noise import DDPMSchedule, NoiseScheme
 from networks.lora_args import BlockLayout
@@ -148,6 +148,19 @@ class ModelFamily(ABC):
     def metadata_values(self, options: Any) -> dict[str, Any]:
         """The options that saved LoRAs record, as ss_<name> metadata."""
         return {}
+
+    def check_loaded(self, components: Components, text: Any) -> None:
+        """Check the run's text options (`text`: TextEncodingOptions) against the loaded model, before step 1
+        (one-line ConfigError): by default --clip_skip against the layer count of each CLIP text encoder."""
+        clip_skip = getattr(text, "clip_skip", None)
+        if clip_skip is None:
+            return
+        for i, encoder in enumerate(components.text_encoders):
+            layers = getattr(getattr(encoder, "config", None), "num_hidden_layers", None)
+            if isinstance(layers, int) and clip_skip > layers:
+                which = f"text encoder {i + 1}" if len(components.text_encoders) > 1 else "the text encoder"
+                raise ConfigError(f"--clip_skip {clip_skip}: {which} of this model has {layers} layers; "
+                                  f"expected 1 to {layers} (2 = penultimate)")
 
     # --- loading -----------------------------------------------------------
     @abstractmethod

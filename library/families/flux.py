@@ -280,7 +280,7 @@ class FluxFamily(ModelFamily):
         return flux_saving.bfl_tensors(components.denoiser)
 
     def pipeline_folder(self, components: Components) -> tuple[dict, dict]:
-        """A whole FluxPipeline folder (not a transformer-only one): it loads back with every part, no flags needed."""
+        """A whole FluxPipeline folder (not a transformer-only one): it loads back with every part, no flag needed."""
         clip, t5 = components.text_encoders
         return flux_saving.pipeline_folder({"transformer": components.denoiser, "vae": components.vae,
                                             "text_encoder": clip, "text_encoder_2": t5,

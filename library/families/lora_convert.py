@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from library.core.tensors import unshared
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
@@ -102,7 +103,7 @@ def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, to
         sd, su = scale_split(m.scale)
         up = _swap_halves(m.up * su) if target.swap_halves else m.up * su
         out[f"{target.paths[0]}.lora_A.weight"], out[f"{target.paths[0]}.lora_B.weight"] = m.down * sd, up
-    return out
+    return unshared(out)  # split projections share one A (or slice one): each key gets its own storage
 
 
 def to_ai_toolkit(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

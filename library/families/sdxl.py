@@ -10,7 +10,7 @@ batch: original size, the (flip-aware) crop top-left and the bucket size.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -88,6 +88,9 @@ class SDXLFamily(ModelFamily):
             "hidden_state2": join_token_chunks(h2.reshape(batch, -1, h2.shape[-1]), window),
             "pool2": pooled,
         })
+
+    def check_loaded(self, components: Components, text: Any) -> None:
+        """--clip_skip is not used by SDXL (warned about at the first encode): nothing to check."""
 
     def _warn_clip_skip(self, clip_skip: Optional[int]) -> None:
         if clip_skip not in (None, 2):

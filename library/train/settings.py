@@ -45,6 +45,10 @@ class TrainingOptions:
     log_with: Optional[str] = None
     log_prefix: Optional[str] = None
     log_tracker_name: Optional[str] = None
+    log_tracker_config: dict = field(default_factory=dict)  # {"wandb": {...}, "tensorboard": {...}} init kwargs
+    wandb_run_name: Optional[str] = None
+    wandb_api_key: Optional[str] = None
+    log_config: dict = field(default_factory=dict)  # --log_config: the flags, stored in the tracker
     log_every_n_steps: int = 1
     log_tflops: Optional[int] = None
     validate_every_n_steps: Optional[int] = None

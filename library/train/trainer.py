@@ -140,6 +140,7 @@ class Trainer:
 
     def _setup_model(self) -> None:
         self.components = self.family.load(self.s.model)
+        self.family.check_loaded(self.components, self.s.text)  # --clip_skip against the loaded encoders
         c = self.components
         for m in [c.denoiser, c.vae, *c.text_encoders]:
             m.requires_grad_(False)
@@ -280,8 +281,7 @@ class Trainer:
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
                                   self._metadata, self.num_epochs, self.max_train_steps)
             self.saver.check_disk_space()
-            self.tracker = Tracker(self.t.log_with, self.t.logging_dir, self.t.log_prefix, self.t.log_tracker_name,
-                                   resume_step=self.run_state.progress.global_step)
+            self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
             self.stop.in_loop = True
             return self._train()
         finally:
