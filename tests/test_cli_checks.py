@@ -96,9 +96,9 @@ def test_unknown_flags_and_ambiguous_abbreviation_messages(capsys):
     """Item 23: several unknown flags in one line; no suggestion when nothing is close; an ambiguous
     abbreviation is one line too."""
     with pytest.raises(SystemExit):
-        parse_with_config_file(_parser(), ["--lerning_rate=1", "--frobnicate"])
+        parse_with_config_file(_parser(), ["--lerning_rate=1", "--qqqzzy"])
     assert capsys.readouterr().err == ("error: unrecognized arguments --lerning_rate; did you mean --learning_rate?; "
-                                       "--frobnicate (--help lists every flag)\n")
+                                       "--qqqzzy (--help lists every flag)\n")
     with pytest.raises(SystemExit):
         parse_with_config_file(_parser(), ["--network", "4"])
     err = capsys.readouterr().err

@@ -84,7 +84,10 @@ RANGES: dict[str, Range] = {
     "multires_noise_discount": Range(0, 1, lo_open=True), "ip_noise_gamma": Range(lo=0),
     "min_timestep": Range(0, 1000, integer=True), "max_timestep": Range(0, 1000, integer=True),
     "huber_c": Range(lo=0, lo_open=True), "huber_scale": Range(lo=0, lo_open=True),
-    "min_snr_gamma": Range(lo=0, lo_open=True), "v_pred_like_loss": Range(lo=0, lo_open=True),
+    "min_snr_gamma": Range(lo=0, lo_open=True), "soft_min_snr_gamma": Range(lo=0, lo_open=True),
+    "timestep_bias_multiplier": Range(lo=0, lo_open=True), "timestep_bias_portion": Range(0, 1, lo_open=True),
+    "timestep_bias_begin": Range(0, 1000, integer=True), "timestep_bias_end": Range(0, 1000, integer=True),
+    "unmasked_probability": _RATE, "unmasked_weight": _RATE, "v_pred_like_loss": Range(lo=0, lo_open=True),
     # saving, steps, logging, validation
     "save_every_n_epochs": _at_least(1), "save_n_epoch_ratio": _at_least(1), "save_every_n_steps": _at_least(1),
     "save_last_n_epochs": _at_least(1), "save_last_n_epochs_state": _at_least(1), "save_last_n_steps": _at_least(1),
