@@ -168,3 +168,29 @@ def test_fused_backward_pass_equals_the_usual_step_and_holds_no_gradients(tmp_pa
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst < 1e-6, worst
+
+
+def test_sdxl_block_lr_trains_each_block_at_its_rate_and_freezes_zero_blocks(tmp_path, tiny_sdxl):
+    data = make_dataset(str(tmp_path), n=1)
+    rates = ["1e-3"] * 23
+    rates[10:13] = ["0", "0", "0"]  # the middle block stays frozen
+    rates[0] = "5e-4"
+    trainer = ft_trainer(ft_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=1, extra=[
+        "--block_lr", ",".join(rates)]), "sdxl")
+    before = _state(tiny_sdxl.denoiser)
+    trainer.run()
+    after = _state(trainer.components.denoiser)
+    changed = _changed(before, after)
+    assert changed and not any(k.startswith("mid_block.") for k in changed)
+    assert any(k.startswith("down_blocks.") for k in changed) and any(k.startswith("up_blocks.") for k in changed)
+    lrs = {name: g["lr"] for name, g in zip(trainer.group_names, trainer.optimizer.param_groups)}
+    assert lrs["denoiser block 0"] == 5e-4 and "denoiser block 10" not in lrs and len(lrs) == 20
+
+
+def test_block_lr_needs_the_familys_block_count(tmp_path, capsys):
+    data = make_dataset(str(tmp_path), n=1)
+    code = run_training("sdxl", "t", ft_args(data, str(tmp_path / "o"), preset="tiny:sdxl", extra=[
+        "--block_lr", "1e-3,1e-3"]), fine_tune=True)
+    assert code == 2
+    assert capsys.readouterr().err.strip() == ("error: --block_lr: expected 23 comma-separated rates >= 0 "
+                                               "(emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out), got 2")

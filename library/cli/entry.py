@@ -81,7 +81,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         data=data_options_from_args(ns, seed=training.seed),
         network=network,
         network_kind=network_kind(network.network_module) if network else None,
-        fine_tune=fine_tune_options_from_args(ns) if fine_tune else None,
+        fine_tune=fine_tune_options_from_args(ns, family) if fine_tune else None,
         ema=ema_options_from_args(ns),
         optimizer=optimizer,
         scheduler=scheduler_options_from_args(ns),

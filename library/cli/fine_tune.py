@@ -30,6 +30,9 @@ def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
                    help="learning rate of the first text encoder (SDXL: CLIP-L); overrides --learning_rate_te")
     g.add_argument("--learning_rate_te2", type=float, default=None,
                    help="learning rate of the second text encoder (SDXL: OpenCLIP-G); overrides --learning_rate_te")
+    g.add_argument("--block_lr", type=str, default=None,
+                   help="comma-separated learning rates, one per UNet block (SDXL: 23 values: embeddings, IN00-IN08, "
+                        "MID0-MID2, OUT00-OUT08, out); 0 freezes that block")
     g.add_argument("--mem_eff_save", action="store_true",
                    help="write checkpoints tensor by tensor, without a second copy of the model in memory")
     g.add_argument("--fused_backward_pass", action="store_true",
@@ -65,7 +68,24 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
+def block_lrs_from_args(value, family) -> list[float]:
+    """--block_lr "a,b,...": one finite rate >= 0 per block of the family's layout."""
+    if not value:
+        return []
+    layout = family.lora_block_layout()
+    if layout is None:
+        raise ConfigError(f"--block_lr: {family.name} has no UNet block layout; it is for SDXL")
+    try:
+        rates = [float(v) for v in str(value).split(",")]
+    except ValueError:
+        raise ConfigError(f"--block_lr {value}: expected {layout.num_blocks} comma-separated numbers") from None
+    if len(rates) != layout.num_blocks or any(not (0 <= r < float("inf")) for r in rates):
+        raise ConfigError(f"--block_lr: expected {layout.num_blocks} comma-separated rates >= 0 ({layout.names}), "
+                          f"got {len(rates)}")
+    return rates
+
+
+def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTuneOptions:
     if ns.fused_backward_pass and ns.gradient_accumulation_steps > 1:
         raise ConfigError("--fused_backward_pass: gradients are applied during backward, so it cannot accumulate "
                           f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
@@ -77,7 +97,7 @@ def fine_tune_options_from_args(ns: argparse.Namespace) -> FineTuneOptions:
             raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")
     return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=ns.learning_rate_te,
                            learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2],
-                           mem_eff_save=bool(ns.mem_eff_save), fused_backward_pass=bool(ns.fused_backward_pass),
+                           mem_eff_save=bool(ns.mem_eff_save), block_lr=block_lrs_from_args(ns.block_lr, family), fused_backward_pass=bool(ns.fused_backward_pass),
                            metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
 
 

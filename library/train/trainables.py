@@ -173,11 +173,42 @@ class ModelTrainable(Trainable):
     def parameter_groups(self, default_lr):
         groups, names = [], []
         for name, part in self.module.items():
+            if name == "denoiser" and self.opts.block_lr:
+                block_groups = self._block_groups(part)
+                groups += [g for g, _ in block_groups]
+                names += [n for _, n in block_groups]
+                continue
             params = [p for p in part.parameters() if p.requires_grad]
             if params:
                 groups.append({"params": params, "lr": self.plan[name]})
                 names.append(name)
         return groups, names
+
+    def _block_groups(self, denoiser: nn.Module) -> list[tuple[dict, str]]:
+        """--block_lr: one group per block of the family's layout; a block at rate 0 is frozen.
+
+        A parameter's block is that of its module's kohya LoRA name (the family's targets rename
+        module paths to the original layout, e.g. SDXL's input_blocks / middle_block / output_blocks).
+        """
+        layout = self.family.lora_block_layout()
+        target = next(t for t in self.family.lora_targets(self.components) if t.root is denoiser)
+        by_block: dict[int, list] = {}
+        for path, p in denoiser.named_parameters():
+            module = path.rsplit(".", 1)[0]
+            renamed = target.rename(module) if target.rename else module
+            index = layout.index_of(f"{target.prefix}_{renamed.replace('.', '_')}")
+            if index < 0:
+                raise ConfigError(f"--block_lr: {path} belongs to no block of {self.family.name}'s layout")
+            by_block.setdefault(index, []).append(p)
+        out = []
+        for index in sorted(by_block):
+            lr = self.opts.block_lr[index]
+            if lr:
+                out.append(({"params": by_block[index], "lr": lr}, f"denoiser block {index}"))
+            else:
+                for p in by_block[index]:
+                    p.requires_grad_(False)
+        return out
 
     def shape_settings(self):
         return {"trained_parts": sorted(self.plan)}
