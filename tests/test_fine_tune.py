@@ -194,3 +194,21 @@ def test_block_lr_needs_the_familys_block_count(tmp_path, capsys):
     assert code == 2
     assert capsys.readouterr().err.strip() == ("error: --block_lr: expected 23 comma-separated rates >= 0 "
                                                "(emb, IN00-IN08, MID0-MID2, OUT00-OUT08, out), got 2")
+
+
+def test_from_scratch_learns_on_the_example_images(tmp_path, monkeypatch):
+    """--from_scratch on tiny:sd1: the seeded random UNet's loss falls (the full curve is in docs/fine_tune.md)."""
+    from library.train.tracking import Tracker
+
+    losses = {}
+    real_log = Tracker.log
+    monkeypatch.setattr(Tracker, "log", lambda self, values, step: (
+        losses.__setitem__(step, values["loss/current"]) if "loss/current" in values else None,
+        real_log(self, values, step)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = ft_args(os.path.join(root, "examples", "data", "train"), str(tmp_path / "out"), steps=24, extra=[
+        "--from_scratch", "--seed", "42", "--cache_latents", "--train_batch_size", "2", "--optimizer_type", "AdamW"])
+    ft_trainer(argv).run()
+    first = sum(losses[s] for s in range(1, 9)) / 8
+    last = sum(losses[s] for s in range(17, 25)) / 8
+    assert last < 0.6 * first, (first, last)
