@@ -1,4 +1,4 @@
-"""What a run writes and when: model files (the EMA weights with --use_ema), state folders, their
+"""What a run writes and when, and how it takes a saved state back (--resume): model files (the EMA weights with --use_ema), state folders, their
 rotation under --save_last_n_*, and the disk space all of that needs.
 
 The loop tells a `RunSaver` when a step or an epoch ended; the saver knows the cadence (`SavePlan`),
@@ -20,7 +20,8 @@ from library.train.disk_space import check_free_space, naming_a_full_disk, tenso
 from library.train.ema import EMA
 from library.train.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
-from library.train.state import RunState, TrainProgress, save_state
+from library.core.errors import UserError
+from library.train.state import RunState, TrainProgress, check_shapes, choose_state, save_state
 from library.train.trainables import Trainable
 
 logger = logging.getLogger(__name__)
@@ -130,3 +131,26 @@ class RunSaver:
         if self.t.save_state or self.t.save_state_on_train_end:
             needed += state
         check_free_space(self.t.output_dir, needed, "one save" + (" and its state" if needed > model else ""))
+
+
+def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainable: Trainable, optimizer,
+           lr_scheduler, scaler, ema: Optional[EMA], run_state: RunState) -> None:
+    """--resume: restore the chosen state (see state.choose_state) into this run, all of it or nothing."""
+    saved = choose_state(where, output_dir)
+    if saved is None:
+        return
+    check_shapes(saved, trainable.weights(), trainable.shape_settings(), saved.path)
+    if saved.progress.global_step >= max_train_steps:
+        raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
+                        f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
+    trainable.load_weights(saved.weights)
+    optimizer.load_state_dict(saved.optimizer)
+    lr_scheduler.load_state_dict(saved.scheduler)
+    if scaler is not None and saved.scaler is not None:
+        scaler.load_state_dict(saved.scaler)
+    if ema is not None:
+        ema.load_state(saved.ema)
+    run_state.restore_rng(saved.rng)
+    run_state.progress = saved.progress
+    logger.info("resumed from %s at epoch %d, step %d (batch %d of the epoch)", saved.path,
+                saved.progress.epoch, saved.progress.global_step, saved.progress.batches_done)

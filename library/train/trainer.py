@@ -37,8 +37,8 @@ from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
-from library.train.saving import RunSaver
-from library.train.state import RunState, check_shapes, choose_state
+from library.train.saving import RunSaver, resume
+from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
@@ -202,26 +202,8 @@ class Trainer:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
 
     def _resume(self) -> None:
-        saved = choose_state(self.t.resume, self.t.output_dir)
-        if saved is None:
-            return
-        weights = self.trainable.weights()
-        check_shapes(saved, weights, self.trainable.shape_settings(), saved.path)
-        if saved.progress.global_step >= self.max_train_steps:
-            raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
-                            f"{self.max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
-        self.trainable.load_weights(saved.weights)
-        self.optimizer.load_state_dict(saved.optimizer)
-        self.lr_scheduler.load_state_dict(saved.scheduler)
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and saved.scaler is not None:
-            scaler.load_state_dict(saved.scaler)
-        if self.ema is not None:
-            self.ema.load_state(saved.ema)
-        self.run_state.restore_rng(saved.rng)
-        self.run_state.progress = saved.progress
-        logger.info("resumed from %s at epoch %d, step %d (batch %d of the epoch)", saved.path,
-                    saved.progress.epoch, saved.progress.global_step, saved.progress.batches_done)
+        resume(self.t.resume, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
+               self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state)
 
     def _cache_text_outputs(self) -> None:
         if self.s.text_cache.enabled:
