@@ -219,19 +219,26 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
             nonlocal offset
             yield "retry: 2000\n\n"
             waiting_said = False
+            partial_sent = ""
             while True:
                 if not os.path.exists(folder.log_path) and not waiting_said:
                     yield f"event: waiting\ndata: {logs.WAITING}\n\n"
                     waiting_said = True
-                lines, new_offset = logs.read_lines(folder.log_path, offset)
+                lines, new_offset, rest = logs.read_lines(folder.log_path, offset)
                 if lines:
                     offset = new_offset
                     yield f"id: {offset}\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
+                    partial_sent = ""
                     continue
+                if rest.startswith("steps:") and rest != partial_sent:  # the bar being redrawn, shown now
+                    partial_sent = rest
+                    yield f"event: bar\ndata: {rest}\n\n"
                 runner.refresh()
                 job = store.job(job_id)
                 if not follow or job is None or job["status"] not in ACTIVE:
-                    lines, offset = logs.read_lines(folder.log_path, offset)
+                    lines, offset, rest = logs.read_lines(folder.log_path, offset)
+                    lines += logs.split_lines(rest)
+                    offset += len(rest.encode())
                     if lines:
                         yield f"id: {offset}\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
                     yield f"event: end\ndata: {job['status'] if job else 'deleted'}\n\n"

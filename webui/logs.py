@@ -34,16 +34,29 @@ def progress(log_path: str, tail_bytes: int = 65536) -> Optional[dict[str, Any]]
     return out
 
 
-def read_lines(log_path: str, offset: int, limit: int = 1 << 20) -> tuple[list[str], int]:
-    """Complete lines (ended by \\n or tqdm's \\r) of the log from byte `offset`; returns them and the new offset."""
+_BAR_THEN_TEXT = re.compile(r"^(steps:[^\]]*\])(\S.*)$")
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines ended by \n or tqdm's \r; a log line written right after a bar (no newline between) is its own."""
+    out = []
+    for line in re.split(r"\r\n|\r|\n", text):
+        m = _BAR_THEN_TEXT.match(line)
+        out.extend(m.groups() if m else [line])
+    return [line for line in out if line.strip()]
+
+
+def read_lines(log_path: str, offset: int, limit: int = 1 << 20) -> tuple[list[str], int, str]:
+    """Complete lines of the log from byte `offset`, the offset after them, and the unfinished rest (the
+    progress bar tqdm is redrawing: it ends with the next \r)."""
     try:
         with open(log_path, "rb") as f:
             f.seek(offset)
             data = f.read(limit)
     except OSError:
-        return [], offset
+        return [], offset, ""
     end = max(data.rfind(b"\n"), data.rfind(b"\r"))
+    rest = data[end + 1:].decode("utf-8", errors="replace")
     if end < 0:
-        return [], offset
-    text = data[:end + 1].decode("utf-8", errors="replace")
-    return [line for line in re.split(r"\r\n|\r|\n", text) if line.strip()], offset + end + 1
+        return [], offset, rest
+    return split_lines(data[:end + 1].decode("utf-8", errors="replace")), offset + end + 1, rest

@@ -198,6 +198,11 @@ function openConsole(reset) {
     for (const line of ev.data.split("\n")) appendLine(con, line);
     con.scrollTop = con.scrollHeight;
   };
+  source.addEventListener("bar", (ev) => {
+    if (!current || current.id !== jobId) return;
+    appendLine(con, ev.data);
+    con.scrollTop = con.scrollHeight;
+  });
   source.addEventListener("end", () => { source.close(); source = null; pollStatus(); });
 }
 

@@ -1,0 +1,127 @@
+"""The web UI in headless Chromium (Debian's chromium + chromium-driver, driven by selenium; no browser
+download): create a job from a template, change a setting, see the trainer's validation error next to the
+field, start the job, see the console stream and the progress, stop it. Saves docs/images/webui_job.png.
+
+`bash scripts/test.sh` installs chromium and chromium-driver with apt when they are missing and it runs as root;
+otherwise this test is skipped and says what to install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements-dev.txt")
+uvicorn = pytest.importorskip("uvicorn", reason="pip install -r requirements-dev.txt")
+pytest.importorskip("selenium", reason="pip install -r requirements-dev.txt")
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+from webui.app import create_app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs Debian's chromium and chromium-driver: apt-get install -y chromium "
+                                       "chromium-driver (bash scripts/test.sh does it when run as root)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the training run inherits it (shared 2-core machines)
+    app = create_app(str(tmp_path / "jobs"), stop_timeout=30)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    for job in app.state.store.jobs():  # never leave a run behind
+        if job["status"] == "running":
+            app.state.runner.stop(job["id"])
+            app.state.runner.wait(job["id"], 60)
+    srv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_create_change_validate_start_watch_stop(server, browser):
+    url, app = server
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    browser.get(url + "/")
+    assert "No Job Selected" in browser.find_element(By.ID, "empty-state").text
+    assert "Create a new training job or select one from the sidebar" in browser.page_source
+
+    # create from a template; the name is shown as text, never as markup
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#template-select option"))
+    Select(browser.find_element(By.ID, "template-select")).select_by_value("tiny_sd1_lora")
+    browser.find_element(By.ID, "new-name").send_keys("<b>shapes</b> LoRA")
+    browser.find_element(By.ID, "create-btn").click()
+    wait.until(lambda d: d.find_element(By.ID, "job-name").text == "<b>shapes</b> LoRA")
+    item = browser.find_element(By.CSS_SELECTOR, "#job-list li")
+    assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
+    assert "draft" in item.text
+    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+
+    # a bad value: the trainer's own one-line error, next to the field
+    lr = browser.find_element(By.ID, "f-learning_rate")
+    lr.clear()
+    lr.send_keys("-1")
+    browser.find_element(By.ID, "save-btn").click()
+    error = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '.field[data-field="learning_rate"] .error'))
+    assert error[0].text.startswith("--learning_rate -1: expected a number in [0, 10]")
+
+    # fixed, and fewer steps: accepted and written to the job's config.toml
+    lr.clear()
+    lr.send_keys("0.002")
+    steps = browser.find_element(By.ID, "f-max_train_steps")
+    steps.clear()
+    steps.send_keys("8")
+    browser.find_element(By.ID, "save-btn").click()
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
+    assert not browser.find_elements(By.CSS_SELECTOR, ".field .error")
+    config = open(os.path.join(app.state.runner.jobs_dir, "1", "config.toml")).read()
+    assert "learning_rate = 0.002" in config and "max_train_steps = 8" in config
+
+    # start: the console streams the log, the header shows the progress
+    browser.find_element(By.ID, "start-btn").click()
+    wait.until(lambda d: "running" in d.find_element(By.ID, "job-status").text)
+    slow = WebDriverWait(browser, 150, poll_frequency=0.3)
+    slow.until(lambda d: "LoRA modules" in d.find_element(By.ID, "console").text)
+    slow.until(lambda d: d.find_element(By.ID, "progress").text.startswith("step ")
+               and not d.find_element(By.ID, "progress").text.startswith("step 0 "))
+    assert "$ cd " in browser.find_element(By.ID, "console").text
+    slow.until(lambda d: "steps:" in d.find_element(By.ID, "console").text)
+    browser.execute_script("window.scrollTo(0, 0)")
+    os.makedirs(os.path.join(ROOT, "docs", "images"), exist_ok=True)
+    browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_job.png"))
+
+    # stop: SIGINT, the trainer saves a state and the job is "stopped"
+    browser.find_element(By.ID, "stop-btn").click()
+    slow.until(lambda d: "stopped" in d.find_element(By.ID, "job-status").text)
+    slow.until(lambda d: "state saved to" in d.find_element(By.ID, "console").text)
+    assert browser.find_element(By.ID, "start-btn").text == "Resume"
