@@ -62,6 +62,9 @@ def test_jobs_create_list_rename_duplicate_delete(client, jobs_dir):
     assert {"tiny_sd1_lora", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
             "flux_finetune"} <= names
     assert client.get("/api/jobs").json() == []
+    hw = client.get("/api/hardware").json()
+    assert isinstance(hw["gpus"], list) and hw["none"] == "No GPU: training runs on CPU"
+    assert client.get("/api/info").json()["jobs_dir"] == jobs_dir
     assert client.post("/api/jobs", json={"template": "nope"}).status_code == 422
     job = _create(client, name="<img src=x onerror=alert(1)>")
     assert job["status"] == "draft" and job["name"] == "<img src=x onerror=alert(1)>"  # stored as text
@@ -145,6 +148,30 @@ def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
     assert client.get(f"/api/jobs/1/files/{secret}").status_code in (403, 404)  # absolute
     assert client.get("/api/jobs/1/files/nothing.png").status_code == 404
     assert client.get("/api/jobs/9/files/config.toml").status_code == 404
+
+    assert client.get("/api/jobs/1/trained").json() == []
+    with open(os.path.join(jobs_dir, "1", "output", "lora.safetensors"), "wb") as f:
+        f.write(b"12345678")
+    trained = client.get("/api/jobs/1/trained").json()
+    assert [(t["path"], t["size"]) for t in trained] == [("output/lora.safetensors", 8)]
+    assert client.get("/api/jobs/1/files/output/lora.safetensors").content == b"12345678"
+
+    run_logs = os.path.join(jobs_dir, "1", "output", "logs", "network_train")
+    os.makedirs(run_logs)
+    for name in ("events.out.tfevents.1.host", "events.out.tfevents.2.host", "notes.txt"):
+        open(os.path.join(run_logs, name), "w").close()
+    assert client.delete("/api/jobs/1/tensorboard_events").status_code == 400
+    assert client.delete("/api/jobs/1/tensorboard_events?confirm=yes").json() == {"deleted": 2}
+    assert os.listdir(run_logs) == ["notes.txt"]
+
+
+def test_hardware():
+    from webui.hardware import parse_nvidia_smi
+
+    assert parse_nvidia_smi("0, NVIDIA H100 80GB HBM3, 81559, 1, 0\n") == [
+        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81559, "memory_used_mib": 1,
+         "utilization_percent": 0}]
+    assert parse_nvidia_smi("") == []
 
 
 def test_log_stream_and_progress(client, jobs_dir):

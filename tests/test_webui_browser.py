@@ -12,6 +12,8 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -75,6 +77,7 @@ def test_create_change_validate_start_watch_stop(server, browser):
     browser.get(url + "/")
     assert "No Job Selected" in browser.find_element(By.ID, "empty-state").text
     assert "Create a new training job or select one from the sidebar" in browser.page_source
+    assert "No jobs yet." in browser.find_element(By.ID, "sidebar").text
 
     # create from a template; the name is shown as text, never as markup
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#template-select option"))
@@ -86,6 +89,8 @@ def test_create_change_validate_start_watch_stop(server, browser):
     assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
     assert "draft" in item.text
     assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+    assert browser.find_element(By.ID, "gpus").text in ("No GPU: training runs on CPU",) or "GPU 0" in \
+        browser.find_element(By.ID, "gpus").text
 
     # a bad value: the trainer's own one-line error, next to the field
     lr = browser.find_element(By.ID, "f-learning_rate")
@@ -119,6 +124,18 @@ def test_create_change_validate_start_watch_stop(server, browser):
     browser.execute_script("window.scrollTo(0, 0)")
     os.makedirs(os.path.join(ROOT, "docs", "images"), exist_ok=True)
     browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_job.png"))
+
+    # 50 concurrent API calls while the job trains: no errors
+    paths = ["/api/jobs", "/api/jobs/1", "/api/jobs/1/status", "/api/jobs/1/samples", "/api/jobs/1/settings"]
+
+    def call(i):
+        with urllib.request.urlopen(url + paths[i % len(paths)], timeout=60) as r:
+            return r.status
+
+    with ThreadPoolExecutor(50) as pool:
+        statuses = list(pool.map(call, range(50)))
+    assert statuses == [200] * 50
+    assert "running" in browser.find_element(By.ID, "job-status").text
 
     # stop: SIGINT, the trainer saves a state and the job is "stopped"
     browser.find_element(By.ID, "stop-btn").click()

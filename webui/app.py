@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from webui import logs
+from webui.hardware import gpus
 from webui.jobfiles import REPO_ROOT, JobFolder, SettingsError, script_for, templates
 from webui.runner import LAUNCHERS, Runner, shown_command, training_command
 from webui.store import ACTIVE, Store
@@ -262,6 +263,23 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         if not os.path.isfile(target):
             raise HTTPException(404, "no such file")
         return FileResponse(target)
+
+    @app.get("/api/jobs/{job_id}/trained")
+    def trained(job_id: int) -> list[dict[str, Any]]:
+        """The trained files, for download through /files/."""
+        job_or_404(job_id)
+        return JobFolder(jobs_dir, job_id).trained_files()
+
+    @app.delete("/api/jobs/{job_id}/tensorboard_events")
+    def delete_events(job_id: int, confirm: str = Query("")) -> dict[str, Any]:
+        job_or_404(job_id)
+        if confirm != "yes":
+            raise HTTPException(400, "repeat with ?confirm=yes to delete the job's TensorBoard event files")
+        return {"deleted": JobFolder(jobs_dir, job_id).delete_event_files()}
+
+    @app.get("/api/hardware")
+    def hardware() -> dict[str, Any]:
+        return {"gpus": gpus(), "none": "No GPU: training runs on CPU"}
 
     @app.get("/api/info")
     def info() -> dict[str, Any]:

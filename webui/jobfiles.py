@@ -166,6 +166,29 @@ class JobFolder:
         return sorted(out, key=lambda s: s["mtime"], reverse=True)
 
 
+    def trained_files(self) -> list[dict[str, Any]]:
+        """The models the runs saved (files in output/, newest first), for download."""
+        out = []
+        if os.path.isdir(self.output_dir):
+            for name in os.listdir(self.output_dir):
+                full = os.path.join(self.output_dir, name)
+                if name.endswith((".safetensors", ".ckpt", ".pt")) and os.path.isfile(full) and not name.startswith("."):
+                    out.append({"path": os.path.relpath(full, self.path), "name": name,
+                                "size": os.path.getsize(full), "mtime": os.path.getmtime(full)})
+        return sorted(out, key=lambda s: s["mtime"], reverse=True)
+
+    def delete_event_files(self) -> int:
+        """Remove the TensorBoard event files under output/logs/ (nothing else); returns how many."""
+        removed = 0
+        logs_dir = os.path.join(self.output_dir, "logs")
+        for folder, _, files in os.walk(logs_dir):
+            for name in files:
+                if name.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(folder, name))
+                    removed += 1
+        return removed
+
+
 def _drop_empty(config: dict) -> dict:
     """Blank form fields are no value (TOML has no null)."""
     out = {}

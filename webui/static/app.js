@@ -147,6 +147,8 @@ async function selectJob(id) {
   clearErrors();
   openConsole(true);
   loadSamples();
+  loadTrained();
+  $("events-msg").textContent = "";
   await loadJobs();
 }
 
@@ -180,7 +182,7 @@ async function pollStatus() {
       if (p.rate) parts.push(p.rate);
       $("progress").textContent = parts.join(" · ");
     }
-    if (changed) { loadJobs(); loadSamples(); }
+    if (changed) { loadJobs(); loadSamples(); loadTrained(); }
   } catch (e) { /* the server restarts: try again next time */ }
 }
 
@@ -226,6 +228,32 @@ async function loadSamples() {
     const img = el("img", { src: url, alt: s.name, title: s.name });
     img.addEventListener("click", () => window.open(url, "_blank"));
     box.appendChild(img);
+  }
+}
+
+async function loadTrained() {
+  if (!current) return;
+  $("maint-folder").textContent = current.folder;
+  const list = await api("GET", `/api/jobs/${current.id}/trained`);
+  const ul = $("trained");
+  ul.textContent = "";
+  $("no-trained").hidden = list.length > 0;
+  for (const f of list) {
+    const li = el("li");
+    const url = `/api/jobs/${current.id}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`;
+    li.appendChild(el("a", { href: url, download: f.name }, f.name));
+    li.appendChild(el("span", { class: "muted" }, ` ${(f.size / 1048576).toFixed(1)} MiB`));
+    ul.appendChild(li);
+  }
+}
+
+async function loadHardware() {
+  const hw = await api("GET", "/api/hardware");
+  const ul = $("gpus");
+  ul.textContent = "";
+  if (!hw.gpus.length) { ul.appendChild(el("li", { class: "muted" }, hw.none)); return; }
+  for (const g of hw.gpus) {
+    ul.appendChild(el("li", {}, `GPU ${g.index}: ${g.name} · ${g.memory_used_mib} / ${g.memory_total_mib} MiB · ${g.utilization_percent}% busy`));
   }
 }
 
@@ -448,8 +476,14 @@ function init() {
     settings = await api("POST", `/api/jobs/${current.id}/revert`);
     renderForm(); clearErrors();
   }));
+  $("delete-events-btn").addEventListener("click", () => action(async () => {
+    if (!confirm("Delete this job's TensorBoard event files?")) return;
+    const r = await api("DELETE", `/api/jobs/${current.id}/tensorboard_events?confirm=yes`);
+    $("events-msg").textContent = `${r.deleted} event file(s) deleted`;
+  }));
   loadTemplates();
   loadJobs();
+  loadHardware();
   pollTimer = setInterval(pollStatus, 1000);
 }
 
