@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from webui import logs  # noqa: E402
 from webui.app import create_app  # noqa: E402
-from webui.jobfiles import error_field  # noqa: E402
+from webui.jobfiles import error_field, one_line_error  # noqa: E402
 from webui.server import is_loopback, main  # noqa: E402
 
 
@@ -128,6 +128,11 @@ def test_error_field_names_the_flag_or_key():
     assert error_field("config.toml: optimizer.learnig_rate: unknown flag (did you mean learning_rate?)") == "learnig_rate"
     assert error_field("dataset.toml: datasets[0].subsets[1].num_repeats: expected an integer >= 1") == "num_repeats"
     assert error_field("something else") is None
+    assert one_line_error("INFO x: y\nerror: --network_dim 0: expected an integer >= 1\n") == \
+        "--network_dim 0: expected an integer >= 1"
+    assert one_line_error("error: c.toml: a.lr: unknown flag\nc.toml: a.dim: unknown flag\n") == \
+        "c.toml: a.lr: unknown flag; c.toml: a.dim: unknown flag"
+    assert one_line_error("Traceback ...\nValueError: boom\n") == "ValueError: boom"
 
 
 def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
@@ -165,6 +170,19 @@ def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
     assert os.listdir(run_logs) == ["notes.txt"]
 
 
+def test_tensorboard_launch_and_stop(client, jobs_dir):
+    _create(client)
+    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None}
+    tb = client.post("/api/jobs/1/tensorboard").json()
+    try:
+        assert tb["running"] and tb["url"].startswith("http://127.0.0.1:")
+        assert client.post("/api/jobs/1/tensorboard").json()["pid"] == tb["pid"]  # one per job
+        assert os.path.isdir(os.path.join(jobs_dir, "1", "output", "logs"))
+    finally:
+        assert client.delete("/api/jobs/1/tensorboard").json()["status"] == "Not running"
+    assert not os.path.exists(f"/proc/{tb['pid']}") or open(f"/proc/{tb['pid']}/stat").read().split()[2] == "Z"
+
+
 def test_hardware():
     from webui.hardware import parse_nvidia_smi
 
@@ -189,6 +207,8 @@ def test_log_stream_and_progress(client, jobs_dir):
     assert p == {"percent": 50, "step": 4, "total": 8, "elapsed": "00:08", "eta": "00:08", "rate": "2.00s/it",
                  "loss": 0.95, "lr": 1e-3}
     assert logs.progress(os.path.join(jobs_dir, "nothing.log")) is None
+    assert client.get("/api/jobs/1/history").json() == [{"step": 2, "loss": 1.1025, "lr": 1e-3},
+                                                        {"step": 4, "loss": 0.95, "lr": 1e-3}]
     assert logs.split_lines("steps:   0%|  | 0/8 [00:00<?, ?it/s]INFO trainer: training\rsteps: 1/8\n") == [
         "steps:   0%|  | 0/8 [00:00<?, ?it/s]", "INFO trainer: training", "steps: 1/8"]
 

@@ -105,12 +105,12 @@ def test_create_change_validate_start_watch_stop(server, browser):
     lr.send_keys("0.002")
     steps = browser.find_element(By.ID, "f-max_train_steps")
     steps.clear()
-    steps.send_keys("8")
+    steps.send_keys("40")
     browser.find_element(By.ID, "save-btn").click()
     wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
     assert not browser.find_elements(By.CSS_SELECTOR, ".field .error")
     config = open(os.path.join(app.state.runner.jobs_dir, "1", "config.toml")).read()
-    assert "learning_rate = 0.002" in config and "max_train_steps = 8" in config
+    assert "learning_rate = 0.002" in config and "max_train_steps = 40" in config
 
     # start: the console streams the log, the header shows the progress
     browser.find_element(By.ID, "start-btn").click()
@@ -121,6 +121,7 @@ def test_create_change_validate_start_watch_stop(server, browser):
                and not d.find_element(By.ID, "progress").text.startswith("step 0 "))
     assert "$ cd " in browser.find_element(By.ID, "console").text
     slow.until(lambda d: "steps:" in d.find_element(By.ID, "console").text)
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart polyline.loss"))  # the loss chart
     browser.execute_script("window.scrollTo(0, 0)")
     os.makedirs(os.path.join(ROOT, "docs", "images"), exist_ok=True)
     browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_job.png"))

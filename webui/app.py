@@ -18,6 +18,7 @@ from webui.hardware import gpus
 from webui.jobfiles import REPO_ROOT, JobFolder, SettingsError, script_for, templates
 from webui.runner import LAUNCHERS, Runner, shown_command, training_command
 from webui.store import ACTIVE, Store
+from webui.tensorboard import TensorBoards
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 TOKEN_COOKIE = "webui_token"
@@ -31,7 +32,8 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     store = Store(os.path.join(jobs_dir, "jobs.sqlite3"))
     runner = Runner(store, jobs_dir, stop_timeout=stop_timeout)
     app = FastAPI(title="Training jobs", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.store, app.state.runner = store, runner
+    boards = TensorBoards()
+    app.state.store, app.state.runner, app.state.tensorboards = store, runner, boards
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
@@ -146,6 +148,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         if store.job(job_id)["status"] in ACTIVE:
             raise HTTPException(409, "the job is queued or running: stop it first")
         folder = JobFolder(jobs_dir, job["id"]).path
+        boards.stop(job_id)
         if os.path.islink(folder):  # never follow a link out of the jobs folder
             os.unlink(folder)
         elif os.path.isdir(folder) and os.path.dirname(os.path.realpath(folder)) == os.path.realpath(jobs_dir):
@@ -249,6 +252,12 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    @app.get("/api/jobs/{job_id}/history")
+    def loss_history(job_id: int) -> list[dict[str, Any]]:
+        """Loss and LR by step, parsed from the log (the console's chart)."""
+        job_or_404(job_id)
+        return logs.history(JobFolder(jobs_dir, job_id).log_path)
+
     @app.get("/api/jobs/{job_id}/samples")
     def samples(job_id: int) -> list[dict[str, Any]]:
         job_or_404(job_id)
@@ -276,6 +285,22 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         if confirm != "yes":
             raise HTTPException(400, "repeat with ?confirm=yes to delete the job's TensorBoard event files")
         return {"deleted": JobFolder(jobs_dir, job_id).delete_event_files()}
+
+    @app.get("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_status(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return boards.status(job_id)
+
+    @app.post("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_start(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        folder = JobFolder(jobs_dir, job_id)
+        return boards.start(job_id, os.path.join(folder.output_dir, "logs"), os.path.join(folder.path, "tensorboard.log"))
+
+    @app.delete("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_stop(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return boards.stop(job_id)
 
     @app.get("/api/hardware")
     def hardware() -> dict[str, Any]:

@@ -138,10 +138,7 @@ class JobFolder:
             shutil.rmtree(scratch, ignore_errors=True)
         if result.returncode == 0:
             return
-        lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        message = lines[0][len("error: "):] if lines else (result.stderr.strip().splitlines() or ["failed"])[-1]
-        more = [line for line in result.stderr.splitlines()[1:] if lines and line.strip() and "Traceback" not in line]
-        message = "; ".join([message] + more[:4]) if more and ": unknown flag" in message else message
+        message = one_line_error(result.stderr)
         for path, name in zip(paths, ("config.toml", "dataset.toml", "prompts.txt")):
             message = message.replace(path, name)
         raise SettingsError(message, error_field(message))
@@ -200,6 +197,20 @@ def _drop_empty(config: dict) -> dict:
         elif value is not None and value != "":
             out[key] = value
     return out
+
+
+def one_line_error(stderr: str) -> str:
+    """The trainer's `error: ...` line (an error naming several config keys: its lines joined with '; ')."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("error: "):
+            more = []
+            for follow in lines[i + 1:]:
+                if not follow.strip() or follow.startswith(("INFO", "WARNING", "DEBUG", "Traceback", " ")):
+                    break
+                more.append(follow.strip())
+            return "; ".join([line[len("error: "):]] + more[:9])
+    return next((line for line in reversed(lines) if line.strip()), "the check failed without a message")
 
 
 _FLAG_RE = re.compile(r"--([A-Za-z0-9_]+)")

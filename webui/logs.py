@@ -12,6 +12,32 @@ _KV_RE = re.compile(r"(\w+)=([^,\]\s]+)")
 WAITING = "Waiting for training to start..."
 
 
+def _bar_values(m: re.Match) -> dict[str, Any]:
+    out: dict[str, Any] = {"percent": int(m.group(1)), "step": int(m.group(2)), "total": int(m.group(3)),
+                           "elapsed": m.group(4), "eta": m.group(5), "rate": (m.group(6) or "").strip() or None}
+    for key, value in _KV_RE.findall(m.group(7) or ""):
+        try:
+            out[key] = float(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def history(log_path: str) -> list[dict[str, Any]]:
+    """Loss and LR by step over every run in the log (the last value shown for a step wins), for the chart."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for m in _BAR_RE.finditer(text):
+        values = _bar_values(m)
+        if "loss" in values:
+            by_step[values["step"]] = {"step": values["step"], "loss": values["loss"], "lr": values.get("lr")}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def progress(log_path: str, tail_bytes: int = 65536) -> Optional[dict[str, Any]]:
     """Step, total, elapsed, ETA, rate, loss and LR from the newest progress bar in the log, or None."""
     try:
@@ -23,15 +49,7 @@ def progress(log_path: str, tail_bytes: int = 65536) -> Optional[dict[str, Any]]
     bars = list(_BAR_RE.finditer(text))
     if not bars:
         return None
-    m = bars[-1]
-    out: dict[str, Any] = {"percent": int(m.group(1)), "step": int(m.group(2)), "total": int(m.group(3)),
-                           "elapsed": m.group(4), "eta": m.group(5), "rate": (m.group(6) or "").strip() or None}
-    for key, value in _KV_RE.findall(m.group(7) or ""):
-        try:
-            out[key] = float(value)
-        except ValueError:
-            out[key] = value
-    return out
+    return _bar_values(bars[-1])
 
 
 _BAR_THEN_TEXT = re.compile(r"^(steps:[^\]]*\])(\S.*)$")

@@ -54,6 +54,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     threading.Thread(target=watch, daemon=True).start()
     print(f"Training jobs UI on http://{args.host}:{args.port}/ (jobs in {os.path.abspath(args.jobs_dir)})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    stop.set()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        stop.set()
+        app.state.tensorboards.stop_all()  # training runs go on: they are detached from the server
     return 0

@@ -73,6 +73,7 @@ let current = null;      // the selected job
 let settings = null;     // its settings as last loaded
 let source = null;       // the console's EventSource
 let pollTimer = null;
+let chartTick = 0;       // the chart is redrawn every 5th status poll while a job runs
 
 const $ = (id) => document.getElementById(id);
 function el(tag, attrs = {}, text) {
@@ -148,6 +149,8 @@ async function selectJob(id) {
   openConsole(true);
   loadSamples();
   loadTrained();
+  loadTensorBoard();
+  loadChart();
   $("events-msg").textContent = "";
   await loadJobs();
 }
@@ -181,6 +184,7 @@ async function pollStatus() {
       if (p.lr !== undefined) parts.push(`LR ${p.lr}`);
       if (p.rate) parts.push(p.rate);
       $("progress").textContent = parts.join(" · ");
+      if ((s.status === "running" && chartTick++ % 5 === 0) || changed) loadChart();
     }
     if (changed) { loadJobs(); loadSamples(); loadTrained(); }
   } catch (e) { /* the server restarts: try again next time */ }
@@ -245,6 +249,46 @@ async function loadTrained() {
     li.appendChild(el("span", { class: "muted" }, ` ${(f.size / 1048576).toFixed(1)} MiB`));
     ul.appendChild(li);
   }
+}
+
+function showTensorBoard(tb) {
+  $("tb-status").textContent = tb.status;
+  $("tb-link").hidden = !tb.running;
+  if (tb.url) $("tb-link").href = tb.url;
+  $("tb-start").disabled = tb.running;
+  $("tb-stop").disabled = !tb.running;
+}
+async function loadTensorBoard() {
+  if (current) showTensorBoard(await api("GET", `/api/jobs/${current.id}/tensorboard`));
+}
+
+async function loadChart() {
+  if (!current) return;
+  const points = await api("GET", `/api/jobs/${current.id}/history`);
+  const svg = $("chart");
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const shown = points.length >= 2;
+  svg.style.display = shown ? "" : "none";
+  $("chart-legend").style.display = shown ? "" : "none";
+  if (!shown) return;
+  const ns = "http://www.w3.org/2000/svg";
+  const maxStep = points[points.length - 1].step, minStep = points[0].step;
+  const line = (key, cls) => {
+    const vals = points.filter((p) => typeof p[key] === "number");
+    if (vals.length < 2) return;
+    const lo = Math.min(...vals.map((p) => p[key])), hi = Math.max(...vals.map((p) => p[key]));
+    const pts = vals.map((p) => {
+      const x = ((p.step - minStep) / Math.max(1, maxStep - minStep)) * 600;
+      const y = 115 - ((p[key] - lo) / (hi - lo || 1)) * 110;
+      return `${x.toFixed(1)},${y.toFixed(1)}`;
+    });
+    const pl = document.createElementNS(ns, "polyline");
+    pl.setAttribute("points", pts.join(" "));
+    pl.setAttribute("class", cls);
+    svg.appendChild(pl);
+  };
+  line("loss", "loss");
+  line("lr", "lr");
 }
 
 async function loadHardware() {
@@ -480,6 +524,12 @@ function init() {
     if (!confirm("Delete this job's TensorBoard event files?")) return;
     const r = await api("DELETE", `/api/jobs/${current.id}/tensorboard_events?confirm=yes`);
     $("events-msg").textContent = `${r.deleted} event file(s) deleted`;
+  }));
+  $("tb-start").addEventListener("click", () => action(async () => {
+    showTensorBoard(await api("POST", `/api/jobs/${current.id}/tensorboard`));
+  }));
+  $("tb-stop").addEventListener("click", () => action(async () => {
+    showTensorBoard(await api("DELETE", `/api/jobs/${current.id}/tensorboard`));
   }));
   loadTemplates();
   loadJobs();
