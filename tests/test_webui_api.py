@@ -213,6 +213,35 @@ def test_log_stream_and_progress(client, jobs_dir):
         "steps:   0%|  | 0/8 [00:00<?, ?it/s]", "INFO trainer: training", "steps: 1/8"]
 
 
+def test_auto_resume_after_a_crash_is_bounded(client, jobs_dir, monkeypatch, tmp_path):
+    """A crashed run of a job with resume = "auto" is started again, at most twice in a row; the trainer's
+    refusal of the settings (exit code 2) and a stop are not retried. (A stand-in command: no training.)"""
+    import sys
+
+    import webui.runner
+
+    script = tmp_path / "crash.py"
+    script.write_text("import os, sys\n"
+                      "n = int(open(sys.argv[1]).read()) if os.path.exists(sys.argv[1]) else 0\n"
+                      "open(sys.argv[1], 'w').write(str(n + 1))\n"
+                      "print('run', n + 1)\n"
+                      "sys.exit(int(sys.argv[2].split(',')[n]))\n")
+    codes = {}
+    monkeypatch.setattr(webui.runner, "training_command",
+                        lambda job, folder: [sys.executable, str(script), str(tmp_path / f"count{job['id']}"),
+                                             codes[job["id"]]])
+    runner = client.app.state.runner
+    for job_id, exit_codes, status, runs in ((1, "1,137,0", "finished", 3), (2, "1,1,1,1", "failed", 3),
+                                             (3, "2,0", "failed", 1)):
+        _create(client)
+        codes[job_id] = exit_codes
+        client.post(f"/api/jobs/{job_id}/start")
+        assert runner.wait(job_id, 30) == status
+        assert len(client.get(f"/api/jobs/{job_id}/status").json()["runs"]) == runs
+    log = client.get("/api/jobs/2/log").text
+    assert "auto-resume: retry 2 of 2" in log and "retry 3" not in log
+
+
 def _wait_for_step(client, job_id, step, timeout):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any, Optional
 
+import toml
+
 from webui.jobfiles import REPO_ROOT, JobFolder, script_for
 from webui.store import Store
 
@@ -52,8 +54,10 @@ def shown_command(argv: list[str]) -> str:
 class Runner:
     """One training run at a time; a job started while another runs is queued and starts when it ends."""
 
-    def __init__(self, store: Store, jobs_dir: str, stop_timeout: float = 60.0, max_running: int = 1):
+    def __init__(self, store: Store, jobs_dir: str, stop_timeout: float = 60.0, max_running: int = 1,
+                 max_retries: int = 2):
         self.store = store
+        self.max_retries = max_retries
         self.jobs_dir = jobs_dir
         self.stop_timeout = stop_timeout
         self.max_running = max_running
@@ -71,6 +75,7 @@ class Runner:
             job = self.store.job(job_id)
             if job["status"] in ("queued", "running"):
                 return job["status"]
+            self.store.update_job(job_id, retries=0)  # a start by hand: the crash retries count anew
             running = [j for j in self.store.jobs() if j["status"] == "running"]
             if len(running) >= self.max_running:
                 self.store.update_job(job_id, status="queued", stop_requested=0, exit_code=None)
@@ -156,6 +161,23 @@ class Runner:
             status = "failed"
         self.store.update_job(job["id"], status=status, exit_code=code, pid=None, pid_start=None)
         self.store.end_run(job["id"], status, code)
+        if status == "failed" and self._resumes_after_crash(job, code):
+            with open(self.folder(job["id"]).log_path, "ab") as log:
+                log.write(f"[webui] the run ended with exit code {code}; auto-resume: retry "
+                          f"{job['retries'] + 1} of {self.max_retries}\n".encode())
+            self.store.update_job(job["id"], status="queued", retries=job["retries"] + 1)
+
+    def _resumes_after_crash(self, job: dict[str, Any], code: Optional[int]) -> bool:
+        """A crash (killed, out of memory, an exception; not exit code 2, the trainer's one-line refusal of
+        the settings) of a job with resume = "auto" is retried, at most max_retries times in a row."""
+        if code == 2 or job["stop_requested"] or job["retries"] >= self.max_retries:
+            return False
+        try:
+            config = toml.load(self.folder(job["id"]).config_path)
+        except (OSError, ValueError):
+            return False
+        values = [v.get("resume") for v in config.values() if isinstance(v, dict)] + [config.get("resume")]
+        return "auto" in values
 
     def wait(self, job_id: int, timeout: float) -> str:
         """Block until the job is neither queued nor running (tests, scripts); returns its status."""

@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     pid_start TEXT,
     exit_code INTEGER,
     stop_requested INTEGER NOT NULL DEFAULT 0,
+    retries INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -38,7 +39,7 @@ CREATE TABLE IF NOT EXISTS runs (
 """
 
 JOB_FIELDS = ("name", "template", "family", "mode", "launcher", "status", "pid", "pid_start", "exit_code",
-              "stop_requested")
+              "stop_requested", "retries")
 
 
 class Store:
