@@ -183,6 +183,35 @@ def test_tensorboard_launch_and_stop(client, jobs_dir):
     assert not os.path.exists(f"/proc/{tb['pid']}") or open(f"/proc/{tb['pid']}/stat").read().split()[2] == "Z"
 
 
+def test_folder_picker_and_dataset_paths_stay_inside_the_roots(jobs_dir, tmp_path):
+    root = tmp_path / "datasets"
+    (root / "10_cats").mkdir(parents=True)
+    for name in ("a.png", "b.jpg", "a.txt"):
+        (root / "10_cats" / name).write_bytes(b"x")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "p.png").write_bytes(b"x")
+    os.symlink(str(tmp_path / "private"), str(root / "link_out"))
+    c = TestClient(create_app(jobs_dir, data_roots=[str(root)]))
+    assert [f["path"] for f in c.get("/api/folders").json()["folders"]] == [str(root)]
+    top = c.get("/api/folders", params={"path": str(root)}).json()
+    assert [(f["name"], f["images"]) for f in top["folders"]] == [("10_cats", 2)]  # the link out is not shown
+    assert top["parent"] is None
+    cats = c.get("/api/folders", params={"path": str(root / "10_cats")}).json()
+    assert cats["images"] == 2 and cats["parent"] == str(root) and len(cats["thumbnails"]) == 2
+    assert c.get("/api/image", params={"path": cats["thumbnails"][0]}).content == b"x"
+    for bad in (str(tmp_path / "private"), str(root / "link_out"), str(root / ".." / "private"), "/etc"):
+        assert c.get("/api/folders", params={"path": bad}).status_code == 403, bad
+    assert c.get("/api/image", params={"path": str(root / "link_out" / "p.png")}).status_code == 403
+    assert c.get("/api/image", params={"path": str(root / "10_cats" / "a.txt")}).status_code == 404
+    assert c.get("/api/folders", params={"path": str(root / "nothing")}).status_code == 404
+
+    _create(c)
+    settings = c.get("/api/jobs/1/settings").json()
+    settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = str(root / "link_out")
+    r = c.put("/api/jobs/1/settings", json=settings)  # refused before the trainer's check runs
+    assert r.status_code == 403 and r.json()["detail"]["field"] == "image_dir"
+
+
 def test_hardware():
     from webui.hardware import parse_nvidia_smi
 

@@ -92,6 +92,12 @@ def test_create_change_validate_start_watch_stop(server, browser):
     assert browser.find_element(By.ID, "gpus").text in ("No GPU: training runs on CPU",) or "GPU 0" in \
         browser.find_element(By.ID, "gpus").text
 
+    # the dataset folder: image count and thumbnails; the server-side picker lists folders with their counts
+    wait.until(lambda d: d.find_element(By.ID, "folder-info").text == "7 image(s)")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#thumbs img")) == 7
+    browser.find_element(By.ID, "browse-btn").click()
+    wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.ID, "picker").text)
+
     # a bad value: the trainer's own one-line error, next to the field
     lr = browser.find_element(By.ID, "f-learning_rate")
     lr.clear()

@@ -14,8 +14,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from webui import logs
+from webui.folders import Roots, dataset_paths
 from webui.hardware import gpus
-from webui.jobfiles import REPO_ROOT, JobFolder, SettingsError, script_for, templates
+from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, script_for, templates
 from webui.runner import LAUNCHERS, Runner, shown_command, training_command
 from webui.store import ACTIVE, Store
 from webui.tensorboard import TensorBoards
@@ -26,8 +27,9 @@ MAX_NAME = 120
 
 
 def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float = 60.0,
-               default_launcher: str = "python") -> FastAPI:
+               default_launcher: str = "python", data_roots: Optional[list[str]] = None) -> FastAPI:
     jobs_dir = os.path.abspath(jobs_dir)
+    roots = Roots(data_roots or [REPO_ROOT, os.getcwd()])
     os.makedirs(jobs_dir, exist_ok=True)
     store = Store(os.path.join(jobs_dir, "jobs.sqlite3"))
     runner = Runner(store, jobs_dir, stop_timeout=stop_timeout)
@@ -70,6 +72,11 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
 
     def check_and_write(job: dict[str, Any], settings: dict[str, Any], check: bool = True) -> None:
         folder = JobFolder(jobs_dir, job["id"])
+        for key, path in dataset_paths(settings.get("dataset") or {}):
+            if roots.inside(path) is None:
+                raise HTTPException(403, {"error": f"{key} {path}: outside the allowed folders "
+                                                   f"({', '.join(roots.roots)}; the server's --data_root)",
+                                          "field": key})
         if check:
             try:
                 folder.check_settings(settings, script_for(job["family"], job["mode"]))
@@ -306,9 +313,29 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     def hardware() -> dict[str, Any]:
         return {"gpus": gpus(), "none": "No GPU: training runs on CPU"}
 
+    @app.get("/api/folders")
+    def folders(path: str = "") -> dict[str, Any]:
+        """The folder picker: subfolders with image counts, the folder's image count and first images."""
+        try:
+            return roots.listing(path or None)
+        except PermissionError:
+            raise HTTPException(403, "outside the allowed folders") from None
+        except FileNotFoundError:
+            raise HTTPException(404, "no such folder") from None
+
+    @app.get("/api/image")
+    def image(path: str) -> FileResponse:
+        """An image inside the allowed folders (the thumbnail strip)."""
+        real = roots.inside(path)
+        if real is None:
+            raise HTTPException(403, "outside the allowed folders")
+        if not os.path.isfile(real) or not real.lower().endswith(IMAGE_EXTENSIONS):
+            raise HTTPException(404, "no such image")
+        return FileResponse(real)
+
     @app.get("/api/info")
     def info() -> dict[str, Any]:
-        return {"jobs_dir": jobs_dir, "repo_root": REPO_ROOT, "launchers": list(LAUNCHERS)}
+        return {"jobs_dir": jobs_dir, "repo_root": REPO_ROOT, "launchers": list(LAUNCHERS), "data_roots": roots.roots}
 
     app.state.describe = describe
     return app

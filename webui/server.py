@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: $WEBUI_TOKEN")
     p.add_argument("--launcher", choices=("python", "accelerate"), default="python",
                    help="how new jobs run their script: 'python <script>' or 'accelerate launch <script>'")
+    p.add_argument("--data_root", action="append", default=None,
+                   help="a folder the datasets may be in and the folder picker may show (repeat for several; "
+                        "default: the toolkit's folder and the current one)")
     p.add_argument("--stop_timeout", type=float, default=60.0,
                    help="seconds between Stop's SIGINT (the trainer saves a state) and SIGTERM")
     return p
@@ -45,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from webui.app import create_app
 
     app = create_app(args.jobs_dir, token=args.token, stop_timeout=args.stop_timeout,
-                     default_launcher=args.launcher)
+                     default_launcher=args.launcher, data_roots=args.data_root)
     stop = threading.Event()
 
     def watch() -> None:  # statuses and the queue move on even when no page is open

@@ -396,7 +396,69 @@ function renderField(f) {
   input.name = key;
   input.dataset.key = key;
   if (help) wrap.appendChild(el("div", { class: "muted help" }, help));
+  if (key === "image_dir") addFolderPicker(wrap, input);
   return wrap;
+}
+
+// --- folder picker (server side, inside the allowed roots) -----------------------------------------------
+function addFolderPicker(wrap, input) {
+  const browse = el("button", { type: "button", id: "browse-btn" }, "Browse...");
+  const info = el("div", { class: "muted", id: "folder-info" });
+  const strip = el("div", { class: "thumbs", id: "thumbs" });
+  const picker = el("div", { class: "picker", id: "picker" });
+  picker.hidden = true;
+  wrap.appendChild(browse); wrap.appendChild(info); wrap.appendChild(strip); wrap.appendChild(picker);
+  browse.addEventListener("click", () => action(() => openFolder(input.value.trim() || "", picker, input, true)));
+  input.addEventListener("change", () => showFolder(input.value.trim(), info, strip));
+  showFolder(input.value.trim(), info, strip);
+}
+
+async function showFolder(path, info, strip) {
+  strip.textContent = ""; info.textContent = "";
+  if (!path) return;
+  try {
+    const f = await api("GET", `/api/folders?path=${encodeURIComponent(path)}`);
+    info.textContent = `${f.images} image(s)`;
+    for (const t of f.thumbnails) strip.appendChild(el("img", { src: `/api/image?path=${encodeURIComponent(t)}`, alt: "" }));
+  } catch (e) { info.textContent = e.message; }
+}
+
+async function openFolder(path, picker, input, fallback) {
+  let f;
+  try { f = await api("GET", `/api/folders?path=${encodeURIComponent(path)}`); }
+  catch (e) { if (!fallback) throw e; f = await api("GET", "/api/folders"); }
+  picker.textContent = "";
+  picker.hidden = false;
+  const head = el("div", { class: "picker-head" });
+  head.appendChild(el("code", {}, f.path || "Allowed folders"));
+  if (f.path) {
+    const use = el("button", { type: "button", class: "primary" }, `Use this folder (${f.images} images)`);
+    use.addEventListener("click", () => {
+      input.value = f.path; picker.hidden = true;
+      input.dispatchEvent(new Event("change"));
+    });
+    head.appendChild(use);
+  }
+  const close = el("button", { type: "button" }, "Close");
+  close.addEventListener("click", () => { picker.hidden = true; });
+  head.appendChild(close);
+  picker.appendChild(head);
+  const ul = el("ul");
+  if (f.parent) {
+    const up = el("li", { class: "folder" }, "..");
+    up.addEventListener("click", () => action(() => openFolder(f.parent, picker, input)));
+    ul.appendChild(up);
+  } else if (f.path) {
+    const top = el("li", { class: "folder" }, "(allowed folders)");
+    top.addEventListener("click", () => action(() => openFolder("", picker, input)));
+    ul.appendChild(top);
+  }
+  for (const d of f.folders) {
+    const li = el("li", { class: "folder" }, `${d.name}  ·  ${d.images} image(s)`);
+    li.addEventListener("click", () => action(() => openFolder(d.path, picker, input)));
+    ul.appendChild(li);
+  }
+  picker.appendChild(ul);
 }
 
 function readForm() {
