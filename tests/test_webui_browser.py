@@ -112,11 +112,18 @@ def test_create_change_validate_start_watch_stop(server, browser):
     steps = browser.find_element(By.ID, "f-max_train_steps")
     steps.clear()
     steps.send_keys("40")
+    every = browser.find_element(By.ID, "f-sample_every_n_steps")
+    every.send_keys("5")
+    assert browser.find_element(By.ID, "no-prompts").is_displayed()
+    browser.find_element(By.ID, "add-prompt").click()
+    browser.find_element(By.CSS_SELECTOR, "#prompt-list input").send_keys("a red <circle> --w 64 --h 64 --s 2 --d 1")
     browser.find_element(By.ID, "save-btn").click()
     wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
     assert not browser.find_elements(By.CSS_SELECTOR, ".field .error")
     config = open(os.path.join(app.state.runner.jobs_dir, "1", "config.toml")).read()
     assert "learning_rate = 0.002" in config and "max_train_steps = 40" in config
+    with open(os.path.join(app.state.runner.jobs_dir, "1", "prompts.txt")) as f:
+        assert f.read() == "a red <circle> --w 64 --h 64 --s 2 --d 1\n"
 
     # start: the console streams the log, the header shows the progress
     browser.find_element(By.ID, "start-btn").click()
@@ -128,8 +135,12 @@ def test_create_change_validate_start_watch_stop(server, browser):
     assert "$ cd " in browser.find_element(By.ID, "console").text
     slow.until(lambda d: "steps:" in d.find_element(By.ID, "console").text)
     slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart polyline.loss"))  # the loss chart
-    browser.execute_script("window.scrollTo(0, 0)")
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))  # a sample image, from the prompt
+    assert not browser.find_element(By.ID, "no-samples").is_displayed()
+    browser.execute_script("document.getElementById('samples').scrollIntoView({block: 'center'})")
     os.makedirs(os.path.join(ROOT, "docs", "images"), exist_ok=True)
+    browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_samples.png"))
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_job.png"))
 
     # 50 concurrent API calls while the job trains: no errors

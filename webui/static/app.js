@@ -184,7 +184,7 @@ async function pollStatus() {
       if (p.lr !== undefined) parts.push(`LR ${p.lr}`);
       if (p.rate) parts.push(p.rate);
       $("progress").textContent = parts.join(" · ");
-      if ((s.status === "running" && chartTick++ % 5 === 0) || changed) loadChart();
+      if ((s.status === "running" && chartTick++ % 5 === 0) || changed) { loadChart(); loadSamples(); }
     }
     if (changed) { loadJobs(); loadSamples(); loadTrained(); }
   } catch (e) { /* the server restarts: try again next time */ }
