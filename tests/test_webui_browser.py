@@ -160,3 +160,10 @@ def test_create_change_validate_start_watch_stop(server, browser):
     slow.until(lambda d: "stopped" in d.find_element(By.ID, "job-status").text)
     slow.until(lambda d: "state saved to" in d.find_element(By.ID, "console").text)
     assert browser.find_element(By.ID, "start-btn").text == "Resume"
+
+    # delete the job's TensorBoard event files (after a confirmation)
+    browser.find_element(By.ID, "delete-events-btn").click()
+    browser.switch_to.alert.accept()
+    wait.until(lambda d: "event file(s) deleted" in d.find_element(By.ID, "events-msg").text)
+    logs_dir = os.path.join(app.state.runner.jobs_dir, "1", "output", "logs")
+    assert not [n for _, _, files in os.walk(logs_dir) for n in files if n.startswith("events.out.tfevents.")]

@@ -50,6 +50,9 @@ const SECTIONS = [
     ["dataset", "batch_size", "Batch size", "int", "", "datasets.0"],
     ["dataset", "enable_bucket", "Aspect-ratio buckets", "bool", "", "datasets.0"],
     ["dataset", "bucket_no_upscale", "Bucket: no upscale", "bool", "never enlarge images", "datasets.0"],
+    ["dataset", "resolution_schedule", "Resolution schedule", "select:|all|progressive", "progressive: train low to high resolution (needs 2 or more resolutions)", "datasets.0"],
+    ["dataset", "resolution_step_fractions", "Step fractions", "floatlist", "progressive: fraction of the steps per resolution, comma-separated, summing to 1.0", "datasets.0"],
+    ["config", "alpha_mask", "Alpha channel as loss mask", "bool", "transparent pixels do not count in the loss", "dataset"],
   ]],
   ["LoRA Configuration", [
     ["config", "network_module", "Network module", "select:networks.lora|networks.lora_flux|lycoris.kohya", "LoRA, or LyCORIS kinds through lycoris.kohya and network args (algo=loha ...)", "network", null, "lora"],
@@ -59,6 +62,15 @@ const SECTIONS = [
     ["config", "network_args", "Network args", "list", "key=value, space-separated", "network", null, "lora"],
     ["config", "network_train_unet_only", "Freeze text encoders", "bool", "train the UNet / transformer only", "network", null, "lora"],
     ["config", "network_weights", "Initialise from LoRA", "text", "an existing LoRA file to start from", "network", null, "lora"],
+  ]],
+  ["Full Finetune Options", [
+    ["config", "train_text_encoder", "Train the text encoder(s)", "bool", "off: the UNet / transformer only", "training", null, "finetune"],
+    ["config", "learning_rate_te1", "Text encoder 1 LR", "float", "blank: the base learning rate", "optimizer", null, "finetune"],
+    ["config", "learning_rate_te2", "Text encoder 2 LR", "float", "SDXL: the second text encoder", "optimizer", ["sdxl"], "finetune"],
+    ["config", "block_lr", "Per-block LRs", "text", "comma-separated, one per block of the family's layout; 0 freezes a block", "optimizer", null, "finetune"],
+    ["config", "save_model_as", "Save as", "select:safetensors|ckpt|diffusers|diffusers_safetensors", "", "output", null, "finetune"],
+    ["config", "use_ema", "EMA weights", "bool", "keep an exponential moving average of the weights", "training", null, "finetune"],
+    ["config", "fused_backward_pass", "Fused backward pass", "bool", "Adafactor: less memory", "optimizer", null, "finetune"],
   ]],
   ["Resume and sampling", [
     ["config", "resume", "Auto-resume", "resume", "continue from the newest saved state in the job's output folder (Stop saves one)", "training"],
@@ -388,7 +400,7 @@ function renderField(f) {
       input = el("input", { id, type: "text", placeholder: help ? "" : "" });
       if (type === "int" || type === "float") input.inputMode = "decimal";
       if (value === undefined) input.value = "";
-      else if (Array.isArray(value)) input.value = type === "resolution" ? value.join(",") : value.join(" ");
+      else if (Array.isArray(value)) input.value = type === "list" ? value.join(" ") : value.join(",");
       else input.value = String(value);
     }
     wrap.appendChild(input);
@@ -476,6 +488,10 @@ function readForm() {
         else if (type === "int" && /^-?\d+$/.test(raw)) v = parseInt(raw, 10);
         else if (type === "float" && raw !== "" && !isNaN(Number(raw))) v = Number(raw);
         else if (type === "list") v = raw.split(/\s+/);
+        else if (type === "floatlist") {
+          const parts = raw.split(",").map((x) => x.trim()).filter(Boolean);
+          v = parts.every((x) => !isNaN(Number(x))) ? parts.map(Number) : raw;
+        }
         else if (type === "resolution") {
           const parts = raw.split(",").map((s) => s.trim()).filter(Boolean);
           v = parts.every((p) => /^\d+$/.test(p)) ? (parts.length === 1 ? Number(parts[0]) : parts.map(Number)) : raw;
