@@ -1,6 +1,7 @@
 """The web UI in headless Chromium (Debian's chromium + chromium-driver, driven by selenium; no browser
 download): create a job from a template, change a setting, see the trainer's validation error next to the
-field, start the job, see the console stream and the progress, stop it. Saves docs/images/webui_job.png.
+field, start the job, see the console stream, the progress, the loss chart and a sample image, stop it, delete
+the TensorBoard event files. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_job.png and webui_samples.png.
 
 `bash scripts/test.sh` installs chromium and chromium-driver with apt when they are missing and it runs as root;
 otherwise this test is skipped and says what to install."""
@@ -71,8 +72,10 @@ def browser():
     driver.quit()
 
 
-def test_create_change_validate_start_watch_stop(server, browser):
+def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     url, app = server
+    # UPDATE_SCREENSHOTS=1 writes them to docs/images/ (docs/webui.md shows them); otherwise to a temporary folder
+    shots = os.path.join(ROOT, "docs", "images") if os.environ.get("UPDATE_SCREENSHOTS") == "1" else str(tmp_path)
     wait = WebDriverWait(browser, 60, poll_frequency=0.2)
     browser.get(url + "/")
     assert "No Job Selected" in browser.find_element(By.ID, "empty-state").text
@@ -138,10 +141,10 @@ def test_create_change_validate_start_watch_stop(server, browser):
     slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))  # a sample image, from the prompt
     assert not browser.find_element(By.ID, "no-samples").is_displayed()
     browser.execute_script("document.getElementById('samples').scrollIntoView({block: 'center'})")
-    os.makedirs(os.path.join(ROOT, "docs", "images"), exist_ok=True)
-    browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_samples.png"))
+    os.makedirs(shots, exist_ok=True)
+    browser.save_screenshot(os.path.join(shots, "webui_samples.png"))
     browser.execute_script("window.scrollTo(0, 0)")
-    browser.save_screenshot(os.path.join(ROOT, "docs", "images", "webui_job.png"))
+    browser.save_screenshot(os.path.join(shots, "webui_job.png"))
 
     # 50 concurrent API calls while the job trains: no errors
     paths = ["/api/jobs", "/api/jobs/1", "/api/jobs/1/status", "/api/jobs/1/samples", "/api/jobs/1/settings"]
