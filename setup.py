@@ -11,6 +11,8 @@ EXTRAS = {
     "xformers": ["xformers"],
     # --log_with wandb / all (Weights & Biases; WANDB_MODE=offline logs to files without an account)
     "wandb": ["wandb"],
+    # python webui.py: the training-job web UI (docs/webui.md)
+    "webui": ["fastapi", "uvicorn"],
 }
 EXTRAS["all"] = sorted({p for name, pkgs in EXTRAS.items() if name != "xformers" for p in pkgs})
 

@@ -20,6 +20,7 @@ from library.families import get_family
 PARSER_ONLY = {
     "config_file": "its TOML becomes the parser's defaults before parsing",
     "output_config": "writes the flags to --config_file and exits before any settings are built",
+    "check_config": "read by the entry script after the settings are built: print 'config ok' and exit",
 }
 # Flags that change nothing but the ss_* metadata sd-scripts writes for them.
 METADATA_ONLY = {

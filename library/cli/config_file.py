@@ -12,7 +12,7 @@ import toml
 from library.core.errors import ConfigError
 from library.core.io_utils import atomic_write_text
 
-_NOT_SAVED = {"config_file", "output_config"}
+_NOT_SAVED = {"config_file", "output_config", "check_config"}
 _SECRETS = {"wandb_api_key"}  # accepted in a config file, never written to one
 
 
@@ -22,6 +22,9 @@ def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TOML file of flags (any [section] layout; keys are flag names without --)")
     g.add_argument("--output_config", action="store_true",
                    help="write the effective flags to --config_file and exit")
+    g.add_argument("--check_config", action="store_true",
+                   help="check every flag (and the config file) as a run would, print 'config ok' and exit 0; "
+                        "a problem is the run's one-line error and exit code 2. Loads no model and no data")
 
 
 def _flatten(data: dict, path: str, out: dict, origin: dict) -> None:

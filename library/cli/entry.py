@@ -139,6 +139,9 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     try:
         ns = parse_with_config_file(parser, argv)
         settings = settings_from_args(ns, family, fine_tune)
+        if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
+            print("config ok")
+            return 0
         check_output_folders(settings.training)  # before the dataset scan and the model load
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 

@@ -1,0 +1,323 @@
+"""The web UI's HTTP API (issue 14), through FastAPI's TestClient: every endpoint, the token, path traversal,
+and a real tiny job trained through the UI's own runner: stopped mid-way, resumed with auto-resume, the
+server restarted (re-attach) while it runs, and finished."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import toml
+
+fastapi = pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements-dev.txt")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from webui import logs  # noqa: E402
+from webui.app import create_app  # noqa: E402
+from webui.jobfiles import error_field, one_line_error  # noqa: E402
+from webui.server import is_loopback, main  # noqa: E402
+
+
+@pytest.fixture
+def jobs_dir(tmp_path):
+    return str(tmp_path / "jobs")
+
+
+@pytest.fixture
+def client(jobs_dir):
+    return TestClient(create_app(jobs_dir, stop_timeout=30))
+
+
+def _create(client, **body):
+    r = client.post("/api/jobs", json={"template": "tiny_sd1_lora", **body})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_token_is_required_everywhere_when_given(jobs_dir):
+    c = TestClient(create_app(jobs_dir, token="s3cret"))
+    for path in ("/", "/api/jobs", "/api/templates", "/api/jobs/1/log", "/static/app.js"):
+        assert c.get(path).status_code == 401, path
+    assert c.post("/api/jobs", json={"template": "tiny_sd1_lora"}).status_code == 401
+    assert c.get("/api/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/api/jobs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    page = c.get("/?token=s3cret")  # the browser's way in: a cookie for the page's later requests
+    assert page.status_code == 200 and "No Job Selected" in page.text
+    assert c.get("/api/jobs").status_code == 200  # the cookie
+    c.cookies.clear()
+    assert c.get("/api/jobs").status_code == 401
+
+
+def test_off_loopback_needs_a_token(capsys, monkeypatch):
+    monkeypatch.delenv("WEBUI_TOKEN", raising=False)
+    assert main(["--host", "0.0.0.0", "--port", "1"]) == 2
+    assert "--token" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
+
+
+def test_jobs_create_list_rename_duplicate_delete(client, jobs_dir):
+    names = {t["name"] for t in client.get("/api/templates").json()}
+    assert {"tiny_sd1_lora", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
+            "flux_finetune"} <= names
+    assert client.get("/api/jobs").json() == []
+    hw = client.get("/api/hardware").json()
+    assert isinstance(hw["gpus"], list) and hw["none"] == "No GPU: training runs on CPU"
+    assert client.get("/api/info").json()["jobs_dir"] == jobs_dir
+    assert client.post("/api/jobs", json={"template": "nope"}).status_code == 422
+    job = _create(client, name="<img src=x onerror=alert(1)>")
+    assert job["status"] == "draft" and job["name"] == "<img src=x onerror=alert(1)>"  # stored as text
+    assert job["command"].endswith(f"python train_network.py --config_file {jobs_dir}/1/config.toml")
+    config = toml.load(os.path.join(jobs_dir, "1", "config.toml"))
+    assert config["output"]["output_dir"] == os.path.join(jobs_dir, "1", "output")
+    assert config["dataset"]["dataset_config"] == os.path.join(jobs_dir, "1", "dataset.toml")
+    assert toml.load(os.path.join(jobs_dir, "1", "dataset.toml"))["datasets"][0]["subsets"][0]["num_repeats"] == 1
+    assert client.get("/api/jobs/1").json()["name"] == job["name"]
+    assert client.get("/api/jobs/99").status_code == 404
+
+    assert client.patch("/api/jobs/1", json={"name": "  my   lora "}).json()["name"] == "my lora"
+    assert client.patch("/api/jobs/1", json={"name": ""}).status_code == 422
+    copy = client.post("/api/jobs/1/duplicate").json()
+    assert copy["id"] == 2 and copy["name"] == "my lora (copy)"
+    assert client.get("/api/jobs/2/settings").json() == client.get("/api/jobs/1/settings").json()
+    assert [j["id"] for j in client.get("/api/jobs").json()] == [1, 2]
+
+    outside = os.path.join(os.path.dirname(jobs_dir), "keep.txt")
+    with open(outside, "w") as f:
+        f.write("not the UI's")
+    os.symlink(outside, os.path.join(jobs_dir, "2", "link_out"))
+    assert client.delete("/api/jobs/2").status_code == 400  # no confirmation
+    assert os.path.isdir(os.path.join(jobs_dir, "2"))
+    assert client.delete("/api/jobs/2?confirm=yes").json() == {"deleted": 2}
+    assert not os.path.exists(os.path.join(jobs_dir, "2")) and os.path.isfile(outside)
+    assert [j["id"] for j in client.get("/api/jobs").json()] == [1]
+    assert client.delete("/api/jobs/2?confirm=yes").status_code == 404
+
+
+def test_settings_are_checked_by_the_trainers_own_parser(client, jobs_dir):
+    _create(client)
+    settings = client.get("/api/jobs/1/settings").json()
+    assert "output_dir" not in settings["config"].get("output", {})  # the UI's own keys are not settings
+    before = open(os.path.join(jobs_dir, "1", "config.toml")).read()
+    settings["config"]["optimizer"]["learning_rate"] = -1
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 422
+    assert r.json()["detail"]["field"] == "learning_rate"
+    assert r.json()["detail"]["error"].startswith("--learning_rate -1: expected a number in [0, 10]")
+    assert open(os.path.join(jobs_dir, "1", "config.toml")).read() == before  # nothing written
+
+    settings["config"]["optimizer"]["learning_rate"] = 5e-4
+    settings["config"]["training"]["max_train_steps"] = 7
+    settings["prompts"] = ["a red circle --w 64 --h 64 --s 2"]
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 200, r.text
+    config = toml.load(os.path.join(jobs_dir, "1", "config.toml"))
+    assert config["optimizer"]["learning_rate"] == 5e-4 and config["training"]["max_train_steps"] == 7
+    assert config["sampling"]["sample_prompts"] == os.path.join(jobs_dir, "1", "prompts.txt")
+    assert r.json()["prompts"] == ["a red circle --w 64 --h 64 --s 2"]
+    assert not os.path.exists(os.path.join(jobs_dir, "1", ".check"))
+
+    settings = client.get("/api/jobs/1/settings").json()
+    settings["config"]["training"]["max_train_steps"] = 999
+    assert client.post("/api/jobs/1/revert").json()["config"]["training"]["max_train_steps"] == 20
+
+
+def test_error_field_names_the_flag_or_key():
+    assert error_field("--network_dim 0: expected an integer >= 1") == "network_dim"
+    assert error_field("config.toml: optimizer.learnig_rate: unknown flag (did you mean learning_rate?)") == "learnig_rate"
+    assert error_field("dataset.toml: datasets[0].subsets[1].num_repeats: expected an integer >= 1") == "num_repeats"
+    assert error_field("something else") is None
+    assert one_line_error("INFO x: y\nerror: --network_dim 0: expected an integer >= 1\n") == \
+        "--network_dim 0: expected an integer >= 1"
+    assert one_line_error("error: c.toml: a.lr: unknown flag\nc.toml: a.dim: unknown flag\n") == \
+        "c.toml: a.lr: unknown flag; c.toml: a.dim: unknown flag"
+    assert one_line_error("Traceback ...\nValueError: boom\n") == "ValueError: boom"
+
+
+def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
+    _create(client)
+    sample_dir = os.path.join(jobs_dir, "1", "output", "sample")
+    os.makedirs(sample_dir)
+    with open(os.path.join(sample_dir, "lora_000010_00.png"), "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+    assert [s["path"] for s in client.get("/api/jobs/1/samples").json()] == ["output/sample/lora_000010_00.png"]
+    assert client.get("/api/jobs/1/files/output/sample/lora_000010_00.png").content == b"\x89PNG\r\n\x1a\n"
+    assert client.get("/api/jobs/1/files/config.toml").status_code == 200
+    secret = tmp_path / "secret.txt"
+    secret.write_text("secret")
+    os.symlink(str(secret), os.path.join(jobs_dir, "1", "escape"))
+    assert client.get("/api/jobs/1/files/escape").status_code == 403  # a symlink out
+    assert client.get("/api/jobs/1/files/%2E%2E/jobs.sqlite3").status_code in (403, 404)
+    assert client.get("/api/jobs/1/files/..%2F..%2Fsecret.txt").status_code in (403, 404)
+    assert client.get(f"/api/jobs/1/files/{secret}").status_code in (403, 404)  # absolute
+    assert client.get("/api/jobs/1/files/nothing.png").status_code == 404
+    assert client.get("/api/jobs/9/files/config.toml").status_code == 404
+
+    assert client.get("/api/jobs/1/trained").json() == []
+    with open(os.path.join(jobs_dir, "1", "output", "lora.safetensors"), "wb") as f:
+        f.write(b"12345678")
+    trained = client.get("/api/jobs/1/trained").json()
+    assert [(t["path"], t["size"]) for t in trained] == [("output/lora.safetensors", 8)]
+    assert client.get("/api/jobs/1/files/output/lora.safetensors").content == b"12345678"
+
+    run_logs = os.path.join(jobs_dir, "1", "output", "logs", "network_train")
+    os.makedirs(run_logs)
+    for name in ("events.out.tfevents.1.host", "events.out.tfevents.2.host", "notes.txt"):
+        open(os.path.join(run_logs, name), "w").close()
+    assert client.delete("/api/jobs/1/tensorboard_events").status_code == 400
+    assert client.delete("/api/jobs/1/tensorboard_events?confirm=yes").json() == {"deleted": 2}
+    assert os.listdir(run_logs) == ["notes.txt"]
+
+
+def test_tensorboard_launch_and_stop(client, jobs_dir):
+    _create(client)
+    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None}
+    tb = client.post("/api/jobs/1/tensorboard").json()
+    try:
+        assert tb["running"] and tb["url"].startswith("http://127.0.0.1:")
+        assert client.post("/api/jobs/1/tensorboard").json()["pid"] == tb["pid"]  # one per job
+        assert os.path.isdir(os.path.join(jobs_dir, "1", "output", "logs"))
+    finally:
+        assert client.delete("/api/jobs/1/tensorboard").json()["status"] == "Not running"
+    assert not os.path.exists(f"/proc/{tb['pid']}") or open(f"/proc/{tb['pid']}/stat").read().split()[2] == "Z"
+
+
+def test_folder_picker_and_dataset_paths_stay_inside_the_roots(jobs_dir, tmp_path):
+    root = tmp_path / "datasets"
+    (root / "10_cats").mkdir(parents=True)
+    for name in ("a.png", "b.jpg", "a.txt"):
+        (root / "10_cats" / name).write_bytes(b"x")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "p.png").write_bytes(b"x")
+    os.symlink(str(tmp_path / "private"), str(root / "link_out"))
+    c = TestClient(create_app(jobs_dir, data_roots=[str(root)]))
+    assert [f["path"] for f in c.get("/api/folders").json()["folders"]] == [str(root)]
+    top = c.get("/api/folders", params={"path": str(root)}).json()
+    assert [(f["name"], f["images"]) for f in top["folders"]] == [("10_cats", 2)]  # the link out is not shown
+    assert top["parent"] is None
+    cats = c.get("/api/folders", params={"path": str(root / "10_cats")}).json()
+    assert cats["images"] == 2 and cats["parent"] == str(root) and len(cats["thumbnails"]) == 2
+    assert c.get("/api/image", params={"path": cats["thumbnails"][0]}).content == b"x"
+    for bad in (str(tmp_path / "private"), str(root / "link_out"), str(root / ".." / "private"), "/etc"):
+        assert c.get("/api/folders", params={"path": bad}).status_code == 403, bad
+    assert c.get("/api/image", params={"path": str(root / "link_out" / "p.png")}).status_code == 403
+    assert c.get("/api/image", params={"path": str(root / "10_cats" / "a.txt")}).status_code == 404
+    assert c.get("/api/folders", params={"path": str(root / "nothing")}).status_code == 404
+
+    _create(c)
+    settings = c.get("/api/jobs/1/settings").json()
+    settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = str(root / "link_out")
+    r = c.put("/api/jobs/1/settings", json=settings)  # refused before the trainer's check runs
+    assert r.status_code == 403 and r.json()["detail"]["field"] == "image_dir"
+
+
+def test_hardware():
+    from webui.hardware import parse_nvidia_smi
+
+    assert parse_nvidia_smi("0, NVIDIA H100 80GB HBM3, 81559, 1, 0\n") == [
+        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81559, "memory_used_mib": 1,
+         "utilization_percent": 0}]
+    assert parse_nvidia_smi("") == []
+
+
+def test_log_stream_and_progress(client, jobs_dir):
+    _create(client)
+    body = client.get("/api/jobs/1/log").text  # a draft: nothing to follow
+    assert "event: waiting\ndata: Waiting for training to start..." in body and "event: end\ndata: draft" in body
+    with open(os.path.join(jobs_dir, "1", "train.log"), "w") as f:
+        f.write("INFO x: loading\nsteps:  25%|##5       | 2/8 [00:04<00:12,  2.01s/it, loss=1.1025, lr=1.00e-03]"
+                "\rsteps:  50%|#####     | 4/8 [00:08<00:08,  2.00s/it, loss=0.9500, lr=1.00e-03]\r")
+    body = client.get("/api/jobs/1/log").text
+    assert "data: INFO x: loading\n" in body and "data: steps:  50%" in body and "Waiting" not in body
+    resumed = client.get("/api/jobs/1/log", headers={"Last-Event-ID": str(len("INFO x: loading\n"))}).text
+    assert "loading" not in resumed and "4/8" in resumed
+    p = client.get("/api/jobs/1/status").json()["progress"]
+    assert p == {"percent": 50, "step": 4, "total": 8, "elapsed": "00:08", "eta": "00:08", "rate": "2.00s/it",
+                 "loss": 0.95, "lr": 1e-3}
+    assert logs.progress(os.path.join(jobs_dir, "nothing.log")) is None
+    assert client.get("/api/jobs/1/history").json() == [{"step": 2, "loss": 1.1025, "lr": 1e-3},
+                                                        {"step": 4, "loss": 0.95, "lr": 1e-3}]
+    assert logs.split_lines("steps:   0%|  | 0/8 [00:00<?, ?it/s]INFO trainer: training\rsteps: 1/8\n") == [
+        "steps:   0%|  | 0/8 [00:00<?, ?it/s]", "INFO trainer: training", "steps: 1/8"]
+
+
+def test_auto_resume_after_a_crash_is_bounded(client, jobs_dir, monkeypatch, tmp_path):
+    """A crashed run of a job with resume = "auto" is started again, at most twice in a row; the trainer's
+    refusal of the settings (exit code 2) and a stop are not retried. (A stand-in command: no training.)"""
+    import sys
+
+    import webui.runner
+
+    script = tmp_path / "crash.py"
+    script.write_text("import os, sys\n"
+                      "n = int(open(sys.argv[1]).read()) if os.path.exists(sys.argv[1]) else 0\n"
+                      "open(sys.argv[1], 'w').write(str(n + 1))\n"
+                      "print('run', n + 1)\n"
+                      "sys.exit(int(sys.argv[2].split(',')[n]))\n")
+    codes = {}
+    monkeypatch.setattr(webui.runner, "training_command",
+                        lambda job, folder: [sys.executable, str(script), str(tmp_path / f"count{job['id']}"),
+                                             codes[job["id"]]])
+    runner = client.app.state.runner
+    for job_id, exit_codes, status, runs in ((1, "1,137,0", "finished", 3), (2, "1,1,1,1", "failed", 3),
+                                             (3, "2,0", "failed", 1)):
+        _create(client)
+        codes[job_id] = exit_codes
+        client.post(f"/api/jobs/{job_id}/start")
+        assert runner.wait(job_id, 30) == status
+        assert len(client.get(f"/api/jobs/{job_id}/status").json()["runs"]) == runs
+    log = client.get("/api/jobs/2/log").text
+    assert "auto-resume: retry 2 of 2" in log and "retry 3" not in log
+
+
+def _wait_for_step(client, job_id, step, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = client.get(f"/api/jobs/{job_id}/status").json()
+        if s["status"] != "running" or (s["progress"] and s["progress"]["step"] >= step):
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s:\n" + open(os.path.join(
+        client.app.state.runner.jobs_dir, str(job_id), "train.log")).read()[-3000:])
+
+
+def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, jobs_dir, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the run inherits it: fast and steady on a shared 2-core machine
+    _create(client, name="tiny")
+    folder = os.path.join(jobs_dir, "1")
+    config = toml.load(os.path.join(folder, "config.toml"))
+    config["training"].update(max_train_steps=4, save_every_n_steps=100)
+    with open(os.path.join(folder, "config.toml"), "w") as f:  # as a hand edit: the checked PUT is tested above
+        toml.dump(config, f)
+    _create(client, name="second")
+
+    r = client.post("/api/jobs/1/start").json()
+    assert r["status"] == "running" and r["job"]["pid"]
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"  # already running: nothing new
+    assert client.post("/api/jobs/2/start").json()["status"] == "queued"  # one run at a time
+    assert client.post("/api/jobs/2/stop").json()["status"] == "stopped"  # leaves the queue, never ran
+    assert client.put("/api/jobs/1/settings", json={}).status_code == 409
+    assert client.delete("/api/jobs/1?confirm=yes").status_code == 409
+
+    s = _wait_for_step(client, 1, 1, 120)
+    assert s["status"] == "running", open(os.path.join(folder, "train.log")).read()[-3000:]
+    assert client.post("/api/jobs/1/stop").json()["status"] == "stopping"
+    assert client.app.state.runner.wait(1, 60) == "stopped"
+    s = client.get("/api/jobs/1/status").json()
+    assert s["exit_code"] == 130 and s["runs"][0]["status"] == "stopped"
+    assert s["progress"]["step"] < 4
+    states = [n for n in os.listdir(os.path.join(folder, "output")) if n.endswith("-state")]
+    assert states, os.listdir(os.path.join(folder, "output"))  # Ctrl+C saved a state
+
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"  # resume = "auto" in the template
+    restarted = TestClient(create_app(jobs_dir))  # a new server: re-attaches to the run by pid + start time
+    assert restarted.get("/api/jobs/1/status").json()["status"] == "running"
+    assert restarted.app.state.runner.wait(1, 150) == "finished", open(os.path.join(folder, "train.log")).read()[-3000:]
+    s = restarted.get("/api/jobs/1/status").json()
+    assert s["exit_code"] == 0 and [r["status"] for r in s["runs"]] == ["stopped", "finished"]
+    assert s["progress"]["step"] == 4 and s["progress"]["total"] == 4
+    log = restarted.get("/api/jobs/1/log").text
+    assert "--resume auto: newest intact state is" in log and f"saved {folder}/output/lora.safetensors" in log
+    assert log.count("$ cd ") == 2  # the command of each run
+    assert os.path.isfile(os.path.join(folder, "output", "lora.safetensors"))

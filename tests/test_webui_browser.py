@@ -1,0 +1,172 @@
+"""The web UI in headless Chromium (Debian's chromium + chromium-driver, driven by selenium; no browser
+download): create a job from a template, change a setting, see the trainer's validation error next to the
+field, start the job, see the console stream, the progress, the loss chart and a sample image, stop it, delete
+the TensorBoard event files. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_job.png and webui_samples.png.
+
+`bash scripts/test.sh` installs chromium and chromium-driver with apt when they are missing and it runs as root;
+otherwise this test is skipped and says what to install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements-dev.txt")
+uvicorn = pytest.importorskip("uvicorn", reason="pip install -r requirements-dev.txt")
+pytest.importorskip("selenium", reason="pip install -r requirements-dev.txt")
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+from webui.app import create_app  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                                reason="needs Debian's chromium and chromium-driver: apt-get install -y chromium "
+                                       "chromium-driver (bash scripts/test.sh does it when run as root)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the training run inherits it (shared 2-core machines)
+    app = create_app(str(tmp_path / "jobs"), stop_timeout=30)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", app
+    for job in app.state.store.jobs():  # never leave a run behind
+        if job["status"] == "running":
+            app.state.runner.stop(job["id"])
+            app.state.runner.wait(job["id"], 60)
+    srv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
+    url, app = server
+    # UPDATE_SCREENSHOTS=1 writes them to docs/images/ (docs/webui.md shows them); otherwise to a temporary folder
+    shots = os.path.join(ROOT, "docs", "images") if os.environ.get("UPDATE_SCREENSHOTS") == "1" else str(tmp_path)
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    browser.get(url + "/")
+    assert "No Job Selected" in browser.find_element(By.ID, "empty-state").text
+    assert "Create a new training job or select one from the sidebar" in browser.page_source
+    assert "No jobs yet." in browser.find_element(By.ID, "sidebar").text
+
+    # create from a template; the name is shown as text, never as markup
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#template-select option"))
+    Select(browser.find_element(By.ID, "template-select")).select_by_value("tiny_sd1_lora")
+    browser.find_element(By.ID, "new-name").send_keys("<b>shapes</b> LoRA")
+    browser.find_element(By.ID, "create-btn").click()
+    wait.until(lambda d: d.find_element(By.ID, "job-name").text == "<b>shapes</b> LoRA")
+    item = browser.find_element(By.CSS_SELECTOR, "#job-list li")
+    assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
+    assert "draft" in item.text
+    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+    assert browser.find_element(By.ID, "gpus").text in ("No GPU: training runs on CPU",) or "GPU 0" in \
+        browser.find_element(By.ID, "gpus").text
+
+    # the dataset folder: image count and thumbnails; the server-side picker lists folders with their counts
+    wait.until(lambda d: d.find_element(By.ID, "folder-info").text == "7 image(s)")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#thumbs img")) == 7
+    browser.find_element(By.ID, "browse-btn").click()
+    wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.ID, "picker").text)
+
+    # a bad value: the trainer's own one-line error, next to the field
+    lr = browser.find_element(By.ID, "f-learning_rate")
+    lr.clear()
+    lr.send_keys("-1")
+    browser.find_element(By.ID, "save-btn").click()
+    error = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '.field[data-field="learning_rate"] .error'))
+    assert error[0].text.startswith("--learning_rate -1: expected a number in [0, 10]")
+
+    # fixed, and fewer steps: accepted and written to the job's config.toml
+    lr.clear()
+    lr.send_keys("0.002")
+    steps = browser.find_element(By.ID, "f-max_train_steps")
+    steps.clear()
+    steps.send_keys("40")
+    every = browser.find_element(By.ID, "f-sample_every_n_steps")
+    every.send_keys("5")
+    assert browser.find_element(By.ID, "no-prompts").is_displayed()
+    browser.find_element(By.ID, "add-prompt").click()
+    browser.find_element(By.CSS_SELECTOR, "#prompt-list input").send_keys("a red <circle> --w 64 --h 64 --s 2 --d 1")
+    browser.find_element(By.ID, "save-btn").click()
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
+    assert not browser.find_elements(By.CSS_SELECTOR, ".field .error")
+    config = open(os.path.join(app.state.runner.jobs_dir, "1", "config.toml")).read()
+    assert "learning_rate = 0.002" in config and "max_train_steps = 40" in config
+    with open(os.path.join(app.state.runner.jobs_dir, "1", "prompts.txt")) as f:
+        assert f.read() == "a red <circle> --w 64 --h 64 --s 2 --d 1\n"
+
+    # start: the console streams the log, the header shows the progress
+    browser.find_element(By.ID, "start-btn").click()
+    wait.until(lambda d: "running" in d.find_element(By.ID, "job-status").text)
+    slow = WebDriverWait(browser, 150, poll_frequency=0.3)
+    slow.until(lambda d: "LoRA modules" in d.find_element(By.ID, "console").text)
+    slow.until(lambda d: d.find_element(By.ID, "progress").text.startswith("step ")
+               and not d.find_element(By.ID, "progress").text.startswith("step 0 "))
+    assert "$ cd " in browser.find_element(By.ID, "console").text
+    slow.until(lambda d: "steps:" in d.find_element(By.ID, "console").text)
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart polyline.loss"))  # the loss chart
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))  # a sample image, from the prompt
+    assert not browser.find_element(By.ID, "no-samples").is_displayed()
+    browser.execute_script("document.getElementById('samples').scrollIntoView({block: 'center'})")
+    os.makedirs(shots, exist_ok=True)
+    browser.save_screenshot(os.path.join(shots, "webui_samples.png"))
+    browser.execute_script("window.scrollTo(0, 0)")
+    browser.save_screenshot(os.path.join(shots, "webui_job.png"))
+
+    # 50 concurrent API calls while the job trains: no errors
+    paths = ["/api/jobs", "/api/jobs/1", "/api/jobs/1/status", "/api/jobs/1/samples", "/api/jobs/1/settings"]
+
+    def call(i):
+        with urllib.request.urlopen(url + paths[i % len(paths)], timeout=60) as r:
+            return r.status
+
+    with ThreadPoolExecutor(50) as pool:
+        statuses = list(pool.map(call, range(50)))
+    assert statuses == [200] * 50
+    assert "running" in browser.find_element(By.ID, "job-status").text
+
+    # stop: SIGINT, the trainer saves a state and the job is "stopped"
+    browser.find_element(By.ID, "stop-btn").click()
+    slow.until(lambda d: "stopped" in d.find_element(By.ID, "job-status").text)
+    slow.until(lambda d: "state saved to" in d.find_element(By.ID, "console").text)
+    assert browser.find_element(By.ID, "start-btn").text == "Resume"
+
+    # delete the job's TensorBoard event files (after a confirmation)
+    browser.find_element(By.ID, "delete-events-btn").click()
+    browser.switch_to.alert.accept()
+    wait.until(lambda d: "event file(s) deleted" in d.find_element(By.ID, "events-msg").text)
+    logs_dir = os.path.join(app.state.runner.jobs_dir, "1", "output", "logs")
+    assert not [n for _, _, files in os.walk(logs_dir) for n in files if n.startswith("events.out.tfevents.")]

@@ -1,0 +1,341 @@
+"""The HTTP API and the page (FastAPI). Every route works on the job's folder and the SQLite store;
+training itself is reached only through webui.runner (subprocesses and signals)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import shutil
+import time
+from typing import Any, Optional
+
+from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from webui import logs
+from webui.folders import Roots, dataset_paths
+from webui.hardware import gpus
+from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, script_for, templates
+from webui.runner import LAUNCHERS, Runner, shown_command, training_command
+from webui.store import ACTIVE, Store
+from webui.tensorboard import TensorBoards
+
+STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+TOKEN_COOKIE = "webui_token"
+MAX_NAME = 120
+
+
+def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float = 60.0,
+               default_launcher: str = "python", data_roots: Optional[list[str]] = None) -> FastAPI:
+    jobs_dir = os.path.abspath(jobs_dir)
+    roots = Roots(data_roots or [REPO_ROOT, os.getcwd()])
+    os.makedirs(jobs_dir, exist_ok=True)
+    store = Store(os.path.join(jobs_dir, "jobs.sqlite3"))
+    runner = Runner(store, jobs_dir, stop_timeout=stop_timeout)
+    app = FastAPI(title="Training jobs", docs_url=None, redoc_url=None, openapi_url=None)
+    boards = TensorBoards()
+    app.state.store, app.state.runner, app.state.tensorboards = store, runner, boards
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        if token:
+            given = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+                     or request.query_params.get("token") or request.cookies.get(TOKEN_COOKIE) or "")
+            if not hmac.compare_digest(given.encode(), token.encode()):
+                return JSONResponse({"detail": "token required: open the page as /?token=YOUR_TOKEN "
+                                               "or send 'Authorization: Bearer YOUR_TOKEN'"}, status_code=401)
+        response = await call_next(request)
+        if token and request.query_params.get("token"):
+            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    # --- helpers -------------------------------------------------------------------------------------
+    def job_or_404(job_id: int) -> dict[str, Any]:
+        job = store.job(job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id}")
+        return job
+
+    def describe(job: dict[str, Any]) -> dict[str, Any]:
+        folder = JobFolder(jobs_dir, job["id"])
+        return {**job, "folder": folder.path, "script": script_for(job["family"], job["mode"]),
+                "command": shown_command(training_command(job, folder))}
+
+    def clean_name(name: Any) -> str:
+        if not isinstance(name, str) or not name.strip():
+            raise HTTPException(422, {"error": "name: expected a non-empty text", "field": "name"})
+        name = " ".join(name.split())
+        if len(name) > MAX_NAME:
+            raise HTTPException(422, {"error": f"name: at most {MAX_NAME} characters", "field": "name"})
+        return name
+
+    def check_and_write(job: dict[str, Any], settings: dict[str, Any], check: bool = True) -> None:
+        folder = JobFolder(jobs_dir, job["id"])
+        for key, path in dataset_paths(settings.get("dataset") or {}):
+            if roots.inside(path) is None:
+                raise HTTPException(403, {"error": f"{key} {path}: outside the allowed folders "
+                                                   f"({', '.join(roots.roots)}; the server's --data_root)",
+                                          "field": key})
+        if check:
+            try:
+                folder.check_settings(settings, script_for(job["family"], job["mode"]))
+            except SettingsError as e:
+                raise HTTPException(422, {"error": str(e), "field": e.field}) from None
+        folder.write_settings(settings)
+
+    # --- page ----------------------------------------------------------------------------------------
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), headers={"Cache-Control": "no-store"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    # --- jobs ----------------------------------------------------------------------------------------
+    @app.get("/api/templates")
+    def list_templates() -> list[dict[str, Any]]:
+        return [{"name": name, **t["template"]} for name, t in templates().items()]
+
+    @app.get("/api/jobs")
+    def list_jobs() -> list[dict[str, Any]]:
+        runner.refresh()
+        return [describe(j) for j in store.jobs()]
+
+    @app.post("/api/jobs", status_code=201)
+    def create_job(body: dict = Body(...)) -> dict[str, Any]:
+        all_templates = templates()
+        name = body.get("template")
+        if name not in all_templates:
+            raise HTTPException(422, {"error": f"template: unknown template {name!r}; one of "
+                                               f"{', '.join(sorted(all_templates))}", "field": "template"})
+        t = all_templates[name]
+        launcher = body.get("launcher", default_launcher)
+        if launcher not in LAUNCHERS:
+            raise HTTPException(422, {"error": f"launcher: one of {', '.join(LAUNCHERS)}", "field": "launcher"})
+        job_id = store.create_job(clean_name(body.get("name") or t["template"]["title"]), name,
+                                  t["template"]["family"], t["template"]["mode"], launcher)
+        job = store.job(job_id)
+        JobFolder(jobs_dir, job_id).write_settings({"config": t["config"], "dataset": t["dataset"],
+                                                    "prompts": t.get("prompts", [])})
+        return describe(job)
+
+    @app.get("/api/jobs/{job_id}")
+    def get_job(job_id: int) -> dict[str, Any]:
+        runner.refresh()
+        return describe(job_or_404(job_id))
+
+    @app.post("/api/jobs/{job_id}/duplicate", status_code=201)
+    def duplicate_job(job_id: int, body: Optional[dict] = Body(None)) -> dict[str, Any]:
+        job = job_or_404(job_id)
+        name = clean_name((body or {}).get("name") or f"{job['name']} (copy)"[:MAX_NAME])
+        new_id = store.create_job(name, job["template"], job["family"], job["mode"], job["launcher"])
+        JobFolder(jobs_dir, new_id).write_settings(JobFolder(jobs_dir, job_id).settings())
+        return describe(store.job(new_id))
+
+    @app.patch("/api/jobs/{job_id}")
+    def update_job(job_id: int, body: dict = Body(...)) -> dict[str, Any]:
+        job_or_404(job_id)
+        values = {}
+        if "name" in body:
+            values["name"] = clean_name(body["name"])
+        if "launcher" in body:
+            if body["launcher"] not in LAUNCHERS:
+                raise HTTPException(422, {"error": f"launcher: one of {', '.join(LAUNCHERS)}", "field": "launcher"})
+            values["launcher"] = body["launcher"]
+        if values:
+            store.update_job(job_id, **values)
+        return describe(store.job(job_id))
+
+    @app.delete("/api/jobs/{job_id}")
+    def delete_job(job_id: int, confirm: str = Query("")) -> dict[str, Any]:
+        job = job_or_404(job_id)
+        if confirm != "yes":
+            raise HTTPException(400, "deleting a job removes its folder and trained files: repeat with ?confirm=yes")
+        runner.refresh()
+        if store.job(job_id)["status"] in ACTIVE:
+            raise HTTPException(409, "the job is queued or running: stop it first")
+        folder = JobFolder(jobs_dir, job["id"]).path
+        boards.stop(job_id)
+        if os.path.islink(folder):  # never follow a link out of the jobs folder
+            os.unlink(folder)
+        elif os.path.isdir(folder) and os.path.dirname(os.path.realpath(folder)) == os.path.realpath(jobs_dir):
+            shutil.rmtree(folder)
+        store.delete_job(job_id)
+        return {"deleted": job_id}
+
+    # --- settings ------------------------------------------------------------------------------------
+    @app.get("/api/jobs/{job_id}/settings")
+    def get_settings(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return JobFolder(jobs_dir, job_id).settings()
+
+    @app.put("/api/jobs/{job_id}/settings")
+    def put_settings(job_id: int, body: dict = Body(...)) -> dict[str, Any]:
+        job = job_or_404(job_id)
+        if job["status"] in ACTIVE:
+            raise HTTPException(409, "the job is queued or running: stop it before changing its settings")
+        settings = {"config": body.get("config") or {}, "dataset": body.get("dataset") or {},
+                    "prompts": body.get("prompts") or []}
+        if not isinstance(settings["config"], dict) or not isinstance(settings["dataset"], dict) \
+                or not isinstance(settings["prompts"], list):
+            raise HTTPException(422, {"error": "expected {config: {...}, dataset: {...}, prompts: [...]}",
+                                      "field": None})
+        check_and_write(job, settings)
+        return JobFolder(jobs_dir, job_id).settings()
+
+    @app.post("/api/jobs/{job_id}/revert")
+    def revert_settings(job_id: int) -> dict[str, Any]:
+        """Danger zone: the template's settings again."""
+        job = job_or_404(job_id)
+        if job["status"] in ACTIVE:
+            raise HTTPException(409, "the job is queued or running: stop it first")
+        t = templates().get(job["template"])
+        if t is None:
+            raise HTTPException(404, f"template {job['template']!r} no longer exists")
+        check_and_write(job, {"config": t["config"], "dataset": t["dataset"], "prompts": t.get("prompts", [])},
+                        check=False)
+        return JobFolder(jobs_dir, job_id).settings()
+
+    # --- runs ----------------------------------------------------------------------------------------
+    @app.post("/api/jobs/{job_id}/start")
+    def start_job(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return {"status": runner.start(job_id), "job": describe(store.job(job_id))}
+
+    @app.post("/api/jobs/{job_id}/stop")
+    def stop_job(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return {"status": runner.stop(job_id), "job": describe(store.job(job_id))}
+
+    @app.get("/api/jobs/{job_id}/status")
+    def job_status(job_id: int) -> dict[str, Any]:
+        runner.refresh()
+        job = job_or_404(job_id)
+        folder = JobFolder(jobs_dir, job_id)
+        return {"status": job["status"], "pid": job["pid"], "exit_code": job["exit_code"],
+                "progress": logs.progress(folder.log_path), "command": describe(job)["command"],
+                "runs": store.runs(job_id)}
+
+    @app.get("/api/jobs/{job_id}/log")
+    def log_stream(job_id: int, request: Request, follow: bool = True) -> StreamingResponse:
+        """Server-sent events: the log's lines (event id = byte offset, so a reconnect goes on where it
+        stopped), "Waiting for training to start..." while there is no log, and an `end` event when the
+        job is not running and everything was sent."""
+        job_or_404(job_id)
+        folder = JobFolder(jobs_dir, job_id)
+        last = request.headers.get("last-event-id", "")
+        offset = int(last) if last.isdigit() else 0
+
+        def events():
+            nonlocal offset
+            yield "retry: 2000\n\n"
+            waiting_said = False
+            partial_sent = ""
+            while True:
+                if not os.path.exists(folder.log_path) and not waiting_said:
+                    yield f"event: waiting\ndata: {logs.WAITING}\n\n"
+                    waiting_said = True
+                lines, new_offset, rest = logs.read_lines(folder.log_path, offset)
+                if lines:
+                    offset = new_offset
+                    yield f"id: {offset}\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
+                    partial_sent = ""
+                    continue
+                if rest.startswith("steps:") and rest != partial_sent:  # the bar being redrawn, shown now
+                    partial_sent = rest
+                    yield f"event: bar\ndata: {rest}\n\n"
+                runner.refresh()
+                job = store.job(job_id)
+                if not follow or job is None or job["status"] not in ACTIVE:
+                    lines, offset, rest = logs.read_lines(folder.log_path, offset)
+                    lines += logs.split_lines(rest)
+                    offset += len(rest.encode())
+                    if lines:
+                        yield f"id: {offset}\n" + "".join(f"data: {line}\n" for line in lines) + "\n"
+                    yield f"event: end\ndata: {job['status'] if job else 'deleted'}\n\n"
+                    return
+                time.sleep(0.3)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @app.get("/api/jobs/{job_id}/history")
+    def loss_history(job_id: int) -> list[dict[str, Any]]:
+        """Loss and LR by step, parsed from the log (the console's chart)."""
+        job_or_404(job_id)
+        return logs.history(JobFolder(jobs_dir, job_id).log_path)
+
+    @app.get("/api/jobs/{job_id}/samples")
+    def samples(job_id: int) -> list[dict[str, Any]]:
+        job_or_404(job_id)
+        return JobFolder(jobs_dir, job_id).sample_images()
+
+    @app.get("/api/jobs/{job_id}/files/{path:path}")
+    def job_file(job_id: int, path: str) -> Response:
+        job_or_404(job_id)
+        target = JobFolder(jobs_dir, job_id).resolve(path)
+        if target is None:
+            raise HTTPException(403, "outside the job's folder")
+        if not os.path.isfile(target):
+            raise HTTPException(404, "no such file")
+        return FileResponse(target)
+
+    @app.get("/api/jobs/{job_id}/trained")
+    def trained(job_id: int) -> list[dict[str, Any]]:
+        """The trained files, for download through /files/."""
+        job_or_404(job_id)
+        return JobFolder(jobs_dir, job_id).trained_files()
+
+    @app.delete("/api/jobs/{job_id}/tensorboard_events")
+    def delete_events(job_id: int, confirm: str = Query("")) -> dict[str, Any]:
+        job_or_404(job_id)
+        if confirm != "yes":
+            raise HTTPException(400, "repeat with ?confirm=yes to delete the job's TensorBoard event files")
+        return {"deleted": JobFolder(jobs_dir, job_id).delete_event_files()}
+
+    @app.get("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_status(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return boards.status(job_id)
+
+    @app.post("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_start(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        folder = JobFolder(jobs_dir, job_id)
+        return boards.start(job_id, os.path.join(folder.output_dir, "logs"), os.path.join(folder.path, "tensorboard.log"))
+
+    @app.delete("/api/jobs/{job_id}/tensorboard")
+    def tensorboard_stop(job_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        return boards.stop(job_id)
+
+    @app.get("/api/hardware")
+    def hardware() -> dict[str, Any]:
+        return {"gpus": gpus(), "none": "No GPU: training runs on CPU"}
+
+    @app.get("/api/folders")
+    def folders(path: str = "") -> dict[str, Any]:
+        """The folder picker: subfolders with image counts, the folder's image count and first images."""
+        try:
+            return roots.listing(path or None)
+        except PermissionError:
+            raise HTTPException(403, "outside the allowed folders") from None
+        except FileNotFoundError:
+            raise HTTPException(404, "no such folder") from None
+
+    @app.get("/api/image")
+    def image(path: str) -> FileResponse:
+        """An image inside the allowed folders (the thumbnail strip)."""
+        real = roots.inside(path)
+        if real is None:
+            raise HTTPException(403, "outside the allowed folders")
+        if not os.path.isfile(real) or not real.lower().endswith(IMAGE_EXTENSIONS):
+            raise HTTPException(404, "no such image")
+        return FileResponse(real)
+
+    @app.get("/api/info")
+    def info() -> dict[str, Any]:
+        return {"jobs_dir": jobs_dir, "repo_root": REPO_ROOT, "launchers": list(LAUNCHERS), "data_roots": roots.roots}
+
+    app.state.describe = describe
+    return app

@@ -1,0 +1,227 @@
+"""A job's folder: `<jobs_dir>/<id>/` with config.toml (the trainer's --config_file), dataset.toml
+(its --dataset_config), prompts.txt (its --sample_prompts, when there are prompts), train.log, exit_code
+and output/ (the run's --output_dir). Templates per family x mode are TOML files in webui/templates/."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any, Optional
+
+import toml
+
+from library.core.io_utils import atomic_write_text
+
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = {
+    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py",
+    ("sdxl", "lora"): "sdxl_train_network.py", ("sdxl", "finetune"): "sdxl_train.py",
+    ("flux", "lora"): "flux_train_network.py", ("flux", "finetune"): "flux_train.py",
+}
+# Keys the UI sets itself, pointing into the job's folder (a value given for them is replaced).
+MANAGED_KEYS = ("output_dir", "logging_dir", "dataset_config", "sample_prompts", "config_file")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+
+
+class SettingsError(ValueError):
+    """A setting the trainer's own check refused: its one-line error and the flag or key it names."""
+
+    def __init__(self, message: str, field: Optional[str]):
+        super().__init__(message)
+        self.field = field
+
+
+def templates() -> dict[str, dict[str, Any]]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(TEMPLATES_DIR, "*.toml"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        data = toml.load(path)
+        data.setdefault("config", {})
+        data.setdefault("dataset", {})
+        out[name] = data
+    return out
+
+
+def script_for(family: str, mode: str) -> str:
+    return SCRIPTS[(family, mode)]
+
+
+def find_key(config: dict, key: str) -> Optional[str]:
+    """The section of `config` holding `key` ("" for a top-level key), or None."""
+    if key in config and not isinstance(config[key], dict):
+        return ""
+    for section, values in config.items():
+        if isinstance(values, dict) and key in values:
+            return section
+    return None
+
+
+def _drop_key(config: dict, key: str) -> None:
+    section = find_key(config, key)
+    while section is not None:
+        (config if section == "" else config[section]).pop(key)
+        section = find_key(config, key)
+
+
+class JobFolder:
+    def __init__(self, jobs_dir: str, job_id: int):
+        self.path = os.path.join(os.path.abspath(jobs_dir), str(int(job_id)))
+        self.config_path = os.path.join(self.path, "config.toml")
+        self.dataset_path = os.path.join(self.path, "dataset.toml")
+        self.prompts_path = os.path.join(self.path, "prompts.txt")
+        self.log_path = os.path.join(self.path, "train.log")
+        self.exit_code_path = os.path.join(self.path, "exit_code")
+        self.output_dir = os.path.join(self.path, "output")
+
+    # --- settings -------------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        config = toml.load(self.config_path) if os.path.isfile(self.config_path) else {}
+        dataset = toml.load(self.dataset_path) if os.path.isfile(self.dataset_path) else {}
+        prompts = []
+        if os.path.isfile(self.prompts_path):
+            with open(self.prompts_path, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#")]
+        for key in MANAGED_KEYS:
+            _drop_key(config, key)
+        return {"config": _drop_empty(config), "dataset": dataset, "prompts": prompts}
+
+    def files_for(self, settings: dict[str, Any], config_path: str, dataset_path: str,
+                  prompts_path: str) -> tuple[str, str, Optional[str]]:
+        """The texts of config.toml, dataset.toml and prompts.txt for `settings` (the managed keys added)."""
+        config = _drop_empty(copy.deepcopy(settings.get("config") or {}))
+        for key in MANAGED_KEYS:
+            _drop_key(config, key)
+        output = config.setdefault("output", {})
+        output["output_dir"] = self.output_dir
+        output["logging_dir"] = os.path.join(self.output_dir, "logs")
+        config.setdefault("dataset", {})["dataset_config"] = dataset_path
+        prompts = [p.replace("\n", " ").strip() for p in settings.get("prompts") or [] if p and p.strip()]
+        if prompts:
+            config.setdefault("sampling", {})["sample_prompts"] = prompts_path
+        return toml.dumps(config), toml.dumps(settings.get("dataset") or {}), \
+            ("\n".join(prompts) + "\n" if prompts else None)
+
+    def write_settings(self, settings: dict[str, Any]) -> None:
+        config, dataset, prompts = self.files_for(settings, self.config_path, self.dataset_path, self.prompts_path)
+        atomic_write_text(self.dataset_path, dataset)
+        if prompts is None:
+            if os.path.exists(self.prompts_path):
+                os.remove(self.prompts_path)
+        else:
+            atomic_write_text(self.prompts_path, prompts)
+        atomic_write_text(self.config_path, config)
+
+    def check_settings(self, settings: dict[str, Any], script: str, timeout: float = 180) -> None:
+        """Run the trainer's own parser and checks (`<script> --config_file ... --check_config`) on the
+        settings, written to a scratch folder of the job. Raises SettingsError with its one-line error."""
+        scratch = os.path.join(self.path, ".check")
+        os.makedirs(scratch, exist_ok=True)
+        paths = [os.path.join(scratch, n) for n in ("config.toml", "dataset.toml", "prompts.txt")]
+        try:
+            texts = self.files_for(settings, *paths)
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"cannot write the settings as TOML: {e}", None) from None
+        for path, text in zip(paths, texts):
+            if text is not None:
+                atomic_write_text(path, text)
+        try:
+            result = subprocess.run([sys.executable, script, "--config_file", paths[0], "--check_config"],
+                                    cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if result.returncode == 0:
+            return
+        message = one_line_error(result.stderr)
+        for path, name in zip(paths, ("config.toml", "dataset.toml", "prompts.txt")):
+            message = message.replace(path, name)
+        raise SettingsError(message, error_field(message))
+
+    # --- files --------------------------------------------------------------------------------------
+    def resolve(self, relative: str) -> Optional[str]:
+        """`relative` inside the job folder after symlinks, or None when it points outside."""
+        root = os.path.realpath(self.path)
+        target = os.path.realpath(os.path.join(root, relative))
+        return target if target == root or target.startswith(root + os.sep) else None
+
+    def sample_images(self) -> list[dict[str, Any]]:
+        out = []
+        for folder, _, files in os.walk(self.output_dir):
+            if os.path.basename(folder) != "sample":
+                continue
+            for name in files:
+                if name.lower().endswith(IMAGE_EXTENSIONS):
+                    full = os.path.join(folder, name)
+                    out.append({"path": os.path.relpath(full, self.path), "name": name,
+                                "mtime": os.path.getmtime(full)})
+        return sorted(out, key=lambda s: s["mtime"], reverse=True)
+
+
+    def trained_files(self) -> list[dict[str, Any]]:
+        """The models the runs saved (files in output/, newest first), for download."""
+        out = []
+        if os.path.isdir(self.output_dir):
+            for name in os.listdir(self.output_dir):
+                full = os.path.join(self.output_dir, name)
+                if name.endswith((".safetensors", ".ckpt", ".pt")) and os.path.isfile(full) and not name.startswith("."):
+                    out.append({"path": os.path.relpath(full, self.path), "name": name,
+                                "size": os.path.getsize(full), "mtime": os.path.getmtime(full)})
+        return sorted(out, key=lambda s: s["mtime"], reverse=True)
+
+    def delete_event_files(self) -> int:
+        """Remove the TensorBoard event files under output/logs/ (nothing else); returns how many."""
+        removed = 0
+        logs_dir = os.path.join(self.output_dir, "logs")
+        for folder, _, files in os.walk(logs_dir):
+            for name in files:
+                if name.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(folder, name))
+                    removed += 1
+        return removed
+
+
+def _drop_empty(config: dict) -> dict:
+    """Blank form fields are no value (TOML has no null)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            value = _drop_empty(value)
+            if value:
+                out[key] = value
+        elif value is not None and value != "":
+            out[key] = value
+    return out
+
+
+def one_line_error(stderr: str) -> str:
+    """The trainer's `error: ...` line (an error naming several config keys: its lines joined with '; ')."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("error: "):
+            more = []
+            for follow in lines[i + 1:]:
+                if not follow.strip() or follow.startswith(("INFO", "WARNING", "DEBUG", "Traceback", " ")):
+                    break
+                more.append(follow.strip())
+            return "; ".join([line[len("error: "):]] + more[:9])
+    return next((line for line in reversed(lines) if line.strip()), "the check failed without a message")
+
+
+_FLAG_RE = re.compile(r"--([A-Za-z0-9_]+)")
+_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\]\.(?:subsets\[\d+\]\.)?)*([A-Za-z0-9_]+):")
+
+
+def error_field(message: str) -> Optional[str]:
+    """The flag or key a one-line error is about: `--learning_rate -1: ...` -> learning_rate;
+    `config.toml: optimizer.learnig_rate: unknown flag` -> learnig_rate; dataset keys likewise."""
+    m = _KEY_RE.match(message)
+    if m:
+        return m.group(1)
+    m = _FLAG_RE.search(message)
+    return m.group(1) if m else None
