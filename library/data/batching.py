@@ -152,12 +152,23 @@ def active_groups(groups: list[Group], resolution_ids: list[int], schedule: Reso
 
 
 def plan_epoch(groups: list[Group], group_ids: list[int], seed: int, epoch: int, start_step: int,
-               grad_accum: int, limit: Optional[int]) -> list[BatchRef]:
-    """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch)."""
+               grad_accum: int, limit: Optional[int], rank: int = 0, world_size: int = 1) -> list[BatchRef]:
+    """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch).
+
+    With `world_size` processes the epoch's plan is the same on every process (a function of seed and
+    epoch only); process `rank` takes batches rank, rank + N, ... of it, and the last len % N batches are
+    dropped so every process takes the same number of steps. `limit` counts the batches of all processes;
+    `index` stays the batch's position in the whole epoch (its per-sample randomness), `step` is the
+    global optimizer step the process consumes it at.
+    """
     rng = random.Random(seed + epoch)
     planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], rng)]
     rng.shuffle(planned)
     if limit is not None:
         planned = planned[:limit]
-    return [BatchRef(epoch=epoch, index=i, step=start_step + i // grad_accum, group=gid, bucket=bucket, samples=ids)
-            for i, (gid, bucket, ids) in enumerate(planned)]
+    world_size = max(1, world_size)
+    usable = len(planned) - len(planned) % world_size
+    mine = range(rank, usable, world_size)
+    return [BatchRef(epoch=epoch, index=i, step=start_step + k // grad_accum, group=planned[i][0],
+                     bucket=planned[i][1], samples=planned[i][2])
+            for k, i in enumerate(mine)]

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from library.train import checkpoints as ckpt
+from library.train.distributed import gather_objects
 from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
 from library.train.network_setup import SAVE_DTYPES
@@ -62,6 +63,7 @@ class RunSaver:
         path = self.save_model(t.output_name, progress.global_step, epoch)
         if t.save_state or t.save_state_on_train_end:
             self.save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        self.accelerator.wait_for_everyone()  # no process ends before the main one has written
         return path
 
     def _save_and_rotate(self, stem: str, progress: TrainProgress, step: int, epoch: int,
@@ -101,12 +103,15 @@ class RunSaver:
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
 
     def save_state(self, state_dir: str, progress: TrainProgress) -> None:
+        """Called on every process (their RNG states are gathered); only the main process writes."""
+        rng_states = gather_objects(self.run_state.capture_rng())
         if not self.accelerator.is_main_process:
             return
         with naming_a_full_disk(state_dir, self.sizes()[1]):
             save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
                        progress, getattr(self.accelerator, "scaler", None),
-                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings())
+                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings(),
+                       rng_states=rng_states)
         logger.info("saved state %s", state_dir)
 
     # --- how much --------------------------------------------------------------------
