@@ -18,6 +18,7 @@ from library.data.batching import (
     active_groups,
     chunk_group,
     plan_epoch,
+    process_batches,
 )
 from library.data.config import DatasetConfig, SubsetConfig
 from library.data.latent_cache import LatentCacheEntry
@@ -93,9 +94,8 @@ class DatasetPlan:
         return active_groups(self.groups, self.group_resolution_index, self.schedule, step)
 
     def batches_per_epoch(self) -> int:
-        """This process's batches in a full epoch at the start of training (progressive: at the first resolution);
-        with N processes, the epoch's batches // N."""
-        return sum(self.groups[g].num_batches() for g in self._active(0)) // self.world_size
+        """This process's batches in a full epoch at the start of training (progressive: at the first resolution)."""
+        return sum(process_batches(self.groups[g], self.world_size) for g in self._active(0))
 
     def epoch_batches(self, epoch: int, start_step: int) -> list[BatchRef]:
         """The batches of `epoch` (1-based) starting at global step `start_step`; deterministic in (seed, epoch).
@@ -104,8 +104,7 @@ class DatasetPlan:
         the next epoch starts at the new resolution (an epoch never mixes resolutions).
         """
         boundary = self.schedule.next_boundary(start_step)
-        per_step = self.gradient_accumulation_steps * self.world_size  # batches of all processes per step
-        limit = (boundary - start_step) * per_step if boundary is not None else None
+        limit = (boundary - start_step) * self.gradient_accumulation_steps if boundary is not None else None
         return plan_epoch(self.groups, self._active(start_step), self.seed, epoch, start_step,
                           self.gradient_accumulation_steps, limit, self.rank, self.world_size)
 
