@@ -224,16 +224,17 @@ def test_disk_full_during_a_save_is_one_line_and_earlier_files_stay(tmp_path):
     assert len(load_file(os.path.join(out, "lora-step00000001.safetensors"))) == 264 * 3
 
 
-def test_more_than_one_process_is_refused_until_multi_gpu_lands(tmp_path, capsys, monkeypatch):
-    """Item 9: N processes would each train on the same batches; refused in one line instead."""
+def test_more_processes_than_batches_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """Data parallel (issue 13): each process needs at least one batch of every epoch; refused before the model loads."""
     from accelerate import Accelerator
 
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
-    data = make_dataset(str(tmp_path), n=1)
+    data = make_dataset(str(tmp_path / "one"), n=1)
+    os.rename(os.path.join(data, "5_sks toy"), os.path.join(data, "1_sks toy"))  # 1 image, 1 repeat: 1 batch
     assert run_training("sd", "test", base_args(data, str(tmp_path / "out"), steps=1)) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: 2 processes: multi-process training is not supported yet (every process would train on the "
-        "same batches, with no speed-up); launch with --num_processes 1")
+        "error: 2 processes but only 1 batch(es) per epoch: every process needs at least one; use fewer processes "
+        "or a smaller --train_batch_size")
 
 
 def test_persistent_data_loader_workers_are_used_and_change_nothing(tmp_path, monkeypatch):

@@ -142,11 +142,12 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
             print("config ok")
             return 0
-        check_output_folders(settings.training)  # before the dataset scan and the model load
+        if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)
+            check_output_folders(settings.training)  # before the dataset scan and the model load
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed
-            if event == "train_start":
+            if event == "train_start" and trainer.accelerator.is_main_process:
                 write_config_file(ns, config_path, parser)
 
         settings.hooks.insert(0, write_config)

@@ -94,7 +94,7 @@ RANGES: dict[str, Range] = {
     "save_last_n_steps_state": _at_least(1), "max_train_steps": _at_least(1), "max_train_epochs": _at_least(1),
     "seed": Range(0, MAX_SEED, integer=True), "gradient_accumulation_steps": _at_least(1),
     "log_every_n_steps": _at_least(1), "log_tflops": _at_least(1), "validate_every_n_steps": _at_least(1),
-    "validate_every_n_epochs": _at_least(1), "max_validation_steps": _at_least(1),
+    "validate_every_n_epochs": _at_least(1), "max_validation_steps": _at_least(1), "ddp_timeout": _at_least(1),
     # memory and sampling
     "blocks_to_swap": _at_least(1), "sample_every_n_steps": _at_least(0, "0 = off"),
     "sample_every_n_epochs": _at_least(0, "0 = off"), "sample_batch_size": _at_least(1),

@@ -55,6 +55,16 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--highvram", action="store_true", help="accepted for compatibility; changes nothing here")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
 
+    g = parser.add_argument_group("multi-process (accelerate launch / torchrun; docs/distributed.md)")
+    g.add_argument("--ddp_timeout", type=int, default=None, metavar="MINUTES",
+                   help="timeout of the processes' collective operations (PyTorch's default: 30 minutes for gloo, "
+                        "10 for nccl)")
+    g.add_argument("--ddp_gradient_as_bucket_view", action="store_true",
+                   help="passed to accelerate's DistributedDataParallelKwargs for a module it wraps in DDP; the "
+                        "trained weights here are reduced in flat buckets without DDP, so it changes nothing today")
+    g.add_argument("--ddp_static_graph", action="store_true",
+                   help="passed to accelerate's DistributedDataParallelKwargs (see --ddp_gradient_as_bucket_view)")
+
     g = parser.add_argument_group("logging")
     g.add_argument("--logging_dir", type=str, default=None, help="TensorBoard folder (logging is on when given)")
     g.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"], help="tracker (default tensorboard when --logging_dir is given)")
@@ -134,7 +144,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
     for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
                  "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
                  "save_last_n_steps_state", "validate_every_n_steps", "validate_every_n_epochs",
-                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps", "log_tflops"):
+                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps", "log_tflops", "ddp_timeout"):
         _positive(ns, name)
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
@@ -195,4 +205,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         validate_every_n_steps=ns.validate_every_n_steps,
         validate_every_n_epochs=ns.validate_every_n_epochs,
         max_validation_steps=ns.max_validation_steps,
+        ddp_timeout=ns.ddp_timeout,
+        ddp_gradient_as_bucket_view=ns.ddp_gradient_as_bucket_view,
+        ddp_static_graph=ns.ddp_static_graph,
     )

@@ -7,6 +7,7 @@ resumed run plans exactly the batches an uninterrupted one would have.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import random
 from dataclasses import dataclass, field
 from typing import Optional
@@ -64,6 +65,14 @@ class BatchRef:
     bucket: Size
     samples: tuple[int, ...]
     validation: bool = False
+    offset: int = 0  # data parallel: position of samples[0] in the batch of all processes (see plan_epoch)
+
+
+def sample_noise_seed(seed: int, epoch: int, index: int, position: int) -> int:
+    """The seed of one training sample's noise and timestep: a function of these numbers only, so the same sample
+    gets the same noise whatever the number of processes, the batch it shares or a resume."""
+    digest = hashlib.sha256(f"noise/{seed}/{epoch}/{index}/{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def sample_rng(seed: int, epoch: int, index: int, position: int, validation: bool = False) -> random.Random:
@@ -96,16 +105,33 @@ def balance_reg_repeats(num_train_images: int, reg_repeats: list[int]) -> list[i
     return out
 
 
-def chunk_group(group: Group, rng: Optional[random.Random]) -> list[tuple[Size, tuple[int, ...]]]:
-    """(bucket, sample ids) batches of a group; each bucket shuffled by `rng` first (None: keep order)."""
+def chunk_group(group: Group, rng: Optional[random.Random], processes: int = 1) -> list[tuple[Size, tuple[int, ...]]]:
+    """(bucket, sample ids) batches of a group; each bucket shuffled by `rng` first (None: keep order).
+    `processes`: batches of batch_size x processes (one per optimizer micro-step of all processes)."""
     out = []
+    size = group.batch_size * processes
     for bucket in sorted(group.buckets):
         ids = list(group.buckets[bucket])
         if rng is not None:
             rng.shuffle(ids)
-        for start in range(0, len(ids), group.batch_size):
-            out.append((bucket, tuple(ids[start:start + group.batch_size])))
+        for start in range(0, len(ids), size):
+            out.append((bucket, tuple(ids[start:start + size])))
     return out
+
+
+def process_batches(group: Group, processes: int) -> int:
+    """Batches of the group each of `processes` processes takes per epoch (see plan_epoch)."""
+    if processes == 1:
+        return group.num_batches()
+    size = group.batch_size * processes
+    return sum(len(ids) // size + (len(ids) % size >= processes) for ids in group.buckets.values())
+
+
+def split_batch(ids: tuple[int, ...], processes: int, rank: int) -> tuple[int, tuple[int, ...]]:
+    """(offset, ids) of process `rank`'s contiguous part of a batch of all processes (sizes differ by 1 at most)."""
+    q, r = divmod(len(ids), processes)
+    start = rank * q + min(rank, r)
+    return start, ids[start:start + q + (rank < r)]
 
 
 @dataclass
@@ -152,12 +178,28 @@ def active_groups(groups: list[Group], resolution_ids: list[int], schedule: Reso
 
 
 def plan_epoch(groups: list[Group], group_ids: list[int], seed: int, epoch: int, start_step: int,
-               grad_accum: int, limit: Optional[int]) -> list[BatchRef]:
-    """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch)."""
+               grad_accum: int, limit: Optional[int], rank: int = 0, world_size: int = 1) -> list[BatchRef]:
+    """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch).
+
+    With `world_size` processes the batches are formed of batch_size x N samples of one bucket (the batch of one
+    micro-step of all processes), the same on every process (a function of seed and epoch only), and process
+    `rank` takes its contiguous part of each: so 2 processes x batch 1 see the samples, in the same places, that 1
+    process x batch 2 does. A batch of fewer than N samples (the end of a bucket) is dropped, so every process
+    takes the same number of steps. `limit` counts batches of all processes. `index` is the batch's position in
+    the epoch and `offset` its part's position in it (per-sample randomness); `step` is the global optimizer step
+    it is consumed at.
+    """
+    world_size = max(1, world_size)
     rng = random.Random(seed + epoch)
-    planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], rng)]
+    planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], rng, world_size)]
     rng.shuffle(planned)
+    if world_size > 1:
+        planned = [p for p in planned if len(p[2]) >= world_size]
     if limit is not None:
         planned = planned[:limit]
-    return [BatchRef(epoch=epoch, index=i, step=start_step + i // grad_accum, group=gid, bucket=bucket, samples=ids)
-            for i, (gid, bucket, ids) in enumerate(planned)]
+    refs = []
+    for i, (gid, bucket, ids) in enumerate(planned):
+        offset, mine = split_batch(ids, world_size, rank) if world_size > 1 else (0, ids)
+        refs.append(BatchRef(epoch=epoch, index=i, step=start_step + i // grad_accum, group=gid, bucket=bucket,
+                             samples=mine, offset=offset))
+    return refs

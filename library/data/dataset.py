@@ -10,7 +10,7 @@ The loop's contract:
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

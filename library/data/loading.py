@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from library.data.batching import BatchRef, Placement, Sample, sample_rng
+from library.data.batching import BatchRef, Placement, Sample, sample_noise_seed, sample_rng
 from library.data.captions import process_caption
 from library.data.config import SubsetConfig
 from library.data.images import (
@@ -82,7 +82,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
     unmasked_weights, normalize = [], []
-    orig_hw, crop_tl, skipped = [], [], []
+    orig_hw, crop_tl, skipped, noise_seeds = [], [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
         sample = data.samples[sid]
@@ -90,7 +90,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
             skipped.append(sample.path)
             continue
         sub = data.subsets[sample.subset]
-        rng = sample_rng(data.seed, ref.epoch, ref.index, pos, ref.validation)
+        rng = sample_rng(data.seed, ref.epoch, ref.index, ref.offset + pos, ref.validation)
         settings = sub.captions if augment else sub.captions.without_randomness()
         # The caption and the flip decision are drawn first, so they are the same with or without cached latents.
         caption = process_caption(sample.caption, settings, rng, ref.epoch, ref.step, data.max_train_steps)
@@ -126,6 +126,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         captions.append(caption)
         weights.append(sample.loss_weight)
         paths.append(sample.path)
+        noise_seeds.append(sample_noise_seed(data.seed, ref.epoch, ref.index, ref.offset + pos))
         orig_hw.append((sample.size[1], sample.size[0]))
         crop_tl.append((crop[1], crop[0]))
     if not paths:  # no image of the batch could be loaded: no step is taken, the names are reported
@@ -146,5 +147,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
         "target_sizes_hw": torch.tensor([(bucket[1], bucket[0])] * len(paths), dtype=torch.long),
         "image_paths": paths,
+        # Training batches: each sample's noise and timestep seed (library/train/step.py); validation draws its own.
+        "noise_seeds": None if ref.validation else noise_seeds,
         "skipped_images": skipped,
     }

@@ -18,6 +18,7 @@ from library.data.batching import (
     active_groups,
     chunk_group,
     plan_epoch,
+    process_batches,
 )
 from library.data.config import DatasetConfig, SubsetConfig
 from library.data.latent_cache import LatentCacheEntry
@@ -60,6 +61,8 @@ class DatasetPlan:
     num_validation_images: int = 0
     max_train_steps: int = 0
     gradient_accumulation_steps: int = 1
+    rank: int = 0  # this process, of world_size data-parallel processes (each takes its share of every epoch)
+    world_size: int = 1
     schedule: ResolutionSchedule = field(default_factory=ResolutionSchedule)
     latents: dict[tuple[int, int], LatentCacheEntry] = field(default_factory=dict)  # (sample id, group id)
     latent_signatures: dict[tuple[int, int], str] = field(default_factory=dict)  # CacheSettings of each entry
@@ -69,6 +72,13 @@ class DatasetPlan:
     skipped_images: dict[str, str] = field(default_factory=dict)
 
     # --- planning -----------------------------------------------------------------
+    def shard(self, rank: int, world_size: int) -> None:
+        """Data parallel: this is process `rank` of `world_size`; every epoch's batches are shared out (plan_epoch).
+        Call before batches_per_epoch() and plan()."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of {world_size} processes")
+        self.rank, self.world_size = rank, world_size
+
     def plan(self, max_train_steps: int, gradient_accumulation_steps: int) -> None:
         """Fix the step budget: token warmup fractions and the progressive resolution schedule depend on it."""
         self.max_train_steps = max_train_steps
@@ -84,8 +94,8 @@ class DatasetPlan:
         return active_groups(self.groups, self.group_resolution_index, self.schedule, step)
 
     def batches_per_epoch(self) -> int:
-        """Batches in a full epoch at the start of training (progressive: at the first resolution)."""
-        return sum(self.groups[g].num_batches() for g in self._active(0))
+        """This process's batches in a full epoch at the start of training (progressive: at the first resolution)."""
+        return sum(process_batches(self.groups[g], self.world_size) for g in self._active(0))
 
     def epoch_batches(self, epoch: int, start_step: int) -> list[BatchRef]:
         """The batches of `epoch` (1-based) starting at global step `start_step`; deterministic in (seed, epoch).
@@ -96,7 +106,7 @@ class DatasetPlan:
         boundary = self.schedule.next_boundary(start_step)
         limit = (boundary - start_step) * self.gradient_accumulation_steps if boundary is not None else None
         return plan_epoch(self.groups, self._active(start_step), self.seed, epoch, start_step,
-                          self.gradient_accumulation_steps, limit)
+                          self.gradient_accumulation_steps, limit, self.rank, self.world_size)
 
     def num_epochs(self) -> int:
         """Epochs needed to reach max_train_steps (after plan()); constant-length epochs unless progressive."""

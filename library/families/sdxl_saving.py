@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
 
 from library.families import model_saving
 from library.families import sgm_layout as sgm

@@ -16,12 +16,13 @@ from typing import Callable, Optional
 import torch
 
 from library.train import checkpoints as ckpt
+from library.train.distributed import gather_objects
 from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
 from library.train.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
 from library.core.errors import UserError
-from library.train.state import RunState, TrainProgress, check_shapes, choose_state, save_state
+from library.train.state import RunState, TrainProgress, check_shapes, check_world_size, choose_state, save_state
 from library.train.trainables import Trainable
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class RunSaver:
         path = self.save_model(t.output_name, progress.global_step, epoch)
         if t.save_state or t.save_state_on_train_end:
             self.save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        self.accelerator.wait_for_everyone()  # no process ends before the main one has written
         return path
 
     def _save_and_rotate(self, stem: str, progress: TrainProgress, step: int, epoch: int,
@@ -102,12 +104,15 @@ class RunSaver:
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
 
     def save_state(self, state_dir: str, progress: TrainProgress) -> None:
+        """Called on every process (their RNG states are gathered); only the main process writes."""
+        rng_states = gather_objects(self.run_state.capture_rng())
         if not self.accelerator.is_main_process:
             return
         with naming_a_full_disk(state_dir, self.sizes()[1]):
             save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
                        progress, getattr(self.accelerator, "scaler", None),
-                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings())
+                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings(),
+                       rng_states=rng_states)
         logger.info("saved state %s", state_dir)
 
     # --- how much --------------------------------------------------------------------
@@ -134,11 +139,13 @@ class RunSaver:
 
 
 def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainable: Trainable, optimizer,
-           lr_scheduler, scaler, ema: Optional[EMA], run_state: RunState) -> None:
+           lr_scheduler, scaler, ema: Optional[EMA], run_state: RunState, process_index: int = 0,
+           num_processes: int = 1) -> None:
     """--resume: restore the chosen state (see state.choose_state) into this run, all of it or nothing."""
-    saved = choose_state(where, output_dir)
+    saved = choose_state(where, output_dir, process_index)
     if saved is None:
         return
+    check_world_size(saved, num_processes, saved.path)
     check_shapes(saved, trainable.weights(), trainable.shape_settings(), saved.path)
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "

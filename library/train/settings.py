@@ -54,6 +54,9 @@ class TrainingOptions:
     validate_every_n_steps: Optional[int] = None
     validate_every_n_epochs: Optional[int] = None
     max_validation_steps: Optional[int] = None
+    ddp_timeout: Optional[int] = None  # minutes (accelerate's InitProcessGroupKwargs); None: PyTorch's default
+    ddp_gradient_as_bucket_view: bool = False  # accelerate's DistributedDataParallelKwargs
+    ddp_static_graph: bool = False
 
 
 @dataclass

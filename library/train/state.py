@@ -5,6 +5,9 @@ trained weights, optimizer.bin, scheduler.bin, random_states_0.pkl,
 train_state.json) plus what exact resumption needs: the micro-batches already
 consumed in the current epoch, the noise generator, the EMA weights when
 --use_ema is on, and the flags that fix tensor shapes (checked on resume).
+With N data-parallel processes, random_states_<rank>.pkl holds each process's
+RNGs (accelerate's names) and train_state.json records N: a state resumes only
+with the same number of processes.
 
 A state is read completely (every file parsed) before any of it is applied, so a
 damaged one is named and, with `--resume auto`, skipped for the newest intact one.
@@ -63,9 +66,12 @@ class RunState:
     noise_generator: torch.Generator
 
     @classmethod
-    def start(cls, seed: int) -> "RunState":
+    def start(cls, seed: int, rank: int = 0) -> "RunState":
+        """Process `rank` of a data-parallel run draws its noise from its own stream (rank 0: the seed itself, so
+        one process trains as before); the global RNGs are seeded alike on every process (equal initial weights)."""
         set_seed(seed)  # Python, NumPy, torch and every accelerator's RNG
-        return cls(TrainProgress(), torch.Generator("cpu").manual_seed(seed))
+        noise_seed = seed if rank == 0 else (seed + 0x9E3779B97F4A7C15 * rank) % (1 << 63)
+        return cls(TrainProgress(), torch.Generator("cpu").manual_seed(noise_seed))
 
     def advance(self, epoch: int, global_step: int, batches_done: int) -> None:
         self.progress = TrainProgress(epoch, global_step, batches_done)
@@ -96,22 +102,31 @@ class SavedState:
     weights: dict[str, torch.Tensor]
     optimizer: dict
     scheduler: dict
-    rng: dict
+    rng: dict  # this process's RNGs (random_states_<rank>.pkl)
     scaler: Optional[dict] = None
     ema: Optional[dict[str, torch.Tensor]] = None
     shape_settings: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1  # processes of the run that saved it
+
+
+def rng_file(rank: int) -> str:
+    return f"random_states_{rank}.pkl"
 
 
 def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer, scheduler, run: RunState,
                progress: TrainProgress, scaler=None, ema: Optional[dict[str, torch.Tensor]] = None,
-               shape_settings: Optional[dict[str, Any]] = None) -> None:
-    """Write the whole state into a temporary folder, then rename it into place."""
+               shape_settings: Optional[dict[str, Any]] = None, rng_states: Optional[list[dict]] = None) -> None:
+    """Write the whole state into a temporary folder, then rename it into place.
+
+    `rng_states`: every process's RNGs, by rank (data parallel; gathered by the caller); default: this one's."""
+    rng_states = rng_states or [run.capture_rng()]
     with atomic_directory(state_dir) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS))
         torch.save(optimizer.state_dict(), os.path.join(tmp, OPTIMIZER))
         torch.save(scheduler.state_dict(), os.path.join(tmp, SCHEDULER))
-        with open(os.path.join(tmp, RNG), "wb") as f:
-            pickle.dump(run.capture_rng(), f)
+        for rank, rng in enumerate(rng_states):
+            with open(os.path.join(tmp, rng_file(rank)), "wb") as f:
+                pickle.dump(rng, f)
         if scaler is not None:
             torch.save(scaler.state_dict(), os.path.join(tmp, SCALER))
         if ema is not None:
@@ -119,7 +134,7 @@ def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer, sche
         with open(os.path.join(tmp, TRAIN_STATE), "w", encoding="utf-8") as f:
             json.dump({"current_epoch": progress.epoch, "current_step": progress.global_step,
                        "batches_done": progress.batches_done, "format": STATE_FORMAT,
-                       "shape_settings": shape_settings or {}}, f)
+                       "shape_settings": shape_settings or {}, "world_size": len(rng_states)}, f)
 
 
 def read_progress(state_dir: str) -> TrainProgress:
@@ -138,10 +153,21 @@ def _read_train_state(state_dir: str) -> tuple[TrainProgress, dict]:
         raise DamagedState(f"{state_dir}: not a training state folder ({TRAIN_STATE}: {e})") from None
 
 
-def read_state(state_dir: str) -> SavedState:
-    """Read and parse every file of a state folder; DamagedState names the first one that fails."""
+def read_world_size(state_dir: str) -> int:
+    """The number of processes of the run that saved the state (1 for states written before it was recorded)."""
+    try:
+        with open(os.path.join(state_dir, TRAIN_STATE), encoding="utf-8") as f:
+            return int(json.load(f).get("world_size", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
+
+
+def read_state(state_dir: str, rank: int = 0) -> SavedState:
+    """Read and parse every file of a state folder (the RNGs of process `rank`); DamagedState names the first one
+    that fails."""
     progress, shape_settings = _read_train_state(state_dir)
-    for name in REQUIRED_FILES:
+    world_size = read_world_size(state_dir)
+    for name in REQUIRED_FILES + ((rng_file(rank),) if rank < world_size else ()):
         if not os.path.isfile(os.path.join(state_dir, name)):
             raise DamagedState(f"{state_dir}: {name} is missing; the state is incomplete")
 
@@ -160,10 +186,10 @@ def read_state(state_dir: str) -> SavedState:
 
     return SavedState(
         path=state_dir, progress=progress, weights=read(WEIGHTS, load_file), optimizer=read(OPTIMIZER, torch_load),
-        scheduler=read(SCHEDULER, torch_load), rng=read(RNG, unpickle),
+        scheduler=read(SCHEDULER, torch_load), rng=read(rng_file(rank if rank < world_size else 0), unpickle),
         scaler=read(SCALER, torch_load) if os.path.isfile(os.path.join(state_dir, SCALER)) else None,
         ema=read(EMA, load_file) if os.path.isfile(os.path.join(state_dir, EMA)) else None,
-        shape_settings=shape_settings)
+        shape_settings=shape_settings, world_size=world_size)
 
 
 def state_folders(output_dir: str) -> list[str]:
@@ -188,6 +214,14 @@ def find_latest_state(output_dir: str) -> Optional[str]:
     return None
 
 
+def check_world_size(saved: SavedState, world_size: int, where: str) -> None:
+    """Refuse a state saved by another number of processes: the batch plan and RNG streams are per process."""
+    if saved.world_size != world_size:
+        raise UserError(f"--resume {where}: the state was saved by a run of {saved.world_size} process(es), this "
+                        f"run has {world_size}; resume with --num_processes {saved.world_size} (each process's "
+                        "batches and random streams are in the state), or start a new run")
+
+
 def check_shapes(saved: SavedState, weights: dict[str, torch.Tensor], shape_settings: dict[str, Any],
                  where: str) -> None:
     """Refuse a state whose tensors or shape-fixing flags differ from this run's, naming the difference."""
@@ -208,20 +242,21 @@ def check_shapes(saved: SavedState, weights: dict[str, torch.Tensor], shape_sett
                             f"but {tuple(tensor.shape)} in this run; resume with the flags it was trained with")
 
 
-def choose_state(where: Optional[str], output_dir: str) -> Optional[SavedState]:
-    """--resume: the state to continue from (None: start fresh); "auto" takes the newest intact one."""
+def choose_state(where: Optional[str], output_dir: str, rank: int = 0) -> Optional[SavedState]:
+    """--resume: the state to continue from (None: start fresh); "auto" takes the newest intact one.
+    `rank`: which process's RNGs to read (data parallel)."""
     if not where:
         return None
     if where != "auto":
         if not os.path.isdir(where):
             raise UserError(f"--resume {where}: folder not found")
         try:
-            return read_state(where)
+            return read_state(where, rank)
         except DamagedState as e:
             raise UserError(f"--resume {e}") from None
     for path in state_folders(output_dir):
         try:
-            saved = read_state(path)
+            saved = read_state(path, rank)
         except DamagedState as e:
             logger.warning("--resume auto: skipping %s", e)
             continue

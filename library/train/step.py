@@ -51,6 +51,21 @@ def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[fr
         return ctx.family.encode_text_with(ctx.components, tokens, ctx.clip_skip, encoders)
 
 
+def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
+          timesteps: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(noise, timesteps, input noise) for `latents`, drawn from `generator` (timesteps: given ones kept)."""
+    noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)
+    if timesteps is None:
+        # The latent shape matters to schemes whose timestep density depends on image size (flux_shift).
+        bias = ctx.noise.timestep_bias  # passed only when it changes the draw: schemes without it still work
+        timesteps = ctx.scheme.sample_timesteps(latents.shape[0], ctx.noise.min_timestep, ctx.noise.max_timestep,
+                                                generator=generator, latent_shape=tuple(latents.shape),
+                                                **({"bias": bias} if bias is not None and bias.active else {}))
+    timesteps = timesteps.to(ctx.device)
+    input_noise = perturb_for_input(noise.cpu(), ctx.noise, generator=generator).to(ctx.device)
+    return noise, timesteps, input_noise
+
+
 def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
@@ -61,17 +76,15 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
             text.tensors.update(encode_captions(ctx, batch["captions"], ctx.live_encoders).tensors)
     else:
         text = encode_captions(ctx, batch["captions"])
-    bsz = latents.shape[0]
-
-    noise = make_noise(latents.cpu(), ctx.noise, generator=generator).to(ctx.device)
-    if timesteps is None:
-        # The latent shape matters to schemes whose timestep density depends on image size (flux_shift).
-        bias = ctx.noise.timestep_bias  # passed only when it changes the draw: schemes without it still work
-        timesteps = ctx.scheme.sample_timesteps(bsz, ctx.noise.min_timestep, ctx.noise.max_timestep,
-                                                generator=generator, latent_shape=tuple(latents.shape),
-                                                **({"bias": bias} if bias is not None and bias.active else {}))
-    timesteps = timesteps.to(ctx.device)
-    input_noise = perturb_for_input(noise.cpu(), ctx.noise, generator=generator).to(ctx.device)
+    seeds = batch.get("noise_seeds")
+    if timesteps is None and seeds and len(seeds) == latents.shape[0]:
+        # Training: each sample's noise and timestep from its own seed (seed, epoch, sample's place in the epoch),
+        # so a sample draws the same whatever the batch it shares or the number of processes.
+        parts = [_draw(ctx, latents[i:i + 1], torch.Generator("cpu").manual_seed(s), None)
+                 for i, s in enumerate(seeds)]
+        noise, timesteps, input_noise = (torch.cat(x) for x in zip(*parts))
+    else:
+        noise, timesteps, input_noise = _draw(ctx, latents, generator, timesteps)
     noisy = ctx.scheme.add_noise(latents, input_noise, timesteps)
 
     with ctx.autocast():

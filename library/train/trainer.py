@@ -29,6 +29,7 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.distributed import GradientReducer, StepTrace, any_process, broadcast_parameters
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
@@ -86,6 +87,8 @@ class Trainer:
         self.session_id = 0
         self.started_at = 0.0
         self.saver: Optional[RunSaver] = None  # made once training starts
+        self.reducer: Optional[GradientReducer] = None  # with several processes: averages the gradients
+        self.trace: Optional[StepTrace] = None
         self.step_logs: dict[str, float] = {}
 
     @property
@@ -106,22 +109,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
-        from accelerate import Accelerator
+        from datetime import timedelta
 
-        self.accelerator = Accelerator(mixed_precision=self.t.mixed_precision, cpu=self.t.cpu)
-        if self.accelerator.num_processes > 1:
-            raise UserError(f"{self.accelerator.num_processes} processes: multi-process training is not supported "
-                            "yet (every process would train on the same batches, with no speed-up); launch with "
-                            "--num_processes 1")
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+        t = self.t
+        handlers = []
+        if t.ddp_timeout:
+            handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=t.ddp_timeout)))
+        if t.ddp_gradient_as_bucket_view or t.ddp_static_graph:
+            handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=t.ddp_gradient_as_bucket_view,
+                                                          static_graph=t.ddp_static_graph))
+        self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=t.cpu, kwargs_handlers=handlers)
+        n = self.accelerator.num_processes
+        if n > 1:
+            if self.fused_backward:
+                raise UserError(f"--fused_backward_pass: not with {n} processes (each parameter steps inside "
+                                "backward, before the processes' gradients could be averaged)")
+            logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
+                        self.accelerator.distributed_type)
         self.device = self.accelerator.device
-        self.weight_dtype = DTYPES[self.t.mixed_precision]
-        self.run_state = RunState.start(self.t.seed)
+        self.weight_dtype = DTYPES[t.mixed_precision]
+        self.run_state = RunState.start(t.seed, self.accelerator.process_index)
+        self.trace = StepTrace(self.accelerator.process_index)
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
-        self.batches_per_epoch = self.data.batches_per_epoch()
+        n = self.accelerator.num_processes
+        self.data.shard(self.accelerator.process_index, n)
+        self.batches_per_epoch = self.data.batches_per_epoch()  # this process's share
+        if self.batches_per_epoch == 0:
+            raise UserError(f"{n} processes but only {self._all_batches()} "
+                            "batch(es) per epoch: every process needs at least one; use fewer processes or a "
+                            "smaller --train_batch_size")
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / accum)
         if self.t.max_train_epochs:
             self.max_train_steps = self.t.max_train_epochs * self.steps_per_epoch
@@ -133,6 +156,15 @@ class Trainer:
             train_te = self.s.fine_tune.train_text_encoder if self.s.fine_tune else self.s.network.train_text_encoder
             check_text_cache_allowed(subset_caption_settings(self.data), train_te,
                                      splittable=bool(self.family.text_encoder_outputs))
+
+    def _all_batches(self) -> int:
+        """Batches of a whole epoch, over every process."""
+        n = self.data.world_size
+        self.data.shard(0, 1)
+        try:
+            return self.data.batches_per_epoch()
+        finally:
+            self.data.shard(self.accelerator.process_index, n)
 
     def _full_dtype(self) -> torch.dtype:
         """The dtype of trained weights: float32 unless --full_bf16 / --full_fp16."""
@@ -196,14 +228,23 @@ class Trainer:
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
-        self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+        if self.accelerator.num_processes > 1:
+            # Not wrapped in DDP (a LoRA's forward is never called, so DDP would reduce nothing): every process
+            # starts from rank 0's weights and the loop averages the gradients itself (library/train/distributed.py).
+            self.network = self.trainable.module
+            self.optimizer = self.accelerator.prepare(self.optimizer)
+            broadcast_parameters(list(self.trainable.module.parameters()))
+            self.reducer = GradientReducer(p for g in self.optimizer.param_groups for p in g["params"])
+        else:
+            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
         self.schedule_free = is_schedule_free(self.optimizer)
         if self.s.ema.use_ema:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
 
     def _resume(self) -> None:
         resume(self.t.resume, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
-               self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state)
+               self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state,
+               self.accelerator.process_index, self.accelerator.num_processes)
 
     def _cache_text_outputs(self) -> None:
         if self.s.text_cache.enabled:
@@ -248,22 +289,29 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
-            self._cache_latents()
+            with self.accelerator.main_process_first():  # to disk: the others read what the main process wrote
+                self._cache_latents()
             self._setup_optimizer()
             self._setup_step_context()
-            self._cache_text_outputs()
+            with self.accelerator.main_process_first():
+                self._cache_text_outputs()
             park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
             self._resume()
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
-            os.makedirs(self.t.output_dir, exist_ok=True)
-            for path in clean_stale_temporaries(self.t.output_dir, self.t.output_name):
-                logger.info("removed %s, left by a run that was killed while saving", path)
+            if self.accelerator.is_main_process:
+                os.makedirs(self.t.output_dir, exist_ok=True)
+                for path in clean_stale_temporaries(self.t.output_dir, self.t.output_name):
+                    logger.info("removed %s, left by a run that was killed while saving", path)
+            self.accelerator.wait_for_everyone()
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
                                   self._metadata, self.num_epochs, self.max_train_steps)
-            self.saver.check_disk_space()
-            self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
+            if self.accelerator.is_main_process:
+                self.saver.check_disk_space()
+                self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
+            else:  # only the main process writes TensorBoard events / wandb
+                self.tracker = Tracker(None, None, None)
             self.stop.in_loop = True
             return self._train()
         finally:
@@ -278,8 +326,11 @@ class Trainer:
         """The end-of-run summary, however the run ended."""
         if self.run_state is not None and self.started_at:
             steps = self.run_state.progress.global_step
+            saved = (self.saver and self.saver.last_saved) or "nothing"
+            if self.accelerator is not None and not self.accelerator.is_main_process:
+                saved = "(the main process saves)"
             logger.info("run ended at step %d of %d after %.0f s; last saved: %s", steps, self.max_train_steps,
-                        time.time() - self.started_at, (self.saver and self.saver.last_saved) or "nothing")
+                        time.time() - self.started_at, saved)
         scanned = self.data.skipped_images if self.data is not None else {}
         if scanned:
             logger.warning("%d file(s) were left out when the dataset was scanned:\n  %s", len(scanned),
@@ -298,8 +349,10 @@ class Trainer:
         loss_window = LossWindow(self.batches_per_epoch)
         bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
                    disable=not self.accelerator.is_local_main_process)
-        logger.info("training: %d images, %d batches/epoch, %d epochs, %d steps, grad accumulation %d",
-                    self.data.num_train_images, self.batches_per_epoch, self.num_epochs, self.max_train_steps, accum)
+        logger.info("training: %d images, %d batches/epoch, %d epochs, %d steps, grad accumulation %d%s",
+                    self.data.num_train_images, self.batches_per_epoch, self.num_epochs, self.max_train_steps, accum,
+                    f", {self.accelerator.num_processes} processes (batches/epoch per process)"
+                    if self.accelerator.num_processes > 1 else "")
         self.network.train()
         if self.schedule_free:
             self.optimizer.train()
@@ -325,11 +378,14 @@ class Trainer:
                 self.skipped_images.update(batch["skipped_images"])
                 if batch["image_paths"]:  # empty when every image of the batch failed to decode
                     group_losses.append(self._micro_step(batch, global_step, last_in_group))
+                    self.trace.batch(batch["image_paths"])
                 batches_done = i + 1 if i + 1 < len(refs) else 0
                 self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
                 if not last_in_group:
                     continue
-                if not group_losses:  # every image of the group failed to decode: no step was taken
+                if self.reducer is not None:  # every process steps together (a process without a loss adds zeros)
+                    self.reducer.reduce()
+                elif not group_losses:  # every image of the group failed to decode: no step was taken
                     continue
                 self._optimizer_step(global_step + 1)
                 global_step += 1
@@ -338,13 +394,15 @@ class Trainer:
                     loss_window.add(loss)
                 group_losses = []
                 self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
+                self.trace.step(global_step, epoch, self.trainable.weights().values() if self.trace.active else ())
                 bar.update(1)
-                self._log_step(global_step, loss_window, epoch_losses[-1], bar)
+                if epoch_losses:
+                    self._log_step(global_step, loss_window, epoch_losses[-1], bar)
                 self._log_throughput(global_step)
                 done = global_step >= self.max_train_steps
                 with self._untimed():
                     self._after_step(global_step)
-                if self.stop.requested:
+                if any_process(self.stop.requested, self.device):  # every process stops at the same step
                     return self._stop()
                 if done:
                     break
@@ -356,22 +414,21 @@ class Trainer:
         return self._finish()
 
     def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
-        accumulating = not sync and self.accelerator.num_processes > 1
-        ctx = self.accelerator.no_sync(self.network) if accumulating else contextlib.nullcontext()
+        """Forward and backward of one batch. With several processes the gradients are averaged once per
+        optimizer step, after the last micro-batch (self.reducer), so accumulation needs no no_sync."""
         meter = self.meter.count if self.meter else _null_phase
-        with ctx:
-            with meter("forward"):
-                loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
-            if not torch.isfinite(loss):
-                paths = ", ".join(batch.get("image_paths", [])[:8])
-                raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
-                                    f"Images in this batch: {paths}. The files saved so far are intact; "
-                                    f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
-                                    f"or a lower learning rate")
-            with meter("backward"):
-                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
-            if self.block_swapper is not None:
-                self.block_swapper.release()
+        with meter("forward"):
+            loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
+        if not torch.isfinite(loss):
+            paths = ", ".join(batch.get("image_paths", [])[:8])
+            raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
+                                f"Images in this batch: {paths}. The files saved so far are intact; "
+                                f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
+                                f"or a lower learning rate")
+        with meter("backward"):
+            self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+        if self.block_swapper is not None:
+            self.block_swapper.release()
         return loss.item()
 
     def _optimizer_step(self, step: int) -> None:
