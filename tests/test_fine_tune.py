@@ -154,17 +154,20 @@ def test_fine_tune_refuses_fp8_and_fused_backward_with_accumulation(tmp_path, ca
     assert "cannot accumulate" in capsys.readouterr().err
 
 
-def test_fused_backward_pass_equals_the_usual_step_and_holds_no_gradients(tmp_path):
+@pytest.mark.parametrize("fused_flags", [["--fused_backward_pass"], ["--fused_optimizer_groups", "3"]])
+def test_fused_backward_pass_equals_the_usual_step_and_holds_no_gradients(tmp_path, fused_flags):
     data = make_dataset(str(tmp_path), n=1)
     common = ["--optimizer_type", "AdamW", "--max_grad_norm", "0", "--train_text_encoder"]
     usual = ft_trainer(ft_args(data, str(tmp_path / "a"), steps=3, extra=common))
     a = load_file(usual.run())
-    fused = ft_trainer(ft_args(data, str(tmp_path / "b"), steps=3, extra=common + ["--fused_backward_pass"]))
+    fused = ft_trainer(ft_args(data, str(tmp_path / "b"), steps=3, extra=common + fused_flags))
     held = []
     fused.s.hooks.append(lambda tr, event, step: held.append(
         sum(p.grad is not None for p in tr.trainable.module.parameters())) if event == "step" else None)
     b = load_file(fused.run())
     assert held == [0, 0, 0]
+    assert len(fused.optimizer.optimizer.chunks if hasattr(fused.optimizer, "optimizer") else fused.optimizer.chunks) \
+        == (3 if "3" in fused_flags else sum(1 for _ in fused.trainable.module.parameters()))
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert worst < 1e-6, worst

@@ -35,6 +35,9 @@ def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
                         "MID0-MID2, OUT00-OUT08, out); 0 freezes that block")
     g.add_argument("--mem_eff_save", action="store_true",
                    help="write checkpoints tensor by tensor, without a second copy of the model in memory")
+    g.add_argument("--fused_optimizer_groups", type=int, default=None,
+                   help="cut the parameters into N groups, each stepped (and its gradients freed) as soon as all "
+                        "of its gradients are in: like --fused_backward_pass with N optimizers")
     g.add_argument("--fused_backward_pass", action="store_true",
                    help="step each parameter as soon as its gradient is complete: the gradients of the whole "
                         "model are never held at once (no gradient accumulation)")
@@ -86,11 +89,15 @@ def block_lrs_from_args(value, family) -> list[float]:
 
 
 def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTuneOptions:
-    if ns.fused_backward_pass and ns.gradient_accumulation_steps > 1:
-        raise ConfigError("--fused_backward_pass: gradients are applied during backward, so it cannot accumulate "
+    if ns.fused_backward_pass and ns.fused_optimizer_groups:
+        raise ConfigError("--fused_optimizer_groups: not with --fused_backward_pass; choose one")
+    fused = "--fused_backward_pass" if ns.fused_backward_pass else \
+        "--fused_optimizer_groups" if ns.fused_optimizer_groups else None
+    if fused and ns.gradient_accumulation_steps > 1:
+        raise ConfigError(f"{fused}: gradients are applied during backward, so it cannot accumulate "
                           f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
-    if ns.fused_backward_pass and ns.mixed_precision == "fp16" and not ns.full_fp16:
-        raise ConfigError("--fused_backward_pass: not with --mixed_precision fp16 (loss scaling must see every "
+    if fused and ns.mixed_precision == "fp16" and not ns.full_fp16:
+        raise ConfigError(f"{fused}: not with --mixed_precision fp16 (loss scaling must see every "
                           "gradient before a step); use bf16, or --full_fp16")
     for flag in ("fp8_base", "fp8_base_unet"):
         if getattr(ns, flag, False):
@@ -98,6 +105,7 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=ns.learning_rate_te,
                            learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2],
                            mem_eff_save=bool(ns.mem_eff_save), block_lr=block_lrs_from_args(ns.block_lr, family), fused_backward_pass=bool(ns.fused_backward_pass),
+                           fused_optimizer_groups=ns.fused_optimizer_groups,
                            metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
 
 

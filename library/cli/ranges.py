@@ -84,6 +84,7 @@ RANGES: dict[str, Range] = {
     "multires_noise_discount": Range(0, 1, lo_open=True), "ip_noise_gamma": Range(lo=0),
     "min_timestep": Range(0, 1000, integer=True), "max_timestep": Range(0, 1000, integer=True),
     "huber_c": Range(lo=0, lo_open=True), "huber_scale": Range(lo=0, lo_open=True),
+    "fused_optimizer_groups": _at_least(1),
     "min_snr_gamma": Range(lo=0, lo_open=True), "soft_min_snr_gamma": Range(lo=0, lo_open=True),
     "timestep_bias_multiplier": Range(lo=0, lo_open=True), "timestep_bias_portion": Range(0, 1, lo_open=True),
     "timestep_bias_begin": Range(0, 1000, integer=True), "timestep_bias_end": Range(0, 1000, integer=True),

@@ -1,6 +1,8 @@
 """--fused_backward_pass: each parameter is clipped, stepped and its gradient freed as soon as backward
 has finished accumulating it, so the gradients of the whole model are never held at once.
 
+--fused_optimizer_groups N: the same with N chunks of parameters instead of one per parameter.
+
 `FusedBackwardOptimizer` is a torch Optimizer over the same parameter groups as the one the run
 asked for (so LR schedulers, logging and accelerate see the usual object), but the work is done by
 one inner optimizer of the requested type per parameter, called from that parameter's
@@ -17,30 +19,45 @@ import torch
 
 
 class FusedBackwardOptimizer(torch.optim.Optimizer):
+    """`num_chunks` None: one inner optimizer per parameter (--fused_backward_pass). A number N: the parameters,
+    in order, are cut into N chunks of about equal size, each with one inner optimizer that steps once all of
+    its gradients are in (--fused_optimizer_groups N: at most one chunk's gradients are held at a time)."""
+
     def __init__(self, param_groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
-                 max_grad_norm: Optional[float] = None):
+                 max_grad_norm: Optional[float] = None, num_chunks: Optional[int] = None):
         super().__init__(param_groups, defaults={})
         self.max_grad_norm = max_grad_norm
-        self.params_in_order: list[torch.nn.Parameter] = []
-        self.inner: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
+        members = [(p, group) for group in self.param_groups for p in group["params"]]
+        self.params_in_order: list[torch.nn.Parameter] = [p for p, _ in members]
+        chunks = [[m] for m in members] if not num_chunks else _balanced_chunks(members, num_chunks)
+        self.chunks: list[tuple[torch.optim.Optimizer, list[tuple[torch.nn.Parameter, dict]]]] = []
+        self.chunk_of: dict[int, int] = {}
+        self.pending: list[int] = []
         self.handles = []
-        for group in self.param_groups:
-            settings = {k: v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                self.inner[id(p)] = (make_inner([{**settings, "params": [p]}]), group)
-                self.params_in_order.append(p)
-                self.handles.append(p.register_post_accumulate_grad_hook(self._step_parameter))
+        for index, chunk in enumerate(chunks):
+            inner_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [p]} for p, group in chunk]
+            self.chunks.append((make_inner(inner_groups), chunk))
+            self.pending.append(len(chunk))
+            for p, _ in chunk:
+                self.chunk_of[id(p)] = index
+                self.handles.append(p.register_post_accumulate_grad_hook(self._gradient_ready))
 
     @torch.no_grad()
-    def _step_parameter(self, p: torch.nn.Parameter) -> None:
-        inner, group = self.inner[id(p)]
-        if group.get("lr") is not None:
-            for g in inner.param_groups:
-                g["lr"] = group["lr"]
+    def _gradient_ready(self, p: torch.nn.Parameter) -> None:
+        index = self.chunk_of[id(p)]
+        self.pending[index] -= 1
+        if self.pending[index]:
+            return
+        inner, chunk = self.chunks[index]
+        self.pending[index] = len(chunk)
+        for inner_group, (_, group) in zip(inner.param_groups, chunk):
+            if group.get("lr") is not None:
+                inner_group["lr"] = group["lr"]
         if self.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_([p], self.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_([q for q, _ in chunk], self.max_grad_norm)
         inner.step()
-        p.grad = None
+        for q, _ in chunk:
+            q.grad = None
 
     def step(self, closure=None):  # every parameter was stepped during backward
         return None
@@ -51,18 +68,33 @@ class FusedBackwardOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "inner": [self.inner[id(p)][0].state_dict() for p in self.params_in_order]}
+                "inner": [inner.state_dict() for inner, _ in self.chunks]}
 
     def load_state_dict(self, state: dict) -> None:
-        if len(state.get("inner", [])) != len(self.params_in_order):
-            raise ValueError(f"fused optimizer state has {len(state.get('inner', []))} parameters, "
-                             f"this run {len(self.params_in_order)}")
+        if len(state.get("inner", [])) != len(self.chunks):
+            raise ValueError(f"fused optimizer state has {len(state.get('inner', []))} optimizers, "
+                             f"this run {len(self.chunks)}")
         for group, saved in zip(self.param_groups, state["groups"]):
             group.update(saved)
-        for p, saved in zip(self.params_in_order, state["inner"]):
-            self.inner[id(p)][0].load_state_dict(saved)
+        for (inner, _), saved in zip(self.chunks, state["inner"]):
+            inner.load_state_dict(saved)
 
     def remove_hooks(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def _balanced_chunks(members: list, n: int) -> list[list]:
+    """`members` (parameter, group) in order, cut into at most n contiguous chunks of about equal element count."""
+    total = sum(p.numel() for p, _ in members)
+    chunks, current, size = [], [], 0
+    for p, group in members:
+        current.append((p, group))
+        size += p.numel()
+        if size >= total * (len(chunks) + 1) / n and len(chunks) < n - 1:
+            chunks.append(current)
+            current = []
+    if current:
+        chunks.append(current)
+    return chunks

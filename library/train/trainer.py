@@ -97,7 +97,8 @@ class Trainer:
 
     @property
     def fused_backward(self) -> bool:
-        return bool(self.s.fine_tune and self.s.fine_tune.fused_backward_pass)
+        ft = self.s.fine_tune
+        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups))
 
     @property
     def trained_encoders(self) -> frozenset[int]:
@@ -125,7 +126,7 @@ class Trainer:
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
-                raise UserError(f"--fused_backward_pass: not with {n} processes (each parameter steps inside "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes (parameters step inside "
                                 "backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
@@ -221,10 +222,12 @@ class Trainer:
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
         if self.fused_backward:
             if is_schedule_free(self.optimizer):
-                raise UserError(f"--fused_backward_pass: not with the schedule-free {self.optimizer_name}")
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with the schedule-free "
+                                f"{self.optimizer_name}")
             inner_type = type(self.optimizer)
             self.optimizer = FusedBackwardOptimizer(self.optimizer.param_groups, inner_type,
-                                                    self.s.optimizer.max_grad_norm)
+                                                    self.s.optimizer.max_grad_norm,
+                                                    self.s.fine_tune.fused_optimizer_groups)
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
