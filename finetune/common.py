@@ -49,3 +49,37 @@ def script_main(build_parser: Callable[[], argparse.ArgumentParser], run: Callab
     setup_logging()
     args = build_parser().parse_args(argv)
     return run_tool(run, args)
+
+
+class DecodedImages:
+    """The images of `paths` as RGB PIL images, or `transform(image)`; a file that fails comes back as
+    (path, None, reason) instead of stopping the tool."""
+
+    def __init__(self, paths: list[str], transform: Optional[Callable[[Any], Any]] = None):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        from PIL import Image
+
+        path = self.paths[i]
+        try:
+            with Image.open(path) as img:
+                rgb = img.convert("RGB")
+            return path, (self.transform(rgb) if self.transform else rgb), None
+        except Exception as e:  # a damaged image is skipped, not fatal
+            return path, None, f"{path}: cannot read image: {e}"
+
+
+def _keep_as_is(item):
+    return item
+
+
+def image_loader(paths: list[str], workers: Optional[int], transform: Optional[Callable[[Any], Any]] = None):
+    """A DataLoader over DecodedImages, one (path, image, error) at a time, decoded in `workers` processes."""
+    import torch
+
+    return torch.utils.data.DataLoader(DecodedImages(paths, transform), batch_size=None, shuffle=False,
+                                       num_workers=workers or 0, collate_fn=_keep_as_is)

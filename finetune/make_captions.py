@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from finetune.common import add_caption_extension, caption_extension, script_main  # noqa: E402
+from finetune.common import add_caption_extension, caption_extension, image_loader, script_main  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,28 +60,6 @@ def load_blip(folder):
     return model.eval(), processor
 
 
-class Images:
-    def __init__(self, paths: list[str]):
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int):
-        from PIL import Image
-
-        path = self.paths[i]
-        try:
-            with Image.open(path) as img:
-                return path, img.convert("RGB"), None
-        except Exception as e:  # a damaged image is skipped, not fatal
-            return path, None, f"{path}: cannot read image: {e}"
-
-
-def keep_as_is(item):
-    return item
-
-
 def run(args: argparse.Namespace) -> None:
     import torch
 
@@ -111,8 +89,7 @@ def run(args: argparse.Namespace) -> None:
     else:
         generate = dict(num_beams=1, do_sample=True, top_p=args.top_p)
     generate.update(max_length=args.max_length, min_length=args.min_length)
-    loader = torch.utils.data.DataLoader(Images(images), batch_size=None, shuffle=False,
-                                         num_workers=args.max_data_loader_n_workers or 0, collate_fn=keep_as_is)
+    loader = image_loader(images, args.max_data_loader_n_workers)
     failed, pending = [], []
 
     def flush() -> None:

@@ -12,12 +12,13 @@ of the same repository. Selection rules: library/data/wd14_tags.py and docs/fine
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from finetune.common import add_caption_extension, caption_extension, script_main  # noqa: E402
+from finetune.common import add_caption_extension, caption_extension, image_loader, script_main  # noqa: E402
 
 DEFAULT_REPO = "SmilingWolf/wd-v1-4-convnext-tagger-v2"
 
@@ -60,32 +61,13 @@ def model_location(model_dir: str, repo_id: str) -> str:
     return model_dir
 
 
-class ImageBatches:
-    """Decoded, preprocessed images of the list (decode failures come back as (path, None, reason))."""
+def preprocessed(image, size: int):
+    """WD14 input of a decoded RGB image (square, BGR, float32)."""
+    import numpy as np
 
-    def __init__(self, paths: list[str], size: int):
-        self.paths, self.size = paths, size
+    from library.data.wd14_tags import preprocess
 
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int):
-        import numpy as np
-        from PIL import Image
-
-        from library.data.wd14_tags import preprocess
-
-        path = self.paths[i]
-        try:
-            with Image.open(path) as img:
-                return path, preprocess(np.asarray(img.convert("RGB")), self.size), None
-        except Exception as e:  # a damaged image is skipped, not fatal
-            return path, None, f"{path}: cannot read image: {e}"
-
-
-def keep_as_is(item):
-    """DataLoader collate for batch_size=None: leave the numpy arrays alone."""
-    return item
+    return preprocess(np.asarray(image), size)
 
 
 def load_session(location: str):
@@ -113,7 +95,6 @@ def load_session(location: str):
 
 def run(args: argparse.Namespace) -> None:
     import numpy as np
-    import torch
 
     from finetune.common import logger, progress, warn_list
     from library.core.errors import UserError
@@ -162,8 +143,7 @@ def run(args: argparse.Namespace) -> None:
         logger.info("%d images already have a %s file and are skipped", before - len(images), ext)
     logger.info("tagging %d images with %s", len(images), location)
 
-    loader = torch.utils.data.DataLoader(ImageBatches(images, size), batch_size=None, shuffle=False,
-                                         num_workers=args.max_data_loader_n_workers or 0, collate_fn=keep_as_is)
+    loader = image_loader(images, args.max_data_loader_n_workers, functools.partial(preprocessed, size=size))
     freq, failed, pending = TagFrequency(), [], []
 
     def flush() -> None:

@@ -26,6 +26,23 @@ TRACE_ENV = "SDTRAIN_DISTRIBUTED_TRACE"
 BUCKET_BYTES = 64 * 1024 * 1024  # per all-reduce; a LoRA fits in one
 
 
+def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int] = None,
+                     gradient_as_bucket_view: bool = False, static_graph: bool = False):
+    """accelerate's Accelerator with the --ddp_* settings passed to its process group and DDP kwargs."""
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    handlers = []
+    if ddp_timeout:
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=ddp_timeout)))
+    if gradient_as_bucket_view or static_graph:
+        handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=gradient_as_bucket_view,
+                                                      static_graph=static_graph))
+    return Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

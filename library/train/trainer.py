@@ -29,7 +29,13 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
-from library.train.distributed import GradientReducer, StepTrace, any_process, broadcast_parameters
+from library.train.distributed import (
+    GradientReducer,
+    StepTrace,
+    any_process,
+    broadcast_parameters,
+    make_accelerator,
+)
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
@@ -110,24 +116,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
-        from datetime import timedelta
-
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
         t = self.t
-        handlers = []
-        if t.ddp_timeout:
-            handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=t.ddp_timeout)))
-        if t.ddp_gradient_as_bucket_view or t.ddp_static_graph:
-            handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=t.ddp_gradient_as_bucket_view,
-                                                          static_graph=t.ddp_static_graph))
-        self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=t.cpu, kwargs_handlers=handlers)
+        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_gradient_as_bucket_view,
+                                            t.ddp_static_graph)
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes (parameters step inside "
-                                "backward, before the processes' gradients could be averaged)")
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes "
+                                "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
