@@ -29,6 +29,7 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.compile import compile_blocks
 from library.train.distributed import (
     StepModule,
     StepTrace,
@@ -303,6 +304,8 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
+            if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
+                compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
             with self.accelerator.main_process_first():  # to disk: the others read what the main process wrote
                 self._cache_latents()
             self._setup_optimizer()
