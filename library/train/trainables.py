@@ -8,6 +8,7 @@ result and a few per-step hooks; it never asks which kind it has. `AdapterTraina
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from typing import Any, Optional
@@ -27,6 +28,7 @@ from library.train.network_setup import (
     trained_text_encoders,
 )
 from library.train.settings import FineTuneOptions, NetworkOptions
+from library.train.sharding import full_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ class Trainable(ABC):
     @abstractmethod
     def save(self, path: str, metadata: dict[str, str]) -> None:
         """Write the trained result to `path` (atomically)."""
+
+    def gathered(self, keep: bool):
+        """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
+        return contextlib.nullcontext()
 
     def on_epoch_start(self) -> None:
         """Called before each epoch's first batch."""
@@ -152,6 +158,7 @@ class ModelTrainable(Trainable):
     """The model's own weights: the denoiser and/or text encoders, as `fine_tune_plan` says."""
 
     is_adapter = False
+    sharded = False  # FSDP2 shards the trained parts (library/train/sharding.py)
 
     def __init__(self, family: ModelFamily, components: Components, plan: dict[str, float], opts: FineTuneOptions,
                  save_model_as: str, save_precision: Optional[str], *, device: torch.device,
@@ -215,6 +222,9 @@ class ModelTrainable(Trainable):
 
     def file_path(self, output_dir, stem):
         return ckpt.model_path(output_dir, stem, self.save_model_as)
+
+    def gathered(self, keep):
+        return full_parameters(self.module, keep) if self.sharded else contextlib.nullcontext()
 
     def save(self, path, metadata):
         self.family.save_model(self.components, path, self.save_model_as, SAVE_DTYPES[self.save_precision],

@@ -49,6 +49,8 @@ from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments, StepProfiler, TraceWindow
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
+from library.train.sharding import FsdpSettings, shard
+from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
@@ -133,9 +135,38 @@ class Trainer:
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
+        self.fsdp = FsdpSettings.from_env() if n > 1 else None
+        if self.fsdp is not None:
+            self._check_fsdp()
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _check_fsdp(self) -> None:
+        """What FSDP2 sharding does not support yet, refused in one line before anything loads."""
+        t, why = self.t, None
+        if self.s.fine_tune is None:
+            why = ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
+                   "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
+        elif self.s.ema.use_ema:
+            why = "--use_ema is not supported with it yet"
+        elif t.save_state or t.resume or t.save_state_on_train_end:
+            why = "--save_state / --resume are not supported with it yet (sharded optimizer states)"
+        elif any(isinstance(h, SampleHook) for h in self.s.hooks):
+            why = "sampling during training is not supported with it yet (every process must run the sharded model)"
+        elif t.compile.torch_compile:
+            why = "--torch_compile is not supported with it yet"
+        elif self.s.memory.blocks_to_swap:
+            why = "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
+        if why:
+            raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
+
+    def _shard(self) -> None:
+        for name, part in self.trainable.module.items():
+            units = shard(part, self.fsdp, self.family.block_classes)
+            logger.info("FSDP2: %s sharded over %d processes in %d units", name, self.accelerator.num_processes,
+                        units)
+        self.trainable.sharded = True
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
@@ -251,9 +282,10 @@ class Trainer:
         else:
             self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
         t = self.t
-        self.step_module = data_parallel(StepModule(self.network, self._batch_loss), self.device,
-                                         self._unused_parameters_possible(), t.ddp_gradient_as_bucket_view,
-                                         t.ddp_static_graph)
+        self.step_module = StepModule(self.network, self._batch_loss)
+        if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
+            self.step_module = data_parallel(self.step_module, self.device, self._unused_parameters_possible(),
+                                             t.ddp_gradient_as_bucket_view, t.ddp_static_graph)
         if not isinstance(self.step_module, StepModule):
             ddp = self.step_module
             self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
@@ -317,6 +349,8 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
+            if self.fsdp is not None:
+                self._shard()
             if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
                 compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
             self._cache_latents()  # shared out between the processes
