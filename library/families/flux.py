@@ -82,6 +82,15 @@ def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     return num_swap // 2, 2 * (num_swap - num_swap // 2)
 
 
+def optimizer_block(parameter_path: str) -> str:
+    """`double_blocks.<i>` / `single_blocks.<i>` for a FluxTransformer2DModel parameter inside a block, else `other`."""
+    head, _, rest = parameter_path.partition(".")
+    index = rest.partition(".")[0]
+    if head in ("transformer_blocks", "single_transformer_blocks") and index.isdigit():
+        return f"{'double' if head == 'transformer_blocks' else 'single'}_blocks.{index}"
+    return "other"
+
+
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
@@ -300,6 +309,11 @@ class FluxFamily(ModelFamily):
 
     def modelspec_prediction_type(self, components: Components) -> Optional[str]:
         return None  # sd-scripts writes no prediction type for FLUX.1
+
+    def optimizer_block(self, parameter_path: str) -> Optional[str]:
+        """sd-scripts' flux_train.py grouping: one block per double and per single block (BFL names), and one
+        for everything else (embedders, final layer)."""
+        return optimizer_block(parameter_path)
 
     # --- memory -----------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
