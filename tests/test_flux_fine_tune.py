@@ -60,13 +60,13 @@ def test_blockwise_fused_optimizers_step_each_block_in_backward_and_equal_the_us
 
 @pytest.mark.parametrize("family,preset,flags,error", [
     ("sdxl", "tiny:sdxl", ["--blockwise_fused_optimizers"],
-     "error: --blockwise_fused_optimizers: not for sdxl; it groups FLUX.1's double and single blocks "
-     "(use --fused_backward_pass or --fused_optimizer_groups)"),
+     ("error: --blockwise_fused_optimizers: not for sdxl; it groups FLUX.1's double and single blocks "
+      "(use --fused_backward_pass or --fused_optimizer_groups)")),
     ("flux", "tiny:flux", ["--blockwise_fused_optimizers", "--fused_backward_pass"],
      "error: --blockwise_fused_optimizers: not with --fused_backward_pass; choose one"),
     ("flux", "tiny:flux", ["--blockwise_fused_optimizers", "--gradient_accumulation_steps", "2"],
-     "error: --blockwise_fused_optimizers: gradients are applied during backward, so it cannot accumulate them; "
-     "drop --gradient_accumulation_steps 2"),
+     ("error: --blockwise_fused_optimizers: gradients are applied during backward, so it cannot accumulate them; "
+      "drop --gradient_accumulation_steps 2")),
 ])
 def test_blockwise_fused_optimizers_refused_with_one_line(tmp_path, capsys, family, preset, flags, error):
     data = make_dataset(str(tmp_path), n=1)
@@ -74,3 +74,28 @@ def test_blockwise_fused_optimizers_refused_with_one_line(tmp_path, capsys, fami
                         fine_tune=True)
     assert code == 2
     assert capsys.readouterr().err.strip() == error
+
+
+@pytest.mark.parametrize("mode", [[], ["--blockwise_fused_optimizers"], ["--gradient_accumulation_steps", "2"]])
+def test_blocks_to_swap_over_trained_blocks_trains_as_without(tmp_path, tiny_flux, mode):
+    """Full fine-tune with --blocks_to_swap 2 (one double and two single blocks in offload memory): the same
+    weights as without, the swapped blocks' updates included, whether the optimizer steps after backward
+    (on the offload copies) or inside it (on the device copies, copied back)."""
+    data = make_dataset(str(tmp_path), n=2)
+    common = FLUX_FT + ["--gradient_checkpointing"] + mode
+    want = load_file(ft_trainer(ft_args(data, str(tmp_path / "a"), "tiny:flux", steps=3, extra=common), "flux").run())
+    trainer = ft_trainer(ft_args(data, str(tmp_path / "b"), "tiny:flux", steps=3,
+                                 extra=common + ["--blocks_to_swap", "2"]), "flux")
+    got = load_file(trainer.run())
+    model = trainer.components.denoiser
+    swapper = trainer.block_swapper
+    assert swapper.swapped == [model.transformer_blocks[1], *model.single_transformer_blocks[1:]]
+    assert swapper.write_back == (mode == ["--blockwise_fused_optimizers"])
+    assert swapper.stats.loads > 0
+    worst = _worst(want, got)
+    print(f"blocks_to_swap {mode}: largest difference {worst:.3g}")
+    assert worst <= 1e-6, worst
+    swapped = model.transformer_blocks[1].attn.to_out[0].weight
+    initial = tiny_flux.denoiser.transformer_blocks[1].attn.to_out[0].weight
+    assert torch.equal(got["double_blocks.1.img_attn.proj.weight"], swapped.detach())  # the file holds the update
+    assert (swapped.detach() - initial).abs().min() > 0  # every element of a swapped block's weight was updated

@@ -190,7 +190,8 @@ class Trainer:
         if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                                  self.t.gradient_checkpointing)
+                                                  self.t.gradient_checkpointing,
+                                                  steps_in_backward=bool(trained) and self.fused_backward)
 
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
@@ -255,7 +256,9 @@ class Trainer:
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
         else:
-            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+            # The module is already placed (apply_memory_options); moving it would bring swapped blocks back.
+            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer,
+                                                                    device_placement=[False, True])
         t = self.t
         self.step_module = data_parallel(StepModule(self.network, self._batch_loss), self.device,
                                          self._unused_parameters_possible(), t.ddp_gradient_as_bucket_view,
