@@ -47,8 +47,8 @@ def test_without_train_resolution_the_bucket_is_computed(tmp_path):
 
 @pytest.mark.parametrize("value,why", [
     ([96, 64], "expected multiples of bucket_reso_steps 64"),
-    ([192, 128], "expected an area of at most 128x128 (the resolution); prepare_buckets_latents was run with a "
-                 "larger --max_resolution"),
+    ([192, 128], ("expected an area of at most 128x128 (the resolution); prepare_buckets_latents was run with a "
+                  "larger --max_resolution")),
     ([320, 64], "expected sides between min_bucket_reso 64 and max_bucket_reso 256"),
 ])
 def test_a_train_resolution_outside_the_bucket_rules_is_one_line_naming_image_and_value(tmp_path, value, why):

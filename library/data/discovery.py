@@ -158,7 +158,8 @@ def discover_finetune(sub: SubsetConfig) -> SubsetImages:
             result.problems.append(f"{sub.metadata_file}: {key}: train_resolution: expected [width, height] "
                                    f"(two integers >= 1), got {json.dumps(reso)}")
             continue
-        result.images.append(DiscoveredImage(path, ", ".join(parts), train_resolution=tuple(reso) if reso else None))
+        result.images.append(DiscoveredImage(path, ", ".join(parts),
+                                             train_resolution=tuple(reso) if reso else None))
     if not result.images and not result.problems:
         result.problems.append(f"{sub.where}: no images found in {sub.metadata_file}: the metadata file lists no images")
     _attach_masks(sub, result)
