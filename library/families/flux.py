@@ -148,13 +148,21 @@ class FluxFamily(ModelFamily):
 
     def metadata_values(self, options: FluxOptions) -> dict[str, Any]:
         flow = options.flow
-        return {"model_type": "flux",  # sd-scripts: --model_type flux|chroma; only FLUX.1 here
+        return {"model_type": options.model_type,  # sd-scripts' ss_model_type: flux or chroma
                 "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
                 "discrete_flow_shift": flow.discrete_flow_shift, "weighting_scheme": flow.weighting_scheme,
                 "logit_mean": flow.logit_mean, "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
                 "model_prediction_type": flow.model_prediction_type, "guidance_scale": options.guidance_scale,
                 "t5xxl_max_token_length": options.t5xxl_max_token_length,
                 "apply_t5_attn_mask": options.apply_t5_attn_mask}
+
+    def variant(self, options: FluxOptions) -> ModelFamily:
+        """--model_type chroma: the Chroma family (library/families/chroma.py) trains instead."""
+        if options.model_type == "chroma":
+            from library.families import get_family
+
+            return get_family("chroma")
+        return self
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
