@@ -127,3 +127,17 @@ def test_chroma_flags_refused_with_one_line(tmp_path, capsys, flags, error):
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("flux", "test", base_args(data, str(tmp_path / "o"), preset="tiny:chroma", extra=flags)) == 2
     assert capsys.readouterr().err.strip() == error
+
+
+def test_full_fine_tune_saves_the_single_file_it_loads_back(tmp_path):
+    """flux_train.py --model_type chroma (here with --blockwise_fused_optimizers): the saved file loads back
+    equal to the trained transformer."""
+    from tests.test_fine_tune import ft_args, ft_trainer
+
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = ft_trainer(ft_args(data, str(tmp_path / "out"), "tiny:chroma", steps=1, extra=CHROMA_FLAGS + [
+        "--blockwise_fused_optimizers", "--optimizer_type", "AdamW"]), "chroma")
+    path = trainer.run()
+    assert trainer.optimizer.optimizer.chunk_names[:2] == ["denoiser other", "denoiser double_blocks.0"]
+    want, got = trainer.components.denoiser.state_dict(), load_chroma_transformer(path).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
