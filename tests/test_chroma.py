@@ -94,14 +94,19 @@ def test_joint_attention_mask_keeps_one_padding_token():
 
 
 def test_lora_steps_end_to_end_from_the_single_file(tmp_path, tiny_flux_files):
-    """flux_train_network.py --model_type chroma on tiny:chroma written as a single file (+ FLUX.1's T5 and AE
-    files, the same weights): 2 steps, the file has sd-scripts' keys and Chroma's metadata."""
-    family = get_family("chroma")
-    model = str(tmp_path / "chroma-tiny.safetensors")
-    family.save_model(family.load(LoadOptions("tiny:chroma")), model, "safetensors")
+    """flux_train_network.py --model_type chroma on tiny:chroma as tools/make_tiny_model.py writes it (single file,
+    t5xxl and ae files): 2 steps, the file has sd-scripts' keys and Chroma's metadata."""
+    from tools.make_tiny_model import main
+
+    assert main(["--family", "chroma", "--out", str(tmp_path / "model"), "--single_file"]) == 0
+    files = {name: str(tmp_path / "model" / f"{name}.safetensors") for name in ("chroma-tiny", "t5xxl", "ae")}
+    for name in ("t5xxl", "ae"):  # tiny:chroma's T5 and AE are tiny:flux's, so its files are the same
+        assert load_file(files[name]).keys() == load_file(tiny_flux_files[name]).keys()
+        assert all(torch.equal(a, b) for a, b in zip(load_file(files[name]).values(),
+                                                     load_file(tiny_flux_files[name]).values()))
     data = make_dataset(str(tmp_path / "data"), n=2)
-    argv = base_args(data, str(tmp_path / "out"), preset=model, steps=2, extra=CHROMA_FLAGS + [
-        "--t5xxl", tiny_flux_files["t5xxl"], "--ae", tiny_flux_files["ae"], "--network_module", "networks.lora_flux"])
+    argv = base_args(data, str(tmp_path / "out"), preset=files["chroma-tiny"], steps=2, extra=CHROMA_FLAGS + [
+        "--t5xxl", files["t5xxl"], "--ae", files["ae"], "--network_module", "networks.lora_flux"])
     assert run_training("flux", "test", argv) == 0
     path = os.path.join(str(tmp_path / "out"), "lora.safetensors")
     sd = load_file(path)

@@ -11,6 +11,7 @@ norms.N.scale, out_proj}`. The T5-XXL encoder and the AE are FLUX.1's.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
@@ -242,3 +243,24 @@ def load_chroma_components(opts: LoadOptions, t5xxl: Optional[str], ae: Optional
             module.to(dtype=dtype)
     return Components(denoiser=parts["transformer"], vae=parts["vae"], text_encoders=[parts["text_encoder"]],
                       tokenizers=[parts["tokenizer"]], model_path=path, vae_path=opts.vae)
+
+
+def write_chroma_preset(preset: str, out: str) -> dict[str, str]:
+    """Write a preset ("tiny:chroma") as a Chroma user has it: the transformer single file (`out`, a .safetensors
+    name, or a folder that gets chroma-tiny.safetensors) plus t5xxl.safetensors and ae.safetensors next to it.
+    Returns {"transformer" | "t5xxl" | "ae": path}."""
+    from library.families import ldm_layout as ldm
+    from library.families import model_saving
+    from library.families.flux_bfl_layout import t5_to_file
+
+    parts = build_chroma_modules(preset)
+    transformer = out if out.lower().endswith(".safetensors") else os.path.join(out, "chroma-tiny.safetensors")
+    folder = os.path.dirname(os.path.abspath(transformer))
+    os.makedirs(folder, exist_ok=True)
+    vae_state = parts["vae"].state_dict()
+    files = {"transformer": (transformer, chroma_to_single_file(parts["transformer"].state_dict(), lazy=True)),
+             "t5xxl": (os.path.join(folder, "t5xxl.safetensors"), t5_to_file(parts["text_encoder"].state_dict())),
+             "ae": (os.path.join(folder, "ae.safetensors"), ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), "")))}
+    for path, state in files.values():
+        model_saving.write_single_file(state, path, "safetensors", metadata=model_saving.SAFETENSORS_METADATA)
+    return {name: path for name, (path, _) in files.items()}
