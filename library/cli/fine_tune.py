@@ -98,6 +98,7 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     if len(chosen) > 1:
         raise ConfigError(f"{chosen[1]}: not with {chosen[0]}; choose one")
     fused = chosen[0] if chosen else None
+    # A family with a block layout for it names a block for every parameter; the others name none.
     if ns.blockwise_fused_optimizers and family is not None and family.optimizer_block("") is None:
         raise ConfigError(f"--blockwise_fused_optimizers: not for {family.name}; it groups FLUX.1's double and "
                           "single blocks (use --fused_backward_pass or --fused_optimizer_groups)")
