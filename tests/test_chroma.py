@@ -146,3 +146,18 @@ def test_full_fine_tune_saves_the_single_file_it_loads_back(tmp_path):
     assert trainer.optimizer.optimizer.chunk_names[:2] == ["denoiser other", "denoiser double_blocks.0"]
     want, got = trainer.components.denoiser.state_dict(), load_chroma_transformer(path).state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_cache_tool_writes_chroma_text_files(tmp_path):
+    """tools/cache_text_encoder_outputs.py --flux --model_type chroma: T5 outputs only, in `_chroma_te.npz`."""
+    import numpy as np
+
+    from tools.cache_text_encoder_outputs import main
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert main(["--flux", "--pretrained_model_name_or_path", "tiny:chroma", "--train_data_dir", data,
+                 "--caption_extension", ".txt", "--resolution", "64", "--max_data_loader_n_workers", "0",
+                 "--cache_text_encoder_outputs_to_disk", *CHROMA_FLAGS]) == 0
+    with np.load(os.path.join(data, "5_sks toy", "img0_chroma_te.npz")) as f:
+        assert {"t5_out", "txt_ids", "t5_attn_mask"} <= set(f.files) and "l_pooled" not in f.files
+        assert f["t5_out"].shape[-2:] == (8, 32)
