@@ -59,7 +59,9 @@ def test_full_size_lora_keys_equal_sd_scripts_on_meta():
 
 def test_full_size_single_file_layout_is_what_diffusers_reads_on_meta():
     """Our writer's key set, read by diffusers' own Chroma converter, is exactly ChromaTransformer2DModel's."""
-    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_chroma_transformer_checkpoint_to_diffusers,
+    )
 
     model = build_chroma_modules("random:chroma", device="meta")["transformer"]
     written = chroma_to_single_file(model.state_dict())

@@ -8,7 +8,12 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 from library.cli.config_file import parse_with_config_file
-from library.cli.entry import _setup_logging, build_parser, family_for, settings_from_args
+from library.cli.entry import (
+    _setup_logging,
+    build_parser,
+    family_for,
+    settings_from_args,
+)
 from library.core.errors import run_tool
 from library.families import get_family
 from library.families.base import ModelFamily
