@@ -217,6 +217,19 @@ class ModelTrainable(Trainable):
                     p.requires_grad_(False)
         return out
 
+    def optimizer_blocks(self) -> dict[int, str]:
+        """--blockwise_fused_optimizers: {id(parameter): block}. The denoiser's blocks are the family's
+        (`ModelFamily.optimizer_block`: FLUX.1's double_blocks.<i>, single_blocks.<i>, other); each trained
+        text encoder is one block of its own."""
+        out = {}
+        for name, part in self.module.items():
+            for path, p in part.named_parameters():
+                block = self.family.optimizer_block(path) if name == "denoiser" else None
+                if name == "denoiser" and block is None:
+                    raise ConfigError(f"--blockwise_fused_optimizers: {self.family.name} has no block layout for it")
+                out[id(p)] = f"denoiser {block}" if block else name
+        return out
+
     def shape_settings(self):
         return {"trained_parts": sorted(self.plan)}
 

@@ -113,7 +113,7 @@ class Trainer:
     @property
     def fused_backward(self) -> bool:
         ft = self.s.fine_tune
-        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups))
+        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups or ft.blockwise_fused_optimizers))
 
     @property
     def trained_encoders(self) -> frozenset[int]:
@@ -130,7 +130,8 @@ class Trainer:
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with {n} processes "
                                 "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
@@ -220,7 +221,8 @@ class Trainer:
         if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                                  self.t.gradient_checkpointing)
+                                                  self.t.gradient_checkpointing,
+                                                  steps_in_backward=bool(trained) and self.fused_backward)
 
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
@@ -265,12 +267,17 @@ class Trainer:
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
         if self.fused_backward:
             if is_schedule_free(self.optimizer):
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with the schedule-free "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with the schedule-free "
                                 f"{self.optimizer_name}")
             inner_type = type(self.optimizer)
+            block_of = self.trainable.optimizer_blocks() if self.s.fine_tune.blockwise_fused_optimizers else None
             self.optimizer = FusedBackwardOptimizer(self.optimizer.param_groups, inner_type,
                                                     self.s.optimizer.max_grad_norm,
-                                                    self.s.fine_tune.fused_optimizer_groups)
+                                                    self.s.fine_tune.fused_optimizer_groups, block_of)
+            if block_of is not None:
+                logger.info("--blockwise_fused_optimizers: %d optimizers (%s)", len(self.optimizer.chunks),
+                            ", ".join(self.optimizer.chunk_names))
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
@@ -280,7 +287,9 @@ class Trainer:
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
         else:
-            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+            # The module is already placed (apply_memory_options); moving it would bring swapped blocks back.
+            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer,
+                                                                    device_placement=[False, True])
         t = self.t
         self.step_module = StepModule(self.network, self._batch_loss)
         if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
