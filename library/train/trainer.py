@@ -504,6 +504,10 @@ class Trainer:
         phase = self.instruments.phase
         ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
         with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            if batch is not None:
+                pixels = batch["latents"] if batch.get("latents") is not None else batch.get("images")
+                self.instruments.micro_batch(tuple(pixels.shape) if pixels is not None else (),
+                                             len(batch["image_paths"]) * self.accelerator.num_processes)
             with phase("forward"):
                 loss, _ = self.step_module(batch, self.noise_generator)
             if batch is None:
@@ -512,6 +516,7 @@ class Trainer:
             self._check_finite(loss, batch, global_step)
             with phase("backward"):
                 self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+            self.instruments.micro_done()
         if self.block_swapper is not None:
             self.block_swapper.release()
         return loss.item()
