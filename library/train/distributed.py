@@ -64,6 +64,13 @@ class StepModule(torch.nn.Module):
         return self.loss_fn(batch, generator)
 
 
+def unused_parameters_possible(trains_text_encoder: bool, module_dropout: Optional[str]) -> bool:
+    """Whether some trained parameters can miss a step's backward, so DDP must look for them: a trained text
+    encoder (with --clip_skip 2 its last layer's LoRA gets no gradient; its outputs may come from a cache) or
+    LoRA module dropout (a dropped module's weights get none that step)."""
+    return trains_text_encoder or bool(module_dropout and float(module_dropout) > 0)
+
+
 def data_parallel(module: StepModule, device: torch.device, find_unused_parameters: bool,
                   gradient_as_bucket_view: bool = False, static_graph: bool = False) -> torch.nn.Module:
     """`module` wrapped in DistributedDataParallel (as accelerate wraps a prepared model, without its autocast

@@ -218,6 +218,19 @@ class Instruments:
                  trace: Optional[TraceWindow]):
         self.meter, self.profiler, self.trace = meter, profiler, trace
 
+    @staticmethod
+    def for_run(t, device: torch.device, ddp_module=None, main_process: bool = True) -> Instruments:
+        """What the TrainingOptions `t` ask for (--log_tflops, --profile_steps, --profiler_trace_dir); the DDP
+        module, when there is one, has its all-reduces timed."""
+        meter = ThroughputMeter(t.log_tflops, device, t.gradient_checkpointing) if t.log_tflops else None
+        profiler = StepProfiler(device, t.profile_microbatches) if t.profile_steps else None
+        if profiler is not None and ddp_module is not None:
+            profiler.watch_allreduce(ddp_module)
+        trace = None
+        if t.profiler_trace_dir and main_process:
+            trace = TraceWindow(t.profiler_trace_dir, *t.profiler_trace_steps, device)
+        return Instruments(meter, profiler, trace)
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         with contextlib.ExitStack() as stack:

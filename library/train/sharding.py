@@ -53,6 +53,25 @@ class FsdpSettings:
                             int(float(os.environ.get("FSDP_MIN_NUM_PARAMS", "1e8"))))
 
 
+def fsdp_unsupported(s, samples_during_training: bool) -> Optional[str]:
+    """Why FSDP2 sharding cannot run these RunSettings yet (refused in one line before anything loads), or None."""
+    t = s.training
+    if s.fine_tune is None:
+        return ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
+                "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
+    if s.ema.use_ema:
+        return "--use_ema is not supported with it yet"
+    if t.save_state or t.resume or t.save_state_on_train_end:
+        return "--save_state / --resume are not supported with it yet (sharded optimizer states)"
+    if samples_during_training:
+        return "sampling during training is not supported with it yet (every process must run the sharded model)"
+    if t.compile.torch_compile:
+        return "--torch_compile is not supported with it yet"
+    if s.memory.blocks_to_swap:
+        return "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
+    return None
+
+
 def _units(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, ...]) -> list[torch.nn.Module]:
     """The submodules sharded as units of their own, innermost first (fully_shard wants children before parents)."""
     if s.wrap_policy == "SIZE_BASED_WRAP":

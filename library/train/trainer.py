@@ -39,6 +39,7 @@ from library.train.distributed import (
     data_parallel,
     gather_objects,
     make_accelerator,
+    unused_parameters_possible,
 )
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
@@ -46,17 +47,16 @@ from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
-from library.train.profiling import Instruments, StepProfiler, TraceWindow
+from library.train.profiling import Instruments
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
-from library.train.sharding import FsdpSettings, shard
+from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
 from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
-from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
 from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 from library.train.validation import validation_loss
@@ -138,29 +138,12 @@ class Trainer:
         self.device = self.accelerator.device
         self.fsdp = FsdpSettings.from_env() if n > 1 else None
         if self.fsdp is not None:
-            self._check_fsdp()
+            why = fsdp_unsupported(self.s, any(isinstance(h, SampleHook) for h in self.s.hooks))
+            if why:
+                raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index)
         self.trace = StepTrace(self.accelerator.process_index)
-
-    def _check_fsdp(self) -> None:
-        """What FSDP2 sharding does not support yet, refused in one line before anything loads."""
-        t, why = self.t, None
-        if self.s.fine_tune is None:
-            why = ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
-                   "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
-        elif self.s.ema.use_ema:
-            why = "--use_ema is not supported with it yet"
-        elif t.save_state or t.resume or t.save_state_on_train_end:
-            why = "--save_state / --resume are not supported with it yet (sharded optimizer states)"
-        elif any(isinstance(h, SampleHook) for h in self.s.hooks):
-            why = "sampling during training is not supported with it yet (every process must run the sharded model)"
-        elif t.compile.torch_compile:
-            why = "--torch_compile is not supported with it yet"
-        elif self.s.memory.blocks_to_swap:
-            why = "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
-        if why:
-            raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
 
     def _shard(self) -> None:
         for name, part in self.trainable.module.items():
@@ -293,8 +276,10 @@ class Trainer:
         t = self.t
         self.step_module = StepModule(self.network, self._batch_loss)
         if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
-            self.step_module = data_parallel(self.step_module, self.device, self._unused_parameters_possible(),
-                                             t.ddp_gradient_as_bucket_view, t.ddp_static_graph)
+            dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
+            unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
+            self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
+                                             t.ddp_static_graph)
         if not isinstance(self.step_module, StepModule):
             ddp = self.step_module
             self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
@@ -337,15 +322,8 @@ class Trainer:
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
-        t = self.t
-        meter = ThroughputMeter(t.log_tflops, self.device, t.gradient_checkpointing) if t.log_tflops else None
-        profiler = StepProfiler(self.device, t.profile_microbatches) if t.profile_steps else None
-        if profiler is not None and not isinstance(self.step_module, StepModule):
-            profiler.watch_allreduce(self.step_module)
-        trace = None
-        if t.profiler_trace_dir and self.accelerator.is_main_process:
-            trace = TraceWindow(t.profiler_trace_dir, *t.profiler_trace_steps, self.device)
-        self.instruments = Instruments(meter, profiler, trace)
+        ddp = None if isinstance(self.step_module, StepModule) else self.step_module
+        self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
@@ -490,12 +468,6 @@ class Trainer:
 
     def _batch_loss(self, batch: dict, generator: torch.Generator):
         return batch_loss(self.ctx, batch, generator)
-
-    def _unused_parameters_possible(self) -> bool:
-        """Whether some trained parameters can miss a step's backward (DDP must then look for them): a trained
-        text encoder (its outputs may come from a cache, or a caption may be dropped) or LoRA module dropout."""
-        dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
-        return bool(self.trained_encoders) or bool(dropout and float(dropout) > 0)
 
     def _micro_step(self, batch: Optional[dict], global_step: int, sync: bool) -> float:
         """Forward and backward of one batch (None: this process has no images this time, see StepModule). With
