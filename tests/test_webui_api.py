@@ -321,3 +321,125 @@ def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, job
     assert "--resume auto: newest intact state is" in log and f"saved {folder}/output/lora.safetensors" in log
     assert log.count("$ cd ") == 2  # the command of each run
     assert os.path.isfile(os.path.join(folder, "output", "lora.safetensors"))
+
+
+# --- issue 14, second part: dataset TOML check, Performance, GPUs and strategy, settings history ----------------
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81559, "memory_used_mib": 1, "utilization_percent": 0}
+TWO_GPUS = [{"index": 0, **H100}, {"index": 1, **H100}]
+
+
+def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_dir):
+    """The dataset TOML goes through the trainer's own --check_config (its dataset-config validation): the error
+    names the folder (subset) and key; a good save is a revision saying what changed; a revision comes back."""
+    _create(client)
+    dataset_toml = os.path.join(jobs_dir, "1", "dataset.toml")
+    before = open(dataset_toml).read()
+    settings = client.get("/api/jobs/1/settings").json()
+    assert settings["launch"] == {}
+    subsets = settings["dataset"]["datasets"][0]["subsets"]
+    subsets.append({"image_dir": "examples/data/train/10_sks shape", "num_repeats": 0, "is_reg": True})
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 422
+    assert r.json()["detail"] == {"error": "dataset.toml: datasets[0].subsets[1].num_repeats: expected an integer "
+                                           ">= 1, got 0", "field": "num_repeats", "where": "datasets[0].subsets[1]"}
+    assert open(dataset_toml).read() == before
+
+    subsets[1]["num_repeats"] = 3
+    settings["config"]["optimizer"]["learning_rate"] = 2e-3
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 200, r.text
+    written = toml.load(dataset_toml)["datasets"][0]["subsets"]
+    assert [(s["num_repeats"], s.get("is_reg", False)) for s in written] == [(1, False), (3, True)]
+
+    history = client.get("/api/jobs/1/revisions").json()
+    assert [h["id"] for h in history] == [2, 1]
+    assert history[1]["changes"] == "created from the template tiny_sd1_lora"
+    assert history[0]["changes"] == ("learning_rate: 0.001 -> 0.002; subsets[1].image_dir: set to examples/data/train/"
+                                      "10_sks shape; subsets[1].is_reg: set to true; subsets[1].num_repeats: set to 3")
+    assert client.get("/api/jobs/1/revisions/1").json()["settings"]["config"]["optimizer"]["learning_rate"] == 1e-3
+    assert client.get("/api/jobs/1/revisions/9").status_code == 404
+    assert client.post("/api/jobs/1/revisions/9/restore").status_code == 404
+    assert client.get("/api/jobs/7/revisions").status_code == 404
+
+    client.app.state.store.update_job(1, status="queued")
+    assert client.post("/api/jobs/1/revisions/1/restore").status_code == 409
+    client.app.state.store.update_job(1, status="draft")
+    restored = client.post("/api/jobs/1/revisions/1/restore")
+    assert restored.status_code == 200, restored.text
+    assert restored.json()["config"]["optimizer"]["learning_rate"] == 1e-3
+    assert len(toml.load(dataset_toml)["datasets"][0]["subsets"]) == 1
+    latest = client.get("/api/jobs/1/revisions").json()[0]
+    assert latest["id"] == 3 and latest["changes"].startswith("restored revision 1: learning_rate: 0.002 -> 0.001; ")
+    assert client.post("/api/jobs/1/revert").status_code == 200
+    assert client.get("/api/jobs/1/revisions").json()[0]["changes"] == "reverted to the template: no changes"
+
+
+def test_history_changes_line():
+    from webui.history import changes
+
+    old = {"config": {"training": {"max_train_steps": 20}}, "dataset": {"datasets": [{"resolution": 64}]},
+           "prompts": []}
+    new = {"config": {"training": {"max_train_steps": 40, "seed": 1}}, "dataset": {"datasets": [{}]},
+           "prompts": ["a cat"], "launch": {"strategy": "ddp"}}
+    assert changes(None, new) == "first save"
+    assert changes(old, old) == "no changes"
+    assert changes(old, new) == ('max_train_steps: 20 -> 40; seed: set to 1; resolution: removed (was 64); '
+                                 'strategy: set to ddp; prompts: [] -> ["a cat"]')
+
+
+def test_performance_options_say_why_not():
+    from webui.performance import availability, refusal
+
+    flags = frozenset({"persistent_data_loader_workers", "gradient_checkpointing", "highvram", "lowram",
+                       "blocks_to_swap", "cpu_offload_checkpointing"})
+    none = availability("sd", "train_network.py", 0, installed=lambda m: m == "torch", flags=flags)
+    assert {o["key"]: o["reason"] for o in none} == {
+        "persistent_data_loader_workers": None, "gradient_checkpointing": None,
+        "flash_attn": "no GPU on this machine; requires flash-attn (pip install flash-attn): not installed; "
+                      "the trainer (train_network.py) has no --flash_attn flag yet",
+        "torch_compile": "the trainer (train_network.py) has no --torch_compile flag yet",
+        "memory": "no GPU on this machine",
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this machine",
+        "cpu_offload_checkpointing": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this "
+                                     "machine"}
+    flux = availability("flux", "flux_train_network.py", 2, installed=lambda m: True,
+                        flags=flags | {"flash_attn", "torch_compile"})
+    assert all(o["available"] for o in flux)
+    assert refusal({"memory": {"blocks_to_swap": 8}}, flux) is None
+    assert refusal({"memory": {"cpu_offload_checkpointing": True}}, flux) == (
+        "--cpu_offload_checkpointing: requires gradient checkpointing (turn it on first)", "cpu_offload_checkpointing")
+    assert refusal({"memory": {"cpu_offload_checkpointing": True}, "training": {"gradient_checkpointing": True}},
+                   flux) is None
+    assert refusal({"training": {"highvram": True, "lowram": True}}, flux)[1] == "memory"
+    assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
+        "--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
+        "this machine", "blocks_to_swap")
+
+
+def test_performance_endpoint_and_refused_saves(jobs_dir):
+    c = TestClient(create_app(jobs_dir, find_gpus=lambda: []))
+    assert c.get("/api/jobs/1/performance").status_code == 404
+    _create(c)
+    options = {o["key"]: o for o in c.get("/api/jobs/1/performance").json()}
+    assert list(options) == ["persistent_data_loader_workers", "gradient_checkpointing", "flash_attn", "torch_compile",
+                             "memory", "blocks_to_swap", "cpu_offload_checkpointing"]
+    assert options["gradient_checkpointing"]["available"] and options["persistent_data_loader_workers"]["available"]
+    assert options["persistent_data_loader_workers"]["needs_reason"] == "needs data-loader workers > 0"
+    assert options["flash_attn"]["reason"].startswith("no GPU on this machine; requires flash-attn")
+    assert options["blocks_to_swap"]["reason"].startswith("not supported for sd (DiT families only")
+    config_toml = os.path.join(jobs_dir, "1", "config.toml")
+    before = open(config_toml).read()
+    settings = c.get("/api/jobs/1/settings").json()
+    for section, key, value, field, error in (
+            ("training", "flash_attn", True, "flash_attn", "--flash_attn: not available: no GPU on this machine; "),
+            ("memory", "blocks_to_swap", 4, "blocks_to_swap", "--blocks_to_swap: not available: not supported for sd"),
+            ("training", "highvram", True, "memory", "--highvram/--lowram: not available: no GPU on this machine"),
+            ("dataset", "persistent_data_loader_workers", True, "persistent_data_loader_workers",
+             "--persistent_data_loader_workers: needs data-loader workers > 0")):  # the template has 0 workers
+        changed = {**settings, "config": {**settings["config"], section: {**settings["config"].get(section, {}),
+                                                                          key: value}}}
+        r = c.put("/api/jobs/1/settings", json=changed)
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
+        assert r.json()["detail"]["error"].startswith(error) and "\n" not in r.json()["detail"]["error"]
+    assert open(config_toml).read() == before
