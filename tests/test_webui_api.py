@@ -413,12 +413,12 @@ def test_performance_options_say_why_not():
                    flux) is None
     assert refusal({"training": {"highvram": True, "lowram": True}}, flux)[1] == "memory"
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        "--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
-        "this machine", "blocks_to_swap")
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
+        "this machine"), "blocks_to_swap")
 
 
 def test_performance_endpoint_and_refused_saves(jobs_dir):
-    c = TestClient(create_app(jobs_dir, find_gpus=lambda: []))
+    c = TestClient(create_app(jobs_dir, find_gpus=list))
     assert c.get("/api/jobs/1/performance").status_code == 404
     _create(c)
     options = {o["key"]: o for o in c.get("/api/jobs/1/performance").json()}
@@ -443,3 +443,64 @@ def test_performance_endpoint_and_refused_saves(jobs_dir):
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
         assert r.json()["detail"]["error"].startswith(error) and "\n" not in r.json()["detail"]["error"]
     assert open(config_toml).read() == before
+
+
+def test_gpu_choice_and_strategy_write_the_accelerate_config(jobs_dir):
+    """GPUs (a stand-in for nvidia-smi: two H100s) and the strategy are the job's launch.toml; the accelerate
+    config is written by tools/make_accelerate_config.py (its one-line refusals come back next to the option)
+    and the run becomes `CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file <job>/accelerate_config.yaml`."""
+    import yaml
+
+    from webui.jobfiles import REPO_ROOT, JobFolder
+    from webui.runner import gpu_environment
+
+    c = TestClient(create_app(jobs_dir, find_gpus=lambda: TWO_GPUS))
+    assert c.get("/api/hardware").json()["gpus"] == TWO_GPUS
+    _create(c)
+    folder = os.path.join(jobs_dir, "1")
+    settings = c.get("/api/jobs/1/settings").json()
+    for launch, field, error in (
+            ({"gpu_ids": [3]}, "gpu_ids", "gpu_ids: no GPU 3 on this machine (GPUs found: 0, 1)"),
+            ({"gpu_ids": [0, 1]}, "strategy", ("strategy: 2 GPUs selected: choose a multi-GPU strategy (DDP, FSDP1, "
+                                              "FSDP2 or DeepSpeed)")),
+            ({"gpu_ids": [0], "strategy": "ddp"}, "gpu_ids", ("gpu_ids: ddp runs one process per chosen GPU: choose 2 "
+                                                             "or more")),
+            ({"gpu_ids": [0, 1], "strategy": "fsdp1", "fsdp_use_orig_params": False}, "fsdp_use_orig_params",
+             ("fsdp_use_orig_params: must stay on with LoRA (frozen base weights and trained LoRA weights share FSDP "
+             "units)")),
+            ({"gpu_ids": [0, 1], "strategy": "fsdp2", "fsdp_limit_all_gathers": False}, "fsdp_limit_all_gathers",
+             "tools/make_accelerate_config.py: --fsdp_limit_all_gathers false: accelerate's config has no key for it"),
+            ({"strategy": "nccl"}, "strategy", ("strategy: expected one of single, ddp, fsdp1, fsdp2, deepspeed, got "
+                                               "'nccl'"))):
+        r = c.put("/api/jobs/1/settings", json={**settings, "launch": launch})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
+        assert r.json()["detail"]["error"].startswith(error), r.text
+    assert not os.path.exists(os.path.join(folder, "accelerate_config.yaml"))
+    assert not os.path.exists(os.path.join(folder, ".accelerate_config.yaml"))
+
+    launch = {"gpu_ids": [1, 0], "strategy": "fsdp1", "fsdp_wrap_policy": "SIZE_BASED_WRAP",
+              "fsdp_min_num_params": 1000, "fsdp_forward_prefetch": True, "fsdp_reshard_after_forward": False,
+              "zero_stage": 3}  # a DeepSpeed option: not this strategy's, dropped
+    settings["config"]["training"]["mixed_precision"] = "bf16"
+    r = c.put("/api/jobs/1/settings", json={**settings, "launch": launch})
+    assert r.status_code == 200, r.text
+    assert r.json()["launch"] == {"gpu_ids": [0, 1], "strategy": "fsdp1", "fsdp_wrap_policy": "SIZE_BASED_WRAP",
+                                  "fsdp_min_num_params": 1000, "fsdp_forward_prefetch": True,
+                                  "fsdp_reshard_after_forward": False}
+    written = yaml.safe_load(open(os.path.join(folder, "accelerate_config.yaml")))
+    assert (written["distributed_type"], written["num_processes"], str(written["gpu_ids"]),
+            written["mixed_precision"]) == ("FSDP", 2, "0,1", "bf16")
+    fsdp = written["fsdp_config"]
+    assert (fsdp["fsdp_version"], fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_min_num_params"],
+            fsdp["fsdp_forward_prefetch"], fsdp["fsdp_sharding_strategy"]) == (1, "SIZE_BASED_WRAP", 1000, True,
+                                                                               "SHARD_GRAD_OP")
+    assert gpu_environment(JobFolder(jobs_dir, 1)) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert c.get("/api/jobs/1").json()["command"] == (
+        f"cd {REPO_ROOT} && CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file {folder}/accelerate_config.yaml "
+        f"train_network.py --config_file {folder}/config.toml")
+    assert "launch" not in toml.load(os.path.join(folder, "config.toml"))  # the UI's own file, not a trainer flag
+
+    r = c.post("/api/jobs/1/revert")  # the template has no strategy: one process, no accelerate config
+    assert r.status_code == 200 and r.json()["launch"] == {}
+    assert not os.path.exists(os.path.join(folder, "accelerate_config.yaml"))
+    assert c.get("/api/jobs/1").json()["command"].endswith(f"python train_network.py --config_file {folder}/config.toml")

@@ -7,6 +7,7 @@ import hmac
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from fastapi import Body, FastAPI, HTTPException, Query, Request
@@ -97,12 +98,19 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         scratch_config = os.path.join(folder.path, ".accelerate_config.yaml")
         try:
             settings["launch"] = clean_launch(settings.get("launch"), [g["index"] for g in find_gpus()], job["mode"])
-            if check:
-                folder.check_settings(settings, script_for(job["family"], job["mode"]))
+            jobs = []  # the trainer's check and the accelerate config generator: two processes, run side by side
             if settings["launch"].get("strategy"):
-                mixed = performance.config_value(config, "mixed_precision")
-                write_accelerate_config(settings["launch"], job["family"], mixed, scratch_config)
+                flags = {k: performance.config_value(config, k) for k in ("mixed_precision", "gradient_accumulation_steps")}
+                jobs.append(lambda: write_accelerate_config(settings["launch"], job["family"], job["mode"], flags,
+                                                            scratch_config))
+            if check:
+                jobs.append(lambda: folder.check_settings(settings, script_for(job["family"], job["mode"])))
+            with ThreadPoolExecutor(2) as pool:
+                for future in [pool.submit(j) for j in jobs]:
+                    future.result()  # the generator's refusal first, then the trainer's
         except SettingsError as e:
+            if os.path.exists(scratch_config):
+                os.remove(scratch_config)
             raise HTTPException(422, {"error": str(e), "field": e.field, "where": e.where}) from None
         previous = store.last_revision(job["id"])
         folder.write_settings(settings)

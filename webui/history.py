@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 MAX_SHOWN = 6
 
@@ -40,7 +40,7 @@ def _name(path: str) -> str:
     return parts[-1]
 
 
-def changes(old: Optional[dict[str, Any]], new: dict[str, Any]) -> str:
+def changes(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
     """'learning_rate: 0.001 -> 0.002; max_train_steps: 20 -> 40; +2 more'; 'no changes' when equal."""
     if old is None:
         return "first save"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from webui.jobfiles import REPO_ROOT, SettingsError, one_line_error
 
@@ -33,7 +33,8 @@ STRATEGY_OPTIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "offload_optimizer_device": (("deepspeed",), "--offload_optimizer_device", "choice:" + "|".join(OFFLOAD_DEVICES)),
     "offload_param_device": (("deepspeed",), "--offload_param_device", "choice:" + "|".join(OFFLOAD_DEVICES)),
 }
-LAUNCH_KEYS = ("gpu_ids", "strategy", *STRATEGY_OPTIONS)
+LAUNCH_KEYS = ("gpu_ids", "strategy", "cpu_processes", *STRATEGY_OPTIONS)
+GPU_STRATEGIES = ("fsdp1", "fsdp2", "deepspeed")  # accelerate runs these on GPUs only
 
 
 def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, Any]:
@@ -65,6 +66,20 @@ def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, An
     if len(ids) > 1 and strategy in (None, "single"):
         raise SettingsError(f"strategy: {len(ids)} GPUs selected: choose a multi-GPU strategy "
                             "(DDP, FSDP1, FSDP2 or DeepSpeed)", "strategy")
+    if not gpu_indices and strategy in GPU_STRATEGIES:
+        raise SettingsError(f"strategy: {strategy} needs GPUs (none on this machine; DDP runs on CPU processes)",
+                            "strategy")
+    if gpu_indices and strategy not in (None, "single") and len(ids) < 2:
+        raise SettingsError(f"gpu_ids: {strategy} runs one process per chosen GPU: choose 2 or more", "gpu_ids")
+    cpu_processes = out.pop("cpu_processes", None)
+    if not gpu_indices and strategy == "ddp":  # no GPU: DDP between CPU processes
+        cpu_processes = 2 if cpu_processes is None else cpu_processes
+        if isinstance(cpu_processes, bool) or not isinstance(cpu_processes, int) or cpu_processes < 2:
+            raise SettingsError(f"cpu_processes: expected an integer >= 2 (DDP on CPU processes), got "
+                                f"{cpu_processes!r}", "cpu_processes")
+        out["cpu_processes"] = cpu_processes
+    elif not gpu_indices and strategy == "single":
+        out["cpu_processes"] = 1
     for key, (strategies, _, kind) in STRATEGY_OPTIONS.items():
         if key not in out:
             continue
@@ -85,18 +100,24 @@ def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, An
 
 
 def num_processes(launch: dict[str, Any]) -> int:
-    return max(1, len(launch.get("gpu_ids") or []))
+    """One process per chosen GPU; without GPUs, the CPU processes of DDP (else one)."""
+    return len(launch.get("gpu_ids") or []) or launch.get("cpu_processes") or 1
 
 
-def generator_command(launch: dict[str, Any], family: str, mixed_precision: Optional[str], output: str) -> list[str]:
-    """The generator's command line for the job's launch settings (only the chosen strategy's options)."""
+def generator_command(launch: dict[str, Any], family: str, mode: str, config: dict[str, Any], output: str) -> list[str]:
+    """The generator's command line for the job's launch settings (only the chosen strategy's options); the
+    precision and gradient accumulation come from the job's config (`config`: flag name -> value)."""
     strategy = launch["strategy"]
     argv = [sys.executable, GENERATOR, "--strategy", strategy, "--num_processes", str(num_processes(launch))]
     if launch.get("gpu_ids"):
         argv += ["--gpu_ids", ",".join(map(str, launch["gpu_ids"]))]
-    if mixed_precision in ("no", "fp16", "bf16"):
-        argv += ["--mixed_precision", mixed_precision]
-    argv += ["--family", family]
+    if launch.get("cpu_processes"):
+        argv.append("--cpu")  # a machine without GPUs: accelerate's CPU processes
+    if config.get("mixed_precision") in ("no", "fp16", "bf16"):
+        argv += ["--mixed_precision", config["mixed_precision"]]
+    if strategy == "deepspeed" and config.get("gradient_accumulation_steps"):
+        argv += ["--gradient_accumulation_steps", str(config["gradient_accumulation_steps"])]
+    argv += ["--family", family, "--mode", mode]
     for key, (strategies, flag, kind) in STRATEGY_OPTIONS.items():
         if strategy not in strategies or key not in launch:
             continue
@@ -111,16 +132,16 @@ def generator_command(launch: dict[str, Any], family: str, mixed_precision: Opti
     return argv + ["--output", output]
 
 
-def write_accelerate_config(launch: dict[str, Any], family: str, mixed_precision: Optional[str], output: str,
+def write_accelerate_config(launch: dict[str, Any], family: str, mode: str, config: dict[str, Any], output: str,
                             timeout: float = 120) -> None:
     """Run the generator; its one-line error (exit 2) becomes a SettingsError naming the option."""
     if not os.path.isfile(os.path.join(REPO_ROOT, GENERATOR)):
         raise SettingsError(f"strategy: {GENERATOR} is not in this toolkit yet: cannot write the accelerate config",
                             "strategy")
-    argv = generator_command(launch, family, mixed_precision, output)
-    result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+    argv = generator_command(launch, family, mode, config, output)
+    result = subprocess.run(argv, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
                             stdin=subprocess.DEVNULL)
     if result.returncode != 0 or not os.path.isfile(output):
         message = one_line_error(result.stderr or result.stdout).replace(output, "accelerate_config.yaml")
-        field = next((key for key in STRATEGY_OPTIONS if key in message), "strategy")
+        field = next((key for key in ("gpu_ids", *STRATEGY_OPTIONS) if f"--{key}" in message), "strategy")
         raise SettingsError(f"{GENERATOR}: {message}", field)

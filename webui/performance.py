@@ -11,7 +11,8 @@ import importlib.util
 import re
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from webui.jobfiles import REPO_ROOT, find_key
 
@@ -32,12 +33,12 @@ OPTIONS = [
      "training", "bool", ["gpu", "package:flash_attn:flash-attn", "flag"]),
     ("torch_compile", "Torch compile", "dynamo inductor; slower first step (the model is compiled), faster after",
      "training", "bool", ["package:torch", "flag"]),
-    ("memory", "Load model to", "VRAM (--highvram: keep everything on the GPU) or RAM (--lowram: load to CPU "
-     "memory first); the trainer accepts both for compatibility", "training", "memory", ["gpu"]),
-    ("blocks_to_swap", "Block swap count", "0 = off; N transformer blocks stay in CPU memory and are streamed "
-     "to the GPU (DiT families only: flux, later sd3 / anima)", "memory", "int", ["family:block_swap", "gpu", "flag"]),
-    ("cpu_offload_checkpointing", "Activation CPU offload", "--cpu_offload_checkpointing: keep checkpointed "
-     "activations in CPU memory until backward; requires gradient checkpointing", "memory", "bool",
+    ("memory", "Load model to", ("VRAM (--highvram: keep everything on the GPU) or RAM (--lowram: load to CPU "
+     "memory first); the trainer accepts both for compatibility"), "training", "memory", ["gpu"]),
+    ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
+     "to the GPU (DiT families only: flux, later sd3 / anima)"), "memory", "int", ["family:block_swap", "gpu", "flag"]),
+    ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
+     "activations in CPU memory until backward; requires gradient checkpointing"), "memory", "bool",
      ["family:block_swap", "gpu", "flag", "needs:gradient_checkpointing"]),
 ]
 NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
@@ -45,11 +46,11 @@ NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
 MEMORY_FLAGS = ("highvram", "lowram")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trainer_flags(script: str, timeout: float = 120) -> frozenset[str]:
     """The flags `<script> --help` lists (without the dashes); empty when it cannot run."""
     try:
-        result = subprocess.run([sys.executable, script, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+        result = subprocess.run([sys.executable, script, "--help"], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
                                 timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()
@@ -79,7 +80,7 @@ def _needs_on(config: dict, key: str) -> bool:
 
 def availability(family: str, script: str, gpu_count: int,
                  installed: Callable[[str], bool] = package_installed,
-                 flags: Optional[frozenset[str]] = None) -> list[dict[str, Any]]:
+                 flags: frozenset[str] | None = None) -> list[dict[str, Any]]:
     """Each option with `available` and, when not, `reason` (every reason, '; '-joined). `needs`: the option
     that must be on as well (the page disables it while that one is off; the server refuses it)."""
     flags = trainer_flags(script) if flags is None else flags
@@ -116,7 +117,7 @@ def is_on(config: dict, option: dict[str, Any]) -> bool:
     return bool(value)
 
 
-def refusal(config: dict, options: list[dict[str, Any]]) -> Optional[tuple[str, str]]:
+def refusal(config: dict, options: list[dict[str, Any]]) -> tuple[str, str] | None:
     """(one-line error, field) for the first option the settings turn on that cannot be used, else None."""
     for option in options:
         if not is_on(config, option):

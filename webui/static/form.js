@@ -108,6 +108,7 @@ const STRATEGIES = {
 // [key, label, type, help, strategies, default]; "config:" keys are trainer flags in config.toml, the others
 // go to tools/make_accelerate_config.py through launch.toml.
 const STRATEGY_FIELDS = [
+  ["cpu_processes", "CPU processes", "int", "no GPU on this machine: DDP between this many processes on the CPU", ["ddp"], 2],
   ["config:ddp_gradient_as_bucket_view", "Gradients as bucket views", "bool", "--ddp_gradient_as_bucket_view: gradients live in DDP's all-reduce buckets (saves one copy of the gradients)", ["ddp"]],
   ["config:ddp_static_graph", "Static graph", "bool", "--ddp_static_graph: the set of trained parameters is the same every step (lets DDP skip the unused-parameter search)", ["ddp"]],
   ["config:ddp_timeout", "Timeout (minutes)", "int", "--ddp_timeout: how long a process waits for the others in a collective operation", ["ddp"]],
@@ -554,14 +555,20 @@ function renderGpus(fs) {
 }
 function processesText() {
   const n = document.querySelectorAll(".gpu-pick:checked").length;
-  return n ? `${n} process(es), one per chosen GPU` : "1 process (no GPU chosen)";
+  if (n) return `${n} process(es), one per chosen GPU (CUDA_VISIBLE_DEVICES, --num_processes)`;
+  return gpuList.length ? "1 process: choose GPUs above for more" : "No GPU: the processes run on the CPU (accelerate --cpu)";
 }
 function renderMultiGpu(fs) {
   const wrap = el("div", { class: "field", "data-field": "strategy" });
   wrap.appendChild(el("label", { for: "f-strategy" }, "Strategy"));
   const sel = el("select", { id: "f-strategy" });
   sel.appendChild(el("option", { value: "" }, "(none: no accelerate config)"));
-  for (const [key, [label]] of Object.entries(STRATEGIES)) sel.appendChild(el("option", { value: key }, label));
+  for (const [key, [label]] of Object.entries(STRATEGIES)) {
+    const needsGpu = !gpuList.length && ["fsdp1", "fsdp2", "deepspeed"].includes(key);
+    const opt = el("option", { value: key }, needsGpu ? `${label} (needs GPUs)` : label);
+    opt.disabled = needsGpu;
+    sel.appendChild(opt);
+  }
   sel.value = settings.launch.strategy || "";
   wrap.appendChild(sel);
   fs.appendChild(wrap);
@@ -575,7 +582,7 @@ function renderMultiGpu(fs) {
     details.appendChild(el("p", { class: "muted", id: "strategy-processes" }, processesText()));
     const grid = el("div", { class: "fields" });
     for (const [key, label, type, help, strategies, dflt] of STRATEGY_FIELDS) {
-      if (!strategies.includes(s)) continue;
+      if (!strategies.includes(s) || (key === "cpu_processes" && gpuList.length)) continue;
       const name = key.replace(/^config:/, "");
       let value = key.startsWith("config:") ? configValue(name) : settings.launch[name];
       if (value === undefined) value = dflt;
