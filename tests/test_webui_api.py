@@ -345,7 +345,13 @@ def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_di
                                            ">= 1, got 0", "field": "num_repeats", "where": "datasets[0].subsets[1]"}
     assert open(dataset_toml).read() == before
 
-    subsets[1]["num_repeats"] = 3
+    subsets[1].update(image_dir="examples/no such folder", num_repeats=3)  # refused before the trainer's check
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "dataset.toml: datasets[0].subsets[1].image_dir: no such folder: examples/no such folder",
+        "field": "image_dir", "where": "datasets[0].subsets[1]"}
+
+    subsets[1]["image_dir"] = "examples/data/train/10_sks shape"
     settings["config"]["optimizer"]["learning_rate"] = 2e-3
     r = client.put("/api/jobs/1/settings", json=settings)
     assert r.status_code == 200, r.text

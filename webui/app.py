@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from webui import logs, performance
-from webui.folders import Roots, dataset_paths
+from webui.folders import Roots, dataset_paths, missing_dataset_folders
 from webui.hardware import gpus
 from webui.history import changes
 from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, script_for, templates
@@ -88,6 +88,11 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                 raise HTTPException(403, {"error": f"{key} {path}: outside the allowed folders "
                                                    f"({', '.join(roots.roots)}; the server's --data_root)",
                                           "field": key})
+        if check:
+            for key, path, where in missing_dataset_folders(settings.get("dataset") or {}):
+                what = "file" if key == "metadata_file" else "folder"
+                raise HTTPException(422, {"error": f"dataset.toml: {where}.{key}: no such {what}: {path}",
+                                          "field": key, "where": where})
         config = settings["config"]
         for section in config.values():  # "Block swap count" 0 is off: no flag (the trainer wants >= 1)
             if isinstance(section, dict) and section.get("blocks_to_swap") == 0:
