@@ -408,9 +408,11 @@ def test_performance_options_say_why_not():
         "memory": "no GPU on this machine",
         "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this machine",
         "cpu_offload_checkpointing": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this "
-                                     "machine"}
+                                     "machine",
+        "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
+        "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
     flux = availability("flux", "flux_train_network.py", 2, installed=lambda m: True,
-                        flags=flags | {"flash_attn", "torch_compile"})
+                        flags=flags | {"flash_attn", "torch_compile", "profile_steps", "profile_microbatches"})
     assert all(o["available"] for o in flux)
     assert refusal({"memory": {"blocks_to_swap": 8}}, flux) is None
     assert refusal({"memory": {"cpu_offload_checkpointing": True}}, flux) == (
@@ -429,7 +431,9 @@ def test_performance_endpoint_and_refused_saves(jobs_dir):
     _create(c)
     options = {o["key"]: o for o in c.get("/api/jobs/1/performance").json()}
     assert list(options) == ["persistent_data_loader_workers", "gradient_checkpointing", "flash_attn", "torch_compile",
-                             "memory", "blocks_to_swap", "cpu_offload_checkpointing"]
+                             "memory", "blocks_to_swap", "cpu_offload_checkpointing", "profile_steps",
+                             "profile_microbatches"]
+    assert [o["group"] for o in options.values()] == ["performance"] * 7 + ["diagnostics"] * 2
     assert options["gradient_checkpointing"]["available"] and options["persistent_data_loader_workers"]["available"]
     assert options["persistent_data_loader_workers"]["needs_reason"] == "needs data-loader workers > 0"
     assert options["flash_attn"]["reason"].startswith("no GPU on this machine; requires flash-attn")

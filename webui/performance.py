@@ -1,4 +1,4 @@
-"""The Performance options of a job and whether this machine, the job's family and the trainer can use each.
+"""The Performance (and Diagnostics) options of a job and whether this machine, the job's family and the trainer can use each.
 
 Packages are looked up with importlib.util.find_spec (nothing is imported), GPUs with nvidia-smi
 (webui.hardware), and the trainer's flags from its own `--help` (once per script): the UI imports no trainer.
@@ -40,7 +40,13 @@ OPTIONS = [
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
      "activations in CPU memory until backward; requires gradient checkpointing"), "memory", "bool",
      ["family:block_swap", "gpu", "flag", "needs:gradient_checkpointing"]),
+    # Diagnostics: trainer flags, offered once the job's script has them
+    ("profile_steps", "Per-step timing breakdown", "--profile_steps: how long data loading, forward, backward and "
+     "the optimizer step take in each step, in the log", "diagnostics", "bool", ["flag"]),
+    ("profile_microbatches", "Per-micro-batch times", "--profile_microbatches: the time of every micro-batch "
+     "(with gradient accumulation), in the log", "diagnostics", "bool", ["flag"]),
 ]
+DIAGNOSTICS = ("profile_steps", "profile_microbatches")
 NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
               "gradient_checkpointing": "requires gradient checkpointing (turn it on first)"}
 MEMORY_FLAGS = ("highvram", "lowram")
@@ -103,6 +109,7 @@ def availability(family: str, script: str, gpu_count: int,
             elif req.startswith("needs:"):
                 needs = req[len("needs:"):]
         out.append({"key": key, "label": label, "help": help_text, "section": section, "kind": kind,
+                    "group": "diagnostics" if key in DIAGNOSTICS else "performance",
                     "available": not reasons, "reason": "; ".join(reasons) or None,
                     "needs": needs, "needs_reason": NEEDS_TEXT.get(needs) if needs else None})
     return out

@@ -83,10 +83,7 @@ const SECTIONS = [
     ["config", "sample_every_n_epochs", "Sample every N epochs", "int", "needs at least one prompt below", "sampling"],
     ["config", "sample_sampler", "Sampler", "select:|ddim|euler|euler_a|dpmsolver++|k_dpm_2|lms|pndm|flow_euler", "sampler of the sample images", "sampling"],
   ]],
-  ["Diagnostics", [
-    ["config", "profile_steps", "Per-step timing breakdown", "bool", "--profile_steps: time data loading, forward, backward and optimizer step of each step, in the log", "diagnostics"],
-    ["config", "profile_microbatches", "Per-micro-batch times", "bool", "--profile_microbatches: the time of every micro-batch (with gradient accumulation), in the log", "diagnostics"],
-  ]],
+  ["Diagnostics", "diagnostics"],
   ["Hardware Allocation", "gpus"],
   ["Multi-GPU Optimization", "multigpu"],
 ];
@@ -266,10 +263,12 @@ function parseValue(type, input) {
 }
 
 // --- Performance: the server says what this machine, the family and the trainer can use --------------------
-function renderPerformance(fs) {
+function renderPerformance(fs) { renderOptions(fs, "performance"); }
+function renderDiagnostics(fs) { renderOptions(fs, "diagnostics"); }
+function renderOptions(fs, group) {
   const grid = el("div", { class: "fields" });
-  grid.appendChild(renderField(["config", "max_data_loader_n_workers", "Data-loader workers", "int", "processes loading images (default 8, capped at the CPU count); 0 loads them in the training process", "dataset"]));
-  for (const o of perfOptions) {
+  if (group === "performance") grid.appendChild(renderField(["config", "max_data_loader_n_workers", "Data-loader workers", "int", "processes loading images (default 8, capped at the CPU count); 0 loads them in the training process", "dataset"]));
+  for (const o of perfOptions.filter((p) => p.group === group)) {
     let wrap;
     if (o.kind === "memory") {
       const value = configValue("highvram") ? "highvram" : configValue("lowram") ? "lowram" : "";
@@ -618,7 +617,7 @@ function readLaunch() {
   settings.launch = launch;
 }
 
-const RENDERERS = { performance: renderPerformance, folders: renderFolders, finetune: renderFinetune,
+const RENDERERS = { performance: renderPerformance, diagnostics: renderDiagnostics, folders: renderFolders, finetune: renderFinetune,
   gpus: renderGpus, multigpu: renderMultiGpu };
 
 // --- reading the form, saving, errors ---------------------------------------------------------------------------
