@@ -1,7 +1,8 @@
 """The web UI in headless Chromium (Debian's chromium + chromium-driver, driven by selenium; no browser
 download): create a job from a template, change a setting, see the trainer's validation error next to the
 field, start the job, see the console stream, the progress, the loss chart and a sample image, stop it, delete
-the TensorBoard event files. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_job.png and webui_samples.png.
+the TensorBoard event files; on the way, Performance reasons, a second dataset folder, a strategy and a restored
+settings revision. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_{job,samples,settings,multigpu}.png.
 
 `bash scripts/test.sh` installs chromium and chromium-driver with apt when they are missing and it runs as root;
 otherwise this test is skipped and says what to install."""
