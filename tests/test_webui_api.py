@@ -514,3 +514,22 @@ def test_gpu_choice_and_strategy_write_the_accelerate_config(jobs_dir):
     assert r.status_code == 200 and r.json()["launch"] == {}
     assert not os.path.exists(os.path.join(folder, "accelerate_config.yaml"))
     assert c.get("/api/jobs/1").json()["command"].endswith(f"python train_network.py --config_file {folder}/config.toml")
+
+
+def test_the_run_sees_only_the_chosen_gpus(client, jobs_dir, monkeypatch, tmp_path):
+    """The runner gives the run CUDA_VISIBLE_DEVICES from launch.toml's gpu_ids and logs it with the command.
+    (A stand-in command that prints what it sees: no training.)"""
+    import sys
+
+    import webui.runner
+
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('visible:', os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
+    monkeypatch.setattr(webui.runner, "training_command", lambda job, folder: [sys.executable, str(script)])
+    _create(client)
+    with open(os.path.join(jobs_dir, "1", "launch.toml"), "w") as f:  # as a hand edit: the checked PUT is above
+        f.write("gpu_ids = [0, 2]\n")
+    client.post("/api/jobs/1/start")
+    assert client.app.state.runner.wait(1, 30) == "finished"
+    log = client.get("/api/jobs/1/log").text
+    assert "data: $ cd " in log and " && CUDA_VISIBLE_DEVICES=0,2 python " in log and "data: visible: 0,2\n" in log

@@ -236,10 +236,12 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     assert toml.load(os.path.join(job, "config.toml"))["distributed"] == {"ddp_timeout": 20}
     assert f"accelerate launch --config_file {job}/accelerate_config.yaml train_network.py --config_file " \
         in browser.find_element(By.ID, "command").text
+    browser.set_window_size(1400, 1500)  # the Performance options and both folders in one picture
     browser.execute_script("document.querySelector('[data-section=\"Performance\"]').scrollIntoView()")
     browser.save_screenshot(os.path.join(shots, "webui_settings.png"))
     browser.execute_script("document.querySelector('[data-section=\"Multi-GPU Optimization\"]').scrollIntoView()")
     browser.save_screenshot(os.path.join(shots, "webui_multigpu.png"))
+    browser.set_window_size(1400, 1000)
 
     # the settings history: newest first; Restore brings back the save before (one folder, no strategy)
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history li")) == 3)
