@@ -30,10 +30,10 @@ from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
 from library.train.distributed import (
-    GradientReducer,
+    StepModule,
     StepTrace,
     any_process,
-    broadcast_parameters,
+    data_parallel,
     make_accelerator,
 )
 from library.train.ema import EMA
@@ -93,7 +93,8 @@ class Trainer:
         self.session_id = 0
         self.started_at = 0.0
         self.saver: Optional[RunSaver] = None  # made once training starts
-        self.reducer: Optional[GradientReducer] = None  # with several processes: averages the gradients
+        # The trained weights with the batch loss as forward; DDP-wrapped with several processes (distributed.py)
+        self.step_module: Optional[torch.nn.Module] = None
         self.trace: Optional[StepTrace] = None
         self.step_logs: dict[str, float] = {}
 
@@ -117,8 +118,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
-        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_gradient_as_bucket_view,
-                                            t.ddp_static_graph)
+        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
@@ -228,14 +228,20 @@ class Trainer:
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
         if self.accelerator.num_processes > 1:
-            # Not wrapped in DDP (a LoRA's forward is never called, so DDP would reduce nothing): every process
-            # starts from rank 0's weights and the loop averages the gradients itself (library/train/distributed.py).
+            # DDP wraps a StepModule (trained weights + the loss as forward), not the network, whose own forward
+            # a LoRA never calls (library/train/distributed.py); DDP broadcasts rank 0's weights at the start.
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
-            broadcast_parameters(list(self.trainable.module.parameters()))
-            self.reducer = GradientReducer(p for g in self.optimizer.param_groups for p in g["params"])
         else:
             self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+        t = self.t
+        self.step_module = data_parallel(StepModule(self.network, self._batch_loss), self.device,
+                                         self._unused_parameters_possible(), t.ddp_gradient_as_bucket_view,
+                                         t.ddp_static_graph)
+        if not isinstance(self.step_module, StepModule):
+            ddp = self.step_module
+            self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
+                                      ddp.find_unused_parameters, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
         self.schedule_free = is_schedule_free(self.optimizer)
         if self.s.ema.use_ema:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
@@ -378,14 +384,14 @@ class Trainer:
                 if batch["image_paths"]:  # empty when every image of the batch failed to decode
                     group_losses.append(self._micro_step(batch, global_step, last_in_group))
                     self.trace.batch(batch["image_paths"])
+                elif self.accelerator.num_processes > 1:  # join the others' gradient all-reduce with zeros
+                    self._micro_step(None, global_step, last_in_group)
                 batches_done = i + 1 if i + 1 < len(refs) else 0
                 self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
                 if not last_in_group:
                     continue
-                if self.reducer is not None:  # every process steps together (a process without a loss adds zeros)
-                    self.reducer.reduce()
-                elif not group_losses:  # every image of the group failed to decode: no step was taken
-                    continue
+                if not group_losses and self.accelerator.num_processes == 1:
+                    continue  # every image of the group failed to decode: no step (several processes step together)
                 self._optimizer_step(global_step + 1)
                 global_step += 1
                 epoch_losses.extend(group_losses)
@@ -412,23 +418,41 @@ class Trainer:
         bar.close()
         return self._finish()
 
-    def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
-        """Forward and backward of one batch. With several processes the gradients are averaged once per
-        optimizer step, after the last micro-batch (self.reducer), so accumulation needs no no_sync."""
+    def _batch_loss(self, batch: dict, generator: torch.Generator):
+        return batch_loss(self.ctx, batch, generator)
+
+    def _unused_parameters_possible(self) -> bool:
+        """Whether some trained parameters can miss a step's backward (DDP must then look for them): a trained
+        text encoder (its outputs may come from a cache, or a caption may be dropped) or LoRA module dropout."""
+        dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
+        return bool(self.trained_encoders) or bool(dropout and float(dropout) > 0)
+
+    def _micro_step(self, batch: Optional[dict], global_step: int, sync: bool) -> float:
+        """Forward and backward of one batch (None: this process has no images this time, see StepModule). With
+        several processes DDP averages the gradients during the backward of the group's last micro-batch; the
+        others run under no_sync."""
         meter = self.meter.count if self.meter else _null_phase
-        with meter("forward"):
-            loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
+        ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
+        with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            with meter("forward"):
+                loss, _ = self.step_module(batch, self.noise_generator)
+            if batch is None:
+                self.accelerator.backward(loss)
+                return 0.0
+            self._check_finite(loss, batch, global_step)
+            with meter("backward"):
+                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+        if self.block_swapper is not None:
+            self.block_swapper.release()
+        return loss.item()
+
+    def _check_finite(self, loss: torch.Tensor, batch: dict, global_step: int) -> None:
         if not torch.isfinite(loss):
             paths = ", ".join(batch.get("image_paths", [])[:8])
             raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                 f"Images in this batch: {paths}. The files saved so far are intact; "
                                 f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
                                 f"or a lower learning rate")
-        with meter("backward"):
-            self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
-        if self.block_swapper is not None:
-            self.block_swapper.release()
-        return loss.item()
 
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
