@@ -8,6 +8,7 @@ step, files written by rank 0 only.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -195,8 +196,17 @@ def test_two_loopback_nodes_one_process_each(tmp_path):
     tmp = str(tmp_path)
     data = dataset(tmp)
     launch(tmp, 2, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
-                              extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view"]))
+                              extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
+                                     "--profile_steps"]))
     check_run(tmp, steps=5, images=8, ddp=(True, True, False))
+    # --profile_steps times DDP's bucket all-reduces (rank 0's TensorBoard events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {os.path.dirname(p) for p in glob.glob(os.path.join(tmp, "logs", "**", "events.*"), recursive=True)}
+    acc = EventAccumulator(events)
+    acc.Reload()
+    comm = acc.Scalars("profile/allreduce_seconds")
+    assert [e.step for e in comm] == [1, 2, 3, 4, 5] and all(0 < e.value < 10 for e in comm)
 
 
 # --- the pieces, in one process ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 import toml
 
 from library.core.errors import ConfigError
+from library.train.profiling import parse_step_range
 from library.train.settings import TrainingOptions
 from library.train.tracking import WANDB_MISSING, wandb_installed
 
@@ -81,6 +82,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_tflops", type=int, default=None, metavar="N",
                    help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
                         "and, on a known GPU, the fraction of its bf16 peak")
+
+    g = parser.add_argument_group("diagnostics")
+    g.add_argument("--profile_steps", action="store_true",
+                   help="per-step timing breakdown in the log and TensorBoard: data wait, forward, backward "
+                        "(and the all-reduce overlapped with it), optimizer, other")
+    g.add_argument("--profile_microbatches", action="store_true",
+                   help="with the breakdown, the forward/backward time of every gradient-accumulation micro-batch")
+    g.add_argument("--profiler_trace_dir", type=str, default=None,
+                   help="write a torch.profiler trace of --profiler_trace_steps here (TensorBoard / Perfetto)")
+    g.add_argument("--profiler_trace_steps", type=str, default="3-4", metavar="A-B",
+                   help="optimizer steps the trace covers, inclusive (default 3-4: after warm-up)")
 
     g = parser.add_argument_group("validation")
     g.add_argument("--validate_every_n_steps", type=int, default=None, help="validation loss every N steps (needs validation_split)")
@@ -201,6 +213,10 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_config=run_config,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
+        profile_steps=ns.profile_steps or ns.profile_microbatches,
+        profile_microbatches=ns.profile_microbatches,
+        profiler_trace_dir=ns.profiler_trace_dir,
+        profiler_trace_steps=_trace_steps(ns),
         validate_every_n_steps=ns.validate_every_n_steps,
         validate_every_n_epochs=ns.validate_every_n_epochs,
         max_validation_steps=ns.max_validation_steps,
@@ -208,3 +224,10 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         ddp_gradient_as_bucket_view=ns.ddp_gradient_as_bucket_view,
         ddp_static_graph=ns.ddp_static_graph,
     )
+
+
+def _trace_steps(ns: argparse.Namespace) -> tuple[int, int]:
+    try:
+        return parse_step_range(ns.profiler_trace_steps)
+    except ValueError as e:
+        raise ConfigError(f"--profiler_trace_steps: {e}") from None

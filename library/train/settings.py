@@ -51,6 +51,10 @@ class TrainingOptions:
     log_config: dict = field(default_factory=dict)  # --log_config: the flags, stored in the tracker
     log_every_n_steps: int = 1
     log_tflops: Optional[int] = None
+    profile_steps: bool = False  # per-step timing breakdown (library/train/profiling.py)
+    profile_microbatches: bool = False
+    profiler_trace_dir: Optional[str] = None
+    profiler_trace_steps: Optional[tuple[int, int]] = None  # (first, last) optimizer step of the trace
     validate_every_n_steps: Optional[int] = None
     validate_every_n_epochs: Optional[int] = None
     max_validation_steps: Optional[int] = None

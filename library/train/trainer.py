@@ -42,6 +42,7 @@ from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
+from library.train.profiling import Instruments, StepProfiler, TraceWindow
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
 from library.train.saving import RunSaver, resume
@@ -87,7 +88,8 @@ class Trainer:
         self.lr_names: list[str] = []
         self.schedule_free = False
         self.ema: Optional[EMA] = None
-        self.scheme = self.ctx = self.meter = None
+        self.scheme = self.ctx = None
+        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/profiling.py)
         self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         self.tracker: Optional[Tracker] = None
         self.session_id = 0
@@ -280,8 +282,15 @@ class Trainer:
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
-        self.meter = ThroughputMeter(self.t.log_tflops, self.device, self.t.gradient_checkpointing) \
-            if self.t.log_tflops else None
+        t = self.t
+        meter = ThroughputMeter(t.log_tflops, self.device, t.gradient_checkpointing) if t.log_tflops else None
+        profiler = StepProfiler(self.device, t.profile_microbatches) if t.profile_steps else None
+        if profiler is not None and not isinstance(self.step_module, StepModule):
+            profiler.watch_allreduce(self.step_module)
+        trace = None
+        if t.profiler_trace_dir and self.accelerator.is_main_process:
+            trace = TraceWindow(t.profiler_trace_dir, *t.profiler_trace_steps, self.device)
+        self.instruments = Instruments(meter, profiler, trace)
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
@@ -378,8 +387,10 @@ class Trainer:
             sampler.refs = refs[skip:]
             epoch_losses: list[float] = []
             group_losses: list[float] = []
-            for i, batch in enumerate(loader, start=skip):
+            for i, batch in enumerate(self.instruments.timed(loader), start=skip):
                 last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1
+                if i % accum == 0:
+                    self.instruments.before_step(global_step + 1)
                 self.skipped_images.update(batch["skipped_images"])
                 if batch["image_paths"]:  # empty when every image of the batch failed to decode
                     group_losses.append(self._micro_step(batch, global_step, last_in_group))
@@ -416,6 +427,7 @@ class Trainer:
             if global_step >= self.max_train_steps:
                 break
         bar.close()
+        self.instruments.close()
         return self._finish()
 
     def _batch_loss(self, batch: dict, generator: torch.Generator):
@@ -431,16 +443,16 @@ class Trainer:
         """Forward and backward of one batch (None: this process has no images this time, see StepModule). With
         several processes DDP averages the gradients during the backward of the group's last micro-batch; the
         others run under no_sync."""
-        meter = self.meter.count if self.meter else _null_phase
+        phase = self.instruments.phase
         ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
         with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
-            with meter("forward"):
+            with phase("forward"):
                 loss, _ = self.step_module(batch, self.noise_generator)
             if batch is None:
                 self.accelerator.backward(loss)
                 return 0.0
             self._check_finite(loss, batch, global_step)
-            with meter("backward"):
+            with phase("backward"):
                 self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
         if self.block_swapper is not None:
             self.block_swapper.release()
@@ -456,8 +468,9 @@ class Trainer:
 
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
-        optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                       self.accelerator.clip_grad_norm_)
+        with self.instruments.phase("optimizer"):
+            optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
+                           self.accelerator.clip_grad_norm_)
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)
@@ -473,14 +486,17 @@ class Trainer:
         self.tracker.log(values, step)
 
     def _untimed(self):
-        """Sampling, saving and validation are not step time for --log_tflops."""
-        return self.meter.paused() if self.meter else contextlib.nullcontext()
+        """Sampling, saving and validation are not step time (--log_tflops, --profile_steps)."""
+        return self.instruments.paused()
 
     def _log_throughput(self, step: int) -> None:
-        report = self.meter.step_done(step) if self.meter else None
+        report, times = self.instruments.step_done(step)
         if report is not None:
             logger.info("step %d: %s", step, report.line())
             self.tracker.log(report.as_scalars(), step)
+        if times is not None:
+            logger.info("%s", times.line())
+            self.tracker.log(times.scalars(), step)
 
     # ------------------------------------------------------------------ after steps / epochs
     def _after_step(self, step: int) -> None:
@@ -528,6 +544,7 @@ class Trainer:
         return build(self.family, self.components, self.s, self.data, facts)
 
     def _stop(self) -> str:
+        self.instruments.close()
         progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
         self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
@@ -549,7 +566,3 @@ class InterruptedTraining(Exception):
         super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
         self.signum = signum
         self.state_dir = state_dir
-
-
-def _null_phase(phase: str) -> contextlib.nullcontext:
-    return contextlib.nullcontext()
