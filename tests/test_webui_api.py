@@ -353,16 +353,19 @@ def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_di
 
     subsets[1]["image_dir"] = "examples/data/train/10_sks shape"
     settings["config"]["optimizer"]["learning_rate"] = 2e-3
+    settings["config"]["diagnostics"] = {"profile_steps": True}  # a Diagnostics flag, through --check_config
     r = client.put("/api/jobs/1/settings", json=settings)
     assert r.status_code == 200, r.text
     written = toml.load(dataset_toml)["datasets"][0]["subsets"]
     assert [(s["num_repeats"], s.get("is_reg", False)) for s in written] == [(1, False), (3, True)]
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["diagnostics"] == {"profile_steps": True}
 
     history = client.get("/api/jobs/1/revisions").json()
     assert [h["id"] for h in history] == [2, 1]
     assert history[1]["changes"] == "created from the template tiny_sd1_lora"
-    assert history[0]["changes"] == ("learning_rate: 0.001 -> 0.002; subsets[1].image_dir: set to examples/data/train/"
-                                      "10_sks shape; subsets[1].is_reg: set to true; subsets[1].num_repeats: set to 3")
+    assert history[0]["changes"] == ("profile_steps: set to true; learning_rate: 0.001 -> 0.002; subsets[1].image_dir: "
+                                      "set to examples/data/train/10_sks shape; subsets[1].is_reg: set to true; "
+                                      "subsets[1].num_repeats: set to 3")
     assert client.get("/api/jobs/1/revisions/1").json()["settings"]["config"]["optimizer"]["learning_rate"] == 1e-3
     assert client.get("/api/jobs/1/revisions/9").status_code == 404
     assert client.post("/api/jobs/1/revisions/9/restore").status_code == 404
@@ -376,7 +379,8 @@ def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_di
     assert restored.json()["config"]["optimizer"]["learning_rate"] == 1e-3
     assert len(toml.load(dataset_toml)["datasets"][0]["subsets"]) == 1
     latest = client.get("/api/jobs/1/revisions").json()[0]
-    assert latest["id"] == 3 and latest["changes"].startswith("restored revision 1: learning_rate: 0.002 -> 0.001; ")
+    assert latest["id"] == 3 and latest["changes"].startswith(
+        "restored revision 1: profile_steps: removed (was true); learning_rate: 0.002 -> 0.001; ")
     assert client.post("/api/jobs/1/revert").status_code == 200
     assert client.get("/api/jobs/1/revisions").json()[0]["changes"] == "reverted to the template: no changes"
 
@@ -438,6 +442,7 @@ def test_performance_endpoint_and_refused_saves(jobs_dir):
     assert options["persistent_data_loader_workers"]["needs_reason"] == "needs data-loader workers > 0"
     assert options["flash_attn"]["reason"].startswith("no GPU on this machine; requires flash-attn")
     assert options["blocks_to_swap"]["reason"].startswith("not supported for sd (DiT families only")
+    assert options["profile_steps"]["available"] and options["profile_microbatches"]["available"]  # the trainer has them
     config_toml = os.path.join(jobs_dir, "1", "config.toml")
     before = open(config_toml).read()
     settings = c.get("/api/jobs/1/settings").json()
