@@ -675,7 +675,9 @@ function errorTarget(field, where) {
     const t = row && row.querySelector(`.field[data-field="${field}"]`);
     if (t) return t;
   }
-  return document.querySelector(`#sections [data-field="${field}"]`);
+  // any other table (general, datasets[0]) or config.toml: the field outside the folder rows first
+  return document.querySelector(`#sections [data-field="${field}"]:not(.folder-row *)`)
+    || document.querySelector(`#sections [data-field="${field}"]`);
 }
 function showError(message, field, where) {
   const wrap = errorTarget(field, where);
