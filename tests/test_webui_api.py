@@ -458,6 +458,10 @@ def test_performance_endpoint_and_refused_saves(jobs_dir):
         assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
         assert r.json()["detail"]["error"].startswith(error) and "\n" not in r.json()["detail"]["error"]
     assert open(config_toml).read() == before
+    r = c.put("/api/jobs/1/settings", json={**settings, "launch": {"strategy": "ddp"}})
+    assert r.status_code == 422 and r.json()["detail"]["error"] == (
+        "strategy: ddp needs GPUs (none on this machine): on the CPU, accelerate launch runs one process; choose "
+        "single")
 
 
 def test_gpu_choice_and_strategy_write_the_accelerate_config(jobs_dir):

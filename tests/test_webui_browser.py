@@ -178,7 +178,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
 
 def _performance_folders_strategy_history(browser, wait, url, app, shots):
     """Performance options this machine cannot use are disabled with the server's reason; a second dataset folder
-    and a multi-GPU strategy (DDP between CPU processes here) saved at once: dataset.toml has two subsets and the
+    and a strategy (here, without GPUs, the single-process one on the CPU) saved at once: dataset.toml has two subsets and the
     accelerate config is written; then the settings history restores the save before."""
     import json
 
@@ -218,13 +218,13 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     details = browser.find_element(By.ID, "strategy-details")
     assert details.text == "Select a strategy to see details"
     strategy = Select(browser.find_element(By.ID, "f-strategy"))
-    assert [o.text for o in strategy.options if not o.is_enabled()] == [
-        "FSDP1 (fully sharded, v1) (needs GPUs)", "FSDP2 (fully sharded, per-parameter) (needs GPUs)",
-        "DeepSpeed ZeRO (needs GPUs)"]
-    strategy.select_by_value("ddp")
-    assert "averaged every step" in details.text
-    assert browser.find_element(By.ID, "f-cpu_processes").get_attribute("value") == "2"
-    browser.find_element(By.ID, "f-ddp_timeout").send_keys("20")
+    assert [o.text for o in strategy.options if not o.is_enabled()] == [  # no GPU: one process, on the CPU
+        "DDP (data parallel) (needs GPUs)", "FSDP1 (fully sharded, v1) (needs GPUs)",
+        "FSDP2 (fully sharded, per-parameter) (needs GPUs)", "DeepSpeed ZeRO (needs GPUs)"]
+    strategy.select_by_value("single")
+    assert "One process on one GPU (or the CPU)" in details.text
+    assert "No GPU: one process on the CPU (accelerate --cpu)" in details.text
+    browser.find_element(By.ID, "f-profile_steps").click()  # Diagnostics: the trainer's --profile_steps
     browser.find_element(By.ID, "save-btn").click()
     wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
     subsets = toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]
@@ -232,8 +232,8 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
         ("examples/data/train/10_sks shape", 1, "sks shape"), ("examples/data/train/10_sks shape", 2, "shape")]
     with open(os.path.join(job, "accelerate_config.yaml")) as f:
         accelerate = yaml.safe_load(f)
-    assert (accelerate["distributed_type"], accelerate["num_processes"], accelerate["use_cpu"]) == ("MULTI_CPU", 2, True)
-    assert toml.load(os.path.join(job, "config.toml"))["distributed"] == {"ddp_timeout": 20}
+    assert (accelerate["distributed_type"], accelerate["num_processes"], accelerate["use_cpu"]) == ("NO", 1, True)
+    assert toml.load(os.path.join(job, "config.toml"))["diagnostics"] == {"profile_steps": True}
     assert f"accelerate launch --config_file {job}/accelerate_config.yaml train_network.py --config_file " \
         in browser.find_element(By.ID, "command").text
     browser.set_window_size(1400, 1500)  # the Performance options and both folders in one picture
@@ -248,8 +248,8 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     items = browser.find_elements(By.CSS_SELECTOR, "#history li")
     assert [i.get_attribute("data-revision") for i in items] == ["3", "2", "1"]
     assert items[0].find_element(By.CSS_SELECTOR, ".what").text == (
-        "ddp_timeout: set to 20; subsets[1].class_tokens: set to shape; subsets[1].image_dir: set to examples/data/"
-        "train/10_sks shape; subsets[1].num_repeats: set to 2; cpu_processes: set to 2; strategy: set to ddp")
+        "profile_steps: set to true; subsets[1].class_tokens: set to shape; subsets[1].image_dir: set to examples/data/"
+        "train/10_sks shape; subsets[1].num_repeats: set to 2; strategy: set to single")
     items[1].find_element(By.CSS_SELECTOR, ".restore-btn").click()
     browser.switch_to.alert.accept()
     wait.until(lambda d: d.find_element(By.ID, "form-ok").text == "Restored revision 2.")
@@ -259,4 +259,4 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     assert browser.find_element(By.ID, "f-strategy").get_attribute("value") == ""
     assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#history li .what").text.startswith(
-        "restored revision 2: ddp_timeout: removed (was 20); "))
+        "restored revision 2: profile_steps: removed (was true); "))

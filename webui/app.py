@@ -102,12 +102,13 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
             raise HTTPException(422, {"error": refused[0], "field": refused[1]})
         scratch_config = os.path.join(folder.path, ".accelerate_config.yaml")
         try:
-            settings["launch"] = clean_launch(settings.get("launch"), [g["index"] for g in find_gpus()], job["mode"])
+            gpu_indices = [g["index"] for g in find_gpus()]
+            settings["launch"] = clean_launch(settings.get("launch"), gpu_indices, job["mode"])
             jobs = []  # the trainer's check and the accelerate config generator: two processes, run side by side
             if settings["launch"].get("strategy"):
                 flags = {k: performance.config_value(config, k) for k in ("mixed_precision", "gradient_accumulation_steps")}
                 jobs.append(lambda: write_accelerate_config(settings["launch"], job["family"], job["mode"], flags,
-                                                            scratch_config))
+                                                            scratch_config, cpu=not gpu_indices))
             if check:
                 jobs.append(lambda: folder.check_settings(settings, script_for(job["family"], job["mode"])))
             with ThreadPoolExecutor(2) as pool:

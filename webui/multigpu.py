@@ -33,8 +33,7 @@ STRATEGY_OPTIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "offload_optimizer_device": (("deepspeed",), "--offload_optimizer_device", "choice:" + "|".join(OFFLOAD_DEVICES)),
     "offload_param_device": (("deepspeed",), "--offload_param_device", "choice:" + "|".join(OFFLOAD_DEVICES)),
 }
-LAUNCH_KEYS = ("gpu_ids", "strategy", "cpu_processes", *STRATEGY_OPTIONS)
-GPU_STRATEGIES = ("fsdp1", "fsdp2", "deepspeed")  # accelerate runs these on GPUs only
+LAUNCH_KEYS = ("gpu_ids", "strategy", *STRATEGY_OPTIONS)
 
 
 def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, Any]:
@@ -66,20 +65,12 @@ def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, An
     if len(ids) > 1 and strategy in (None, "single"):
         raise SettingsError(f"strategy: {len(ids)} GPUs selected: choose a multi-GPU strategy "
                             "(DDP, FSDP1, FSDP2 or DeepSpeed)", "strategy")
-    if not gpu_indices and strategy in GPU_STRATEGIES:
-        raise SettingsError(f"strategy: {strategy} needs GPUs (none on this machine; DDP runs on CPU processes)",
-                            "strategy")
+    if not gpu_indices and strategy not in (None, "single"):
+        # accelerate launch starts one process on a machine without GPUs (its multi-CPU mode needs mpirun)
+        raise SettingsError(f"strategy: {strategy} needs GPUs (none on this machine): on the CPU, accelerate "
+                            "launch runs one process; choose single", "strategy")
     if gpu_indices and strategy not in (None, "single") and len(ids) < 2:
         raise SettingsError(f"gpu_ids: {strategy} runs one process per chosen GPU: choose 2 or more", "gpu_ids")
-    cpu_processes = out.pop("cpu_processes", None)
-    if not gpu_indices and strategy == "ddp":  # no GPU: DDP between CPU processes
-        cpu_processes = 2 if cpu_processes is None else cpu_processes
-        if isinstance(cpu_processes, bool) or not isinstance(cpu_processes, int) or cpu_processes < 2:
-            raise SettingsError(f"cpu_processes: expected an integer >= 2 (DDP on CPU processes), got "
-                                f"{cpu_processes!r}", "cpu_processes")
-        out["cpu_processes"] = cpu_processes
-    elif not gpu_indices and strategy == "single":
-        out["cpu_processes"] = 1
     for key, (strategies, _, kind) in STRATEGY_OPTIONS.items():
         if key not in out:
             continue
@@ -100,19 +91,21 @@ def clean_launch(launch: Any, gpu_indices: list[int], mode: str) -> dict[str, An
 
 
 def num_processes(launch: dict[str, Any]) -> int:
-    """One process per chosen GPU; without GPUs, the CPU processes of DDP (else one)."""
-    return len(launch.get("gpu_ids") or []) or launch.get("cpu_processes") or 1
+    """One process per chosen GPU (one when none is chosen)."""
+    return len(launch.get("gpu_ids") or []) or 1
 
 
-def generator_command(launch: dict[str, Any], family: str, mode: str, config: dict[str, Any], output: str) -> list[str]:
+def generator_command(launch: dict[str, Any], family: str, mode: str, config: dict[str, Any], output: str,
+                      cpu: bool = False) -> list[str]:
     """The generator's command line for the job's launch settings (only the chosen strategy's options); the
-    precision and gradient accumulation come from the job's config (`config`: flag name -> value)."""
+    precision and gradient accumulation come from the job's config (`config`: flag name -> value); `cpu`:
+    a machine without GPUs."""
     strategy = launch["strategy"]
     argv = [sys.executable, GENERATOR, "--strategy", strategy, "--num_processes", str(num_processes(launch))]
     if launch.get("gpu_ids"):
         argv += ["--gpu_ids", ",".join(map(str, launch["gpu_ids"]))]
-    if launch.get("cpu_processes"):
-        argv.append("--cpu")  # a machine without GPUs: accelerate's CPU processes
+    if cpu:
+        argv.append("--cpu")
     if config.get("mixed_precision") in ("no", "fp16", "bf16"):
         argv += ["--mixed_precision", config["mixed_precision"]]
     if strategy == "deepspeed" and config.get("gradient_accumulation_steps"):
@@ -133,12 +126,12 @@ def generator_command(launch: dict[str, Any], family: str, mode: str, config: di
 
 
 def write_accelerate_config(launch: dict[str, Any], family: str, mode: str, config: dict[str, Any], output: str,
-                            timeout: float = 120) -> None:
+                            cpu: bool = False, timeout: float = 120) -> None:
     """Run the generator; its one-line error (exit 2) becomes a SettingsError naming the option."""
     if not os.path.isfile(os.path.join(REPO_ROOT, GENERATOR)):
         raise SettingsError(f"strategy: {GENERATOR} is not in this toolkit yet: cannot write the accelerate config",
                             "strategy")
-    argv = generator_command(launch, family, mode, config, output)
+    argv = generator_command(launch, family, mode, config, output, cpu)
     result = subprocess.run(argv, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
                             stdin=subprocess.DEVNULL)
     if result.returncode != 0 or not os.path.isfile(output):

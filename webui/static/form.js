@@ -96,7 +96,7 @@ const FT_FIELDS = [
 ];
 
 const STRATEGIES = {
-  single: ["Single process", "One process on one GPU (or the CPU): the accelerate config only fixes the device and the precision."],
+  single: ["Single process", "One process on one GPU (or the CPU): the run goes through accelerate launch with a config that fixes the device and the precision."],
   ddp: ["DDP (data parallel)", "Every GPU holds the whole model and trains on its own share of each batch; the gradients are averaged every step. The simplest and fastest when the model fits one GPU."],
   fsdp1: ["FSDP1 (fully sharded, v1)", "The parameters, gradients and optimizer states are sharded across the GPUs and gathered layer by layer: for models that do not fit one GPU. PyTorch's first FSDP (FlatParameter)."],
   fsdp2: ["FSDP2 (fully sharded, per-parameter)", "As FSDP1, with per-parameter sharding (DTensor): simpler state dicts, works with LoRA's mixed frozen / trained weights; no forward prefetch option."],
@@ -105,7 +105,6 @@ const STRATEGIES = {
 // [key, label, type, help, strategies, default]; "config:" keys are trainer flags in config.toml, the others
 // go to tools/make_accelerate_config.py through launch.toml.
 const STRATEGY_FIELDS = [
-  ["cpu_processes", "CPU processes", "int", "no GPU on this machine: DDP between this many processes on the CPU", ["ddp"], 2],
   ["config:ddp_gradient_as_bucket_view", "Gradients as bucket views", "bool", "--ddp_gradient_as_bucket_view: gradients live in DDP's all-reduce buckets (saves one copy of the gradients)", ["ddp"]],
   ["config:ddp_static_graph", "Static graph", "bool", "--ddp_static_graph: the set of trained parameters is the same every step (lets DDP skip the unused-parameter search)", ["ddp"]],
   ["config:ddp_timeout", "Timeout (minutes)", "int", "--ddp_timeout: how long a process waits for the others in a collective operation", ["ddp"]],
@@ -555,7 +554,7 @@ function renderGpus(fs) {
 function processesText() {
   const n = document.querySelectorAll(".gpu-pick:checked").length;
   if (n) return `${n} process(es), one per chosen GPU (CUDA_VISIBLE_DEVICES, --num_processes)`;
-  return gpuList.length ? "1 process: choose GPUs above for more" : "No GPU: the processes run on the CPU (accelerate --cpu)";
+  return gpuList.length ? "1 process: choose GPUs above for more" : "No GPU: one process on the CPU (accelerate --cpu)";
 }
 function renderMultiGpu(fs) {
   const wrap = el("div", { class: "field", "data-field": "strategy" });
@@ -563,7 +562,8 @@ function renderMultiGpu(fs) {
   const sel = el("select", { id: "f-strategy" });
   sel.appendChild(el("option", { value: "" }, "(none: no accelerate config)"));
   for (const [key, [label]] of Object.entries(STRATEGIES)) {
-    const needsGpu = !gpuList.length && ["fsdp1", "fsdp2", "deepspeed"].includes(key);
+    // without GPUs accelerate launch starts one process (its multi-CPU mode needs mpirun): single only
+    const needsGpu = !gpuList.length && key !== "single";
     const opt = el("option", { value: key }, needsGpu ? `${label} (needs GPUs)` : label);
     opt.disabled = needsGpu;
     sel.appendChild(opt);
@@ -581,7 +581,7 @@ function renderMultiGpu(fs) {
     details.appendChild(el("p", { class: "muted", id: "strategy-processes" }, processesText()));
     const grid = el("div", { class: "fields" });
     for (const [key, label, type, help, strategies, dflt] of STRATEGY_FIELDS) {
-      if (!strategies.includes(s) || (key === "cpu_processes" && gpuList.length)) continue;
+      if (!strategies.includes(s)) continue;
       const name = key.replace(/^config:/, "");
       let value = key.startsWith("config:") ? configValue(name) : settings.launch[name];
       if (value === undefined) value = dflt;
