@@ -59,7 +59,7 @@ def test_off_loopback_needs_a_token(capsys, monkeypatch):
 
 def test_jobs_create_list_rename_duplicate_delete(client, jobs_dir):
     names = {t["name"] for t in client.get("/api/templates").json()}
-    assert {"tiny_sd1_lora", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
+    assert {"tiny_sd1_lora", "tiny_sd1_finetune", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
             "flux_finetune"} <= names
     assert client.get("/api/jobs").json() == []
     hw = client.get("/api/hardware").json()
