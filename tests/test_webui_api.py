@@ -1,6 +1,8 @@
 """The web UI's HTTP API (issue 14), through FastAPI's TestClient: every endpoint, the token, path traversal,
-and a real tiny job trained through the UI's own runner: stopped mid-way, resumed with auto-resume, the
-server restarted (re-attach) while it runs, and finished."""
+the dataset TOML through the trainer's own --check_config, Performance / Diagnostics availability and refused
+saves, GPU choice and strategies through tools/make_accelerate_config.py, the settings history, and a real tiny
+job trained through the UI's own runner: stopped mid-way, resumed with auto-resume, the server restarted
+(re-attach) while it runs, and finished."""
 
 from __future__ import annotations
 
