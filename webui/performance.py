@@ -6,11 +6,11 @@ Packages are looked up with importlib.util.find_spec (nothing is imported), GPUs
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,15 +52,27 @@ NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
 MEMORY_FLAGS = ("highvram", "lowram")
 
 
-@functools.cache
+_FLAGS: dict[str, frozenset[str]] = {}
+_FLAGS_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
 def trainer_flags(script: str, timeout: float = 120) -> frozenset[str]:
-    """The flags `<script> --help` lists (without the dashes); empty when it cannot run."""
-    try:
-        result = subprocess.run([sys.executable, script, "--help"], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
-                                timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return frozenset()
-    return frozenset(re.findall(r"(?<![\w-])--([A-Za-z0-9_]+)", result.stdout))
+    """The flags `<script> --help` lists (without the dashes), learned once per script; empty (and asked
+    again next time) when the script cannot say."""
+    with _LOCKS_LOCK:
+        lock = _FLAGS_LOCKS.setdefault(script, threading.Lock())
+    with lock:  # one --help per script, also when the start-up thread and a request ask at once
+        if script not in _FLAGS:
+            try:
+                result = subprocess.run([sys.executable, script, "--help"], check=False, cwd=REPO_ROOT,
+                                        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired):
+                return frozenset()
+            if result.returncode != 0:
+                return frozenset()
+            _FLAGS[script] = frozenset(re.findall(r"(?<![\w-])--([A-Za-z0-9_]+)", result.stdout))
+        return _FLAGS[script]
 
 
 def package_installed(module: str) -> bool:
