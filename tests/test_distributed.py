@@ -86,7 +86,7 @@ def train_args(data: str, out: str, logs: str, steps: int, extra=()) -> list[str
             "--output_dir", out, "--output_name", "lora", "--logging_dir", logs, "--save_state", *extra]
 
 
-def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace") -> None:
+def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace", audit_roots=None) -> None:
     """torchrun with 2 processes in all: one node of 2 or two loopback nodes of 1; raises with the logs on failure."""
     worker = os.path.join(tmp, "worker.py")
     with open(worker, "w") as f:
@@ -94,7 +94,7 @@ def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "t
     audit = os.path.join(tmp, "audit")
     os.makedirs(audit, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, REPO=REPO, AUDIT_DIR=audit,
-               AUDIT_ROOTS=os.pathsep.join([os.path.join(tmp, "out"), os.path.join(tmp, "logs")]),
+               AUDIT_ROOTS=os.pathsep.join(audit_roots or [os.path.join(tmp, "out"), os.path.join(tmp, "logs")]),
                SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, trace), LOGLEVEL="WARNING")
     port = free_port()
     if nodes == 1:
@@ -197,7 +197,7 @@ def test_two_loopback_nodes_one_process_each(tmp_path):
     data = dataset(tmp)
     launch(tmp, 2, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
                               extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
-                                     "--profile_steps"]))
+                                     "--profile_steps", "--cache_latents"]))  # in memory: shared by gathering
     check_run(tmp, steps=5, images=8, ddp=(True, True, False))
     # --profile_steps times DDP's bucket all-reduces (rank 0's TensorBoard events)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -284,7 +284,16 @@ def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
     data = dataset(tmp)
     extra = ["--cache_latents", "--cache_latents_to_disk",  # both runs read the same latents
              "--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]
-    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=4, extra=extra))
+    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=4, extra=extra),
+           audit_roots=[data])
+    # each process encoded and wrote the latent caches of its own half of the images
+    written = {}
+    for r in (0, 1):
+        with open(os.path.join(tmp, "audit", f"writes{r}.txt")) as f:  # renames of temporaries to final names
+            names = {os.path.basename(line.split(" ", 1)[1]) for line in f.read().splitlines()
+                     if line.startswith("os.rename")}
+        written[r] = {n for n in names if n.endswith("_sd.npz") and not n.startswith(".")}
+    assert len(written[0]) == len(written[1]) == 4 and not written[0] & written[1], written
     single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4, extra=extra)
     single[single.index("--train_batch_size") + 1] = "2"
     make_trainer(single).run()

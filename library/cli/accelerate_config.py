@@ -3,7 +3,7 @@
 One `LaunchSettings` (the options the UI's "Multi-GPU Optimization" page lists) becomes the YAML mapping
 `accelerate launch --config_file` reads: `single`, `ddp`, `fsdp1`, `fsdp2` or `deepspeed`. Everything is
 checked first and a bad combination gets one line naming the option. The FSDP wrap policy's block classes
-come from the family (`ModelFamily.fsdp_block_classes`) unless given. The keys are accelerate's own
+come from the family (`ModelFamily.block_classes`) unless given. The keys are accelerate's own
 (`accelerate config` writes the same ones); tests/test_accelerate_config.py reads every file back through
 accelerate's launcher and its FSDP / DeepSpeed plugins.
 """
@@ -144,7 +144,7 @@ def _check_fsdp(s: LaunchSettings) -> None:
                               "wrapped) or --fsdp_transformer_layer_cls")
         if s.family not in family_names():
             raise ConfigError(f"--family: expected one of {', '.join(family_names())}, got {s.family!r}")
-        classes = get_family(s.family).fsdp_block_classes
+        classes = get_family(s.family).block_classes
         if not classes:
             raise ConfigError(f"--family {s.family}: declares no block classes; use --fsdp_wrap_policy "
                               "SIZE_BASED_WRAP or --fsdp_transformer_layer_cls")

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional
 import toml
 
 from library.core.errors import ConfigError
+from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.profiling import parse_step_range
 from library.train.settings import TrainingOptions
 from library.train.tracking import WANDB_MISSING, wandb_installed
@@ -50,6 +51,18 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
     g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
     g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
+    g.add_argument("--flash_attn", action="store_true",
+                   help="FlashAttention in the denoiser through diffusers' attention backends when the flash-attn "
+                        "package is installed (CUDA); otherwise a warning and PyTorch SDPA")
+    g.add_argument("--torch_compile", action="store_true",
+                   help="compile the denoiser's blocks with torch.compile (regional: the first step traces each "
+                        "block kind once; slower first step, faster steps after)")
+    g.add_argument("--dynamo_backend", type=str.lower, default="inductor",
+                   help="torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; default inductor)")
+    g.add_argument("--dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
+                   help="inductor mode (default: PyTorch's)")
+    g.add_argument("--dynamo_fullgraph", action="store_true", help="torch.compile fullgraph=True (no graph breaks)")
+    g.add_argument("--dynamo_dynamic", action="store_true", help="torch.compile dynamic=True (shapes as symbols)")
     g.add_argument("--mem_eff_attn", action="store_true",
                    help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
     g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
@@ -213,6 +226,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_config=run_config,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
+        compile=_compile_options(ns),
         profile_steps=ns.profile_steps or ns.profile_microbatches,
         profile_microbatches=ns.profile_microbatches,
         profiler_trace_dir=ns.profiler_trace_dir,
@@ -231,3 +245,16 @@ def _trace_steps(ns: argparse.Namespace) -> tuple[int, int]:
         return parse_step_range(ns.profiler_trace_steps)
     except ValueError as e:
         raise ConfigError(f"--profiler_trace_steps: {e}") from None
+
+
+def _compile_options(ns: argparse.Namespace) -> CompileOptions:
+    opts = CompileOptions(ns.torch_compile, ns.dynamo_backend, ns.dynamo_mode, ns.dynamo_fullgraph, ns.dynamo_dynamic)
+    if not opts.torch_compile:
+        return opts
+    backends = dynamo_backends()
+    if opts.dynamo_backend not in backends:
+        raise ConfigError(f"--dynamo_backend: expected one of {', '.join(backends)}, got {ns.dynamo_backend!r}")
+    if opts.dynamo_mode and opts.dynamo_backend != "inductor":
+        raise ConfigError(f"--dynamo_mode {opts.dynamo_mode}: an inductor option, but --dynamo_backend is "
+                          f"{opts.dynamo_backend}")
+    return opts

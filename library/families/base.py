@@ -126,9 +126,9 @@ class ModelFamily(ABC):
     # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
     # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
     lycoris_module_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
-    # The denoiser's repeated block classes: FSDP's TRANSFORMER_BASED_WRAP shards one unit per block
-    # (library/cli/accelerate_config.py, library/train/sharding.py).
-    fsdp_block_classes: ClassVar[tuple[str, ...]] = ()
+    # The denoiser's repeated block classes: the units of FSDP's TRANSFORMER_BASED_WRAP
+    # (library/cli/accelerate_config.py) and of regional compilation (--torch_compile, library/train/compile.py).
+    block_classes: ClassVar[tuple[str, ...]] = ()
 
     # --- options ---------------------------------------------------------------
     def options(self, components: Components) -> Any:

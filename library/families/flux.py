@@ -96,7 +96,7 @@ class FluxFamily(ModelFamily):
     name = "flux"
     lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
-    fsdp_block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
     latent_channels = LATENT_CHANNELS
     vae_scale_factor = 8

@@ -47,7 +47,7 @@ class SDFamily(ModelFamily):
 
     name = "sd"
     latent_cache_arch = "_sd"
-    fsdp_block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+    block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
     vae_scale_factor = 8
     latents_scale = 0.18215

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -128,7 +129,8 @@ class StepTrace:
     def step(self, step: int, epoch: int, params: Iterable[torch.Tensor]) -> None:
         if not self.path:
             return
-        line = {"step": step, "epoch": epoch, "images": self.images, "params": parameters_hash(params), **self.meta}
+        line = {"step": step, "epoch": epoch, "images": self.images, "params": parameters_hash(params),
+                "time": time.time(), **self.meta}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         self.images = []

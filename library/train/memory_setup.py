@@ -51,6 +51,8 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
             logger.warning("--blocks_to_swap: training on the CPU, so swapping only costs time")
     if opts.xformers:
         apply_xformers(c)
+    if opts.flash_attn:
+        apply_flash_attention(c)
     move_except(c.denoiser, device, swapper.swapped if swapper else [])
     for te in c.text_encoders:
         te.to(device)
@@ -119,3 +121,29 @@ def park_cached_parts(components: Components, device: Any, latents_cached: bool,
             torch.cuda.empty_cache()
         logger.info("outputs cached: %s wait in CPU memory (sampling borrows them)", ", ".join(parked))
     return parked
+
+
+FLASH_MISSING = ("--flash_attn: the flash-attn package is not installed (pip install flash-attn; CUDA only), so "
+                 "PyTorch SDPA attention is used")
+
+
+def apply_flash_attention(components: Components) -> bool:
+    """--flash_attn: diffusers' "flash" attention backend in the denoiser. Without the package, or where the
+    model or the device cannot use it, one warning and PyTorch SDPA. Returns whether FlashAttention is on."""
+    if importlib.util.find_spec("flash_attn") is None:
+        warn_once(logger, FLASH_MISSING)
+        return False
+    model = components.denoiser
+    set_backend = getattr(model, "set_attention_backend", None)
+    if set_backend is None:
+        warn_once(logger, f"--flash_attn: the denoiser ({type(model).__name__}) has no attention backends; "
+                          "it uses PyTorch SDPA")
+        return False
+    try:
+        set_backend("flash")
+    except Exception as e:  # a CPU run, a build without the kernels, ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warn_once(logger, f"--flash_attn: cannot use FlashAttention ({reason}); PyTorch SDPA is used")
+        return False
+    logger.info("--flash_attn: FlashAttention in the denoiser")
+    return True

@@ -8,6 +8,7 @@ accumulation, clipping, logging, validation, saving, clean stop on signals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
+from library.data.latent_caching import CacheShare
 from library.data.te_cache import (
     cache_source_id,
     check_text_cache_allowed,
@@ -29,11 +31,13 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.compile import compile_blocks
 from library.train.distributed import (
     StepModule,
     StepTrace,
     any_process,
     data_parallel,
+    gather_objects,
     make_accelerator,
 )
 from library.train.ema import EMA
@@ -211,9 +215,19 @@ class Trainer:
         vae = self.components.vae
         vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
                                  self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
-        self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
-                                vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
-                                num_workers=d.data_loader_workers())
+        acc = self.accelerator
+        share = None
+        if acc.num_processes > 1:  # every process encodes its share of the images
+            share = CacheShare(acc.process_index, acc.num_processes, acc.wait_for_everyone,
+                               None if d.cache_latents_to_disk else gather_objects)
+        cache = functools.partial(self.data.cache_latents,
+                                  lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
+                                  vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
+                                  num_workers=d.data_loader_workers())
+        cache(share=share)
+        if share is not None and d.cache_latents_to_disk:
+            acc.wait_for_everyone()
+            cache()  # reads what the other processes wrote (and retries what failed, alike on every process)
 
     def _setup_optimizer(self) -> None:
         groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
@@ -303,8 +317,9 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
-            with self.accelerator.main_process_first():  # to disk: the others read what the main process wrote
-                self._cache_latents()
+            if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
+                compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
+            self._cache_latents()  # shared out between the processes
             self._setup_optimizer()
             self._setup_step_context()
             with self.accelerator.main_process_first():
