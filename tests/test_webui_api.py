@@ -356,6 +356,7 @@ def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_di
     subsets[1]["image_dir"] = "examples/data/train/10_sks shape"
     settings["config"]["optimizer"]["learning_rate"] = 2e-3
     settings["config"]["diagnostics"] = {"profile_steps": True}  # a Diagnostics flag, through --check_config
+    settings["config"]["training"]["torch_compile"] = True  # a Performance option this machine can use
     r = client.put("/api/jobs/1/settings", json=settings)
     assert r.status_code == 200, r.text
     written = toml.load(dataset_toml)["datasets"][0]["subsets"]
@@ -365,9 +366,9 @@ def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_di
     history = client.get("/api/jobs/1/revisions").json()
     assert [h["id"] for h in history] == [2, 1]
     assert history[1]["changes"] == "created from the template tiny_sd1_lora"
-    assert history[0]["changes"] == ("profile_steps: set to true; learning_rate: 0.001 -> 0.002; subsets[1].image_dir: "
-                                      "set to examples/data/train/10_sks shape; subsets[1].is_reg: set to true; "
-                                      "subsets[1].num_repeats: set to 3")
+    assert history[0]["changes"] == ("profile_steps: set to true; learning_rate: 0.001 -> 0.002; torch_compile: set to "
+                                      "true; subsets[1].image_dir: set to examples/data/train/10_sks shape; "
+                                      "subsets[1].is_reg: set to true; subsets[1].num_repeats: set to 3")
     assert client.get("/api/jobs/1/revisions/1").json()["settings"]["config"]["optimizer"]["learning_rate"] == 1e-3
     assert client.get("/api/jobs/1/revisions/9").status_code == 404
     assert client.post("/api/jobs/1/revisions/9/restore").status_code == 404
