@@ -412,6 +412,8 @@ def test_performance_options_say_why_not():
         "flash_attn": "no GPU on this machine; requires flash-attn (pip install flash-attn): not installed; "
                       "the trainer (train_network.py) has no --flash_attn flag yet",
         "torch_compile": "the trainer (train_network.py) has no --torch_compile flag yet",
+        "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
+        "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
         "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this machine",
         "cpu_offload_checkpointing": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this "
@@ -419,7 +421,8 @@ def test_performance_options_say_why_not():
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
         "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
     flux = availability("flux", "flux_train_network.py", 2, installed=lambda m: True,
-                        flags=flags | {"flash_attn", "torch_compile", "profile_steps", "profile_microbatches"})
+                        flags=flags | {"flash_attn", "torch_compile", "dynamo_backend", "dynamo_mode", "profile_steps",
+                                       "profile_microbatches"})
     assert all(o["available"] for o in flux)
     assert refusal({"memory": {"blocks_to_swap": 8}}, flux) is None
     assert refusal({"memory": {"cpu_offload_checkpointing": True}}, flux) == (
@@ -427,6 +430,9 @@ def test_performance_options_say_why_not():
     assert refusal({"memory": {"cpu_offload_checkpointing": True}, "training": {"gradient_checkpointing": True}},
                    flux) is None
     assert refusal({"training": {"highvram": True, "lowram": True}}, flux)[1] == "memory"
+    assert refusal({"training": {"dynamo_backend": "aot_eager"}}, flux) == (
+        "--dynamo_backend: only with torch compile on", "dynamo_backend")
+    assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
         ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
         "this machine"), "blocks_to_swap")
@@ -438,9 +444,10 @@ def test_performance_endpoint_and_refused_saves(jobs_dir):
     _create(c)
     options = {o["key"]: o for o in c.get("/api/jobs/1/performance").json()}
     assert list(options) == ["persistent_data_loader_workers", "gradient_checkpointing", "flash_attn", "torch_compile",
-                             "memory", "blocks_to_swap", "cpu_offload_checkpointing", "profile_steps",
-                             "profile_microbatches"]
-    assert [o["group"] for o in options.values()] == ["performance"] * 7 + ["diagnostics"] * 2
+                             "dynamo_backend", "dynamo_mode", "memory", "blocks_to_swap", "cpu_offload_checkpointing",
+                             "profile_steps", "profile_microbatches"]
+    assert [o["group"] for o in options.values()] == ["performance"] * 9 + ["diagnostics"] * 2
+    assert options["torch_compile"]["available"] and options["dynamo_backend"]["needs"] == "torch_compile"
     assert options["gradient_checkpointing"]["available"] and options["persistent_data_loader_workers"]["available"]
     assert options["persistent_data_loader_workers"]["needs_reason"] == "needs data-loader workers > 0"
     assert options["flash_attn"]["reason"].startswith("no GPU on this machine; requires flash-attn")

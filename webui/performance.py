@@ -33,6 +33,11 @@ OPTIONS = [
      "training", "bool", ["gpu", "package:flash_attn:flash-attn", "flag"]),
     ("torch_compile", "Torch compile", "dynamo inductor; slower first step (the model is compiled), faster after",
      "training", "bool", ["package:torch", "flag"]),
+    ("dynamo_backend", "Compile backend", "torch.compile backend (blank: inductor; aot_eager and eager compile "
+     "less and start faster)", "training", "choice:inductor|aot_eager|eager|cudagraphs", ["flag", "needs:torch_compile"]),
+    ("dynamo_mode", "Compile mode", "inductor mode (blank: PyTorch's default; max-autotune tunes kernels: a much "
+     "slower first step)", "training", "choice:default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs",
+     ["flag", "needs:torch_compile"]),
     ("memory", "Load model to", ("VRAM (--highvram: keep everything on the GPU) or RAM (--lowram: load to CPU "
      "memory first); the trainer accepts both for compatibility"), "training", "memory", ["gpu"]),
     ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
@@ -48,7 +53,8 @@ OPTIONS = [
 ]
 DIAGNOSTICS = ("profile_steps", "profile_microbatches")
 NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
-              "gradient_checkpointing": "requires gradient checkpointing (turn it on first)"}
+              "gradient_checkpointing": "requires gradient checkpointing (turn it on first)",
+              "torch_compile": "only with torch compile on"}
 MEMORY_FLAGS = ("highvram", "lowram")
 
 
@@ -133,6 +139,8 @@ def is_on(config: dict, option: dict[str, Any]) -> bool:
     value = config_value(config, option["key"])
     if option["kind"] == "int":
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if option["kind"].startswith("choice:"):
+        return value is not None and value != ""
     return bool(value)
 
 

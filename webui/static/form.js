@@ -274,6 +274,8 @@ function renderOptions(fs, group) {
       wrap = renderField(["config", "memory", o.label, "select:|highvram|lowram", o.help, o.section], value);
       const sel = wrap.querySelector("select");
       for (const opt of sel.options) opt.textContent = { "": "(default)", highvram: "VRAM (--highvram)", lowram: "RAM (--lowram)" }[opt.value];
+    } else if (o.kind.startsWith("choice:")) {
+      wrap = renderField(["config", o.key, o.label, "select:|" + o.kind.slice(7), o.help, o.section]);
     } else {
       wrap = renderField(["config", o.key, o.label, o.kind, o.help, o.section]);
     }
@@ -317,6 +319,8 @@ function readPerformance() {
     if (o.kind === "memory") {
       setConfig("highvram", input.value === "highvram" && !input.disabled ? true : undefined, o.section);
       setConfig("lowram", input.value === "lowram" && !input.disabled ? true : undefined, o.section);
+    } else if (o.kind.startsWith("choice:")) {
+      setConfig(o.key, input.disabled ? undefined : parseValue("text", input), o.section);
     } else if (o.kind === "int") {
       const v = input.disabled ? undefined : parseValue("int", input);
       setConfig(o.key, v === 0 ? undefined : v, o.section);  // 0 = off: no flag
