@@ -54,7 +54,7 @@ def dump():
         f.write("\n".join(seen))
 atexit.register(dump)
 sys.addaudithook(hook)
-sys.argv = [os.path.join(os.environ["REPO"], "train_network.py")] + sys.argv[1:]
+sys.argv = [os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
@@ -86,7 +86,8 @@ def train_args(data: str, out: str, logs: str, steps: int, extra=()) -> list[str
             "--output_dir", out, "--output_name", "lora", "--logging_dir", logs, "--save_state", *extra]
 
 
-def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace", audit_roots=None) -> None:
+def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace", audit_roots=None,
+           env_extra=None) -> None:
     """torchrun with 2 processes in all: one node of 2 or two loopback nodes of 1; raises with the logs on failure."""
     worker = os.path.join(tmp, "worker.py")
     with open(worker, "w") as f:
@@ -95,7 +96,7 @@ def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "t
     os.makedirs(audit, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, REPO=REPO, AUDIT_DIR=audit,
                AUDIT_ROOTS=os.pathsep.join(audit_roots or [os.path.join(tmp, "out"), os.path.join(tmp, "logs")]),
-               SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, trace), LOGLEVEL="WARNING")
+               SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, trace), LOGLEVEL="WARNING", **(env_extra or {}))
     port = free_port()
     if nodes == 1:
         commands = [[TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]]
@@ -305,3 +306,44 @@ def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
     print(f"largest difference {worst:.3g}; largest lora_up weight {moved:.3g}")
     assert worst <= 1e-6, worst  # float32 rounding (summation order); measured 1.9e-7
     assert moved >= 1e-2  # the LoRA trained: 10^4 times the tolerance
+
+
+@needs_torchrun
+def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
+    """fine_tune.py under an FSDP2 accelerate config (the FSDP_* variables accelerate's launcher exports), on 2
+    gloo processes x batch 1: each process holds different shards, only rank 0 writes, and the saved model equals
+    the one 1 process x batch 2 trains."""
+    from safetensors.torch import load_file
+
+    from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
+    from library.families import get_family
+    from library.train.trainer import Trainer
+
+    tmp = str(tmp_path)
+    data = dataset(tmp)
+
+    def ft_args(out: str, batch: int) -> list[str]:
+        return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
+                ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
+                "--cache_latents", "--cache_latents_to_disk", "--optimizer_type", "SGDNesterov",
+                "--learning_rate", "0.05", "--max_train_steps", "3", "--seed", "123", "--cpu", "--output_dir", out,
+                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs")]
+
+    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
+    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra=fsdp_env)
+    trace = read_trace(tmp)
+    assert [t["step"] for t in trace[0]] == [1, 2, 3]
+    assert all(a["params"] != b["params"] for a, b in zip(trace[0], trace[1]))  # different shards on each
+    with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
+        assert f.read() == ""  # rank 1 took part in gathering the weights but wrote nothing
+    family = get_family("sd")
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
+    Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()
+    two = load_file(os.path.join(tmp, "out", "model.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "model.safetensors"))
+    assert two.keys() == one.keys() and len(two) > 1000
+    unet = [k for k in one if k.startswith("model.diffusion_model.")]
+    worst = max((two[k].float() - one[k].float()).abs().max().item() for k in unet)
+    print(f"FSDP2 2x1 vs 1x2: largest UNet weight difference {worst:.3g}")
+    assert worst <= 1e-5, worst

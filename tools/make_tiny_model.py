@@ -4,10 +4,12 @@
     python tools/make_tiny_model.py --family sd2-v --out models/tiny-sd2-v.safetensors --single_file
     python tools/make_tiny_model.py --family sdxl --out models/tiny-sdxl.safetensors --single_file
     python tools/make_tiny_model.py --family flux --out models/tiny-flux --single_file
+    python tools/make_tiny_model.py --family chroma --out models/tiny-chroma --single_file
 
 FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
 .safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
-next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them.
+next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them. Chroma (single file only) writes
+chroma-tiny.safetensors plus t5xxl.safetensors and ae.safetensors (flux_train_network.py --model_type chroma).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.core.errors import UserError, run_tool  # noqa: E402
 
-FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux"}
+FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
+            "chroma": "tiny:chroma"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +51,19 @@ def _write_flux(out: str, single_file: bool) -> None:
           + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
 
+def _write_chroma(out: str, single_file: bool) -> None:
+    from library.families.chroma_model import write_chroma_preset
+
+    if not single_file:
+        raise UserError("--family chroma: add --single_file (Chroma is published as a single file; sd-scripts "
+                        "loads no diffusers folder of it)")
+    written = write_chroma_preset(FAMILIES["chroma"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print("train with: flux_train_network.py --model_type chroma --apply_t5_attn_mask --guidance_scale 0 "
+          f"--pretrained_model_name_or_path {written['transformer']} --t5xxl {written['t5xxl']} --ae {written['ae']}")
+
+
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
@@ -55,6 +71,9 @@ def write(args: argparse.Namespace) -> None:
 
     if args.family == "flux":
         _write_flux(args.out, args.single_file)
+        return
+    if args.family == "chroma":
+        _write_chroma(args.out, args.single_file)
         return
     if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
         raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")

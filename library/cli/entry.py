@@ -105,6 +105,11 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     return settings
 
 
+def family_for(ns: argparse.Namespace, family: ModelFamily) -> ModelFamily:
+    """The family the parsed flags select (flux_train_network.py --model_type chroma: Chroma)."""
+    return family.variant(options_from_namespace(family.options_type, ns))
+
+
 def unet_only_when_caching(network, caching: bool, family: ModelFamily):
     """--cache_text_encoder_outputs on a family whose cache needs every text encoder frozen (SDXL): train only
     the UNet, as sd-scripts requires with --network_train_unet_only, and say so once. Kept as given when
@@ -139,6 +144,7 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     parser = build_parser(description, family, fine_tune)
     try:
         ns = parse_with_config_file(parser, argv)
+        family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
             resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)

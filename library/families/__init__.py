@@ -38,8 +38,14 @@ def _flux() -> ModelFamily:
     return FluxFamily()
 
 
+def _chroma() -> ModelFamily:
+    from library.families.chroma import ChromaFamily
+
+    return ChromaFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux}
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

@@ -239,6 +239,16 @@ class ModelFamily(ABC):
         path such as `lora_unet_conv_in` -> `lora_unet_input_blocks_0_0`); unknown names come back as they are."""
         return name
 
+    def variant(self, options: Any) -> "ModelFamily":
+        """The family that trains with these options: itself, or a relative its options select (FLUX.1's
+        --model_type chroma selects Chroma). Called once the flags are parsed."""
+        return self
+
+    def optimizer_block(self, parameter_path: str) -> Optional[str]:
+        """--blockwise_fused_optimizers: the block of the denoiser that a parameter (its path in the denoiser)
+        belongs to; each block gets its own optimizer. None: the family has no such layout (the flag is refused)."""
+        return None
+
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
         """The denoiser blocks --blocks_to_swap N keeps in CPU memory, in forward order.

@@ -103,6 +103,7 @@ def parameters_hash(params: Iterable[torch.Tensor]) -> str:
     """sha256 of the parameters' bytes, in order: equal hashes mean bitwise-equal weights."""
     h = hashlib.sha256()
     for p in params:
+        p = p.to_local() if hasattr(p, "to_local") else p  # FSDP: this process's shard
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 

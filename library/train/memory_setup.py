@@ -28,11 +28,14 @@ def move_except(model: nn.Module, device: Any, keep: list[nn.Module]) -> None:
 
 
 def apply_memory_options(family: ModelFamily, components: Components, opts: Optional[MemoryOptions],
-                         device: Any, gradient_checkpointing: bool = False) -> Optional[BlockSwapper]:
+                         device: Any, gradient_checkpointing: bool = False,
+                         steps_in_backward: bool = False) -> Optional[BlockSwapper]:
     """Cast, place and hook the denoiser and text encoders (already in the training dtype, on any device).
 
     float8 comes first (anything merged into the base is merged before), then the swapped
     blocks go to CPU memory and everything else to `device`. Returns the swapper, if any.
+    `steps_in_backward`: the model's own weights are stepped inside backward (a fused full fine-tune), so
+    swapped blocks are copied back to CPU memory after their backward.
     """
     opts = opts or MemoryOptions()
     c = components
@@ -44,7 +47,7 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
     if opts.blocks_to_swap:
         blocks = family.swappable_blocks(c, opts.blocks_to_swap)
         offload = torch.device("cpu")
-        swapper = BlockSwapper(blocks, len(blocks), device, offload)
+        swapper = BlockSwapper(blocks, len(blocks), device, offload, write_back=steps_in_backward)
         logger.info("--blocks_to_swap %d: %d blocks stay in CPU memory and are streamed to %s", opts.blocks_to_swap,
                     len(blocks), device)
         if torch.device(device) == offload:

@@ -227,6 +227,15 @@ class Instruments:
                 stack.enter_context(self.profiler.phase(name))
             yield
 
+    def micro_batch(self, shape: tuple, images: int) -> None:
+        """Before a micro-step's forward: its batch shape and the images all processes train in it."""
+        if self.meter is not None:
+            self.meter.shape(shape, images)
+
+    def micro_done(self) -> None:
+        if self.meter is not None:
+            self.meter.micro_step_done()
+
     def timed(self, loader):
         return self.profiler.timed(loader) if self.profiler is not None else loader
 

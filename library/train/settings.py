@@ -127,6 +127,7 @@ class FineTuneOptions:
     mem_eff_save: bool = False  # write checkpoints tensor by tensor, without a second copy in memory
     fused_backward_pass: bool = False  # step each parameter as soon as its gradient is complete
     fused_optimizer_groups: Optional[int] = None  # the same with N groups of parameters
+    blockwise_fused_optimizers: bool = False  # the same with one group per block of the family's layout (FLUX.1)
     block_lr: list[float] = field(default_factory=list)  # one rate per denoiser block of the family's layout (SDXL: 23)
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 

@@ -49,6 +49,8 @@ from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments, StepProfiler, TraceWindow
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
+from library.train.sharding import FsdpSettings, shard
+from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
@@ -111,7 +113,7 @@ class Trainer:
     @property
     def fused_backward(self) -> bool:
         ft = self.s.fine_tune
-        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups))
+        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups or ft.blockwise_fused_optimizers))
 
     @property
     def trained_encoders(self) -> frozenset[int]:
@@ -128,14 +130,44 @@ class Trainer:
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with {n} processes "
                                 "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
+        self.fsdp = FsdpSettings.from_env() if n > 1 else None
+        if self.fsdp is not None:
+            self._check_fsdp()
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _check_fsdp(self) -> None:
+        """What FSDP2 sharding does not support yet, refused in one line before anything loads."""
+        t, why = self.t, None
+        if self.s.fine_tune is None:
+            why = ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
+                   "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
+        elif self.s.ema.use_ema:
+            why = "--use_ema is not supported with it yet"
+        elif t.save_state or t.resume or t.save_state_on_train_end:
+            why = "--save_state / --resume are not supported with it yet (sharded optimizer states)"
+        elif any(isinstance(h, SampleHook) for h in self.s.hooks):
+            why = "sampling during training is not supported with it yet (every process must run the sharded model)"
+        elif t.compile.torch_compile:
+            why = "--torch_compile is not supported with it yet"
+        elif self.s.memory.blocks_to_swap:
+            why = "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
+        if why:
+            raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
+
+    def _shard(self) -> None:
+        for name, part in self.trainable.module.items():
+            units = shard(part, self.fsdp, self.family.block_classes)
+            logger.info("FSDP2: %s sharded over %d processes in %d units", name, self.accelerator.num_processes,
+                        units)
+        self.trainable.sharded = True
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
@@ -189,7 +221,8 @@ class Trainer:
         if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                                  self.t.gradient_checkpointing)
+                                                  self.t.gradient_checkpointing,
+                                                  steps_in_backward=bool(trained) and self.fused_backward)
 
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
@@ -234,12 +267,17 @@ class Trainer:
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
         if self.fused_backward:
             if is_schedule_free(self.optimizer):
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with the schedule-free "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with the schedule-free "
                                 f"{self.optimizer_name}")
             inner_type = type(self.optimizer)
+            block_of = self.trainable.optimizer_blocks() if self.s.fine_tune.blockwise_fused_optimizers else None
             self.optimizer = FusedBackwardOptimizer(self.optimizer.param_groups, inner_type,
                                                     self.s.optimizer.max_grad_norm,
-                                                    self.s.fine_tune.fused_optimizer_groups)
+                                                    self.s.fine_tune.fused_optimizer_groups, block_of)
+            if block_of is not None:
+                logger.info("--blockwise_fused_optimizers: %d optimizers (%s)", len(self.optimizer.chunks),
+                            ", ".join(self.optimizer.chunk_names))
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
@@ -249,11 +287,14 @@ class Trainer:
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
         else:
-            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+            # The module is already placed (apply_memory_options); moving it would bring swapped blocks back.
+            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer,
+                                                                    device_placement=[False, True])
         t = self.t
-        self.step_module = data_parallel(StepModule(self.network, self._batch_loss), self.device,
-                                         self._unused_parameters_possible(), t.ddp_gradient_as_bucket_view,
-                                         t.ddp_static_graph)
+        self.step_module = StepModule(self.network, self._batch_loss)
+        if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
+            self.step_module = data_parallel(self.step_module, self.device, self._unused_parameters_possible(),
+                                             t.ddp_gradient_as_bucket_view, t.ddp_static_graph)
         if not isinstance(self.step_module, StepModule):
             ddp = self.step_module
             self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
@@ -317,6 +358,8 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
+            if self.fsdp is not None:
+                self._shard()
             if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
                 compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
             self._cache_latents()  # shared out between the processes
@@ -461,6 +504,10 @@ class Trainer:
         phase = self.instruments.phase
         ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
         with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            if batch is not None:
+                pixels = batch["latents"] if batch.get("latents") is not None else batch.get("images")
+                self.instruments.micro_batch(tuple(pixels.shape) if pixels is not None else (),
+                                             len(batch["image_paths"]) * self.accelerator.num_processes)
             with phase("forward"):
                 loss, _ = self.step_module(batch, self.noise_generator)
             if batch is None:
@@ -469,6 +516,7 @@ class Trainer:
             self._check_finite(loss, batch, global_step)
             with phase("backward"):
                 self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+            self.instruments.micro_done()
         if self.block_swapper is not None:
             self.block_swapper.release()
         return loss.item()
