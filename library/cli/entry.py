@@ -32,6 +32,7 @@ from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
+from library.data.config import resolve_datasets
 from library.families import get_family
 from library.families.base import ModelFamily
 from library.train.network_kinds import network_kind
@@ -146,6 +147,7 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
         family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
+            resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)
