@@ -58,13 +58,13 @@ def test_ddp_file_launches_two_processes(tmp_path):
     assert not args.use_fsdp and not args.use_deepspeed
 
 
-def test_cpu_ddp_and_two_machines(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "ddp", "--cpu", "--num_processes", "4", "--num_machines", "2",
+def test_two_machines(tmp_path):
+    proc, path = _make(tmp_path, "--strategy", "ddp", "--num_processes", "4", "--num_machines", "2",
                        "--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port", "29555")
     assert proc.returncode == 0, proc.stderr
     with open(path, encoding="utf-8") as f:
         config = yaml.safe_load(f)
-    assert (config["distributed_type"], config["use_cpu"], "gpu_ids" in config) == ("MULTI_CPU", True, False)
+    assert (config["distributed_type"], config["use_cpu"], config["gpu_ids"]) == ("MULTI_GPU", False, "all")
     args = _launch_args(path)
     assert (args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port) == \
         (2, 1, "127.0.0.1", 29555)
@@ -135,6 +135,7 @@ def test_deepspeed_zero3_offload(tmp_path):
     (["--strategy", "fsdp1", "--num_processes", "2", "--family", "sd", "--fsdp_use_orig_params", "false"],
      "--fsdp_use_orig_params false: needed on with --mode lora"),
     (["--strategy", "fsdp1", "--num_processes", "2", "--cpu", "--family", "sd"], "--cpu: only with"),
+    (["--strategy", "ddp", "--num_processes", "2", "--cpu"], "--cpu --strategy ddp: accelerate starts several CPU"),
     (["--strategy", "deepspeed", "--num_processes", "2", "--offload_param_device", "cpu"],
      "only in ZeRO stage 3"),
     (["--strategy", "ddp", "--num_processes", "4", "--num_machines", "2"], "--main_process_ip"),

@@ -107,8 +107,11 @@ def check(s: LaunchSettings) -> None:
         if len(ids) != s.num_processes // s.num_machines:
             raise ConfigError(f"--gpu_ids: {len(ids)} GPU(s) listed for {s.num_processes // s.num_machines} "
                               f"process(es) per machine; list one per process")
-    if s.cpu and s.strategy not in ("single", "ddp"):
-        raise ConfigError(f"--cpu: only with --strategy single or ddp (accelerate runs {s.strategy} on GPUs)")
+    if s.cpu and s.strategy == "ddp":
+        raise ConfigError("--cpu --strategy ddp: accelerate starts several CPU processes only through MPI (mpirun), "
+                          "else it runs one; start CPU processes with torchrun --nproc_per_node N <script> --cpu")
+    if s.cpu and s.strategy != "single":
+        raise ConfigError(f"--cpu: only with --strategy single (accelerate runs {s.strategy} on GPUs)")
     if s.strategy in ("fsdp1", "fsdp2"):
         _check_fsdp(s)
     elif s.strategy == "deepspeed":
