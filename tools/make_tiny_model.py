@@ -4,10 +4,13 @@
     python tools/make_tiny_model.py --family sd2-v --out models/tiny-sd2-v.safetensors --single_file
     python tools/make_tiny_model.py --family sdxl --out models/tiny-sdxl.safetensors --single_file
     python tools/make_tiny_model.py --family flux --out models/tiny-flux --single_file
+    python tools/make_tiny_model.py --family anima --out models/tiny-anima --single_file
 
 FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
 .safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
-next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them.
+next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them. Anima is always written as its files
+(--out is a folder): anima-tiny.safetensors (DiT + LLM adapter, `net.*`), qwen_3_06b_base.safetensors and
+qwen_image_vae.safetensors (ComfyUI's names), as --qwen3 / --vae take them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.core.errors import UserError, run_tool  # noqa: E402
 
-FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux"}
+FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
+            "anima": "tiny:anima"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +52,18 @@ def _write_flux(out: str, single_file: bool) -> None:
           + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
 
+def _write_anima(out: str) -> None:
+    from library.families.anima_loading import write_anima_preset
+
+    if out.lower().endswith(".safetensors"):
+        raise UserError(f"--out {out}: Anima is written as three files; expected a folder name")
+    written = write_anima_preset(FAMILIES["anima"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print(f"train with: --pretrained_model_name_or_path {written['dit']} --qwen3 {written['qwen3']} "
+          f"--vae {written['vae']}")
+
+
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
@@ -55,6 +71,9 @@ def write(args: argparse.Namespace) -> None:
 
     if args.family == "flux":
         _write_flux(args.out, args.single_file)
+        return
+    if args.family == "anima":
+        _write_anima(args.out)
         return
     if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
         raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")

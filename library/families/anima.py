@@ -152,6 +152,8 @@ class AnimaFamily(ModelFamily):
     # --- generation ----------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
+        if components.vae is None:
+            raise ConfigError("--vae: required to decode Anima images (qwen_image_vae.safetensors)")
         return generate_anima(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ----------------------------------------------------------------------------------------

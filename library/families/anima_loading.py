@@ -243,12 +243,12 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
     kind = anima_source_kind(path)
     cache = opts.tokenizer_cache_dir
     if kind == "single_file":
-        for flag, value in (("qwen3", options.qwen3), ("vae", opts.vae)):
-            if not value:
-                raise ModelLoadError(f"--{flag}: required with an Anima DiT file ({path})")
+        if not options.qwen3:
+            raise ModelLoadError(f"--qwen3: required with an Anima DiT file ({path})")
         dit = load_dit_file(path, opts.dtype, options.llm_adapter_path)
         text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, cache)
-        vae = load_vae_file(opts.vae, opts.vae_dtype)
+        # The LoRA tools (merge, extract, resize) need no VAE; training and generation check for --vae first.
+        vae = load_vae_file(opts.vae, opts.vae_dtype) if opts.vae else None
     else:
         parts = build_anima_modules(path)
         dit, vae, text_encoder, tokenizer = parts["dit"], parts["vae"], parts["text_encoder"], parts["tokenizer"]
@@ -264,7 +264,7 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
         dit.transformer = scratch_denoiser(dit.transformer, opts.init_seed)
     t5_tokenizer = load_t5_tokenizer(options.t5_tokenizer_path, dit.llm_adapter.config.target_vocab_size, cache, path)
     for module, dtype in ((dit, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if next(module.parameters()).dtype != dtype:
+        if module is not None and next(module.parameters()).dtype != dtype:
             module.to(dtype=dtype)
     return Components(denoiser=dit, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer, t5_tokenizer],
                       model_path=path, vae_path=opts.vae)

@@ -13,6 +13,8 @@ from library.core.errors import ConfigError
 from library.objectives.flow import TIMESTEP_SAMPLINGS, FlowOptions
 
 MAX_TOKENS = 512
+# The flags naming Anima's parts beside the DiT file (the tools take them too; --vae is generic).
+COMPONENT_FILE_FLAGS = ("qwen3", "llm_adapter_path", "t5_tokenizer_path")
 # The denoiser parts anima_train.py gives their own learning rate, as sd-scripts names them.
 LR_GROUPS = ("self_attn", "cross_attn", "mlp", "mod", "llm_adapter")
 

@@ -1,0 +1,222 @@
+"""Anima: the tiny preset through the real file loaders, sd-scripts' LoRA key set, training and saving.
+
+ComfyUI's key layout for Anima LoRAs (what its loader maps, comfy/lora.py model_lora_keys_unet): for every
+`diffusion_model.<path>.weight` of the DiT it accepts the kohya name `lora_unet_<path with . -> _>`, where
+<path> is the original MiniTrainDIT name (`blocks.0.self_attn.q_proj`, `llm_adapter.blocks.0.self_attn.q_proj`)
+and `lora_te_<Qwen3 path>` for the text encoder; sd-scripts' networks/convert_anima_lora_to_comfy.py writes
+the same modules as `diffusion_model.<path>.lora_A/lora_B`. The tests below check that every saved name is
+`lora_unet_` + an original key of the written DiT file (and `lora_te_` + a key of the Qwen3 file), which is
+that layout. diffusers has no Anima pipeline class with `load_lora_weights` for kohya files (its modular
+Anima pipeline's AnimaLoraLoaderMixin reads only `diffusion_model.*` files), so no diffusers round trip here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from library.core.errors import ConfigError
+from library.families import get_family
+from library.families import anima_layout as layout
+from library.families.anima_configs import build_anima_modules
+from library.families.anima_loading import vae_key_to_wan, write_anima_preset
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.detect import detect_family
+from library.families.anima_options import AnimaOptions
+from networks.lora import create_network
+from tests.train_helpers import base_args, make_dataset, make_trainer
+
+TOKENS = ["--qwen3_max_token_length", "16", "--t5_max_token_length", "16"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """tiny:anima as tools/make_tiny_model.py writes it: {"dit", "qwen3", "vae"}."""
+    return write_anima_preset("tiny:anima", str(tmp_path_factory.mktemp("anima")))
+
+
+@pytest.fixture(scope="module")
+def loaded(files):
+    family = get_family("anima")
+    return family, family.load(LoadOptions(files["dit"], vae=files["vae"],
+                                           family_options=AnimaOptions(qwen3=files["qwen3"])))
+
+
+def _meta_components(name: str) -> Components:
+    m = build_anima_modules(name, device="meta")
+    return Components(m["dit"], m["vae"], [m["text_encoder"]], [m["tokenizer"], m["t5_tokenizer"]])
+
+
+def test_files_hold_the_original_layouts_and_load_back_equal(files, loaded):
+    family, c = loaded
+    preset = build_anima_modules("tiny:anima")
+    with safe_open(files["dit"], "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata() == {"format": "pt"}
+    assert {"net.blocks.0.self_attn.q_proj.weight", "net.blocks.1.adaln_modulation_mlp.2.weight",
+            "net.x_embedder.proj.1.weight", "net.t_embedder.1.linear_2.weight", "net.t_embedding_norm.weight",
+            "net.final_layer.linear.weight", "net.pos_embedder.seq", "net." + layout.ADAPTER_MARKER,
+            "net.llm_adapter.blocks.1.cross_attn.k_norm.weight"} <= keys
+    with safe_open(files["qwen3"], "pt") as f:
+        assert "model.layers.27.self_attn.q_norm.weight" in set(f.keys())
+    with safe_open(files["vae"], "pt") as f:  # ComfyUI's qwen_image_vae.safetensors names (Wan 2.1)
+        assert {"conv1.weight", "encoder.downsamples.0.residual.0.gamma", "decoder.upsamples.3.time_conv.weight",
+                "decoder.middle.1.to_qkv.weight", "decoder.head.2.bias"} <= set(f.keys())
+    for a, b in ((preset["dit"], c.denoiser), (preset["text_encoder"], c.text_encoders[0]), (preset["vae"], c.vae)):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert detect_family(files["dit"]) == "anima" and detect_family("tiny:anima") == "anima"
+
+
+def test_layout_maps_are_inverse_of_diffusers_converters():
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    m = build_anima_modules("random:anima", device="meta")
+    dit = m["dit"].transformer.state_dict()
+    back = layout.to_diffusers({layout.transformer_original_path(k): v for k, v in dit.items()})
+    assert set(back) == set(dit)
+    vae = m["vae"].state_dict()
+    assert set(convert_wan_vae_to_diffusers({vae_key_to_wan(k): v for k, v in vae.items()})) == set(vae)
+
+
+def test_adapter_comes_from_its_own_file_when_the_dit_has_none(files, tmp_path):
+    from library.core.safetensors_io import write_safetensors
+
+    with safe_open(files["dit"], "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    bare = str(tmp_path / "dit-no-adapter.safetensors")
+    write_safetensors({k: v for k, v in tensors.items() if ".llm_adapter." not in k}, bare)
+    adapter = str(tmp_path / "adapter.safetensors")
+    write_safetensors({k[len("net."):]: v for k, v in tensors.items() if ".llm_adapter." in k}, adapter)
+    family = get_family("anima")
+    with pytest.raises(ModelLoadError, match="--llm_adapter_path"):
+        family.load(LoadOptions(bare, family_options=AnimaOptions(qwen3=files["qwen3"])))
+    c = family.load(LoadOptions(bare, family_options=AnimaOptions(qwen3=files["qwen3"], llm_adapter_path=adapter)))
+    assert torch.equal(c.denoiser.llm_adapter.out_proj.weight, tensors["net.llm_adapter.out_proj.weight"])
+
+
+def test_full_size_lora_key_set_equals_sd_scripts_on_meta():
+    """networks/lora_anima.py on the 28-block DiT: 10 Linears a block (q/k/v/out of both attentions, 2 MLP);
+    modulation, embedders and final layer excluded unless included; 6 adapter blocks x 10 with
+    train_llm_adapter; Qwen3-0.6B: 28 layers x 7 (lora_te_)."""
+    family = get_family("anima")
+    c = _meta_components("random:anima")
+    net = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c))
+    names = {lora.lora_name for lora in net.unet_loras}
+    assert len(names) == 280 and len(net.text_encoder_loras) == 196
+    assert {f"lora_unet_blocks_27_{n}" for n in ("self_attn_q_proj", "self_attn_output_proj", "cross_attn_v_proj",
+                                                  "mlp_layer1", "mlp_layer2")} <= names
+    te = {lora.lora_name for lora in net.text_encoder_loras}
+    assert {"lora_te_layers_0_self_attn_q_proj", "lora_te_layers_27_mlp_gate_proj"} <= te
+    with_adapter = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c),
+                                  train_llm_adapter="true")
+    adapter = sorted(lora.lora_name for lora in with_adapter.unet_loras if "llm_adapter" in lora.lora_name)
+    assert len(adapter) == 60 and adapter[:2] == ["lora_unet_llm_adapter_blocks_0_cross_attn_k_proj",
+                                                  "lora_unet_llm_adapter_blocks_0_cross_attn_o_proj"]
+    everything = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c),
+                                include_patterns="['.*']")
+    outside = sorted(lora.lora_name for lora in everything.unet_loras if "blocks" not in lora.lora_name)
+    assert len(everything.unet_loras) == 454 and outside == [
+        "lora_unet_final_layer_adaln_modulation_1", "lora_unet_final_layer_adaln_modulation_2",
+        "lora_unet_final_layer_linear", "lora_unet_t_embedder_1_linear_1", "lora_unet_t_embedder_1_linear_2",
+        "lora_unet_x_embedder_proj_1"]
+    ups = {lora.lora_name: tuple(lora.lora_up.weight.shape) for lora in everything.unet_loras}
+    assert ups["lora_unet_blocks_0_adaln_modulation_self_attn_2"] == (6144, 4)
+    assert ups["lora_unet_blocks_0_cross_attn_k_proj"] == (2048, 4)
+
+
+def test_network_args_select_dims_and_rates_by_full_original_path(loaded):
+    family, c = loaded
+    net = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c),
+                         exclude_patterns="['blocks\\\\.1\\\\..*']", network_reg_dims="blocks\\.0\\.mlp\\..*=2",
+                         network_reg_lrs="blocks\\.0\\.self_attn\\..*=5e-4")
+    dims = {lora.lora_name: lora.lora_dim for lora in net.unet_loras}
+    assert sorted(dims) == sorted(f"lora_unet_blocks_0_{n}" for n in (
+        "self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_output_proj", "cross_attn_q_proj",
+        "cross_attn_k_proj", "cross_attn_v_proj", "cross_attn_output_proj", "mlp_layer1", "mlp_layer2"))
+    assert dims["lora_unet_blocks_0_mlp_layer1"] == 2 and dims["lora_unet_blocks_0_cross_attn_q_proj"] == 4
+    groups, _ = net.prepare_optimizer_params(None, 1e-3, 1e-3)
+    rates = sorted({g["lr"] for g in groups})
+    assert rates == [5e-4, 1e-3]
+    with pytest.raises(ConfigError, match="network_reg_dims"):
+        create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c), network_reg_dims="mlp")
+
+
+def test_lora_training_run_on_the_files_with_sd_scripts_names_and_metadata(files, tmp_path):
+    data = make_dataset(str(tmp_path), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), files["dit"], steps=2, extra=[
+        "--qwen3", files["qwen3"], "--vae", files["vae"], "--network_module", "networks.lora_anima",
+        "--network_args", "train_llm_adapter=True", "--timestep_sampling", "shift", "--discrete_flow_shift", "3.0",
+        *TOKENS]), "anima")
+    path = trainer.run()
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        metadata = f.metadata()
+        up = f.get_tensor("lora_unet_llm_adapter_blocks_1_mlp_2.lora_up.weight")
+    modules = {k.split(".")[0] for k in keys}
+    with safe_open(files["dit"], "pt") as f:
+        dit_paths = {k[len("net."):-len(".weight")].replace(".", "_") for k in f.keys() if k.endswith(".weight")}
+    with safe_open(files["qwen3"], "pt") as f:
+        te_paths = {k[len("model."):-len(".weight")].replace(".", "_") for k in f.keys()}
+    # the ComfyUI layout: lora_unet_<original DiT key>, lora_te_<Qwen3 key> (see the module docstring)
+    assert all(m[len("lora_unet_"):] in dit_paths or m[len("lora_te_"):] in te_paths for m in modules)
+    assert len(modules) == 2 * 10 + 2 * 10 + 28 * 7 and len(keys) == 3 * len(modules)
+    assert up.abs().sum() > 0  # the adapter's LoRA trained
+    assert (metadata["ss_base_model_version"], metadata["ss_network_module"], metadata["modelspec.architecture"],
+            metadata["modelspec.implementation"], metadata["ss_timestep_sampling"],
+            metadata["ss_discrete_flow_shift"]) == ("anima", "networks.lora_anima", "anima-preview/lora",
+                                                    "https://huggingface.co/circlestone-labs/Anima", "shift", "3.0")
+
+
+def test_full_fine_tune_saves_a_dit_file_that_loads_back_with_the_adapter_frozen(files, tmp_path):
+    data = make_dataset(str(tmp_path), n=1)
+    argv = base_args(data, str(tmp_path / "out"), "tiny:anima", steps=1, extra=[
+        "--save_model_as", "safetensors", "--llm_adapter_lr", "0", "--mod_lr", "0", *TOKENS])
+    network_flags = {"--network_module", "--network_dim", "--network_alpha"}
+    argv = [a for i, a in enumerate(argv) if a not in network_flags and (i == 0 or argv[i - 1] not in network_flags)]
+    from library.cli.config_file import parse_with_config_file
+    from library.cli.entry import build_parser, settings_from_args
+    from library.train.trainer import Trainer
+
+    family = get_family("anima")
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), argv)
+    trainer = Trainer(family, settings_from_args(ns, family, fine_tune=True))
+    path = trainer.run()
+    before = build_anima_modules("tiny:anima")["dit"].state_dict()
+    back = family.load(LoadOptions(path, vae=files["vae"], family_options=AnimaOptions(qwen3=files["qwen3"])))
+    after = back.denoiser.state_dict()
+    assert after.keys() == before.keys()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert "transformer.transformer_blocks.0.attn1.to_q.weight" in changed
+    assert not any(k.startswith("llm_adapter.") or ".norm1.linear" in k for k in changed)  # frozen at lr 0
+
+
+def test_missing_component_files_are_one_line_errors(files):
+    family = get_family("anima")
+    with pytest.raises(ModelLoadError, match="--qwen3: required"):
+        family.check_options(AnimaOptions(), LoadOptions(files["dit"], vae=files["vae"]))
+    with pytest.raises(ModelLoadError, match="--vae: required"):
+        family.check_options(AnimaOptions(qwen3=files["qwen3"]), LoadOptions(files["dit"]))
+    with pytest.raises(ModelLoadError, match="expected a Qwen3 text encoder"):
+        family.load(LoadOptions(files["dit"], family_options=AnimaOptions(qwen3=files["vae"])))
+    with pytest.raises(ConfigError, match="--t5_max_token_length"):
+        AnimaOptions(t5_max_token_length=600).check()
+
+
+def test_generation_is_seeded_and_sized(loaded):
+    from library.sampling.generate import GenerationRequest
+
+    family, c = loaded
+    images = family.generate(c, [GenerationRequest("a cat", seed=3, width=64, height=80, steps=2),
+                                 GenerationRequest("a dog", seed=3, width=64, height=80, steps=2)])
+    again = family.generate(c, [GenerationRequest("a cat", seed=3, width=64, height=80, steps=2)])
+    import numpy as np
+
+    first, single, other = (np.asarray(i.image, dtype=np.int16) for i in (images[0], again[0], images[1]))
+    assert images[0].image.size == (64, 80)
+    assert np.abs(first - single).max() <= 1  # the same seed alone or in a batch (batched matmul rounding)
+    assert np.abs(first - other).max() > 10  # the prompt reaches the image through Qwen3 and the adapter
+    assert os.path.basename(c.model_path).startswith("anima-tiny")
