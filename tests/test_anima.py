@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 
 from library.core.errors import ConfigError
-from library.families import get_family
 from library.families import anima_layout as layout
+from library.families import get_family
 from library.families.anima_configs import build_anima_modules
 from library.families.anima_loading import vae_key_to_wan, write_anima_preset
+from library.families.anima_options import AnimaOptions
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.detect import detect_family
-from library.families.anima_options import AnimaOptions
 from networks.lora import create_network
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

@@ -95,7 +95,8 @@ class AnimaFamily(ModelFamily):
         return components
 
     # --- text ----------------------------------------------------------------------------------------
-    def tokenize(self, components: Components, captions: list[str], max_token_length: Optional[int]) -> list[torch.Tensor]:
+    def tokenize(self, components: Components, captions: list[str],
+                 max_token_length: Optional[int]) -> list[torch.Tensor]:
         """[Qwen3 ids, Qwen3 mask, T5 ids, T5 mask], each (B, its --*_max_token_length), padded to length."""
         options = self.options(components)
         qwen, t5 = components.tokenizers
@@ -105,7 +106,8 @@ class AnimaFamily(ModelFamily):
                return_tensors="pt")
         return [q.input_ids, q.attention_mask, t.input_ids, t.attention_mask]
 
-    def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
+    def encode_text(self, components: Components, tokens: list[torch.Tensor],
+                    clip_skip: Optional[int]) -> TextConditioning:
         """Qwen3's last hidden states (zero at padding) and its mask; the T5 ids and mask pass through."""
         encoder = components.text_encoders[0]
         ids, mask, t5_ids, t5_mask = tokens

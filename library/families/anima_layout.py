@@ -79,8 +79,8 @@ def rope_buffers(config) -> dict[str, torch.Tensor]:
 
 
 def original_tensors(dit: torch.nn.Module, with_adapter: bool = True) -> dict[str, torch.Tensor]:
-    """The model's own tensors (not copies) under the original file's names, `net.` prefixed, as sd-scripts' anima_train.py
-    saves them (RoPE buffers included)."""
+    """The model's own tensors (not copies) under the original file's names, `net.` prefixed, as sd-scripts'
+    anima_train.py saves them (RoPE buffers included)."""
     out = {NET_PREFIX + original_path("transformer." + k): v for k, v in dit.transformer.state_dict().items()}
     out.update({NET_PREFIX + k: v for k, v in rope_buffers(dit.transformer.config).items()})
     if with_adapter:
