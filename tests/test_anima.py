@@ -147,11 +147,15 @@ def test_network_args_select_dims_and_rates_by_full_original_path(loaded):
 
 def test_lora_training_run_on_the_files_with_sd_scripts_names_and_metadata(files, tmp_path):
     data = make_dataset(str(tmp_path), n=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat --w 64 --h 48 --s 2 --d 5 --l 3.0\n")
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), files["dit"], steps=2, extra=[
         "--qwen3", files["qwen3"], "--vae", files["vae"], "--network_module", "networks.lora_anima",
         "--network_args", "train_llm_adapter=True", "--timestep_sampling", "shift", "--discrete_flow_shift", "3.0",
-        *TOKENS]), "anima")
+        "--sample_prompts", str(prompts), "--sample_every_n_steps", "2", *TOKENS]), "anima")
     path = trainer.run()
+    samples = sorted(os.listdir(tmp_path / "out" / "sample"))
+    assert samples[0].startswith("lora_000002_00_") and samples[0].endswith("_5.png")  # step 2, seed 5
     with safe_open(path, "pt") as f:
         keys = set(f.keys())
         metadata = f.metadata()
@@ -220,3 +224,49 @@ def test_generation_is_seeded_and_sized(loaded):
     assert np.abs(first - single).max() <= 1  # the same seed alone or in a batch (batched matmul rounding)
     assert np.abs(first - other).max() > 0  # the prompt reaches the image through Qwen3 and the adapter
     assert os.path.basename(c.model_path).startswith("anima-tiny")
+
+
+def _documented_command() -> list[str]:
+    """The tokens of the command line after the marker in docs/anima_train_network.md."""
+    import re
+    import shlex
+
+    lines = open(os.path.join(os.path.dirname(__file__), "..", "docs", "anima_train_network.md"),
+                 encoding="utf-8").read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- sd-scripts command line:")) + 2
+    end = next(j for j in range(start, len(lines)) if lines[j].startswith("```"))
+    return shlex.split(re.sub(r"\\\n", " ", "\n".join(lines[start:end])))
+
+
+def test_sd_scripts_command_line_of_the_docs_runs_on_the_tiny_files(files, tmp_path):
+    """Only the model paths, the dataset, the output folder, epochs -> 1 step, and what a CPU lacks change."""
+    import importlib.util
+
+    from library.cli.entry import run_training
+
+    tokens = _documented_command()
+    script = next(i for i, t in enumerate(tokens) if t.endswith(".py"))
+    assert tokens[script] == "anima_train_network.py"
+    data = make_dataset(str(tmp_path), n=1)
+    toml = tmp_path / "data.toml"
+    toml.write_text(f'[general]\ncaption_extension = ".txt"\nresolution = 64\n[[datasets]]\n'
+                    f'[[datasets.subsets]]\nimage_dir = "{os.path.join(data, "5_sks toy")}"\n')
+    swap = {"--pretrained_model_name_or_path": files["dit"], "--qwen3": files["qwen3"], "--vae": files["vae"],
+            "--dataset_config": str(toml), "--output_dir": str(tmp_path / "out")}
+    argv = []
+    for token in tokens[script + 1:]:
+        flag, eq, value = token.partition("=")
+        if flag == "--max_train_epochs":
+            continue
+        if flag in swap:
+            value = swap[flag]
+        elif flag == "--optimizer_type" and importlib.util.find_spec("bitsandbytes") is None:
+            value = "AdamW"
+        elif flag == "--mixed_precision" and not torch.cuda.is_available():
+            value = "no"
+        argv.append(f"{flag}={value}" if eq else flag)
+    argv += ["--max_train_steps", "1", "--max_data_loader_n_workers", "0", *TOKENS]
+    assert run_training("anima", "test", argv) == 0
+    with safe_open(str(tmp_path / "out" / "my_anima_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_network_module"] == "networks.lora_anima"
+        assert "lora_unet_blocks_1_mlp_layer2.lora_up.weight" in set(f.keys())

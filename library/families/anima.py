@@ -10,6 +10,7 @@ predicts the velocity ε - x0.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -24,6 +25,8 @@ from library.families.anima_options import LR_GROUPS, AnimaOptions
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.objectives.flow import FlowMatchScheme, check_flow_compatible
 from networks.lora_targets import LoraTarget, iter_target_paths, kohya_module_name
+
+logger = logging.getLogger(__name__)
 
 ANIMA_IMPLEMENTATION = "https://huggingface.co/circlestone-labs/Anima"
 # sd-scripts' LoRA targets (networks/lora_anima.py) by the diffusers classes that hold the same layers:
@@ -59,7 +62,6 @@ class AnimaFamily(ModelFamily):
     supports_text_cache = True
     text_cache_suffix = "_anima_te.npz"
     TEXT_KEYS = ("prompt_embeds", "attn_mask", "t5_input_ids", "t5_attn_mask")  # also the keys of `_anima_te.npz`
-    text_encoder_outputs = (TEXT_KEYS,)
 
     # --- options -------------------------------------------------------------------------------------
     def check_options(self, options: AnimaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
@@ -73,6 +75,10 @@ class AnimaFamily(ModelFamily):
                               "schedule is set by --timestep_sampling and --discrete_flow_shift")
         if model.pretrained_model_name_or_path:
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)
+        ignored = options.ignored_flags()
+        if ignored:
+            logger.warning("%s: memory options of sd-scripts' own Anima code; diffusers' models here use PyTorch "
+                           "SDPA and encode whole images, so they change nothing", ", ".join(ignored))
 
     def text_cache_values(self, options: AnimaOptions) -> dict[str, Any]:
         return {"qwen3": options.qwen3, "t5_tokenizer_path": options.t5_tokenizer_path,

@@ -55,7 +55,24 @@ class AnimaOptions:
         "help": "anima_train.py: learning rate of the DiT's MLP layers (0 freezes them)"})
     mod_lr: Optional[float] = field(default=None, metadata={
         "help": "anima_train.py: learning rate of the DiT's AdaLN modulation layers (0 freezes them)"})
+    # Memory switches of sd-scripts' own attention and VAE code: accepted so its command lines run; diffusers'
+    # models here always use PyTorch SDPA and encode whole images (a warning says so when one is given).
+    attn_mode: Optional[str] = field(default=None, metadata={
+        "choices": ("torch", "sdpa", "xformers", "flash", "sageattn"),
+        "help": "sd-scripts' attention backend; here PyTorch SDPA is used whatever is given (torch/sdpa)"})
+    split_attn: bool = field(default=False, metadata={
+        "help": "sd-scripts: split attention by batch to save memory; no effect here (a warning says so)"})
+    vae_chunk_size: Optional[int] = field(default=None, metadata={
+        "help": "sd-scripts: spatial chunk size of its VAE; no effect here (diffusers' VAE, whole images)"})
+    vae_disable_cache: bool = field(default=False, metadata={
+        "help": "sd-scripts: disable its VAE's internal cache; no effect here"})
     flow: AnimaFlowOptions = field(default_factory=AnimaFlowOptions)
+
+    def ignored_flags(self) -> list[str]:
+        """The sd-scripts memory flags given that change nothing here (for one warning)."""
+        given = [("attn_mode", self.attn_mode not in (None, "torch", "sdpa")), ("split_attn", self.split_attn),
+                 ("vae_chunk_size", self.vae_chunk_size is not None), ("vae_disable_cache", self.vae_disable_cache)]
+        return [f"--{name}" for name, on in given if on]
 
     def check(self) -> None:
         """One-line ConfigError naming the flag of a value out of range."""

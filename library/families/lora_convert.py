@@ -17,6 +17,7 @@ becomes the rank (scale 1). ΔW is preserved in every direction.
 
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 import torch
@@ -87,8 +88,15 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
     return [(down, b) for b in torch.split(up, dims, dim=0)]
 
 
+# Module names only Anima's kohya files have (sd-scripts' networks.lora_anima): its DiT blocks and LLM adapter.
+_ANIMA_NAME = re.compile(r"^lora_unet_(blocks_\d+_(self_attn|cross_attn|mlp)_|llm_adapter_)")
+
+
 def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
+    if any(_ANIMA_NAME.match(key) for key in state):
+        raise UnsupportedLoraError(f"{source}: an Anima LoRA; diffusers reads Anima LoRAs only in ComfyUI's "
+                                   f"diffusion_model.* layout (sd-scripts' convert_anima_lora_to_comfy.py)")
     out: dict[str, torch.Tensor] = {}
     for name, m in group_modules(state, source).items():
         target = peft_targets(name)
