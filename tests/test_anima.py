@@ -270,3 +270,31 @@ def test_sd_scripts_command_line_of_the_docs_runs_on_the_tiny_files(files, tmp_p
     with safe_open(str(tmp_path / "out" / "my_anima_lora.safetensors"), "pt") as f:
         assert f.metadata()["ss_network_module"] == "networks.lora_anima"
         assert "lora_unet_blocks_1_mlp_layer2.lora_up.weight" in set(f.keys())
+
+
+def test_resumed_anima_run_equals_uninterrupted(tmp_path):
+    """Stopped after step 2 (the SIGTERM path) and resumed with --resume auto: bitwise the same LoRA, the
+    adapter's LoRA and the sigmoid σ draws included."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from library.train.trainer import InterruptedTraining
+
+    data = make_dataset(str(tmp_path), n=2)
+    extra = ["--network_module", "networks.lora_anima", "--network_args", "train_llm_adapter=True",
+             "--network_train_unet_only", *TOKENS]
+    straight = make_trainer(base_args(data, str(tmp_path / "a"), "tiny:anima", steps=4, extra=extra), "anima").run()
+    first = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:anima", steps=4, extra=extra), "anima")
+
+    def stop(trainer, event, step):
+        if event == "step" and step == 2:
+            trainer._on_signal(signal.SIGTERM, None)
+
+    first.s.hooks.append(stop)
+    with pytest.raises(InterruptedTraining):
+        first.run()
+    resumed = make_trainer(base_args(data, str(tmp_path / "b"), "tiny:anima", steps=4,
+                                     extra=[*extra, "--resume", "auto"]), "anima").run()
+    a, b = load_file(straight), load_file(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
