@@ -96,8 +96,9 @@ def main() -> None:
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
     caption = "a photo of a sks dog sitting on a wooden chair, high quality"
-    text = {"prompt_embeds": torch.randn(a.tokens, 1024), "attn_mask": torch.ones(a.tokens, dtype=torch.long),
-            "t5_input_ids": torch.randint(0, 32000, (a.tokens,)), "t5_attn_mask": torch.ones(a.tokens, dtype=torch.long)}
+    ones = torch.ones(a.tokens, dtype=torch.long)
+    text = {"prompt_embeds": torch.randn(a.tokens, 1024), "attn_mask": ones,
+            "t5_input_ids": torch.randint(0, 32000, (a.tokens,)), "t5_attn_mask": ones}
     batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
 
     def reference_step() -> None:
