@@ -123,6 +123,14 @@ def test_full_size_lora_key_set_equals_sd_scripts_on_meta():
         "lora_unet_final_layer_adaln_modulation_1", "lora_unet_final_layer_adaln_modulation_2",
         "lora_unet_final_layer_linear", "lora_unet_t_embedder_1_linear_1", "lora_unet_t_embedder_1_linear_2",
         "lora_unet_x_embedder_proj_1"]
+    # the LLM adapter's tensors as sd-scripts' LLMAdapter holds them (source/target/model 1024, 16 heads, 6 blocks)
+    adapter_shapes = {k: tuple(v.shape) for k, v in c.denoiser.llm_adapter.state_dict().items()}
+    assert len(adapter_shapes) == 4 + 6 * 19 and {
+        "embed.weight": (32128, 1024), "blocks.5.self_attn.q_proj.weight": (1024, 1024),
+        "blocks.5.self_attn.q_norm.weight": (64,), "blocks.5.cross_attn.k_proj.weight": (1024, 1024),
+        "blocks.5.norm_mlp.weight": (1024,), "blocks.5.mlp.0.weight": (4096, 1024), "blocks.5.mlp.0.bias": (4096,),
+        "blocks.5.mlp.2.weight": (1024, 4096), "out_proj.bias": (1024,), "norm.weight": (1024,),
+    }.items() <= adapter_shapes.items()
     ups = {lora.lora_name: tuple(lora.lora_up.weight.shape) for lora in everything.unet_loras}
     assert ups["lora_unet_blocks_0_adaln_modulation_self_attn_2"] == (6144, 4)
     assert ups["lora_unet_blocks_0_cross_attn_k_proj"] == (2048, 4)
