@@ -2,13 +2,12 @@
 
 ComfyUI's key layout for Anima LoRAs (what its loader maps, comfy/lora.py model_lora_keys_unet): for every
 `diffusion_model.<path>.weight` of the DiT it accepts the kohya name `lora_unet_<path with . -> _>`, where
-<path> is the original MiniTrainDIT name (`blocks.0.self_attn.q_proj`, `llm_adapter.blocks.0.self_attn.q_proj`)
-and `lora_te_<Qwen3 path>` for the text encoder; sd-scripts' networks/convert_anima_lora_to_comfy.py writes
-the same modules as `diffusion_model.<path>.lora_A/lora_B`. The tests below check that every saved name is
-`lora_unet_` + an original key of the written DiT file (and `lora_te_` + a key of the Qwen3 file), which is
-that layout. diffusers has no Anima pipeline class with `load_lora_weights` for kohya files (its modular
-Anima pipeline's AnimaLoraLoaderMixin reads only `diffusion_model.*` files), so no diffusers round trip here.
-"""
+<path> is the original MiniTrainDIT name (`blocks.0.self_attn.q_proj`, `llm_adapter.blocks.0.self_attn.q_proj`);
+Qwen3 LoRAs it reads only as `text_encoders.qwen3_06b.transformer.model.<path>.lora_A/B`, the layout sd-scripts'
+convert_anima_lora_to_comfy.py (and tools/convert_lora.py --to comfy) writes. The tests below check that every
+saved name is `lora_unet_` + an original key of the written DiT file (and `lora_te_` + a key of the Qwen3 file),
+and that the ComfyUI layout, read by diffusers' own Anima LoRA converter into its models, gives our output.
+diffusers has no Anima pipeline class whose `load_lora_weights` takes kohya files."""
 
 from __future__ import annotations
 
@@ -306,3 +305,48 @@ def test_resumed_anima_run_equals_uninterrupted(tmp_path):
                                      extra=[*extra, "--resume", "auto"]), "anima").run()
     a, b = load_file(straight), load_file(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(loaded):
+    """kohya -> ComfyUI names (tools/convert_lora.py --to comfy), read by diffusers' own Anima LoRA converter
+    (AnimaLoraLoaderMixin.lora_state_dict) into CosmosTransformer3DModel and AnimaTextConditioner through PEFT:
+    every key is used and the denoiser's output equals the one with our LoRA modules applied."""
+    import copy
+    import re
+
+    from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
+
+    from library.families import anima_lora
+
+    family, c = loaded
+    dit = copy.deepcopy(c.denoiser)
+    components = Components(dit, None, [], c.tokenizers, options=c.options)
+    net = create_network(1.0, 4, 4, None, None, None, lora_targets=family.lora_targets(components),
+                         train_llm_adapter="true")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in net.unet_loras:
+            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.1)
+    comfy = anima_lora.to_comfy(net.state_dict())
+    assert len(comfy) == 3 * 40 and "diffusion_model.llm_adapter.blocks.0.mlp.2.lora_B.weight" in comfy
+    # alpha = rank here, so the scale is 1 and diffusers (which takes no alpha keys) needs none
+    converted = AnimaLoraLoaderMixin.lora_state_dict({k: v for k, v in comfy.items() if not k.endswith(".alpha")})
+    assert len(converted) == 80 and all(k.startswith(("transformer.", "text_conditioner.")) for k in converted)
+    peft_dit = copy.deepcopy(c.denoiser)
+    peft_dit.transformer.load_lora_adapter({k: v for k, v in converted.items() if k.startswith("transformer.")},
+                                           prefix="transformer")
+    peft_dit.llm_adapter.load_lora_adapter({k: v for k, v in converted.items() if k.startswith("text_conditioner.")},
+                                           prefix="text_conditioner")
+    n_peft = sum(1 for name, _ in peft_dit.named_modules() if re.search(r"\.lora_A\.default(_0)?$", name))
+    assert n_peft == 40  # every module of the file found its layer
+    net.apply_to([], dit, False, True)
+    gen = torch.Generator().manual_seed(1)
+    latents, t = torch.randn(1, 16, 8, 8, generator=gen), torch.tensor([0.7])
+    states, mask = torch.randn(1, 6, 32, generator=gen), torch.ones(1, 6, dtype=torch.long)
+    ids, t5_mask = torch.tensor([[5, 9, 12, 1]]), torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        ours = dit(latents, t, states, mask, ids, t5_mask)
+        theirs = peft_dit(latents, t, states, mask, ids, t5_mask)
+        base = c.denoiser(latents, t, states, mask, ids, t5_mask)
+    assert (ours - base).abs().max() > 1e-3  # the LoRA changes the output
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
