@@ -66,6 +66,9 @@ class AnimaOptions:
         "help": "sd-scripts: spatial chunk size of its VAE; no effect here (diffusers' VAE, whole images)"})
     vae_disable_cache: bool = field(default=False, metadata={
         "help": "sd-scripts: disable its VAE's internal cache; no effect here"})
+    unsloth_offload_checkpointing: bool = field(default=False, metadata={
+        "help": "sd-scripts: keep the checkpointed activations in CPU memory (non-blocking copies); here the same "
+                "as --cpu_offload_checkpointing, which it turns on"})
     flow: AnimaFlowOptions = field(default_factory=AnimaFlowOptions)
 
     def ignored_flags(self) -> list[str]:
