@@ -138,7 +138,7 @@ def test_full_size_lora_key_set_equals_sd_scripts_on_meta():
 def test_network_args_select_dims_and_rates_by_full_original_path(loaded):
     family, c = loaded
     net = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c),
-                         exclude_patterns="['blocks\\\\.1\\\\..*']", network_reg_dims="blocks\\.0\\.mlp\\..*=2",
+                         exclude_patterns="['blocks\\\\.[12]\\\\..*']", network_reg_dims="blocks\\.0\\.mlp\\..*=2",
                          network_reg_lrs="blocks\\.0\\.self_attn\\..*=5e-4")
     dims = {lora.lora_name: lora.lora_dim for lora in net.unet_loras}
     assert sorted(dims) == sorted(f"lora_unet_blocks_0_{n}" for n in (
@@ -174,7 +174,7 @@ def test_lora_training_run_on_the_files_with_sd_scripts_names_and_metadata(files
         te_paths = {k[len("model."):-len(".weight")].replace(".", "_") for k in f.keys()}
     # the ComfyUI layout: lora_unet_<original DiT key>, lora_te_<Qwen3 key> (see the module docstring)
     assert all(m[len("lora_unet_"):] in dit_paths or m[len("lora_te_"):] in te_paths for m in modules)
-    assert len(modules) == 2 * 10 + 2 * 10 + 28 * 7 and len(keys) == 3 * len(modules)
+    assert len(modules) == 3 * 10 + 2 * 10 + 28 * 7 and len(keys) == 3 * len(modules)
     assert up.abs().sum() > 0  # the adapter's LoRA trained
     assert (metadata["ss_base_model_version"], metadata["ss_network_module"], metadata["modelspec.architecture"],
             metadata["modelspec.implementation"], metadata["ss_timestep_sampling"],
@@ -328,17 +328,17 @@ def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(
         for lora in net.unet_loras:
             lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.1)
     comfy = anima_lora.to_comfy(net.state_dict())
-    assert len(comfy) == 3 * 40 and "diffusion_model.llm_adapter.blocks.0.mlp.2.lora_B.weight" in comfy
+    assert len(comfy) == 3 * 50 and "diffusion_model.llm_adapter.blocks.0.mlp.2.lora_B.weight" in comfy
     # alpha = rank here, so the scale is 1 and diffusers (which takes no alpha keys) needs none
     converted = AnimaLoraLoaderMixin.lora_state_dict({k: v for k, v in comfy.items() if not k.endswith(".alpha")})
-    assert len(converted) == 80 and all(k.startswith(("transformer.", "text_conditioner.")) for k in converted)
+    assert len(converted) == 100 and all(k.startswith(("transformer.", "text_conditioner.")) for k in converted)
     peft_dit = copy.deepcopy(c.denoiser)
     peft_dit.transformer.load_lora_adapter({k: v for k, v in converted.items() if k.startswith("transformer.")},
                                            prefix="transformer")
     peft_dit.llm_adapter.load_lora_adapter({k: v for k, v in converted.items() if k.startswith("text_conditioner.")},
                                            prefix="text_conditioner")
     n_peft = sum(1 for name, _ in peft_dit.named_modules() if re.search(r"\.lora_A\.default(_0)?$", name))
-    assert n_peft == 40  # every module of the file found its layer
+    assert n_peft == 50  # every module of the file found its layer
     net.apply_to([], dit, False, True)
     gen = torch.Generator().manual_seed(1)
     latents, t = torch.randn(1, 16, 8, 8, generator=gen), torch.tensor([0.7])
@@ -350,3 +350,20 @@ def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(
         base = c.denoiser(latents, t, states, mask, ids, t5_mask)
     assert (ours - base).abs().max() > 1e-3  # the LoRA changes the output
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path, files):
+    """--blocks_to_swap 1 (the last DiT block streamed) gives the same LoRA as no swapping; more than
+    blocks - 2 is refused before loading, naming the bound."""
+    from safetensors.torch import load_file
+
+    data = make_dataset(str(tmp_path), n=1)
+    extra = ["--network_module", "networks.lora_anima", "--network_train_unet_only", *TOKENS]
+    runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:anima", steps=2, extra=extra + more),
+                         "anima").run() for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1"]))]
+    a, b = (load_file(p) for p in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    family = get_family("anima")
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
+        family.check_options(AnimaOptions(qwen3=files["qwen3"]), LoadOptions(files["dit"], vae=files["vae"]),
+                             blocks_to_swap=2)

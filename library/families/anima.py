@@ -19,7 +19,12 @@ from library.core.errors import ConfigError
 from library.families import anima_layout as layout
 from library.families.anima_configs import LATENT_CHANNELS
 from library.families.anima_generate import generate_anima
-from library.families.anima_loading import check_model_source, load_anima_components
+from library.families.anima_loading import (
+    block_count,
+    check_blocks_to_swap,
+    check_model_source,
+    load_anima_components,
+)
 from library.families.anima_network_args import AnimaNetworkArgs
 from library.families.anima_options import LR_GROUPS, AnimaOptions
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
@@ -75,6 +80,9 @@ class AnimaFamily(ModelFamily):
                               "schedule is set by --timestep_sampling and --discrete_flow_shift")
         if model.pretrained_model_name_or_path:
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)
+            blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
+            if blocks:
+                check_blocks_to_swap(blocks_to_swap, blocks)
         ignored = options.ignored_flags()
         if ignored:
             logger.warning("%s: memory options of sd-scripts' own Anima code; diffusers' models here use PyTorch "
@@ -238,8 +246,6 @@ class AnimaFamily(ModelFamily):
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
         """The last N DiT blocks; at most blocks - 2, as sd-scripts allows."""
         blocks = list(components.denoiser.transformer.transformer_blocks)
-        if not 1 <= num_swap <= len(blocks) - 2:
-            raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{len(blocks) - 2} for this model "
-                              f"({len(blocks)} blocks)")
+        check_blocks_to_swap(num_swap, len(blocks))
         return blocks[len(blocks) - num_swap:]
 

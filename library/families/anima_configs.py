@@ -50,7 +50,7 @@ class AnimaPreset:
 
 
 PRESETS: dict[str, AnimaPreset] = {
-    "tiny:anima": AnimaPreset("tiny:anima", blocks=2, heads=2, head_dim=24, adaln_lora_dim=16, text_dim=32,
+    "tiny:anima": AnimaPreset("tiny:anima", blocks=3, heads=2, head_dim=24, adaln_lora_dim=16, text_dim=32,
                               adapter_layers=2, adapter_heads=2, qwen3_intermediate=64, qwen3_heads=2,
                               qwen3_kv_heads=1, qwen3_head_dim=16, vae_base_dim=8, max_size=(8, 64, 64)),
     "random:anima": AnimaPreset("random:anima", blocks=28, heads=16, head_dim=128, adaln_lora_dim=256,

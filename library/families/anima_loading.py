@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from library.core.errors import ConfigError
 from library.core.safetensors_io import write_safetensors
 from library.families import anima_layout as layout
 from library.families.anima_configs import (
@@ -268,6 +269,27 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
             module.to(dtype=dtype)
     return Components(denoiser=dit, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer, t5_tokenizer],
                       model_path=path, vae_path=opts.vae)
+
+
+def block_count(path: str) -> Optional[int]:
+    """DiT blocks of a preset or DiT file, read without loading weights; None when the path cannot tell."""
+    try:
+        if anima_source_kind(path) == "preset":
+            return PRESETS[path].blocks
+        from safetensors import safe_open
+
+        pattern = re.compile(r"(?:net\.|model\.diffusion_model\.)?blocks\.(\d+)\.")
+        with safe_open(path, "pt") as f:
+            return len({m[1] for k in f.keys() if (m := pattern.match(k))})
+    except (OSError, ValueError, ModelLoadError):
+        return None
+
+
+def check_blocks_to_swap(num_swap: int, blocks: int) -> None:
+    """sd-scripts' bound: at most blocks - 2 of the DiT's blocks swap (one-line ConfigError)."""
+    if not 1 <= num_swap <= blocks - 2:
+        raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{blocks - 2} for this model ({blocks} blocks; "
+                          f"at most blocks - 2 swap)")
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
