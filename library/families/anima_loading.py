@@ -25,10 +25,8 @@ from library.families import anima_layout as layout
 from library.families.anima_configs import (
     LATENT_CHANNELS,
     PRESETS,
-    QWEN3_PAD_TOKEN,
     QWEN3_TOKENIZER_REPO,
     AnimaDiT,
-    adapter_config,
     build_anima_modules,
     build_qwen3_tokenizer,
     qwen3_config,
@@ -322,5 +320,3 @@ def write_anima_preset(name: str, out_dir: str) -> dict[str, str]:
     write_safetensors({vae_key_to_wan(k): v for k, v in parts["vae"].state_dict().items()}, paths["vae"])
     return paths
 
-
-__all__ = ["QWEN3_PAD_TOKEN", "adapter_config", "anima_source_kind", "load_anima_components", "write_anima_preset"]
