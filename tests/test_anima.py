@@ -217,6 +217,22 @@ def test_missing_component_files_are_one_line_errors(files):
         AnimaOptions(t5_max_token_length=600).check()
 
 
+def test_weighting_scheme_weights_the_raw_velocity_loss_as_sd_scripts(loaded):
+    """compute_loss_weighting_for_anima: sigma_sqrt σ^-2 and cosmap 2/(π(1-2σ+2σ²)) on the raw prediction."""
+    import math
+
+    from library.families.anima_options import AnimaFlowOptions
+
+    family, c = loaded
+    t = torch.tensor([250.0, 500.0])
+    for scheme, expected in (("sigma_sqrt", [16.0, 4.0]),
+                             ("cosmap", [2 / (math.pi * (1 - 0.5 + 0.125)), 2 / (math.pi * 0.5)]),
+                             ("uniform", [1.0, 1.0])):
+        options = AnimaOptions(flow=AnimaFlowOptions(weighting_scheme=scheme))
+        weights = family.noise_scheme(Components(c.denoiser, None, [], [], options=options)).loss_weights(t)
+        torch.testing.assert_close(weights, torch.tensor(expected))
+
+
 def test_generation_is_seeded_and_sized(loaded):
     from library.sampling.generate import GenerationRequest
 

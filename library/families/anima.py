@@ -28,7 +28,7 @@ from library.families.anima_loading import (
 from library.families.anima_network_args import AnimaNetworkArgs
 from library.families.anima_options import LR_GROUPS, AnimaOptions
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible
+from library.objectives.flow import FlowMatchScheme, check_flow_compatible, loss_weighting
 from networks.lora_targets import LoraTarget, iter_target_paths, kohya_module_name
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,14 @@ def _dit_path(path: str) -> str:
 
 def _adapter_path(path: str) -> str:
     return layout.ADAPTER_PREFIX + path
+
+
+class AnimaFlowScheme(FlowMatchScheme):
+    """FLUX.1's rectified flow, but --weighting_scheme sigma_sqrt / cosmap weights the loss whatever the prediction
+    type, as sd-scripts' anima_train_network.py does (compute_loss_weighting_for_anima on the raw velocity)."""
+
+    def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        return loss_weighting(self.options.weighting_scheme, self.sigma_of(timesteps))
 
 
 class AnimaFamily(ModelFamily):
@@ -155,7 +163,7 @@ class AnimaFamily(ModelFamily):
 
     # --- denoising -----------------------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:
-        return FlowMatchScheme(self.options(components).flow)
+        return AnimaFlowScheme(self.options(components).flow)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
