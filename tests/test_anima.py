@@ -383,3 +383,38 @@ def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path,
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
         family.check_options(AnimaOptions(qwen3=files["qwen3"]), LoadOptions(files["dit"], vae=files["vae"]),
                              blocks_to_swap=2)
+
+
+def test_merge_and_extract_tools_work_on_the_dit_file(files, tmp_path):
+    """tools/merge_lora.py writes W + scale·up@down into a DiT file that loads back; extract_lora_from_models.py
+    recovers a rank-4 LoRA of that difference under the same names (the adapter's LoRA included)."""
+    from safetensors.torch import load_file
+
+    from tools import extract_lora_from_models, merge_lora
+
+    family = get_family("anima")
+    base = family.load(LoadOptions(files["dit"], family_options=AnimaOptions(qwen3=files["qwen3"])))
+    net = create_network(1.0, 4, 2, None, None, None, lora_targets=family.lora_targets(base), train_llm_adapter="1")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for lora in net.unet_loras:
+            lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.2)
+    lora_file = str(tmp_path / "lora.safetensors")
+    net.save_weights(lora_file, None, {})
+    merged = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", files["dit"], "--qwen3", files["qwen3"], "--models", lora_file,
+                            "--ratios", "1.0", "--save_to", merged]) == 0
+    back = family.load(LoadOptions(merged, family_options=AnimaOptions(qwen3=files["qwen3"])))
+    lora = next(m for m in net.unet_loras if m.lora_name == "lora_unet_llm_adapter_blocks_1_cross_attn_k_proj")
+    expected = base.denoiser.llm_adapter.blocks[1].cross_attn.k_proj.weight \
+        + 0.5 * lora.lora_up.weight @ lora.lora_down.weight  # alpha 2 / rank 4
+    torch.testing.assert_close(back.denoiser.llm_adapter.blocks[1].cross_attn.k_proj.weight, expected)
+    extracted = str(tmp_path / "extracted.safetensors")
+    assert extract_lora_from_models.main(["--model_org", files["dit"], "--model_tuned", merged, "--qwen3",
+                                          files["qwen3"], "--dim", "4", "--clamp_quantile", "1.0",
+                                          "--save_to", extracted]) == 0
+    state = load_file(extracted)
+    name = "lora_unet_blocks_2_self_attn_q_proj"
+    delta = state[f"{name}.lora_up.weight"] @ state[f"{name}.lora_down.weight"] * float(state[f"{name}.alpha"]) / 4
+    orig = next(m for m in net.unet_loras if m.lora_name == name)
+    torch.testing.assert_close(delta, 0.5 * orig.lora_up.weight @ orig.lora_down.weight, rtol=1e-3, atol=1e-4)
