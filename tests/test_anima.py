@@ -418,3 +418,13 @@ def test_merge_and_extract_tools_work_on_the_dit_file(files, tmp_path):
     delta = state[f"{name}.lora_up.weight"] @ state[f"{name}.lora_down.weight"] * float(state[f"{name}.alpha"]) / 4
     orig = next(m for m in net.unet_loras if m.lora_name == name)
     torch.testing.assert_close(delta, 0.5 * orig.lora_up.weight @ orig.lora_down.weight, rtol=1e-3, atol=1e-4)
+
+
+def test_anima_train_refuses_a_save_format_it_cannot_write_before_training(capsys):
+    from library.cli.entry import run_training
+
+    with pytest.raises(SystemExit) as stopped:
+        run_training("anima", "test", ["--pretrained_model_name_or_path", "tiny:anima", "--save_model_as",
+                                       "diffusers", "--output_dir", "out"], fine_tune=True)
+    assert stopped.value.code == 2
+    assert "--save_model_as: invalid choice: 'diffusers' (choose from 'safetensors')" in capsys.readouterr().err
