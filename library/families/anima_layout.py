@@ -89,14 +89,14 @@ def original_tensors(dit: torch.nn.Module, with_adapter: bool = True) -> dict[st
 
 
 def split_original(tensors: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
-    """(DiT tensors, adapter tensors) of an original file, `net.` (or ComfyUI's `model.diffusion_model.`) dropped
-    and the keys no module holds left out."""
+    """(DiT tensors, adapter tensors) of an original file, `net.` and ComfyUI's `model.diffusion_model.` dropped
+    and the keys no module holds left out (a whole-model file's text encoder and VAE keys are not DiT keys:
+    loading takes only the DiT's own)."""
     dit, adapter = {}, {}
     for key, value in tensors.items():
-        for prefix in ("model.diffusion_model.", NET_PREFIX):
+        for prefix in ("model.diffusion_model.", NET_PREFIX):  # ComfyUI's whole-model files have both
             if key.startswith(prefix):
                 key = key[len(prefix):]
-                break
         if IGNORED_KEYS.search(key):
             continue
         if key.startswith(ADAPTER_PREFIX):

@@ -52,7 +52,7 @@ def load_dit_file(path: str, dtype: torch.dtype, adapter_path: Optional[str] = N
     from diffusers import CosmosTransformer3DModel
 
     tensors = _read_file(label, path, "an Anima / Cosmos-Predict2 DiT (net.blocks.* keys)",
-                         lambda keys: any(re.match(r"(net\.|model\.diffusion_model\.)?blocks\.0\.self_attn\.", k)
+                         lambda keys: any(re.match(r"(model\.diffusion_model\.)?(net\.)?blocks\.0\.self_attn\.", k)
                                           for k in keys), dtype)
     dit, adapter = layout.split_original(tensors)
     try:
@@ -276,7 +276,7 @@ def block_count(path: str) -> Optional[int]:
             return PRESETS[path].blocks
         from safetensors import safe_open
 
-        pattern = re.compile(r"(?:net\.|model\.diffusion_model\.)?blocks\.(\d+)\.")
+        pattern = re.compile(r"(?:model\.diffusion_model\.)?(?:net\.)?blocks\.(\d+)\.")
         with safe_open(path, "pt") as f:
             return len({m[1] for k in f.keys() if (m := pattern.match(k))})
     except (OSError, ValueError, ModelLoadError):

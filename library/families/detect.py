@@ -12,6 +12,7 @@ from library.families import anima_configs, flux_configs, sd_configs, sdxl_confi
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
     ("net.blocks.0.self_attn.", "anima"),  # Anima / Cosmos-Predict2 DiT (MiniTrainDIT under net.)
+    ("model.diffusion_model.net.blocks.0.self_attn.", "anima"),  # ComfyUI's whole-model Anima file
     ("conditioner.embedders.", "sdxl"),
     ("double_blocks.", "flux"),
     ("model.diffusion_model.double_blocks.", "flux"),
