@@ -428,3 +428,21 @@ def test_anima_train_refuses_a_save_format_it_cannot_write_before_training(capsy
                                        "diffusers", "--output_dir", "out"], fine_tune=True)
     assert stopped.value.code == 2
     assert "--save_model_as: invalid choice: 'diffusers' (choose from 'safetensors')" in capsys.readouterr().err
+
+
+def test_lycoris_presets_reach_anima_through_the_class_aliases(tmp_path):
+    """LyCORIS presets name sd-scripts' Anima classes (Block, LLMAdapterTransformerBlock, ...); through the family's
+    aliases a LoKr run wraps the diffusers blocks and saves under the original names."""
+    pytest.importorskip("lycoris")
+    from safetensors import safe_open
+
+    data = make_dataset(str(tmp_path), n=1)
+    argv = base_args(data, str(tmp_path / "out"), "tiny:anima", steps=1, extra=[
+        "--network_train_unet_only", "--network_args", "algo=lokr", "preset=attn-mlp", *TOKENS])
+    argv[argv.index("networks.lora")] = "lycoris.kohya"
+    path = make_trainer(argv, "anima").run()
+    with safe_open(path, "pt") as f:
+        modules = {k.split(".")[0] for k in f.keys()}
+    assert {"lora_unet_blocks_2_self_attn_q_proj", "lora_unet_blocks_0_mlp_layer2",
+            "lora_unet_llm_adapter_blocks_1_cross_attn_o_proj"} <= modules
+    assert all(m.startswith("lora_unet_") for m in modules)

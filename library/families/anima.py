@@ -43,14 +43,6 @@ ADAPTER_TARGETS = ("AnimaTextConditionerBlock",)
 QWEN3_TARGETS = ("Qwen3Attention", "Qwen3MLP")
 
 
-def _dit_path(path: str) -> str:
-    return layout.original_path("transformer." + path)
-
-
-def _adapter_path(path: str) -> str:
-    return layout.ADAPTER_PREFIX + path
-
-
 class AnimaFlowScheme(FlowMatchScheme):
     """FLUX.1's rectified flow, but --weighting_scheme sigma_sqrt / cosmap weights the loss whatever the prediction
     type, as sd-scripts' anima_train_network.py does (compute_loss_weighting_for_anima on the raw velocity)."""
@@ -75,6 +67,11 @@ class AnimaFamily(ModelFamily):
     supports_text_cache = True
     text_cache_suffix = "_anima_te.npz"
     TEXT_KEYS = ("prompt_embeds", "attn_mask", "t5_input_ids", "t5_attn_mask")  # also the keys of `_anima_te.npz`
+    # LyCORIS presets name sd-scripts' own Anima classes; these diffusers classes hold the same layers
+    # (FinalLayer's AdaLN part: its linear is proj_out, a bare Linear no preset class reaches).
+    lycoris_module_aliases = (("Block", "CosmosTransformerBlock"), ("PatchEmbed", "CosmosPatchEmbed"),
+                              ("TimestepEmbedding", "CosmosTimestepEmbedding"), ("FinalLayer", "CosmosAdaLayerNorm"),
+                              ("LLMAdapterTransformerBlock", "AnimaTextConditionerBlock"))
 
     # --- options -------------------------------------------------------------------------------------
     def check_options(self, options: AnimaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
@@ -187,11 +184,12 @@ class AnimaFamily(ModelFamily):
         lora_te: Qwen3's attention and MLP. All carry Anima's network args (anima_network_args.py)."""
         dit = components.denoiser
         encoder = components.text_encoders[0] if components.text_encoders else None
+        # Rooted at the whole AnimaDiT, so an external network's raw module paths (lycoris.kohya) map too.
         targets = [
-            LoraTarget("lora_unet", dit.transformer, DIT_TARGETS, rename=_dit_path),
+            LoraTarget("lora_unet", dit, DIT_TARGETS, rename=layout.original_path),
             LoraTarget("lora_unet", dit.transformer.proj_out, ("Linear",),
-                       rename=lambda _p: _dit_path("proj_out")),
-            LoraTarget("lora_unet", dit.llm_adapter, ADAPTER_TARGETS, rename=_adapter_path,
+                       rename=lambda _p: layout.original_path("transformer.proj_out")),
+            LoraTarget("lora_unet", dit, ADAPTER_TARGETS, rename=layout.original_path,
                        enabled_by="train_llm_adapter"),
         ]
         if encoder is not None:
