@@ -1,4 +1,5 @@
-"""FLUX.1 component-file flags for the tools (--clip_l / --t5xxl / --ae), declared by FluxOptions.
+"""Component-file flags for the tools: FLUX.1's --clip_l / --t5xxl / --ae (FluxOptions), Anima's --qwen3 /
+--llm_adapter_path / --t5_tokenizer_path (AnimaOptions).
 
 The training scripts get every FluxOptions flag through the family's options_type (library/cli/parser.py).
 """
@@ -9,14 +10,17 @@ import argparse
 from typing import Optional
 
 from library.cli.options import add_option_arguments
+from library.families.anima_options import COMPONENT_FILE_FLAGS as ANIMA_FILE_FLAGS
+from library.families.anima_options import AnimaOptions
 from library.families.flux_options import COMPONENT_FILE_FLAGS, FluxOptions
 
 
 def add_component_file_arguments(group) -> None:
     """--clip_l / --t5xxl / --ae: the parts a BFL single-file transformer does not hold."""
     add_option_arguments(group, FluxOptions, only=COMPONENT_FILE_FLAGS)
+    add_option_arguments(group, AnimaOptions, only=ANIMA_FILE_FLAGS)  # Anima: --qwen3, --llm_adapter_path, ...
 
 
 def component_files(ns: argparse.Namespace) -> dict[str, Optional[str]]:
     """The component-file flags of a parsed namespace (values for library.cli.options.options_from_values)."""
-    return {name: getattr(ns, name, None) for name in COMPONENT_FILE_FLAGS}
+    return {name: getattr(ns, name, None) for name in COMPONENT_FILE_FLAGS + ANIMA_FILE_FLAGS}

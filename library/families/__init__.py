@@ -44,8 +44,15 @@ def _chroma() -> ModelFamily:
     return ChromaFamily()
 
 
+def _anima() -> ModelFamily:
+    from library.families.anima import AnimaFamily
+
+    return AnimaFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma}
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
+                                                   "anima": _anima}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

@@ -249,6 +249,11 @@ class ModelFamily(ABC):
         belongs to; each block gets its own optimizer. None: the family has no such layout (the flag is refused)."""
         return None
 
+    def denoiser_parameter_groups(self, components: Components, lr: float) -> Optional[list[tuple[str, list, float]]]:
+        """A full fine-tune's denoiser groups as (name, parameters, learning rate), a rate of 0 freezing its
+        group (Anima: --llm_adapter_lr, --self_attn_lr, ...); None: one group at `lr`."""
+        return None
+
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:
         """The denoiser blocks --blocks_to_swap N keeps in CPU memory, in forward order.

@@ -185,6 +185,17 @@ class ModelTrainable(Trainable):
                 groups += [g for g, _ in block_groups]
                 names += [n for _, n in block_groups]
                 continue
+            family_groups = self.family.denoiser_parameter_groups(self.components, self.plan[name]) \
+                if name == "denoiser" else None
+            if family_groups is not None:
+                for group_name, params, lr in family_groups:
+                    if not lr:
+                        for p in params:
+                            p.requires_grad_(False)
+                    elif params:
+                        groups.append({"params": params, "lr": lr})
+                        names.append(f"denoiser {group_name}")
+                continue
             params = [p for p in part.parameters() if p.requires_grad]
             if params:
                 groups.append({"params": params, "lr": self.plan[name]})
