@@ -76,3 +76,14 @@ def test_flash_attn_without_the_package_warns_and_uses_sdpa(tiny_sd1, caplog, mo
     with caplog.at_level(logging.WARNING):
         assert memory_setup.apply_flash_attention(tiny_sd1) is False
     assert "--flash_attn: cannot use FlashAttention (" in caplog.text
+
+
+def test_highvram_keeps_cached_parts_on_the_device(tmp_path, monkeypatch):
+    from library.train import trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "park_cached_parts", lambda *a, **k: calls.append(a) or [])
+    data = make_dataset(str(tmp_path / "data"), n=1)
+    for name, extra in (("default", []), ("high", ["--highvram"])):
+        make_trainer(base_args(data, str(tmp_path / name), steps=1, extra=["--cache_latents", *extra])).run()
+    assert len(calls) == 1  # the default run parks the VAE (cached latents); --highvram does not

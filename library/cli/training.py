@@ -66,7 +66,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mem_eff_attn", action="store_true",
                    help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
     g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
-    g.add_argument("--highvram", action="store_true", help="accepted for compatibility; changes nothing here")
+    g.add_argument("--highvram", action="store_true",
+                   help="keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; by "
+                        "default they wait in CPU memory)")
     g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
 
     g = parser.add_argument_group("multi-process (accelerate launch / torchrun; docs/distributed.md)")
@@ -122,7 +124,6 @@ COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
     "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
     "lowram": "loading does not change with it (recorded as ss_lowram, as sd-scripts does)",
-    "highvram": "nothing here frees memory at a cost in speed that this flag would turn off",
 }
 
 
@@ -227,6 +228,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
         compile=_compile_options(ns),
+        highvram=ns.highvram,
         profile_steps=ns.profile_steps or ns.profile_microbatches,
         profile_microbatches=ns.profile_microbatches,
         profiler_trace_dir=ns.profiler_trace_dir,

@@ -345,7 +345,8 @@ class Trainer:
             self._setup_step_context()
             with self.accelerator.main_process_first():
                 self._cache_text_outputs()
-            park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
+            if not self.t.highvram:
+                park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
             self._resume()
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
