@@ -16,7 +16,8 @@ import torch
 
 from library.data.batching import BatchRef
 from library.data.building import build
-from library.data.latent_caching import CacheShare, cache_all_latents
+from library.data.cache_share import CacheShare
+from library.data.latent_caching import cache_all_latents
 from library.data.loading import load_batch
 from library.data.metadata import dataset_metadata
 from library.data.options import DataOptions

@@ -13,13 +13,14 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from library.data.batching import Placement
+from library.data.cache_share import CacheShare
 from library.data.images import ImageDecodeError, crop_ltrb_for, to_tensor
 from library.data.latent_cache import (
     CacheSettings,
@@ -148,15 +149,6 @@ def cache_all_latents(data: DatasetPlan, encode: Callable[[torch.Tensor], torch.
                 data.latents[key] = entry
                 data.latent_signatures[key] = signature
             data.bad_paths.update(bad)
-
-
-@dataclass
-class CacheShare:
-    """This process's part of caching with several processes (the loop fills it from torch.distributed)."""
-    rank: int
-    world: int
-    planned: Callable[[], None]  # a barrier: every process has planned before any writes
-    gather: Optional[Callable[[Any], list]] = None  # all processes' objects, by rank (memory-only caching)
 
 
 def _encode_jobs(data: DatasetPlan, jobs: list[CacheJob], stale: int, encode: Callable[[torch.Tensor], torch.Tensor],

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from library.core.errors import ConfigError
 from library.core.hashes import weights_sha256
 from library.core.io_utils import atomic_path
+from library.data.cache_share import CacheShare
 from library.data.captions import CaptionSettings, process_caption
 
 logger = logging.getLogger(__name__)
@@ -147,11 +148,13 @@ def cache_source_id(model_path: str, dtype, settings: Mapping[str, Any], weights
 
 def build_text_cache(items: list[tuple[str, str]], encode: Encode, *, model_id: str,
                      max_token_length: Optional[int], suffix: Optional[str], to_disk: bool,
-                     batch_size: int = 1) -> dict[str, dict[str, torch.Tensor]]:
+                     batch_size: int = 1, share: Optional[CacheShare] = None) -> dict[str, dict[str, torch.Tensor]]:
     """{caption: {key: tensor without batch axis}} for every (image path, caption) in `items`.
 
     Valid disk files are read instead of encoding; missing or stale ones are
     encoded in batches of `batch_size` and, with `to_disk`, written.
+    With `share` (several processes) each process encodes every `world`-th caption left to encode and writes
+    its files; the outputs are then exchanged (`share.gather`) so every process holds them all.
     """
     probe = encode([""])  # the shapes every entry must have
     shapes = tuple(sorted((k, tuple(v.shape[1:])) for k, v in probe.items()))
@@ -170,17 +173,27 @@ def build_text_cache(items: list[tuple[str, str]], encode: Encode, *, model_id: 
         elif caption not in cache:
             pending.setdefault(caption, [])
     todo = [c for c in pending if c not in cache]
+    if share is not None:
+        share.planned()  # every process has read the disk before any writes
+        todo = todo[share.rank::share.world]
     for start in tqdm(range(0, len(todo), batch_size), desc="caching text encoder outputs", disable=not todo):
         chunk = todo[start:start + batch_size]
         with torch.no_grad():
             outputs = encode(chunk)
         for i, caption in enumerate(chunk):
             cache[caption] = {k: v[i].detach().cpu() for k, v in outputs.items()}
+    mine = set(todo)
+    if share is not None:
+        for part in share.gather({c: cache[c] for c in todo}):
+            for caption, entry in part.items():
+                cache.setdefault(caption, entry)
     for caption, paths in pending.items():
+        if share is not None and caption not in mine:
+            continue  # another process encoded it and writes its files
         settings = TextCacheSettings(model_id, max_token_length, caption, shapes)
         for path in paths:
             save_text_cache(te_cache_path(path, suffix), cache[caption], settings)
-    written = sum(len(p) for p in pending.values())
+    written = sum(len(p) for c, p in pending.items() if share is None or c in mine)
     logger.info("text encoder cache: %d captions, %d encoded, %d files written", len(cache), len(todo), written)
     return cache
 

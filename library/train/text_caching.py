@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from library.core.errors import UserError
+from library.data.cache_share import CacheShare
 from library.data.dataset import TrainingData
 from library.data.te_cache import (
     build_text_cache,
@@ -14,7 +17,7 @@ from library.train.step import StepContext, encode_captions
 
 
 def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSettings, trained: frozenset[int],
-                          max_train_steps: int) -> frozenset[int]:
+                          max_train_steps: int, share: Optional[CacheShare] = None) -> frozenset[int]:
     """Fill ctx.text_cache with the outputs of the text encoders that do not train; returns their indices.
 
     The encoders in `trained` (their LoRA learns) are run every step instead (ctx.live_encoders);
@@ -34,5 +37,5 @@ def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSet
         final_captions(data.samples, data.subsets, max_train_steps),
         lambda captions: encode_captions(ctx, captions, cached if trained else None).tensors,
         model_id=model_id, max_token_length=settings.text.max_token_length,
-        suffix=family.text_cache_suffix, to_disk=opts.to_disk, batch_size=opts.batch_size)
+        suffix=family.text_cache_suffix, to_disk=opts.to_disk, batch_size=opts.batch_size, share=share)
     return cached

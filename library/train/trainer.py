@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
-from library.data.latent_caching import CacheShare
+from library.data.cache_share import CacheShare
 from library.data.te_cache import (
     cache_source_id,
     check_text_cache_allowed,
@@ -231,19 +231,23 @@ class Trainer:
         vae = self.components.vae
         vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
                                  self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
-        acc = self.accelerator
-        share = None
-        if acc.num_processes > 1:  # every process encodes its share of the images
-            share = CacheShare(acc.process_index, acc.num_processes, acc.wait_for_everyone,
-                               None if d.cache_latents_to_disk else gather_objects)
+        share = self._cache_share(gather=not d.cache_latents_to_disk)  # each process encodes its share
         cache = functools.partial(self.data.cache_latents,
                                   lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
                                   vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                   num_workers=d.data_loader_workers())
         cache(share=share)
         if share is not None and d.cache_latents_to_disk:
-            acc.wait_for_everyone()
+            self.accelerator.wait_for_everyone()
             cache()  # reads what the other processes wrote (and retries what failed, alike on every process)
+
+    def _cache_share(self, gather: bool = True) -> Optional[CacheShare]:
+        """This process's part of building a cache, with several processes (None with one)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return None
+        return CacheShare(acc.process_index, acc.num_processes, acc.wait_for_everyone,
+                          gather_objects if gather else None)
 
     def _setup_optimizer(self) -> None:
         groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
@@ -296,7 +300,7 @@ class Trainer:
     def _cache_text_outputs(self) -> None:
         if self.s.text_cache.enabled:
             self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
-                                                              self.max_train_steps)
+                                                              self.max_train_steps, self._cache_share())
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -343,8 +347,7 @@ class Trainer:
             self._cache_latents()  # shared out between the processes
             self._setup_optimizer()
             self._setup_step_context()
-            with self.accelerator.main_process_first():
-                self._cache_text_outputs()
+            self._cache_text_outputs()  # shared out between the processes
             if not self.t.highvram:
                 park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
             self._resume()
