@@ -7,7 +7,7 @@ clip_l / clip_g / t5xxl files (the sd3.5_large.safetensors layout). Writing is l
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from torch import nn
 
@@ -75,16 +75,17 @@ def single_file_tensors(parts: Mapping[str, nn.Module], with_text_encoders: bool
 COMPONENT_FILES = {"clip_l": "clip_l.safetensors", "clip_g": "clip_g.safetensors", "t5xxl": "t5xxl.safetensors"}
 
 
-def write_sd3_preset(preset: str, out: str, layout: str = "diffusers") -> dict[str, str]:
+def write_sd3_preset(preset: str, out: str, layout: str = "diffusers", parts: Optional[dict] = None) -> dict[str, str]:
     """Build a preset ("tiny:sd3") and write it in one on-disk layout:
 
     - "diffusers": a StableDiffusion3Pipeline folder at `out`;
     - "single_file": the SAI all-in-one file (`out` a .safetensors name, or a folder that gets sd3-tiny.safetensors);
     - "separate": the MMDiT + VAE file plus clip_l / clip_g / t5xxl files beside it.
 
-    Returns {"folder" | "model" | "clip_l" | "clip_g" | "t5xxl": path}.
+    `parts`: the preset's modules when already built (build_sd3_modules). Returns {"folder" | "model" |
+    "clip_l" | "clip_g" | "t5xxl": path}.
     """
-    parts = build_sd3_modules(preset)
+    parts = parts or build_sd3_modules(preset)
     if layout == "diffusers":
         model_saving.write_pipeline_folder(*pipeline_folder(parts), out)
         return {"folder": out}

@@ -1,0 +1,232 @@
+"""SD3 / SD3.5 family: the SAI layout against diffusers' converter, tiny files through the real loaders, golden
+LoRA key counts on the meta device, the fused qkv LoRA against an independent merge, a tiny LoRA run and a
+full fine-tune round trip.
+
+ComfyUI's key layout: ComfyUI's LoRA loader (comfy/lora.py model_lora_keys_unet for SD3) maps
+`lora_unet_<SAI path with "_">` onto the `diffusion_model.<SAI path>.weight` of its own MMDiT, which has
+the SAI names and the fused `qkv`; `lora_te1_` / `lora_te2_` / `lora_te3_` onto clip_l / clip_g / t5xxl.
+Those are exactly the names checked below (SAI paths derived from the single-file keys).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from library.core.errors import ConfigError
+from library.families import get_family
+from library.families import sd3_layout as sai
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.sd3_configs import PRESETS, build_sd3_modules, transformer_config
+from library.families.sd3_options import SD3Options
+from library.families.sd3_saving import write_sd3_preset
+from networks.lora import create_network
+from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
+
+
+@pytest.fixture(scope="module")
+def sd3_files(tmp_path_factory):
+    """tiny:sd3 written in every layout: SAI all-in-one, SAI MMDiT+VAE with separate text encoders, diffusers."""
+    root = tmp_path_factory.mktemp("sd3-files")
+    parts = build_sd3_modules("tiny:sd3")
+    return {"single": write_sd3_preset("tiny:sd3", str(root / "single.safetensors"), "single_file", parts)["model"],
+            "separate": write_sd3_preset("tiny:sd3", str(root / "separate"), "separate", parts),
+            "folder": write_sd3_preset("tiny:sd3", str(root / "folder"), "diffusers", parts)["folder"]}
+
+
+def _states(c: Components) -> dict[str, dict[str, torch.Tensor]]:
+    parts = {"denoiser": c.denoiser, "vae": c.vae, **{f"te{i}": m for i, m in enumerate(c.text_encoders)}}
+    return {n: m.state_dict() for n, m in parts.items()}
+
+
+def _assert_same_model(a: Components, b: Components) -> None:
+    sa, sb = _states(a), _states(b)
+    for part in sa:
+        assert sa[part].keys() == sb[part].keys(), part
+        bad = [k for k in sa[part] if not torch.equal(sa[part][k], sb[part][k])]
+        assert not bad, f"{part}: {bad[:3]}"
+
+
+def test_sai_layout_round_trips_through_diffusers_converter():
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(**transformer_config(PRESETS["tiny:sd3"]))  # diffusers' own order
+    state = transformer.state_dict()
+    sai_state = sai.diffusers_to_sai(state)
+    assert "joint_blocks.0.x_block.attn.qkv.weight" in sai_state and "joint_blocks.0.x_block.attn2.ln_q.weight" in sai_state
+    assert "joint_blocks.2.context_block.attn.proj.weight" not in sai_state  # the last block's context is pre-only
+    theirs = convert_sd3_transformer_checkpoint_to_diffusers({sai.SAI_PREFIX + k: v.clone() for k, v in sai_state.items()})
+    ours = sai.sai_to_diffusers(sai_state)
+    for converted in (theirs, ours):
+        assert converted.keys() == state.keys()
+        assert all(torch.equal(converted[k], state[k]) for k in state)
+    assert sai.infer_transformer_config(sai_state) == {**transformer_config(PRESETS["tiny:sd3"]), "sample_size": 128}
+
+
+def test_tiny_files_load_through_the_real_loaders(sd3_files, tiny_sd3):
+    family = get_family("sd3")
+    single = family.load(LoadOptions(sd3_files["single"]))
+    sep = sd3_files["separate"]
+    separate = family.load(LoadOptions(sep["model"], family_options=SD3Options(
+        clip_l=sep["clip_l"], clip_g=sep["clip_g"], t5xxl=sep["t5xxl"])))
+    folder = family.load(LoadOptions(sd3_files["folder"]))
+    for loaded in (single, separate, folder):
+        assert sai.in_sai_order(loaded.denoiser)
+        _assert_same_model(loaded, tiny_sd3)
+    with safe_open(sd3_files["single"], "pt") as f:
+        keys = set(f.keys())
+    assert {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "first_stage_model.encoder.conv_in.weight",
+            "text_encoders.clip_l.transformer.text_model.final_layer_norm.weight",
+            "text_encoders.clip_g.transformer.text_projection.weight",
+            "text_encoders.t5xxl.transformer.shared.weight"} <= keys
+    # diffusers' own pipeline reads the folder we wrote
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(sd3_files["folder"])
+    ours = sai.diffusers_state_dict(tiny_sd3.denoiser)
+    assert all(torch.equal(v, ours[k]) for k, v in pipe.transformer.state_dict().items())
+    # a transformer-only file without the text-encoder flags: one line, before any weight is read
+    with pytest.raises(ConfigError, match=r"^--clip_l: required, .* holds no clip_l text encoder; give a CLIP-L"):
+        family.check_options(SD3Options(), LoadOptions(sep["model"]))
+    with pytest.raises(ModelLoadError, match="unknown SD3 preset 'tiny:flux'"):
+        family.load(LoadOptions("tiny:flux"))
+
+
+def _meta_components(preset: str) -> Components:
+    parts = build_sd3_modules(preset, device="meta")
+    return Components(parts["transformer"], parts["vae"],
+                      [parts["text_encoder"], parts["text_encoder_2"], parts["text_encoder_3"]],
+                      [parts["tokenizer"], parts["tokenizer_2"], parts["tokenizer_3"]])
+
+
+@pytest.mark.parametrize("preset,unet_modules,arch", [("random:sd3-medium", 237, "stable-diffusion-3-medium"),
+                                                      ("random:sd3.5-medium", 263, "stable-diffusion-3-5-medium"),
+                                                      ("random:sd3.5-large", 377, "stable-diffusion-3-5-large")])
+def test_full_size_lora_names_on_meta(preset, unet_modules, arch):
+    family = get_family("sd3")
+    c = _meta_components(preset)
+    net = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c) + [family.t5_lora_target(c)])
+    names = [lora.lora_name for lora in net.unet_loras]
+    assert len(names) == unet_modules
+    # sd-scripts' rule, computed independently from the SAI single-file keys: every Linear (2-D weight) inside a
+    # joint block's x_block / context_block gets a module named lora_unet_<path with "_">.
+    sai_keys = {sai.diffusers_key_to_sai(k)[0]: v for k, v in c.denoiser.state_dict().items()}
+    expected = {"lora_unet_" + k[:-len(".weight")].replace(".", "_") for k in sai_keys
+                if re.match(r"joint_blocks\.\d+\.(x|context)_block\.", k) and k.endswith(".weight")
+                and not re.search(r"\.ln_[qk]\.", k)}
+    assert set(names) == expected
+    te = [lora.lora_name for lora in net.text_encoder_loras]
+    assert [sum(n.startswith(p) for n in te) for p in ("lora_te1_", "lora_te2_", "lora_te3_")] == [72, 192, 168]
+    assert "lora_te2_text_model_encoder_layers_31_mlp_fc2" in te
+    hidden = c.denoiser.config.num_attention_heads * 64
+    ups = {lora.lora_name: lora.lora_up.weight.shape[0] for lora in net.unet_loras}
+    last = c.denoiser.config.num_layers - 1
+    assert ups["lora_unet_joint_blocks_0_x_block_attn_qkv"] == 3 * hidden
+    assert ups["lora_unet_joint_blocks_0_context_block_adaLN_modulation_1"] == 6 * hidden
+    assert ups[f"lora_unet_joint_blocks_{last}_context_block_adaLN_modulation_1"] == 2 * hidden
+    assert f"lora_unet_joint_blocks_{last}_context_block_attn_proj" not in ups
+    assert family.modelspec_architecture(c, 1024) == arch
+
+
+def test_lora_equals_an_independent_merge_in_the_sai_layout(tmp_path, tiny_sd3_copy):
+    """The LoRA-patched transformer equals one whose SAI-layout weights had each module's up @ down · alpha / rank
+    added, converted by diffusers' own single-file converter (fused qkv rows and the swapped pre-only adaLN included)."""
+    from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    family, c = get_family("sd3"), tiny_sd3_copy
+    path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
+    lora = load_file(path)
+    base = sai.diffusers_to_sai(sai.diffusers_state_dict(c.denoiser))
+    merged = dict(base)
+    used = set()
+    for key in lora:
+        if key.startswith("lora_unet_") and key.endswith(".lora_down.weight"):
+            name = key[:-len(".lora_down.weight")]
+            down, up, alpha = lora[key], lora[f"{name}.lora_up.weight"], lora[f"{name}.alpha"]
+            target = re.sub(r"^joint_blocks_(\d+)_(x|context)_block_", r"joint_blocks.\1.\2_block.", name[len("lora_unet_"):])
+            target = target.replace("adaLN_modulation_1", "adaLN_modulation.1").replace("attn2_", "attn2.") \
+                .replace("attn_", "attn.").replace("mlp_", "mlp.") + ".weight"
+            merged[target] = merged[target] + up @ down * (alpha / down.shape[0])
+            used.add(name)
+    assert len(used) == 29
+    reference = SD3Transformer2DModel(**transformer_config(PRESETS["tiny:sd3"]))
+    reference.load_state_dict(convert_sd3_transformer_checkpoint_to_diffusers(
+        {sai.SAI_PREFIX + k: v.clone() for k, v in merged.items()}))
+    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
+    net.load_weights(path)
+    net.apply_to(c.text_encoders, c.denoiser, False, True)
+    gen = torch.Generator().manual_seed(1)
+    x, ctx = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(2, 12, 32, generator=gen)
+    pooled, t = torch.randn(2, 96, generator=gen), torch.tensor([250.0, 750.0])
+    with torch.no_grad():
+        ours = c.denoiser(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t).sample
+        theirs = reference(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t).sample
+    net.restore()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_sd3_lora_training_run(tmp_path):
+    data = make_dataset(str(tmp_path), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:sd3", steps=2, extra=[
+        "--network_module", "networks.lora_sd3", "--t5xxl_max_token_length", "8", "--cache_text_encoder_outputs",
+        "--network_train_unet_only", "--weighting_scheme", "logit_normal", "--logit_mean", "0.5",
+        "--apply_t5_attn_mask", "--clip_l_dropout_rate", "0.5"]), "sd3")
+    path = trainer.run()
+    with safe_open(path, "pt") as f:
+        keys = sorted(f.keys())
+        metadata = f.metadata()
+        up = f.get_tensor("lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight")
+    assert len(keys) == 29 * 3 and all(k.startswith("lora_unet_joint_blocks_") for k in keys)
+    assert up.shape == (3 * 128, 4) and up.abs().sum() > 0  # trained
+    assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
+        == ("5-medium", "stable-diffusion-3-5-medium/lora", "networks.lora_sd3")
+    assert (metadata["ss_weighting_scheme"], metadata["ss_logit_mean"], metadata["ss_apply_t5_attn_mask"],
+            metadata["ss_apply_lg_attn_mask"]) == ("logit_normal", "0.5", "True", "False")
+
+
+def test_full_fine_tune_saves_a_single_file_that_loads_back(tmp_path):
+    from library.cli.entry import run_training
+    from tests.test_fine_tune import ft_args
+
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    assert run_training("sd3", "test", ft_args(data, out, preset="tiny:sd3", steps=1,
+                                                extra=["--t5xxl_max_token_length", "8"]), fine_tune=True) == 0
+    path = os.path.join(out, "model.safetensors")
+    family = get_family("sd3")
+    loaded = family.load(LoadOptions(path))
+    base = family.load(LoadOptions("tiny:sd3"))
+    a, b = loaded.denoiser.state_dict(), base.denoiser.state_dict()
+    assert a.keys() == b.keys()
+    changed = {k for k in a if not torch.equal(a[k], b[k])}
+    assert changed and all(k.startswith("transformer_blocks.") or "embed" in k or k.startswith(("norm_out", "proj_out"))
+                           for k in changed)
+    # saved again as a diffusers folder it reads back equal
+    family.save_checkpoint(loaded, str(tmp_path / "folder"))
+    again = family.load(LoadOptions(str(tmp_path / "folder")))
+    _assert_same_model(again, loaded)
+
+
+def test_sd3_timestep_scheme_matches_sd_scripts_formula():
+    from library.objectives.flow_sd3 import SD3FlowOptions, SD3FlowScheme
+
+    scheme = SD3FlowScheme(SD3FlowOptions(weighting_scheme="uniform", training_shift=3.0))
+    gen = torch.Generator().manual_seed(0)
+    t = scheme.sample_timesteps(5, min_timestep=100, max_timestep=900, generator=gen)
+    u = torch.rand(5, generator=torch.Generator().manual_seed(0))
+    u = u * 3 / (1 + 2 * u)
+    assert torch.equal(t, (u * 800 + 100).long().float())
+    latents, noise = torch.randn(5, 4, 2, 2), torch.randn(5, 4, 2, 2)
+    noisy = scheme.add_noise(latents, noise, t)
+    velocity = noise - latents  # a perfect velocity prediction gives x0 back exactly
+    torch.testing.assert_close(scheme.prediction(velocity, noisy, t), scheme.target(latents, noise, t))
+    assert torch.equal(SD3FlowScheme(SD3FlowOptions(weighting_scheme="sigma_sqrt")).loss_weights(t), (t / 1000) ** -2)
