@@ -230,3 +230,45 @@ def test_sd3_timestep_scheme_matches_sd_scripts_formula():
     velocity = noise - latents  # a perfect velocity prediction gives x0 back exactly
     torch.testing.assert_close(scheme.prediction(velocity, noisy, t), scheme.target(latents, noise, t))
     assert torch.equal(SD3FlowScheme(SD3FlowOptions(weighting_scheme="sigma_sqrt")).loss_weights(t), (t / 1000) ** -2)
+
+
+def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
+    """diffusers 0.42's StableDiffusion3Pipeline.load_lora_weights has no converter for kohya SD3 files: it loads
+    such a file without an error and without using one key (checked below). tools/convert_lora.py --to diffusers
+    writes the PEFT layout it does read: every key used, outputs equal to our networks.lora on the same file."""
+    import copy
+
+    from diffusers import StableDiffusion3Pipeline
+
+    from library.families import sd3_saving
+    from library.families.lora_convert import convert
+
+    family, c = get_family("sd3"), tiny_sd3_copy
+    path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
+    kohya = load_file(path)
+    parts = sd3_saving.pipeline_folder(family._parts(copy.deepcopy(c)))[0]
+    with sai.diffusers_order(parts["transformer"]):
+        pipe = StableDiffusion3Pipeline(**parts)
+        pipe.load_lora_weights(dict(kohya))
+        assert pipe.get_list_adapters() == {}  # the kohya file: nothing loaded
+        peft = convert(kohya, "diffusers", path)
+        assert len(peft) == 2 * (43 + 72 + 192)  # 29 kohya modules are 43 diffusers projections
+        pipe.load_lora_weights(peft)
+        loaded = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
+        assert len(loaded) == 43
+        net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
+        net.load_weights(path)
+        net.apply_to(c.text_encoders, c.denoiser, True, True)
+        gen = torch.Generator().manual_seed(2)
+        x, ctx = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(2, 12, 32, generator=gen)
+        pooled, t = torch.randn(2, 96, generator=gen), torch.tensor([100.0, 900.0])
+        ids = family.tokenize(c, ["sks toy, a photo"], None)
+        with torch.no_grad():
+            ours = c.denoiser(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t).sample
+            theirs = pipe.transformer(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled,
+                                      timestep=t).sample
+            for mine, their in zip(c.text_encoders[:2], (pipe.text_encoder, pipe.text_encoder_2)):
+                torch.testing.assert_close(mine(ids[0], output_hidden_states=True).hidden_states[-2],
+                                           their(ids[0], output_hidden_states=True).hidden_states[-2])
+        net.restore()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

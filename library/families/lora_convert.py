@@ -25,8 +25,10 @@ from library.core.tensors import unshared
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
+    is_sd3_file,
     kohya_modules,
     peft_targets,
+    sd3_peft_targets,
 )
 from networks.lora_files import (
     KOHYA_SUFFIXES,
@@ -90,8 +92,10 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
 def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
     out: dict[str, torch.Tensor] = {}
-    for name, m in group_modules(state, source).items():
-        target = peft_targets(name)
+    modules = group_modules(state, source)
+    lookup = sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
+    for name, m in modules.items():
+        target = lookup(name)
         if target is None:
             prefix = "lora_" + name.partition("_")[2].partition("_")[0]
             raise UnsupportedLoraError(f"{source}: {name}: unexpected module prefix {prefix!r}; expected "
@@ -101,7 +105,8 @@ def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, to
                 out[f"{path}.lora_A.weight"], out[f"{path}.lora_B.weight"] = a, b
             continue
         sd, su = scale_split(m.scale)
-        up = _swap_halves(m.up * su) if target.swap_halves else m.up * su
+        swap = target.swap_halves or (target.swap_halves_if_two_chunks and m.up.shape[0] == 2 * m.down.shape[1])
+        up = _swap_halves(m.up * su) if swap else m.up * su
         out[f"{target.paths[0]}.lora_A.weight"], out[f"{target.paths[0]}.lora_B.weight"] = m.down * sd, up
     return unshared(out)  # split projections share one A (or slice one): each key gets its own storage
 
