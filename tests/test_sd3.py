@@ -26,6 +26,7 @@ from library.families.sd3_configs import PRESETS, build_sd3_modules, transformer
 from library.families.sd3_options import SD3Options
 from library.families.sd3_saving import write_sd3_preset
 from networks.lora import create_network
+from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
 
 
@@ -272,3 +273,22 @@ def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
                                            their(ids[0], output_hidden_states=True).hidden_states[-2])
         net.restore()
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeypatch, capsys):
+    """docs/sd3_train_network.md's sd-scripts command line trains one step on tiny:sd3 with only the
+    substitutions of tests/test_sd_scripts_command_lines.py (model and component paths, data, output)."""
+    from library.cli.entry import run_training
+    from tests import test_sd_scripts_command_lines as doc_lines
+
+    monkeypatch.setattr(doc_lines, "DOCS", ("docs/sd3_train_network.md",))
+    monkeypatch.setitem(doc_lines.SCRIPTS, "sd3_train_network.py", ("sd3", "tiny:sd3"))
+    monkeypatch.setattr(doc_lines, "MODEL_PARTS", doc_lines.MODEL_PARTS | {"--clip_g"})
+    (where, command), = doc_lines.documented_command_lines()
+    family, script, argv = doc_lines.adapt(command, *example_data, str(tmp_path / "out"))
+    assert (family, script) == ("sd3", "sd3_train_network.py")
+    code = run_training(family, script, argv)
+    err = capsys.readouterr().err
+    assert code == 0, f"{where}: {err.strip().splitlines()[-1:]}"
+    saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
+    assert saved == ["my_sd3_lora.safetensors"]
