@@ -54,9 +54,10 @@ def _assert_same_model(a: Components, b: Components) -> None:
 
 
 def test_sai_layout_round_trips_through_diffusers_converter():
-    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
-
     from diffusers import SD3Transformer2DModel
+    from diffusers.loaders.single_file_utils import (
+        convert_sd3_transformer_checkpoint_to_diffusers,
+    )
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**transformer_config(PRESETS["tiny:sd3"]))  # diffusers' own order
@@ -141,7 +142,9 @@ def test_lora_equals_an_independent_merge_in_the_sai_layout(tmp_path, tiny_sd3_c
     """The LoRA-patched transformer equals one whose SAI-layout weights had each module's up @ down · alpha / rank
     added, converted by diffusers' own single-file converter (fused qkv rows and the swapped pre-only adaLN included)."""
     from diffusers import SD3Transformer2DModel
-    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_sd3_transformer_checkpoint_to_diffusers,
+    )
 
     family, c = get_family("sd3"), tiny_sd3_copy
     path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
@@ -275,7 +278,7 @@ def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeypatch, capsys):
+def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeypatch, capsys):  # noqa: F811
     """docs/sd3_train_network.md's sd-scripts command line trains one step on tiny:sd3 with only the
     substitutions of tests/test_sd_scripts_command_lines.py (model and component paths, data, output)."""
     from library.cli.entry import run_training

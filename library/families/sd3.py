@@ -18,13 +18,17 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError, warn_once
-from library.families import model_saving
+from library.families import model_saving, sd3_saving
 from library.families import sd3_layout as sai
-from library.families import sd3_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
 from library.families.flux_lora_names import T5_TARGETS
-from library.families.sd3_configs import LATENT_CHANNELS, VAE_SCALING_FACTOR, VAE_SHIFT_FACTOR, model_type_of
+from library.families.sd3_configs import (
+    LATENT_CHANNELS,
+    VAE_SCALING_FACTOR,
+    VAE_SHIFT_FACTOR,
+    model_type_of,
+)
 from library.families.sd3_generate import generate_sd3
 from library.families.sd3_loading import (
     block_count,
@@ -32,7 +36,11 @@ from library.families.sd3_loading import (
     missing_component_flags,
     sd3_source_kind,
 )
-from library.families.sd3_lora_names import TRANSFORMER_TARGETS, fused_slot, sai_module_path
+from library.families.sd3_lora_names import (
+    TRANSFORMER_TARGETS,
+    fused_slot,
+    sai_module_path,
+)
 from library.families.sd3_network_args import SD3NetworkArgs
 from library.families.sd3_options import SD3Options
 from library.objectives.flow_sd3 import SD3FlowScheme

@@ -59,7 +59,12 @@ def _holds_mmdit(keys: list[str]) -> bool:
 
 def _diffusers_parts(folder: str, skip: set[str], scratch_seed: Optional[int] = None) -> dict:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+    from transformers import (
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
 
     classes = {"transformer": SD3Transformer2DModel, "vae": AutoencoderKL,
                "text_encoder": CLIPTextModelWithProjection, "text_encoder_2": CLIPTextModelWithProjection,

@@ -23,7 +23,12 @@ from typing import Optional, Sequence
 import torch
 
 from library.core.errors import ConfigError
-from library.objectives.flow import NUM_TRAIN_TIMESTEPS, _per_sample, density_samples, loss_weighting
+from library.objectives.flow import (
+    NUM_TRAIN_TIMESTEPS,
+    _per_sample,
+    density_samples,
+    loss_weighting,
+)
 
 SD3_WEIGHTING_SCHEMES = ("sigma_sqrt", "logit_normal", "mode", "cosmap", "none", "uniform")
 
