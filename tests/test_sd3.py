@@ -25,6 +25,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.sd3_configs import PRESETS, build_sd3_modules, transformer_config
 from library.families.sd3_options import SD3Options
 from library.families.sd3_saving import write_sd3_preset
+from library.objectives.flow_sd3 import SD3FlowOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
@@ -100,6 +101,21 @@ def test_tiny_files_load_through_the_real_loaders(sd3_files, tiny_sd3):
         family.check_options(SD3Options(), LoadOptions(sep["model"]))
     with pytest.raises(ModelLoadError, match="unknown SD3 preset 'tiny:flux'"):
         family.load(LoadOptions("tiny:flux"))
+    from library.families.detect import detect_family
+
+    assert [detect_family(p) for p in (sd3_files["single"], sep["model"], sd3_files["folder"], "tiny:sd3")] == ["sd3"] * 4
+
+
+def test_option_errors_are_one_line():
+    family = get_family("sd3")
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 joint blocks"):
+        family.check_options(SD3Options(), LoadOptions("tiny:sd3"), blocks_to_swap=2)
+    with pytest.raises(ConfigError, match="^--enable_scaled_pos_embed: not implemented yet"):
+        family.check_options(SD3Options(enable_scaled_pos_embed=True), LoadOptions("tiny:sd3"))
+    with pytest.raises(ConfigError, match="^--weighting_scheme: expected one of sigma_sqrt, logit_normal"):
+        SD3Options(flow=SD3FlowOptions(weighting_scheme="sigmoid")).check()
+    with pytest.raises(ConfigError, match="^--t5_dropout_rate: expected a number from 0 to 1, got 1.5"):
+        SD3Options(t5_dropout_rate=1.5).check()
 
 
 def _meta_components(preset: str, text_encoders: bool) -> Components:
@@ -229,7 +245,7 @@ def test_full_fine_tune_saves_a_single_file_that_loads_back(tmp_path):
 
 
 def test_sd3_timestep_scheme_matches_sd_scripts_formula():
-    from library.objectives.flow_sd3 import SD3FlowOptions, SD3FlowScheme
+    from library.objectives.flow_sd3 import SD3FlowScheme
 
     scheme = SD3FlowScheme(SD3FlowOptions(weighting_scheme="uniform", training_shift=3.0))
     gen = torch.Generator().manual_seed(0)
@@ -303,3 +319,29 @@ def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeyp
     assert code == 0, f"{where}: {err.strip().splitlines()[-1:]}"
     saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
     assert saved == ["my_sd3_lora.safetensors"]
+
+
+def test_context_layout_and_caption_dropout_per_encoder():
+    """[CLIP-L | CLIP-G | zeros] over 77 tokens, then T5's tokens; pooled [L | G]; a dropped encoder's part is zero."""
+    from library.families.base import TextConditioning
+
+    family = get_family("sd3")
+    gen = torch.Generator().manual_seed(3)
+    t = {"l_out": torch.randn(2, 77, 4, generator=gen), "l_pooled": torch.randn(2, 4, generator=gen),
+         "clip_l_attn_mask": torch.ones(2, 77), "g_out": torch.randn(2, 77, 6, generator=gen),
+         "g_pooled": torch.randn(2, 6, generator=gen), "clip_g_attn_mask": torch.ones(2, 77),
+         "t5_out": torch.randn(2, 5, 16, generator=gen), "t5_attn_mask": torch.ones(2, 5)}
+    plain = Components(None, None, [], [], options=SD3Options())
+    context, pooled = family.context(plain, TextConditioning(dict(t)), {}, "cpu", torch.float32)
+    assert context.shape == (2, 82, 16) and pooled.shape == (2, 10)
+    assert torch.equal(context[:, :77, :4], t["l_out"]) and torch.equal(context[:, :77, 4:10], t["g_out"])
+    assert not context[:, :77, 10:].any() and torch.equal(context[:, 77:], t["t5_out"])
+    dropping = Components(None, None, [], [], options=SD3Options(clip_l_dropout_rate=1.0))
+    with torch.enable_grad():
+        context, pooled = family.context(dropping, TextConditioning(dict(t)), {"noise_seeds": [1, 2]}, "cpu",
+                                         torch.float32)
+    assert not context[:, :77, :4].any() and not pooled[:, :4].any()
+    assert torch.equal(context[:, :77, 4:10], t["g_out"]) and torch.equal(pooled[:, 4:], t["g_pooled"])
+    with torch.no_grad():  # generation and validation: nothing dropped
+        context, _ = family.context(dropping, TextConditioning(dict(t)), {}, "cpu", torch.float32)
+    assert torch.equal(context[:, :77, :4], t["l_out"])
