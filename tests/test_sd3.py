@@ -263,7 +263,8 @@ def test_sd3_timestep_scheme_matches_sd_scripts_formula():
 def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
     """diffusers 0.42's StableDiffusion3Pipeline.load_lora_weights has no converter for kohya SD3 files: it loads
     such a file without an error and without using one key (checked below). tools/convert_lora.py --to diffusers
-    writes the PEFT layout it does read: every key used, outputs equal to our networks.lora on the same file."""
+    writes the PEFT layout it does read: every key used, outputs equal to our networks.lora on the same file;
+    --to kohya turns it back into the same kohya modules."""
     import copy
 
     from diffusers import StableDiffusion3Pipeline
@@ -281,6 +282,14 @@ def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
         assert pipe.get_list_adapters() == {}  # the kohya file: nothing loaded
         peft = convert(kohya, "diffusers", path)
         assert len(peft) == 2 * (43 + 72 + 192)  # 29 kohya modules are 43 diffusers projections
+        back = convert(peft, "kohya", "peft")  # and back: the same modules and ΔW, q/k/v fused again on one down
+        names = {k.split(".")[0] for k in kohya}
+        assert {k.split(".")[0] for k in back} == names
+        for n in names:
+            delta = [f[n + ".lora_up.weight"] @ f[n + ".lora_down.weight"] * (f[n + ".alpha"] / f[n + ".lora_down.weight"].shape[0])
+                     for f in (kohya, back)]
+            torch.testing.assert_close(delta[1], delta[0], rtol=1e-5, atol=1e-6)
+        assert back["lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight"].shape == (4, 128)
         pipe.load_lora_weights(peft)
         loaded = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
         assert len(loaded) == 43
