@@ -24,6 +24,7 @@ from library.families import sd3_layout as sai
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.sd3_configs import PRESETS, build_sd3_modules, transformer_config
 from library.families.sd3_options import SD3Options
+from library.families.sd3_pos_embed import ScaledPositions
 from library.families.sd3_saving import write_sd3_preset
 from library.objectives.flow_sd3 import SD3FlowOptions
 from networks.lora import create_network
@@ -110,8 +111,6 @@ def test_option_errors_are_one_line():
     family = get_family("sd3")
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 joint blocks"):
         family.check_options(SD3Options(), LoadOptions("tiny:sd3"), blocks_to_swap=2)
-    with pytest.raises(ConfigError, match="^--enable_scaled_pos_embed: not implemented yet"):
-        family.check_options(SD3Options(enable_scaled_pos_embed=True), LoadOptions("tiny:sd3"))
     with pytest.raises(ConfigError, match="^--weighting_scheme: expected one of sigma_sqrt, logit_normal"):
         SD3Options(flow=SD3FlowOptions(weighting_scheme="sigmoid")).check()
     with pytest.raises(ConfigError, match="^--t5_dropout_rate: expected a number from 0 to 1, got 1.5"):
@@ -207,8 +206,10 @@ def test_tiny_sd3_lora_training_run(tmp_path):
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:sd3", steps=2, extra=[
         "--network_module", "networks.lora_sd3", "--t5xxl_max_token_length", "8", "--cache_text_encoder_outputs",
         "--network_train_unet_only", "--weighting_scheme", "logit_normal", "--logit_mean", "0.5",
-        "--apply_t5_attn_mask", "--clip_l_dropout_rate", "0.5"]), "sd3")
+        "--apply_t5_attn_mask", "--clip_l_dropout_rate", "0.5", "--enable_scaled_pos_embed",
+        "--pos_emb_random_crop_rate", "0.5"]), "sd3")
     path = trainer.run()
+    assert isinstance(trainer.components.denoiser.pos_embed.cropped_pos_embed, ScaledPositions)
     with safe_open(path, "pt") as f:
         keys = sorted(f.keys())
         metadata = f.metadata()
@@ -354,3 +355,24 @@ def test_context_layout_and_caption_dropout_per_encoder():
     with torch.no_grad():  # generation and validation: nothing dropped
         context, _ = family.context(dropping, TextConditioning(dict(t)), {}, "cpu", torch.float32)
     assert torch.equal(context[:, :77, :4], t["l_out"])
+
+
+def test_scaled_position_embeddings(tiny_sd3_copy):
+    """--enable_scaled_pos_embed: at a training resolution the centred crop is the plain sin-cos embedding of the
+    base 16-unit span over that many patches (what the scaling is for); other buckets crop the same grid."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+    family, c = get_family("sd3"), tiny_sd3_copy
+    c.options = SD3Options(enable_scaled_pos_embed=True)
+    family.prepare_for_data(c, [(128, 128)])  # latent 16, 8x8 patches, a 12x12 grid
+    embed = c.denoiser.pos_embed
+    plain = get_2d_sincos_pos_embed(128, 8, base_size=16, interpolation_scale=1.0, output_type="pt")
+    torch.testing.assert_close(embed.cropped_pos_embed(16, 16)[0], plain.float(), rtol=1e-5, atol=1e-5)
+    wide = embed.cropped_pos_embed(8, 16)[0].reshape(4, 8, 128)  # a 64x128 bucket: rows 4..7 of the 12x12 grid
+    grid = embed.cropped_pos_embed.grids[8].reshape(12, 12, 128)
+    torch.testing.assert_close(wide, grid[4:8, 2:10])
+    x = torch.randn(1, 16, 8, 16)
+    with torch.no_grad():  # the model runs with it
+        out = c.denoiser(hidden_states=x, encoder_hidden_states=torch.randn(1, 4, 32),
+                         pooled_projections=torch.randn(1, 96), timestep=torch.tensor([500.0])).sample
+    assert out.shape == x.shape

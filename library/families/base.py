@@ -162,6 +162,10 @@ class ModelFamily(ABC):
                 raise ConfigError(f"--clip_skip {clip_skip}: {which} of this model has {layers} layers; "
                                   f"expected 1 to {layers} (2 = penultimate)")
 
+    def prepare_for_data(self, components: Components, resolutions: list[tuple[int, int]]) -> None:
+        """Adjust the loaded model to the run's training resolutions (width, height) of every dataset, before
+        step 1 (SD3.5's scaled position embeddings); by default nothing."""
+
     # --- loading -----------------------------------------------------------
     @abstractmethod
     def load(self, opts: LoadOptions) -> Components:

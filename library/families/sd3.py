@@ -43,6 +43,8 @@ from library.families.sd3_lora_names import (
 )
 from library.families.sd3_network_args import SD3NetworkArgs
 from library.families.sd3_options import SD3Options
+from library.families.sd3_pos_embed import install as install_positions
+from library.families.sd3_pos_embed import latent_sizes_of
 from library.objectives.flow_sd3 import SD3FlowScheme
 from networks.lora_targets import LoraTarget
 
@@ -86,7 +88,7 @@ class SD3Family(ModelFamily):
     def check_options(self, options: SD3Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:
-        """DDPM-only flags, options not implemented, a missing --clip_l / --clip_g / --t5xxl or too many
+        """DDPM-only flags, a missing --clip_l / --clip_g / --t5xxl or too many
         blocks to swap: named now, before the data scan (no weights are read)."""
         if zero_terminal_snr:
             raise ConfigError("--zero_terminal_snr: only for DDPM models; a flow-matching model already reaches "
@@ -102,9 +104,6 @@ class SD3Family(ModelFamily):
                 raise ConfigError(f"--{flag}: expected an integer from 0 to 1000, got {value}")
         if min_timestep is not None and max_timestep is not None and min_timestep >= max_timestep:
             raise ConfigError(f"--min_timestep {min_timestep}: expected less than --max_timestep {max_timestep}")
-        if options.enable_scaled_pos_embed or options.pos_emb_random_crop_rate:
-            flag = "--enable_scaled_pos_embed" if options.enable_scaled_pos_embed else "--pos_emb_random_crop_rate"
-            raise ConfigError(f"{flag}: not implemented yet for SD3.5 medium in this project; drop the flag")
         path = model.pretrained_model_name_or_path
         if path:
             if sd3_source_kind(path) == "single_file":
@@ -127,6 +126,16 @@ class SD3Family(ModelFamily):
         return {"apply_lg_attn_mask": options.apply_lg_attn_mask, "apply_t5_attn_mask": options.apply_t5_attn_mask,
                 "weighting_scheme": flow.weighting_scheme, "logit_mean": flow.logit_mean,
                 "logit_std": flow.logit_std, "mode_scale": flow.mode_scale}
+
+    def prepare_for_data(self, components: Components, resolutions: list[tuple[int, int]]) -> None:
+        """--enable_scaled_pos_embed (a position grid per training resolution) and --pos_emb_random_crop_rate
+        (library/families/sd3_pos_embed.py), as sd-scripts sets them up from the datasets' resolutions."""
+        options = self.options(components)
+        if options.enable_scaled_pos_embed or options.pos_emb_random_crop_rate:
+            sizes = latent_sizes_of(resolutions) if options.enable_scaled_pos_embed else None
+            if sizes is not None:
+                logger.info("scaled position embeddings for latent sizes %s", sizes)
+            install_positions(components.denoiser, sizes, options.pos_emb_random_crop_rate)
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:

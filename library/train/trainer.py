@@ -184,6 +184,7 @@ class Trainer:
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
                                                   self.t.gradient_checkpointing)
+        self.family.prepare_for_data(c, [r for ds in self.data.datasets for r in ds.resolutions])
 
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
