@@ -228,8 +228,8 @@ def test_full_fine_tune_saves_a_single_file_that_loads_back(tmp_path):
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")
-    assert run_training("sd3", "test", ft_args(data, out, preset="tiny:sd3", steps=1,
-                                                extra=["--t5xxl_max_token_length", "8"]), fine_tune=True) == 0
+    assert run_training("sd3", "test", ft_args(data, out, preset="tiny:sd3", steps=1, extra=[
+        "--t5xxl_max_token_length", "8", "--train_text_encoder"]), fine_tune=True) == 0
     path = os.path.join(out, "model.safetensors")
     family = get_family("sd3")
     loaded = family.load(LoadOptions(path))
@@ -239,6 +239,10 @@ def test_full_fine_tune_saves_a_single_file_that_loads_back(tmp_path):
     changed = {k for k in a if not torch.equal(a[k], b[k])}
     assert changed and all(k.startswith("transformer_blocks.") or "embed" in k or k.startswith(("norm_out", "proj_out"))
                            for k in changed)
+    # --train_text_encoder trains CLIP-L and CLIP-G, not T5 (as sd-scripts' sd3_train.py)
+    moved = [any(not torch.equal(x, y) for x, y in zip(m.state_dict().values(), n.state_dict().values()))
+             for m, n in zip(loaded.text_encoders, base.text_encoders)]
+    assert moved == [True, True, False]
     # saved again as a diffusers folder it reads back equal
     family.save_checkpoint(loaded, str(tmp_path / "folder"))
     again = family.load(LoadOptions(str(tmp_path / "folder")))

@@ -126,6 +126,9 @@ class ModelFamily(ABC):
     # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
     # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
     lycoris_module_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # How many text encoders, from the first, a full fine-tune's --train_text_encoder trains (SD3: CLIP-L and
+    # CLIP-G, not T5, as sd-scripts' sd3_train.py); None: all of them.
+    fine_tune_text_encoders: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
     def options(self, components: Components) -> Any:

@@ -189,7 +189,10 @@ class Trainer:
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
             return {}
-        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate, len(self.components.text_encoders))
+        encoders = len(self.components.text_encoders)
+        limit = self.family.fine_tune_text_encoders
+        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate,
+                              encoders if limit is None else min(limit, encoders))
 
     def _setup_trainable(self) -> None:
         t = self.t
