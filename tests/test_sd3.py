@@ -380,3 +380,14 @@ def test_scaled_position_embeddings(tiny_sd3_copy):
         out = c.denoiser(hidden_states=x, encoder_hidden_states=torch.randn(1, 4, 32),
                          pooled_projections=torch.randn(1, 96), timestep=torch.tensor([500.0])).sample
     assert out.shape == x.shape
+
+
+def test_cache_tools_take_sd3_from_the_model_path(sd3_files):
+    """sd-scripts' cache tools select SDXL / FLUX.1 by --sdxl / --flux and have no SD3 selector; here an SD3 model
+    path selects the family itself (SD 1.x/2.x, SDXL and FLUX.1 paths keep the flag rule)."""
+    from library.cli.cache_tools import family_name
+
+    for path in (sd3_files["single"], sd3_files["folder"], "tiny:sd3"):
+        assert family_name(["--pretrained_model_name_or_path", path, "--skip_existing"]) == \
+            ("sd3", ["--pretrained_model_name_or_path", path])
+    assert family_name(["--pretrained_model_name_or_path", "tiny:sdxl"])[0] == "sd"
