@@ -391,3 +391,29 @@ def test_cache_tools_take_sd3_from_the_model_path(sd3_files):
         assert family_name(["--pretrained_model_name_or_path", path, "--skip_existing"]) == \
             ("sd3", ["--pretrained_model_name_or_path", path])
     assert family_name(["--pretrained_model_name_or_path", "tiny:sdxl"])[0] == "sd"
+
+
+def test_generation_schedule_and_images(tiny_sd3):
+    """sd-scripts' SD3 sampler σ: timesteps evenly from 1000 to the shift-3 schedule's smallest (σ(1)·1000), each
+    shifted, then 0; generated images are the requested size and the same for a seed, in a batch or not."""
+    import numpy as np
+
+    from library.families.sd3_generate import sd3_sigmas
+    from library.sampling.generate import GenerationRequest
+
+    def shift(t):
+        return 3 * t / (1 + 2 * t)
+
+    ts = np.linspace(1000, shift(1 / 1000) * 1000, 4)
+    expected = [shift(t / 1000) for t in ts] + [0.0]
+    torch.testing.assert_close(sd3_sigmas(4), torch.tensor(expected, dtype=torch.float32))
+    family = get_family("sd3")
+    request = GenerationRequest("sks toy, a photo", negative_prompt="blurry", seed=5, width=80, height=64, steps=2,
+                                scale=4.0)
+    one = family.generate(tiny_sd3, [request])[0]
+    two = family.generate(tiny_sd3, [request, GenerationRequest("a dog", seed=6, width=80, height=64, steps=2,
+                                                                scale=4.0)])
+    assert one.image.size == (80, 64) and (one.request.steps, one.request.scale) == (2, 4.0)
+    a, b, c = (np.asarray(x.image).astype(int) for x in (one, *two))
+    assert np.abs(a - b).max() <= 2  # batched or not: the same image up to float rounding in the kernels
+    assert np.abs(b - c).max() > 20
