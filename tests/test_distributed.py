@@ -8,6 +8,7 @@ step, files written by rank 0 only.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -23,7 +24,6 @@ from safetensors import safe_open
 
 from library.core.errors import UserError
 from library.data.batching import Group, plan_epoch
-from library.train.distributed import GradientReducer, _buckets
 from tests.train_helpers import make_trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ def dump():
         f.write("\n".join(seen))
 atexit.register(dump)
 sys.addaudithook(hook)
-sys.argv = [os.path.join(os.environ["REPO"], "train_network.py")] + sys.argv[1:]
+sys.argv = [os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))] + sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
@@ -86,7 +86,8 @@ def train_args(data: str, out: str, logs: str, steps: int, extra=()) -> list[str
             "--output_dir", out, "--output_name", "lora", "--logging_dir", logs, "--save_state", *extra]
 
 
-def launch(tmp, nodes: int, argv: list[str], timeout: int = 150) -> None:
+def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace", audit_roots=None,
+           env_extra=None) -> None:
     """torchrun with 2 processes in all: one node of 2 or two loopback nodes of 1; raises with the logs on failure."""
     worker = os.path.join(tmp, "worker.py")
     with open(worker, "w") as f:
@@ -94,8 +95,8 @@ def launch(tmp, nodes: int, argv: list[str], timeout: int = 150) -> None:
     audit = os.path.join(tmp, "audit")
     os.makedirs(audit, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, REPO=REPO, AUDIT_DIR=audit,
-               AUDIT_ROOTS=os.pathsep.join([os.path.join(tmp, "out"), os.path.join(tmp, "logs")]),
-               SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, "trace"), LOGLEVEL="WARNING")
+               AUDIT_ROOTS=os.pathsep.join(audit_roots or [os.path.join(tmp, "out"), os.path.join(tmp, "logs")]),
+               SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, trace), LOGLEVEL="WARNING", **(env_extra or {}))
     port = free_port()
     if nodes == 1:
         commands = [[TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]]
@@ -122,15 +123,16 @@ def launch(tmp, nodes: int, argv: list[str], timeout: int = 150) -> None:
         raise AssertionError(f"torchrun exited with {codes}:\n{logs}")
 
 
-def read_trace(tmp) -> dict[int, list[dict]]:
+def read_trace(tmp, name: str = "trace") -> dict[int, list[dict]]:
     out = {}
     for rank in (0, 1):
-        with open(os.path.join(tmp, "trace", f"rank{rank}.jsonl")) as f:
+        with open(os.path.join(tmp, name, f"rank{rank}.jsonl")) as f:
             out[rank] = [json.loads(line) for line in f]
     return out
 
 
-def check_run(tmp, steps: int, images: int) -> dict[int, list[dict]]:
+def check_run(tmp, steps: int, images: int, files=("lora-state", "lora.safetensors", "lora_config.toml"),
+              ddp=(False, False, True)) -> dict[int, list[dict]]:
     """(a) disjoint batches covering each epoch, (b) equal weights after every step, (d) rank 0 wrote every file."""
     trace = read_trace(tmp)
     assert [t["step"] for t in trace[0]] == [t["step"] for t in trace[1]] == list(range(1, steps + 1))
@@ -148,7 +150,13 @@ def check_run(tmp, steps: int, images: int) -> dict[int, list[dict]]:
     assert audit[1] == [""], audit[1][:5]
     assert any(line.endswith("lora_config.toml") for line in audit[0])
     assert any("tfevents" in line for line in audit[0])
-    assert sorted(os.listdir(os.path.join(tmp, "out"))) == ["lora-state", "lora.safetensors", "lora_config.toml"]
+    assert sorted(os.listdir(os.path.join(tmp, "out"))) == sorted(files)
+    # the trained weights are wrapped in DDP with the --ddp_* settings asked for (static graph, bucket view);
+    # a text-encoder LoRA can miss a backward (clip_skip skips its last layer), so DDP looks for unused ones
+    # unless the graph is static
+    for r in (0, 1):
+        assert trace[r][0]["ddp"] == {"static_graph": ddp[0], "gradient_as_bucket_view": ddp[1],
+                                      "find_unused_parameters": ddp[2]}
     state = os.path.join(tmp, "out", "lora-state")
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(state))
     with open(os.path.join(state, "train_state.json")) as f:
@@ -161,13 +169,23 @@ def test_two_processes_shard_batches_agree_on_weights_and_only_rank0_writes(tmp_
     tmp = str(tmp_path)
     data = dataset(tmp)
     out, logs = os.path.join(tmp, "out"), os.path.join(tmp, "logs")
-    launch(tmp, 1, train_args(data, out, logs, steps=6))  # 8 images / 2 processes: 4 steps per epoch
-    check_run(tmp, steps=6, images=8)
+    # 8 images / 2 processes: 4 steps per epoch; a state mid-epoch 2 (step 6)
+    launch(tmp, 1, train_args(data, out, logs, steps=8, extra=["--save_every_n_steps", "6"]))
+    trace = check_run(tmp, steps=8, images=8, files=("lora-state", "lora.safetensors", "lora_config.toml",
+                                                    "lora-step00000006-state", "lora-step00000006.safetensors"))
     with safe_open(os.path.join(out, "lora.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_total_batch_size"] == "2"  # batch 1 x 2 processes x accumulation 1
     assert meta["ss_num_batches_per_epoch"] == "4"  # per process, as sd-scripts' prepared DataLoader
-    assert meta["ss_num_epochs"] == "2" and meta["ss_steps"] == "6"
+    assert meta["ss_num_epochs"] == "2" and meta["ss_steps"] == "8"
+    # Both processes resume from the step-6 state (each its own RNG file) and train steps 7 and 8 exactly as
+    # the uninterrupted run did: same images, bitwise-equal weights.
+    launch(tmp, 1, train_args(data, os.path.join(tmp, "resumed"), logs, steps=8,
+                              extra=["--resume", os.path.join(out, "lora-step00000006-state")]), trace="trace2")
+    resumed = read_trace(tmp, "trace2")
+    for r in (0, 1):
+        assert [(t["step"], t["images"], t["params"]) for t in resumed[r]] == \
+            [(t["step"], t["images"], t["params"]) for t in trace[r][6:]]
     # A state of 2 processes does not resume in 1: one line naming both counts.
     trainer = make_trainer(train_args(data, out, logs, steps=8)[:-1] + ["--resume", os.path.join(out, "lora-state")])
     with pytest.raises(UserError, match=r"saved by a run of 2 process\(es\), this run has 1"):
@@ -179,8 +197,17 @@ def test_two_loopback_nodes_one_process_each(tmp_path):
     tmp = str(tmp_path)
     data = dataset(tmp)
     launch(tmp, 2, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
-                              extra=["--ddp_timeout", "2"]))
-    check_run(tmp, steps=5, images=8)
+                              extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
+                                     "--profile_steps", "--cache_latents"]))  # in memory: shared by gathering
+    check_run(tmp, steps=5, images=8, ddp=(True, True, False))
+    # --profile_steps times DDP's bucket all-reduces (rank 0's TensorBoard events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {os.path.dirname(p) for p in glob.glob(os.path.join(tmp, "logs", "**", "events.*"), recursive=True)}
+    acc = EventAccumulator(events)
+    acc.Reload()
+    comm = acc.Scalars("profile/allreduce_seconds")
+    assert [e.step for e in comm] == [1, 2, 3, 4, 5] and all(0 < e.value < 10 for e in comm)
 
 
 # --- the pieces, in one process ---------------------------------------------------------------------------------
@@ -222,26 +249,30 @@ def test_progressive_limit_counts_batches_of_all_processes():
     assert [len(s) for s in shares] == [3, 3]
 
 
-def test_gradient_buckets_and_reducer_single_process():
+def test_step_module_one_process_and_a_turn_without_images():
     import torch
 
-    ts = [torch.zeros(10), torch.zeros(10, dtype=torch.float16), torch.zeros(30), torch.zeros(5)]
-    assert sorted(map(sorted, _buckets(ts, limit=100))) == [[0], [1], [2], [3]]
-    assert sorted(map(sorted, _buckets(ts, limit=1000))) == [[0, 2, 3], [1]]
-    p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.full((3,), 2.0)
-    GradientReducer([p]).reduce()  # one process: unchanged
-    assert torch.equal(p.grad, torch.full((3,), 2.0))
+    from library.train.distributed import StepModule, data_parallel
+
+    net = torch.nn.Linear(3, 2)
+    net.bias.requires_grad_(False)
+    module = StepModule(net, lambda batch, gen: ((net(batch["x"]) ** 2).mean(), None))
+    assert data_parallel(module, torch.device("cpu"), find_unused_parameters=False) is module  # one process
+    loss, _ = module({"x": torch.ones(4, 3)}, None)
+    assert loss.item() == pytest.approx(((net(torch.ones(4, 3))) ** 2).mean().item())
+    net.weight.grad = None
+    zero, _ = module(None, None)  # no images on this process: zero gradients for every trained parameter
+    zero.backward()
+    assert zero.item() == 0.0 and torch.equal(net.weight.grad, torch.zeros(2, 3)) and net.bias.grad is None
 
 
-def test_ddp_flags_reach_accelerate(tmp_path):
+def test_ddp_timeout_reaches_accelerate(tmp_path):
     data = dataset(str(tmp_path), n=2)
     trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1,
-                                      extra=["--ddp_timeout", "7", "--ddp_static_graph"]))
+                                      extra=["--ddp_timeout", "7"]))
     trainer._setup_accelerator()
     acc = trainer.accelerator
     assert acc.init_handler is not None and acc.init_handler.timeout.total_seconds() == 7 * 60
-    assert acc.ddp_handler is not None and acc.ddp_handler.static_graph and not acc.ddp_handler.gradient_as_bucket_view
 
 
 @needs_torchrun
@@ -254,7 +285,16 @@ def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
     data = dataset(tmp)
     extra = ["--cache_latents", "--cache_latents_to_disk",  # both runs read the same latents
              "--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]
-    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=4, extra=extra))
+    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=4, extra=extra),
+           audit_roots=[data])
+    # each process encoded and wrote the latent caches of its own half of the images
+    written = {}
+    for r in (0, 1):
+        with open(os.path.join(tmp, "audit", f"writes{r}.txt")) as f:  # renames of temporaries to final names
+            names = {os.path.basename(line.split(" ", 1)[1]) for line in f.read().splitlines()
+                     if line.startswith("os.rename")}
+        written[r] = {n for n in names if n.endswith("_sd.npz") and not n.startswith(".")}
+    assert len(written[0]) == len(written[1]) == 4 and not written[0] & written[1], written
     single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4, extra=extra)
     single[single.index("--train_batch_size") + 1] = "2"
     make_trainer(single).run()
@@ -266,3 +306,44 @@ def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
     print(f"largest difference {worst:.3g}; largest lora_up weight {moved:.3g}")
     assert worst <= 1e-6, worst  # float32 rounding (summation order); measured 1.9e-7
     assert moved >= 1e-2  # the LoRA trained: 10^4 times the tolerance
+
+
+@needs_torchrun
+def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
+    """fine_tune.py under an FSDP2 accelerate config (the FSDP_* variables accelerate's launcher exports), on 2
+    gloo processes x batch 1: each process holds different shards, only rank 0 writes, and the saved model equals
+    the one 1 process x batch 2 trains."""
+    from safetensors.torch import load_file
+
+    from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
+    from library.families import get_family
+    from library.train.trainer import Trainer
+
+    tmp = str(tmp_path)
+    data = dataset(tmp)
+
+    def ft_args(out: str, batch: int) -> list[str]:
+        return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
+                ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
+                "--cache_latents", "--cache_latents_to_disk", "--optimizer_type", "SGDNesterov",
+                "--learning_rate", "0.05", "--max_train_steps", "3", "--seed", "123", "--cpu", "--output_dir", out,
+                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs")]
+
+    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
+    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra=fsdp_env)
+    trace = read_trace(tmp)
+    assert [t["step"] for t in trace[0]] == [1, 2, 3]
+    assert all(a["params"] != b["params"] for a, b in zip(trace[0], trace[1]))  # different shards on each
+    with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
+        assert f.read() == ""  # rank 1 took part in gathering the weights but wrote nothing
+    family = get_family("sd")
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
+    Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()
+    two = load_file(os.path.join(tmp, "out", "model.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "model.safetensors"))
+    assert two.keys() == one.keys() and len(two) > 1000
+    unet = [k for k in one if k.startswith("model.diffusion_model.")]
+    worst = max((two[k].float() - one[k].float()).abs().max().item() for k in unet)
+    print(f"FSDP2 2x1 vs 1x2: largest UNet weight difference {worst:.3g}")
+    assert worst <= 1e-5, worst

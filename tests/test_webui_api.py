@@ -1,6 +1,8 @@
 """The web UI's HTTP API (issue 14), through FastAPI's TestClient: every endpoint, the token, path traversal,
-and a real tiny job trained through the UI's own runner: stopped mid-way, resumed with auto-resume, the
-server restarted (re-attach) while it runs, and finished."""
+the dataset TOML through the trainer's own --check_config, Performance / Diagnostics availability and refused
+saves, GPU choice and strategies through tools/make_accelerate_config.py, the settings history, and a real tiny
+job trained through the UI's own runner: stopped mid-way, resumed with auto-resume, the server restarted
+(re-attach) while it runs, and finished."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def test_off_loopback_needs_a_token(capsys, monkeypatch):
 
 def test_jobs_create_list_rename_duplicate_delete(client, jobs_dir):
     names = {t["name"] for t in client.get("/api/templates").json()}
-    assert {"tiny_sd1_lora", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
+    assert {"tiny_sd1_lora", "tiny_sd1_finetune", "sd_lora", "sd_finetune", "sdxl_lora", "sdxl_finetune", "flux_lora",
             "flux_finetune"} <= names
     assert client.get("/api/jobs").json() == []
     hw = client.get("/api/hardware").json()
@@ -321,3 +323,232 @@ def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, job
     assert "--resume auto: newest intact state is" in log and f"saved {folder}/output/lora.safetensors" in log
     assert log.count("$ cd ") == 2  # the command of each run
     assert os.path.isfile(os.path.join(folder, "output", "lora.safetensors"))
+
+
+# --- issue 14, second part: dataset TOML check, Performance, GPUs and strategy, settings history ----------------
+
+H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mib": 81559, "memory_used_mib": 1, "utilization_percent": 0}
+TWO_GPUS = [{"index": 0, **H100}, {"index": 1, **H100}]
+
+
+def test_dataset_folders_checked_on_save_and_kept_in_the_history(client, jobs_dir):
+    """The dataset TOML goes through the trainer's own --check_config (its dataset-config validation): the error
+    names the folder (subset) and key; a good save is a revision saying what changed; a revision comes back."""
+    _create(client)
+    dataset_toml = os.path.join(jobs_dir, "1", "dataset.toml")
+    before = open(dataset_toml).read()
+    settings = client.get("/api/jobs/1/settings").json()
+    assert settings["launch"] == {}
+    subsets = settings["dataset"]["datasets"][0]["subsets"]
+    subsets.append({"image_dir": "examples/data/train/10_sks shape", "num_repeats": 0, "is_reg": True})
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 422
+    assert r.json()["detail"] == {"error": "dataset.toml: datasets[0].subsets[1].num_repeats: expected an integer "
+                                           ">= 1, got 0", "field": "num_repeats", "where": "datasets[0].subsets[1]"}
+    assert open(dataset_toml).read() == before
+
+    subsets[1].update(image_dir="examples/no such folder", num_repeats=3)  # refused before the trainer's check
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "dataset.toml: datasets[0].subsets[1].image_dir: no such folder: examples/no such folder",
+        "field": "image_dir", "where": "datasets[0].subsets[1]"}
+
+    subsets[1]["image_dir"] = "examples/data/train/10_sks shape"
+    settings["config"]["optimizer"]["learning_rate"] = 2e-3
+    settings["config"]["diagnostics"] = {"profile_steps": True}  # a Diagnostics flag, through --check_config
+    settings["config"]["training"]["torch_compile"] = True  # a Performance option this machine can use
+    r = client.put("/api/jobs/1/settings", json=settings)
+    assert r.status_code == 200, r.text
+    written = toml.load(dataset_toml)["datasets"][0]["subsets"]
+    assert [(s["num_repeats"], s.get("is_reg", False)) for s in written] == [(1, False), (3, True)]
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["diagnostics"] == {"profile_steps": True}
+
+    history = client.get("/api/jobs/1/revisions").json()
+    assert [h["id"] for h in history] == [2, 1]
+    assert history[1]["changes"] == "created from the template tiny_sd1_lora"
+    assert history[0]["changes"] == ("profile_steps: set to true; learning_rate: 0.001 -> 0.002; torch_compile: set to "
+                                      "true; subsets[1].image_dir: set to examples/data/train/10_sks shape; "
+                                      "subsets[1].is_reg: set to true; subsets[1].num_repeats: set to 3")
+    assert client.get("/api/jobs/1/revisions/1").json()["settings"]["config"]["optimizer"]["learning_rate"] == 1e-3
+    assert client.get("/api/jobs/1/revisions/9").status_code == 404
+    assert client.post("/api/jobs/1/revisions/9/restore").status_code == 404
+    assert client.get("/api/jobs/7/revisions").status_code == 404
+
+    client.app.state.store.update_job(1, status="queued")
+    assert client.post("/api/jobs/1/revisions/1/restore").status_code == 409
+    client.app.state.store.update_job(1, status="draft")
+    restored = client.post("/api/jobs/1/revisions/1/restore")
+    assert restored.status_code == 200, restored.text
+    assert restored.json()["config"]["optimizer"]["learning_rate"] == 1e-3
+    assert len(toml.load(dataset_toml)["datasets"][0]["subsets"]) == 1
+    latest = client.get("/api/jobs/1/revisions").json()[0]
+    assert latest["id"] == 3 and latest["changes"].startswith(
+        "restored revision 1: profile_steps: removed (was true); learning_rate: 0.002 -> 0.001; ")
+    assert client.post("/api/jobs/1/revert").status_code == 200
+    assert client.get("/api/jobs/1/revisions").json()[0]["changes"] == "reverted to the template: no changes"
+
+
+def test_history_changes_line():
+    from webui.history import changes
+
+    old = {"config": {"training": {"max_train_steps": 20}}, "dataset": {"datasets": [{"resolution": 64}]},
+           "prompts": []}
+    new = {"config": {"training": {"max_train_steps": 40, "seed": 1}}, "dataset": {"datasets": [{}]},
+           "prompts": ["a cat"], "launch": {"strategy": "ddp"}}
+    assert changes(None, new) == "first save"
+    assert changes(old, old) == "no changes"
+    assert changes(old, new) == ('max_train_steps: 20 -> 40; seed: set to 1; resolution: removed (was 64); '
+                                 'strategy: set to ddp; prompts: [] -> ["a cat"]')
+
+
+def test_performance_options_say_why_not():
+    from webui.performance import availability, refusal
+
+    flags = frozenset({"persistent_data_loader_workers", "gradient_checkpointing", "highvram", "lowram",
+                       "blocks_to_swap", "cpu_offload_checkpointing"})
+    none = availability("sd", "train_network.py", 0, installed=lambda m: m == "torch", flags=flags)
+    assert {o["key"]: o["reason"] for o in none} == {
+        "persistent_data_loader_workers": None, "gradient_checkpointing": None,
+        "flash_attn": "no GPU on this machine; requires flash-attn (pip install flash-attn): not installed; "
+                      "the trainer (train_network.py) has no --flash_attn flag yet",
+        "torch_compile": "the trainer (train_network.py) has no --torch_compile flag yet",
+        "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
+        "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
+        "memory": "no GPU on this machine",
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this machine",
+        "cpu_offload_checkpointing": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this "
+                                     "machine",
+        "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
+        "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
+    flux = availability("flux", "flux_train_network.py", 2, installed=lambda m: True,
+                        flags=flags | {"flash_attn", "torch_compile", "dynamo_backend", "dynamo_mode", "profile_steps",
+                                       "profile_microbatches"})
+    assert all(o["available"] for o in flux)
+    assert refusal({"memory": {"blocks_to_swap": 8}}, flux) is None
+    assert refusal({"memory": {"cpu_offload_checkpointing": True}}, flux) == (
+        "--cpu_offload_checkpointing: requires gradient checkpointing (turn it on first)", "cpu_offload_checkpointing")
+    assert refusal({"memory": {"cpu_offload_checkpointing": True}, "training": {"gradient_checkpointing": True}},
+                   flux) is None
+    assert refusal({"training": {"highvram": True, "lowram": True}}, flux)[1] == "memory"
+    assert refusal({"training": {"dynamo_backend": "aot_eager"}}, flux) == (
+        "--dynamo_backend: only with torch compile on", "dynamo_backend")
+    assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
+    assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
+        "this machine"), "blocks_to_swap")
+
+
+def test_performance_endpoint_and_refused_saves(jobs_dir):
+    c = TestClient(create_app(jobs_dir, find_gpus=list))
+    assert c.get("/api/jobs/1/performance").status_code == 404
+    _create(c)
+    options = {o["key"]: o for o in c.get("/api/jobs/1/performance").json()}
+    assert list(options) == ["persistent_data_loader_workers", "gradient_checkpointing", "flash_attn", "torch_compile",
+                             "dynamo_backend", "dynamo_mode", "memory", "blocks_to_swap", "cpu_offload_checkpointing",
+                             "profile_steps", "profile_microbatches"]
+    assert [o["group"] for o in options.values()] == ["performance"] * 9 + ["diagnostics"] * 2
+    assert options["torch_compile"]["available"] and options["dynamo_backend"]["needs"] == "torch_compile"
+    assert options["gradient_checkpointing"]["available"] and options["persistent_data_loader_workers"]["available"]
+    assert options["persistent_data_loader_workers"]["needs_reason"] == "needs data-loader workers > 0"
+    assert options["flash_attn"]["reason"].startswith("no GPU on this machine; requires flash-attn")
+    assert options["blocks_to_swap"]["reason"].startswith("not supported for sd (DiT families only")
+    assert options["profile_steps"]["available"] and options["profile_microbatches"]["available"]  # the trainer has them
+    config_toml = os.path.join(jobs_dir, "1", "config.toml")
+    before = open(config_toml).read()
+    settings = c.get("/api/jobs/1/settings").json()
+    for section, key, value, field, error in (
+            ("training", "flash_attn", True, "flash_attn", "--flash_attn: not available: no GPU on this machine; "),
+            ("memory", "blocks_to_swap", 4, "blocks_to_swap", "--blocks_to_swap: not available: not supported for sd"),
+            ("training", "highvram", True, "memory", "--highvram/--lowram: not available: no GPU on this machine"),
+            ("dataset", "persistent_data_loader_workers", True, "persistent_data_loader_workers",
+             "--persistent_data_loader_workers: needs data-loader workers > 0")):  # the template has 0 workers
+        changed = {**settings, "config": {**settings["config"], section: {**settings["config"].get(section, {}),
+                                                                          key: value}}}
+        r = c.put("/api/jobs/1/settings", json=changed)
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
+        assert r.json()["detail"]["error"].startswith(error) and "\n" not in r.json()["detail"]["error"]
+    assert open(config_toml).read() == before
+    r = c.put("/api/jobs/1/settings", json={**settings, "launch": {"strategy": "ddp"}})
+    assert r.status_code == 422 and r.json()["detail"]["error"] == (
+        "strategy: ddp needs GPUs (none on this machine): on the CPU, accelerate launch runs one process; choose "
+        "single")
+
+
+def test_gpu_choice_and_strategy_write_the_accelerate_config(jobs_dir):
+    """GPUs (a stand-in for nvidia-smi: two H100s) and the strategy are the job's launch.toml; the accelerate
+    config is written by tools/make_accelerate_config.py (its one-line refusals come back next to the option)
+    and the run becomes `CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file <job>/accelerate_config.yaml`."""
+    import yaml
+
+    from webui.jobfiles import REPO_ROOT, JobFolder
+    from webui.runner import gpu_environment
+
+    c = TestClient(create_app(jobs_dir, find_gpus=lambda: TWO_GPUS))
+    assert c.get("/api/hardware").json()["gpus"] == TWO_GPUS
+    _create(c)
+    folder = os.path.join(jobs_dir, "1")
+    settings = c.get("/api/jobs/1/settings").json()
+    for launch, field, error in (
+            ({"gpu_ids": [3]}, "gpu_ids", "gpu_ids: no GPU 3 on this machine (GPUs found: 0, 1)"),
+            ({"gpu_ids": [0, 1]}, "strategy", ("strategy: 2 GPUs selected: choose a multi-GPU strategy (DDP, FSDP1, "
+                                              "FSDP2 or DeepSpeed)")),
+            ({"gpu_ids": [0], "strategy": "ddp"}, "gpu_ids", ("gpu_ids: ddp runs one process per chosen GPU: choose 2 "
+                                                             "or more")),
+            ({"gpu_ids": [0, 1], "strategy": "fsdp1", "fsdp_use_orig_params": False}, "fsdp_use_orig_params",
+             ("fsdp_use_orig_params: must stay on with LoRA (frozen base weights and trained LoRA weights share FSDP "
+             "units)")),
+            ({"gpu_ids": [0, 1], "strategy": "fsdp2", "fsdp_limit_all_gathers": False}, "fsdp_limit_all_gathers",
+             "tools/make_accelerate_config.py: --fsdp_limit_all_gathers false: accelerate's config has no key for it"),
+            ({"strategy": "nccl"}, "strategy", ("strategy: expected one of single, ddp, fsdp1, fsdp2, deepspeed, got "
+                                               "'nccl'"))):
+        r = c.put("/api/jobs/1/settings", json={**settings, "launch": launch})
+        assert r.status_code == 422 and r.json()["detail"]["field"] == field, r.text
+        assert r.json()["detail"]["error"].startswith(error), r.text
+    assert not os.path.exists(os.path.join(folder, "accelerate_config.yaml"))
+    assert not os.path.exists(os.path.join(folder, ".accelerate_config.yaml"))
+
+    launch = {"gpu_ids": [1, 0], "strategy": "fsdp1", "fsdp_wrap_policy": "SIZE_BASED_WRAP",
+              "fsdp_min_num_params": 1000, "fsdp_forward_prefetch": True, "fsdp_reshard_after_forward": False,
+              "zero_stage": 3}  # a DeepSpeed option: not this strategy's, dropped
+    settings["config"]["training"]["mixed_precision"] = "bf16"
+    r = c.put("/api/jobs/1/settings", json={**settings, "launch": launch})
+    assert r.status_code == 200, r.text
+    assert r.json()["launch"] == {"gpu_ids": [0, 1], "strategy": "fsdp1", "fsdp_wrap_policy": "SIZE_BASED_WRAP",
+                                  "fsdp_min_num_params": 1000, "fsdp_forward_prefetch": True,
+                                  "fsdp_reshard_after_forward": False}
+    written = yaml.safe_load(open(os.path.join(folder, "accelerate_config.yaml")))
+    assert (written["distributed_type"], written["num_processes"], str(written["gpu_ids"]),
+            written["mixed_precision"]) == ("FSDP", 2, "0,1", "bf16")
+    fsdp = written["fsdp_config"]
+    assert (fsdp["fsdp_version"], fsdp["fsdp_auto_wrap_policy"], fsdp["fsdp_min_num_params"],
+            fsdp["fsdp_forward_prefetch"], fsdp["fsdp_sharding_strategy"]) == (1, "SIZE_BASED_WRAP", 1000, True,
+                                                                               "SHARD_GRAD_OP")
+    assert gpu_environment(JobFolder(jobs_dir, 1)) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert c.get("/api/jobs/1").json()["command"] == (
+        f"cd {REPO_ROOT} && CUDA_VISIBLE_DEVICES=0,1 accelerate launch --config_file {folder}/accelerate_config.yaml "
+        f"train_network.py --config_file {folder}/config.toml")
+    assert "launch" not in toml.load(os.path.join(folder, "config.toml"))  # the UI's own file, not a trainer flag
+
+    r = c.post("/api/jobs/1/revert")  # the template has no strategy: one process, no accelerate config
+    assert r.status_code == 200 and r.json()["launch"] == {}
+    assert not os.path.exists(os.path.join(folder, "accelerate_config.yaml"))
+    assert c.get("/api/jobs/1").json()["command"].endswith(f"python train_network.py --config_file {folder}/config.toml")
+
+
+def test_the_run_sees_only_the_chosen_gpus(client, jobs_dir, monkeypatch, tmp_path):
+    """The runner gives the run CUDA_VISIBLE_DEVICES from launch.toml's gpu_ids and logs it with the command.
+    (A stand-in command that prints what it sees: no training.)"""
+    import sys
+
+    import webui.runner
+
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('visible:', os.environ.get('CUDA_VISIBLE_DEVICES'))\n")
+    monkeypatch.setattr(webui.runner, "training_command", lambda job, folder: [sys.executable, str(script)])
+    _create(client)
+    with open(os.path.join(jobs_dir, "1", "launch.toml"), "w") as f:  # as a hand edit: the checked PUT is above
+        f.write("gpu_ids = [0, 2]\n")
+    client.post("/api/jobs/1/start")
+    assert client.app.state.runner.wait(1, 30) == "finished"
+    log = client.get("/api/jobs/1/log").text
+    assert "data: $ cd " in log and " && CUDA_VISIBLE_DEVICES=0,2 python " in log and "data: visible: 0,2\n" in log

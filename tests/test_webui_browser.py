@@ -1,7 +1,8 @@
 """The web UI in headless Chromium (Debian's chromium + chromium-driver, driven by selenium; no browser
 download): create a job from a template, change a setting, see the trainer's validation error next to the
 field, start the job, see the console stream, the progress, the loss chart and a sample image, stop it, delete
-the TensorBoard event files. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_job.png and webui_samples.png.
+the TensorBoard event files; on the way, Performance reasons, a second dataset folder, a strategy and a restored
+settings revision. With UPDATE_SCREENSHOTS=1 it saves docs/images/webui_{job,samples,settings,multigpu}.png.
 
 `bash scripts/test.sh` installs chromium and chromium-driver with apt when they are missing and it runs as root;
 otherwise this test is skipped and says what to install."""
@@ -17,6 +18,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import toml
 
 pytest.importorskip("fastapi", reason="the web UI needs fastapi: pip install -r requirements-dev.txt")
 uvicorn = pytest.importorskip("uvicorn", reason="pip install -r requirements-dev.txt")
@@ -45,7 +47,7 @@ def _free_port() -> int:
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the training run inherits it (shared 2-core machines)
-    app = create_app(str(tmp_path / "jobs"), stop_timeout=30)
+    app = create_app(str(tmp_path / "jobs"), stop_timeout=30, find_gpus=list)  # as on a machine without GPUs
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -92,14 +94,15 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
     assert "draft" in item.text
     assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
-    assert browser.find_element(By.ID, "gpus").text in ("No GPU: training runs on CPU",) or "GPU 0" in \
-        browser.find_element(By.ID, "gpus").text
+    gpus = wait.until(lambda d: d.find_elements(By.ID, "gpus"))  # the form, once the server said what it can use
+    assert gpus[0].text == "No GPU: training runs on CPU"
 
     # the dataset folder: image count and thumbnails; the server-side picker lists folders with their counts
-    wait.until(lambda d: d.find_element(By.ID, "folder-info").text == "7 image(s)")
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#thumbs img")) == 7
-    browser.find_element(By.ID, "browse-btn").click()
-    wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.ID, "picker").text)
+    first = '#folder-rows .folder-row[data-index="0"] '
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, first + ".folder-info").text == "7 image(s)")
+    assert len(browser.find_elements(By.CSS_SELECTOR, first + ".thumbs img")) == 7
+    browser.find_element(By.CSS_SELECTOR, first + ".browse-btn").click()
+    wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.CSS_SELECTOR, first + ".picker").text)
 
     # a bad value: the trainer's own one-line error, next to the field
     lr = browser.find_element(By.ID, "f-learning_rate")
@@ -127,6 +130,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     assert "learning_rate = 0.002" in config and "max_train_steps = 40" in config
     with open(os.path.join(app.state.runner.jobs_dir, "1", "prompts.txt")) as f:
         assert f.read() == "a red <circle> --w 64 --h 64 --s 2 --d 1\n"
+    _performance_folders_strategy_history(browser, wait, url, app, shots)
 
     # start: the console streams the log, the header shows the progress
     browser.find_element(By.ID, "start-btn").click()
@@ -170,3 +174,89 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     wait.until(lambda d: "event file(s) deleted" in d.find_element(By.ID, "events-msg").text)
     logs_dir = os.path.join(app.state.runner.jobs_dir, "1", "output", "logs")
     assert not [n for _, _, files in os.walk(logs_dir) for n in files if n.startswith("events.out.tfevents.")]
+
+
+def _performance_folders_strategy_history(browser, wait, url, app, shots):
+    """Performance options this machine cannot use are disabled with the server's reason; a second dataset folder
+    and a strategy (here, without GPUs, the single-process one on the CPU) saved at once: dataset.toml has two subsets and the
+    accelerate config is written; then the settings history restores the save before."""
+    import json
+
+    import yaml
+
+    job = os.path.join(app.state.runner.jobs_dir, "1")
+    with urllib.request.urlopen(url + "/api/jobs/1/performance") as r:
+        reasons = {o["key"]: o["reason"] for o in json.load(r)}
+    flash = browser.find_element(By.CSS_SELECTOR, '.field[data-perf="flash_attn"]')
+    assert not flash.find_element(By.TAG_NAME, "input").is_enabled()
+    assert reasons["flash_attn"] and flash.find_element(By.CSS_SELECTOR, ".reason").text == reasons["flash_attn"]
+    swap = browser.find_element(By.CSS_SELECTOR, '.field[data-perf="blocks_to_swap"]')
+    assert swap.find_element(By.CSS_SELECTOR, ".reason").text.startswith("not supported for sd (DiT families only")
+    persistent = browser.find_element(By.CSS_SELECTOR, '.field[data-perf="persistent_data_loader_workers"]')
+    assert persistent.find_element(By.CSS_SELECTOR, ".reason").text == "needs data-loader workers > 0"  # 0 workers
+    workers = browser.find_element(By.ID, "f-max_data_loader_n_workers")
+    workers.clear()
+    workers.send_keys("2")
+    browser.find_element(By.ID, "f-seed").click()  # leaves the field: its change event
+    wait.until(lambda d: persistent.find_element(By.TAG_NAME, "input").is_enabled())
+    workers.clear()
+    workers.send_keys("0")
+    browser.find_element(By.ID, "f-seed").click()
+    wait.until(lambda d: not persistent.find_element(By.TAG_NAME, "input").is_enabled())
+
+    browser.find_element(By.ID, "add-folder").click()
+    row = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="1"]')
+    assert row.find_element(By.CSS_SELECTOR, ".folder-title").text == "Folder 2"
+    row.find_element(By.CSS_SELECTOR, ".image-dir").send_keys("examples/data/train/10_sks shape")
+    repeats = row.find_element(By.CSS_SELECTOR, '[data-sub="num_repeats"]')
+    repeats.clear()  # leaving the folder field shows its image count and thumbnails
+    repeats.send_keys("2")
+    row.find_element(By.CSS_SELECTOR, '[data-sub="class_tokens"]').send_keys("shape")
+    wait.until(lambda d: row.find_element(By.CSS_SELECTOR, ".folder-info").text == "7 image(s)")
+    assert len(row.find_elements(By.CSS_SELECTOR, ".thumbs img")) == 7
+
+    details = browser.find_element(By.ID, "strategy-details")
+    assert details.text == "Select a strategy to see details"
+    strategy = Select(browser.find_element(By.ID, "f-strategy"))
+    assert [o.text for o in strategy.options if not o.is_enabled()] == [  # no GPU: one process, on the CPU
+        "DDP (data parallel) (needs GPUs)", "FSDP1 (fully sharded, v1) (needs GPUs)",
+        "FSDP2 (fully sharded, per-parameter) (needs GPUs)", "DeepSpeed ZeRO (needs GPUs)"]
+    strategy.select_by_value("single")
+    assert "One process on one GPU (or the CPU)" in details.text
+    assert "No GPU: one process on the CPU (accelerate --cpu)" in details.text
+    browser.find_element(By.ID, "f-profile_steps").click()  # Diagnostics: the trainer's --profile_steps
+    browser.find_element(By.ID, "save-btn").click()
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
+    subsets = toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]
+    assert [(s["image_dir"], s["num_repeats"], s.get("class_tokens")) for s in subsets] == [
+        ("examples/data/train/10_sks shape", 1, "sks shape"), ("examples/data/train/10_sks shape", 2, "shape")]
+    with open(os.path.join(job, "accelerate_config.yaml")) as f:
+        accelerate = yaml.safe_load(f)
+    assert (accelerate["distributed_type"], accelerate["num_processes"], accelerate["use_cpu"]) == ("NO", 1, True)
+    assert toml.load(os.path.join(job, "config.toml"))["diagnostics"] == {"profile_steps": True}
+    assert f"accelerate launch --config_file {job}/accelerate_config.yaml train_network.py --config_file " \
+        in browser.find_element(By.ID, "command").text
+    browser.set_window_size(1400, 1500)  # the Performance options and both folders in one picture
+    browser.execute_script("document.querySelector('[data-section=\"Performance\"]').scrollIntoView()")
+    browser.save_screenshot(os.path.join(shots, "webui_settings.png"))
+    browser.execute_script("document.querySelector('[data-section=\"Multi-GPU Optimization\"]').scrollIntoView()")
+    browser.save_screenshot(os.path.join(shots, "webui_multigpu.png"))
+    browser.set_window_size(1400, 1000)
+
+    # the settings history: newest first; Restore brings back the save before (one folder, no strategy)
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history li")) == 3)
+    items = browser.find_elements(By.CSS_SELECTOR, "#history li")
+    assert [i.get_attribute("data-revision") for i in items] == ["3", "2", "1"]
+    assert items[0].find_element(By.CSS_SELECTOR, ".what").text == (
+        "profile_steps: set to true; subsets[1].class_tokens: set to shape; subsets[1].image_dir: set to examples/data/"
+        "train/10_sks shape; subsets[1].num_repeats: set to 2; strategy: set to single")
+    items[1].find_element(By.CSS_SELECTOR, ".restore-btn").click()
+    browser.switch_to.alert.accept()
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").text == "Restored revision 2.")
+    assert len(toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]) == 1
+    assert not os.path.exists(os.path.join(job, "accelerate_config.yaml"))
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#folder-rows .folder-row")) == 1
+    assert browser.find_element(By.ID, "f-strategy").get_attribute("value") == ""
+    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+    wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#history li .what").text.startswith(
+        "restored revision 2: profile_steps: removed (was true); "))

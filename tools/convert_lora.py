@@ -1,7 +1,9 @@
-"""Convert a LoRA between the kohya, diffusers/PEFT and ai-toolkit (Flux) layouts; the source layout is detected.
+"""Convert a LoRA between the kohya, diffusers/PEFT, ai-toolkit (Flux) and ComfyUI (Anima) layouts; the source
+layout is detected.
 
     python tools/convert_lora.py --src_path kohya.safetensors --dst_path peft.safetensors --to diffusers
     python tools/convert_lora.py --src_path ai_toolkit_flux.safetensors --dst_path kohya.safetensors --to kohya
+    python tools/convert_lora.py --src_path anima_lora.safetensors --dst_path anima_comfy.safetensors --to comfy
 """
 
 from __future__ import annotations

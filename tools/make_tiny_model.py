@@ -5,10 +5,16 @@
     python tools/make_tiny_model.py --family sdxl --out models/tiny-sdxl.safetensors --single_file
     python tools/make_tiny_model.py --family flux --out models/tiny-flux --single_file
     python tools/make_tiny_model.py --family sd3 --out models/tiny-sd3.safetensors --single_file
+    python tools/make_tiny_model.py --family chroma --out models/tiny-chroma --single_file
+    python tools/make_tiny_model.py --family anima --out models/tiny-anima --single_file
 
 FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
 .safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
-next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them. SD3 with --single_file writes the
+next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them. Chroma (single file only) writes
+chroma-tiny.safetensors plus t5xxl.safetensors and ae.safetensors (flux_train_network.py --model_type chroma).
+Anima is always written as its files
+(--out is a folder): anima-tiny.safetensors (DiT + LLM adapter, `net.*`), qwen_3_06b_base.safetensors and
+qwen_image_vae.safetensors (ComfyUI's names), as --qwen3 / --vae take them. SD3 with --single_file writes the
 SAI all-in-one file (MMDiT, VAE, CLIP-L, CLIP-G, T5); with --separate_text_encoders the MMDiT + VAE
 file plus clip_l / clip_g / t5xxl.safetensors next to it (for --clip_l / --clip_g / --t5xxl).
 """
@@ -24,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.core.errors import UserError, run_tool  # noqa: E402
 
 FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
-            "sd3": "tiny:sd3"}
+            "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +68,31 @@ def _write_flux(out: str, single_file: bool) -> None:
           + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
 
+def _write_chroma(out: str, single_file: bool) -> None:
+    from library.families.chroma_model import write_chroma_preset
+
+    if not single_file:
+        raise UserError("--family chroma: add --single_file (Chroma is published as a single file; sd-scripts "
+                        "loads no diffusers folder of it)")
+    written = write_chroma_preset(FAMILIES["chroma"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print("train with: flux_train_network.py --model_type chroma --apply_t5_attn_mask --guidance_scale 0 "
+          f"--pretrained_model_name_or_path {written['transformer']} --t5xxl {written['t5xxl']} --ae {written['ae']}")
+
+
+def _write_anima(out: str) -> None:
+    from library.families.anima_loading import write_anima_preset
+
+    if out.lower().endswith(".safetensors"):
+        raise UserError(f"--out {out}: Anima is written as three files; expected a folder name")
+    written = write_anima_preset(FAMILIES["anima"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print(f"train with: --pretrained_model_name_or_path {written['dit']} --qwen3 {written['qwen3']} "
+          f"--vae {written['vae']}")
+
+
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
@@ -72,6 +103,12 @@ def write(args: argparse.Namespace) -> None:
         return
     if args.family == "sd3":
         _write_sd3(args.out, args.single_file, args.separate_text_encoders)
+        return
+    if args.family == "chroma":
+        _write_chroma(args.out, args.single_file)
+        return
+    if args.family == "anima":
+        _write_anima(args.out)
         return
     if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
         raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")

@@ -7,17 +7,20 @@ import hmac
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from webui import logs
-from webui.folders import Roots, dataset_paths
+from webui import logs, performance
+from webui.folders import Roots, dataset_paths, missing_dataset_folders
 from webui.hardware import gpus
+from webui.history import changes
 from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, script_for, templates
-from webui.runner import LAUNCHERS, Runner, shown_command, training_command
+from webui.multigpu import clean_launch, write_accelerate_config
+from webui.runner import LAUNCHERS, Runner, gpu_environment, shown_command, training_command
 from webui.store import ACTIVE, Store
 from webui.tensorboard import TensorBoards
 
@@ -27,7 +30,9 @@ MAX_NAME = 120
 
 
 def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float = 60.0,
-               default_launcher: str = "python", data_roots: Optional[list[str]] = None) -> FastAPI:
+               default_launcher: str = "python", data_roots: Optional[list[str]] = None,
+               find_gpus=gpus) -> FastAPI:
+    """`find_gpus`: the GPUs of this machine (webui.hardware.gpus; tests give a stand-in list)."""
     jobs_dir = os.path.abspath(jobs_dir)
     roots = Roots(data_roots or [REPO_ROOT, os.getcwd()])
     os.makedirs(jobs_dir, exist_ok=True)
@@ -60,7 +65,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     def describe(job: dict[str, Any]) -> dict[str, Any]:
         folder = JobFolder(jobs_dir, job["id"])
         return {**job, "folder": folder.path, "script": script_for(job["family"], job["mode"]),
-                "command": shown_command(training_command(job, folder))}
+                "command": shown_command(training_command(job, folder), gpu_environment(folder))}
 
     def clean_name(name: Any) -> str:
         if not isinstance(name, str) or not name.strip():
@@ -70,7 +75,13 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
             raise HTTPException(422, {"error": f"name: at most {MAX_NAME} characters", "field": "name"})
         return name
 
-    def check_and_write(job: dict[str, Any], settings: dict[str, Any], check: bool = True) -> None:
+    def performance_options(job: dict[str, Any]) -> list[dict[str, Any]]:
+        return performance.availability(job["family"], script_for(job["family"], job["mode"]), len(find_gpus()))
+
+    def check_and_write(job: dict[str, Any], settings: dict[str, Any], check: bool = True,
+                        what: Optional[str] = None) -> dict[str, Any]:
+        """Refuse paths outside the roots (403) and options this machine cannot use (422) at once, then run
+        the trainer's check and the accelerate config generator; write; keep a revision. Returns the settings."""
         folder = JobFolder(jobs_dir, job["id"])
         for key, path in dataset_paths(settings.get("dataset") or {}):
             if roots.inside(path) is None:
@@ -78,11 +89,45 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                                                    f"({', '.join(roots.roots)}; the server's --data_root)",
                                           "field": key})
         if check:
-            try:
-                folder.check_settings(settings, script_for(job["family"], job["mode"]))
-            except SettingsError as e:
-                raise HTTPException(422, {"error": str(e), "field": e.field}) from None
+            for key, path, where in missing_dataset_folders(settings.get("dataset") or {}):
+                what = "file" if key == "metadata_file" else "folder"
+                raise HTTPException(422, {"error": f"dataset.toml: {where}.{key}: no such {what}: {path}",
+                                          "field": key, "where": where})
+        config = settings["config"]
+        for section in config.values():  # "Block swap count" 0 is off: no flag (the trainer wants >= 1)
+            if isinstance(section, dict) and section.get("blocks_to_swap") == 0:
+                del section["blocks_to_swap"]
+        refused = performance.refusal(config, performance_options(job))
+        if refused:
+            raise HTTPException(422, {"error": refused[0], "field": refused[1]})
+        scratch_config = os.path.join(folder.path, ".accelerate_config.yaml")
+        try:
+            gpu_indices = [g["index"] for g in find_gpus()]
+            settings["launch"] = clean_launch(settings.get("launch"), gpu_indices, job["mode"])
+            jobs = []  # the trainer's check and the accelerate config generator: two processes, run side by side
+            if settings["launch"].get("strategy"):
+                flags = {k: performance.config_value(config, k) for k in ("mixed_precision", "gradient_accumulation_steps")}
+                jobs.append(lambda: write_accelerate_config(settings["launch"], job["family"], job["mode"], flags,
+                                                            scratch_config, cpu=not gpu_indices))
+            if check:
+                jobs.append(lambda: folder.check_settings(settings, script_for(job["family"], job["mode"])))
+            with ThreadPoolExecutor(2) as pool:
+                for future in [pool.submit(j) for j in jobs]:
+                    future.result()  # the generator's refusal first, then the trainer's
+        except SettingsError as e:
+            if os.path.exists(scratch_config):
+                os.remove(scratch_config)
+            raise HTTPException(422, {"error": str(e), "field": e.field, "where": e.where}) from None
+        previous = store.last_revision(job["id"])
         folder.write_settings(settings)
+        if os.path.isfile(scratch_config):
+            os.replace(scratch_config, folder.accelerate_config_path)
+        elif os.path.exists(folder.accelerate_config_path):
+            os.remove(folder.accelerate_config_path)  # no strategy: one process, no accelerate config
+        saved = folder.settings()
+        summary = changes(previous["settings"] if previous else None, saved)
+        store.add_revision(job["id"], saved, f"{what}: {summary}" if what else summary)
+        return saved
 
     # --- page ----------------------------------------------------------------------------------------
     @app.get("/", include_in_schema=False)
@@ -115,8 +160,9 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         job_id = store.create_job(clean_name(body.get("name") or t["template"]["title"]), name,
                                   t["template"]["family"], t["template"]["mode"], launcher)
         job = store.job(job_id)
-        JobFolder(jobs_dir, job_id).write_settings({"config": t["config"], "dataset": t["dataset"],
-                                                    "prompts": t.get("prompts", [])})
+        folder = JobFolder(jobs_dir, job_id)
+        folder.write_settings({"config": t["config"], "dataset": t["dataset"], "prompts": t.get("prompts", [])})
+        store.add_revision(job_id, folder.settings(), f"created from the template {name}")
         return describe(job)
 
     @app.get("/api/jobs/{job_id}")
@@ -129,7 +175,11 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         job = job_or_404(job_id)
         name = clean_name((body or {}).get("name") or f"{job['name']} (copy)"[:MAX_NAME])
         new_id = store.create_job(name, job["template"], job["family"], job["mode"], job["launcher"])
-        JobFolder(jobs_dir, new_id).write_settings(JobFolder(jobs_dir, job_id).settings())
+        source, copy = JobFolder(jobs_dir, job_id), JobFolder(jobs_dir, new_id)
+        copy.write_settings(source.settings())
+        if os.path.isfile(source.accelerate_config_path):
+            shutil.copyfile(source.accelerate_config_path, copy.accelerate_config_path)
+        store.add_revision(new_id, copy.settings(), f"duplicated from job {job_id}")
         return describe(store.job(new_id))
 
     @app.patch("/api/jobs/{job_id}")
@@ -175,13 +225,12 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         if job["status"] in ACTIVE:
             raise HTTPException(409, "the job is queued or running: stop it before changing its settings")
         settings = {"config": body.get("config") or {}, "dataset": body.get("dataset") or {},
-                    "prompts": body.get("prompts") or []}
+                    "prompts": body.get("prompts") or [], "launch": body.get("launch") or {}}
         if not isinstance(settings["config"], dict) or not isinstance(settings["dataset"], dict) \
-                or not isinstance(settings["prompts"], list):
-            raise HTTPException(422, {"error": "expected {config: {...}, dataset: {...}, prompts: [...]}",
-                                      "field": None})
-        check_and_write(job, settings)
-        return JobFolder(jobs_dir, job_id).settings()
+                or not isinstance(settings["prompts"], list) or not isinstance(settings["launch"], dict):
+            raise HTTPException(422, {"error": "expected {config: {...}, dataset: {...}, prompts: [...], "
+                                               "launch: {...}}", "field": None})
+        return check_and_write(job, settings)
 
     @app.post("/api/jobs/{job_id}/revert")
     def revert_settings(job_id: int) -> dict[str, Any]:
@@ -192,9 +241,39 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         t = templates().get(job["template"])
         if t is None:
             raise HTTPException(404, f"template {job['template']!r} no longer exists")
-        check_and_write(job, {"config": t["config"], "dataset": t["dataset"], "prompts": t.get("prompts", [])},
-                        check=False)
-        return JobFolder(jobs_dir, job_id).settings()
+        return check_and_write(job, {"config": t["config"], "dataset": t["dataset"], "prompts": t.get("prompts", []),
+                                     "launch": {}}, check=False, what="reverted to the template")
+
+    @app.get("/api/jobs/{job_id}/performance")
+    def performance_availability(job_id: int) -> list[dict[str, Any]]:
+        """The Performance options, each with whether this machine, the family and the trainer can use it and
+        why not (the page disables those; a save that turns one on is refused with 422)."""
+        return performance_options(job_or_404(job_id))
+
+    @app.get("/api/jobs/{job_id}/revisions")
+    def revisions(job_id: int) -> list[dict[str, Any]]:
+        """The settings history, newest first: id, time, what changed."""
+        job_or_404(job_id)
+        return store.revisions(job_id)
+
+    @app.get("/api/jobs/{job_id}/revisions/{revision_id}")
+    def revision(job_id: int, revision_id: int) -> dict[str, Any]:
+        job_or_404(job_id)
+        rev = store.revision(job_id, revision_id)
+        if rev is None:
+            raise HTTPException(404, f"job {job_id} has no settings revision {revision_id}")
+        return rev
+
+    @app.post("/api/jobs/{job_id}/revisions/{revision_id}/restore")
+    def restore_revision(job_id: int, revision_id: int) -> dict[str, Any]:
+        """The settings of an earlier save again, checked as a save is (and kept as a new revision)."""
+        job = job_or_404(job_id)
+        if job["status"] in ACTIVE:
+            raise HTTPException(409, "the job is queued or running: stop it first")
+        rev = store.revision(job_id, revision_id)
+        if rev is None:
+            raise HTTPException(404, f"job {job_id} has no settings revision {revision_id}")
+        return check_and_write(job, rev["settings"], what=f"restored revision {revision_id}")
 
     # --- runs ----------------------------------------------------------------------------------------
     @app.post("/api/jobs/{job_id}/start")
@@ -311,7 +390,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
 
     @app.get("/api/hardware")
     def hardware() -> dict[str, Any]:
-        return {"gpus": gpus(), "none": "No GPU: training runs on CPU"}
+        return {"gpus": find_gpus(), "none": "No GPU: training runs on CPU"}
 
     @app.get("/api/folders")
     def folders(path: str = "") -> dict[str, Any]:

@@ -76,3 +76,23 @@ def dataset_paths(dataset: dict) -> list[tuple[str, str]]:
 
     walk(dataset)
     return out
+
+
+def missing_dataset_folders(dataset: dict, base: str = REPO_ROOT) -> list[tuple[str, str, str]]:
+    """(key, path, table) of each folder or file a [[datasets.subsets]] names that does not exist, e.g.
+    ("image_dir", "data/cats", "datasets[0].subsets[1]"); relative paths are from `base`, where runs start."""
+    out = []
+    datasets = dataset.get("datasets") if isinstance(dataset, dict) else None
+    for di, ds in enumerate(datasets if isinstance(datasets, list) else []):
+        subsets = ds.get("subsets") if isinstance(ds, dict) else None
+        for si, sub in enumerate(subsets if isinstance(subsets, list) else []):
+            if not isinstance(sub, dict):
+                continue
+            for key in DATASET_PATH_KEYS:
+                value = sub.get(key)
+                if not isinstance(value, str) or not value:
+                    continue
+                path = os.path.join(base, os.path.expanduser(value))
+                if not (os.path.isfile(path) if key == "metadata_file" else os.path.isdir(path)):
+                    out.append((key, value, f"datasets[{di}].subsets[{si}]"))
+    return out

@@ -32,9 +32,10 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 class SettingsError(ValueError):
     """A setting the trainer's own check refused: its one-line error and the flag or key it names."""
 
-    def __init__(self, message: str, field: Optional[str]):
+    def __init__(self, message: str, field: Optional[str], where: Optional[str] = None):
         super().__init__(message)
         self.field = field
+        self.where = where  # the dataset table of a dataset.toml error: "datasets[0].subsets[1]"
 
 
 def templates() -> dict[str, dict[str, Any]]:
@@ -75,6 +76,8 @@ class JobFolder:
         self.config_path = os.path.join(self.path, "config.toml")
         self.dataset_path = os.path.join(self.path, "dataset.toml")
         self.prompts_path = os.path.join(self.path, "prompts.txt")
+        self.launch_path = os.path.join(self.path, "launch.toml")  # GPUs and strategy: the UI's own file
+        self.accelerate_config_path = os.path.join(self.path, "accelerate_config.yaml")
         self.log_path = os.path.join(self.path, "train.log")
         self.exit_code_path = os.path.join(self.path, "exit_code")
         self.output_dir = os.path.join(self.path, "output")
@@ -89,7 +92,8 @@ class JobFolder:
                 prompts = [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#")]
         for key in MANAGED_KEYS:
             _drop_key(config, key)
-        return {"config": _drop_empty(config), "dataset": dataset, "prompts": prompts}
+        launch = toml.load(self.launch_path) if os.path.isfile(self.launch_path) else {}
+        return {"config": _drop_empty(config), "dataset": dataset, "prompts": prompts, "launch": launch}
 
     def files_for(self, settings: dict[str, Any], config_path: str, dataset_path: str,
                   prompts_path: str) -> tuple[str, str, Optional[str]]:
@@ -116,6 +120,7 @@ class JobFolder:
         else:
             atomic_write_text(self.prompts_path, prompts)
         atomic_write_text(self.config_path, config)
+        atomic_write_text(self.launch_path, toml.dumps(settings.get("launch") or {}))
 
     def check_settings(self, settings: dict[str, Any], script: str, timeout: float = 180) -> None:
         """Run the trainer's own parser and checks (`<script> --config_file ... --check_config`) on the
@@ -141,7 +146,7 @@ class JobFolder:
         message = one_line_error(result.stderr)
         for path, name in zip(paths, ("config.toml", "dataset.toml", "prompts.txt")):
             message = message.replace(path, name)
-        raise SettingsError(message, error_field(message))
+        raise SettingsError(message, error_field(message), error_where(message))
 
     # --- files --------------------------------------------------------------------------------------
     def resolve(self, relative: str) -> Optional[str]:
@@ -214,7 +219,17 @@ def one_line_error(stderr: str) -> str:
 
 
 _FLAG_RE = re.compile(r"--([A-Za-z0-9_]+)")
-_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\]\.(?:subsets\[\d+\]\.)?)*([A-Za-z0-9_]+):")
+_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\]\.(?:subsets\[\d+\]\.)?)*([A-Za-z0-9_]+)(?::|$| )")
+
+
+_WHERE_RE = re.compile(r"^dataset\.toml: (datasets\[\d+\](?:\.subsets\[\d+\])?|general)")
+
+
+def error_where(message: str) -> Optional[str]:
+    """The dataset.toml table an error is about: `dataset.toml: datasets[0].subsets[1].num_repeats: ...` ->
+    datasets[0].subsets[1]; None for other errors."""
+    m = _WHERE_RE.match(message)
+    return m.group(1) if m else None
 
 
 def error_field(message: str) -> Optional[str]:

@@ -33,22 +33,37 @@ def process_start_time(pid: int) -> Optional[str]:
     return fields[19] if len(fields) > 19 else None
 
 
+def gpu_environment(folder: JobFolder) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES from the job's GPU selection (launch.toml), when it has one."""
+    try:
+        ids = toml.load(folder.launch_path).get("gpu_ids") or []
+    except (OSError, ValueError):
+        ids = []
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ids)} if ids else {}
+
+
 def training_command(job: dict[str, Any], folder: JobFolder) -> list[str]:
-    """The command a user can run by hand (from the repository root) to do what the UI does."""
+    """The command a user can run by hand (from the repository root) to do what the UI does: with a generated
+    accelerate config (a multi-GPU strategy), `accelerate launch --config_file <job>/accelerate_config.yaml`."""
     script = script_for(job["family"], job["mode"])
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if os.path.isfile(folder.accelerate_config_path):
+        return [accelerate, "launch", "--config_file", folder.accelerate_config_path, script,
+                "--config_file", folder.config_path]
     if job["launcher"] == "accelerate":
-        head = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--num_cpu_threads_per_process",
+        head = [accelerate, "launch", "--num_cpu_threads_per_process",
                 "1", script]
     else:
         head = [sys.executable, script]
     return head + ["--config_file", folder.config_path]
 
 
-def shown_command(argv: list[str]) -> str:
+def shown_command(argv: list[str], env: Optional[dict[str, str]] = None) -> str:
     shown = ["accelerate" if a.endswith(os.sep + "accelerate") else a for a in argv]
     if shown[0] == sys.executable:
         shown[0] = "python"
-    return f"cd {shlex.quote(REPO_ROOT)} && " + shlex.join(shown)
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
+    return f"cd {shlex.quote(REPO_ROOT)} && {prefix}" + shlex.join(shown)
 
 
 class Runner:
@@ -86,20 +101,21 @@ class Runner:
     def _launch(self, job: dict[str, Any]) -> None:
         folder = self.folder(job["id"])
         argv = training_command(job, folder)
+        gpu_env = gpu_environment(folder)
         if os.path.exists(folder.exit_code_path):
             os.remove(folder.exit_code_path)
         with open(folder.log_path, "ab") as log:
-            log.write(f"$ {shown_command(argv)}\n".encode())
+            log.write(f"$ {shown_command(argv, gpu_env)}\n".encode())
             log.flush()
             child = subprocess.Popen([sys.executable, "-m", "webui.launch", folder.exit_code_path, "--", *argv],
                                      cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                                          "PYTHONPATH": REPO_ROOT})
+                                          "PYTHONPATH": REPO_ROOT, **gpu_env})
         self._children[job["id"]] = child
         self.store.update_job(job["id"], status="running", pid=child.pid, pid_start=process_start_time(child.pid),
                               exit_code=None, stop_requested=0)
-        self.store.add_run(job["id"], shown_command(argv))
+        self.store.add_run(job["id"], shown_command(argv, gpu_env))
 
     def stop(self, job_id: int) -> str:
         """SIGINT to the run's process group (the trainer saves a state and stops), SIGTERM after the timeout."""

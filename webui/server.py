@@ -56,6 +56,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             app.state.runner.refresh()
 
     threading.Thread(target=watch, daemon=True).start()
+
+    def learn_trainer_flags() -> None:  # the Performance options' first look needs each script's --help
+        from webui.jobfiles import SCRIPTS
+        from webui.performance import trainer_flags
+
+        for script in sorted(set(SCRIPTS.values())):
+            trainer_flags(script)
+
+    threading.Thread(target=learn_trainer_flags, daemon=True).start()
     print(f"Training jobs UI on http://{args.host}:{args.port}/ (jobs in {os.path.abspath(args.jobs_dir)})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -26,6 +27,13 @@ CREATE TABLE IF NOT EXISTS jobs (
     retries INTEGER NOT NULL DEFAULT 0,
     created REAL NOT NULL,
     updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS revisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id INTEGER NOT NULL,
+    created REAL NOT NULL,
+    settings TEXT NOT NULL,
+    changes TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -93,6 +101,7 @@ class Store:
     def delete_job(self, job_id: int) -> None:
         with self._lock:
             self._tx("DELETE FROM runs WHERE job_id = ?", (job_id,))
+            self._tx("DELETE FROM revisions WHERE job_id = ?", (job_id,))
             self._tx("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     def add_run(self, job_id: int, command: str) -> int:
@@ -105,3 +114,23 @@ class Store:
 
     def runs(self, job_id: int) -> list[dict[str, Any]]:
         return self._query("SELECT * FROM runs WHERE job_id = ? ORDER BY id", (job_id,))
+
+    # --- settings history: one row per save, with what changed ---------------------------------------
+    def add_revision(self, job_id: int, settings: dict[str, Any], changes: str) -> int:
+        return int(self._tx("INSERT INTO revisions (job_id, created, settings, changes) VALUES (?, ?, ?, ?)",
+                            (job_id, time.time(), json.dumps(settings, sort_keys=True), changes)).lastrowid)
+
+    def revisions(self, job_id: int) -> list[dict[str, Any]]:
+        """Newest first, without the settings themselves."""
+        return self._query("SELECT id, job_id, created, changes FROM revisions WHERE job_id = ? ORDER BY id DESC",
+                           (job_id,))
+
+    def revision(self, job_id: int, revision_id: int) -> Optional[dict[str, Any]]:
+        rows = self._query("SELECT * FROM revisions WHERE job_id = ? AND id = ?", (job_id, revision_id))
+        if not rows:
+            return None
+        return {**rows[0], "settings": json.loads(rows[0]["settings"])}
+
+    def last_revision(self, job_id: int) -> Optional[dict[str, Any]]:
+        rows = self._query("SELECT id FROM revisions WHERE job_id = ? ORDER BY id DESC LIMIT 1", (job_id,))
+        return self.revision(job_id, rows[0]["id"]) if rows else None

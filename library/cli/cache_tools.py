@@ -8,7 +8,12 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 from library.cli.config_file import parse_with_config_file
-from library.cli.entry import _setup_logging, build_parser, settings_from_args
+from library.cli.entry import (
+    _setup_logging,
+    build_parser,
+    family_for,
+    settings_from_args,
+)
 from library.core.errors import run_tool
 from library.families import get_family
 from library.families.base import ModelFamily
@@ -59,4 +64,5 @@ def build_trainer(family: ModelFamily, flags: Sequence[str], description: str = 
     ns = parse_with_config_file(build_parser(description, family), list(flags))
     if not ns.output_dir:
         ns.output_dir = tempfile.mkdtemp(prefix="cache_")
+    family = family_for(ns, family)  # --flux --model_type chroma: Chroma's caches
     return Trainer(family, settings_from_args(ns, family))

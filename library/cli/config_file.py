@@ -23,8 +23,9 @@ def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output_config", action="store_true",
                    help="write the effective flags to --config_file and exit")
     g.add_argument("--check_config", action="store_true",
-                   help="check every flag (and the config file) as a run would, print 'config ok' and exit 0; "
-                        "a problem is the run's one-line error and exit code 2. Loads no model and no data")
+                   help="check every flag, the config file and the dataset config's keys and values as a run would, "
+                        "print 'config ok' and exit 0; a problem is the run's one-line error and exit code 2. "
+                        "Loads no model and reads no image")
 
 
 def _flatten(data: dict, path: str, out: dict, origin: dict) -> None:

@@ -32,6 +32,7 @@ from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
+from library.data.config import resolve_datasets
 from library.families import get_family
 from library.families.base import ModelFamily
 from library.train.network_kinds import network_kind
@@ -104,6 +105,11 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     return settings
 
 
+def family_for(ns: argparse.Namespace, family: ModelFamily) -> ModelFamily:
+    """The family the parsed flags select (flux_train_network.py --model_type chroma: Chroma)."""
+    return family.variant(options_from_namespace(family.options_type, ns))
+
+
 def unet_only_when_caching(network, caching: bool, family: ModelFamily):
     """--cache_text_encoder_outputs on a family whose cache needs every text encoder frozen (SDXL): train only
     the UNet, as sd-scripts requires with --network_train_unet_only, and say so once. Kept as given when
@@ -138,8 +144,10 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     parser = build_parser(description, family, fine_tune)
     try:
         ns = parse_with_config_file(parser, argv)
+        family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
+            resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)

@@ -38,6 +38,9 @@ def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fused_optimizer_groups", type=int, default=None,
                    help="cut the parameters into N groups, each stepped (and its gradients freed) as soon as all "
                         "of its gradients are in: like --fused_backward_pass with N optimizers")
+    g.add_argument("--blockwise_fused_optimizers", action="store_true",
+                   help="FLUX.1: one optimizer per transformer block (each double block, each single block, the "
+                        "rest), stepped during backward as soon as its block's gradients are in")
     g.add_argument("--fused_backward_pass", action="store_true",
                    help="step each parameter as soon as its gradient is complete: the gradients of the whole "
                         "model are never held at once (no gradient accumulation)")
@@ -89,10 +92,16 @@ def block_lrs_from_args(value, family) -> list[float]:
 
 
 def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTuneOptions:
-    if ns.fused_backward_pass and ns.fused_optimizer_groups:
-        raise ConfigError("--fused_optimizer_groups: not with --fused_backward_pass; choose one")
-    fused = "--fused_backward_pass" if ns.fused_backward_pass else \
-        "--fused_optimizer_groups" if ns.fused_optimizer_groups else None
+    chosen = [flag for flag, on in (("--fused_backward_pass", ns.fused_backward_pass),
+                                    ("--fused_optimizer_groups", ns.fused_optimizer_groups),
+                                    ("--blockwise_fused_optimizers", ns.blockwise_fused_optimizers)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"{chosen[1]}: not with {chosen[0]}; choose one")
+    fused = chosen[0] if chosen else None
+    # A family with a block layout for it names a block for every parameter; the others name none.
+    if ns.blockwise_fused_optimizers and family is not None and family.optimizer_block("") is None:
+        raise ConfigError(f"--blockwise_fused_optimizers: not for {family.name}; it groups FLUX.1's double and "
+                          "single blocks (use --fused_backward_pass or --fused_optimizer_groups)")
     if fused and ns.gradient_accumulation_steps > 1:
         raise ConfigError(f"{fused}: gradients are applied during backward, so it cannot accumulate "
                           f"them; drop --gradient_accumulation_steps {ns.gradient_accumulation_steps}")
@@ -104,8 +113,10 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
             raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")
     return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=ns.learning_rate_te,
                            learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2],
-                           mem_eff_save=bool(ns.mem_eff_save), block_lr=block_lrs_from_args(ns.block_lr, family), fused_backward_pass=bool(ns.fused_backward_pass),
+                           mem_eff_save=bool(ns.mem_eff_save), block_lr=block_lrs_from_args(ns.block_lr, family),
+                           fused_backward_pass=bool(ns.fused_backward_pass),
                            fused_optimizer_groups=ns.fused_optimizer_groups,
+                           blockwise_fused_optimizers=bool(ns.blockwise_fused_optimizers),
                            metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS})
 
 

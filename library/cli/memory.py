@@ -38,7 +38,8 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
-    offload = bool(values.get("cpu_offload_checkpointing"))
+    # Anima's sd-scripts flag for the same thing (library/families/anima_options.py)
+    offload = bool(values.get("cpu_offload_checkpointing")) or bool(values.get("unsloth_offload_checkpointing"))
     name = getattr(family, "name", "this model family")
     if swap is not None and family is not None and not family_supports_block_swap(family):
         raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families such as flux "
@@ -46,9 +47,14 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     if offload and family is not None and not family_supports_block_swap(family):
         raise ConfigError(f"--cpu_offload_checkpointing: not supported for {name} (DiT families only); "
                           "use --gradient_checkpointing alone")
+    if swap is not None and values.get("torch_compile"):
+        raise ConfigError("--torch_compile with --blocks_to_swap: swapped blocks change device every step, so their "
+                          "compiled code would be re-traced every step; drop one of them")
+    if values.get("xformers") and values.get("flash_attn"):
+        raise ConfigError("--xformers and --flash_attn: choose one attention backend")
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
                          blocks_to_swap=swap, cpu_offload_checkpointing=offload,
-                         xformers=bool(values.get("xformers")))
+                         xformers=bool(values.get("xformers")), flash_attn=bool(values.get("flash_attn")))
 
 
 def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:

@@ -74,8 +74,8 @@ def build_fine_tune_parser(description: str, family=None) -> argparse.ArgumentPa
     parser = _training_parser(description, family, add_fine_tune_arguments)
     parser.set_defaults(save_model_as="safetensors")
     for action in parser._actions:
-        if action.dest == "save_model_as":
-            action.choices = MODEL_FORMATS
+        if action.dest == "save_model_as":  # the family's own formats: a wrong one stops before training
+            action.choices = list(getattr(family, "save_formats", MODEL_FORMATS))
             action.help = "format of saved models: single-file ckpt/safetensors (original layout) or a diffusers folder"
         if action.dest in ("full_fp16", "full_bf16"):
             action.help = action.help.replace("the network itself", "the model's weights themselves")

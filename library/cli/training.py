@@ -11,6 +11,8 @@ from typing import Any, Mapping, Optional
 import toml
 
 from library.core.errors import ConfigError
+from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
+from library.train.profiling import parse_step_range
 from library.train.settings import TrainingOptions
 from library.train.tracking import WANDB_MISSING, wandb_installed
 
@@ -49,6 +51,18 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
     g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
     g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
+    g.add_argument("--flash_attn", action="store_true",
+                   help="FlashAttention in the denoiser through diffusers' attention backends when the flash-attn "
+                        "package is installed (CUDA); otherwise a warning and PyTorch SDPA")
+    g.add_argument("--torch_compile", action="store_true",
+                   help="compile the denoiser's blocks with torch.compile (regional: the first step traces each "
+                        "block kind once; slower first step, faster steps after)")
+    g.add_argument("--dynamo_backend", type=str.lower, default="inductor",
+                   help="torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; default inductor)")
+    g.add_argument("--dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
+                   help="inductor mode (default: PyTorch's)")
+    g.add_argument("--dynamo_fullgraph", action="store_true", help="torch.compile fullgraph=True (no graph breaks)")
+    g.add_argument("--dynamo_dynamic", action="store_true", help="torch.compile dynamic=True (shapes as symbols)")
     g.add_argument("--mem_eff_attn", action="store_true",
                    help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
     g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
@@ -60,10 +74,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="timeout of the processes' collective operations (PyTorch's default: 30 minutes for gloo, "
                         "10 for nccl)")
     g.add_argument("--ddp_gradient_as_bucket_view", action="store_true",
-                   help="passed to accelerate's DistributedDataParallelKwargs for a module it wraps in DDP; the "
-                        "trained weights here are reduced in flat buckets without DDP, so it changes nothing today")
+                   help="DDP: gradients are views into its communication buckets (saves one gradient copy)")
     g.add_argument("--ddp_static_graph", action="store_true",
-                   help="passed to accelerate's DistributedDataParallelKwargs (see --ddp_gradient_as_bucket_view)")
+                   help="DDP: the graph is the same every step (faster reduction; finds unused weights itself)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--logging_dir", type=str, default=None, help="TensorBoard folder (logging is on when given)")
@@ -82,6 +95,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log_tflops", type=int, default=None, metavar="N",
                    help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
                         "and, on a known GPU, the fraction of its bf16 peak")
+
+    g = parser.add_argument_group("diagnostics")
+    g.add_argument("--profile_steps", action="store_true",
+                   help="per-step timing breakdown in the log and TensorBoard: data wait, forward, backward "
+                        "(and the all-reduce overlapped with it), optimizer, other")
+    g.add_argument("--profile_microbatches", action="store_true",
+                   help="with the breakdown, the forward/backward time of every gradient-accumulation micro-batch")
+    g.add_argument("--profiler_trace_dir", type=str, default=None,
+                   help="write a torch.profiler trace of --profiler_trace_steps here (TensorBoard / Perfetto)")
+    g.add_argument("--profiler_trace_steps", type=str, default="3-4", metavar="A-B",
+                   help="optimizer steps the trace covers, inclusive (default 3-4: after warm-up)")
 
     g = parser.add_argument_group("validation")
     g.add_argument("--validate_every_n_steps", type=int, default=None, help="validation loss every N steps (needs validation_split)")
@@ -202,6 +226,11 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_config=run_config,
         log_every_n_steps=ns.log_every_n_steps,
         log_tflops=getattr(ns, "log_tflops", None),
+        compile=_compile_options(ns),
+        profile_steps=ns.profile_steps or ns.profile_microbatches,
+        profile_microbatches=ns.profile_microbatches,
+        profiler_trace_dir=ns.profiler_trace_dir,
+        profiler_trace_steps=_trace_steps(ns),
         validate_every_n_steps=ns.validate_every_n_steps,
         validate_every_n_epochs=ns.validate_every_n_epochs,
         max_validation_steps=ns.max_validation_steps,
@@ -209,3 +238,23 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         ddp_gradient_as_bucket_view=ns.ddp_gradient_as_bucket_view,
         ddp_static_graph=ns.ddp_static_graph,
     )
+
+
+def _trace_steps(ns: argparse.Namespace) -> tuple[int, int]:
+    try:
+        return parse_step_range(ns.profiler_trace_steps)
+    except ValueError as e:
+        raise ConfigError(f"--profiler_trace_steps: {e}") from None
+
+
+def _compile_options(ns: argparse.Namespace) -> CompileOptions:
+    opts = CompileOptions(ns.torch_compile, ns.dynamo_backend, ns.dynamo_mode, ns.dynamo_fullgraph, ns.dynamo_dynamic)
+    if not opts.torch_compile:
+        return opts
+    backends = dynamo_backends()
+    if opts.dynamo_backend not in backends:
+        raise ConfigError(f"--dynamo_backend: expected one of {', '.join(backends)}, got {ns.dynamo_backend!r}")
+    if opts.dynamo_mode and opts.dynamo_backend != "inductor":
+        raise ConfigError(f"--dynamo_mode {opts.dynamo_mode}: an inductor option, but --dynamo_backend is "
+                          f"{opts.dynamo_backend}")
+    return opts

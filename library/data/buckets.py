@@ -16,6 +16,15 @@ from library.core.errors import ConfigError, DataError
 Size = tuple[int, int]
 
 
+def cover_size(reso: Size, image_width: int, image_height: int) -> Size:
+    """The size an image is resized to so that it covers the bucket `reso` (then center-cropped to it)."""
+    if image_width / image_height > reso[0] / reso[1]:  # wider than the bucket: match the height
+        scale = reso[1] / image_height
+    else:
+        scale = reso[0] / image_width
+    return (int(image_width * scale + 0.5), int(image_height * scale + 0.5))
+
+
 class ImageTooSmallError(DataError):
     """With bucket_no_upscale, an image smaller than one bucket step on a side has no bucket."""
 
@@ -201,13 +210,32 @@ class BucketManager:
             # The first bucket with the smallest |aspect error| wins, as numpy argmin does in sd-scripts.
             errors = [abs(ar - aspect) for ar in self._predefined_ars]
             reso = self.predefined_resos[errors.index(min(errors))]
-        # Scale to cover the bucket: match the height when the image is wider than the bucket.
-        if aspect > reso[0] / reso[1]:
-            scale = reso[1] / image_height
-        else:
-            scale = reso[0] / image_width
-        resized = (int(image_width * scale + 0.5), int(image_height * scale + 0.5))
-        return reso, resized
+        return reso, cover_size(reso, image_width, image_height)
+
+    def select_given(self, reso: Size, image_width: int, image_height: int) -> tuple[Size, Size, float]:
+        """Like select_bucket, for a bucket already chosen (a fine-tune metadata file's train_resolution):
+        the image is resized to cover it and cropped."""
+        reso = (int(reso[0]), int(reso[1]))
+        self._register(reso)
+        return reso, cover_size(reso, image_width, image_height), reso[0] / reso[1] - image_width / image_height
+
+    def given_bucket_problem(self, reso: Size, image_width: int, image_height: int) -> Optional[str]:
+        """Why `reso` cannot be this image's bucket under these settings, or None: sides must be multiples of
+        reso_steps within [min_size, max_size] (rounded to steps), the area at most max_reso's, and with
+        no_upscale not larger than the image."""
+        w, h = reso
+        if w % self.reso_steps or h % self.reso_steps:
+            return f"expected multiples of bucket_reso_steps {self.reso_steps}"
+        if self.min_size is not None and self.max_size is not None:
+            low, high = adjust_min_max_to_steps(self.min_size, self.max_size, self.reso_steps)
+            if not (low <= w <= high and low <= h <= high):
+                return f"expected sides between min_bucket_reso {low} and max_bucket_reso {high}"
+        if self.max_area is not None and w * h > self.max_area:
+            return (f"expected an area of at most {self.max_reso[0]}x{self.max_reso[1]} "
+                    f"(the resolution); prepare_buckets_latents was run with a larger --max_resolution")
+        if self.no_upscale and (w > image_width or h > image_height):
+            return f"larger than the {image_width}x{image_height} image, and bucket_no_upscale is set"
+        return None
 
     def _select_no_upscale(self, image_width: int, image_height: int, aspect: float) -> tuple[Size, Size]:
         if self.max_area is None:

@@ -126,8 +126,20 @@ def log_skipped(skipped: dict[str, str]) -> None:
 
 
 def _place(ds: DatasetConfig, reso: tuple[int, int], sub: SubsetConfig, size: tuple[int, int],
-           manager: Optional[BucketManager]) -> Union[Placement, str]:
-    """Where an image goes at `reso`, or why it cannot be used."""
+           manager: Optional[BucketManager], given: Optional[tuple[int, int]] = None) -> Union[Placement, str]:
+    """Where an image goes at `reso`, or why it cannot be used. `given`: the bucket its fine-tune metadata
+    entry names (train_resolution), used as it is once it passes the bucket rules."""
+    value = f"train_resolution [{given[0]}, {given[1]}] in {sub.metadata_file}" if given else ""
+    if given is not None and manager is None and tuple(given) != tuple(reso):
+        return (f"{value}: expected the resolution {reso[0]}x{reso[1]} without enable_bucket "
+                "(add --enable_bucket to use the file's buckets)")
+    if given is not None and manager is not None:
+        why = manager.given_bucket_problem(given, *size)
+        if why:
+            return f"{value}: {why}"
+        bucket, resized, ar_error = manager.select_given(given, *size)
+        manager.record_ar_error(ar_error)
+        return Placement(bucket, resized)
     if manager is not None:
         try:
             bucket, resized, ar_error = manager.select_bucket(*size)
@@ -148,8 +160,11 @@ def _make_group(di: int, ds: DatasetConfig, ri: int, members: list[tuple[Sample,
         manager = BucketManager(ds.bucket_no_upscale, reso, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
         if not ds.bucket_no_upscale:
             manager.make_buckets()
+    # A metadata file's train_resolution is a bucket for one resolution: with several, buckets are computed.
+    use_given = len(ds.resolutions) == 1
     for sample, repeats in members:
-        placed = _place(ds, reso, subsets[sample.subset], sample.size, manager)
+        placed = _place(ds, reso, subsets[sample.subset], sample.size, manager,
+                        sample.train_resolution if use_given else None)
         if isinstance(placed, str):
             problems.append(f"{sample.path}: {placed}")
             continue
@@ -199,7 +214,8 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
     def add_sample(img: DiscoveredImage, size, di, si, sub, repeats, is_val=False) -> Sample:
         s = Sample(id=len(samples), path=img.path, caption=img.caption, dataset=di, subset=si, size=size,
                    num_repeats=repeats, is_reg=sub.is_reg, is_validation=is_val,
-                   loss_weight=opts.prior_loss_weight if sub.is_reg else 1.0, mask_path=img.mask_path)
+                   loss_weight=opts.prior_loss_weight if sub.is_reg else 1.0, mask_path=img.mask_path,
+                   train_resolution=img.train_resolution)
         samples.append(s)
         return s
 

@@ -10,13 +10,13 @@ The loop's contract:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from library.data.batching import BatchRef
 from library.data.building import build
-from library.data.latent_caching import cache_all_latents
+from library.data.latent_caching import CacheShare, cache_all_latents
 from library.data.loading import load_batch
 from library.data.metadata import dataset_metadata
 from library.data.options import DataOptions
@@ -31,9 +31,10 @@ class TrainingData(DatasetPlan):
         return load_batch(self, ref)
 
     def cache_latents(self, encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str, to_disk: bool,
-                      batch_size: int, num_workers: int) -> None:
-        """Encode every image once per bucket (and flipped when flip_aug); memory always, disk when `to_disk`."""
-        cache_all_latents(self, encode, vae_id, to_disk, batch_size, num_workers)
+                      batch_size: int, num_workers: int, share: Optional[CacheShare] = None) -> None:
+        """Encode every image once per bucket (and flipped when flip_aug); memory always, disk when `to_disk`.
+        `share`: this process's part with several processes (latent_caching.CacheShare)."""
+        cache_all_latents(self, encode, vae_id, to_disk, batch_size, num_workers, share)
 
     # --- metadata ----------------------------------------------------------------------
     def metadata(self) -> dict[str, str]:

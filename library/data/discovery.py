@@ -6,6 +6,7 @@ the user sees all of them at once before training starts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ class DiscoveredImage:
     path: str
     caption: str  # raw caption (all lines kept; the pipeline picks one)
     mask_path: Optional[str] = None
+    # A fine-tune metadata entry's "train_resolution" (width, height): the bucket prepare_buckets_latents chose.
+    train_resolution: Optional[tuple[int, int]] = None
 
 
 @dataclass
@@ -127,6 +130,11 @@ def discover_dreambooth(sub: SubsetConfig) -> SubsetImages:
     return result
 
 
+def _is_size(value) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value))
+
+
 def discover_finetune(sub: SubsetConfig) -> SubsetImages:
     """Images listed in a metadata file; caption = caption + ", " + tags (tags alone when no caption)."""
     result = SubsetImages()
@@ -145,7 +153,13 @@ def discover_finetune(sub: SubsetConfig) -> SubsetImages:
         if not parts:
             result.problems.append(f"{sub.metadata_file}: {key}: no caption or tags")
             continue
-        result.images.append(DiscoveredImage(path, ", ".join(parts)))
+        reso = entry.get("train_resolution")
+        if reso is not None and not _is_size(reso):
+            result.problems.append(f"{sub.metadata_file}: {key}: train_resolution: expected [width, height] "
+                                   f"(two integers >= 1), got {json.dumps(reso)}")
+            continue
+        result.images.append(DiscoveredImage(path, ", ".join(parts),
+                                             train_resolution=tuple(reso) if reso else None))
     if not result.images and not result.problems:
         result.problems.append(f"{sub.where}: no images found in {sub.metadata_file}: the metadata file lists no images")
     _attach_masks(sub, result)

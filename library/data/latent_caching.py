@@ -13,7 +13,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -129,11 +129,38 @@ def _check_shape(latents: torch.Tensor, n: int, expected: tuple[int, int, int]) 
 
 
 def cache_all_latents(data: DatasetPlan, encode: Callable[[torch.Tensor], torch.Tensor], vae_id: str,
-                      to_disk: bool, batch_size: int, num_workers: int) -> None:
-    """See DatasetPlan.cache_latents."""
+                      to_disk: bool, batch_size: int, num_workers: int, share: Optional[CacheShare] = None) -> None:
+    """See DatasetPlan.cache_latents. With `share`, this process encodes every `world`-th job of the plan (the
+    plan is the same on every process: `share.planned()` is a barrier between planning and writing) and, in
+    memory, `share.gather` brings every process's entries and failures to all."""
     jobs, stale = plan_cache_jobs(data, vae_id, to_disk)
     if stale:
         logger.info("%d latent cache files are stale (other settings, VAE or shape) and will be rebuilt", stale)
+    if share is not None:
+        share.planned()
+        jobs = jobs[share.rank::share.world]
+    _encode_jobs(data, jobs, stale, encode, batch_size, num_workers)
+    if share is not None and share.gather is not None:
+        mine = ({k: (data.latents[k], data.latent_signatures[k]) for k in
+                 ((j.sample, j.group) for j in jobs) if k in data.latents}, set(data.bad_paths))
+        for entries, bad in share.gather(mine):
+            for key, (entry, signature) in entries.items():
+                data.latents[key] = entry
+                data.latent_signatures[key] = signature
+            data.bad_paths.update(bad)
+
+
+@dataclass
+class CacheShare:
+    """This process's part of caching with several processes (the loop fills it from torch.distributed)."""
+    rank: int
+    world: int
+    planned: Callable[[], None]  # a barrier: every process has planned before any writes
+    gather: Optional[Callable[[Any], list]] = None  # all processes' objects, by rank (memory-only caching)
+
+
+def _encode_jobs(data: DatasetPlan, jobs: list[CacheJob], stale: int, encode: Callable[[torch.Tensor], torch.Tensor],
+                 batch_size: int, num_workers: int) -> None:
     if not jobs:
         logger.info("all latents are cached already")
         return

@@ -38,6 +38,18 @@ def _flux() -> ModelFamily:
     return FluxFamily()
 
 
+def _chroma() -> ModelFamily:
+    from library.families.chroma import ChromaFamily
+
+    return ChromaFamily()
+
+
+def _anima() -> ModelFamily:
+    from library.families.anima import AnimaFamily
+
+    return AnimaFamily()
+
+
 def _sd3() -> ModelFamily:
     from library.families.sd3 import SD3Family
 
@@ -45,7 +57,8 @@ def _sd3() -> ModelFamily:
 
 
 # Factories import lazily so that asking for one family does not import the others.
-_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "sd3": _sd3}
+_REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
+                                                   "anima": _anima, "sd3": _sd3}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

@@ -126,6 +126,9 @@ class ModelFamily(ABC):
     # (class a LyCORIS preset names, this family's class that plays its role): a preset listing the
     # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
     lycoris_module_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The denoiser's repeated block classes: the units of FSDP's TRANSFORMER_BASED_WRAP
+    # (library/cli/accelerate_config.py) and of regional compilation (--torch_compile, library/train/compile.py).
+    block_classes: ClassVar[tuple[str, ...]] = ()
     # How many text encoders, from the first, a full fine-tune's --train_text_encoder trains (SD3: CLIP-L and
     # CLIP-G, not T5, as sd-scripts' sd3_train.py); None: all of them.
     fine_tune_text_encoders: ClassVar[Optional[int]] = None
@@ -242,6 +245,21 @@ class ModelFamily(ABC):
         """One kohya module name in this family's naming, the names `lora_targets` give (SDXL: a diffusers
         path such as `lora_unet_conv_in` -> `lora_unet_input_blocks_0_0`); unknown names come back as they are."""
         return name
+
+    def variant(self, options: Any) -> "ModelFamily":
+        """The family that trains with these options: itself, or a relative its options select (FLUX.1's
+        --model_type chroma selects Chroma). Called once the flags are parsed."""
+        return self
+
+    def optimizer_block(self, parameter_path: str) -> Optional[str]:
+        """--blockwise_fused_optimizers: the block of the denoiser that a parameter (its path in the denoiser)
+        belongs to; each block gets its own optimizer. None: the family has no such layout (the flag is refused)."""
+        return None
+
+    def denoiser_parameter_groups(self, components: Components, lr: float) -> Optional[list[tuple[str, list, float]]]:
+        """A full fine-tune's denoiser groups as (name, parameters, learning rate), a rate of 0 freezing its
+        group (Anima: --llm_adapter_lr, --self_attn_lr, ...); None: one group at `lr`."""
+        return None
 
     # --- memory ----------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list[nn.Module]:

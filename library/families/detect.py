@@ -7,10 +7,12 @@ import json
 import os
 from typing import Iterable, Optional
 
-from library.families import flux_configs, sd3_configs, sd_configs, sdxl_configs
+from library.families import anima_configs, flux_configs, sd3_configs, sd_configs, sdxl_configs
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
+    ("net.blocks.0.self_attn.", "anima"),  # Anima / Cosmos-Predict2 DiT (MiniTrainDIT under net.)
+    ("model.diffusion_model.net.blocks.0.self_attn.", "anima"),  # ComfyUI's whole-model Anima file
     ("conditioner.embedders.", "sdxl"),
     ("double_blocks.", "flux"),
     ("model.diffusion_model.double_blocks.", "flux"),
@@ -22,7 +24,7 @@ _SINGLE_FILE_MARKERS = (
 
 def _preset_family(path: str) -> Optional[str]:
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS),
-                          ("sd3", sd3_configs.PRESETS)):
+                          ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS)):
         if path in presets:
             return name
     return None
@@ -62,6 +64,8 @@ def _file_family(path: str) -> Optional[str]:
 
 # What a single file's tensor names say it holds, most specific first (for "expected X, found Y" errors).
 _CONTENTS = (
+    ("net.blocks.", "an Anima DiT"),
+    ("model.layers.", "a Qwen3 text encoder"),
     ("conditioner.embedders.", "an SDXL checkpoint"),
     ("double_blocks.", "a FLUX.1 transformer"),
     ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"),

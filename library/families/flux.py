@@ -82,6 +82,15 @@ def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     return num_swap // 2, 2 * (num_swap - num_swap // 2)
 
 
+def optimizer_block(parameter_path: str) -> str:
+    """`double_blocks.<i>` / `single_blocks.<i>` for a FluxTransformer2DModel parameter inside a block, else `other`."""
+    head, _, rest = parameter_path.partition(".")
+    index = rest.partition(".")[0]
+    if head in ("transformer_blocks", "single_transformer_blocks") and index.isdigit():
+        return f"{'double' if head == 'transformer_blocks' else 'single'}_blocks.{index}"
+    return "other"
+
+
 class FluxFamily(ModelFamily):
     """FLUX.1 dev / schnell (diffusers FluxTransformer2DModel), trained with rectified flow."""
 
@@ -96,6 +105,7 @@ class FluxFamily(ModelFamily):
     name = "flux"
     lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
+    block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
     latent_channels = LATENT_CHANNELS
     vae_scale_factor = 8
@@ -138,13 +148,21 @@ class FluxFamily(ModelFamily):
 
     def metadata_values(self, options: FluxOptions) -> dict[str, Any]:
         flow = options.flow
-        return {"model_type": "flux",  # sd-scripts: --model_type flux|chroma; only FLUX.1 here
+        return {"model_type": options.model_type,  # sd-scripts' ss_model_type: flux or chroma
                 "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
                 "discrete_flow_shift": flow.discrete_flow_shift, "weighting_scheme": flow.weighting_scheme,
                 "logit_mean": flow.logit_mean, "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
                 "model_prediction_type": flow.model_prediction_type, "guidance_scale": options.guidance_scale,
                 "t5xxl_max_token_length": options.t5xxl_max_token_length,
                 "apply_t5_attn_mask": options.apply_t5_attn_mask}
+
+    def variant(self, options: FluxOptions) -> ModelFamily:
+        """--model_type chroma: the Chroma family (library/families/chroma.py) trains instead."""
+        if options.model_type == "chroma":
+            from library.families import get_family
+
+            return get_family("chroma")
+        return self
 
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
@@ -299,6 +317,11 @@ class FluxFamily(ModelFamily):
 
     def modelspec_prediction_type(self, components: Components) -> Optional[str]:
         return None  # sd-scripts writes no prediction type for FLUX.1
+
+    def optimizer_block(self, parameter_path: str) -> Optional[str]:
+        """sd-scripts' flux_train.py grouping: one block per double and per single block (BFL names), and one
+        for everything else (embedders, final layer)."""
+        return optimizer_block(parameter_path)
 
     # --- memory -----------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:

@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 import torch
 
 from library.core.tensors import unshared
+from library.families import anima_lora
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
@@ -42,7 +43,7 @@ from networks.lora_files import (
     read_state_dict,
 )
 
-LAYOUTS = ("kohya", "diffusers", "ai-toolkit")
+LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's ComfyUI layout (anima_lora.py)
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
@@ -56,6 +57,8 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
 def detect_layout(state: Mapping[str, torch.Tensor], source: str) -> str:
     """"kohya" or "diffusers" (ai-toolkit Flux files share the diffusers layout); one-line error otherwise."""
     check_not_lycoris(state, source)
+    if anima_lora.is_comfy(state):
+        return "comfy"
     for key in state:
         name, _, suffix = key.partition(".")
         if name.startswith("lora_") and suffix in KOHYA_SUFFIXES:
@@ -93,6 +96,9 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
 
 def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
+    if anima_lora.is_anima(state):
+        raise UnsupportedLoraError(f"{source}: an Anima LoRA; diffusers reads Anima LoRAs only in ComfyUI's "
+                                   f"diffusion_model.* layout: use --to comfy")
     out: dict[str, torch.Tensor] = {}
     modules = group_modules(state, source)
     lookup = sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
@@ -194,13 +200,29 @@ def _kohya_module(name: str, down: torch.Tensor, up: torch.Tensor) -> dict[str, 
 
 
 def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str, torch.Tensor]:
-    """Convert `state` (layout detected) to `to`: "kohya", "diffusers" or "ai-toolkit"."""
+    """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima)."""
     if to not in LAYOUTS:
         raise UnsupportedLoraError(f"--to: expected one of {', '.join(LAYOUTS)}, got {to!r}")
-    kohya = dict(state) if detect_layout(state, source) == "kohya" else to_kohya(state, source)
+    kohya = _as_kohya(state, detect_layout(state, source), source)
     if to == "kohya":
         return kohya
+    if to == "comfy":
+        if not anima_lora.is_anima(kohya):
+            raise UnsupportedLoraError(f"{source}: the comfy layout is for Anima LoRAs (lora_unet_blocks_N_…, "
+                                       f"lora_te_layers_N_…); this file has none (first key {next(iter(kohya))!r})")
+        return anima_lora.to_comfy(kohya)
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
+
+
+def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
+    if layout == "kohya":
+        return dict(state)
+    if layout == "comfy":
+        try:
+            return anima_lora.from_comfy(state)
+        except ValueError as e:
+            raise UnsupportedLoraError(f"{source}: {e}") from None
+    return to_kohya(state, source)
 
 
 def load_lora_file(path: str) -> LoraFile:
@@ -209,8 +231,7 @@ def load_lora_file(path: str) -> LoraFile:
     if not state:
         raise UnsupportedLoraError(f"{path}: the file holds no tensors")
     layout = detect_layout(state, path)
-    if layout != "kohya":
-        state = to_kohya(state, path)
+    state = _as_kohya(state, layout, path)
     dtype = next(v.dtype for k, v in state.items() if not k.endswith(".alpha"))
     return LoraFile(path, group_modules(state, path), metadata, dtype, layout)
 

@@ -47,6 +47,7 @@ class SDFamily(ModelFamily):
 
     name = "sd"
     latent_cache_arch = "_sd"
+    block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
     vae_scale_factor = 8
     latents_scale = 0.18215

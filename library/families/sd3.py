@@ -83,6 +83,7 @@ class SD3Family(ModelFamily):
     text_cache_suffix = "_sd3_te.npz"
     text_encoder_outputs = ENCODER_KEYS
     lycoris_module_aliases = (("SingleDiTBlock", "JointTransformerBlock"),)
+    block_classes = ("JointTransformerBlock",)  # the repeated blocks FSDP wraps and --torch_compile compiles
     fine_tune_text_encoders = 2  # sd3_train.py --train_text_encoder: CLIP-L and CLIP-G (T5 stays frozen)
 
     # --- options ---------------------------------------------------------------------

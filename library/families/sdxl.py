@@ -56,6 +56,7 @@ class SDXLFamily(ModelFamily):
 
     name = "sdxl"
     latent_cache_arch = "_sdxl"
+    block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
     vae_scale_factor = 8
     latents_scale = 0.13025

@@ -1,4 +1,4 @@
-"""--blocks_to_swap: frozen transformer blocks kept in CPU memory and streamed to the accelerator.
+"""--blocks_to_swap: transformer blocks kept in CPU memory and streamed to the accelerator.
 
 The swapped blocks' weights live in offload memory (pinned on CUDA) for the whole
 run. Right before a swapped block runs it is copied to the compute device, and the
@@ -16,6 +16,14 @@ objects (and autograd's saved references to them) stay the same. What saves memo
   transposed view of its weight, which keeps that device copy alive until backward,
   so little is saved; --fp8_base layers save the weight itself, which does move.
 LoRA parameters belong to the network, not to the block, and stay on the device.
+
+Trained blocks (a full fine-tune): the parameters stay the same objects, so the optimizer (and its
+state, keyed by parameter) always sees the real ones. A gradient travels with its block: it is
+accumulated on the compute device and moved to offload memory with the weights, so an optimizer step
+after backward updates the offload copy (the step and, for a swapped block, its optimizer state run
+in CPU memory). With `write_back` (the optimizer steps inside backward: --fused_backward_pass,
+--blockwise_fused_optimizers) the step updates the device copy while the block is resident, and the
+block's weights are copied back to offload memory when it leaves after its backward.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ class BlockSwapper:
     """
 
     def __init__(self, blocks: list[nn.Module], num_swap: int, compute_device: Any, offload_device: Any = "cpu",
-                 prefetch: int = 1, record: bool = False):
+                 prefetch: int = 1, record: bool = False, write_back: bool = False):
         if not 1 <= num_swap <= len(blocks):
             raise ValueError(f"num_swap: expected 1..{len(blocks)}, got {num_swap}")
         self.blocks = list(blocks)
@@ -61,6 +69,8 @@ class BlockSwapper:
         self.offload_device = torch.device(offload_device)
         self.prefetch = prefetch
         self.record = record
+        self.write_back = write_back  # weights change on the compute device (a step inside backward): copy back
+        self._backward_begun: set[int] = set()  # resident blocks whose backward has started since they came in
         self.stats = SwapStats()
         self.cuda = self.compute_device.type == "cuda"
         self._stream = torch.cuda.Stream(self.compute_device) if self.cuda else None
@@ -146,13 +156,24 @@ class BlockSwapper:
                 for t in self._tensors(self.swapped[i]):
                     t.data.record_stream(compute)  # allocated on the side stream, used on this one
                 self._resident[i] = None
+            for p in self.swapped[i].parameters():  # accumulating gradients (a trained block) join it here
+                if p.grad is not None and p.grad.device != p.data.device:
+                    p.grad = p.grad.to(p.data.device)
 
     def _unload(self, i: int) -> None:
-        """Drop swapped block i's device copy; its offload copy is still exact (frozen weights)."""
+        """Drop swapped block i's device copy. The offload copy is still exact unless an optimizer stepped the
+        block while it was here (`write_back`, after its backward began): then it is copied back first."""
         if i not in self._resident:
             return
+        copy_back = self.write_back and i in self._backward_begun
         for t, c in zip(self._tensors(self.swapped[i]), self._offload[i]):
+            if copy_back and t.data is not c:
+                c.copy_(t.data)
             t.data = c
+        for p in self.swapped[i].parameters():  # gradients leave with the weights (a trained block)
+            if p.grad is not None and p.grad.device != p.data.device:
+                p.grad = p.grad.to(p.data.device)
+        self._backward_begun.discard(i)
         del self._resident[i]
 
     def release(self) -> None:
@@ -200,6 +221,7 @@ class BlockSwapper:
         ahead = self._ahead(i, -1)
         self._keep_only({i, *ahead})
         self._load(i, wait=True)
+        self._backward_begun.add(i)
         for j in ahead:
             self._load(j, wait=False)
         self._note("backward", i)

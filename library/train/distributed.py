@@ -1,11 +1,12 @@
 """Data parallel with N processes (accelerate launch / torchrun): the pieces the loop uses besides accelerate.
 
-The trained module is not wrapped in DistributedDataParallel: a LoRA network's forward is never called (its
-modules hook into the frozen denoiser), so DDP's reducer would never see a forward and would reduce nothing.
-Instead `GradientReducer` averages the trained parameters' gradients over the processes after the last
-backward of each optimizer step, with torch.distributed all-reduces over flat buckets (one call for a LoRA,
-a few for a full fine-tune), and `broadcast_parameters` makes every process start from rank 0's weights.
-Everything here is a no-op with one process.
+The trained weights are wrapped in PyTorch's DistributedDataParallel through `StepModule`, a module that holds
+them and whose forward is one batch's loss. A LoRA network's own forward is never called (its modules hook into
+the frozen denoiser), so wrapping the network alone would leave DDP's reducer idle; with the loss as the forward,
+DDP sees every step, averages the gradients in buckets while backward still runs (overlapping communication
+with computation), broadcasts rank 0's weights at the start, and its options apply (`--ddp_static_graph`,
+`--ddp_gradient_as_bucket_view`; unused parameters are searched only when some can be unused: a text encoder
+that trains, or LoRA module dropout). Everything here is a no-op with one process.
 
 `TRACE_ENV`: when set to a folder, every process appends one JSON line per optimizer step to
 `<folder>/rank<rank>.jsonl` (the images of its batches and a hash of its trained parameters), so tests can
@@ -17,29 +18,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, Optional
+import time
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 TRACE_ENV = "SDTRAIN_DISTRIBUTED_TRACE"
-BUCKET_BYTES = 64 * 1024 * 1024  # per all-reduce; a LoRA fits in one
 
 
-def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int] = None,
-                     gradient_as_bucket_view: bool = False, static_graph: bool = False):
-    """accelerate's Accelerator with the --ddp_* settings passed to its process group and DDP kwargs."""
+def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int] = None):
+    """accelerate's Accelerator, with --ddp_timeout (minutes) as its process group's timeout. The DDP options
+    apply where the loop wraps its StepModule (`data_parallel`)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = []
-    if ddp_timeout:
-        handlers.append(InitProcessGroupKwargs(timeout=timedelta(minutes=ddp_timeout)))
-    if gradient_as_bucket_view or static_graph:
-        handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=gradient_as_bucket_view,
-                                                      static_graph=static_graph))
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(minutes=ddp_timeout))] if ddp_timeout else []
     return Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
 
 
@@ -47,68 +43,47 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _buckets(tensors: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[int]]:
-    """Indices of `tensors` grouped by (device, dtype) into buckets of at most `limit` bytes (one tensor at least)."""
-    out: list[list[int]] = []
-    open_bucket: dict[tuple, tuple[list[int], int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.device, t.dtype)
-        ids, size = open_bucket.get(key, ([], 0))
-        nbytes = t.numel() * t.element_size()
-        if ids and size + nbytes > limit:
-            out.append(ids)
-            ids, size = [], 0
-        ids.append(i)
-        open_bucket[key] = (ids, size + nbytes)
-    out.extend(ids for ids, _ in open_bucket.values() if ids)
-    return out
+class StepModule(torch.nn.Module):
+    """The trained weights (`trained`, a registered child) with one batch's loss as the forward.
 
-
-class GradientReducer:
-    """Averages the gradients of `params` over every process: one all-reduce per flat bucket.
-
-    A parameter without a gradient on a process (unused in its batches, e.g. a text-encoder LoRA under cached
-    text outputs) counts as zeros there, so every process reduces the same buckets.
+    `loss_fn(batch, generator) -> (loss, per_sample_loss)` is a plain callable (the frozen model it runs is not a
+    child, so DDP neither broadcasts nor reduces it). `forward(None, _)` is a process's turn without images (every
+    image of its batch failed to decode): a zero loss over every trained parameter, so the process still joins
+    the gradient all-reduce of the others with zeros.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
-        self.params = [p for p in params if p.requires_grad]
-        self.buckets = _buckets(self.params)
+    def __init__(self, trained: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.trained = trained
+        self.loss_fn = loss_fn
 
-    def reduce(self) -> None:
-        n = world_size()
-        if n == 1:
-            return
-        for ids in self.buckets:
-            params = [self.params[i] for i in ids]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat.div_(n)
-            offset = 0
-            for p in params:
-                k = p.numel()
-                value = flat[offset:offset + k].view_as(p)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-                offset += k
+    def forward(self, batch: Optional[dict], generator: torch.Generator):
+        if batch is None:
+            zero = sum(p.sum() for p in self.trained.parameters() if p.requires_grad) * 0.0
+            return zero, None
+        return self.loss_fn(batch, generator)
 
 
-def broadcast_parameters(params: Iterable[torch.Tensor]) -> None:
-    """Every process takes rank 0's values of `params` (one broadcast per flat bucket)."""
+def unused_parameters_possible(trains_text_encoder: bool, module_dropout: Optional[str]) -> bool:
+    """Whether some trained parameters can miss a step's backward, so DDP must look for them: a trained text
+    encoder (with --clip_skip 2 its last layer's LoRA gets no gradient; its outputs may come from a cache) or
+    LoRA module dropout (a dropped module's weights get none that step)."""
+    return trains_text_encoder or bool(module_dropout and float(module_dropout) > 0)
+
+
+def data_parallel(module: StepModule, device: torch.device, find_unused_parameters: bool,
+                  gradient_as_bucket_view: bool = False, static_graph: bool = False) -> torch.nn.Module:
+    """`module` wrapped in DistributedDataParallel (as accelerate wraps a prepared model, without its autocast
+    forward: the loss computes its own precision), or `module` itself with one process."""
     if world_size() == 1:
-        return
-    params = list(params)
-    with torch.no_grad():
-        for ids in _buckets(params):
-            flat = torch.cat([params[i].detach().reshape(-1) for i in ids])
-            dist.broadcast(flat, src=0)
-            offset = 0
-            for i in ids:
-                k = params[i].numel()
-                params[i].copy_(flat[offset:offset + k].view_as(params[i]))
-                offset += k
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, output_device=ids[0] if ids else None,
+                                   find_unused_parameters=find_unused_parameters and not static_graph,
+                                   gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph)
 
 
 def any_process(flag: bool, device: Optional[torch.device] = None) -> bool:
@@ -135,6 +110,7 @@ def parameters_hash(params: Iterable[torch.Tensor]) -> str:
     """sha256 of the parameters' bytes, in order: equal hashes mean bitwise-equal weights."""
     h = hashlib.sha256()
     for p in params:
+        p = p.to_local() if hasattr(p, "to_local") else p  # FSDP: this process's shard
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
@@ -146,6 +122,7 @@ class StepTrace:
         folder = os.environ.get(TRACE_ENV)
         self.path = os.path.join(folder, f"rank{rank}.jsonl") if folder else None
         self.images: list[str] = []
+        self.meta: dict = {}  # written on every line (e.g. the DDP settings in force)
         if self.path:
             os.makedirs(folder, exist_ok=True)
 
@@ -160,7 +137,8 @@ class StepTrace:
     def step(self, step: int, epoch: int, params: Iterable[torch.Tensor]) -> None:
         if not self.path:
             return
-        line = {"step": step, "epoch": epoch, "images": self.images, "params": parameters_hash(params)}
+        line = {"step": step, "epoch": epoch, "images": self.images, "params": parameters_hash(params),
+                "time": time.time(), **self.meta}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
         self.images = []

@@ -3,6 +3,9 @@ has finished accumulating it, so the gradients of the whole model are never held
 
 --fused_optimizer_groups N: the same with N chunks of parameters instead of one per parameter.
 
+--blockwise_fused_optimizers (FLUX.1): the same with one chunk per model block, as the family groups them
+(`ModelFamily.optimizer_block`): each block's optimizer steps once its last gradient is in.
+
 `FusedBackwardOptimizer` is a torch Optimizer over the same parameter groups as the one the run
 asked for (so LR schedulers, logging and accelerate see the usual object), but the work is done by
 one inner optimizer of the requested type per parameter, called from that parameter's
@@ -13,7 +16,7 @@ the same: the global norm is not known until every gradient is gone).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -21,15 +24,26 @@ import torch
 class FusedBackwardOptimizer(torch.optim.Optimizer):
     """`num_chunks` None: one inner optimizer per parameter (--fused_backward_pass). A number N: the parameters,
     in order, are cut into N chunks of about equal size, each with one inner optimizer that steps once all of
-    its gradients are in (--fused_optimizer_groups N: at most one chunk's gradients are held at a time)."""
+    its gradients are in (--fused_optimizer_groups N: at most one chunk's gradients are held at a time).
+    `block_of` ({id(parameter): block name}): one chunk per block instead, in order of first appearance
+    (--blockwise_fused_optimizers); `chunk_names` lists them."""
 
     def __init__(self, param_groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
-                 max_grad_norm: Optional[float] = None, num_chunks: Optional[int] = None):
+                 max_grad_norm: Optional[float] = None, num_chunks: Optional[int] = None,
+                 block_of: Optional[Mapping[int, str]] = None):
         super().__init__(param_groups, defaults={})
         self.max_grad_norm = max_grad_norm
         members = [(p, group) for group in self.param_groups for p in group["params"]]
         self.params_in_order: list[torch.nn.Parameter] = [p for p, _ in members]
-        chunks = [[m] for m in members] if not num_chunks else _balanced_chunks(members, num_chunks)
+        if block_of is not None:
+            by_block: dict[str, list] = {}
+            for p, group in members:
+                by_block.setdefault(block_of[id(p)], []).append((p, group))
+            self.chunk_names = list(by_block)
+            chunks = list(by_block.values())
+        else:
+            chunks = [[m] for m in members] if not num_chunks else _balanced_chunks(members, num_chunks)
+            self.chunk_names = [str(i) for i in range(len(chunks))]
         self.chunks: list[tuple[torch.optim.Optimizer, list[tuple[torch.nn.Parameter, dict]]]] = []
         self.chunk_of: dict[int, int] = {}
         self.pending: list[int] = []

@@ -28,11 +28,14 @@ def move_except(model: nn.Module, device: Any, keep: list[nn.Module]) -> None:
 
 
 def apply_memory_options(family: ModelFamily, components: Components, opts: Optional[MemoryOptions],
-                         device: Any, gradient_checkpointing: bool = False) -> Optional[BlockSwapper]:
+                         device: Any, gradient_checkpointing: bool = False,
+                         steps_in_backward: bool = False) -> Optional[BlockSwapper]:
     """Cast, place and hook the denoiser and text encoders (already in the training dtype, on any device).
 
     float8 comes first (anything merged into the base is merged before), then the swapped
     blocks go to CPU memory and everything else to `device`. Returns the swapper, if any.
+    `steps_in_backward`: the model's own weights are stepped inside backward (a fused full fine-tune), so
+    swapped blocks are copied back to CPU memory after their backward.
     """
     opts = opts or MemoryOptions()
     c = components
@@ -44,13 +47,15 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
     if opts.blocks_to_swap:
         blocks = family.swappable_blocks(c, opts.blocks_to_swap)
         offload = torch.device("cpu")
-        swapper = BlockSwapper(blocks, len(blocks), device, offload)
+        swapper = BlockSwapper(blocks, len(blocks), device, offload, write_back=steps_in_backward)
         logger.info("--blocks_to_swap %d: %d blocks stay in CPU memory and are streamed to %s", opts.blocks_to_swap,
                     len(blocks), device)
         if torch.device(device) == offload:
             logger.warning("--blocks_to_swap: training on the CPU, so swapping only costs time")
     if opts.xformers:
         apply_xformers(c)
+    if opts.flash_attn:
+        apply_flash_attention(c)
     move_except(c.denoiser, device, swapper.swapped if swapper else [])
     for te in c.text_encoders:
         te.to(device)
@@ -119,3 +124,29 @@ def park_cached_parts(components: Components, device: Any, latents_cached: bool,
             torch.cuda.empty_cache()
         logger.info("outputs cached: %s wait in CPU memory (sampling borrows them)", ", ".join(parked))
     return parked
+
+
+FLASH_MISSING = ("--flash_attn: the flash-attn package is not installed (pip install flash-attn; CUDA only), so "
+                 "PyTorch SDPA attention is used")
+
+
+def apply_flash_attention(components: Components) -> bool:
+    """--flash_attn: diffusers' "flash" attention backend in the denoiser. Without the package, or where the
+    model or the device cannot use it, one warning and PyTorch SDPA. Returns whether FlashAttention is on."""
+    if importlib.util.find_spec("flash_attn") is None:
+        warn_once(logger, FLASH_MISSING)
+        return False
+    model = components.denoiser
+    set_backend = getattr(model, "set_attention_backend", None)
+    if set_backend is None:
+        warn_once(logger, f"--flash_attn: the denoiser ({type(model).__name__}) has no attention backends; "
+                          "it uses PyTorch SDPA")
+        return False
+    try:
+        set_backend("flash")
+    except Exception as e:  # a CPU run, a build without the kernels, ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        warn_once(logger, f"--flash_attn: cannot use FlashAttention ({reason}); PyTorch SDPA is used")
+        return False
+    logger.info("--flash_attn: FlashAttention in the denoiser")
+    return True

@@ -87,8 +87,12 @@ class RunSaver:
     def save_model(self, stem: str, step: int, epoch: int) -> str:
         """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked)."""
         path = self.trainable.file_path(self.t.output_dir, stem)
-        if not self.accelerator.is_main_process:
-            return path
+        with self.trainable.gathered(self.accelerator.is_main_process):  # FSDP: all processes gather the weights
+            if self.accelerator.is_main_process:
+                self._write_model(path, stem, step, epoch)
+        return path
+
+    def _write_model(self, path: str, stem: str, step: int, epoch: int) -> None:
         metadata = self.metadata(step, epoch)
         with naming_a_full_disk(path, self.sizes()[0]):
             if self.ema is not None and not self.ema_opts.save_ema_only:
@@ -97,7 +101,6 @@ class RunSaver:
                 self.trainable.save(path, metadata)
         self.last_saved = path
         logger.info("saved %s", path)
-        return path
 
     def _remove_model(self, stem: str) -> None:
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))

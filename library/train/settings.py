@@ -12,6 +12,7 @@ from library.data.options import DataOptions
 from library.families.base import LoadOptions
 from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
+from library.train.compile import CompileOptions
 from library.train.lr_schedulers import SchedulerOptions
 from library.train.optimizers import OptimizerOptions
 
@@ -51,6 +52,11 @@ class TrainingOptions:
     log_config: dict = field(default_factory=dict)  # --log_config: the flags, stored in the tracker
     log_every_n_steps: int = 1
     log_tflops: Optional[int] = None
+    compile: CompileOptions = field(default_factory=CompileOptions)  # --torch_compile and the --dynamo_* flags
+    profile_steps: bool = False  # per-step timing breakdown (library/train/profiling.py)
+    profile_microbatches: bool = False
+    profiler_trace_dir: Optional[str] = None
+    profiler_trace_steps: Optional[tuple[int, int]] = None  # (first, last) optimizer step of the trace
     validate_every_n_steps: Optional[int] = None
     validate_every_n_epochs: Optional[int] = None
     max_validation_steps: Optional[int] = None
@@ -90,6 +96,7 @@ class MemoryOptions:
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
     xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
+    flash_attn: bool = False  # --flash_attn: diffusers' "flash" attention backend when flash-attn is installed
 
     @property
     def fp8_text_encoders(self) -> bool:
@@ -120,6 +127,7 @@ class FineTuneOptions:
     mem_eff_save: bool = False  # write checkpoints tensor by tensor, without a second copy in memory
     fused_backward_pass: bool = False  # step each parameter as soon as its gradient is complete
     fused_optimizer_groups: Optional[int] = None  # the same with N groups of parameters
+    blockwise_fused_optimizers: bool = False  # the same with one group per block of the family's layout (FLUX.1)
     block_lr: list[float] = field(default_factory=list)  # one rate per denoiser block of the family's layout (SDXL: 23)
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 

@@ -1,14 +1,14 @@
-"""Achieved model TFLOP/s of training steps (`--log_tflops N`).
+"""Achieved model TFLOP/s and images/s of training steps (`--log_tflops N`).
 
-The FLOPs of one optimizer step are counted once, on the first step, by
-torch's FlopCounterMode (matmuls, convolutions and attention, as executed in
-forward and backward). Under gradient checkpointing the backward also re-runs
-the checkpointed forward; that recomputation is not model work, so the
-forward count is subtracted once (the checkpointed blocks are nearly all of
-the denoiser; the small embedders outside them make this a slight undercount).
-Every N steps the mean wall time per step since the last report (less the
-time spent sampling, saving and validating) turns the count into TFLOP/s and, on a GPU whose bf16 dense peak we know, a fraction of
-that peak (model FLOPs utilisation).
+The FLOPs of a micro-step are counted by torch's FlopCounterMode (matmuls, convolutions and attention, as
+executed in forward and backward) once per batch shape: on the first step, and again the first time a batch of
+another bucket shape comes (a multi-resolution run mixes shapes whose costs differ several-fold). Under gradient
+checkpointing the backward also re-runs the checkpointed forward; that recomputation is not model work, so the
+forward count is subtracted once (the checkpointed blocks are nearly all of the denoiser; the small embedders
+outside them make this a slight undercount). Every N steps the FLOPs and images of the steps since the last
+report, over their wall time (less the time spent sampling, saving and validating, and leaving out steps that
+ran under the counter), give TFLOP/s, images/s and, on a GPU whose bf16 dense peak we know, the fraction of that
+peak (model FLOPs utilisation).
 """
 
 from __future__ import annotations
@@ -38,53 +38,93 @@ class ThroughputReport:
     step_seconds: float
     tflops: float
     mfu: Optional[float]  # fraction of the bf16 peak, when known
+    images_per_second: float = 0.0  # of all processes together
 
     def as_scalars(self) -> dict[str, float]:
-        out = {"perf/step_seconds": self.step_seconds, "perf/model_tflops": self.tflops}
+        out = {"perf/step_seconds": self.step_seconds, "perf/model_tflops": self.tflops,
+               "perf/images_per_second": self.images_per_second}
         if self.mfu is not None:
             out["perf/mfu"] = self.mfu
         return out
 
     def line(self) -> str:
         mfu = f", {self.mfu:.1%} of bf16 peak" if self.mfu is not None else ""
-        return f"{self.step_seconds:.3f} s/step, {self.tflops:.3g} model TFLOP/s{mfu}"
+        return (f"{self.step_seconds:.3f} s/step, {self.images_per_second:.3g} images/s, "
+                f"{self.tflops:.3g} model TFLOP/s{mfu}")
 
 
 class ThroughputMeter:
-    """Counts the FLOPs of the first optimizer step, then reports TFLOP/s every `every` steps."""
+    """Counts the FLOPs of a micro-step once per batch shape (the first step, and the first step of each new
+    bucket shape), then reports TFLOP/s and images/s every `every` steps.
+
+    `shape(key, images)` names each micro-batch before its forward (key: the batch's latent shape; images: how
+    many images all processes train in it). Steps that count run slowly under the counter and are left out of
+    the timing.
+    """
 
     def __init__(self, every: int, device: torch.device, gradient_checkpointing: bool = False):
         self.every = every
         self.device = device
         self.gradient_checkpointing = gradient_checkpointing
-        self.counting = True  # until the first optimizer step ends
-        self.forward_flops = 0
-        self.backward_flops = 0
+        self.flops_by_shape: dict[tuple, tuple[int, int]] = {}  # key -> (forward, backward) FLOPs of a micro-step
+        self._key: tuple = ()
+        self._images = 0
+        self._counting_key: Optional[tuple] = None  # the shape being counted in this micro-step
+        self._counted_this_step = False
+        self._step_flops = 0  # FLOPs of the micro-steps of the current step
+        self._window_flops = 0
+        self._window_images = 0
         self._since: Optional[float] = None
         self._steps = 0
         self._paused = 0.0  # seconds of non-training work (sampling, saving, validation) since the last report
 
     @property
+    def forward_flops(self) -> int:
+        """Forward FLOPs of the first counted micro-step shape (what a one-shape run does per micro-step)."""
+        return next(iter(self.flops_by_shape.values()), (0, 0))[0]
+
+    @property
+    def backward_flops(self) -> int:
+        return next(iter(self.flops_by_shape.values()), (0, 0))[1]
+
+    @property
     def step_flops(self) -> int:
-        """Model FLOPs of one optimizer step (all of its micro-steps)."""
-        if self.gradient_checkpointing:
-            return self.forward_flops + max(0, self.backward_flops - self.forward_flops)
-        return self.forward_flops + self.backward_flops
+        """Model FLOPs of one micro-step of the first counted shape."""
+        return self._model_flops(self.forward_flops, self.backward_flops)
+
+    def _model_flops(self, forward: int, backward: int) -> int:
+        if self.gradient_checkpointing:  # the recomputed forward inside backward is not model work
+            return forward + max(0, backward - forward)
+        return forward + backward
+
+    def shape(self, key: tuple, images: int) -> None:
+        self._key, self._images = key, images
 
     @contextlib.contextmanager
     def count(self, phase: str) -> Iterator[None]:
-        """Count the FLOPs run inside as "forward" or "backward" (only during the first step)."""
-        if not self.counting:
+        """Count the FLOPs run inside as "forward" or "backward" when this micro-step's shape is new."""
+        key = self._key
+        if key in self.flops_by_shape and self._counting_key != key:
             yield
             return
         from torch.utils.flop_counter import FlopCounterMode
 
         with FlopCounterMode(display=False) as counter:
             yield
+        fwd, bwd = self.flops_by_shape.get(key, (0, 0))
         if phase == "forward":
-            self.forward_flops += counter.get_total_flops()
+            self._counting_key = key
+            self.flops_by_shape[key] = (counter.get_total_flops(), bwd)
         else:
-            self.backward_flops += counter.get_total_flops()
+            self.flops_by_shape[key] = (fwd, counter.get_total_flops())
+            self._counting_key = None
+            self._counted_this_step = True
+
+    def micro_step_done(self) -> None:
+        """After each micro-step's backward: its FLOPs and images join the step's."""
+        fwd, bwd = self.flops_by_shape.get(self._key, (0, 0))
+        self._step_flops += self._model_flops(fwd, bwd)
+        self._window_images += self._images
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -101,17 +141,23 @@ class ThroughputMeter:
         return time.perf_counter()
 
     def step_done(self, step: int) -> Optional[ThroughputReport]:
-        """Call after each optimizer step; a report every `every` steps (timing starts after the counted step)."""
-        if self.counting:  # the counted step runs slowly under the counter: start the clock after it
-            self.counting = False
+        """Call after each optimizer step; a report every `every` steps of the steps timed since the last."""
+        flops, self._step_flops = self._step_flops, 0
+        if self._counted_this_step or self._since is None:  # ran under the counter: the clock starts after it
+            self._counted_this_step = False
             self._since, self._steps, self._paused = self._now(), 0, 0.0
+            self._window_flops = self._window_images = 0
             return None
         self._steps += 1
-        if step % self.every or not self._steps:
+        self._window_flops += flops
+        if step % self.every:
             return None
         now = self._now()
-        seconds = (now - self._since - self._paused) / self._steps
+        elapsed = now - self._since - self._paused
+        seconds = elapsed / self._steps
+        tflops = self._window_flops / elapsed / 1e12
+        images = self._window_images / elapsed
         self._since, self._steps, self._paused = now, 0, 0.0
-        tflops = self.step_flops / seconds / 1e12
+        self._window_flops = self._window_images = 0
         peak = bf16_peak_tflops(self.device)
-        return ThroughputReport(seconds, tflops, tflops / peak if peak else None)
+        return ThroughputReport(seconds, tflops, tflops / peak if peak else None, images)

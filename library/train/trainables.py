@@ -8,6 +8,7 @@ result and a few per-step hooks; it never asks which kind it has. `AdapterTraina
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
 from typing import Any, Optional
@@ -27,6 +28,7 @@ from library.train.network_setup import (
     trained_text_encoders,
 )
 from library.train.settings import FineTuneOptions, NetworkOptions
+from library.train.sharding import full_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,10 @@ class Trainable(ABC):
     @abstractmethod
     def save(self, path: str, metadata: dict[str, str]) -> None:
         """Write the trained result to `path` (atomically)."""
+
+    def gathered(self, keep: bool):
+        """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
+        return contextlib.nullcontext()
 
     def on_epoch_start(self) -> None:
         """Called before each epoch's first batch."""
@@ -152,6 +158,7 @@ class ModelTrainable(Trainable):
     """The model's own weights: the denoiser and/or text encoders, as `fine_tune_plan` says."""
 
     is_adapter = False
+    sharded = False  # FSDP2 shards the trained parts (library/train/sharding.py)
 
     def __init__(self, family: ModelFamily, components: Components, plan: dict[str, float], opts: FineTuneOptions,
                  save_model_as: str, save_precision: Optional[str], *, device: torch.device,
@@ -177,6 +184,17 @@ class ModelTrainable(Trainable):
                 block_groups = self._block_groups(part)
                 groups += [g for g, _ in block_groups]
                 names += [n for _, n in block_groups]
+                continue
+            family_groups = self.family.denoiser_parameter_groups(self.components, self.plan[name]) \
+                if name == "denoiser" else None
+            if family_groups is not None:
+                for group_name, params, lr in family_groups:
+                    if not lr:
+                        for p in params:
+                            p.requires_grad_(False)
+                    elif params:
+                        groups.append({"params": params, "lr": lr})
+                        names.append(f"denoiser {group_name}")
                 continue
             params = [p for p in part.parameters() if p.requires_grad]
             if params:
@@ -210,11 +228,27 @@ class ModelTrainable(Trainable):
                     p.requires_grad_(False)
         return out
 
+    def optimizer_blocks(self) -> dict[int, str]:
+        """--blockwise_fused_optimizers: {id(parameter): block}. The denoiser's blocks are the family's
+        (`ModelFamily.optimizer_block`: FLUX.1's double_blocks.<i>, single_blocks.<i>, other); each trained
+        text encoder is one block of its own."""
+        out = {}
+        for name, part in self.module.items():
+            for path, p in part.named_parameters():
+                block = self.family.optimizer_block(path) if name == "denoiser" else None
+                if name == "denoiser" and block is None:
+                    raise ConfigError(f"--blockwise_fused_optimizers: {self.family.name} has no block layout for it")
+                out[id(p)] = f"denoiser {block}" if block else name
+        return out
+
     def shape_settings(self):
         return {"trained_parts": sorted(self.plan)}
 
     def file_path(self, output_dir, stem):
         return ckpt.model_path(output_dir, stem, self.save_model_as)
+
+    def gathered(self, keep):
+        return full_parameters(self.module, keep) if self.sharded else contextlib.nullcontext()
 
     def save(self, path, metadata):
         self.family.save_model(self.components, path, self.save_model_as, SAVE_DTYPES[self.save_precision],

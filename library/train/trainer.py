@@ -8,6 +8,7 @@ accumulation, clipping, logging, validation, saving, clean stop on signals.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
+from library.data.latent_caching import CacheShare
 from library.data.te_cache import (
     cache_source_id,
     check_text_cache_allowed,
@@ -29,12 +31,15 @@ from library.data.te_cache import (
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train import checkpoints as ckpt
+from library.train.compile import compile_blocks
 from library.train.distributed import (
-    GradientReducer,
+    StepModule,
     StepTrace,
     any_process,
-    broadcast_parameters,
+    data_parallel,
+    gather_objects,
     make_accelerator,
+    unused_parameters_possible,
 )
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
@@ -42,14 +47,16 @@ from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
+from library.train.profiling import Instruments
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
+from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
+from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
-from library.train.throughput import ThroughputMeter
 from library.train.tracking import LossWindow, Tracker
 from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 from library.train.validation import validation_loss
@@ -87,13 +94,15 @@ class Trainer:
         self.lr_names: list[str] = []
         self.schedule_free = False
         self.ema: Optional[EMA] = None
-        self.scheme = self.ctx = self.meter = None
+        self.scheme = self.ctx = None
+        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/profiling.py)
         self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         self.tracker: Optional[Tracker] = None
         self.session_id = 0
         self.started_at = 0.0
         self.saver: Optional[RunSaver] = None  # made once training starts
-        self.reducer: Optional[GradientReducer] = None  # with several processes: averages the gradients
+        # The trained weights with the batch loss as forward; DDP-wrapped with several processes (distributed.py)
+        self.step_module: Optional[torch.nn.Module] = None
         self.trace: Optional[StepTrace] = None
         self.step_logs: dict[str, float] = {}
 
@@ -104,7 +113,7 @@ class Trainer:
     @property
     def fused_backward(self) -> bool:
         ft = self.s.fine_tune
-        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups))
+        return bool(ft and (ft.fused_backward_pass or ft.fused_optimizer_groups or ft.blockwise_fused_optimizers))
 
     @property
     def trained_encoders(self) -> frozenset[int]:
@@ -117,19 +126,31 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
-        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_gradient_as_bucket_view,
-                                            t.ddp_static_graph)
+        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with {n} processes "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with {n} processes "
                                 "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
+        self.fsdp = FsdpSettings.from_env() if n > 1 else None
+        if self.fsdp is not None:
+            why = fsdp_unsupported(self.s, any(isinstance(h, SampleHook) for h in self.s.hooks))
+            if why:
+                raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _shard(self) -> None:
+        for name, part in self.trainable.module.items():
+            units = shard(part, self.fsdp, self.family.block_classes)
+            logger.info("FSDP2: %s sharded over %d processes in %d units", name, self.accelerator.num_processes,
+                        units)
+        self.trainable.sharded = True
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
@@ -183,7 +204,8 @@ class Trainer:
         if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                                  self.t.gradient_checkpointing)
+                                                  self.t.gradient_checkpointing,
+                                                  steps_in_backward=bool(trained) and self.fused_backward)
         self.family.prepare_for_data(c, [r for ds in self.data.datasets for r in ds.resolutions])
 
     def _fine_tune_parts(self) -> dict[str, float]:
@@ -213,33 +235,59 @@ class Trainer:
         vae = self.components.vae
         vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
                                  self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
-        self.data.cache_latents(lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
-                                vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
-                                num_workers=d.data_loader_workers())
+        acc = self.accelerator
+        share = None
+        if acc.num_processes > 1:  # every process encodes its share of the images
+            share = CacheShare(acc.process_index, acc.num_processes, acc.wait_for_everyone,
+                               None if d.cache_latents_to_disk else gather_objects)
+        cache = functools.partial(self.data.cache_latents,
+                                  lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
+                                  vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
+                                  num_workers=d.data_loader_workers())
+        cache(share=share)
+        if share is not None and d.cache_latents_to_disk:
+            acc.wait_for_everyone()
+            cache()  # reads what the other processes wrote (and retries what failed, alike on every process)
 
     def _setup_optimizer(self) -> None:
         groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
         if self.fused_backward:
             if is_schedule_free(self.optimizer):
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups: not with the schedule-free "
+                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
+                                f"with the schedule-free "
                                 f"{self.optimizer_name}")
             inner_type = type(self.optimizer)
+            block_of = self.trainable.optimizer_blocks() if self.s.fine_tune.blockwise_fused_optimizers else None
             self.optimizer = FusedBackwardOptimizer(self.optimizer.param_groups, inner_type,
                                                     self.s.optimizer.max_grad_norm,
-                                                    self.s.fine_tune.fused_optimizer_groups)
+                                                    self.s.fine_tune.fused_optimizer_groups, block_of)
+            if block_of is not None:
+                logger.info("--blockwise_fused_optimizers: %d optimizers (%s)", len(self.optimizer.chunks),
+                            ", ".join(self.optimizer.chunk_names))
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
         if self.accelerator.num_processes > 1:
-            # Not wrapped in DDP (a LoRA's forward is never called, so DDP would reduce nothing): every process
-            # starts from rank 0's weights and the loop averages the gradients itself (library/train/distributed.py).
+            # DDP wraps a StepModule (trained weights + the loss as forward), not the network, whose own forward
+            # a LoRA never calls (library/train/distributed.py); DDP broadcasts rank 0's weights at the start.
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
-            broadcast_parameters(list(self.trainable.module.parameters()))
-            self.reducer = GradientReducer(p for g in self.optimizer.param_groups for p in g["params"])
         else:
-            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer)
+            # The module is already placed (apply_memory_options); moving it would bring swapped blocks back.
+            self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer,
+                                                                    device_placement=[False, True])
+        t = self.t
+        self.step_module = StepModule(self.network, self._batch_loss)
+        if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
+            dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
+            unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
+            self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
+                                             t.ddp_static_graph)
+        if not isinstance(self.step_module, StepModule):
+            ddp = self.step_module
+            self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
+                                      ddp.find_unused_parameters, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
         self.schedule_free = is_schedule_free(self.optimizer)
         if self.s.ema.use_ema:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
@@ -278,8 +326,8 @@ class Trainer:
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
-        self.meter = ThroughputMeter(self.t.log_tflops, self.device, self.t.gradient_checkpointing) \
-            if self.t.log_tflops else None
+        ddp = None if isinstance(self.step_module, StepModule) else self.step_module
+        self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
@@ -292,8 +340,11 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
-            with self.accelerator.main_process_first():  # to disk: the others read what the main process wrote
-                self._cache_latents()
+            if self.fsdp is not None:
+                self._shard()
+            if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
+                compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
+            self._cache_latents()  # shared out between the processes
             self._setup_optimizer()
             self._setup_step_context()
             with self.accelerator.main_process_first():
@@ -376,20 +427,22 @@ class Trainer:
             sampler.refs = refs[skip:]
             epoch_losses: list[float] = []
             group_losses: list[float] = []
-            for i, batch in enumerate(loader, start=skip):
+            for i, batch in enumerate(self.instruments.timed(loader), start=skip):
                 last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1
+                if i % accum == 0:
+                    self.instruments.before_step(global_step + 1)
                 self.skipped_images.update(batch["skipped_images"])
                 if batch["image_paths"]:  # empty when every image of the batch failed to decode
                     group_losses.append(self._micro_step(batch, global_step, last_in_group))
                     self.trace.batch(batch["image_paths"])
+                elif self.accelerator.num_processes > 1:  # join the others' gradient all-reduce with zeros
+                    self._micro_step(None, global_step, last_in_group)
                 batches_done = i + 1 if i + 1 < len(refs) else 0
                 self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
                 if not last_in_group:
                     continue
-                if self.reducer is not None:  # every process steps together (a process without a loss adds zeros)
-                    self.reducer.reduce()
-                elif not group_losses:  # every image of the group failed to decode: no step was taken
-                    continue
+                if not group_losses and self.accelerator.num_processes == 1:
+                    continue  # every image of the group failed to decode: no step (several processes step together)
                 self._optimizer_step(global_step + 1)
                 global_step += 1
                 epoch_losses.extend(group_losses)
@@ -414,30 +467,49 @@ class Trainer:
             if global_step >= self.max_train_steps:
                 break
         bar.close()
+        self.instruments.close()
         return self._finish()
 
-    def _micro_step(self, batch: dict, global_step: int, sync: bool) -> float:
-        """Forward and backward of one batch. With several processes the gradients are averaged once per
-        optimizer step, after the last micro-batch (self.reducer), so accumulation needs no no_sync."""
-        meter = self.meter.count if self.meter else _null_phase
-        with meter("forward"):
-            loss, _ = batch_loss(self.ctx, batch, self.noise_generator)
+    def _batch_loss(self, batch: dict, generator: torch.Generator):
+        return batch_loss(self.ctx, batch, generator)
+
+    def _micro_step(self, batch: Optional[dict], global_step: int, sync: bool) -> float:
+        """Forward and backward of one batch (None: this process has no images this time, see StepModule). With
+        several processes DDP averages the gradients during the backward of the group's last micro-batch; the
+        others run under no_sync."""
+        phase = self.instruments.phase
+        ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
+        with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
+            if batch is not None:
+                pixels = batch["latents"] if batch.get("latents") is not None else batch.get("images")
+                self.instruments.micro_batch(tuple(pixels.shape) if pixels is not None else (),
+                                             len(batch["image_paths"]) * self.accelerator.num_processes)
+            with phase("forward"):
+                loss, _ = self.step_module(batch, self.noise_generator)
+            if batch is None:
+                self.accelerator.backward(loss)
+                return 0.0
+            self._check_finite(loss, batch, global_step)
+            with phase("backward"):
+                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+            self.instruments.micro_done()
+        if self.block_swapper is not None:
+            self.block_swapper.release()
+        return loss.item()
+
+    def _check_finite(self, loss: torch.Tensor, batch: dict, global_step: int) -> None:
         if not torch.isfinite(loss):
             paths = ", ".join(batch.get("image_paths", [])[:8])
             raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                 f"Images in this batch: {paths}. The files saved so far are intact; "
                                 f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
                                 f"or a lower learning rate")
-        with meter("backward"):
-            self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
-        if self.block_swapper is not None:
-            self.block_swapper.release()
-        return loss.item()
 
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
-        optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                       self.accelerator.clip_grad_norm_)
+        with self.instruments.phase("optimizer"):
+            optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
+                           self.accelerator.clip_grad_norm_)
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)
@@ -453,14 +525,17 @@ class Trainer:
         self.tracker.log(values, step)
 
     def _untimed(self):
-        """Sampling, saving and validation are not step time for --log_tflops."""
-        return self.meter.paused() if self.meter else contextlib.nullcontext()
+        """Sampling, saving and validation are not step time (--log_tflops, --profile_steps)."""
+        return self.instruments.paused()
 
     def _log_throughput(self, step: int) -> None:
-        report = self.meter.step_done(step) if self.meter else None
+        report, times = self.instruments.step_done(step)
         if report is not None:
             logger.info("step %d: %s", step, report.line())
             self.tracker.log(report.as_scalars(), step)
+        if times is not None:
+            logger.info("%s", times.line())
+            self.tracker.log(times.scalars(), step)
 
     # ------------------------------------------------------------------ after steps / epochs
     def _after_step(self, step: int) -> None:
@@ -508,6 +583,7 @@ class Trainer:
         return build(self.family, self.components, self.s, self.data, facts)
 
     def _stop(self) -> str:
+        self.instruments.close()
         progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
         self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
@@ -529,7 +605,3 @@ class InterruptedTraining(Exception):
         super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
         self.signum = signum
         self.state_dir = state_dir
-
-
-def _null_phase(phase: str) -> contextlib.nullcontext:
-    return contextlib.nullcontext()

@@ -1,84 +1,6 @@
 // The training-job page: plain DOM, no build step. User text is only ever set with textContent / value.
 "use strict";
 
-// The form: [section title, [[file, key, label, type, help, where (default section or dataset path), families]]].
-// file "config" keys live in any [section] of config.toml (the trainer flattens them); file "dataset"
-// keys sit at a path of dataset.toml.
-const SECTIONS = [
-  ["Model and mode", [
-    ["config", "pretrained_model_name_or_path", "Model path", "text", "a .safetensors / .ckpt file, a diffusers folder or a Hub id; tiny:sd1 is the built-in test model", "model"],
-    ["config", "clip_l", "CLIP-L", "text", "FLUX.1: the CLIP-L text encoder file", "model", ["flux"]],
-    ["config", "t5xxl", "T5-XXL", "text", "FLUX.1: the T5-XXL text encoder file", "model", ["flux"]],
-    ["config", "ae", "Autoencoder", "text", "FLUX.1: the autoencoder file", "model", ["flux"]],
-    ["config", "mixed_precision", "Mixed precision", "select:|no|fp16|bf16", "no on CPU; bf16 on recent GPUs", "training"],
-  ]],
-  ["Optimization", [
-    ["config", "optimizer_type", "Optimizer", "text", "AdamW, AdamW8bit, Prodigy, Lion, Adafactor, ...", "optimizer"],
-    ["config", "optimizer_args", "Optimizer args", "list", "key=value, space-separated (e.g. weight_decay=0.01 betas=0.9,0.99)", "optimizer"],
-    ["config", "learning_rate", "Learning rate", "float", "base learning rate", "optimizer"],
-    ["config", "unet_lr", "UNet / transformer LR", "float", "blank: the base learning rate", "optimizer"],
-    ["config", "lr_scheduler", "Scheduler", "select:|constant|constant_with_warmup|linear|cosine|cosine_with_restarts|polynomial|cosine_with_min_lr|warmup_stable_decay", "learning-rate schedule", "optimizer"],
-    ["config", "lr_scheduler_num_cycles", "Restarts count", "int", "cosine_with_restarts: number of cycles", "optimizer"],
-    ["config", "lr_scheduler_min_lr_ratio", "Minimum LR (fraction of initial)", "float", "e.g. 0.1: the schedule never goes below 10% of the initial LR", "optimizer"],
-    ["config", "lr_warmup_steps", "Warm-up steps", "text", "steps, or a percentage of the run such as 5%", "optimizer"],
-    ["config", "max_grad_norm", "Gradient clipping", "float", "max gradient norm; 0 turns clipping off", "optimizer"],
-  ]],
-  ["Training Schedule", [
-    ["config", "max_train_steps", "Max steps", "int", "train this many optimizer steps", "training"],
-    ["config", "max_train_epochs", "Epochs", "int", "overrides max steps when given", "training"],
-    ["config", "save_every_n_steps", "Save every N steps", "int", "", "training"],
-    ["config", "save_every_n_epochs", "Save every N epochs", "int", "", "training"],
-    ["config", "save_last_n_steps", "Keep saves of last N steps", "int", "older step saves are removed", "training"],
-    ["config", "seed", "Seed", "int", "blank: a random seed, recorded in the outputs", "training"],
-    ["config", "output_name", "Output name", "text", "file name of the trained model (in the job's output/ folder)", "output"],
-  ]],
-  ["Performance and caching", [
-    ["config", "gradient_checkpointing", "Gradient checkpointing", "bool", "less memory, about 20% slower", "training"],
-    ["config", "max_data_loader_n_workers", "Data-loader workers", "int", "0 loads images in the training process", "dataset"],
-    ["config", "persistent_data_loader_workers", "Persistent data-loader workers", "bool", "keep workers between epochs", "dataset"],
-    ["config", "cache_latents", "Cache latents", "bool", "encode every image once before training", "caching"],
-    ["config", "cache_latents_to_disk", "Cache latents to disk", "bool", "keep the latent cache between runs", "caching"],
-    ["config", "cache_text_encoder_outputs", "Cache text-encoder outputs", "bool", "SDXL / FLUX.1: trains the UNet / transformer only", "caching", ["sdxl", "flux"]],
-  ]],
-  ["Dataset", [
-    ["dataset", "image_dir", "Image folder", "text", "folder of images and captions (relative paths are from the toolkit's folder)", "datasets.0.subsets.0"],
-    ["dataset", "num_repeats", "Repeats", "int", "each image counts this many times per epoch", "datasets.0.subsets.0"],
-    ["dataset", "class_tokens", "Class tokens", "text", "caption for images without a caption file", "datasets.0.subsets.0"],
-    ["dataset", "is_reg", "Regularisation images", "bool", "this folder holds regularisation images", "datasets.0.subsets.0"],
-    ["dataset", "caption_extension", "Caption extension", "text", ".txt or .caption", "general"],
-    ["dataset", "resolution", "Resolution(s)", "resolution", "one size (512) or several, comma-separated (512,768,1024)", "datasets.0"],
-    ["dataset", "batch_size", "Batch size", "int", "", "datasets.0"],
-    ["dataset", "enable_bucket", "Aspect-ratio buckets", "bool", "", "datasets.0"],
-    ["dataset", "bucket_no_upscale", "Bucket: no upscale", "bool", "never enlarge images", "datasets.0"],
-    ["dataset", "resolution_schedule", "Resolution schedule", "select:|all|progressive", "progressive: train low to high resolution (needs 2 or more resolutions)", "datasets.0"],
-    ["dataset", "resolution_step_fractions", "Step fractions", "floatlist", "progressive: fraction of the steps per resolution, comma-separated, summing to 1.0", "datasets.0"],
-    ["config", "alpha_mask", "Alpha channel as loss mask", "bool", "transparent pixels do not count in the loss", "dataset"],
-  ]],
-  ["LoRA Configuration", [
-    ["config", "network_module", "Network module", "select:networks.lora|networks.lora_flux|lycoris.kohya", "LoRA, or LyCORIS kinds through lycoris.kohya and network args (algo=loha ...)", "network", null, "lora"],
-    ["config", "network_dim", "Dim (rank)", "int", "", "network", null, "lora"],
-    ["config", "network_alpha", "Alpha", "float", "scale = alpha / dim", "network", null, "lora"],
-    ["config", "network_dropout", "Dropout", "float", "neuron dropout, 0 to 1", "network", null, "lora"],
-    ["config", "network_args", "Network args", "list", "key=value, space-separated", "network", null, "lora"],
-    ["config", "network_train_unet_only", "Freeze text encoders", "bool", "train the UNet / transformer only", "network", null, "lora"],
-    ["config", "network_weights", "Initialise from LoRA", "text", "an existing LoRA file to start from", "network", null, "lora"],
-  ]],
-  ["Full Finetune Options", [
-    ["config", "train_text_encoder", "Train the text encoder(s)", "bool", "off: the UNet / transformer only", "training", null, "finetune"],
-    ["config", "learning_rate_te1", "Text encoder 1 LR", "float", "blank: the base learning rate", "optimizer", null, "finetune"],
-    ["config", "learning_rate_te2", "Text encoder 2 LR", "float", "SDXL: the second text encoder", "optimizer", ["sdxl"], "finetune"],
-    ["config", "block_lr", "Per-block LRs", "text", "comma-separated, one per block of the family's layout; 0 freezes a block", "optimizer", null, "finetune"],
-    ["config", "save_model_as", "Save as", "select:safetensors|ckpt|diffusers|diffusers_safetensors", "", "output", null, "finetune"],
-    ["config", "use_ema", "EMA weights", "bool", "keep an exponential moving average of the weights", "training", null, "finetune"],
-    ["config", "fused_backward_pass", "Fused backward pass", "bool", "Adafactor: less memory", "optimizer", null, "finetune"],
-  ]],
-  ["Resume and sampling", [
-    ["config", "resume", "Auto-resume", "resume", "continue from the newest saved state in the job's output folder (Stop saves one)", "training"],
-    ["config", "sample_every_n_steps", "Sample every N steps", "int", "needs at least one prompt below", "sampling"],
-    ["config", "sample_every_n_epochs", "Sample every N epochs", "int", "", "sampling"],
-    ["config", "sample_sampler", "Sampler", "select:|ddim|euler|euler_a|dpmsolver++|k_dpm_2|lms|pndm|flow_euler", "", "sampling"],
-  ]],
-];
 
 let TOKEN_QS = "";
 let current = null;      // the selected job
@@ -155,9 +77,10 @@ async function selectJob(id) {
   $("empty-state").hidden = true;
   $("job-view").hidden = false;
   showJob(job);
-  settings = await api("GET", `/api/jobs/${id}/settings`);
+  await loadFormData(job);
   renderForm();
   clearErrors();
+  loadHistory();
   openConsole(true);
   loadSamples();
   loadTrained();
@@ -303,262 +226,6 @@ async function loadChart() {
   line("lr", "lr");
 }
 
-async function loadHardware() {
-  const hw = await api("GET", "/api/hardware");
-  const ul = $("gpus");
-  ul.textContent = "";
-  if (!hw.gpus.length) { ul.appendChild(el("li", { class: "muted" }, hw.none)); return; }
-  for (const g of hw.gpus) {
-    ul.appendChild(el("li", {}, `GPU ${g.index}: ${g.name} · ${g.memory_used_mib} / ${g.memory_total_mib} MiB · ${g.utilization_percent}% busy`));
-  }
-}
-
-// --- settings form ---------------------------------------------------------------------------------------
-function findSection(config, key) {
-  if (Object.prototype.hasOwnProperty.call(config, key) && typeof config[key] !== "object") return "";
-  for (const [section, values] of Object.entries(config)) {
-    if (values && typeof values === "object" && !Array.isArray(values) && Object.prototype.hasOwnProperty.call(values, key)) return section;
-  }
-  return null;
-}
-function datasetNode(dataset, path, create) {
-  let node = dataset;
-  for (const part of path.split(".")) {
-    const idx = /^\d+$/.test(part) ? Number(part) : part;
-    if (node[idx] === undefined) {
-      if (!create) return null;
-      const next = path.split(".")[path.split(".").indexOf(part) + 1];
-      node[idx] = next !== undefined && /^\d+$/.test(next) ? [] : {};
-    }
-    node = node[idx];
-  }
-  return node;
-}
-function getValue(f) {
-  const [file, key, , , , where] = f;
-  if (file === "config") {
-    const s = findSection(settings.config, key);
-    if (s === null) return undefined;
-    return s === "" ? settings.config[key] : settings.config[s][key];
-  }
-  const node = datasetNode(settings.dataset, where, false);
-  return node ? node[key] : undefined;
-}
-function setValue(f, value) {
-  const [file, key, , , , where] = f;
-  if (file === "config") {
-    let s = findSection(settings.config, key);
-    if (s === null) { s = where; settings.config[s] = settings.config[s] || {}; }
-    const target = s === "" ? settings.config : settings.config[s];
-    if (value === undefined) delete target[key]; else target[key] = value;
-    return;
-  }
-  const node = datasetNode(settings.dataset, where, value !== undefined);
-  if (!node) return;
-  if (value === undefined) delete node[key]; else node[key] = value;
-}
-
-function renderForm() {
-  const box = $("sections");
-  box.textContent = "";
-  for (const [title, fields] of SECTIONS) {
-    const visible = fields.filter((f) => (!f[6] || f[6].includes(current.family)) && (!f[7] || f[7] === current.mode));
-    if (!visible.length) continue;
-    const fs = el("fieldset");
-    fs.appendChild(el("legend", {}, title));
-    const grid = el("div", { class: "fields" });
-    for (const f of visible) grid.appendChild(renderField(f));
-    fs.appendChild(grid);
-    box.appendChild(fs);
-  }
-  renderPrompts();
-}
-
-function renderField(f) {
-  const [, key, label, type, help] = f;
-  const wrap = el("div", { class: "field", "data-field": key, title: help || "" });
-  const id = "f-" + key;
-  const value = getValue(f);
-  let input;
-  if (type === "bool" || type === "resume") {
-    wrap.classList.add("checkbox");
-    input = el("input", { type: "checkbox", id });
-    input.checked = type === "resume" ? value === "auto" : Boolean(value);
-    const lab = el("label", { for: id });
-    lab.appendChild(input);
-    lab.appendChild(document.createTextNode(label));
-    wrap.appendChild(lab);
-  } else {
-    wrap.appendChild(el("label", { for: id }, label));
-    if (type.startsWith("select:")) {
-      input = el("select", { id });
-      const options = type.slice(7).split("|");
-      if (value !== undefined && !options.includes(String(value))) options.push(String(value));
-      for (const o of options) input.appendChild(el("option", { value: o }, o || "(default)"));
-      input.value = value === undefined ? "" : String(value);
-    } else {
-      input = el("input", { id, type: "text", placeholder: help ? "" : "" });
-      if (type === "int" || type === "float") input.inputMode = "decimal";
-      if (value === undefined) input.value = "";
-      else if (Array.isArray(value)) input.value = type === "list" ? value.join(" ") : value.join(",");
-      else input.value = String(value);
-    }
-    wrap.appendChild(input);
-  }
-  input.name = key;
-  input.dataset.key = key;
-  if (help) wrap.appendChild(el("div", { class: "muted help" }, help));
-  if (key === "image_dir") addFolderPicker(wrap, input);
-  return wrap;
-}
-
-// --- folder picker (server side, inside the allowed roots) -----------------------------------------------
-function addFolderPicker(wrap, input) {
-  const browse = el("button", { type: "button", id: "browse-btn" }, "Browse...");
-  const info = el("div", { class: "muted", id: "folder-info" });
-  const strip = el("div", { class: "thumbs", id: "thumbs" });
-  const picker = el("div", { class: "picker", id: "picker" });
-  picker.hidden = true;
-  wrap.appendChild(browse); wrap.appendChild(info); wrap.appendChild(strip); wrap.appendChild(picker);
-  browse.addEventListener("click", () => action(() => openFolder(input.value.trim() || "", picker, input, true)));
-  input.addEventListener("change", () => showFolder(input.value.trim(), info, strip));
-  showFolder(input.value.trim(), info, strip);
-}
-
-async function showFolder(path, info, strip) {
-  strip.textContent = ""; info.textContent = "";
-  if (!path) return;
-  try {
-    const f = await api("GET", `/api/folders?path=${encodeURIComponent(path)}`);
-    info.textContent = `${f.images} image(s)`;
-    for (const t of f.thumbnails) strip.appendChild(el("img", { src: `/api/image?path=${encodeURIComponent(t)}`, alt: "" }));
-  } catch (e) { info.textContent = e.message; }
-}
-
-async function openFolder(path, picker, input, fallback) {
-  let f;
-  try { f = await api("GET", `/api/folders?path=${encodeURIComponent(path)}`); }
-  catch (e) { if (!fallback) throw e; f = await api("GET", "/api/folders"); }
-  picker.textContent = "";
-  picker.hidden = false;
-  const head = el("div", { class: "picker-head" });
-  head.appendChild(el("code", {}, f.path || "Allowed folders"));
-  if (f.path) {
-    const use = el("button", { type: "button", class: "primary" }, `Use this folder (${f.images} images)`);
-    use.addEventListener("click", () => {
-      input.value = f.path; picker.hidden = true;
-      input.dispatchEvent(new Event("change"));
-    });
-    head.appendChild(use);
-  }
-  const close = el("button", { type: "button" }, "Close");
-  close.addEventListener("click", () => { picker.hidden = true; });
-  head.appendChild(close);
-  picker.appendChild(head);
-  const ul = el("ul");
-  if (f.parent) {
-    const up = el("li", { class: "folder" }, "..");
-    up.addEventListener("click", () => action(() => openFolder(f.parent, picker, input)));
-    ul.appendChild(up);
-  } else if (f.path) {
-    const top = el("li", { class: "folder" }, "(allowed folders)");
-    top.addEventListener("click", () => action(() => openFolder("", picker, input)));
-    ul.appendChild(top);
-  }
-  for (const d of f.folders) {
-    const li = el("li", { class: "folder" }, `${d.name}  ·  ${d.images} image(s)`);
-    li.addEventListener("click", () => action(() => openFolder(d.path, picker, input)));
-    ul.appendChild(li);
-  }
-  picker.appendChild(ul);
-}
-
-function readForm() {
-  for (const [, fields] of SECTIONS) {
-    for (const f of fields) {
-      const input = document.querySelector(`#sections [data-key="${f[1]}"]`);
-      if (!input) continue;
-      const type = f[3];
-      let v;
-      if (type === "bool") v = input.checked ? true : undefined;
-      else if (type === "resume") v = input.checked ? "auto" : undefined;
-      else {
-        const raw = input.value.trim();
-        if (raw === "") v = undefined;
-        else if (type === "int" && /^-?\d+$/.test(raw)) v = parseInt(raw, 10);
-        else if (type === "float" && raw !== "" && !isNaN(Number(raw))) v = Number(raw);
-        else if (type === "list") v = raw.split(/\s+/);
-        else if (type === "floatlist") {
-          const parts = raw.split(",").map((x) => x.trim()).filter(Boolean);
-          v = parts.every((x) => !isNaN(Number(x))) ? parts.map(Number) : raw;
-        }
-        else if (type === "resolution") {
-          const parts = raw.split(",").map((s) => s.trim()).filter(Boolean);
-          v = parts.every((p) => /^\d+$/.test(p)) ? (parts.length === 1 ? Number(parts[0]) : parts.map(Number)) : raw;
-        } else v = raw;  // the trainer's parser says what is wrong with a non-number
-      }
-      setValue(f, v);
-    }
-  }
-  settings.prompts = Array.from(document.querySelectorAll("#prompt-list input")).map((i) => i.value).filter((s) => s.trim());
-}
-
-function renderPrompts() {
-  const ul = $("prompt-list");
-  ul.textContent = "";
-  for (const p of settings.prompts || []) addPromptRow(p);
-  $("no-prompts").hidden = (settings.prompts || []).length > 0;
-}
-function addPromptRow(text) {
-  const li = el("li");
-  const input = el("input", { type: "text", placeholder: "a photo of sks shape --w 128 --h 128 --s 20 --l 7 --d 1" });
-  input.value = text || "";
-  const rm = el("button", { type: "button" }, "Remove");
-  rm.addEventListener("click", () => { li.remove(); $("no-prompts").hidden = $("prompt-list").children.length > 0; });
-  li.appendChild(input); li.appendChild(rm);
-  $("prompt-list").appendChild(li);
-  $("no-prompts").hidden = true;
-}
-
-function clearErrors() {
-  for (const e of document.querySelectorAll(".field.invalid")) e.classList.remove("invalid");
-  for (const e of document.querySelectorAll(".field .error")) e.remove();
-  $("form-error").hidden = true; $("form-ok").hidden = true;
-}
-function showError(message, field) {
-  const wrap = field ? document.querySelector(`#sections .field[data-field="${field}"]`) : null;
-  if (wrap) {
-    wrap.classList.add("invalid");
-    wrap.appendChild(el("p", { class: "error" }, message));
-    wrap.scrollIntoView({ block: "center" });
-  } else {
-    $("form-error").textContent = message;
-    $("form-error").hidden = false;
-  }
-}
-
-async function saveSettings(ev) {
-  if (ev) ev.preventDefault();
-  clearErrors();
-  readForm();
-  $("save-btn").disabled = true;
-  $("save-btn").textContent = "Checking...";
-  try {
-    settings = await api("PUT", `/api/jobs/${current.id}/settings`, settings);
-    renderForm();
-    $("form-ok").textContent = "Saved: the trainer accepted these settings.";
-    $("form-ok").hidden = false;
-    return true;
-  } catch (e) {
-    const d = e.detail && typeof e.detail === "object" ? e.detail : { error: e.message, field: null };
-    showError(d.error, d.field);
-    return false;
-  } finally {
-    $("save-btn").textContent = "Save settings";
-    showJob(current);
-  }
-}
-
 async function action(fn) {
   try { await fn(); } catch (e) { alert(e.message); }
 }
@@ -596,7 +263,8 @@ function init() {
   $("revert-btn").addEventListener("click", () => action(async () => {
     if (!confirm("Revert all settings to the template's defaults?")) return;
     settings = await api("POST", `/api/jobs/${current.id}/revert`);
-    renderForm(); clearErrors();
+    current = await api("GET", `/api/jobs/${current.id}`);
+    showJob(current); renderForm(); clearErrors(); loadHistory();
   }));
   $("delete-events-btn").addEventListener("click", () => action(async () => {
     if (!confirm("Delete this job's TensorBoard event files?")) return;
@@ -611,7 +279,6 @@ function init() {
   }));
   loadTemplates();
   loadJobs();
-  loadHardware();
   pollTimer = setInterval(pollStatus, 1000);
 }
 

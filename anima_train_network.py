@@ -1,0 +1,13 @@
+"""Train a LoRA for Anima (Cosmos-Predict2 DiT + LLM adapter + Qwen3, sd-scripts compatible flags).
+
+    accelerate launch anima_train_network.py --pretrained_model_name_or_path anima-preview.safetensors \
+        --qwen3 qwen_3_06b_base.safetensors --vae qwen_image_vae.safetensors --dataset_config data.toml \
+        --network_module networks.lora_anima --network_dim 16 --output_dir out --output_name my_lora
+"""
+
+import sys
+
+from library.cli.entry import run_training
+
+if __name__ == "__main__":
+    sys.exit(run_training("anima", "Train a LoRA network on Anima (rectified flow)"))
