@@ -148,7 +148,8 @@ class _SharedFiles:
 class _SessionStore:
     """The session's shared tiny models (each built by the first test that asks for it) and files on disk."""
 
-    FAMILIES = {"tiny:sd1": "sd", "tiny:sd2": "sd", "tiny:sd2-v": "sd", "tiny:sdxl": "sdxl", "tiny:flux": "flux"}
+    FAMILIES = {"tiny:sd1": "sd", "tiny:sd2": "sd", "tiny:sd2-v": "sd", "tiny:sdxl": "sdxl", "tiny:flux": "flux",
+                "tiny:sd3": "sd3"}
 
     def __init__(self):
         self.models: dict[str, _SharedModel] = {}
@@ -232,6 +233,18 @@ def tiny_sdxl(tiny_store):
 def tiny_flux(tiny_store):
     """tiny:flux as `get_family("flux").load` returns it (default FluxOptions), built once per session (shared)."""
     return tiny_store.model("tiny:flux")
+
+
+@pytest.fixture
+def tiny_sd3(tiny_store):
+    """tiny:sd3 as `get_family("sd3").load` returns it (default SD3Options), built once per session (shared)."""
+    return tiny_store.model("tiny:sd3")
+
+
+@pytest.fixture
+def tiny_sd3_copy(tiny_store):
+    """A private copy of tiny:sd3 (of the shared one: no build) for a test that changes the model."""
+    return copy.deepcopy(tiny_store.model("tiny:sd3", share=False))
 
 
 def _sd_modules(c) -> dict:

@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --family sd2-v --out models/tiny-sd2-v.safetensors --single_file
     python tools/make_tiny_model.py --family sdxl --out models/tiny-sdxl.safetensors --single_file
     python tools/make_tiny_model.py --family flux --out models/tiny-flux --single_file
+    python tools/make_tiny_model.py --family sd3 --out models/tiny-sd3.safetensors --single_file
     python tools/make_tiny_model.py --family chroma --out models/tiny-chroma --single_file
     python tools/make_tiny_model.py --family anima --out models/tiny-anima --single_file
 
@@ -13,7 +14,9 @@ next to it, as sd-scripts' --clip_l / --t5xxl / --ae take them. Chroma (single f
 chroma-tiny.safetensors plus t5xxl.safetensors and ae.safetensors (flux_train_network.py --model_type chroma).
 Anima is always written as its files
 (--out is a folder): anima-tiny.safetensors (DiT + LLM adapter, `net.*`), qwen_3_06b_base.safetensors and
-qwen_image_vae.safetensors (ComfyUI's names), as --qwen3 / --vae take them.
+qwen_image_vae.safetensors (ComfyUI's names), as --qwen3 / --vae take them. SD3 with --single_file writes the
+SAI all-in-one file (MMDiT, VAE, CLIP-L, CLIP-G, T5); with --separate_text_encoders the MMDiT + VAE
+file plus clip_l / clip_g / t5xxl.safetensors next to it (for --clip_l / --clip_g / --t5xxl).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.core.errors import UserError, run_tool  # noqa: E402
 
 FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
-            "chroma": "tiny:chroma", "anima": "tiny:anima"}
+            "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--single_file", action="store_true",
                         help="write one checkpoint file in the original LDM (SDXL: SGM) layout instead of a diffusers "
                              "folder; flux: the BFL transformer plus clip_l / t5xxl / ae files")
+    parser.add_argument("--separate_text_encoders", action="store_true",
+                        help="sd3 with --single_file: the text encoders as clip_l / clip_g / t5xxl files beside it")
     return parser
+
+
+def _write_sd3(out: str, single_file: bool, separate: bool) -> None:
+    from library.families.sd3_saving import write_sd3_preset
+
+    layout = "diffusers" if not single_file else "separate" if separate else "single_file"
+    for name, path in write_sd3_preset(FAMILIES["sd3"], out, layout).items():
+        print(f"wrote {name}: {path}")
 
 
 def _write_flux(out: str, single_file: bool) -> None:
@@ -87,6 +100,9 @@ def write(args: argparse.Namespace) -> None:
 
     if args.family == "flux":
         _write_flux(args.out, args.single_file)
+        return
+    if args.family == "sd3":
+        _write_sd3(args.out, args.single_file, args.separate_text_encoders)
         return
     if args.family == "chroma":
         _write_chroma(args.out, args.single_file)

@@ -29,7 +29,19 @@ def family_name(argv: Sequence[str]) -> tuple[str, list[str]]:
             name = arg[2:]
         elif arg != "--skip_existing":  # existing valid entries are always kept
             rest.append(arg)
+    if name == "sd":  # no selector: a family the model path itself tells (SD3's SAI file, folder or preset)
+        name = _detected_family(rest) or name
     return name, rest
+
+
+def _detected_family(argv: Sequence[str]) -> Optional[str]:
+    from library.families.detect import detect_family
+
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--pretrained_model_name_or_path":
+            found = detect_family(value)
+            return found if found not in ("sd", "sdxl", "flux") else None  # those keep sd-scripts' selectors
+    return None
 
 
 def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags: list[str],

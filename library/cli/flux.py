@@ -1,5 +1,5 @@
 """Component-file flags for the tools: FLUX.1's --clip_l / --t5xxl / --ae (FluxOptions), Anima's --qwen3 /
---llm_adapter_path / --t5_tokenizer_path (AnimaOptions).
+--llm_adapter_path / --t5_tokenizer_path (AnimaOptions), SD3's --clip_g (SD3Options; with --clip_l / --t5xxl).
 
 The training scripts get every FluxOptions flag through the family's options_type (library/cli/parser.py).
 """
@@ -13,14 +13,19 @@ from library.cli.options import add_option_arguments
 from library.families.anima_options import COMPONENT_FILE_FLAGS as ANIMA_FILE_FLAGS
 from library.families.anima_options import AnimaOptions
 from library.families.flux_options import COMPONENT_FILE_FLAGS, FluxOptions
+from library.families.sd3_options import SD3Options
+
+TOOL_FILE_FLAGS = (*COMPONENT_FILE_FLAGS, "clip_g")
 
 
 def add_component_file_arguments(group) -> None:
-    """--clip_l / --t5xxl / --ae: the parts a BFL single-file transformer does not hold."""
+    """--clip_l / --t5xxl / --ae: the parts a BFL single-file transformer does not hold; --clip_g with
+    --clip_l / --t5xxl: the text encoders an SD3 MMDiT + VAE file does not hold."""
     add_option_arguments(group, FluxOptions, only=COMPONENT_FILE_FLAGS)
     add_option_arguments(group, AnimaOptions, only=ANIMA_FILE_FLAGS)  # Anima: --qwen3, --llm_adapter_path, ...
+    add_option_arguments(group, SD3Options, only=("clip_g",))
 
 
 def component_files(ns: argparse.Namespace) -> dict[str, Optional[str]]:
     """The component-file flags of a parsed namespace (values for library.cli.options.options_from_values)."""
-    return {name: getattr(ns, name, None) for name in COMPONENT_FILE_FLAGS + ANIMA_FILE_FLAGS}
+    return {name: getattr(ns, name, None) for name in TOOL_FILE_FLAGS + ANIMA_FILE_FLAGS}

@@ -50,9 +50,15 @@ def _anima() -> ModelFamily:
     return AnimaFamily()
 
 
+def _sd3() -> ModelFamily:
+    from library.families.sd3 import SD3Family
+
+    return SD3Family()
+
+
 # Factories import lazily so that asking for one family does not import the others.
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
-                                                   "anima": _anima}
+                                                   "anima": _anima, "sd3": _sd3}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

@@ -129,6 +129,9 @@ class ModelFamily(ABC):
     # The denoiser's repeated block classes: the units of FSDP's TRANSFORMER_BASED_WRAP
     # (library/cli/accelerate_config.py) and of regional compilation (--torch_compile, library/train/compile.py).
     block_classes: ClassVar[tuple[str, ...]] = ()
+    # How many text encoders, from the first, a full fine-tune's --train_text_encoder trains (SD3: CLIP-L and
+    # CLIP-G, not T5, as sd-scripts' sd3_train.py); None: all of them.
+    fine_tune_text_encoders: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
     def options(self, components: Components) -> Any:
@@ -164,6 +167,10 @@ class ModelFamily(ABC):
                 which = f"text encoder {i + 1}" if len(components.text_encoders) > 1 else "the text encoder"
                 raise ConfigError(f"--clip_skip {clip_skip}: {which} of this model has {layers} layers; "
                                   f"expected 1 to {layers} (2 = penultimate)")
+
+    def prepare_for_data(self, components: Components, resolutions: list[tuple[int, int]]) -> None:
+        """Adjust the loaded model to the run's training resolutions (width, height) of every dataset, before
+        step 1 (SD3.5's scaled position embeddings); by default nothing."""
 
     # --- loading -----------------------------------------------------------
     @abstractmethod

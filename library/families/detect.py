@@ -7,7 +7,7 @@ import json
 import os
 from typing import Iterable, Optional
 
-from library.families import anima_configs, flux_configs, sd_configs, sdxl_configs
+from library.families import anima_configs, flux_configs, sd3_configs, sd_configs, sdxl_configs
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
@@ -16,13 +16,15 @@ _SINGLE_FILE_MARKERS = (
     ("conditioner.embedders.", "sdxl"),
     ("double_blocks.", "flux"),
     ("model.diffusion_model.double_blocks.", "flux"),
+    ("model.diffusion_model.joint_blocks.", "sd3"),
+    ("joint_blocks.", "sd3"),
     ("model.diffusion_model.", "sd"),
 )
 
 
 def _preset_family(path: str) -> Optional[str]:
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS),
-                          ("anima", anima_configs.PRESETS)):
+                          ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS)):
         if path in presets:
             return name
     return None
@@ -36,6 +38,8 @@ def _folder_family(path: str) -> Optional[str]:
         return None
     if "Flux" in cls:
         return "flux"
+    if "StableDiffusion3" in cls:
+        return "sd3"
     if "XL" in cls:
         return "sdxl"
     return "sd" if "StableDiffusion" in cls else None
@@ -65,6 +69,8 @@ _CONTENTS = (
     ("conditioner.embedders.", "an SDXL checkpoint"),
     ("double_blocks.", "a FLUX.1 transformer"),
     ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"),
+    ("model.diffusion_model.joint_blocks.", "an SD3 checkpoint"),
+    ("joint_blocks.", "an SD3 MMDiT"),
     ("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),
     ("lora_", "a LoRA"),
     ("encoder.block.", "a T5 text encoder"),
@@ -85,7 +91,7 @@ def describe_keys(keys: Iterable[str]) -> str:
 
 
 def detect_family(path: str) -> Optional[str]:
-    """"sd", "sdxl", "flux", or None when the path does not tell (then the caller's default applies)."""
+    """"sd", "sdxl", "flux", "sd3", or None when the path does not tell (then the caller's default applies)."""
     if path.startswith(("tiny:", "random:")):
         return _preset_family(path)
     if os.path.isdir(path):

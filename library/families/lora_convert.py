@@ -26,8 +26,12 @@ from library.families import anima_lora
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
+    is_sd3_file,
+    is_sd3_peft,
     kohya_modules,
     peft_targets,
+    sd3_kohya_modules,
+    sd3_peft_targets,
 )
 from networks.lora_files import (
     KOHYA_SUFFIXES,
@@ -41,7 +45,7 @@ from networks.lora_files import (
 
 LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's ComfyUI layout (anima_lora.py)
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
-_DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "transformer")
+_DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
 
 def _swap_halves(t: torch.Tensor) -> torch.Tensor:
@@ -96,8 +100,10 @@ def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, to
         raise UnsupportedLoraError(f"{source}: an Anima LoRA; diffusers reads Anima LoRAs only in ComfyUI's "
                                    f"diffusion_model.* layout: use --to comfy")
     out: dict[str, torch.Tensor] = {}
-    for name, m in group_modules(state, source).items():
-        target = peft_targets(name)
+    modules = group_modules(state, source)
+    lookup = sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
+    for name, m in modules.items():
+        target = lookup(name)
         if target is None:
             prefix = "lora_" + name.partition("_")[2].partition("_")[0]
             raise UnsupportedLoraError(f"{source}: {name}: unexpected module prefix {prefix!r}; expected "
@@ -107,7 +113,8 @@ def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, to
                 out[f"{path}.lora_A.weight"], out[f"{path}.lora_B.weight"] = a, b
             continue
         sd, su = scale_split(m.scale)
-        up = _swap_halves(m.up * su) if target.swap_halves else m.up * su
+        swap = target.swap_halves or (target.swap_halves_if_two_chunks and m.up.shape[0] == 2 * m.down.shape[1])
+        up = _swap_halves(m.up * su) if swap else m.up * su
         out[f"{target.paths[0]}.lora_A.weight"], out[f"{target.paths[0]}.lora_B.weight"] = m.down * sd, up
     return unshared(out)  # split projections share one A (or slice one): each key gets its own storage
 
@@ -129,8 +136,8 @@ def _peft_groups(state: Mapping[str, torch.Tensor], source: str) -> dict[str, di
                 groups.setdefault(key[:-len(suffix) - 1], {})[role] = value
                 break
         else:
-            raise UnsupportedLoraError(f"{source}: unexpected key {key!r}; expected <unet|text_encoder|"
-                                       f"text_encoder_2|transformer>.<module>.lora_A.weight / .lora_B.weight")
+            raise UnsupportedLoraError(f"{source}: unexpected key {key!r}; expected <unet|text_encoder|text_encoder_2|"
+                                       f"text_encoder_3|transformer>.<module>.lora_A.weight / .lora_B.weight")
     for path, g in groups.items():
         if "down" not in g or "up" not in g:
             raise UnsupportedLoraError(f"{source}: {path}.{'lora_B' if 'down' in g else 'lora_A'}.weight is missing")
@@ -167,8 +174,10 @@ def _peft_scale(group: Mapping[str, torch.Tensor]) -> float:
 def to_kohya(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Diffusers/PEFT (or ai-toolkit) state dict to kohya keys; alpha = rank (the scale is in the weights)."""
     groups = _peft_groups(state, source)
+    width = next((g["down"].shape[1] for p, g in groups.items() if p.startswith("transformer.transformer_blocks.")
+                  and p.endswith((".attn.to_q", ".attn.to_k", ".attn.to_v"))), None)
     try:
-        modules = kohya_modules(list(groups))
+        modules = sd3_kohya_modules(list(groups)) if is_sd3_peft(list(groups), width) else kohya_modules(list(groups))
     except UnmappedPathError as e:
         raise UnsupportedLoraError(f"{source}: unexpected key {e.path}.lora_A.weight: {e.reason}") from None
     out: dict[str, torch.Tensor] = {}
@@ -176,7 +185,8 @@ def to_kohya(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.
         parts = [groups.get(p) for p in module.paths]
         if len(parts) == 1:
             down, up = parts[0]["down"], parts[0]["up"] * _peft_scale(parts[0])
-            up = _swap_halves(up) if module.swap_halves else up
+            swap = module.swap_halves or (module.swap_halves_if_two_chunks and up.shape[0] == 2 * down.shape[1])
+            up = _swap_halves(up) if swap else up
         else:
             dims = module.fused_dims([p["up"].shape[0] if p is not None else None for p in parts])
             down, up = _fuse(parts, dims)

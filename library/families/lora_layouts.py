@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from library.families import flux_lora_names as flux
+from library.families import sd3_lora_names as sd3
 from library.families import sdxl_lora_names as sdxl
 from library.families.ldm_layout import LayoutError
 
@@ -44,6 +45,8 @@ class KohyaModule:
     paths: tuple[str, ...]  # PEFT module paths with their part, in the fused layer's row order
     widths: tuple[int, ...] = (1,)  # relative row count of each path inside the fused layer
     swap_halves: bool = False  # the two row halves of `up` are in the other order in the diffusers model
+    # SD3's context adaLN: its halves swap only in the pre-only (last) block, whose up has 2 · in_features rows
+    swap_halves_if_two_chunks: bool = False
 
     def split_dims(self, out_features: int) -> list[int]:
         """Rows of each projection in a fused `up` with `out_features` rows."""
@@ -96,6 +99,62 @@ def peft_targets(kohya_name: str) -> Optional[KohyaModule]:
     if prefix in _TE_PARTS:
         return KohyaModule(kohya_name, (f"{_TE_PARTS[prefix]}.{dotted(rest)}",))
     return None
+
+
+def is_sd3_file(kohya_names: Sequence[str]) -> bool:
+    """True when kohya module names are an SD3 LoRA's (joint blocks; its lora_te3 is T5 = text_encoder_3)."""
+    return any(sd3.is_sd3_kohya_name(n) for n in kohya_names)
+
+
+def sd3_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
+    """The PEFT modules (StableDiffusion3Pipeline parts) of one SD3 kohya module name; None when unknown."""
+    head, _, rest = kohya_name.partition("_")[2].partition("_")
+    prefix = "lora_" + head
+    if prefix == "lora_unet":
+        path = sd3.sai_path(rest)
+        if path is None:
+            return None
+        paths = sd3.diffusers_paths(path)
+        return KohyaModule(kohya_name, tuple(f"transformer.{p}" for p in paths), (1,) * len(paths),
+                           swap_halves=paths[0] == "norm_out.linear",
+                           swap_halves_if_two_chunks=paths[0].endswith("norm1_context.linear"))
+    part = {v: k for k, v in sd3.KOHYA_PREFIX.items()}.get(prefix)
+    return None if part is None or part == "transformer" else KohyaModule(kohya_name, (f"{part}.{dotted(rest)}",))
+
+
+FLUX_HIDDEN = 3072  # every FLUX.1 transformer's width; SD3's are 64 · heads (1536, 2432)
+
+
+def is_sd3_peft(peft_paths: Sequence[str], transformer_width: Optional[int]) -> bool:
+    """True when a PEFT file's module paths (and the input width of its transformer attention LoRAs) are an SD3
+    LoRA's: a T5 part (`text_encoder_3`) or SD3.5's `attn2`, or transformer blocks without FLUX.1's single blocks
+    at a width other than FLUX.1's. (Both name their joint blocks `transformer.transformer_blocks.N`.)"""
+    if any(p.startswith("text_encoder_3.") or ".attn2." in p for p in peft_paths):
+        return True
+    if any(p.startswith("transformer.single_transformer_blocks.") for p in peft_paths):
+        return False
+    return transformer_width is not None and transformer_width != FLUX_HIDDEN
+
+
+def sd3_kohya_modules(peft_paths: Sequence[str]) -> list[KohyaModule]:
+    """The kohya modules of an SD3 PEFT file's paths: q, k, v of one attention fused into its SAI `qkv`."""
+    by_name: dict[str, KohyaModule] = {}
+    for path in peft_paths:
+        part, _, module = path.partition(".")
+        if part != "transformer":
+            if part not in sd3.KOHYA_PREFIX:
+                raise UnmappedPathError(path, "not an SD3 part")
+            by_name.setdefault(path, KohyaModule(f"{sd3.KOHYA_PREFIX[part]}_{module.replace('.', '_')}", (path,)))
+            continue
+        sai_path = sd3.sai_module_path(module)
+        paths = sd3.diffusers_paths(sai_path)
+        if sai_path == module and module not in sd3.OUTSIDE_BLOCKS.values() or not paths:
+            raise UnmappedPathError(path, "not an SD3 MMDiT LoRA layer")
+        name = "lora_unet_" + sai_path.replace(".", "_")
+        by_name.setdefault(name, KohyaModule(name, tuple(f"transformer.{p}" for p in paths), (1,) * len(paths),
+                                             swap_halves=paths[0] == "norm_out.linear",
+                                             swap_halves_if_two_chunks=paths[0].endswith("norm1_context.linear")))
+    return list(by_name.values())
 
 
 def kohya_modules(peft_paths: Sequence[str]) -> list[KohyaModule]:

@@ -206,11 +206,15 @@ class Trainer:
         self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
                                                   self.t.gradient_checkpointing,
                                                   steps_in_backward=bool(trained) and self.fused_backward)
+        self.family.prepare_for_data(c, [r for ds in self.data.datasets for r in ds.resolutions])
 
     def _fine_tune_parts(self) -> dict[str, float]:
         if self.s.fine_tune is None:
             return {}
-        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate, len(self.components.text_encoders))
+        encoders = len(self.components.text_encoders)
+        limit = self.family.fine_tune_text_encoders
+        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate,
+                              encoders if limit is None else min(limit, encoders))
 
     def _setup_trainable(self) -> None:
         t = self.t

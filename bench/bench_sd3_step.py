@@ -1,0 +1,130 @@
+"""SD3 / SD3.5 LoRA training step time against the bare diffusers step, measured in the same run.
+
+The MMDiT of a full-size preset (default SD3 medium: hidden 1536, 24 heads, the real embedders) at full
+width with fewer joint blocks (--blocks; the last one is "pre only" as in the real model), so it fits a
+CPU machine. Random weights, bf16 base, batch 1, cached text outputs (random CLIP-L / CLIP-G states and
+pooled outputs, T5 states of --t5_tokens tokens), transformer-only fused kohya LoRA (the same network
+patched in for both steps).
+
+- reference: SD3 noising by hand (σ from a logit-normal draw), SD3Transformer2DModel forward on the
+  concatenated context, x0 preconditioning, MSE against x0, backward, AdamW step.
+- ours: library.train.step.batch_loss (the trainer's micro-step, text from the cache) + clipping +
+  optimizer and scheduler step, as Trainer runs them.
+
+Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
+
+    python bench/bench_sd3_step.py [--preset random:sd3-medium] [--blocks 2] [--steps 4] [--t5_tokens 64] [--resolution 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    compare_steps,
+    lora_optimizer,
+    peak_rss_mib,
+    print_comparison,
+    trainer_step,
+)
+from library.families import get_family  # noqa: E402
+from library.families import sd3_layout as sai  # noqa: E402
+from library.families.base import Components  # noqa: E402
+from library.families.sd3_configs import PRESETS, transformer_config  # noqa: E402
+from library.families.sd3_options import SD3Options  # noqa: E402
+from library.families.tiny import build_seeded  # noqa: E402
+from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
+from library.objectives.losses import LossOptions  # noqa: E402
+from library.objectives.noise import NoiseOptions  # noqa: E402
+from library.train.step import StepContext  # noqa: E402
+from networks import lora  # noqa: E402
+
+
+def build_transformer(preset: str, blocks: int, dtype: torch.dtype):
+    """The preset's MMDiT with `blocks` joint blocks, created directly in `dtype`, in SAI order as loading leaves it."""
+    from diffusers import SD3Transformer2DModel
+
+    p = PRESETS[preset]
+    p = dataclasses.replace(p, layers=blocks, dual_attention_layers=tuple(i for i in p.dual_attention_layers if i < blocks))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_seeded(lambda: SD3Transformer2DModel(**transformer_config(p)), 0)
+    finally:
+        torch.set_default_dtype(previous)
+    return sai.to_sai_order(model.eval().requires_grad_(False))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="random:sd3-medium", choices=[n for n in PRESETS if n.startswith("random:")])
+    p.add_argument("--blocks", type=int, default=2, help="joint blocks (SD3 medium: 24, SD3.5 large: 38)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (sd-scripts' default 256)")
+    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dtype, device = torch.bfloat16, torch.device(a.device)
+
+    family = get_family("sd3")
+    options = SD3Options(t5xxl_max_token_length=a.t5_tokens, flow=SD3FlowOptions(weighting_scheme="logit_normal"))
+    t0 = time.perf_counter()
+    transformer = build_transformer(a.preset, a.blocks, dtype).to(device)
+    print(f"built the {a.preset} MMDiT with {a.blocks} joint blocks (bf16) in {time.perf_counter() - t0:.1f}s, "
+          f"peak RSS {peak_rss_mib():.0f} MiB")
+    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
+    network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
+    network.apply_to([], transformer, False, True)
+    network.to(device)
+    params, optimizer, scheduler = lora_optimizer(network)
+
+    pr = PRESETS[a.preset]
+    latent = a.resolution // 8
+    latents = torch.randn(1, 16, latent, latent)
+    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
+    text = {"l_out": torch.randn(77, pr.clip_l_hidden), "l_pooled": torch.randn(pr.clip_l_hidden),
+            "clip_l_attn_mask": torch.ones(77), "g_out": torch.randn(77, pr.clip_g_hidden),
+            "g_pooled": torch.randn(pr.clip_g_hidden), "clip_g_attn_mask": torch.ones(77),
+            "t5_out": torch.randn(a.t5_tokens, pr.t5_d_model), "t5_attn_mask": torch.ones(a.t5_tokens)}
+    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
+    lg = torch.cat([text["l_out"], text["g_out"]], dim=-1)
+    context = torch.cat([F.pad(lg, (0, pr.t5_d_model - lg.shape[-1])), text["t5_out"]])[None].to(device, dtype)
+    pooled = torch.cat([text["l_pooled"], text["g_pooled"]])[None].to(device, dtype)
+
+    def reference_step() -> None:
+        x0 = latents.to(device)
+        noise = torch.randn_like(x0)
+        sigma = torch.sigmoid(torch.randn(1, device=device))
+        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+        out = transformer(hidden_states=noisy, encoder_hidden_states=context, pooled_projections=pooled,
+                          timestep=(sigma * 1000).to(dtype), return_dict=False)[0]
+        F.mse_loss(noisy.float() - sigma * out.float(), x0.float()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
+                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
+                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache={caption: text})
+    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+
+    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
+    print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
+          f"({latent * latent // 4} image + {77 + a.t5_tokens} text tokens), batch 1, bf16, {device}")
+    print_comparison(result)
+
+
+if __name__ == "__main__":
+    main()

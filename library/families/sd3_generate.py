@@ -1,0 +1,90 @@
+"""Image generation for SD3 / SD3.5: CLIP-L + CLIP-G + T5 text, classifier-free guidance, flow-match Euler.
+
+As sd-scripts samples SD3 during training: σ from 1 down to the schedule's smallest σ on the
+shift-3 schedule (timesteps spaced evenly, then shifted), then 0; one Euler step per σ on the
+guided velocity; defaults 30 steps, scale 7.5, 512x512. Each image's start noise comes from its
+own CPU generator. The guided pass with the negative prompt runs when the scale is not 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import torch
+
+from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.flux_generate import _flow_sampler, decode_images
+from library.families.sd_generate import borrowed_on
+from library.objectives.flow import shift_sigmas
+from library.sampling.generate import GeneratedImage
+
+DEFAULT_SIZE = 512
+DEFAULT_STEPS = 30
+DEFAULT_SCALE = 7.5
+SAMPLING_SHIFT = 3.0  # sd-scripts' ModelSamplingDiscreteFlow(shift=3.0) "for SD3"
+SIZE_MULTIPLE = 16  # VAE factor 8 times the 2x2 patches
+MIN_SIZE = 64
+
+
+def resolve_sd3_request(request):
+    """The request with SD3's defaults filled in and the size rounded down to a multiple of 16."""
+    def size(value: Optional[int]) -> int:
+        value = value or DEFAULT_SIZE
+        return max(MIN_SIZE, value - value % SIZE_MULTIPLE)
+
+    return dataclasses.replace(request, width=size(request.width), height=size(request.height),
+                               steps=request.steps or DEFAULT_STEPS,
+                               scale=DEFAULT_SCALE if request.scale is None else request.scale,
+                               sampler=_flow_sampler(request.sampler))
+
+
+def sd3_sigmas(steps: int, shift: float = SAMPLING_SHIFT) -> torch.Tensor:
+    """steps + 1 σ: the shifted schedule at `steps` timesteps evenly spaced from 1000 to its smallest, then 0."""
+    smallest = float(shift_sigmas(torch.tensor(1 / 1000, dtype=torch.float64), shift))
+    t = torch.linspace(1.0, smallest, steps, dtype=torch.float64)
+    return torch.cat([shift_sigmas(t, shift), torch.zeros(1, dtype=torch.float64)]).float()
+
+
+@torch.no_grad()
+def encode_prompts_sd3(family: ModelFamily, components: Components, texts: list[str],
+                       device: torch.device) -> TextConditioning:
+    """The family's own tokenizing and encoding (as training), with the three encoders borrowed onto `device`."""
+    tokens = family.tokenize(components, texts, None)
+    with contextlib.ExitStack() as stack:
+        for encoder in components.text_encoders:
+            stack.enter_context(borrowed_on(encoder, device))
+        return family.encode_text(components, tokens, None)
+
+
+@torch.no_grad()
+def generate_sd3(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
+    """Denoise one batch of requests that share size, steps, scale and sampler."""
+    from PIL import Image
+
+    resolved = [resolve_sd3_request(r) for r in requests]
+    first = resolved[0]
+    if any(r.batch_key() != first.batch_key() for r in resolved):
+        raise ValueError("generate_sd3: a batch must share size, steps, scale and sampler")
+    model = components.denoiser
+    n = len(resolved)
+    use_cfg = first.scale != 1.0
+    texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+    text = encode_prompts_sd3(family, components, texts, device)
+    text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
+
+    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
+    latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators]).to(device)
+    sigmas = sd3_sigmas(first.steps)
+    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        model_in = torch.cat([latents, latents]) if use_cfg else latents
+        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
+        v = family.predict(components, model_in.to(model.dtype), timesteps, text, {}).float()
+        if use_cfg:
+            cond, uncond = v[:n], v[n:]
+            v = uncond + first.scale * (cond - uncond)
+        latents = latents + (sigma_next - sigma) * v
+    images = decode_images(family, components.vae, latents)
+    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

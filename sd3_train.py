@@ -1,0 +1,12 @@
+"""Fine-tune the whole SD3 / SD3.5 model (sd-scripts compatible flags).
+
+    accelerate launch sd3_train.py --pretrained_model_name_or_path MODEL --dataset_config data.toml \
+        --output_dir out --output_name my_model --save_model_as safetensors --learning_rate 1e-5
+"""
+
+import sys
+
+from library.cli.entry import run_training
+
+if __name__ == "__main__":
+    sys.exit(run_training("sd3", "Fine-tune SD3 / SD3.5 (the model's own weights)", fine_tune=True))

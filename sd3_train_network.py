@@ -1,0 +1,11 @@
+"""Train a LoRA for SD3 / SD3.5 medium and large (sd-scripts compatible flags).
+
+    accelerate launch sd3_train_network.py --config_file my_sd3_lora.toml
+"""
+
+import sys
+
+from library.cli.entry import run_training
+
+if __name__ == "__main__":
+    sys.exit(run_training("sd3", "Train a LoRA network on SD3 / SD3.5 (rectified flow)"))
