@@ -331,12 +331,21 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
 
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
                 "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
-    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra=fsdp_env)
+    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1) + ["--save_state", "--save_every_n_steps", "2"],
+           env_extra=fsdp_env)
     trace = read_trace(tmp)
     assert [t["step"] for t in trace[0]] == [1, 2, 3]
     assert all(a["params"] != b["params"] for a, b in zip(trace[0], trace[1]))  # different shards on each
     with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
         assert f.read() == ""  # rank 1 took part in gathering the weights but wrote nothing
+    # the state at step 2 holds whole weights and optimizer state; both processes shard it back and step 3 is
+    # bitwise the uninterrupted one
+    launch(tmp, 1, ft_args(os.path.join(tmp, "resumed"), 1) + ["--resume", os.path.join(tmp, "out",
+                                                                 "model-step00000002-state")],
+           env_extra=fsdp_env, trace="trace2")
+    resumed = read_trace(tmp, "trace2")
+    assert [[(t["step"], t["params"]) for t in resumed[r]] for r in (0, 1)] == \
+        [[(t["step"], t["params"]) for t in trace[r][2:]] for r in (0, 1)]
     family = get_family("sd")
     ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
     Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()

@@ -109,10 +109,11 @@ class RunSaver:
     def save_state(self, state_dir: str, progress: TrainProgress) -> None:
         """Called on every process (their RNG states are gathered); only the main process writes."""
         rng_states = gather_objects(self.run_state.capture_rng())
+        weights, optimizer_state = self.trainable.state_for_saving(self.optimizer)  # FSDP: gathered by all
         if not self.accelerator.is_main_process:
             return
         with naming_a_full_disk(state_dir, self.sizes()[1]):
-            save_state(state_dir, self.trainable.weights(), self.optimizer, self.lr_scheduler, self.run_state,
+            save_state(state_dir, weights, optimizer_state, self.lr_scheduler, self.run_state,
                        progress, getattr(self.accelerator, "scaler", None),
                        self.ema.state() if self.ema is not None else None, self.trainable.shape_settings(),
                        rng_states=rng_states)
@@ -153,8 +154,7 @@ def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainabl
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
                         f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")
-    trainable.load_weights(saved.weights)
-    optimizer.load_state_dict(saved.optimizer)
+    trainable.restore(saved.weights, optimizer, saved.optimizer)
     lr_scheduler.load_state_dict(saved.scheduler)
     if scaler is not None and saved.scaler is not None:
         scaler.load_state_dict(saved.scaler)

@@ -61,8 +61,6 @@ def fsdp_unsupported(s, samples_during_training: bool) -> Optional[str]:
                 "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
     if s.ema.use_ema:
         return "--use_ema is not supported with it yet"
-    if t.save_state or t.resume or t.save_state_on_train_end:
-        return "--save_state / --resume are not supported with it yet (sharded optimizer states)"
     if samples_during_training:
         return "sampling during training is not supported with it yet (every process must run the sharded model)"
     if t.compile.torch_compile:
@@ -135,3 +133,24 @@ def full_parameters(module: torch.nn.Module, keep: bool) -> Iterator[None]:
     finally:
         for sub, name, p in swapped:
             sub._parameters[name] = p
+
+
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
+
+
+def full_state(module: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(whole weights, whole optimizer state) on the CPU for a state folder; every process must call it. The
+    optimizer state is keyed by parameter name (PyTorch's full state dict), so it loads back whatever the sharding."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(module, _torch_optimizer(optimizer), options=options)
+
+
+def load_full_state(module: torch.nn.Module, optimizer, weights: dict[str, torch.Tensor], optimizer_state: dict) -> None:
+    """Shard a state folder's whole weights and optimizer state back into `module` / `optimizer` (every process)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(module, _torch_optimizer(optimizer), model_state_dict=weights, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))

@@ -113,7 +113,7 @@ def rng_file(rank: int) -> str:
     return f"random_states_{rank}.pkl"
 
 
-def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer, scheduler, run: RunState,
+def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer_state: dict, scheduler, run: RunState,
                progress: TrainProgress, scaler=None, ema: Optional[dict[str, torch.Tensor]] = None,
                shape_settings: Optional[dict[str, Any]] = None, rng_states: Optional[list[dict]] = None) -> None:
     """Write the whole state into a temporary folder, then rename it into place.
@@ -122,7 +122,7 @@ def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer, sche
     rng_states = rng_states or [run.capture_rng()]
     with atomic_directory(state_dir) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, os.path.join(tmp, WEIGHTS))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, OPTIMIZER))
+        torch.save(optimizer_state, os.path.join(tmp, OPTIMIZER))
         torch.save(scheduler.state_dict(), os.path.join(tmp, SCHEDULER))
         for rank, rng in enumerate(rng_states):
             with open(os.path.join(tmp, rng_file(rank)), "wb") as f:

@@ -28,7 +28,7 @@ from library.train.network_setup import (
     trained_text_encoders,
 )
 from library.train.settings import FineTuneOptions, NetworkOptions
-from library.train.sharding import full_parameters
+from library.train.sharding import full_parameters, full_state, load_full_state
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,15 @@ class Trainable(ABC):
     def gathered(self, keep: bool):
         """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
         return contextlib.nullcontext()
+
+    def state_for_saving(self, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+        """(weights, optimizer state) as a state folder stores them; called on every process (FSDP gathers)."""
+        return self.weights(), optimizer.state_dict()
+
+    def restore(self, weights: dict[str, torch.Tensor], optimizer, optimizer_state: dict) -> None:
+        """Load a state folder's weights and optimizer state (every process)."""
+        self.load_weights(weights)
+        optimizer.load_state_dict(optimizer_state)
 
     def on_epoch_start(self) -> None:
         """Called before each epoch's first batch."""
@@ -249,6 +258,16 @@ class ModelTrainable(Trainable):
 
     def gathered(self, keep):
         return full_parameters(self.module, keep) if self.sharded else contextlib.nullcontext()
+
+    def state_for_saving(self, optimizer):
+        if not self.sharded:
+            return super().state_for_saving(optimizer)
+        return full_state(self.module, optimizer)
+
+    def restore(self, weights, optimizer, optimizer_state):
+        if not self.sharded:
+            return super().restore(weights, optimizer, optimizer_state)
+        load_full_state(self.module, optimizer, weights, optimizer_state)
 
     def save(self, path, metadata):
         self.family.save_model(self.components, path, self.save_model_as, SAVE_DTYPES[self.save_precision],
