@@ -44,9 +44,6 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     if swap is not None and family is not None and not family_supports_block_swap(family):
         raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families such as flux "
                           "stream their transformer blocks); drop the flag")
-    if offload and family is not None and not family_supports_block_swap(family):
-        raise ConfigError(f"--cpu_offload_checkpointing: not supported for {name} (DiT families only); "
-                          "use --gradient_checkpointing alone")
     if swap is not None and values.get("torch_compile"):
         raise ConfigError("--torch_compile with --blocks_to_swap: swapped blocks change device every step, so their "
                           "compiled code would be re-traced every step; drop one of them")
