@@ -126,6 +126,10 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            raise UserError("DeepSpeed (the accelerate config's distributed_type DEEPSPEED): not implemented in this "
+                            "trainer yet; launch a full fine-tune with an FSDP2 config, or use DDP "
+                            "(tools/make_accelerate_config.py --strategy fsdp2 / ddp)")
         self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
