@@ -336,6 +336,7 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     """fine_tune.py under an FSDP2 accelerate config (the FSDP_* variables accelerate's launcher exports), on 2
     gloo processes x batch 1: each process holds different shards, only rank 0 writes, and the saved model equals
     the one 1 process x batch 2 trains."""
+    import torch
     from safetensors.torch import load_file
 
     from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
@@ -350,7 +351,8 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
                 ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
                 "--cache_latents", "--cache_latents_to_disk", "--optimizer_type", "SGDNesterov",
                 "--learning_rate", "0.05", "--max_train_steps", "3", "--seed", "123", "--cpu", "--output_dir", out,
-                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs")]
+                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs"),
+                "--use_ema", "--ema_decay", "0.5"]  # the EMA is sharded too; the file holds its gathered weights
 
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
                 "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
@@ -369,6 +371,9 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     resumed = read_trace(tmp, "trace2")
     assert [[(t["step"], t["params"]) for t in resumed[r]] for r in (0, 1)] == \
         [[(t["step"], t["params"]) for t in trace[r][2:]] for r in (0, 1)]
+    # and the saved model (the EMA weights, whose shards the state also carried) is bitwise the same
+    first, again = (load_file(os.path.join(tmp, d, "model.safetensors")) for d in ("out", "resumed"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     family = get_family("sd")
     ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
     Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()

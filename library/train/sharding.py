@@ -59,8 +59,6 @@ def fsdp_unsupported(s, samples_during_training: bool) -> Optional[str]:
     if s.fine_tune is None:
         return ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
                 "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
-    if s.ema.use_ema:
-        return "--use_ema is not supported with it yet"
     if samples_during_training:
         return "sampling during training is not supported with it yet (every process must run the sharded model)"
     if t.compile.torch_compile:
