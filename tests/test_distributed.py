@@ -345,6 +345,9 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
 
     tmp = str(tmp_path)
     data = dataset(tmp)
+    prompts = os.path.join(tmp, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("sks toy --w 64 --h 64 --s 2 --d 5\n")
 
     def ft_args(out: str, batch: int) -> list[str]:
         return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
@@ -352,7 +355,8 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
                 "--cache_latents", "--cache_latents_to_disk", "--optimizer_type", "SGDNesterov",
                 "--learning_rate", "0.05", "--max_train_steps", "3", "--seed", "123", "--cpu", "--output_dir", out,
                 "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs"),
-                "--use_ema", "--ema_decay", "0.5"]  # the EMA is sharded too; the file holds its gathered weights
+                "--use_ema", "--ema_decay", "0.5",  # the EMA is sharded too; the file holds its gathered weights
+                "--sample_prompts", prompts, "--sample_every_n_steps", "3"]  # every process generates, rank 0 writes
 
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
                 "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
@@ -362,7 +366,8 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     assert [t["step"] for t in trace[0]] == [1, 2, 3]
     assert all(a["params"] != b["params"] for a, b in zip(trace[0], trace[1]))  # different shards on each
     with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
-        assert f.read() == ""  # rank 1 took part in gathering the weights but wrote nothing
+        assert f.read() == ""  # rank 1 took part in gathering the weights and in sampling but wrote nothing
+    assert len(glob.glob(os.path.join(tmp, "out", "sample", "model_000003_00_*.png"))) == 1
     # the state at step 2 holds whole weights and optimizer state; both processes shard it back and step 3 is
     # bitwise the uninterrupted one
     launch(tmp, 1, ft_args(os.path.join(tmp, "resumed"), 1) + ["--resume", os.path.join(tmp, "out",

@@ -51,7 +51,6 @@ from library.train.profiling import Instruments
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
 from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
-from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext, batch_loss, optimizer_step
@@ -142,7 +141,7 @@ class Trainer:
         self.device = self.accelerator.device
         self.fsdp = FsdpSettings.from_env() if n > 1 else None
         if self.fsdp is not None:
-            why = fsdp_unsupported(self.s, any(isinstance(h, SampleHook) for h in self.s.hooks))
+            why = fsdp_unsupported(self.s)
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
