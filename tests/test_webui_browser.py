@@ -284,6 +284,8 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     rows = browser.find_elements(By.CSS_SELECTOR, "table.components tr td:first-child")
     assert [r.text for r in rows] == ["DiT", "LLM adapter", "Text encoder (Qwen3)"]
     frozen = browser.find_element(By.ID, "f-llm_adapter_frozen")
+    assert browser.find_element(By.CSS_SELECTOR, 'label[for="f-llm_adapter_frozen"]').text.startswith(
+        "Keep the LLM adapter weights frozen during training")
     assert not frozen.is_selected() and browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()
 
     model = browser.find_element(By.ID, "f-pretrained_model_name_or_path")

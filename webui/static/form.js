@@ -29,7 +29,7 @@ const SECTIONS = [
   ["Optimization", [
     ["config", "optimizer_type", "Optimizer", "text", "AdamW, AdamW8bit, Prodigy, Lion, Adafactor, ...", "optimizer"],
     ["config", "optimizer_args", "Optimizer args", "list", "key=value, space-separated (e.g. weight_decay=0.01 betas=0.9,0.99)", "optimizer"],
-    ["config", "learning_rate", "Learning rate", "float", "base learning rate (full fine-tune: the UNet / transformer's)", "optimizer"],
+    ["config", "learning_rate", "Learning rate", "float", "base learning rate (full fine-tune: the UNet / transformer / DiT's)", "optimizer"],
     ["config", "unet_lr", "UNet / transformer LR", "float", "blank: the base learning rate", "optimizer", null, "lora"],
     ["config", "text_encoder_lr", "Text encoder LR", "float", "blank: the base learning rate", "optimizer", null, "lora"],
     ["config", "lr_scheduler", "Scheduler", "select:|constant|constant_with_warmup|linear|cosine|cosine_with_restarts|polynomial|cosine_with_min_lr|warmup_stable_decay", "learning-rate schedule", "optimizer"],
@@ -538,12 +538,15 @@ function adapterRow() {
   row.appendChild(el("td", {}, "LLM adapter"));
   const frozen = el("input", { type: "checkbox", id: "f-llm_adapter_frozen" });
   frozen.checked = configValue("llm_adapter_lr") === 0;
+  row.appendChild(el("td", { class: "muted" }, "unless frozen"));
+  const lr = lrInput("llm_adapter_lr", "--llm_adapter_lr: the adapter's rate; blank: the base LR");
+  const c = el("td");
   const lab = el("label", { for: "f-llm_adapter_frozen" });
   lab.appendChild(frozen);
-  lab.appendChild(document.createTextNode(" Keep the LLM adapter weights frozen during training"));
-  const td = el("td"); td.appendChild(lab); row.appendChild(td);
-  const lr = lrInput("llm_adapter_lr", "--llm_adapter_lr: the adapter's rate; blank: the base LR");
-  const c = el("td"); c.appendChild(lr); row.appendChild(c);
+  lab.appendChild(document.createTextNode(" Keep the LLM adapter weights frozen during training (--llm_adapter_lr 0); else its rate:"));
+  c.appendChild(lab);
+  c.appendChild(lr);
+  row.appendChild(c);
   const sync = () => { lr.disabled = frozen.checked; if (frozen.checked) lr.value = ""; };
   frozen.addEventListener("change", sync);
   sync();
