@@ -44,8 +44,8 @@ OPTIONS = [
      "to the GPU (DiT families only: flux, sd3, anima, chroma)"), "memory", "int",
      ["family:block_swap", "gpu", "flag"]),
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
-     "activations in CPU memory until backward; requires gradient checkpointing"), "memory", "bool",
-     ["family:block_swap", "gpu", "flag", "needs:gradient_checkpointing"]),
+     "activations in CPU memory until backward; requires gradient checkpointing (every family)"), "memory", "bool",
+     ["gpu", "flag", "needs:gradient_checkpointing"]),
     # Diagnostics: trainer flags, offered once the job's script has them
     ("profile_steps", "Per-step timing breakdown", "--profile_steps: how long data loading, forward, backward and "
      "the optimizer step take in each step, in the log", "diagnostics", "bool", ["flag"]),
