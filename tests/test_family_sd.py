@@ -45,8 +45,8 @@ def kohya_modules(target, conv: bool) -> list[str]:
 def test_registry():
     assert {"sd", "sdxl"} <= set(family_names()) and family_names() == sorted(family_names())
     assert isinstance(get_family("sd"), SDFamily)
-    with pytest.raises(ConfigError, match=f"model family: expected one of {', '.join(family_names())}, got 'sd3'"):
-        get_family("sd3")
+    with pytest.raises(ConfigError, match=f"model family: expected one of {', '.join(family_names())}, got 'sd4'"):
+        get_family("sd4")
 
 
 def test_tiny_preset_is_deterministic_and_keeps_global_rng():
