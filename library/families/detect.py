@@ -7,7 +7,14 @@ import json
 import os
 from typing import Iterable, Optional
 
-from library.families import anima_configs, flux_configs, lumina_configs, sd3_configs, sd_configs, sdxl_configs
+from library.families import (
+    anima_configs,
+    flux_configs,
+    lumina_configs,
+    sd3_configs,
+    sd_configs,
+    sdxl_configs,
+)
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
