@@ -19,6 +19,7 @@ from library.families.lumina_configs import PRESETS, build_lumina_modules, trans
 from library.families.lumina_loading import write_lumina_preset
 from library.families.lumina_options import LuminaOptions
 from networks.lora import create_network
+from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
 
 
@@ -223,3 +224,42 @@ def test_generation_makes_images(tiny_lumina):
     images = get_family("lumina").generate(tiny_lumina, [GenerationRequest("a cat", seed=1, width=64, height=64,
                                                                            steps=2, scale=2.0)])
     assert images[0].image.size == (64, 64)
+
+
+def test_nextdit_shift_is_uniform_then_shifted_by_image_size():
+    """sd-scripts' nextdit_shift: σ = e^μ / (e^μ + 1/u - 1), u uniform, μ linear in the 2x2-patch count
+    (0.5 at 256, 1.15 at 4096)."""
+    import math
+
+    from library.families.lumina import LuminaFlowScheme
+    from library.families.lumina_options import LuminaFlowOptions
+
+    scheme = LuminaFlowScheme(LuminaFlowOptions(timestep_sampling="nextdit_shift"))
+    sigmas = scheme.sample_sigmas(4, torch.Generator().manual_seed(3), (1, 16, 64, 64))
+    u = torch.rand(4, generator=torch.Generator().manual_seed(3)).clamp(min=1e-7)
+    mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (32 * 32 - 256)
+    torch.testing.assert_close(sigmas, math.exp(mu) / (math.exp(mu) + (1 / u - 1)))
+    with pytest.raises(ConfigError, match=r"^--timestep_sampling: expected one of .*nextdit_shift, got 'x'$"):
+        LuminaFlowOptions(timestep_sampling="x").check()
+
+
+def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """docs/lumina_train_network.md's sd-scripts command line trains one step on tiny:lumina with only the
+    substitutions of tests/test_sd_scripts_command_lines.py (model and component paths, data, output)."""
+    import os
+
+    from library.cli.entry import run_training
+    from tests import test_sd_scripts_command_lines as doc_lines
+
+    monkeypatch.setattr(doc_lines, "DOCS", ("docs/lumina_train_network.md",))
+    monkeypatch.setitem(doc_lines.SCRIPTS, "lumina_train_network.py", ("lumina", "tiny:lumina"))
+    monkeypatch.setattr(doc_lines, "MODEL_PARTS", doc_lines.MODEL_PARTS | {"--gemma2"})
+    (where, command), = doc_lines.documented_command_lines()
+    family, script, argv = doc_lines.adapt(command, *example_data, str(tmp_path / "out"))
+    assert (family, script) == ("lumina", "lumina_train_network.py")
+    assert "nextdit_shift" in argv and "--system_prompt" in argv
+    code = run_training(family, script, argv)
+    err = capsys.readouterr().err
+    assert code == 0, f"{where}: {err.strip().splitlines()[-1:]}"
+    saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
+    assert saved == ["my_lumina_lora.safetensors"]

@@ -23,7 +23,8 @@ from library.families.lumina_configs import LATENT_CHANNELS
 from library.families.lumina_generate import generate_lumina
 from library.families.lumina_loading import check_model_source, load_lumina_components
 from library.families.lumina_options import LuminaOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible
+from library.objectives.flow import FlowMatchScheme, check_flow_compatible, flux_shift_mu, time_shift
+from library.objectives.noise import rand
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,21 @@ LUMINA_IMPLEMENTATION = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"  # sd-s
 # attention and MLP.
 TRANSFORMER_TARGETS = ("Lumina2TransformerBlock", "LuminaLayerNormContinuous")
 GEMMA2_TARGETS = ("Gemma2Attention", "Gemma2MLP")
+
+
+class LuminaFlowScheme(FlowMatchScheme):
+    """FLUX.1's rectified flow plus sd-scripts' Lumina-only sampler nextdit_shift: σ uniform (at least 1e-7), then
+    shifted by μ of the image's 2x2-patch count (FLUX.1's resolution shift)."""
+
+    def sample_sigmas(self, batch_size: int, generator: Optional[torch.Generator] = None,
+                      latent_shape=None) -> torch.Tensor:
+        if self.options.timestep_sampling != "nextdit_shift":
+            return super().sample_sigmas(batch_size, generator, latent_shape)
+        if latent_shape is None:
+            raise ValueError("nextdit_shift needs the latent shape to count image tokens")
+        h, w = latent_shape[-2:]
+        sigmas = rand((batch_size,), generator, "cpu").clamp(min=1e-7)
+        return time_shift(flux_shift_mu((h // 2) * (w // 2)), sigmas)
 
 
 class LuminaFamily(ModelFamily):
@@ -138,7 +154,7 @@ class LuminaFamily(ModelFamily):
 
     # --- denoising -----------------------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:
-        return FlowMatchScheme(self.options(components).flow)
+        return LuminaFlowScheme(self.options(components).flow)
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:

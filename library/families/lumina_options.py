@@ -6,6 +6,7 @@ Declared once here with their help text; library/cli turns them into sd-scripts'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,15 +20,29 @@ SYSTEM_PROMPT_MARK = "<Prompt Start>"  # what sd-scripts puts between the system
 COMPONENT_FILE_FLAGS = ("gemma2", "ae")
 
 
+# sd-scripts' Lumina samplers: FLUX.1's plus nextdit_shift (uniform σ, then FLUX.1's shift by image size).
+LUMINA_TIMESTEP_SAMPLINGS = (*TIMESTEP_SAMPLINGS, "nextdit_shift")
+
+
 @dataclass
 class LuminaFlowOptions(FlowOptions):
     """FLUX.1's flow-matching flags with sd-scripts' Lumina defaults: `shift` sampling with shift 6.0."""
     timestep_sampling: str = field(default="shift", metadata={
-        "choices": TIMESTEP_SAMPLINGS,
-        "help": "how σ is drawn: shift (default: sigmoid then --discrete_flow_shift), sigma, uniform, sigmoid or "
-                "flux_shift (by image size)"})
+        "choices": LUMINA_TIMESTEP_SAMPLINGS,
+        "help": "how σ is drawn: shift (default: sigmoid then --discrete_flow_shift), sigma, uniform, sigmoid, "
+                "flux_shift (sigmoid, shifted by image size) or nextdit_shift (uniform, shifted by image size)"})
     discrete_flow_shift: float = field(default=6.0, metadata={
         "help": "shift of the schedule for --timestep_sampling shift and sigma (default 6.0; > 1: noisier)"})
+
+    def check(self) -> None:
+        """As FLUX.1's, with nextdit_shift accepted too."""
+        if self.timestep_sampling == "nextdit_shift":
+            FlowOptions.check(dataclasses.replace(self, timestep_sampling="uniform"))
+            return
+        if self.timestep_sampling not in LUMINA_TIMESTEP_SAMPLINGS:
+            raise ConfigError(f"--timestep_sampling: expected one of {', '.join(LUMINA_TIMESTEP_SAMPLINGS)}, "
+                              f"got {self.timestep_sampling!r}")
+        super().check()
 
 
 @dataclass
