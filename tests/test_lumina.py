@@ -263,3 +263,26 @@ def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeyp
     assert code == 0, f"{where}: {err.strip().splitlines()[-1:]}"
     saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
     assert saved == ["my_lumina_lora.safetensors"]
+
+
+def test_full_fine_tune_saves_an_original_dit_file_that_loads_back(tmp_path, lumina_files, tiny_lumina):
+    """lumina_train.py: one step; the saved DiT is in the original NextDiT names, loads back through the
+    single-file loader, and only the DiT moved (Gemma-2 is not trained without --train_text_encoder)."""
+    import os
+
+    from library.cli.entry import run_training
+    from tests.test_fine_tune import ft_args
+
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    assert run_training("lumina", "test", ft_args(data, out, preset="tiny:lumina", steps=1, extra=[
+        "--gemma2_max_token_length", "8"]), fine_tune=True) == 0
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["modelspec.architecture"] == "lumina-2"
+    assert keys == set(load_file(lumina_files["dit"]))
+    loaded = get_family("lumina").load(LoadOptions(path, family_options=LuminaOptions(
+        gemma2=lumina_files["gemma2"], ae=lumina_files["ae"])))
+    a, b = loaded.denoiser.state_dict(), tiny_lumina.denoiser.state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
