@@ -116,6 +116,21 @@ def test_full_size_lora_names_on_meta():
     assert family.block_classes == ("Lumina2TransformerBlock",)
 
 
+def independent_merge(original: dict, lora: dict) -> tuple[dict, int]:
+    """NextDiT-layout tensors with each lora_unet module's up @ down · alpha / rank added to the weight whose
+    original name, dots as underscores, is the module's name; and how many modules were merged."""
+    merged = {k: v.clone() for k, v in original.items()}
+    by_name = {"lora_unet_" + k[:-len(".weight")].replace(".", "_"): k for k in merged if k.endswith(".weight")}
+    used = 0
+    for key in lora:
+        if key.startswith("lora_unet_") and key.endswith(".lora_down.weight"):
+            name = key[:-len(".lora_down.weight")]
+            down, up, alpha = lora[key], lora[f"{name}.lora_up.weight"], lora[f"{name}.alpha"]
+            merged[by_name[name]] += up @ down * (alpha / down.shape[0])
+            used += 1
+    return merged, used
+
+
 def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path):
     """The LoRA-patched DiT equals one whose NextDiT-layout weights (q, k, v fused) had up @ down · alpha / rank
     added per module, loaded back by the single-file loader."""
@@ -124,18 +139,7 @@ def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path):
     family = get_family("lumina")
     c = family.load(LoadOptions("tiny:lumina"))
     path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
-    lora = load_file(path)
-    merged = layout.to_original(c.denoiser.state_dict())
-    merged = {k: v.clone() for k, v in merged.items()}
-    used = 0
-    for key in lora:
-        if key.startswith("lora_unet_") and key.endswith(".lora_down.weight"):
-            name = key[:-len(".lora_down.weight")]
-            down, up, alpha = lora[key], lora[f"{name}.lora_up.weight"], lora[f"{name}.alpha"]
-            target = next(k for k in merged if k.endswith(".weight")
-                          and "lora_unet_" + k[:-len(".weight")].replace(".", "_") == name)
-            merged[target] += up @ down * (alpha / down.shape[0])
-            used += 1
+    merged, used = independent_merge(layout.to_original(c.denoiser.state_dict()), load_file(path))
     assert used == 36
     file = str(tmp_path / "merged.safetensors")
     from safetensors.torch import save_file
@@ -286,3 +290,20 @@ def test_full_fine_tune_saves_an_original_dit_file_that_loads_back(tmp_path, lum
         gemma2=lumina_files["gemma2"], ae=lumina_files["ae"])))
     a, b = loaded.denoiser.state_dict(), tiny_lumina.denoiser.state_dict()
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_merge_tool_writes_the_merged_original_dit(tmp_path, lumina_files, tiny_lumina):
+    """tools/merge_lora.py on the Lumina files (--gemma2 / --ae as training takes them): the saved DiT equals the
+    independent merge in the NextDiT layout."""
+    from tools import merge_lora
+
+    family = get_family("lumina")
+    lora_path = random_lora_file(family, tiny_lumina, str(tmp_path / "lora.safetensors"))
+    out = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", lumina_files["dit"], "--gemma2", lumina_files["gemma2"], "--ae",
+                            lumina_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
+    expected, used = independent_merge(load_file(lumina_files["dit"]), load_file(lora_path))
+    got = load_file(out)
+    assert used == 36 and got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
