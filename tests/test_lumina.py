@@ -15,7 +15,11 @@ from library.core.errors import ConfigError
 from library.families import get_family
 from library.families import lumina_layout as layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.lumina_configs import PRESETS, build_lumina_modules, transformer_config
+from library.families.lumina_configs import (
+    PRESETS,
+    build_lumina_modules,
+    transformer_config,
+)
 from library.families.lumina_loading import write_lumina_preset
 from library.families.lumina_options import LuminaOptions
 from networks.lora import create_network

@@ -23,7 +23,12 @@ from library.families.lumina_configs import LATENT_CHANNELS
 from library.families.lumina_generate import generate_lumina
 from library.families.lumina_loading import check_model_source, load_lumina_components
 from library.families.lumina_options import LuminaOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, flux_shift_mu, time_shift
+from library.objectives.flow import (
+    FlowMatchScheme,
+    check_flow_compatible,
+    flux_shift_mu,
+    time_shift,
+)
 from library.objectives.noise import rand
 from networks.lora_targets import LoraTarget
 
