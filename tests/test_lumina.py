@@ -144,7 +144,7 @@ def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path):
     c = family.load(LoadOptions("tiny:lumina"))
     path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
     merged, used = independent_merge(layout.to_original(c.denoiser.state_dict()), load_file(path))
-    assert used == 36
+    assert used == 42
     file = str(tmp_path / "merged.safetensors")
     from safetensors.torch import save_file
     save_file(merged, file)
@@ -213,7 +213,7 @@ def test_tiny_lumina_lora_training_run(tmp_path):
         keys = sorted(f.keys())
         metadata = f.metadata()
         up = f.get_tensor("lora_unet_layers_0_attention_qkv.lora_up.weight")
-    assert len(keys) == 36 * 3 and all(k.startswith("lora_unet_") for k in keys)
+    assert len(keys) == 42 * 3 and all(k.startswith("lora_unet_") for k in keys)
     assert up.shape == (48 + 2 * 24, 4) and up.abs().sum() > 0  # trained
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
         == ("lumina2", "lumina-2/lora", "networks.lora_lumina")
@@ -308,6 +308,20 @@ def test_merge_tool_writes_the_merged_original_dit(tmp_path, lumina_files, tiny_
                             lumina_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
     expected, used = independent_merge(load_file(lumina_files["dit"]), load_file(lora_path))
     got = load_file(out)
-    assert used == 36 and got.keys() == expected.keys()
+    assert used == 42 and got.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path, lumina_files):
+    """--blocks_to_swap 1 (the last joint block streamed) gives the same LoRA as no swapping; more than
+    blocks - 2 is refused before loading, naming the bound."""
+    data = make_dataset(str(tmp_path), n=1)
+    extra = ["--network_module", "networks.lora_lumina", "--network_train_unet_only", "--gemma2_max_token_length", "8"]
+    runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:lumina", steps=2, extra=extra + more),
+                         "lumina").run() for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1"]))]
+    a, b = (load_file(p) for p in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
+        get_family("lumina").check_options(LuminaOptions(gemma2=lumina_files["gemma2"], ae=lumina_files["ae"]),
+                                           LoadOptions(lumina_files["dit"]), blocks_to_swap=2)

@@ -21,7 +21,12 @@ from library.families.base import Components, LoadOptions, ModelFamily, TextCond
 from library.families.flux_configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
 from library.families.lumina_configs import LATENT_CHANNELS
 from library.families.lumina_generate import generate_lumina
-from library.families.lumina_loading import check_model_source, load_lumina_components
+from library.families.lumina_loading import (
+    block_count,
+    check_blocks_to_swap,
+    check_model_source,
+    load_lumina_components,
+)
 from library.families.lumina_options import LuminaOptions
 from library.objectives.flow import (
     FlowMatchScheme,
@@ -88,8 +93,9 @@ class LuminaFamily(ModelFamily):
         options.check()
         if model.pretrained_model_name_or_path:
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-        if blocks_to_swap:
-            raise ConfigError("--blocks_to_swap: not implemented for Lumina yet")
+            blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
+            if blocks:
+                check_blocks_to_swap(blocks_to_swap, blocks)
         ignored = options.ignored_flags()
         if ignored:
             logger.warning("%s: attention backends of sd-scripts' own NextDiT; diffusers' model here uses PyTorch "
@@ -195,6 +201,13 @@ class LuminaFamily(ModelFamily):
 
     def single_file_state_dict(self, components: Components) -> dict:
         return layout.to_original(components.denoiser.state_dict())
+
+    # --- memory --------------------------------------------------------------------------------------
+    def swappable_blocks(self, components: Components, num_swap: int) -> list:
+        """The last N joint blocks (`layers`); at most blocks - 2, as sd-scripts' NextDiT allows."""
+        blocks = list(components.denoiser.layers)
+        check_blocks_to_swap(num_swap, len(blocks))
+        return blocks[len(blocks) - num_swap:]
 
     # --- metadata ------------------------------------------------------------------------------------
     def base_model_version(self, components: Components) -> str:

@@ -49,7 +49,7 @@ class LuminaPreset:
 
 
 PRESETS: dict[str, LuminaPreset] = {
-    "tiny:lumina": LuminaPreset("tiny:lumina", layers=2, refiner_layers=2, hidden=48, heads=2, kv_heads=1,
+    "tiny:lumina": LuminaPreset("tiny:lumina", layers=3, refiner_layers=2, hidden=48, heads=2, kv_heads=1,
                                 axes_dims=(8, 8, 8), multiple_of=16, gemma_hidden=32, gemma_intermediate=64,
                                 gemma_heads=2, gemma_kv_heads=1, gemma_head_dim=16, vae_channels=(32, 32, 64, 64)),
     # sd-scripts' LuminaParams.get_2b_config and its GEMMA2_CONFIG (google/gemma-2-2b).

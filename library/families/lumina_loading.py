@@ -177,6 +177,20 @@ def check_model_source(path: str, options, vae: Optional[str]) -> None:
                 raise ModelLoadError(f"--{flag}: required with a Lumina DiT file ({path})")
 
 
+def block_count(path: str) -> Optional[int]:
+    """Joint blocks (`layers.N`) of a preset or DiT file, read without loading weights; None when it cannot tell."""
+    try:
+        if lumina_source_kind(path) == "preset":
+            return PRESETS[path].layers
+        from safetensors import safe_open
+
+        pattern = re.compile(r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
+        with safe_open(path, "pt") as f:
+            return len({m[1] for k in f.keys() if (m := pattern.match(k))})
+    except (OSError, ValueError, ModelLoadError):
+        return None
+
+
 def check_blocks_to_swap(num_swap: int, blocks: int) -> None:
     if not 1 <= num_swap <= blocks - 2:
         raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{blocks - 2} for this model ({blocks} blocks; "
