@@ -203,12 +203,18 @@ def test_predict_is_the_velocity_at_one_minus_sigma(tiny_lumina):
 
 
 def test_tiny_lumina_lora_training_run(tmp_path):
+    import os
+
     data = make_dataset(str(tmp_path), n=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:lumina", steps=2, extra=[
         "--network_module", "networks.lora_lumina", "--gemma2_max_token_length", "16", "--cache_text_encoder_outputs",
-        "--network_train_unet_only", "--system_prompt", "You are an assistant designed to generate images."]),
-        "lumina")
+        "--network_train_unet_only", "--system_prompt", "You are an assistant designed to generate images.",
+        "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"]), "lumina")
     path = trainer.run()
+    samples = os.listdir(tmp_path / "out" / "sample")
+    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples  # sampled with the TE cache
     with safe_open(path, "pt") as f:
         keys = sorted(f.keys())
         metadata = f.metadata()
