@@ -331,3 +331,32 @@ def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path,
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
         get_family("lumina").check_options(LuminaOptions(gemma2=lumina_files["gemma2"], ae=lumina_files["ae"]),
                                            LoadOptions(lumina_files["dit"]), blocks_to_swap=2)
+
+
+def test_sd_scripts_network_args_on_the_full_size_model():
+    """sd-scripts' lora_lumina arguments: train_blocks filters the DiT modules by name, the type dims take the first
+    matching word (attention, mlp, modulation, refiner), Gemma-2's modules keep the network dim; embedder_dims is
+    refused in one line."""
+    family = get_family("lumina")
+    parts = build_lumina_modules("random:lumina2", device="meta")
+    c = Components(parts["transformer"], parts["vae"], [parts["text_encoder"]], [parts["tokenizer"]])
+
+    def dims(**args) -> dict[str, int]:
+        net = create_network(1.0, 4, 1, None, None, None, lora_targets=family.lora_targets(c), **args)
+        return {m.lora_name: m.lora_dim for m in net.unet_loras + net.text_encoder_loras}
+
+    only = dims(train_blocks="transformer")
+    assert sum(n.startswith("lora_unet_") for n in only) == 26 * 6 and sum(n.startswith("lora_te_") for n in only) == 182
+    refiners = dims(train_blocks="refiners")
+    assert {n for n in refiners if n.startswith("lora_unet_")} == {
+        n for n in dims() if n.startswith(("lora_unet_noise_refiner_", "lora_unet_context_refiner_"))}
+    typed = dims(attn_dim="8", mod_dim="2", refiner_dim="6", mlp_dim="16")
+    assert typed["lora_unet_layers_3_attention_qkv"] == 8 and typed["lora_unet_noise_refiner_0_attention_out"] == 8
+    assert typed["lora_unet_layers_3_adaLN_modulation_1"] == 2 and typed["lora_unet_final_layer_adaLN_modulation_1"] == 2
+    assert typed["lora_unet_noise_refiner_1_feed_forward_w2"] == 6 and typed["lora_unet_layers_0_feed_forward_w1"] == 4
+    assert typed["lora_te_layers_0_self_attn_q_proj"] == 4
+    assert "lora_unet_layers_0_attention_qkv" not in dims(attn_dim="0")
+    with pytest.raises(ConfigError, match=r"^--network_args embedder_dims: not supported"):
+        dims(embedder_dims="[4,4,4]")
+    with pytest.raises(ConfigError, match=r"^--network_args train_blocks: expected one of all, transformer, "):
+        dims(train_blocks="single")

@@ -27,6 +27,7 @@ from library.families.lumina_loading import (
     check_model_source,
     load_lumina_components,
 )
+from library.families.lumina_network_args import LuminaNetworkArgs
 from library.families.lumina_options import LuminaOptions
 from library.objectives.flow import (
     FlowMatchScheme,
@@ -189,10 +190,12 @@ class LuminaFamily(ModelFamily):
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet: every joint / refiner block and the final layer under NextDiT's names (q, k, v as one fused
         `attention_qkv`); lora_te: Gemma-2's attention and MLP (sd-scripts' networks/lora_lumina.py)."""
+        args = LuminaNetworkArgs()  # sd-scripts' lora_lumina network args (lumina_network_args.py)
         targets = [LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=layout.original_path,
-                              fused_slot=layout.fused_slot, external_prefix="lycoris")]
+                              fused_slot=layout.fused_slot, external_prefix="lycoris", network_args=args)]
         if components.text_encoders and components.text_encoders[0] is not None:
-            targets.append(LoraTarget("lora_te", components.text_encoders[0], GEMMA2_TARGETS, is_text_encoder=True))
+            targets.append(LoraTarget("lora_te", components.text_encoders[0], GEMMA2_TARGETS, is_text_encoder=True,
+                                      network_args=args))
         return targets
 
     # --- saving --------------------------------------------------------------------------------------
