@@ -360,3 +360,30 @@ def test_sd_scripts_network_args_on_the_full_size_model():
         dims(embedder_dims="[4,4,4]")
     with pytest.raises(ConfigError, match=r"^--network_args train_blocks: expected one of all, transformer, "):
         dims(train_blocks="single")
+
+
+def test_extract_recovers_the_merged_difference(tmp_path, lumina_files, tiny_lumina):
+    """extract_lora_from_models.py between the tiny DiT file and a merged one (rank-4 LoRA per module) writes the
+    42 DiT modules under their sd-scripts names; each up @ down · alpha / rank equals the merged difference (no
+    clamping: --clamp_quantile 1.0)."""
+    from tools import extract_lora_from_models, merge_lora
+
+    family = get_family("lumina")
+    lora_path = random_lora_file(family, tiny_lumina, str(tmp_path / "lora.safetensors"), seed=4)
+    merged = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", lumina_files["dit"], "--gemma2", lumina_files["gemma2"], "--models",
+                            lora_path, "--ratios", "1.0", "--save_to", merged]) == 0
+    out = str(tmp_path / "extracted.safetensors")
+    assert extract_lora_from_models.main(["--model_org", lumina_files["dit"], "--model_tuned", merged, "--gemma2",
+                                          lumina_files["gemma2"], "--dim", "4", "--clamp_quantile", "1.0",
+                                          "--save_to", out]) == 0
+    got, base, tuned = load_file(out), load_file(lumina_files["dit"]), load_file(merged)
+    names = {k.split(".")[0] for k in got}
+    assert len(names) == 42 and "lora_unet_layers_2_attention_qkv" in names
+    with safe_open(out, "pt") as f:
+        assert f.metadata()["ss_network_module"] == "networks.lora_lumina"
+    for name, key in (("lora_unet_layers_2_attention_qkv", "layers.2.attention.qkv.weight"),
+                      ("lora_unet_final_layer_linear", "final_layer.linear.weight")):
+        down, up, alpha = got[f"{name}.lora_down.weight"], got[f"{name}.lora_up.weight"], got[f"{name}.alpha"]
+        torch.testing.assert_close(up.float() @ down.float() * (alpha / down.shape[0]), tuned[key] - base[key],
+                                   rtol=1e-3, atol=1e-4)
