@@ -266,6 +266,29 @@ def test_step_module_one_process_and_a_turn_without_images():
     assert zero.item() == 0.0 and torch.equal(net.weight.grad, torch.zeros(2, 3)) and net.bias.grad is None
 
 
+def test_deepspeed_launch_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch exports for a DeepSpeed config
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1))
+    with pytest.raises(UserError, match=r"^DeepSpeed \(the accelerate config's distributed_type DEEPSPEED\): not "):
+        trainer._setup_accelerator()
+
+
+def test_fsdp1_config_is_refused_in_one_line(tmp_path, monkeypatch):
+    from library.core.errors import ConfigError
+    from library.train.sharding import FsdpSettings
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match=r"^FSDP version 1 .*only FSDP2 is implemented"):
+        FsdpSettings.from_env()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "A, B")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    s = FsdpSettings.from_env()
+    assert (s.block_classes, s.cpu_offload, s.reshard_after_forward) == (("A", "B"), True, True)
+
+
 def test_ddp_timeout_reaches_accelerate(tmp_path):
     data = dataset(str(tmp_path), n=2)
     trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1,
@@ -313,6 +336,7 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     """fine_tune.py under an FSDP2 accelerate config (the FSDP_* variables accelerate's launcher exports), on 2
     gloo processes x batch 1: each process holds different shards, only rank 0 writes, and the saved model equals
     the one 1 process x batch 2 trains."""
+    import torch
     from safetensors.torch import load_file
 
     from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
@@ -321,13 +345,18 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
 
     tmp = str(tmp_path)
     data = dataset(tmp)
+    prompts = os.path.join(tmp, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("sks toy --w 64 --h 64 --s 2 --d 5\n")
 
     def ft_args(out: str, batch: int) -> list[str]:
         return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
                 ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
                 "--cache_latents", "--cache_latents_to_disk", "--optimizer_type", "SGDNesterov",
                 "--learning_rate", "0.05", "--max_train_steps", "3", "--seed", "123", "--cpu", "--output_dir", out,
-                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs")]
+                "--output_name", "model", "--save_model_as", "safetensors", "--logging_dir", os.path.join(tmp, "logs"),
+                "--use_ema", "--ema_decay", "0.5",  # the EMA is sharded too; the file holds its gathered weights
+                "--sample_prompts", prompts, "--sample_every_n_steps", "3"]  # every process generates, rank 0 writes
 
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
                 "FSDP_RESHARD_AFTER_FORWARD": "true", "SCRIPT": "fine_tune.py"}
@@ -337,7 +366,8 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     assert [t["step"] for t in trace[0]] == [1, 2, 3]
     assert all(a["params"] != b["params"] for a, b in zip(trace[0], trace[1]))  # different shards on each
     with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
-        assert f.read() == ""  # rank 1 took part in gathering the weights but wrote nothing
+        assert f.read() == ""  # rank 1 took part in gathering the weights and in sampling but wrote nothing
+    assert len(glob.glob(os.path.join(tmp, "out", "sample", "model_000003_00_*.png"))) == 1
     # the state at step 2 holds whole weights and optimizer state; both processes shard it back and step 3 is
     # bitwise the uninterrupted one
     launch(tmp, 1, ft_args(os.path.join(tmp, "resumed"), 1) + ["--resume", os.path.join(tmp, "out",
@@ -346,6 +376,9 @@ def test_fsdp2_full_fine_tune_equals_one_process(tmp_path):
     resumed = read_trace(tmp, "trace2")
     assert [[(t["step"], t["params"]) for t in resumed[r]] for r in (0, 1)] == \
         [[(t["step"], t["params"]) for t in trace[r][2:]] for r in (0, 1)]
+    # and the saved model (the EMA weights, whose shards the state also carried) is bitwise the same
+    first, again = (load_file(os.path.join(tmp, d, "model.safetensors")) for d in ("out", "resumed"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     family = get_family("sd")
     ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
     Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()

@@ -415,9 +415,9 @@ def test_performance_options_say_why_not():
         "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
         "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
-        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this machine",
-        "cpu_offload_checkpointing": "not supported for sd (DiT families only: flux, sd3, anima); no GPU on this "
-                                     "machine",
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma); no GPU on this "
+                          "machine",
+        "cpu_offload_checkpointing": "no GPU on this machine",
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
         "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
     flux = availability("flux", "flux_train_network.py", 2, installed=lambda m: True,
@@ -434,8 +434,12 @@ def test_performance_options_say_why_not():
         "--dynamo_backend: only with torch compile on", "dynamo_backend")
     assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima); no GPU on "
-        "this machine"), "blocks_to_swap")
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma); no "
+         "GPU on this machine"), "blocks_to_swap")
+    for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("sdxl", False)):  # as the trainer's
+        options = availability(family, "x.py", 1, installed=lambda m: True, flags=flags)  # family_supports_block_swap
+        assert [o["available"] for o in options if o["key"] in ("blocks_to_swap", "cpu_offload_checkpointing")] == \
+            [swaps, True], family  # activation offload: every family
 
 
 def test_performance_endpoint_and_refused_saves(jobs_dir):
@@ -552,3 +556,73 @@ def test_the_run_sees_only_the_chosen_gpus(client, jobs_dir, monkeypatch, tmp_pa
     assert client.app.state.runner.wait(1, 30) == "finished"
     log = client.get("/api/jobs/1/log").text
     assert "data: $ cd " in log and " && CUDA_VISIBLE_DEVICES=0,2 python " in log and "data: visible: 0,2\n" in log
+
+
+# --- SD3 / SD3.5, Anima and Chroma: templates, scripts, the trainer's check ----------------------------------------
+
+NEW_FAMILY_SCRIPTS = {("sd3", "lora"): "sd3_train_network.py", ("sd3", "finetune"): "sd3_train.py",
+                      ("anima", "lora"): "anima_train_network.py", ("anima", "finetune"): "anima_train.py",
+                      ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py"}
+
+
+def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatch):
+    """A job of each new family and mode, created from its template: the page's command runs the family's script;
+    with the built-in tiny model (the template's /models/... paths do not exist here), AdamW (no bitsandbytes)
+    and the example images, saving passes that script's own --check_config (the six checks run side by side).
+    Anima: "keep the LLM adapter frozen" is llm_adapter_lr = 0, accepted by anima_train.py. A Chroma job must keep
+    model_type = "chroma" (else the FLUX.1 script would train FLUX.1): refused at once, one line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from webui import performance
+    from webui.jobfiles import REPO_ROOT
+
+    # the scripts' --help (the Performance options' flags) is not what this test is about: the option flags as given
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    c = TestClient(create_app(jobs_dir, find_gpus=list))
+    templates = {t["name"]: t for t in c.get("/api/templates").json()}
+    jobs = {}
+    for (family, mode), script in NEW_FAMILY_SCRIPTS.items():
+        t = templates[f"{family}_{mode}"]
+        assert (t["family"], t["mode"]) == (family, mode)
+        job = _create(c, template=f"{family}_{mode}")
+        folder = os.path.join(jobs_dir, str(job["id"]))
+        assert (job["family"], job["script"]) == (family, script)
+        assert job["command"] == f"cd {REPO_ROOT} && python {script} --config_file {folder}/config.toml"
+        settings = c.get(f"/api/jobs/{job['id']}/settings").json()
+        model = settings["config"]["model"]
+        assert model["pretrained_model_name_or_path"].startswith("/models/")  # placeholders, as the FLUX.1 ones
+        model["pretrained_model_name_or_path"] = f"tiny:{family}"
+        settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
+        settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
+        if (family, mode) == ("anima", "finetune"):
+            settings["config"]["optimizer"]["llm_adapter_lr"] = 0
+        jobs[(family, mode)] = (job["id"], settings)
+    assert {k: set(s["config"]["model"]) for k, (_, s) in jobs.items() if k[1] == "lora"} == {
+        ("sd3", "lora"): {"pretrained_model_name_or_path", "clip_l", "clip_g", "t5xxl"},
+        ("anima", "lora"): {"pretrained_model_name_or_path", "qwen3", "vae"},
+        ("chroma", "lora"): {"model_type", "pretrained_model_name_or_path", "t5xxl", "ae", "apply_t5_attn_mask",
+                             "guidance_scale"}}  # no clip_l for Chroma
+    assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s) in jobs.items()
+            if k[1] == "lora"} == {"sd3": "networks.lora_sd3", "anima": "networks.lora_anima",
+                                   "chroma": "networks.lora_flux"}
+
+    chroma_id, chroma = jobs[("chroma", "lora")]
+    for model_type, got in ((None, "blank"), ("flux", '"flux"')):
+        model = {k: v for k, v in chroma["config"]["model"].items() if k != "model_type"}
+        if model_type:
+            model["model_type"] = model_type
+        r = c.put(f"/api/jobs/{chroma_id}/settings", json={**chroma, "config": {**chroma["config"], "model": model}})
+        assert r.status_code == 422 and r.json()["detail"] == {
+            "error": f'model_type: a chroma job needs model_type "chroma" (the FLUX.1 scripts train the model it '
+                     f'names), got {got}', "field": "model_type"}
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(jobs, pool.map(lambda js: c.put(f"/api/jobs/{js[0]}/settings", json=js[1]),
+                                          jobs.values())))
+    for key, r in results.items():
+        assert r.status_code == 200, (key, r.text)
+    written = {k: toml.load(os.path.join(jobs_dir, str(i), "config.toml")) for k, (i, _) in jobs.items()}
+    assert written[("anima", "finetune")]["optimizer"]["llm_adapter_lr"] == 0
+    assert written[("chroma", "finetune")]["model"]["model_type"] == "chroma"
+    assert all(w["model"]["pretrained_model_name_or_path"].startswith("tiny:") for w in written.values())

@@ -260,3 +260,49 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#history li .what").text.startswith(
         "restored revision 2: profile_steps: removed (was true); "))
+
+
+def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatch):
+    """An Anima full fine-tune job: the Anima model fields (no CLIP-L), the DiT / LLM adapter / Qwen3 rows, and
+    "Keep the LLM adapter weights frozen during training" ticked: the server holds llm_adapter_lr = 0, accepted by
+    anima_train.py's own --check_config, and the re-drawn form shows the box ticked."""
+    from webui import performance
+
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)  # not --help: faster
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    url, app = server
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    browser.get(url + "/")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#template-select option[value="anima_finetune"]'))
+    Select(browser.find_element(By.ID, "template-select")).select_by_value("anima_finetune")
+    browser.find_element(By.ID, "create-btn").click()
+    wait.until(lambda d: d.find_elements(By.ID, "f-llm_adapter_frozen"))
+    assert "python anima_train.py --config_file" in browser.find_element(By.ID, "command").text
+    assert browser.find_element(By.ID, "f-qwen3").get_attribute("value") == "/models/qwen_3_06b_base.safetensors"
+    assert browser.find_elements(By.ID, "f-vae") and browser.find_elements(By.ID, "f-llm_adapter_path")
+    assert not browser.find_elements(By.ID, "f-clip_l") and not browser.find_elements(By.ID, "f-network_dim")
+    rows = browser.find_elements(By.CSS_SELECTOR, "table.components tr td:first-child")
+    assert [r.text for r in rows] == ["DiT", "LLM adapter", "Text encoder (Qwen3)"]
+    frozen = browser.find_element(By.ID, "f-llm_adapter_frozen")
+    assert browser.find_element(By.CSS_SELECTOR, 'label[for="f-llm_adapter_frozen"]').text.startswith(
+        "Keep the LLM adapter weights frozen during training")
+    assert not frozen.is_selected() and browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()
+
+    model = browser.find_element(By.ID, "f-pretrained_model_name_or_path")
+    model.clear()
+    model.send_keys("tiny:anima")  # the built-in tiny model: the template's /models/... file is not here
+    browser.find_element(By.ID, "f-optimizer_type").clear()
+    browser.find_element(By.ID, "f-optimizer_type").send_keys("AdamW")  # no bitsandbytes needed
+    folder = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="0"] .image-dir')
+    folder.clear()
+    folder.send_keys("examples/data/train/10_sks shape")
+    frozen.click()
+    assert not browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()
+    browser.find_element(By.ID, "save-btn").click()
+    wait.until(lambda d: any(e.is_displayed() for e in d.find_elements(By.CSS_SELECTOR, "#form-ok, .error")))
+    errors = [e.text for e in browser.find_elements(By.CSS_SELECTOR, ".error")]
+    assert browser.find_element(By.ID, "form-ok").is_displayed(), errors
+    config = toml.load(os.path.join(app.state.runner.jobs_dir, "1", "config.toml"))
+    assert config["optimizer"]["llm_adapter_lr"] == 0
+    assert config["model"]["pretrained_model_name_or_path"] == "tiny:anima"
+    assert browser.find_element(By.ID, "f-llm_adapter_frozen").is_selected()  # the form, drawn again from the server

@@ -18,7 +18,8 @@ from webui import logs, performance
 from webui.folders import Roots, dataset_paths, missing_dataset_folders
 from webui.hardware import gpus
 from webui.history import changes
-from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, script_for, templates
+from webui.jobfiles import (IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, model_type_refusal, script_for,
+                            templates)
 from webui.multigpu import clean_launch, write_accelerate_config
 from webui.runner import LAUNCHERS, Runner, gpu_environment, shown_command, training_command
 from webui.store import ACTIVE, Store
@@ -97,7 +98,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         for section in config.values():  # "Block swap count" 0 is off: no flag (the trainer wants >= 1)
             if isinstance(section, dict) and section.get("blocks_to_swap") == 0:
                 del section["blocks_to_swap"]
-        refused = performance.refusal(config, performance_options(job))
+        refused = model_type_refusal(job["family"], config) or performance.refusal(config, performance_options(job))
         if refused:
             raise HTTPException(422, {"error": refused[0], "field": refused[1]})
         scratch_config = os.path.join(folder.path, ".accelerate_config.yaml")

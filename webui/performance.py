@@ -17,8 +17,8 @@ from typing import Any
 from webui.jobfiles import REPO_ROOT, find_key
 
 # Families whose transformer blocks can be swapped to CPU memory (the DiT families; the trainer's
-# family_supports_block_swap says the same for the families the UI has templates of).
-BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima")
+# family_supports_block_swap says the same for every family the UI has templates of: a test compares them).
+BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma")
 
 # key, label, help, section of config.toml, kind ("bool" | "int" | "memory"), [requirements]
 # requirements: "gpu", "package:<module>[:<pip name>]", "family:block_swap", "flag" (the trainer has --key),
@@ -41,10 +41,11 @@ OPTIONS = [
     ("memory", "Load model to", ("VRAM (--highvram: keep everything on the GPU) or RAM (--lowram: load to CPU "
      "memory first); the trainer accepts both for compatibility"), "training", "memory", ["gpu"]),
     ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
-     "to the GPU (DiT families only: flux, later sd3 / anima)"), "memory", "int", ["family:block_swap", "gpu", "flag"]),
+     "to the GPU (DiT families only: flux, sd3, anima, chroma)"), "memory", "int",
+     ["family:block_swap", "gpu", "flag"]),
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
-     "activations in CPU memory until backward; requires gradient checkpointing"), "memory", "bool",
-     ["family:block_swap", "gpu", "flag", "needs:gradient_checkpointing"]),
+     "activations in CPU memory until backward; requires gradient checkpointing (every family)"), "memory", "bool",
+     ["gpu", "flag", "needs:gradient_checkpointing"]),
     # Diagnostics: trainer flags, offered once the job's script has them
     ("profile_steps", "Per-step timing breakdown", "--profile_steps: how long data loading, forward, backward and "
      "the optimizer step take in each step, in the log", "diagnostics", "bool", ["flag"]),

@@ -4,6 +4,8 @@ ema <- decay_t * ema + (1 - decay_t) * weights, every --ema_update_every optimiz
 --ema_start_step on (the average starts as a copy of the weights then). With warm-up, decay_t is
 min(decay, (1 + t) / (10 + t)) at the t-th update, so early averages are not dominated by the
 initial weights. The averages live in float32 on the CPU (--ema_device cpu) or beside the weights.
+Under FSDP2 each process averages its own shard of every weight (the EMA is sharded as the weights are);
+`state()` and `load_state()` then gather and shard whole tensors, and every process must call them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from library.train.settings import EmaOptions
 
@@ -38,13 +41,14 @@ class EMA:
         if global_step < self.opts.start_step:
             return
         if not self.shadow:
-            self.shadow = {n: p.detach().to(self.device, torch.float32, copy=True) for n, p in self.params.items()}
+            self.shadow = {n: _local(p).detach().to(self.device, torch.float32, copy=True)
+                           for n, p in self.params.items()}
             return
         if (global_step - self.opts.start_step) % self.opts.update_every:
             return
         d = self.decay()
         for name, p in self.params.items():
-            self.shadow[name].lerp_(p.detach().to(self.device, torch.float32), 1.0 - d)
+            self.shadow[name].lerp_(_local(p).detach().to(self.device, torch.float32), 1.0 - d)
         self.updates += 1
 
     @contextlib.contextmanager
@@ -56,24 +60,47 @@ class EMA:
         backup = {}
         with torch.no_grad():
             for name, p in self.params.items():
-                backup[name] = p.detach().to("cpu", copy=True)
-                p.copy_(self.shadow[name].to(p.device, p.dtype))
+                local = _local(p)
+                backup[name] = local.detach().to("cpu", copy=True)
+                local.copy_(self.shadow[name].to(local.device, local.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
                 for name, p in self.params.items():
-                    p.copy_(backup[name].to(p.device))
+                    local = _local(p)
+                    local.copy_(backup[name].to(local.device))
 
     def state(self) -> Optional[dict[str, torch.Tensor]]:
         """The averages and the update count, for the state folder (None before the first step)."""
         if not self.shadow:
             return None
-        return {**self.shadow, "__ema_updates__": torch.tensor(self.updates, dtype=torch.int64)}
+        whole = {n: _whole(self.shadow[n], p) for n, p in self.params.items()}
+        return {**whole, "__ema_updates__": torch.tensor(self.updates, dtype=torch.int64)}
 
     def load_state(self, state: Optional[dict[str, torch.Tensor]]) -> None:
         if not state:
             return
         state = dict(state)
         self.updates = int(state.pop("__ema_updates__"))
-        self.shadow = {n: state[n].to(self.device, torch.float32) for n in self.params}
+        self.shadow = {n: _shard_like(state[n], p).to(self.device, torch.float32) for n, p in self.params.items()}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of a weight: the shard of an FSDP2 (DTensor) parameter, else the weight itself."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _whole(shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole average of a weight from every process's shard (collective under FSDP2)."""
+    if not isinstance(p, DTensor):
+        return shard
+    local = DTensor.from_local(shard.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return local.full_tensor().cpu()
+
+
+def _shard_like(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a whole average, cut as FSDP2 cuts `p` (collective under FSDP2)."""
+    if not isinstance(p, DTensor):
+        return whole
+    return distribute_tensor(whole.to(p.device, torch.float32), p.device_mesh, p.placements).to_local()

@@ -81,13 +81,16 @@ class SampleHook:
             return
         suffix, epoch = due
         accelerator = trainer.accelerator
-        if accelerator.is_main_process:
-            self.sample(trainer, step, epoch, suffix)
+        # Under FSDP every process holds a shard of the model, so every process runs the generation (the
+        # weights are gathered block by block); only the main one writes the images.
+        sharded = getattr(getattr(trainer, "trainable", None), "sharded", False)
+        if accelerator.is_main_process or sharded:
+            self.sample(trainer, step, epoch, suffix, write=accelerator.is_main_process)
         self.last_sampled_step = step
         accelerator.wait_for_everyone()
 
-    def sample(self, trainer, step: int, epoch: Optional[int], suffix: str) -> list[str]:
-        """Generate every prompt with the current network and save / log the images."""
+    def sample(self, trainer, step: int, epoch: Optional[int], suffix: str, write: bool = True) -> list[str]:
+        """Generate every prompt with the current network and save / log the images (`write`)."""
         rng_state = trainer.run_state.capture_rng()
         network = trainer.accelerator.unwrap_model(trainer.network)
         was_training = network.training
@@ -109,6 +112,8 @@ class SampleHook:
                 generated = generate_images(trainer.family, trainer.components, requests,
                                             clip_skip=trainer.s.text.clip_skip, device=trainer.device,
                                             batch_size=self.options.sample_batch_size)
+            if not write:
+                return []
             t = trainer.t
             current_epoch = epoch if epoch is not None else math.ceil(step / max(1, trainer.steps_per_epoch))
             extra = {"step": step, "epoch": current_epoch, "model": t.output_name}

@@ -85,22 +85,23 @@ class RunSaver:
         return self.ema.swapped_in() if self.ema is not None and use_ema else contextlib.nullcontext()
 
     def save_model(self, stem: str, step: int, epoch: int) -> str:
-        """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked)."""
+        """Save under `stem` (the EMA weights with --use_ema; also the trained ones as <stem>-nonema if asked).
+        Called on every process: under FSDP all of them swap the EMA in and gather; the main one writes."""
         path = self.trainable.file_path(self.t.output_dir, stem)
-        with self.trainable.gathered(self.accelerator.is_main_process):  # FSDP: all processes gather the weights
-            if self.accelerator.is_main_process:
-                self._write_model(path, stem, step, epoch)
-        return path
-
-    def _write_model(self, path: str, stem: str, step: int, epoch: int) -> None:
-        metadata = self.metadata(step, epoch)
-        with naming_a_full_disk(path, self.sizes()[0]):
+        main = self.accelerator.is_main_process
+        metadata = self.metadata(step, epoch) if main else {}
+        with naming_a_full_disk(path, self.sizes()[0]) if main else contextlib.nullcontext():
             if self.ema is not None and not self.ema_opts.save_ema_only:
-                self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
-            with self.eval_weights(True):
-                self.trainable.save(path, metadata)
-        self.last_saved = path
-        logger.info("saved %s", path)
+                with self.trainable.gathered(main):
+                    if main:
+                        self.trainable.save(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"), metadata)
+            with self.eval_weights(True), self.trainable.gathered(main):
+                if main:
+                    self.trainable.save(path, metadata)
+        if main:
+            self.last_saved = path
+            logger.info("saved %s", path)
+        return path
 
     def _remove_model(self, stem: str) -> None:
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))
@@ -110,12 +111,13 @@ class RunSaver:
         """Called on every process (their RNG states are gathered); only the main process writes."""
         rng_states = gather_objects(self.run_state.capture_rng())
         weights, optimizer_state = self.trainable.state_for_saving(self.optimizer)  # FSDP: gathered by all
+        ema_state = self.ema.state() if self.ema is not None else None  # FSDP: gathered by all
         if not self.accelerator.is_main_process:
             return
         with naming_a_full_disk(state_dir, self.sizes()[1]):
             save_state(state_dir, weights, optimizer_state, self.lr_scheduler, self.run_state,
                        progress, getattr(self.accelerator, "scaler", None),
-                       self.ema.state() if self.ema is not None else None, self.trainable.shape_settings(),
+                       ema_state, self.trainable.shape_settings(),
                        rng_states=rng_states)
         logger.info("saved state %s", state_dir)
 

@@ -53,16 +53,12 @@ class FsdpSettings:
                             int(float(os.environ.get("FSDP_MIN_NUM_PARAMS", "1e8"))))
 
 
-def fsdp_unsupported(s, samples_during_training: bool) -> Optional[str]:
+def fsdp_unsupported(s) -> Optional[str]:
     """Why FSDP2 sharding cannot run these RunSettings yet (refused in one line before anything loads), or None."""
     t = s.training
     if s.fine_tune is None:
         return ("it shards full fine-tunes; a LoRA's own weights are small and its base is frozen: launch with "
                 "a DDP config (tools/make_accelerate_config.py --strategy ddp)")
-    if s.ema.use_ema:
-        return "--use_ema is not supported with it yet"
-    if samples_during_training:
-        return "sampling during training is not supported with it yet (every process must run the sharded model)"
     if t.compile.torch_compile:
         return "--torch_compile is not supported with it yet"
     if s.memory.blocks_to_swap:

@@ -1,13 +1,12 @@
 """The one training loop for every family and for adapters and full fine-tunes alike: a recipe that reads top to bottom.
 
-setup: data (validated first, before any model is loaded) -> model -> what trains (a `Trainable`) ->
-latent cache -> optimizer/scheduler -> EMA -> resume. train: epochs of planned batches, gradient
-accumulation, clipping, logging, validation, saving, clean stop on signals.
+setup (here): data (validated first, before any model is loaded) -> model -> what trains (a `Trainable`) ->
+latent cache -> optimizer/scheduler -> EMA -> resume. train (library/train/loop.py, `TrainingLoop`): epochs of
+planned batches, gradient accumulation, clipping, logging, validation, saving, clean stop on signals.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -17,11 +16,10 @@ import uuid
 from typing import Optional
 
 import torch
-from tqdm.auto import tqdm
 
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries
-from library.data.dataset import DataFamilyInfo, EpochSampler, PlannedBatches, build_training_data
+from library.data.dataset import DataFamilyInfo, build_training_data
 from library.data.cache_share import CacheShare
 from library.data.te_cache import (
     cache_source_id,
@@ -30,12 +28,10 @@ from library.data.te_cache import (
 )
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
-from library.train import checkpoints as ckpt
 from library.train.compile import compile_blocks
 from library.train.distributed import (
     StepModule,
     StepTrace,
-    any_process,
     data_parallel,
     gather_objects,
     make_accelerator,
@@ -43,34 +39,28 @@ from library.train.distributed import (
 )
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
-from library.train.lr_schedulers import create_scheduler, lr_log_names, lr_logs
+from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
+from library.train.lr_schedulers import create_scheduler, lr_log_names
 from library.train.memory_setup import apply_memory_options, park_cached_parts
 from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments
-from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.settings import RunSettings
 from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
-from library.train.sampling_hook import SampleHook
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
-from library.train.step import StepContext, batch_loss, optimizer_step
+from library.train.step import StepContext
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
-from library.train.tracking import LossWindow, Tracker
+from library.train.tracking import Tracker
 from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
-from library.train.validation import validation_loss
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class TrainingError(UserError):
-    """Training cannot go on (e.g. a NaN loss); the last saved files stay valid."""
-
-
-class Trainer:
+class Trainer(TrainingLoop):
     """One run: `run()` sets everything up from the settings and trains; every attribute is listed here."""
 
     def __init__(self, family: ModelFamily, settings: RunSettings, stop: Optional[StopHandler] = None):
@@ -126,6 +116,10 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            raise UserError("DeepSpeed (the accelerate config's distributed_type DEEPSPEED): not implemented in this "
+                            "trainer yet; launch a full fine-tune with an FSDP2 config, or use DDP "
+                            "(tools/make_accelerate_config.py --strategy fsdp2 / ddp)")
         self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
@@ -138,7 +132,7 @@ class Trainer:
         self.device = self.accelerator.device
         self.fsdp = FsdpSettings.from_env() if n > 1 else None
         if self.fsdp is not None:
-            why = fsdp_unsupported(self.s, any(isinstance(h, SampleHook) for h in self.s.hooks))
+            why = fsdp_unsupported(self.s)
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
@@ -399,213 +393,3 @@ class Trainer:
 
     def _on_signal(self, signum, frame) -> None:  # tests simulate a signal through this
         self.stop._on_signal(signum, frame)
-
-    def _train(self) -> str:
-        accum = self.t.gradient_accumulation_steps
-        start = self.run_state.progress
-        global_step = start.global_step
-        loss_window = LossWindow(self.batches_per_epoch)
-        bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
-                   disable=not self.accelerator.is_local_main_process)
-        logger.info("training: %d images, %d batches/epoch, %d epochs, %d steps, grad accumulation %d%s",
-                    self.data.num_train_images, self.batches_per_epoch, self.num_epochs, self.max_train_steps, accum,
-                    f", {self.accelerator.num_processes} processes (batches/epoch per process)"
-                    if self.accelerator.num_processes > 1 else "")
-        self.network.train()
-        if self.schedule_free:
-            self.optimizer.train()
-        self._run_hooks("train_start", global_step)
-        sampler = EpochSampler()
-        workers = self.s.data.data_loader_workers()
-        loader = torch.utils.data.DataLoader(
-            PlannedBatches(self.data), sampler=sampler, batch_size=None, num_workers=workers,
-            persistent_workers=self.s.data.persistent_data_loader_workers and workers > 0,
-            # Its own generator: creating an iterator must not draw from the global RNG, or a resumed
-            # run (which creates one mid-epoch) would diverge from an uninterrupted one. Every random
-            # choice of a batch is drawn from its own (seed, epoch, batch, sample) generator.
-            generator=torch.Generator().manual_seed(self.t.seed))
-        for epoch in range(start.epoch, self.num_epochs + 1):
-            skip = start.batches_done if epoch == start.epoch else 0
-            refs = self.data.epoch_batches(epoch, global_step - skip // accum)
-            self.trainable.on_epoch_start()
-            sampler.refs = refs[skip:]
-            epoch_losses: list[float] = []
-            group_losses: list[float] = []
-            for i, batch in enumerate(self.instruments.timed(loader), start=skip):
-                last_in_group = (i + 1) % accum == 0 or i == len(refs) - 1
-                if i % accum == 0:
-                    self.instruments.before_step(global_step + 1)
-                self.skipped_images.update(batch["skipped_images"])
-                if batch["image_paths"]:  # empty when every image of the batch failed to decode
-                    group_losses.append(self._micro_step(batch, global_step, last_in_group))
-                    self.trace.batch(batch["image_paths"])
-                elif self.accelerator.num_processes > 1:  # join the others' gradient all-reduce with zeros
-                    self._micro_step(None, global_step, last_in_group)
-                batches_done = i + 1 if i + 1 < len(refs) else 0
-                self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
-                if not last_in_group:
-                    continue
-                if not group_losses and self.accelerator.num_processes == 1:
-                    continue  # every image of the group failed to decode: no step (several processes step together)
-                self._optimizer_step(global_step + 1)
-                global_step += 1
-                epoch_losses.extend(group_losses)
-                for loss in group_losses:
-                    loss_window.add(loss)
-                group_losses = []
-                self.run_state.advance(epoch if batches_done else epoch + 1, global_step, batches_done)
-                self.trace.step(global_step, epoch, self.trainable.weights().values() if self.trace.active else ())
-                bar.update(1)
-                if epoch_losses:
-                    self._log_step(global_step, loss_window, epoch_losses[-1], bar)
-                self._log_throughput(global_step)
-                done = global_step >= self.max_train_steps
-                with self._untimed():
-                    self._after_step(global_step)
-                if any_process(self.stop.requested, self.device):  # every process stops at the same step
-                    return self._stop()
-                if done:
-                    break
-            with self._untimed():
-                self._after_epoch(epoch, global_step, epoch_losses)
-            if global_step >= self.max_train_steps:
-                break
-        bar.close()
-        self.instruments.close()
-        return self._finish()
-
-    def _batch_loss(self, batch: dict, generator: torch.Generator):
-        return batch_loss(self.ctx, batch, generator)
-
-    def _micro_step(self, batch: Optional[dict], global_step: int, sync: bool) -> float:
-        """Forward and backward of one batch (None: this process has no images this time, see StepModule). With
-        several processes DDP averages the gradients during the backward of the group's last micro-batch; the
-        others run under no_sync."""
-        phase = self.instruments.phase
-        ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
-        with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
-            if batch is not None:
-                pixels = batch["latents"] if batch.get("latents") is not None else batch.get("images")
-                self.instruments.micro_batch(tuple(pixels.shape) if pixels is not None else (),
-                                             len(batch["image_paths"]) * self.accelerator.num_processes)
-            with phase("forward"):
-                loss, _ = self.step_module(batch, self.noise_generator)
-            if batch is None:
-                self.accelerator.backward(loss)
-                return 0.0
-            self._check_finite(loss, batch, global_step)
-            with phase("backward"):
-                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
-            self.instruments.micro_done()
-        if self.block_swapper is not None:
-            self.block_swapper.release()
-        return loss.item()
-
-    def _check_finite(self, loss: torch.Tensor, batch: dict, global_step: int) -> None:
-        if not torch.isfinite(loss):
-            paths = ", ".join(batch.get("image_paths", [])[:8])
-            raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
-                                f"Images in this batch: {paths}. The files saved so far are intact; "
-                                f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
-                                f"or a lower learning rate")
-
-    def _optimizer_step(self, step: int) -> None:
-        clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
-        with self.instruments.phase("optimizer"):
-            optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                           self.accelerator.clip_grad_norm_)
-        self.step_logs = self.trainable.after_optimizer_step(self.device)
-        if self.ema is not None:
-            self.ema.step(step)
-
-    def _log_step(self, step: int, window: LossWindow, current: float, bar) -> None:
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        bar.set_postfix(loss=f"{window.average:.4f}", lr=f"{lrs[0]:.2e}", refresh=False)
-        if step % self.t.log_every_n_steps:
-            return
-        values = {"loss/current": current, "loss/average": window.average}
-        values.update(lr_logs(self.lr_scheduler, self.optimizer, self.lr_names, adaptive=self.optimizer_descr.adaptive))
-        values.update(self.step_logs)
-        self.tracker.log(values, step)
-
-    def _untimed(self):
-        """Sampling, saving and validation are not step time (--log_tflops, --profile_steps)."""
-        return self.instruments.paused()
-
-    def _log_throughput(self, step: int) -> None:
-        report, times = self.instruments.step_done(step)
-        if report is not None:
-            logger.info("step %d: %s", step, report.line())
-            self.tracker.log(report.as_scalars(), step)
-        if times is not None:
-            logger.info("%s", times.line())
-            self.tracker.log(times.scalars(), step)
-
-    # ------------------------------------------------------------------ after steps / epochs
-    def _after_step(self, step: int) -> None:
-        t = self.t
-        self.saver.after_step(step)
-        if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
-            self._validate(step, "step")
-        self._run_hooks("step", step)
-
-    def _after_epoch(self, epoch: int, step: int, losses: list[float]) -> None:
-        t = self.t
-        if losses:
-            self.tracker.log({"loss/epoch_average": sum(losses) / len(losses)}, epoch)
-        self.saver.after_epoch(epoch, step)
-        if t.validate_every_n_epochs and epoch % t.validate_every_n_epochs == 0:
-            self._validate(epoch, "epoch")
-        self._run_hooks("epoch", step)
-
-    def eval_weights(self, purpose: str):
-        """The EMA weights in place for "sampling" / "validation" when --ema_for_<purpose> (default on)."""
-        wanted = {"sampling": self.s.ema.for_sampling, "validation": self.s.ema.for_validation}[purpose]
-        return self.ema.swapped_in() if self.ema is not None and wanted else contextlib.nullcontext()
-
-    def _validate(self, at: int, kind: str) -> None:
-        refs = self.data.validation_batches()
-        if not refs:
-            return
-        if self.t.max_validation_steps:
-            refs = refs[: self.t.max_validation_steps]
-        self.network.eval()
-        with self.eval_weights("validation"):
-            value = validation_loss(self.ctx, self.data, refs, seed=self.s.data.validation_seed or self.t.seed)
-        self.network.train()
-        self.tracker.log({f"loss/validation/{kind}_average": value}, at)
-        logger.info("validation loss at %s %d: %.5f", kind, at, value)
-
-    def _run_hooks(self, event: str, step: int) -> None:
-        for hook in self.s.hooks:
-            hook(self, event, step)
-
-    def _metadata(self, step: int, epoch: int) -> dict:
-        facts = RunFacts(self.session_id, self.started_at, step, epoch, self.num_epochs, self.max_train_steps,
-                         self.batches_per_epoch, self.t.seed, self.optimizer_descr.ss_optimizer)
-        build = lora_metadata if self.trainable.is_adapter else model_metadata
-        return build(self.family, self.components, self.s, self.data, facts)
-
-    def _stop(self) -> str:
-        self.instruments.close()
-        progress = self.run_state.progress
-        stem = ckpt.step_stem(self.t.output_name, progress.global_step)
-        self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
-        raise InterruptedTraining(self.stop.signum, ckpt.state_path(self.t.output_dir, stem))
-
-    def _finish(self) -> str:
-        progress = self.run_state.progress  # mid-epoch when --max_train_steps ended the run: resume goes on there
-        if self.schedule_free:
-            self.optimizer.eval()
-        path = self.saver.final(progress)
-        self._run_hooks("train_end", progress.global_step)
-        return path
-
-
-class InterruptedTraining(Exception):
-    """Raised after a signal once the state is saved; the entry script exits with 128 + signal."""
-
-    def __init__(self, signum: int, state_dir: str):
-        super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
-        self.signum = signum
-        self.state_dir = state_dir

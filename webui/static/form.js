@@ -4,23 +4,32 @@
 "use strict";
 
 const TE_NAMES = { sd: ["Text encoder (CLIP)"], sdxl: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (OpenCLIP-G)"],
-  flux: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)"] };
+  flux: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)"],
+  sd3: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (CLIP-G)"],  // sd3_train.py trains these two; T5-XXL stays frozen
+  anima: ["Text encoder (Qwen3)"], chroma: ["Text encoder (T5-XXL)"] };
+// What the Full Finetune Options call the denoiser (--learning_rate) of each family.
+const DENOISER_NAMES = { sd: "UNet", sdxl: "UNet", flux: "Transformer", chroma: "Transformer", sd3: "MMDiT", anima: "DiT" };
 
 // A section is [title, fields] or [title, "custom renderer name", families, mode]. A field is
 // [file, key, label, type, help, where (config section or dataset path), families, mode]: "config" keys live in
 // any [section] of config.toml (the trainer flattens them); "dataset" keys sit at a path of dataset.toml.
 const SECTIONS = [
   ["Model and mode", [
-    ["config", "pretrained_model_name_or_path", "Model path", "text", "a .safetensors / .ckpt file, a diffusers folder or a Hub id; tiny:sd1 is the built-in test model", "model"],
-    ["config", "clip_l", "CLIP-L", "text", "FLUX.1: the CLIP-L text encoder file", "model", ["flux"]],
-    ["config", "t5xxl", "T5-XXL", "text", "FLUX.1: the T5-XXL text encoder file", "model", ["flux"]],
-    ["config", "ae", "Autoencoder", "text", "FLUX.1: the autoencoder file", "model", ["flux"]],
+    ["config", "pretrained_model_name_or_path", "Model path", "text", "a .safetensors / .ckpt file, a diffusers folder or a Hub id; tiny:sd1 (tiny:sd3, tiny:anima, tiny:chroma, ...) are built-in test models", "model"],
+    ["config", "clip_l", "CLIP-L", "text", "FLUX.1 / SD3: the CLIP-L text encoder file (SD3: blank when the model file holds it)", "model", ["flux", "sd3"]],
+    ["config", "clip_g", "CLIP-G", "text", "SD3: the OpenCLIP-G text encoder file (blank when the model file holds it)", "model", ["sd3"]],
+    ["config", "t5xxl", "T5-XXL", "text", "FLUX.1 / SD3 / Chroma: the T5-XXL text encoder file (SD3: blank when the model file holds it)", "model", ["flux", "sd3", "chroma"]],
+    ["config", "ae", "Autoencoder", "text", "FLUX.1 / Chroma: the autoencoder file (ae.safetensors)", "model", ["flux", "chroma"]],
+    ["config", "qwen3", "Qwen3", "text", "Anima: the Qwen3-0.6B text encoder (a .safetensors file or a transformers folder)", "model", ["anima"]],
+    ["config", "vae", "VAE", "text", "Anima: the Qwen-Image VAE file; SD3: replaces the model file's VAE (blank: the model's own)", "model", ["anima", "sd3"]],
+    ["config", "llm_adapter_path", "LLM adapter", "text", "Anima: the LLM adapter file (blank: read from the DiT file)", "model", ["anima"]],
+    ["config", "t5_tokenizer_path", "T5 tokenizer", "text", "Anima: the T5 tokenizer folder whose ids the adapter embeds (blank: google/t5-v1_1-xxl from the local cache)", "model", ["anima"]],
     ["config", "mixed_precision", "Mixed precision", "select:|no|fp16|bf16", "no on CPU; bf16 on recent GPUs (also written to the accelerate config)", "training"],
   ]],
   ["Optimization", [
     ["config", "optimizer_type", "Optimizer", "text", "AdamW, AdamW8bit, Prodigy, Lion, Adafactor, ...", "optimizer"],
     ["config", "optimizer_args", "Optimizer args", "list", "key=value, space-separated (e.g. weight_decay=0.01 betas=0.9,0.99)", "optimizer"],
-    ["config", "learning_rate", "Learning rate", "float", "base learning rate (full fine-tune: the UNet / transformer's)", "optimizer"],
+    ["config", "learning_rate", "Learning rate", "float", "base learning rate (full fine-tune: the UNet / transformer / DiT's)", "optimizer"],
     ["config", "unet_lr", "UNet / transformer LR", "float", "blank: the base learning rate", "optimizer", null, "lora"],
     ["config", "text_encoder_lr", "Text encoder LR", "float", "blank: the base learning rate", "optimizer", null, "lora"],
     ["config", "lr_scheduler", "Scheduler", "select:|constant|constant_with_warmup|linear|cosine|cosine_with_restarts|polynomial|cosine_with_min_lr|warmup_stable_decay", "learning-rate schedule", "optimizer"],
@@ -43,7 +52,7 @@ const SECTIONS = [
     ["config", "cache_latents", "Cache latents", "bool", "encode every image once before training (no color_aug / random_crop)", "caching"],
     ["config", "cache_latents_to_disk", "Cache latents to disk", "bool", "keep the latent cache next to the images between runs", "caching"],
     ["config", "vae_batch_size", "VAE batch size", "int", "images per VAE batch while caching", "caching"],
-    ["config", "cache_text_encoder_outputs", "Cache text-encoder outputs", "bool", "SDXL / FLUX.1: the text encoders stay frozen", "caching", ["sdxl", "flux"]],
+    ["config", "cache_text_encoder_outputs", "Cache text-encoder outputs", "bool", "SDXL / FLUX.1 / SD3 / Anima / Chroma: the text encoders stay frozen", "caching", ["sdxl", "flux", "sd3", "anima", "chroma"]],
   ]],
   ["Performance", "performance"],
   ["Dataset Folders", "folders"],
@@ -65,7 +74,7 @@ const SECTIONS = [
     ["dataset", "bucket_no_upscale", "No upscale", "bool", "never enlarge an image to fill a bucket", "datasets.0"],
   ]],
   ["LoRA Configuration", [
-    ["config", "network_module", "Network module", "select:networks.lora|networks.lora_flux|lycoris.kohya", "LoRA, or LyCORIS kinds through lycoris.kohya and network args (algo=loha ...)", "network", null, "lora"],
+    ["config", "network_module", "Network module", "select:networks.lora|networks.lora_flux|networks.lora_sd3|networks.lora_anima|lycoris.kohya", "LoRA, or LyCORIS kinds through lycoris.kohya and network args (algo=loha ...)", "network", null, "lora"],
     ["config", "network_dim", "Dim (rank)", "int", "rank of each LoRA module", "network", null, "lora"],
     ["config", "network_alpha", "Alpha", "float", "scale = alpha / dim", "network", null, "lora"],
     ["config", "network_dropout", "Dropout", "float", "neuron dropout, 0 to 1", "network", null, "lora"],
@@ -93,6 +102,10 @@ const FT_FIELDS = [
   ["config", "save_model_as", "Save as", "select:|safetensors|ckpt|diffusers|diffusers_safetensors", "file format of the trained model", "output", null, "finetune"],
   ["config", "use_ema", "EMA weights", "bool", "keep an exponential moving average of the weights and save it", "training", null, "finetune"],
   ["config", "fused_backward_pass", "Fused backward pass", "bool", "step each parameter as soon as its gradient is in: less memory", "optimizer", null, "finetune"],
+  ["config", "self_attn_lr", "DiT self-attention LR", "float", "Anima: --self_attn_lr; blank: the base rate, 0 freezes them", "optimizer", ["anima"], "finetune"],
+  ["config", "cross_attn_lr", "DiT cross-attention LR", "float", "Anima: --cross_attn_lr; blank: the base rate, 0 freezes them", "optimizer", ["anima"], "finetune"],
+  ["config", "mlp_lr", "DiT MLP LR", "float", "Anima: --mlp_lr; blank: the base rate, 0 freezes them", "optimizer", ["anima"], "finetune"],
+  ["config", "mod_lr", "DiT modulation LR", "float", "Anima: --mod_lr (AdaLN modulation); blank: the base rate, 0 freezes it", "optimizer", ["anima"], "finetune"],
 ];
 
 const STRATEGIES = {
@@ -485,22 +498,24 @@ function renderFinetune(fs) {
   table.appendChild(head);
   const lr = configValue("learning_rate");
   const unet = el("tr", { "data-field": "learning_rate" });
-  unet.appendChild(el("td", {}, current.family === "flux" ? "Transformer" : "UNet"));
+  unet.appendChild(el("td", {}, DENOISER_NAMES[current.family] || "UNet"));
   const unetTrain = el("input", { type: "checkbox", id: "f-train_unet" });
   unetTrain.checked = lr !== 0;
   const td = el("td"); td.appendChild(unetTrain); unet.appendChild(td);
   unet.appendChild(el("td", { class: "muted" }, "the Optimization learning rate (off: --learning_rate 0, frozen)"));
   table.appendChild(unet);
+  if (current.family === "anima") table.appendChild(adapterRow());
+  const names = TE_NAMES[current.family] || [];
   const te = el("tr", { "data-field": "train_text_encoder", class: "field" });
-  te.appendChild(el("td", {}, "Text encoder(s)"));
+  te.appendChild(el("td", {}, names.length === 1 ? names[0] : current.family === "sd3" ? "Text encoders (CLIP-L, CLIP-G; T5-XXL stays frozen)" : "Text encoder(s)"));
   const teTrain = el("input", { type: "checkbox", id: "f-train_text_encoder", "data-key": "train_text_encoder" });
   teTrain.checked = Boolean(configValue("train_text_encoder"));
   const td2 = el("td"); td2.appendChild(teTrain); te.appendChild(td2);
   const teLr = el("td"); teLr.appendChild(lrInput("learning_rate_te", "every text encoder (--learning_rate_te); blank: the base LR"));
   te.appendChild(teLr);
   table.appendChild(te);
-  (TE_NAMES[current.family] || []).forEach((name, i) => {
-    if ((TE_NAMES[current.family] || []).length < 2) return;  // one encoder: --learning_rate_te is its rate
+  names.forEach((name, i) => {
+    if (names.length < 2) return;  // one encoder: --learning_rate_te is its rate
     const key = `learning_rate_te${i + 1}`;
     const row = el("tr", { "data-field": key, class: "field" });
     row.appendChild(el("td", {}, name));
@@ -509,13 +524,33 @@ function renderFinetune(fs) {
     table.appendChild(row);
   });
   fs.appendChild(table);
-  fs.appendChild(el("p", { class: "muted help" }, "As the fine-tune scripts: the UNet / transformer trains unless --learning_rate is 0; with --train_text_encoder each encoder trains at its own rate, else --learning_rate_te, else the base rate; a rate of 0 keeps that encoder frozen."));
+  fs.appendChild(el("p", { class: "muted help" }, "As the fine-tune scripts: the UNet / transformer / DiT trains unless --learning_rate is 0; with --train_text_encoder each encoder trains at its own rate, else --learning_rate_te, else the base rate; a rate of 0 keeps that encoder frozen."));
   const grid = el("div", { class: "fields" });
   for (const f of FT_FIELDS.filter(shown)) grid.appendChild(renderField(f));
   fs.appendChild(grid);
   const sync = () => { for (const i of te.querySelectorAll("input[type=text]")) i.disabled = !teTrain.checked; for (const i of table.querySelectorAll("tr[data-field^=learning_rate_te] input")) i.disabled = !teTrain.checked; };
   teTrain.addEventListener("change", sync);
   sync();
+}
+// Anima: the LLM adapter trains at --llm_adapter_lr (blank: the base rate); "frozen" is --llm_adapter_lr 0.
+function adapterRow() {
+  const row = el("tr", { "data-field": "llm_adapter_lr", class: "field" });
+  row.appendChild(el("td", {}, "LLM adapter"));
+  const frozen = el("input", { type: "checkbox", id: "f-llm_adapter_frozen" });
+  frozen.checked = configValue("llm_adapter_lr") === 0;
+  row.appendChild(el("td", { class: "muted" }, "unless frozen"));
+  const lr = lrInput("llm_adapter_lr", "--llm_adapter_lr: the adapter's rate; blank: the base LR");
+  const c = el("td");
+  const lab = el("label", { for: "f-llm_adapter_frozen" });
+  lab.appendChild(frozen);
+  lab.appendChild(document.createTextNode(" Keep the LLM adapter weights frozen during training (--llm_adapter_lr 0); else its rate:"));
+  c.appendChild(lab);
+  c.appendChild(lr);
+  row.appendChild(c);
+  const sync = () => { lr.disabled = frozen.checked; if (frozen.checked) lr.value = ""; };
+  frozen.addEventListener("change", sync);
+  sync();
+  return row;
 }
 function lrInput(key, help) {
   const input = el("input", { type: "text", id: "f-" + key, "data-key": key, placeholder: "blank", title: help });
@@ -531,6 +566,8 @@ function readFinetune() {
     const input = $("f-" + key);
     setConfig(key, input && !input.disabled ? parseValue("float", input) : undefined, "optimizer");
   }
+  const frozen = $("f-llm_adapter_frozen");
+  if (frozen) setConfig("llm_adapter_lr", frozen.checked ? 0 : parseValue("float", $("f-llm_adapter_lr")), "optimizer");
   if (!unet.checked) setConfig("learning_rate", 0, "optimizer");
   else if (configValue("learning_rate") === 0) setConfig("learning_rate", undefined, "optimizer");
 }
