@@ -7,6 +7,7 @@
     python tools/make_tiny_model.py --family sd3 --out models/tiny-sd3.safetensors --single_file
     python tools/make_tiny_model.py --family chroma --out models/tiny-chroma --single_file
     python tools/make_tiny_model.py --family anima --out models/tiny-anima --single_file
+    python tools/make_tiny_model.py --family lumina --out models/tiny-lumina
 
 FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
 .safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
@@ -17,6 +18,8 @@ Anima is always written as its files
 qwen_image_vae.safetensors (ComfyUI's names), as --qwen3 / --vae take them. SD3 with --single_file writes the
 SAI all-in-one file (MMDiT, VAE, CLIP-L, CLIP-G, T5); with --separate_text_encoders the MMDiT + VAE
 file plus clip_l / clip_g / t5xxl.safetensors next to it (for --clip_l / --clip_g / --t5xxl).
+Lumina Image 2.0 is always written as its files (--out is a folder): lumina-tiny.safetensors (the original
+NextDiT names), gemma_2_2b.safetensors (`model.*`) and ae.safetensors (BFL's names), for --gemma2 / --ae.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.core.errors import UserError, run_tool  # noqa: E402
 
 FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
-            "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3"}
+            "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3",
+            "lumina": "tiny:lumina"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +97,18 @@ def _write_anima(out: str) -> None:
           f"--vae {written['vae']}")
 
 
+def _write_lumina(out: str) -> None:
+    from library.families.lumina_loading import write_lumina_preset
+
+    if out.lower().endswith(".safetensors"):
+        raise UserError(f"--out {out}: Lumina is written as three files; expected a folder name")
+    written = write_lumina_preset(FAMILIES["lumina"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print(f"train with: --pretrained_model_name_or_path {written['dit']} --gemma2 {written['gemma2']} "
+          f"--ae {written['ae']}")
+
+
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
@@ -109,6 +125,9 @@ def write(args: argparse.Namespace) -> None:
         return
     if args.family == "anima":
         _write_anima(args.out)
+        return
+    if args.family == "lumina":
+        _write_lumina(args.out)
         return
     if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
         raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")

@@ -56,9 +56,16 @@ def _sd3() -> ModelFamily:
     return SD3Family()
 
 
+def _lumina() -> ModelFamily:
+    from library.families.lumina import LuminaFamily
+
+    return LuminaFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
-                                                   "anima": _anima, "sd3": _sd3}
+                                                   "anima": _anima, "sd3": _sd3,
+                                                   "lumina": _lumina}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

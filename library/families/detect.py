@@ -7,12 +7,21 @@ import json
 import os
 from typing import Iterable, Optional
 
-from library.families import anima_configs, flux_configs, sd3_configs, sd_configs, sdxl_configs
+from library.families import (
+    anima_configs,
+    flux_configs,
+    lumina_configs,
+    sd3_configs,
+    sd_configs,
+    sdxl_configs,
+)
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (
     ("net.blocks.0.self_attn.", "anima"),  # Anima / Cosmos-Predict2 DiT (MiniTrainDIT under net.)
     ("model.diffusion_model.net.blocks.0.self_attn.", "anima"),  # ComfyUI's whole-model Anima file
+    ("layers.0.attention.qkv.", "lumina"),  # Lumina Image 2.0 NextDiT
+    ("model.diffusion_model.layers.0.attention.qkv.", "lumina"),  # ComfyUI's whole-model Lumina file
     ("conditioner.embedders.", "sdxl"),
     ("double_blocks.", "flux"),
     ("model.diffusion_model.double_blocks.", "flux"),
@@ -24,7 +33,8 @@ _SINGLE_FILE_MARKERS = (
 
 def _preset_family(path: str) -> Optional[str]:
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS),
-                          ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS)):
+                          ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS),
+                          ("lumina", lumina_configs.PRESETS)):
         if path in presets:
             return name
     return None
@@ -65,6 +75,9 @@ def _file_family(path: str) -> Optional[str]:
 # What a single file's tensor names say it holds, most specific first (for "expected X, found Y" errors).
 _CONTENTS = (
     ("net.blocks.", "an Anima DiT"),
+    ("cap_embedder.", "a Lumina Image 2.0 DiT"),
+    ("model.diffusion_model.cap_embedder.", "a Lumina Image 2.0 DiT"),
+    ("model.layers.0.post_feedforward_layernorm.", "a Gemma-2 text encoder"),
     ("model.layers.", "a Qwen3 text encoder"),
     ("conditioner.embedders.", "an SDXL checkpoint"),
     ("double_blocks.", "a FLUX.1 transformer"),
@@ -91,7 +104,7 @@ def describe_keys(keys: Iterable[str]) -> str:
 
 
 def detect_family(path: str) -> Optional[str]:
-    """"sd", "sdxl", "flux", "sd3", or None when the path does not tell (then the caller's default applies)."""
+    """"sd", "sdxl", "flux", "sd3", "anima", "lumina", or None when the path does not tell (then the caller's default applies)."""
     if path.startswith(("tiny:", "random:")):
         return _preset_family(path)
     if os.path.isdir(path):
