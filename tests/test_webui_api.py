@@ -415,7 +415,7 @@ def test_performance_options_say_why_not():
         "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
         "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
-        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma); no GPU on this "
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina); no GPU on this "
                           "machine",
         "cpu_offload_checkpointing": "no GPU on this machine",
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
@@ -434,9 +434,9 @@ def test_performance_options_say_why_not():
         "--dynamo_backend: only with torch compile on", "dynamo_backend")
     assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma); no "
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina); no "
          "GPU on this machine"), "blocks_to_swap")
-    for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("sdxl", False)):  # as the trainer's
+    for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("lumina", True), ("sdxl", False)):  # as the trainer's
         options = availability(family, "x.py", 1, installed=lambda m: True, flags=flags)  # family_supports_block_swap
         assert [o["available"] for o in options if o["key"] in ("blocks_to_swap", "cpu_offload_checkpointing")] == \
             [swaps, True], family  # activation offload: every family
@@ -562,7 +562,8 @@ def test_the_run_sees_only_the_chosen_gpus(client, jobs_dir, monkeypatch, tmp_pa
 
 NEW_FAMILY_SCRIPTS = {("sd3", "lora"): "sd3_train_network.py", ("sd3", "finetune"): "sd3_train.py",
                       ("anima", "lora"): "anima_train_network.py", ("anima", "finetune"): "anima_train.py",
-                      ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py"}
+                      ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
+                      ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py"}
 
 
 def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatch):
@@ -602,10 +603,11 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
         ("sd3", "lora"): {"pretrained_model_name_or_path", "clip_l", "clip_g", "t5xxl"},
         ("anima", "lora"): {"pretrained_model_name_or_path", "qwen3", "vae"},
         ("chroma", "lora"): {"model_type", "pretrained_model_name_or_path", "t5xxl", "ae", "apply_t5_attn_mask",
-                             "guidance_scale"}}  # no clip_l for Chroma
+                             "guidance_scale"},  # no clip_l for Chroma
+        ("lumina", "lora"): {"pretrained_model_name_or_path", "gemma2", "ae"}}
     assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s) in jobs.items()
             if k[1] == "lora"} == {"sd3": "networks.lora_sd3", "anima": "networks.lora_anima",
-                                   "chroma": "networks.lora_flux"}
+                                   "chroma": "networks.lora_flux", "lumina": "networks.lora_lumina"}
 
     chroma_id, chroma = jobs[("chroma", "lora")]
     for model_type, got in ((None, "blank"), ("flux", '"flux"')):

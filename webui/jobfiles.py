@@ -27,6 +27,7 @@ SCRIPTS = {
     ("anima", "lora"): "anima_train_network.py", ("anima", "finetune"): "anima_train.py",
     # Chroma trains through the FLUX.1 scripts, told by model_type = "chroma" in config.toml (MODEL_TYPES)
     ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
+    ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
 }
 # The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).
 MODEL_TYPES = {"flux": (None, "flux"), "chroma": ("chroma",)}
