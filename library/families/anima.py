@@ -21,14 +21,18 @@ from library.families.anima_configs import LATENT_CHANNELS
 from library.families.anima_generate import generate_anima
 from library.families.anima_loading import (
     block_count,
-    check_blocks_to_swap,
     check_model_source,
     load_anima_components,
 )
 from library.families.anima_network_args import AnimaNetworkArgs
 from library.families.anima_options import LR_GROUPS, AnimaOptions
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, loss_weighting
+from library.families.swap_rules import check_last_blocks_swap, last_blocks
+from library.objectives.flow import (
+    FlowMatchScheme,
+    check_flow_compatible,
+    loss_weighting,
+)
 from networks.lora_targets import LoraTarget, iter_target_paths, kohya_module_name
 
 logger = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class AnimaFamily(ModelFamily):
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)
             blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
             if blocks:
-                check_blocks_to_swap(blocks_to_swap, blocks)
+                check_last_blocks_swap(blocks_to_swap, blocks)
         ignored = options.ignored_flags()
         if ignored:
             logger.warning("%s: memory options of sd-scripts' own Anima code; diffusers' models here use PyTorch "
@@ -252,7 +256,5 @@ class AnimaFamily(ModelFamily):
     # --- memory --------------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
         """The last N DiT blocks; at most blocks - 2, as sd-scripts allows."""
-        blocks = list(components.denoiser.transformer.transformer_blocks)
-        check_blocks_to_swap(num_swap, len(blocks))
-        return blocks[len(blocks) - num_swap:]
+        return last_blocks(list(components.denoiser.transformer.transformer_blocks), num_swap)
 

@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from library.core.errors import ConfigError
 from library.core.safetensors_io import write_safetensors
 from library.families import anima_layout as layout
 from library.families.anima_configs import (
@@ -36,6 +35,7 @@ from library.families.anima_configs import (
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.flux_loading import _adopt, _read_file, find_t5_tokenizer
 from library.families.loading import classify_source
+from library.families.swap_rules import indexed_blocks_in_file
 
 
 def anima_source_kind(path: str) -> str:
@@ -274,20 +274,9 @@ def block_count(path: str) -> Optional[int]:
     try:
         if anima_source_kind(path) == "preset":
             return PRESETS[path].blocks
-        from safetensors import safe_open
-
-        pattern = re.compile(r"(?:model\.diffusion_model\.)?(?:net\.)?blocks\.(\d+)\.")
-        with safe_open(path, "pt") as f:
-            return len({m[1] for k in f.keys() if (m := pattern.match(k))})
+        return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?(?:net\.)?blocks\.(\d+)\.")
     except (OSError, ValueError, ModelLoadError):
         return None
-
-
-def check_blocks_to_swap(num_swap: int, blocks: int) -> None:
-    """sd-scripts' bound: at most blocks - 2 of the DiT's blocks swap (one-line ConfigError)."""
-    if not 1 <= num_swap <= blocks - 2:
-        raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{blocks - 2} for this model ({blocks} blocks; "
-                          f"at most blocks - 2 swap)")
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:

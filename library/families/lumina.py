@@ -23,12 +23,12 @@ from library.families.lumina_configs import LATENT_CHANNELS
 from library.families.lumina_generate import generate_lumina
 from library.families.lumina_loading import (
     block_count,
-    check_blocks_to_swap,
     check_model_source,
     load_lumina_components,
 )
 from library.families.lumina_network_args import LuminaNetworkArgs
 from library.families.lumina_options import LuminaOptions
+from library.families.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -96,7 +96,7 @@ class LuminaFamily(ModelFamily):
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)
             blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
             if blocks:
-                check_blocks_to_swap(blocks_to_swap, blocks)
+                check_last_blocks_swap(blocks_to_swap, blocks)
         ignored = options.ignored_flags()
         if ignored:
             logger.warning("%s: attention backends of sd-scripts' own NextDiT; diffusers' model here uses PyTorch "
@@ -208,9 +208,7 @@ class LuminaFamily(ModelFamily):
     # --- memory --------------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
         """The last N joint blocks (`layers`); at most blocks - 2, as sd-scripts' NextDiT allows."""
-        blocks = list(components.denoiser.layers)
-        check_blocks_to_swap(num_swap, len(blocks))
-        return blocks[len(blocks) - num_swap:]
+        return last_blocks(list(components.denoiser.layers), num_swap)
 
     # --- metadata ------------------------------------------------------------------------------------
     def base_model_version(self, components: Components) -> str:

@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from library.core.errors import ConfigError
 from library.core.safetensors_io import write_safetensors
 from library.families import ldm_layout as ldm
 from library.families import lumina_layout as layout
@@ -35,6 +34,7 @@ from library.families.lumina_configs import (
     gemma2_config,
     transformer_config,
 )
+from library.families.swap_rules import indexed_blocks_in_file
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 
@@ -182,19 +182,9 @@ def block_count(path: str) -> Optional[int]:
     try:
         if lumina_source_kind(path) == "preset":
             return PRESETS[path].layers
-        from safetensors import safe_open
-
-        pattern = re.compile(r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
-        with safe_open(path, "pt") as f:
-            return len({m[1] for k in f.keys() if (m := pattern.match(k))})
+        return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
     except (OSError, ValueError, ModelLoadError):
         return None
-
-
-def check_blocks_to_swap(num_swap: int, blocks: int) -> None:
-    if not 1 <= num_swap <= blocks - 2:
-        raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{blocks - 2} for this model ({blocks} blocks; "
-                          f"at most blocks - 2 swap)")
 
 
 # --- writing -------------------------------------------------------------------------------------------

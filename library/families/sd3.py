@@ -45,6 +45,7 @@ from library.families.sd3_network_args import SD3NetworkArgs
 from library.families.sd3_options import SD3Options
 from library.families.sd3_pos_embed import install as install_positions
 from library.families.sd3_pos_embed import latent_sizes_of
+from library.families.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow_sd3 import SD3FlowScheme
 from networks.lora_targets import LoraTarget
 
@@ -113,9 +114,8 @@ class SD3Family(ModelFamily):
                 if message:
                     raise ConfigError(message)
             blocks = block_count(path) if blocks_to_swap else None
-            if blocks and not 1 <= blocks_to_swap <= blocks - 2:
-                raise ConfigError(f"--blocks_to_swap {blocks_to_swap}: expected 1..{blocks - 2} for this model "
-                                  f"({blocks} joint blocks; as sd-scripts, at most two fewer)")
+            if blocks:
+                check_last_blocks_swap(blocks_to_swap, blocks, "joint blocks")
 
     def text_cache_values(self, options: SD3Options) -> dict[str, Any]:
         return {"clip_l": options.clip_l, "clip_g": options.clip_g, "t5xxl": options.t5xxl,
@@ -292,8 +292,4 @@ class SD3Family(ModelFamily):
     # --- memory -----------------------------------------------------------------------------------
     def swappable_blocks(self, components: Components, num_swap: int) -> list:
         """The last N joint blocks, N at most the block count - 2 (sd-scripts' bound)."""
-        blocks = list(components.denoiser.transformer_blocks)
-        if not 1 <= num_swap <= len(blocks) - 2:
-            raise ConfigError(f"--blocks_to_swap {num_swap}: expected 1..{len(blocks) - 2} for this model "
-                              f"({len(blocks)} joint blocks)")
-        return blocks[len(blocks) - num_swap:]
+        return last_blocks(list(components.denoiser.transformer_blocks), num_swap, "joint blocks")

@@ -38,6 +38,7 @@ from library.families.sd3_configs import (
     t5_preset_config,
 )
 from library.families.sdxl_configs import te1_config, te2_config
+from library.families.swap_rules import indexed_blocks_in_file
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 # --clip_l / --clip_g / --t5xxl: the part each gives, its tokenizer, and what the file should hold.
@@ -259,11 +260,7 @@ def block_count(path: str) -> Optional[int]:
         if kind == "diffusers":
             with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
                 return int(json.load(f)["num_layers"])
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            blocks = {int(m[1]) for k in f.keys() if (m := re.match(r"^(?:model\.diffusion_model\.)?joint_blocks\.(\d+)\.", k))}
-        return max(blocks) + 1 if blocks else None
+        return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?joint_blocks\.(\d+)\.")
     except (OSError, ValueError, KeyError, ModelLoadError):
         return None
 
