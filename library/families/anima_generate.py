@@ -9,15 +9,13 @@ noise comes from its own CPU generator, so it does not depend on its batch or de
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from typing import Optional
 
 import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily
-from library.families.flux_generate import _flow_sampler
+from library.families.flux_generate import resolve_flow_request
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -34,14 +32,7 @@ MIN_SIZE = 64
 
 def resolve_anima_request(request):
     """The request with sd-scripts' Anima defaults filled in and the size rounded down to a multiple of 16."""
-    def size(value: Optional[int]) -> int:
-        value = value or DEFAULT_SIZE
-        return max(MIN_SIZE, value - value % SIZE_MULTIPLE)
-
-    return dataclasses.replace(request, width=size(request.width), height=size(request.height),
-                               steps=request.steps or DEFAULT_STEPS,
-                               scale=DEFAULT_SCALE if request.scale is None else request.scale,
-                               sampler=_flow_sampler(request.sampler))
+    return resolve_flow_request(request, DEFAULT_SIZE, DEFAULT_STEPS, DEFAULT_SCALE, SIZE_MULTIPLE, MIN_SIZE)
 
 
 def anima_sigmas(steps: int) -> torch.Tensor:

@@ -57,18 +57,25 @@ def _flow_sampler(name: Optional[str]) -> str:
     return DEFAULT_SAMPLER
 
 
+def resolve_flow_request(request, size: int, steps: int, scale: float, multiple: int = 16, min_size: int = 64,
+                         **defaults):
+    """A flow model's request with its defaults filled in (`size`, `steps`, `scale`, and any other field named in
+    `defaults` that the request leaves None), the size rounded down to a multiple of `multiple` (at least
+    `min_size`), and a flow sampler."""
+    def side(value: Optional[int]) -> int:
+        value = value or size
+        return max(min_size, value - value % multiple)
+
+    others = {k: v if getattr(request, k) is None else getattr(request, k) for k, v in defaults.items()}
+    return dataclasses.replace(request, width=side(request.width), height=side(request.height),
+                               steps=request.steps or steps, scale=scale if request.scale is None else request.scale,
+                               sampler=_flow_sampler(request.sampler), **others)
+
+
 def resolve_flux_request(request):
     """The request with FLUX.1's defaults filled in and the size rounded down to a multiple of 16."""
-    def size(value: Optional[int]) -> int:
-        value = value or DEFAULT_SIZE
-        return max(MIN_SIZE, value - value % SIZE_MULTIPLE)
-
-    return dataclasses.replace(
-        request, width=size(request.width), height=size(request.height),
-        steps=request.steps or DEFAULT_STEPS,
-        scale=DEFAULT_SCALE if request.scale is None else request.scale,
-        guidance=DEFAULT_GUIDANCE if request.guidance is None else request.guidance,
-        sampler=_flow_sampler(request.sampler))
+    return resolve_flow_request(request, DEFAULT_SIZE, DEFAULT_STEPS, DEFAULT_SCALE, SIZE_MULTIPLE, MIN_SIZE,
+                                guidance=DEFAULT_GUIDANCE)
 
 
 def flux_sigmas(steps: int, image_tokens: int, shift: bool) -> torch.Tensor:

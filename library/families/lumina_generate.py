@@ -7,13 +7,11 @@ generator; the negative pass runs when the scale is not 1.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
 
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import _flow_sampler, decode_images
+from library.families.flux_generate import decode_images, resolve_flow_request
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -26,14 +24,8 @@ MIN_SIZE = 64
 
 
 def resolve_lumina_request(request):
-    def size(value: Optional[int]) -> int:
-        value = value or DEFAULT_SIZE
-        return max(MIN_SIZE, value - value % SIZE_MULTIPLE)
-
-    return dataclasses.replace(request, width=size(request.width), height=size(request.height),
-                               steps=request.steps or DEFAULT_STEPS,
-                               scale=DEFAULT_SCALE if request.scale is None else request.scale,
-                               sampler=_flow_sampler(request.sampler))
+    """The request with Lumina's defaults filled in and the size rounded down to a multiple of 16."""
+    return resolve_flow_request(request, DEFAULT_SIZE, DEFAULT_STEPS, DEFAULT_SCALE, SIZE_MULTIPLE, MIN_SIZE)
 
 
 def lumina_sigmas(steps: int, shift: float) -> torch.Tensor:
