@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from finetune.common import add_caption_extension, caption_extension, image_loader, script_main  # noqa: E402
+from finetune.common import add_caption_extension, caption_extension, caption_images, script_main  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +63,8 @@ def load_blip(folder):
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from finetune.common import logger, progress, warn_list
+    from finetune.common import logger
     from library.core.errors import UserError
-    from library.core.io_utils import atomic_write_text
     from library.data.finetune_metadata import list_dataset_images
 
     for name in ("batch_size", "num_beams", "max_length"):
@@ -89,31 +88,14 @@ def run(args: argparse.Namespace) -> None:
     else:
         generate = dict(num_beams=1, do_sample=True, top_p=args.top_p)
     generate.update(max_length=args.max_length, min_length=args.min_length)
-    loader = image_loader(images, args.max_data_loader_n_workers)
-    failed, pending = [], []
 
-    def flush() -> None:
-        inputs = processor(images=[img for _, img in pending], return_tensors="pt").to(device)
+    def describe(batch: list) -> list[str]:
+        inputs = processor(images=batch, return_tensors="pt").to(device)
         with torch.no_grad():
             ids = model.generate(pixel_values=inputs["pixel_values"], **generate)
-        for (path, _), caption in zip(pending, processor.batch_decode(ids, skip_special_tokens=True)):
-            caption = caption.strip()
-            atomic_write_text(os.path.splitext(path)[0] + ext, caption + "\n")
-            if args.debug:
-                logger.info("%s: %s", path, caption)
-        pending.clear()
+        return [c.strip() for c in processor.batch_decode(ids, skip_special_tokens=True)]
 
-    for path, image, problem in progress(loader, "captioning", total=len(images)):
-        if image is None:
-            failed.append(problem)
-            continue
-        pending.append((path, image))
-        if len(pending) >= args.batch_size:
-            flush()
-    if pending:
-        flush()
-    warn_list("images could not be read and were skipped", failed)
-    logger.info("done: %d images captioned", len(images) - len(failed))
+    caption_images(images, args.max_data_loader_n_workers, args.batch_size, ext, describe, args.debug)
 
 
 def main(argv=None) -> int:
