@@ -13,7 +13,7 @@ the file's tensors, so loading holds one copy of the weights. Nothing is downloa
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -179,15 +179,22 @@ def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_ca
 
 def load_t5xxl_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
     """(T5EncoderModel, tokenizer) from a T5-XXL encoder file (`shared.weight`, `encoder.block.N.*`; fp16/fp8 ok)."""
+    label = "--t5xxl"
+    tensors = _read_file(label, path, _COMPONENT_FLAGS[1][2],
+                         lambda keys: any(k.startswith("encoder.block.") for k in keys), dtype)
+    return t5_from_tensors(label, path, tensors, tokenizer_cache_dir)
+
+
+def t5_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor],
+                    tokenizer_cache_dir: Optional[str] = None):
+    """(T5EncoderModel, tokenizer) from T5 v1.1 encoder tensors (`shared.weight`, `encoder.block.N.*`), its shape
+    read from them; `label` / `path` name the source in errors (FLUX.1's --t5xxl file, SD3's file or folder)."""
     import dataclasses
     import re
 
     from transformers import T5EncoderModel
 
-
-    label = "--t5xxl"
-    ckpt = t5_from_file(_read_file(label, path, _COMPONENT_FLAGS[1][2],
-                                   lambda keys: any(k.startswith("encoder.block.") for k in keys), dtype))
+    ckpt = t5_from_file(tensors)
     try:
         embedding = ckpt["shared.weight"]
         q = ckpt["encoder.block.0.layer.0.SelfAttention.q.weight"]

@@ -22,8 +22,7 @@ import torch
 from library.families import ldm_layout as ldm
 from library.families import sd3_layout as sai
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_bfl_layout import t5_from_file
-from library.families.flux_loading import _adopt, _read_file, find_t5_tokenizer
+from library.families.flux_loading import _adopt, _read_file, t5_from_tensors
 from library.families.loading import (
     classify_source,
     find_tokenizer,
@@ -35,7 +34,6 @@ from library.families.sd3_configs import (
     PRESETS,
     build_sd3_modules,
     sd3_vae_config,
-    t5_preset_config,
 )
 from library.families.sdxl_configs import te1_config, te2_config
 from library.families.swap_rules import indexed_blocks_in_file
@@ -119,34 +117,6 @@ def clip_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor]
                   **({"projection_dim": ckpt["text_projection.weight"].shape[0]} if big_g else {}))
     kwargs["projection_dim"] = ckpt["text_projection.weight"].shape[0]
     return _adopt(label, path, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**kwargs)), ckpt), tokenizer
-
-
-def t5_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor],
-                    tokenizer_cache_dir: Optional[str] = None):
-    """(T5EncoderModel, tokenizer) from T5 encoder tensors (`shared.weight`, `encoder.block.N.*`)."""
-    import dataclasses
-
-    from transformers import T5EncoderModel
-
-    ckpt = t5_from_file(tensors)
-    try:
-        embedding = ckpt["shared.weight"]
-        q = ckpt["encoder.block.0.layer.0.SelfAttention.q.weight"]
-        bias = ckpt["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        wi = ckpt["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"]
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: expected a T5 v1.1 encoder (gated-GELU), no tensor for "
-                             f"{e.args[0]}") from None
-    heads = bias.shape[1]
-    shape = dataclasses.replace(PRESETS["tiny:sd3"], t5_d_model=embedding.shape[1], t5_d_ff=wi.shape[0],
-                                t5_heads=heads, t5_d_kv=q.shape[0] // heads)
-    config = t5_preset_config(shape, embedding.shape[0])
-    config.num_layers = len({m[1] for k in ckpt if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
-    config.relative_attention_num_buckets = bias.shape[0]
-    tokenizer = find_t5_tokenizer(embedding.shape[0], tokenizer_cache_dir, path)
-    model = _adopt(label, path, lambda: T5EncoderModel(config), ckpt)
-    model.tie_weights()
-    return model, tokenizer
 
 
 def vae_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor], prefix: str):
