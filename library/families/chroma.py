@@ -26,11 +26,17 @@ from library.families.chroma_model import (
     chroma_to_single_file,
     load_chroma_components,
 )
-from library.families.flux import FluxFamily, image_ids, pack_latents, swap_split, unpack_latents
+from library.families.flux import (
+    FluxFamily,
+    image_ids,
+    pack_latents,
+    swap_split,
+    unpack_latents,
+)
 from library.families.flux_lora_names import T5_TARGETS, bfl_module_path, fused_slot
 from library.families.flux_network_args import FluxNetworkArgs
 from library.families.flux_options import FluxOptions
-from library.objectives.flow import check_flow_compatible
+from library.objectives.flow import check_flow_compatible, check_no_ddpm_schedule
 from networks.lora_targets import LoraTarget
 
 # diffusers' Chroma block classes: the same layers as FLUX.1's blocks minus the modulation Linears.
@@ -64,9 +70,7 @@ class ChromaFamily(FluxFamily):
                       zero_terminal_snr: bool = False) -> None:
         """FLUX.1's checks, and Chroma's own: T5 masking on, guidance 0, no CLIP-L, a single file or preset."""
         check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        if model.v_parameterization or model.noise_schedule is not None:
-            raise ConfigError("--v_parameterization / --noise_scheduler_overrides / --timestep_spacing: only for "
-                              "DDPM models; Chroma is a flow model")
+        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Chroma", "--timestep_sampling and --discrete_flow_shift")
         if not options.apply_t5_attn_mask:
             raise ConfigError("--model_type chroma: needs --apply_t5_attn_mask (Chroma masks T5 padding; "
                               "sd-scripts requires it too)")

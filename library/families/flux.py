@@ -38,7 +38,11 @@ from library.families.flux_lora_names import (
 )
 from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
 from library.families.flux_options import FluxOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible
+from library.objectives.flow import (
+    FlowMatchScheme,
+    check_flow_compatible,
+    check_no_ddpm_schedule,
+)
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
@@ -125,12 +129,7 @@ class FluxFamily(ModelFamily):
         """DDPM-only flags, a missing --clip_l / --t5xxl / --ae or too many blocks to swap: named now, before the
         data scan (block counts come from the preset, config.json or the file header; no weights are read)."""
         check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        if model.v_parameterization:
-            raise ConfigError("--v_parameterization / --prediction_type v_prediction: only for DDPM models; FLUX.1 "
-                              "predicts a velocity (see --model_prediction_type)")
-        if model.noise_schedule is not None:
-            raise ConfigError("--noise_scheduler_overrides / --timestep_spacing: only for DDPM models; FLUX.1's "
-                              "schedule is set by --timestep_sampling and --discrete_flow_shift")
+        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "FLUX.1", "--timestep_sampling and --discrete_flow_shift")
         path = model.pretrained_model_name_or_path
         if path:
             check_model_source(path, options)

@@ -32,6 +32,7 @@ from library.families.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
+    check_no_ddpm_schedule,
     flux_shift_mu,
     time_shift,
 )
@@ -86,11 +87,7 @@ class LuminaFamily(ModelFamily):
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:
         check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        if model.v_parameterization:
-            raise ConfigError("--v_parameterization: only for DDPM models; Lumina predicts a velocity")
-        if model.noise_schedule is not None:
-            raise ConfigError("--noise_scheduler_overrides / --timestep_spacing: only for DDPM models; Lumina's "
-                              "schedule is set by --timestep_sampling and --discrete_flow_shift")
+        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Lumina", "--timestep_sampling and --discrete_flow_shift")
         options.check()
         if model.pretrained_model_name_or_path:
             check_model_source(model.pretrained_model_name_or_path, options, model.vae)

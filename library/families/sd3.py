@@ -46,6 +46,7 @@ from library.families.sd3_options import SD3Options
 from library.families.sd3_pos_embed import install as install_positions
 from library.families.sd3_pos_embed import latent_sizes_of
 from library.families.swap_rules import check_last_blocks_swap, last_blocks
+from library.objectives.flow import check_no_ddpm_schedule
 from library.objectives.flow_sd3 import SD3FlowScheme
 from networks.lora_targets import LoraTarget
 
@@ -96,12 +97,8 @@ class SD3Family(ModelFamily):
         if zero_terminal_snr:
             raise ConfigError("--zero_terminal_snr: only for DDPM models; a flow-matching model already reaches "
                               "pure noise")
-        if model.v_parameterization:
-            raise ConfigError("--v_parameterization / --prediction_type v_prediction: only for DDPM models; SD3 "
-                              "predicts a velocity")
-        if model.noise_schedule is not None:
-            raise ConfigError("--noise_scheduler_overrides / --timestep_spacing: only for DDPM models; SD3's "
-                              "timesteps are set by --weighting_scheme and --training_shift")
+        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "SD3",
+                               "--weighting_scheme and --training_shift")
         for flag, value in (("min_timestep", min_timestep), ("max_timestep", max_timestep)):
             if value is not None and not 0 <= value <= 1000:
                 raise ConfigError(f"--{flag}: expected an integer from 0 to 1000, got {value}")

@@ -85,6 +85,17 @@ def check_flow_compatible(min_timestep: Optional[int], max_timestep: Optional[in
         raise ConfigError("--zero_terminal_snr: only for DDPM models; a flow-matching model already reaches pure noise")
 
 
+def check_no_ddpm_schedule(v_parameterization: bool, noise_schedule, model_name: str, schedule_flags: str) -> None:
+    """Refuse the DDPM prediction and schedule flags for a flow model called `model_name`, whose schedule
+    `schedule_flags` set instead (one-line ConfigError naming the flag)."""
+    if v_parameterization:
+        raise ConfigError(f"--v_parameterization: only for DDPM models; {model_name} predicts a velocity, so "
+                          f"neither --v_parameterization / --prediction_type v_prediction applies")
+    if noise_schedule is not None:
+        raise ConfigError(f"--noise_scheduler_overrides / --timestep_spacing: only for DDPM models; {model_name}'s "
+                          f"schedule is set by {schedule_flags}")
+
+
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     """σ' = shift·σ / (1 + (shift - 1)·σ): a shift > 1 moves training towards noisier σ."""
     return sigmas * shift / (1 + (shift - 1) * sigmas)
