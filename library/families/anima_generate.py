@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily
-from library.families.flux_generate import resolve_flow_request
+from library.families.flux_generate import euler_sample, initial_noise, resolve_flow_request
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -62,7 +62,6 @@ def generate_anima(family: ModelFamily, components: Components, requests: list, 
     if any(r.batch_key() != first.batch_key() for r in resolved):
         raise ValueError("generate_anima: a batch must share size, steps, scale and sampler")
     dit = components.denoiser
-    n = len(resolved)
     use_cfg = first.scale > 1.0
     texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
     tokens = family.tokenize(components, texts, None)
@@ -70,17 +69,12 @@ def generate_anima(family: ModelFamily, components: Components, requests: list, 
         t = family.encode_text(components, tokens, None).tensors
     with borrowed_on(dit, device):
         context = dit.text_embeddings(*(t[k].to(device) for k in family.TEXT_KEYS))
-        generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
-        h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
-        latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators])
-        latents = latents.to(device)  # float32: the Euler sum stays exact whatever the model dtype
-        sigmas = anima_sigmas(first.steps)
-        for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-            model_in = torch.cat([latents, latents]) if use_cfg else latents
+
+        def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
             timesteps = torch.full((model_in.shape[0],), sigma, device=device)
-            v = dit.denoise(model_in.to(dit.dtype), timesteps, context.to(dit.dtype)).float()
-            if use_cfg:
-                v = v[n:] + first.scale * (v[:n] - v[n:])
-            latents = latents + (sigma_next - sigma) * v
+            return dit.denoise(model_in.to(dit.dtype), timesteps, context.to(dit.dtype))
+
+        latents = euler_sample(initial_noise(family, resolved, device), anima_sigmas(first.steps), velocity,
+                               first.scale, use_cfg)
     images = decode_latents(family, components.vae, latents)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

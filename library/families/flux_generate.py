@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -112,6 +112,30 @@ def decode_images(family: ModelFamily, vae: torch.nn.Module, latents: torch.Tens
     return (pixels * 255).round().astype(np.uint8)
 
 
+def initial_noise(family: ModelFamily, requests: list, device: torch.device) -> torch.Tensor:
+    """Each request's starting latents from its own seed (float32, so the Euler sum stays exact whatever the model
+    dtype); all requests share the first one's size."""
+    first = requests[0]
+    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
+    return torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators]).to(device)
+
+
+def euler_sample(latents: torch.Tensor, sigmas: torch.Tensor, velocity: Callable[[torch.Tensor, float], torch.Tensor],
+                 scale: float, guided: bool) -> torch.Tensor:
+    """Euler steps of a flow model over `sigmas` (σ from 1 to 0). `velocity(model_in, σ)` is the model's
+    prediction; `guided`: the batch is run with its negatives after it (classifier-free guidance at `scale`)."""
+    n = latents.shape[0]
+    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        model_in = torch.cat([latents, latents]) if guided else latents
+        v = velocity(model_in, sigma).float()
+        if guided:
+            cond, uncond = v[:n], v[n:]
+            v = uncond + scale * (cond - uncond)
+        latents = latents + (sigma_next - sigma) * v
+    return latents
+
+
 @torch.no_grad()
 def generate_flux(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale, guidance and sampler."""
@@ -123,26 +147,21 @@ def generate_flux(family: ModelFamily, components: Components, requests: list, d
     if any(r.batch_key() != first.batch_key() for r in resolved):
         raise ValueError("generate_flux: a batch must share size, steps, scale, guidance and sampler")
     model = components.denoiser
-    n = len(resolved)
     use_cfg = first.scale > 1.0
     texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
     text = encode_prompts_flux(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
     batch = {"guidance": torch.full((len(texts),), float(first.guidance), device=device)}
 
-    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
-    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
-    latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators])
-    latents = latents.to(device)  # float32: the Euler sum stays exact whatever the model dtype
+    latents = initial_noise(family, resolved, device)
+    h, w = latents.shape[-2:]
     sigmas = flux_sigmas(first.steps, (h // 2) * (w // 2), shift=bool(model.config.guidance_embeds))
-    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        model_in = torch.cat([latents, latents]) if use_cfg else latents
+
+    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
         timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)  # predict's unit: σ·1000
-        v = family.predict(components, model_in.to(model.dtype), timesteps, text, batch).float()
-        if use_cfg:
-            cond, uncond = v[:n], v[n:]
-            v = uncond + first.scale * (cond - uncond)
-        latents = latents + (sigma_next - sigma) * v
+        return family.predict(components, model_in.to(model.dtype), timesteps, text, batch)
+
+    latents = euler_sample(latents, sigmas, velocity, first.scale, use_cfg)
 
     images = decode_images(family, components.vae, latents)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

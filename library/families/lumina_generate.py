@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import decode_images, resolve_flow_request
+from library.families.flux_generate import decode_images, euler_sample, initial_noise, resolve_flow_request
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -43,7 +43,6 @@ def generate_lumina(family: ModelFamily, components: Components, requests: list,
     first = resolved[0]
     if any(r.batch_key() != first.batch_key() for r in resolved):
         raise ValueError("generate_lumina: a batch must share size, steps, scale and sampler")
-    n = len(resolved)
     use_cfg = first.scale != 1.0
     encoder = components.text_encoders[0]
     with borrowed_on(encoder, device):
@@ -54,17 +53,10 @@ def generate_lumina(family: ModelFamily, components: Components, requests: list,
             text = TextConditioning({k: torch.cat([text.tensors[k], negative.tensors[k]]) for k in text.tensors})
     text = TextConditioning({k: v.to(device) for k, v in text.tensors.items()})
     model = components.denoiser
-    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
-    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
-    latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators]).to(device)
-    sigmas = lumina_sigmas(first.steps, family.options(components).flow.discrete_flow_shift)
-    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        model_in = torch.cat([latents, latents]) if use_cfg else latents
+    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
         timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
-        v = family.predict(components, model_in.to(model.dtype), timesteps, text, {}).float()
-        if use_cfg:
-            cond, uncond = v[:n], v[n:]
-            v = uncond + first.scale * (cond - uncond)
-        latents = latents + (sigma_next - sigma) * v
+        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
+
+    latents = euler_sample(initial_noise(family, resolved, device), lumina_sigmas(first.steps, family.options(components).flow.discrete_flow_shift), velocity, first.scale, use_cfg)
     images = decode_images(family, components.vae, latents)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import decode_images, resolve_flow_request
+from library.families.flux_generate import decode_images, euler_sample, initial_noise, resolve_flow_request
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -59,23 +59,15 @@ def generate_sd3(family: ModelFamily, components: Components, requests: list, de
     if any(r.batch_key() != first.batch_key() for r in resolved):
         raise ValueError("generate_sd3: a batch must share size, steps, scale and sampler")
     model = components.denoiser
-    n = len(resolved)
     use_cfg = first.scale != 1.0
     texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
     text = encode_prompts_sd3(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
 
-    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
-    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
-    latents = torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators]).to(device)
-    sigmas = sd3_sigmas(first.steps)
-    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
-        model_in = torch.cat([latents, latents]) if use_cfg else latents
+    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
         timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
-        v = family.predict(components, model_in.to(model.dtype), timesteps, text, {}).float()
-        if use_cfg:
-            cond, uncond = v[:n], v[n:]
-            v = uncond + first.scale * (cond - uncond)
-        latents = latents + (sigma_next - sigma) * v
+        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
+
+    latents = euler_sample(initial_noise(family, resolved, device), sd3_sigmas(first.steps), velocity, first.scale, use_cfg)
     images = decode_images(family, components.vae, latents)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
