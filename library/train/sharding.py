@@ -70,7 +70,6 @@ def _units(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, 
     """The submodules sharded as units of their own, innermost first (fully_shard wants children before parents)."""
     if s.wrap_policy == "SIZE_BASED_WRAP":
         units: list[torch.nn.Module] = []
-        covered: set[int] = set()
 
         def visit(m: torch.nn.Module) -> int:
             """Parameters of `m` not yet in a unit; `m` becomes a unit when they reach the minimum."""
@@ -78,7 +77,6 @@ def _units(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, 
             rest = own + sum(visit(c) for c in m.children())
             if rest >= s.min_num_params and m is not module:
                 units.append(m)
-                covered.add(id(m))
                 return 0
             return rest
 
