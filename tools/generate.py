@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--v2", action="store_true", help="SD 2.x (detected from the model; kept for compatibility)")
     g.add_argument("--v_parameterization", action="store_true", help="the model predicts v (SD 2.x 768-v)")
     g.add_argument("--sdxl", action="store_true", help="the model is SDXL (default: SD 1.x/2.x)")
-    g.add_argument("--flux", action="store_true", help="the model is FLUX.1")
+    g.add_argument("--flux", action="store_true", help="the model is FLUX.1 (a Chroma file or preset is found as Chroma)")
     add_component_file_arguments(g)
     g.add_argument("--clip_skip", type=int, default=None, help="text encoder layer from the end (2 = penultimate)")
     g.add_argument("--fp16", action="store_true", help="run the model in float16")
@@ -58,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--from_file", default=None, help="prompt file: .txt (one a line), .toml or .json")
     g.add_argument("--images_per_prompt", type=int, default=1)
     g.add_argument("--seed", type=int, default=None, help="seed of the first image; the k-th image gets seed + k")
-    g.add_argument("--steps", type=int, default=None, help="denoising steps (default 30; FLUX.1 20)")
+    g.add_argument("--steps", type=int, default=None, help="denoising steps (default 30; FLUX.1 and Chroma 20)")
     g.add_argument("--scale", type=float, default=None,
-                   help="CFG scale (default 7.5; FLUX.1 1.0, no negative pass)")
+                   help="CFG scale (default 7.5; FLUX.1 and Chroma 1.0, no negative pass; Chroma about 4)")
     g.add_argument("--guidance", type=float, default=None,
-                   help="FLUX.1 (dev) distilled guidance, the --g of prompts (default 3.5)")
+                   help="FLUX.1 (dev) distilled guidance, the --g of prompts (default 3.5; Chroma has none)")
     g.add_argument("--W", type=int, default=None, help="width in pixels (default 512; SDXL 1024)")
     g.add_argument("--H", type=int, default=None, help="height in pixels (default 512; SDXL 1024)")
     g.add_argument("--sampler", default=None, choices=sampler_names(),
@@ -125,13 +125,24 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             raise ConfigError(f"--network_weights {path}: file not found")
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
-        family="sdxl" if a.sdxl else "flux" if a.flux else (detect_family(a.ckpt) or "sd"),
+        family=_family(a),
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
                                   sampler=a.sampler))
+
+
+def _family(a: argparse.Namespace) -> str:
+    """--sdxl / --flux, else what the model says; a Chroma file or preset is Chroma with or without --flux
+    (sd-scripts' FLUX.1 scripts take Chroma with --model_type chroma)."""
+    detected = detect_family(a.ckpt)
+    if a.sdxl:
+        return "sdxl"
+    if detected == "chroma":
+        return detected
+    return "flux" if a.flux else (detected or "sd")
 
 
 def load_model(o: GenerateOptions):

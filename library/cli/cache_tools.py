@@ -40,7 +40,7 @@ def _detected_family(argv: Sequence[str]) -> Optional[str]:
     for flag, value in zip(argv, argv[1:]):
         if flag == "--pretrained_model_name_or_path":
             found = detect_family(value)
-            return found if found not in ("sd", "sdxl", "flux") else None  # those keep sd-scripts' selectors
+            return found if found not in ("sd", "sdxl", "flux", "chroma") else None  # those keep sd-scripts' selectors
     return None
 
 

@@ -19,6 +19,7 @@ import torch
 
 from library.core.errors import ConfigError, warn_once
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.chroma_generate import generate_chroma
 from library.families.chroma_model import (
     CHROMA_IMPLEMENTATION,
     chroma_block_counts,
@@ -56,7 +57,6 @@ class ChromaFamily(FluxFamily):
     lycoris_module_aliases = (("DoubleStreamBlock", "ChromaTransformerBlock"),
                               ("SingleStreamBlock", "ChromaSingleTransformerBlock"))
     save_formats = ("safetensors",)  # the single file sd-scripts reads; no diffusers folder
-    generate = ModelFamily.generate  # no sampler yet: --sample_prompts is refused before any work
 
     def variant(self, options: FluxOptions) -> ModelFamily:
         if options.model_type != "chroma":
@@ -93,8 +93,10 @@ class ChromaFamily(FluxFamily):
     # --- loading ---------------------------------------------------------------------
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:chroma, random:chroma) or a Chroma single file with --t5xxl and --ae."""
-        options = opts.family_options if opts.family_options is not None else \
-            FluxOptions(apply_t5_attn_mask=True, guidance_scale=0.0, model_type="chroma")
+        # What Chroma requires (training refuses anything else in check_options; tools/generate.py passes only the
+        # component files, so the rest is set here).
+        options = replace(opts.family_options or FluxOptions(), apply_t5_attn_mask=True, guidance_scale=0.0,
+                          model_type="chroma")
         components = load_chroma_components(opts, options.t5xxl, options.ae)
         components.options = options
         return components
@@ -130,13 +132,19 @@ class ChromaFamily(FluxFamily):
         model = components.denoiser
         t = text.tensors
         dtype, device = noisy_latents.dtype, noisy_latents.device
-        b, _, h, w = noisy_latents.shape
+        h, w = noisy_latents.shape[-2:]
         out = model(hidden_states=pack_latents(noisy_latents), encoder_hidden_states=t["t5_out"].to(device, dtype),
                     timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=image_ids(h, w, device, dtype),
                     txt_ids=t["txt_ids"][0].to(device, dtype),
                     attention_mask=joint_attention_mask(t["t5_attn_mask"].to(device), (h // 2) * (w // 2)),
                     return_dict=False)[0]
         return unpack_latents(out, h, w)
+
+    # --- generation -------------------------------------------------------------------------------
+    def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> list:
+        """T5-only, masked, true-CFG flow-match Euler generation (library/families/chroma_generate.py)."""
+        return generate_chroma(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:

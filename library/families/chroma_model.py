@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 
 from library.families import flux_bfl_layout as bfl
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.chroma_configs import APPROXIMATOR_CHANNELS, PRESET_SEED, PRESETS, ChromaPreset
 from library.families.flux_configs import (
     LATENT_CHANNELS,
     build_t5_tokenizer,
@@ -39,30 +39,8 @@ from library.families.loading import classify_source, load_vae, scratch_denoiser
 from library.families.tiny import build_seeded
 
 CHROMA_IMPLEMENTATION = "https://huggingface.co/lodestones/Chroma"  # sd-scripts' modelspec.implementation
-PRESET_SEED = 20250615
 
 
-@dataclass(frozen=True)
-class ChromaPreset:
-    """A built-in Chroma model: the transformer's sizes, and the FLUX.1 preset its T5 and AE come from."""
-
-    name: str
-    double_blocks: int
-    single_blocks: int
-    heads: int
-    head_dim: int
-    axes_dims_rope: tuple[int, int, int]
-    approximator_hidden: int
-    approximator_layers: int
-    flux_preset: str  # T5-XXL and AE sizes
-
-
-PRESETS: dict[str, ChromaPreset] = {
-    "tiny:chroma": ChromaPreset("tiny:chroma", 2, 3, 2, 16, (4, 6, 6), 32, 2, "tiny:flux"),
-    # lodestones/Chroma1-HD's transformer config (also sd-scripts' chroma_params)
-    "random:chroma": ChromaPreset("random:chroma", 19, 38, 24, 128, (16, 56, 56), 5120, 5, "random:flux-dev"),
-}
-APPROXIMATOR_CHANNELS = 64  # the approximator's input: 16 timestep + 16 guidance + 32 modulation-index channels
 
 
 def transformer_config(p: ChromaPreset, joint_attention_dim: int) -> dict:

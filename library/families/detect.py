@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 
 from library.families import (
     anima_configs,
+    chroma_configs,
     flux_configs,
     lumina_configs,
     sd3_configs,
@@ -23,6 +24,8 @@ _SINGLE_FILE_MARKERS = (
     ("layers.0.attention.qkv.", "lumina"),  # Lumina Image 2.0 NextDiT
     ("model.diffusion_model.layers.0.attention.qkv.", "lumina"),  # ComfyUI's whole-model Lumina file
     ("conditioner.embedders.", "sdxl"),
+    ("distilled_guidance_layer.", "chroma"),  # Chroma: FLUX.1's blocks plus the approximator
+    ("model.diffusion_model.distilled_guidance_layer.", "chroma"),
     ("double_blocks.", "flux"),
     ("model.diffusion_model.double_blocks.", "flux"),
     ("model.diffusion_model.joint_blocks.", "sd3"),
@@ -33,6 +36,7 @@ _SINGLE_FILE_MARKERS = (
 
 def _preset_family(path: str) -> Optional[str]:
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS),
+                          ("chroma", chroma_configs.PRESETS),
                           ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS),
                           ("lumina", lumina_configs.PRESETS)):
         if path in presets:
@@ -80,6 +84,7 @@ _CONTENTS = (
     ("model.layers.0.post_feedforward_layernorm.", "a Gemma-2 text encoder"),
     ("model.layers.", "a Qwen3 text encoder"),
     ("conditioner.embedders.", "an SDXL checkpoint"),
+    ("distilled_guidance_layer.", "a Chroma transformer"),
     ("double_blocks.", "a FLUX.1 transformer"),
     ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"),
     ("model.diffusion_model.joint_blocks.", "an SD3 checkpoint"),
@@ -104,7 +109,7 @@ def describe_keys(keys: Iterable[str]) -> str:
 
 
 def detect_family(path: str) -> Optional[str]:
-    """"sd", "sdxl", "flux", "sd3", "anima", "lumina", or None when the path does not tell (then the caller's default applies)."""
+    """"sd", "sdxl", "flux", "chroma", "sd3", "anima", "lumina", or None when the path does not tell (then the caller's default applies)."""
     if path.startswith(("tiny:", "random:")):
         return _preset_family(path)
     if os.path.isdir(path):

@@ -15,6 +15,7 @@ Prompts are read as they are: `(word:1.2)` weighting applies to the CLIP familie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Callable, Optional
@@ -90,10 +91,12 @@ def flux_sigmas(steps: int, image_tokens: int, shift: bool) -> torch.Tensor:
 @torch.no_grad()
 def encode_prompts_flux(family: ModelFamily, components: Components, texts: list[str],
                         device: torch.device) -> TextConditioning:
-    """The family's own tokenizing and encoding (as training), with the encoders borrowed onto `device`."""
+    """The family's own tokenizing and encoding (as training), with every text encoder borrowed onto `device`
+    (FLUX.1's CLIP-L and T5, Chroma's T5, SD3's three)."""
     tokens = family.tokenize(components, texts, None)
-    clip, t5 = components.text_encoders
-    with borrowed_on(clip, device), borrowed_on(t5, device):
+    with contextlib.ExitStack() as stack:
+        for encoder in components.text_encoders:
+            stack.enter_context(borrowed_on(encoder, device))
         return family.encode_text(components, tokens, None)
 
 

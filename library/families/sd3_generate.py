@@ -8,13 +8,16 @@ own CPU generator. The guided pass with the negative prompt runs when the scale 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import decode_images, euler_sample, initial_noise, resolve_flow_request
-from library.families.sd_generate import borrowed_on
+from library.families.flux_generate import (
+    decode_images,
+    encode_prompts_flux,
+    euler_sample,
+    initial_noise,
+    resolve_flow_request,
+)
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
 
@@ -39,17 +42,6 @@ def sd3_sigmas(steps: int, shift: float = SAMPLING_SHIFT) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_prompts_sd3(family: ModelFamily, components: Components, texts: list[str],
-                       device: torch.device) -> TextConditioning:
-    """The family's own tokenizing and encoding (as training), with the three encoders borrowed onto `device`."""
-    tokens = family.tokenize(components, texts, None)
-    with contextlib.ExitStack() as stack:
-        for encoder in components.text_encoders:
-            stack.enter_context(borrowed_on(encoder, device))
-        return family.encode_text(components, tokens, None)
-
-
-@torch.no_grad()
 def generate_sd3(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale and sampler."""
     from PIL import Image
@@ -61,7 +53,7 @@ def generate_sd3(family: ModelFamily, components: Components, requests: list, de
     model = components.denoiser
     use_cfg = first.scale != 1.0
     texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
-    text = encode_prompts_sd3(family, components, texts, device)
+    text = encode_prompts_flux(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
 
     def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
