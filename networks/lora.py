@@ -84,10 +84,18 @@ class LoRANetwork(nn.Module):
                 dim, alpha = self._dim_alpha(name, modules[0], target.is_text_encoder, modules_dim, modules_alpha)
                 if not dim:
                     continue
-                # Several projections under one kohya name (Flux qkv): one shared lora_down.
-                cls = FusedLoRAModule if len(modules) > 1 else LoRAModule
-                lora = cls(name, modules if len(modules) > 1 else modules[0], multiplier, dim, alpha, dropout,
-                           a.rank_dropout, a.module_dropout)
+                if len(modules) > 1:
+                    # Several projections under one kohya name (Flux qkv): one shared lora_down, or with the family's
+                    # split rule (sd-scripts' split_qkv) one rank-dim LoRA each, saved as one of rank n·dim.
+                    split = modules_dim is None and rules is not None and getattr(rules, "split", None) is not None \
+                        and rules.split(name)
+                    if split:
+                        dim, alpha = dim * len(modules), alpha * len(modules) if alpha else alpha
+                    lora = FusedLoRAModule(name, modules, multiplier, dim, alpha, dropout, a.rank_dropout,
+                                           a.module_dropout, split=split)
+                else:
+                    lora = LoRAModule(name, modules[0], multiplier, dim, alpha, dropout, a.rank_dropout,
+                                      a.module_dropout)
                 (self.text_encoder_loras if target.is_text_encoder else self.unet_loras).append(lora)
         # in the model's order: the i-th text encoder with modules takes the i-th --text_encoder_lr
         te_names = [lora.lora_name for lora in self.text_encoder_loras]

@@ -31,19 +31,30 @@ class FusedLoRAModule(nn.Module):
     Has the attributes the network reads from a LoRAModule (`lora_name`, `lora_dim`,
     `lora_down`, `lora_up`, `alpha`, `scale`, `multiplier`, `apply_to`, `restore`,
     `refresh_scale`, `delta_weight`) plus `merge_weights` for merging into the base.
+
+    `split` (sd-scripts' `split_qkv`): each projection gets its own rank-`lora_dim / n` LoRA
+    instead of sharing one down. Projection i reads only rows i·r..(i+1)·r of `lora_down` and the
+    matching columns of its slice of `lora_up`, so `lora_up` stays block-diagonal (the other
+    entries get no gradient and stay zero) and the stacked tensors are exactly the fused kohya
+    module of rank n·r that sd-scripts writes for a split qkv. The caller passes the total rank
+    n·r and alpha n·α, so the scale is sd-scripts' per-projection α / r, and the saved file means
+    the same to every loader (which reads rank n·r).
     """
 
     def __init__(self, lora_name: str, org_modules: list[nn.Module], multiplier: float = 1.0, lora_dim: int = 4,
                  alpha: Optional[Union[float, torch.Tensor]] = 1.0, dropout: Optional[float] = None,
-                 rank_dropout: Optional[float] = None, module_dropout: Optional[float] = None):
+                 rank_dropout: Optional[float] = None, module_dropout: Optional[float] = None, split: bool = False):
         super().__init__()
         if not org_modules or not all(isinstance(m, nn.Linear) for m in org_modules):
             raise TypeError(f"{lora_name}: a fused LoRA needs Linear modules")
         in_features = {m.in_features for m in org_modules}
         if len(in_features) != 1:
             raise ValueError(f"{lora_name}: fused projections must share their input size, got {sorted(in_features)}")
+        if split and lora_dim % len(org_modules):
+            raise ValueError(f"{lora_name}: a split LoRA's rank {lora_dim} is not a multiple of {len(org_modules)}")
         self.lora_name = lora_name
         self.lora_dim = lora_dim
+        self.split = split
         self.out_sizes = [m.out_features for m in org_modules]
         device = org_modules[0].weight.device
         self.lora_down = nn.Linear(in_features.pop(), lora_dim, bias=False, device=device)
@@ -123,6 +134,9 @@ class FusedLoRAModule(nn.Module):
             return org_out
         start = sum(self.out_sizes[:index])
         up = self.lora_up.weight[start:start + self.out_sizes[index]]
+        if self.split:  # its own rank block only: the rest of the row is never read, so never trained
+            rank = self.lora_dim // len(self._orgs)
+            lx, up = lx[..., index * rank:(index + 1) * rank], up[:, index * rank:(index + 1) * rank]
         return org_out + (F.linear(lx, up) * (self.multiplier * scale)).to(org_out.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

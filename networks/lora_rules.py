@@ -34,6 +34,9 @@ class ModuleRules(Protocol):
     def lr(self, name: str) -> Optional[tuple[int, float]]:
         """(rule index, learning rate) when a rule gives module `name` its own rate, else None."""
 
+    # Optional: `split(name) -> bool`, True when the fused module `name` trains one LoRA per projection
+    # (sd-scripts' split_qkv; networks/lora_fused.py FusedLoRAModule split). Rules without it never split.
+
 
 class NetworkArgRules(Protocol):
     """A family's own networks.lora arguments: the keys it reads and how to parse them."""

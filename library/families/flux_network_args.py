@@ -145,14 +145,20 @@ class FluxNetworkArgs:
 
 def _in_dims(text: str) -> list[int]:
     """`[img,time,vector,guidance,txt]` (brackets optional) -> five dims >= 0."""
+    return dim_list("in_dims", text, "[img,time,vector,guidance,txt]", len(IN_DIM_GROUPS))
+
+
+def dim_list(key: str, text: str, layout: str, count: int) -> list[int]:
+    """A `--network_args` list of `count` dims >= 0 such as in_dims / emb_dims (brackets optional); `layout` names
+    the positions in the error."""
     body = str(text).strip()
     if body.startswith("[") and body.endswith("]"):
         body = body[1:-1]
     items = body.split(",")
-    what = "5 comma-separated integers >= 0 [img,time,vector,guidance,txt]"
-    if len(items) != len(IN_DIM_GROUPS):
-        raise ConfigError(f"--network_args in_dims: expected {what}, got {len(items)} values")
-    return [parse_number("in_dims", item, int, what) for item in items]
+    what = f"{count} comma-separated integers >= 0 {layout}"
+    if len(items) != count:
+        raise ConfigError(f"--network_args {key}: expected {what}, got {len(items)} values")
+    return [parse_number(key, item, int, what) for item in items]
 
 
 def _block_selection(key: str, raw: Mapping[str, str], count: int) -> Optional[frozenset[int]]:

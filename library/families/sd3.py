@@ -41,7 +41,7 @@ from library.families.sd3_lora_names import (
     fused_slot,
     sai_module_path,
 )
-from library.families.sd3_network_args import SD3NetworkArgs
+from library.families.sd3_network_args import SD3NetworkArgs, emb_layer_targets
 from library.families.sd3_options import SD3Options
 from library.families.sd3_pos_embed import install as install_positions
 from library.families.sd3_pos_embed import latent_sizes_of
@@ -228,12 +228,14 @@ class SD3Family(ModelFamily):
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
-        """lora_unet (SAI names, fused qkv), lora_te1 (CLIP-L), lora_te2 (CLIP-G) and, with `train_t5xxl=True`,
-        lora_te3 (T5); all carry SD3's network args (library/families/sd3_network_args.py)."""
+        """lora_unet (SAI names, fused qkv), the layers outside the joint blocks (with `emb_dims`), lora_te1 (CLIP-L),
+        lora_te2 (CLIP-G) and, with `train_t5xxl=True`, lora_te3 (T5); all carry SD3's network args
+        (library/families/sd3_network_args.py)."""
         transformer = components.denoiser
         args = SD3NetworkArgs(int(transformer.config.num_layers))
         targets = [LoraTarget("lora_unet", transformer, TRANSFORMER_TARGETS, rename=sai_module_path,
-                              fused_slot=fused_slot, network_args=args, external_prefix="lycoris")]
+                              fused_slot=fused_slot, network_args=args, external_prefix="lycoris"),
+                   *emb_layer_targets(transformer, args)]
         encoders = list(components.text_encoders) + [None] * (3 - len(components.text_encoders))
         for prefix, encoder in (("lora_te1", encoders[0]), ("lora_te2", encoders[1])):
             if encoder is not None:
