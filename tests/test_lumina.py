@@ -335,8 +335,8 @@ def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path,
 
 def test_sd_scripts_network_args_on_the_full_size_model():
     """sd-scripts' lora_lumina arguments: train_blocks filters the DiT modules by name, the type dims take the first
-    matching word (attention, mlp, modulation, refiner), Gemma-2's modules keep the network dim; embedder_dims is
-    refused in one line."""
+    matching word (attention, mlp, modulation, refiner), Gemma-2's modules keep the network dim (embedder_dims and
+    split_qkv: tests/test_lumina_network_args.py)."""
     family = get_family("lumina")
     parts = build_lumina_modules("random:lumina2", device="meta")
     c = Components(parts["transformer"], parts["vae"], [parts["text_encoder"]], [parts["tokenizer"]])
@@ -356,15 +356,13 @@ def test_sd_scripts_network_args_on_the_full_size_model():
     assert typed["lora_unet_noise_refiner_1_feed_forward_w2"] == 6 and typed["lora_unet_layers_0_feed_forward_w1"] == 4
     assert typed["lora_te_layers_0_self_attn_q_proj"] == 4
     assert "lora_unet_layers_0_attention_qkv" not in dims(attn_dim="0")
-    with pytest.raises(ConfigError, match=r"^--network_args embedder_dims: not supported"):
-        dims(embedder_dims="[4,4,4]")
     with pytest.raises(ConfigError, match=r"^--network_args train_blocks: expected one of all, transformer, "):
         dims(train_blocks="single")
 
 
 def test_extract_recovers_the_merged_difference(tmp_path, lumina_files, tiny_lumina):
     """extract_lora_from_models.py between the tiny DiT file and a merged one (rank-4 LoRA per module) writes the
-    42 DiT modules under their sd-scripts names; each up @ down · alpha / rank equals the merged difference (no
+    46 DiT modules under their sd-scripts names; each up @ down · alpha / rank equals the merged difference (no
     clamping: --clamp_quantile 1.0)."""
     from tools import extract_lora_from_models, merge_lora
 
@@ -379,7 +377,8 @@ def test_extract_recovers_the_merged_difference(tmp_path, lumina_files, tiny_lum
                                           "--save_to", out]) == 0
     got, base, tuned = load_file(out), load_file(lumina_files["dit"]), load_file(merged)
     names = {k.split(".")[0] for k in got}
-    assert len(names) == 42 and "lora_unet_layers_2_attention_qkv" in names
+    # the 42 block and final-layer modules and the 4 embedders (layers outside the blocks are extracted, as FLUX.1's)
+    assert len(names) == 46 and "lora_unet_layers_2_attention_qkv" in names
     with safe_open(out, "pt") as f:
         assert f.metadata()["ss_network_module"] == "networks.lora_lumina"
     for name, key in (("lora_unet_layers_2_attention_qkv", "layers.2.attention.qkv.weight"),

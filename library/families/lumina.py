@@ -26,7 +26,7 @@ from library.families.lumina_loading import (
     check_model_source,
     load_lumina_components,
 )
-from library.families.lumina_network_args import LuminaNetworkArgs
+from library.families.lumina_network_args import LuminaNetworkArgs, embedder_targets
 from library.families.lumina_options import LuminaOptions
 from library.families.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
@@ -51,7 +51,25 @@ GEMMA2_TARGETS = ("Gemma2Attention", "Gemma2MLP")
 
 class LuminaFlowScheme(FlowMatchScheme):
     """FLUX.1's rectified flow plus sd-scripts' Lumina-only sampler nextdit_shift: σ uniform (at least 1e-7), then
-    shifted by μ of the image's 2x2-patch count (FLUX.1's resolution shift)."""
+    shifted by μ of the image's 2x2-patch count (FLUX.1's resolution shift), and sd-scripts' Lumina meaning of
+    --model_prediction_type."""
+
+    def prediction(self, model_output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """sd-scripts' lumina_train_util.apply_model_prediction_type, in this loop's sign convention.
+
+        sd-scripts compares f(out) with x0 − ε, where out is NextDiT's own output (an x0 − ε estimate) and f is
+        raw: out, additive: out + x_σ, sigma_scaled: x_σ − σ·out. Here `model_output` is the velocity −out
+        (LuminaFamily.predict) and the target ε − x0, so returning −f(out) gives the same residual up to sign:
+        the same loss, element by element. (additive and sigma_scaled are FLUX.1's formulas applied to a model that
+        predicts the opposite direction; they are kept only so that sd-scripts' command lines train the same.)"""
+        kind = self.options.model_prediction_type
+        if kind == "raw":
+            return model_output
+        x = noisy.to(model_output.dtype)
+        if kind == "additive":
+            return model_output - x
+        s = self.sigma_of(timesteps).to(model_output).reshape(-1, *([1] * (model_output.ndim - 1)))
+        return -s * model_output - x
 
     def sample_sigmas(self, batch_size: int, generator: Optional[torch.Generator] = None,
                       latent_shape=None) -> torch.Tensor:
@@ -186,10 +204,12 @@ class LuminaFamily(ModelFamily):
     # --- LoRA ----------------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet: every joint / refiner block and the final layer under NextDiT's names (q, k, v as one fused
-        `attention_qkv`); lora_te: Gemma-2's attention and MLP (sd-scripts' networks/lora_lumina.py)."""
+        `attention_qkv`), the embedders with `embedder_dims`; lora_te: Gemma-2's attention and MLP (sd-scripts'
+        networks/lora_lumina.py)."""
         args = LuminaNetworkArgs()  # sd-scripts' lora_lumina network args (lumina_network_args.py)
         targets = [LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=layout.original_path,
-                              fused_slot=layout.fused_slot, external_prefix="lycoris", network_args=args)]
+                              fused_slot=layout.fused_slot, external_prefix="lycoris", network_args=args),
+                   *embedder_targets(components.denoiser, args)]
         if components.text_encoders and components.text_encoders[0] is not None:
             targets.append(LoraTarget("lora_te", components.text_encoders[0], GEMMA2_TARGETS, is_text_encoder=True,
                                       network_args=args))

@@ -79,7 +79,4 @@ class LuminaOptions:
         value = self.gemma2_max_token_length
         if value is not None and not (isinstance(value, int) and 1 <= value <= MAX_TOKENS):
             raise ConfigError(f"--gemma2_max_token_length: expected an integer from 1 to {MAX_TOKENS}, got {value!r}")
-        if self.flow.model_prediction_type != "raw":
-            raise ConfigError(f"--model_prediction_type {self.flow.model_prediction_type}: Lumina trains with raw "
-                              f"only here (sd-scripts' additive / sigma_scaled for Lumina are not implemented)")
         self.flow.check()

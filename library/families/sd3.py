@@ -272,9 +272,9 @@ class SD3Family(ModelFamily):
 
     @staticmethod
     def _parts(components: Components) -> dict:
-        l, g, t5 = components.text_encoders
+        clip_l, clip_g, t5 = components.text_encoders
         tl, tg, tt5 = components.tokenizers
-        return {"transformer": components.denoiser, "vae": components.vae, "text_encoder": l, "text_encoder_2": g,
+        return {"transformer": components.denoiser, "vae": components.vae, "text_encoder": clip_l, "text_encoder_2": clip_g,
                 "text_encoder_3": t5, "tokenizer": tl, "tokenizer_2": tg, "tokenizer_3": tt5}
 
     # --- metadata -------------------------------------------------------------------------------
