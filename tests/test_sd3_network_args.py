@@ -131,3 +131,43 @@ def test_tiny_run_saves_a_block_diagonal_qkv_that_applies_each_projections_lora(
         want = base[i] + (x @ down[i * 4:(i + 1) * 4].T @ up[i * hidden:(i + 1) * hidden, i * 4:(i + 1) * 4].T) * (2 / 4)
         torch.testing.assert_close(loaded[i], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(from_training, loaded, rtol=1e-5, atol=1e-5)
+
+
+def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
+    """sd3_train.py --train_text_encoder --train_t5xxl: CLIP-L, CLIP-G and T5-XXL all train, T5 at
+    --learning_rate_te3 (0 keeps it frozen, as sd-scripts), and the saved single file holds the trained T5."""
+    from library.cli.entry import run_training
+    from library.families.base import LoadOptions
+    from tests.test_fine_tune import ft_args
+
+    family = get_family("sd3")
+    base = family.load(LoadOptions("tiny:sd3"))
+    data = make_dataset(str(tmp_path), n=1)
+
+    def moved(name: str, extra: list) -> list:
+        out = str(tmp_path / name)
+        assert run_training("sd3", "test", ft_args(data, out, preset="tiny:sd3", steps=1, extra=[
+            "--t5xxl_max_token_length", "8", "--train_text_encoder", "--train_t5xxl", *extra]), fine_tune=True) == 0
+        loaded = family.load(LoadOptions(f"{out}/model.safetensors"))
+        return [any(not torch.equal(x, y) for x, y in zip(m.state_dict().values(), n.state_dict().values()))
+                for m, n in zip(loaded.text_encoders, base.text_encoders)]
+
+    assert moved("all", ["--learning_rate_te3", "1e-3"]) == [True, True, True]
+    assert moved("frozen_t5", ["--learning_rate_te3", "0"]) == [True, True, False]
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--train_t5xxl"], "error: --train_t5xxl: needs --train_text_encoder"),
+    (["--train_text_encoder", "--train_t5xxl", "--cache_text_encoder_outputs"],
+     "error: --train_t5xxl: T5-XXL's outputs cannot be cached while it trains; drop --cache_text_encoder_outputs"),
+    (["--train_text_encoder", "--learning_rate_te3", "1e-5"],
+     "error: --learning_rate_te3: T5-XXL trains only with --train_t5xxl; add it or drop the rate"),
+])
+def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error):
+    from library.cli.entry import run_training
+    from tests.test_fine_tune import ft_args
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", extra=flags),
+                        fine_tune=True) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(error)

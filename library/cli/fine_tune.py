@@ -47,6 +47,16 @@ def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
     add_metadata_arguments(g)
 
 
+def add_t5xxl_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    """sd3_train.py's --train_t5xxl and --learning_rate_te3 (a family with a fine_tune_t5xxl_encoder)."""
+    g = parser.add_argument_group("fine-tuning T5-XXL")
+    g.add_argument("--train_t5xxl", action="store_true",
+                   help="with --train_text_encoder, train T5-XXL too (its outputs cannot be cached then)")
+    g.add_argument("--learning_rate_te3", type=float, default=None,
+                   help="learning rate of T5-XXL with --train_t5xxl (default: --learning_rate_te, else --learning_rate; "
+                        "0 keeps it frozen)")
+
+
 def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("EMA (moving average of the trained weights)")
     g.add_argument("--use_ema", action="store_true", help="keep an EMA of the trained weights and save it")
@@ -111,8 +121,19 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     for flag in ("fp8_base", "fp8_base_unet"):
         if getattr(ns, flag, False):
             raise ConfigError(f"--{flag}: float8 weights cannot be trained; it is for LoRA training only")
+    train_t5xxl = bool(getattr(ns, "train_t5xxl", False))
+    if train_t5xxl and not ns.train_text_encoder:
+        raise ConfigError("--train_t5xxl: needs --train_text_encoder (CLIP-L and CLIP-G train with T5-XXL, as in "
+                          "sd-scripts)")
+    if train_t5xxl and (ns.cache_text_encoder_outputs or getattr(ns, "cache_text_encoder_outputs_to_disk", False)):
+        raise ConfigError("--train_t5xxl: T5-XXL's outputs cannot be cached while it trains; drop "
+                          "--cache_text_encoder_outputs")
+    te3 = getattr(ns, "learning_rate_te3", None)
+    if te3 is not None and not train_t5xxl:
+        raise ConfigError("--learning_rate_te3: T5-XXL trains only with --train_t5xxl; add it or drop the rate")
     return FineTuneOptions(train_text_encoder=bool(ns.train_text_encoder), learning_rate_te=ns.learning_rate_te,
-                           learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2],
+                           learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2, te3],
+                           train_t5xxl=train_t5xxl,
                            mem_eff_save=bool(ns.mem_eff_save), block_lr=block_lrs_from_args(ns.block_lr, family),
                            fused_backward_pass=bool(ns.fused_backward_pass),
                            fused_optimizer_groups=ns.fused_optimizer_groups,

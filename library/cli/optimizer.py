@@ -57,7 +57,8 @@ def add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # Learning rates of single parts: --scale_lr scales --learning_rate only, so it refuses to run beside them.
-_PART_LR_FLAGS = ("unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1", "learning_rate_te2")
+_PART_LR_FLAGS = ("unet_lr", "text_encoder_lr", "learning_rate_te", "learning_rate_te1", "learning_rate_te2",
+                  "learning_rate_te3")
 
 
 def num_processes() -> int:

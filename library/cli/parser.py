@@ -10,7 +10,12 @@ from typing import NoReturn
 
 from library.cli.config_file import add_config_file_arguments
 from library.cli.dataset import add_dataset_arguments
-from library.cli.fine_tune import MODEL_FORMATS, add_ema_arguments, add_fine_tune_arguments
+from library.cli.fine_tune import (
+    MODEL_FORMATS,
+    add_ema_arguments,
+    add_fine_tune_arguments,
+    add_t5xxl_fine_tune_arguments,
+)
 from library.cli.memory import add_memory_arguments
 from library.cli.model import add_model_arguments
 from library.cli.network import add_network_arguments
@@ -72,6 +77,8 @@ def build_network_training_parser(description: str, family=None) -> argparse.Arg
 def build_fine_tune_parser(description: str, family=None) -> argparse.ArgumentParser:
     """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
     parser = _training_parser(description, family, add_fine_tune_arguments)
+    if getattr(family, "fine_tune_t5xxl_encoder", None) is not None:
+        add_t5xxl_fine_tune_arguments(parser)
     parser.set_defaults(save_model_as="safetensors")
     for action in parser._actions:
         if action.dest == "save_model_as":  # the family's own formats: a wrong one stops before training

@@ -72,7 +72,7 @@ RANGES: dict[str, Range] = {
     "unet_lr": _LR, "text_encoder_lr": _LR, "scale_weight_norms": Range(lo=0, lo_open=True),
     "network_multiplier": Range(), "base_weights_multiplier": Range(),
     # fine-tune and EMA
-    "learning_rate_te": _LR, "learning_rate_te1": _LR, "learning_rate_te2": _LR,
+    "learning_rate_te": _LR, "learning_rate_te1": _LR, "learning_rate_te2": _LR, "learning_rate_te3": _LR,
     "ema_decay": Range(0, 1, lo_open=True, hi_open=True), "ema_update_every": _at_least(1),
     "ema_start_step": _at_least(0),
     # optimizer and schedule

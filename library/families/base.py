@@ -132,6 +132,9 @@ class ModelFamily(ABC):
     # How many text encoders, from the first, a full fine-tune's --train_text_encoder trains (SD3: CLIP-L and
     # CLIP-G, not T5, as sd-scripts' sd3_train.py); None: all of them.
     fine_tune_text_encoders: ClassVar[Optional[int]] = None
+    # The text encoder that a full fine-tune trains only with --train_t5xxl (SD3: 2, T5-XXL, as sd-scripts'
+    # sd3_train.py, with its rate --learning_rate_te3); None: the family's fine-tune has no --train_t5xxl.
+    fine_tune_t5xxl_encoder: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
     def options(self, components: Components) -> Any:

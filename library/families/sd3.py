@@ -86,7 +86,8 @@ class SD3Family(ModelFamily):
     text_encoder_outputs = ENCODER_KEYS
     lycoris_module_aliases = (("SingleDiTBlock", "JointTransformerBlock"),)
     block_classes = ("JointTransformerBlock",)  # the repeated blocks FSDP wraps and --torch_compile compiles
-    fine_tune_text_encoders = 2  # sd3_train.py --train_text_encoder: CLIP-L and CLIP-G (T5 stays frozen)
+    fine_tune_text_encoders = 2  # sd3_train.py --train_text_encoder: CLIP-L and CLIP-G (T5 stays frozen) ...
+    fine_tune_t5xxl_encoder = 2  # ... unless --train_t5xxl
 
     # --- options ---------------------------------------------------------------------
     def check_options(self, options: SD3Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,

@@ -124,7 +124,8 @@ class FineTuneOptions:
     """A full fine-tune (fine_tune.py, sdxl_train.py, flux_train.py): the model's own weights train."""
     train_text_encoder: bool = False
     learning_rate_te: Optional[float] = None  # every text encoder; None: --learning_rate
-    learning_rate_te_each: list[Optional[float]] = field(default_factory=list)  # --learning_rate_te1, _te2
+    learning_rate_te_each: list[Optional[float]] = field(default_factory=list)  # --learning_rate_te1, _te2 (, _te3)
+    train_t5xxl: bool = False  # SD3: --train_text_encoder trains T5-XXL too (the family's fine_tune_t5xxl_encoder)
     mem_eff_save: bool = False  # write checkpoints tensor by tensor, without a second copy in memory
     fused_backward_pass: bool = False  # step each parameter as soon as its gradient is complete
     fused_optimizer_groups: Optional[int] = None  # the same with N groups of parameters

@@ -207,6 +207,8 @@ class Trainer(TrainingLoop):
             return {}
         encoders = len(self.components.text_encoders)
         limit = self.family.fine_tune_text_encoders
+        if self.s.fine_tune.train_t5xxl:
+            limit = self.family.fine_tune_t5xxl_encoder + 1
         return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate,
                               encoders if limit is None else min(limit, encoders))
 
