@@ -138,3 +138,67 @@ def test_prediction_types_give_sd_scripts_loss(tiny, kind, weighting):
     theirs = (f - (x0 - eps)) ** 2 * w.view(-1, 1, 1, 1)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert ours.abs().sum() > 0
+
+
+def test_convert_to_diffusers_loads_in_lumina2_pipeline(tmp_path, tiny):
+    """tools/convert_lora.py --to diffusers on a Lumina LoRA (embedders and split_qkv blocks included): diffusers'
+    Lumina2Pipeline.load_lora_weights uses every transformer key, and its transformer gives our networks.lora's
+    outputs on the same kohya file; --to kohya gives the same modules and ΔW back."""
+    import copy
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
+
+    from library.families.lora_convert import convert
+    from networks.lora import create_network_from_weights
+
+    family, c = get_family("lumina"), copy.deepcopy(tiny)
+    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c),
+                         embedder_dims="[4,4,4]", split_qkv="True")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for lora in net.unet_loras + net.text_encoder_loras:
+            up = torch.randn(lora.lora_up.weight.shape, generator=g) * 0.1
+            if getattr(lora, "split", False):  # a trained split module's up: zero off its blocks
+                mask, rank, row = torch.zeros_like(up), lora.lora_dim // 3, 0
+                for i, rows in enumerate(lora.out_sizes):
+                    mask[row:row + rows, i * rank:(i + 1) * rank] = 1
+                    row += rows
+                up *= mask
+            lora.lora_up.weight.copy_(up)
+    kohya = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    modules = {k.split(".")[0] for k in kohya}
+    peft = convert(kohya, "diffusers", "lora.safetensors")
+    # per block: q, k, v, out, w1..w3 (+ adaLN where modulated); 4 embedders, 2 final-layer Linears; Gemma-2
+    dit = {k.rsplit(".", 2)[0] for k in peft if k.startswith("transformer.")}
+    assert len(dit) == 3 * 8 + 2 * 8 + 2 * 7 + 4 + 2
+    assert peft["transformer.layers.0.attn.to_k.lora_A.weight"].shape == (4, 48)  # split: rank 4 each, q 48, k/v 24
+    assert peft["transformer.layers.0.attn.to_v.lora_B.weight"].shape == (24, 4)
+    back = convert(peft, "kohya", "peft")
+    assert {k.split(".")[0] for k in back} == modules
+    for n in modules:
+        delta = [f[n + ".lora_up.weight"].flatten(1) @ f[n + ".lora_down.weight"].flatten(1)
+                 * (f[n + ".alpha"] / f[n + ".lora_down.weight"].shape[0]) for f in (kohya, back)]
+        torch.testing.assert_close(delta[1], delta[0], rtol=1e-5, atol=1e-6)
+
+    pipe = Lumina2Pipeline(transformer=copy.deepcopy(tiny.denoiser), scheduler=FlowMatchEulerDiscreteScheduler(),
+                           vae=tiny.vae, text_encoder=tiny.text_encoders[0], tokenizer=tiny.tokenizers[0])
+    pipe.load_lora_weights({k: v for k, v in peft.items() if k.startswith("transformer.")})
+    assert {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")} == {p[len("transformer."):]
+                                                                                       for p in dit}
+    ours, _ = create_network_from_weights(1.0, None, None, c.text_encoders, c.denoiser, weights_sd=kohya,
+                                          lora_targets=family.lora_targets(c))
+    ours.apply_to(c.text_encoders, c.denoiser, apply_text_encoder=False)
+    ours.load_weights(kohya)
+    x = torch.randn(2, 16, 8, 8, generator=g)
+    caption = torch.randn(2, 6, c.denoiser.config.cap_feat_dim, generator=g)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2]).bool()
+    with torch.no_grad():
+        mine = c.denoiser(hidden_states=x, timestep=torch.tensor([0.3, 0.8]), encoder_hidden_states=caption,
+                          encoder_attention_mask=mask, return_dict=False)[0]
+        theirs = pipe.transformer(hidden_states=x, timestep=torch.tensor([0.3, 0.8]), encoder_hidden_states=caption,
+                                  encoder_attention_mask=mask, return_dict=False)[0]
+        plain = tiny.denoiser(hidden_states=x, timestep=torch.tensor([0.3, 0.8]), encoder_hidden_states=caption,
+                              encoder_attention_mask=mask, return_dict=False)[0]
+    ours.restore()
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    assert (mine - plain).abs().max() > 1e-3  # the LoRA changes the output

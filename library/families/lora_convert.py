@@ -26,13 +26,17 @@ from library.families import anima_lora
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
+    is_lumina_file,
     is_sd3_file,
     is_sd3_peft,
     kohya_modules,
+    lumina_kohya_modules,
+    lumina_peft_targets,
     peft_targets,
     sd3_kohya_modules,
     sd3_peft_targets,
 )
+from library.families.lumina_lora_names import owns_peft_paths as is_lumina_peft
 from networks.lora_files import (
     KOHYA_SUFFIXES,
     LoraFile,
@@ -96,12 +100,13 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
 
 def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
-    if anima_lora.is_anima(state):
+    modules = group_modules(state, source)
+    lumina = is_lumina_file(list(modules))  # Lumina's Gemma-2 names (lora_te_layers_N_) look like Anima's Qwen3 ones
+    if not lumina and anima_lora.is_anima(state):
         raise UnsupportedLoraError(f"{source}: an Anima LoRA; diffusers reads Anima LoRAs only in ComfyUI's "
                                    f"diffusion_model.* layout: use --to comfy")
     out: dict[str, torch.Tensor] = {}
-    modules = group_modules(state, source)
-    lookup = sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
+    lookup = lumina_peft_targets if lumina else sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
     for name, m in modules.items():
         target = lookup(name)
         if target is None:
@@ -109,7 +114,7 @@ def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, to
             raise UnsupportedLoraError(f"{source}: {name}: unexpected module prefix {prefix!r}; expected "
                                        f"{', '.join(KOHYA_PREFIXES[:-1])} or {KOHYA_PREFIXES[-1]}")
         if len(target.paths) > 1:
-            for path, (a, b) in zip(target.paths, _split_fused(m, target.split_dims(m.out_features))):
+            for path, (a, b) in zip(target.paths, _split_fused(m, target.split_dims(m.out_features, m.in_flat))):
                 out[f"{path}.lora_A.weight"], out[f"{path}.lora_B.weight"] = a, b
             continue
         sd, su = scale_split(m.scale)
@@ -177,7 +182,9 @@ def to_kohya(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.
     width = next((g["down"].shape[1] for p, g in groups.items() if p.startswith("transformer.transformer_blocks.")
                   and p.endswith((".attn.to_q", ".attn.to_k", ".attn.to_v"))), None)
     try:
-        modules = sd3_kohya_modules(list(groups)) if is_sd3_peft(list(groups), width) else kohya_modules(list(groups))
+        paths = list(groups)
+        modules = lumina_kohya_modules(paths) if is_lumina_peft(paths) else \
+            sd3_kohya_modules(paths) if is_sd3_peft(paths, width) else kohya_modules(paths)
     except UnmappedPathError as e:
         raise UnsupportedLoraError(f"{source}: unexpected key {e.path}.lora_A.weight: {e.reason}") from None
     out: dict[str, torch.Tensor] = {}
@@ -188,7 +195,11 @@ def to_kohya(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.
             swap = module.swap_halves or (module.swap_halves_if_two_chunks and up.shape[0] == 2 * down.shape[1])
             up = _swap_halves(up) if swap else up
         else:
-            dims = module.fused_dims([p["up"].shape[0] if p is not None else None for p in parts])
+            try:
+                dims = module.fused_dims([p["up"].shape[0] if p is not None else None for p in parts],
+                                         next(p["down"].shape[1] for p in parts if p is not None))
+            except ValueError as e:
+                raise UnsupportedLoraError(f"{source}: {e}") from None
             down, up = _fuse(parts, dims)
         out.update(_kohya_module(module.name, down, up))
     return out

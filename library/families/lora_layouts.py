@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from library.families import flux_lora_names as flux
+from library.families import lumina_lora_names as lumina
 from library.families import sd3_lora_names as sd3
 from library.families import sdxl_lora_names as sdxl
 from library.families.ldm_layout import LayoutError
@@ -27,7 +28,7 @@ to_out time_emb_proj conv_shortcut conv_in conv_out time_embedding linear_1 line
 self_attn q_proj k_proj v_proj out_proj final_layer_norm ff_context norm1_context to_add_out add_q_proj add_k_proj
 add_v_proj proj_mlp x_embedder context_embedder time_text_embed timestep_embedder guidance_embedder text_embedder
 norm_out wi_0 wi_1 layer_norm1 layer_norm2 text_projection input_blocks middle_block output_blocks in_layers
-out_layers emb_layers skip_connection time_embed label_emb
+out_layers emb_layers skip_connection time_embed label_emb o_proj gate_proj up_proj down_proj
 """.split())
 # SD 1.x/2.x: kohya paths are the diffusers paths themselves.
 _SD_PREFIX = {"unet": "lora_unet", "text_encoder": "lora_te", "text_encoder_2": "lora_te2"}
@@ -47,15 +48,27 @@ class KohyaModule:
     swap_halves: bool = False  # the two row halves of `up` are in the other order in the diffusers model
     # SD3's context adaLN: its halves swap only in the pre-only (last) block, whose up has 2 · in_features rows
     swap_halves_if_two_chunks: bool = False
+    # Grouped-query qkv (Lumina): q has as many rows as the layer's input, k and v share the rest equally
+    query_rows_are_input: bool = False
 
-    def split_dims(self, out_features: int) -> list[int]:
-        """Rows of each projection in a fused `up` with `out_features` rows."""
+    def split_dims(self, out_features: int, in_features: Optional[int] = None) -> list[int]:
+        """Rows of each projection in a fused `up` with `out_features` rows (`in_features`: the layer's input
+        width, needed for a grouped-query qkv)."""
+        if self.query_rows_are_input:
+            rest = (out_features - in_features) // 2
+            return [in_features, rest, rest]
         unit = out_features // sum(self.widths)
         head = [unit * w for w in self.widths[:-1]]
         return head + [out_features - sum(head)]
 
-    def fused_dims(self, rows: Sequence[Optional[int]]) -> list[int]:
-        """Rows of each projection given those present (None for a missing one), the missing ones from the widths."""
+    def fused_dims(self, rows: Sequence[Optional[int]], in_features: Optional[int] = None) -> list[int]:
+        """Rows of each projection given those present (None for a missing one), the missing ones from the widths
+        (a grouped-query qkv: q from `in_features`, k and v from each other)."""
+        if self.query_rows_are_input:
+            kv = rows[1] if rows[1] is not None else rows[2]
+            if kv is None:
+                raise ValueError(f"{self.name}: only q has a LoRA, so the width of k and v is unknown")
+            return [in_features, kv, kv]
         unit = next(r // w for r, w in zip(rows, self.widths) if r is not None)
         return [r if r is not None else unit * w for r, w in zip(rows, self.widths)]
 
@@ -120,6 +133,42 @@ def sd3_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
                            swap_halves_if_two_chunks=paths[0].endswith("norm1_context.linear"))
     part = {v: k for k, v in sd3.KOHYA_PREFIX.items()}.get(prefix)
     return None if part is None or part == "transformer" else KohyaModule(kohya_name, (f"{part}.{dotted(rest)}",))
+
+
+def is_lumina_file(kohya_names: Sequence[str]) -> bool:
+    """True when kohya module names are a Lumina LoRA's (joint / refiner blocks; its lora_te is Gemma-2)."""
+    return any(lumina.is_lumina_kohya_name(n) for n in kohya_names)
+
+
+def lumina_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
+    """The PEFT modules (Lumina2Pipeline parts) of one Lumina kohya module name; None when unknown."""
+    head, _, rest = kohya_name.partition("_")[2].partition("_")
+    if head == "te":
+        return KohyaModule(kohya_name, (f"text_encoder.{dotted(rest)}",))
+    original = lumina.original_path(rest) if head == "unet" else None
+    if original is None:
+        return None
+    paths = lumina.diffusers_paths(original)
+    return KohyaModule(kohya_name, tuple(f"transformer.{p}" for p in paths), (1,) * len(paths),
+                       query_rows_are_input=len(paths) > 1)
+
+
+def lumina_kohya_modules(peft_paths: Sequence[str]) -> list[KohyaModule]:
+    """The kohya modules of a Lumina PEFT file's paths: q, k and v of one attention fused into its `attention_qkv`."""
+    by_name: dict[str, KohyaModule] = {}
+    for path in peft_paths:
+        part, _, module = path.partition(".")
+        if part == "text_encoder":
+            by_name.setdefault(path, KohyaModule(f"lora_te_{module.replace('.', '_')}", (path,)))
+            continue
+        original = lumina.original_of(module) if part == "transformer" else None
+        if original is None:
+            raise UnmappedPathError(path, "not a Lumina DiT LoRA layer")
+        name = "lora_unet_" + original.replace(".", "_")
+        paths = lumina.diffusers_paths(original)
+        by_name.setdefault(name, KohyaModule(name, tuple(f"transformer.{p}" for p in paths), (1,) * len(paths),
+                                             query_rows_are_input=len(paths) > 1))
+    return list(by_name.values())
 
 
 FLUX_HIDDEN = 3072  # every FLUX.1 transformer's width; SD3's are 64 · heads (1536, 2432)
