@@ -87,8 +87,7 @@ class LoRANetwork(nn.Module):
                 if len(modules) > 1:
                     # Several projections under one kohya name (Flux qkv): one shared lora_down, or with the family's
                     # split rule (sd-scripts' split_qkv) one rank-dim LoRA each, saved as one of rank n·dim.
-                    split = modules_dim is None and rules is not None and getattr(rules, "split", None) is not None \
-                        and rules.split(name)
+                    split = modules_dim is None and self._splits(name)
                     if split:
                         dim, alpha = dim * len(modules), alpha * len(modules) if alpha else alpha
                     lora = FusedLoRAModule(name, modules, multiplier, dim, alpha, dropout, a.rank_dropout,
@@ -110,6 +109,11 @@ class LoRANetwork(nn.Module):
         if rules is not None and rules.verbose:
             for lora in self.text_encoder_loras + self.unet_loras:
                 logger.info("  %-60s dim %d, alpha %g", lora.lora_name, lora.lora_dim, float(lora.alpha))
+
+    def _splits(self, name: str) -> bool:
+        """Whether the family's rules split the fused module `name` into one LoRA per projection (optional rule)."""
+        split = getattr(self.rules, "split", None)
+        return bool(split is not None and split(name))
 
     def _dim_alpha(self, name: str, module: nn.Module, is_te: bool, modules_dim: Optional[dict],
                    modules_alpha: Optional[dict]) -> tuple[Optional[int], Any]:
