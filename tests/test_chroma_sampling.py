@@ -118,6 +118,13 @@ def test_defaults_guidance_and_cfg(chroma_file, caplog):
     assert np.array_equal(plain, other_negative)  # scale 1: no negative pass
     assert not np.array_equal(plain, cfg)
     assert np.array_equal(plain, with_g)  # no guidance input: --g changes nothing
+    # captions of different lengths (each row its own mask) with their negatives: batched as one by one
+    requests = [GenerationRequest("a cat", "blurry", seed=1, width=64, height=64, steps=1, scale=3.0),
+                GenerationRequest("a dog with a long tail and a red hat", "", seed=2, width=64, height=64, steps=1,
+                                  scale=3.0)]
+    one_by_one, together = (np.stack([np.asarray(g.image) for g in generate_images(family, c, requests, batch_size=n)])
+                            for n in (1, 2))
+    assert np.abs(one_by_one.astype(int) - together.astype(int)).max() <= 1
 
 
 def test_sampling_during_chroma_training_writes_images(tmp_path):
