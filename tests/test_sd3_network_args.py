@@ -138,7 +138,8 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
     --learning_rate_te3 (0 keeps it frozen, as sd-scripts), and the saved single file holds the trained T5."""
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
-    from tests.test_fine_tune import ft_args
+    from library.train.trainables import fine_tune_plan
+    from tests.test_fine_tune import ft_args, ft_trainer
 
     family = get_family("sd3")
     base = family.load(LoadOptions("tiny:sd3"))
@@ -153,7 +154,10 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
                 for m, n in zip(loaded.text_encoders, base.text_encoders)]
 
     assert moved("all", ["--learning_rate_te3", "1e-3"]) == [True, True, True]
-    assert moved("frozen_t5", ["--learning_rate_te3", "0"]) == [True, True, False]
+    trainer = ft_trainer(ft_args(data, str(tmp_path / "plan"), preset="tiny:sd3", extra=[
+        "--train_text_encoder", "--train_t5xxl", "--learning_rate_te2", "2e-5", "--learning_rate_te3", "0"]), "sd3")
+    assert fine_tune_plan(trainer.s.fine_tune, 1e-3, 3) == {"denoiser": 1e-3, "text_encoder1": 1e-3,
+                                                             "text_encoder2": 2e-5}  # te3 0: T5 frozen
 
 
 @pytest.mark.parametrize("flags,error", [
