@@ -1,11 +1,13 @@
-"""A Chroma LoRA (sd-scripts' lora_flux names on Chroma's blocks) converted by tools/convert_lora.py --to diffusers
-loads in diffusers' ChromaPipeline with every key used, and its transformer gives our networks.lora's outputs."""
+"""Chroma LoRA files in the tools: converted by tools/convert_lora.py --to diffusers, one loads in diffusers'
+ChromaPipeline with every key used and our networks.lora's outputs; tools/merge_lora.py merges one into a Chroma
+single file (found as Chroma, not FLUX.1)."""
 
 from __future__ import annotations
 
 import copy
 
 import torch
+from safetensors.torch import load_file
 
 from library.families import get_family
 from library.families.base import LoadOptions
@@ -54,3 +56,28 @@ def test_converted_chroma_lora_loads_in_chroma_pipeline_with_our_outputs():
         plain = c.denoiser(**kwargs).sample
     torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
     assert (mine - plain).abs().max() > 1e-3
+
+
+def test_merge_lora_into_a_chroma_single_file(tmp_path):
+    from library.families.chroma_model import load_chroma_transformer
+    from tests.train_helpers import random_lora_file
+    from tools import merge_lora
+    from tools.make_tiny_model import main as make_tiny_model
+
+    assert make_tiny_model(["--family", "chroma", "--out", str(tmp_path / "model"), "--single_file"]) == 0
+    files = {name: str(tmp_path / "model" / f"{name}.safetensors") for name in ("chroma-tiny", "t5xxl", "ae")}
+    family = get_family("chroma")
+    c = family.load(LoadOptions("tiny:chroma"))
+    lora = load_file(random_lora_file(family, c, str(tmp_path / "lora.safetensors")))  # dim 4, alpha 2
+    merged = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", files["chroma-tiny"], "--t5xxl", files["t5xxl"], "--ae", files["ae"],
+                            "--models", str(tmp_path / "lora.safetensors"), "--ratios", "1.0",
+                            "--save_to", merged]) == 0
+    got, base = load_chroma_transformer(merged).state_dict(), c.denoiser.state_dict()
+    # the fused img_attn_qkv of double block 1: its three row blocks land on to_q, to_k, to_v
+    name = "lora_unet_double_blocks_1_img_attn_qkv"
+    delta = lora[f"{name}.lora_up.weight"] @ lora[f"{name}.lora_down.weight"] * (2 / 4)
+    for i, proj in enumerate(("to_q", "to_k", "to_v")):
+        key = f"transformer_blocks.1.attn.{proj}.weight"
+        torch.testing.assert_close(got[key], base[key] + delta[i * 32:(i + 1) * 32], rtol=1e-5, atol=1e-5)
+    assert sum(not torch.equal(got[k], base[k]) for k in base) == 39  # every LoRA'd projection, nothing else
