@@ -3,6 +3,7 @@ defaults (guidance 0, CFG only when --l is not 1), and sampling during a tiny Ch
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import math
@@ -101,6 +102,7 @@ def test_defaults_guidance_and_cfg(chroma_file, caplog):
     from library.core import errors
 
     _, (family, c, _) = chroma_file
+    c = dataclasses.replace(c, options=dataclasses.replace(c.options, t5xxl_max_token_length=16))  # faster T5
     r = resolve_chroma_request(GenerationRequest("a cat", seed=1, width=70))
     assert (r.width, r.height, r.steps, r.scale, r.guidance, r.sampler) == (64, 512, 20, 1.0, 0.0, "flow_euler")
     errors._warned.clear()  # the warning is logged once per process
