@@ -18,11 +18,23 @@ from library.core.errors import ConfigError
 from library.families import hunyuan_image_layout as layout
 from library.families import hunyuan_image_text as text_rules
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.hunyuan_image_configs import LATENT_CHANNELS, LATENT_SCALING_FACTOR, VAE_SCALE_FACTOR
-from library.families.hunyuan_image_loading import block_counts, check_model_source, load_components
+from library.families.hunyuan_image_configs import (
+    LATENT_CHANNELS,
+    LATENT_SCALING_FACTOR,
+    VAE_SCALE_FACTOR,
+)
+from library.families.hunyuan_image_loading import (
+    block_counts,
+    check_model_source,
+    load_components,
+)
 from library.families.hunyuan_image_network_args import HunyuanImageNetworkArgs
 from library.families.hunyuan_image_options import HunyuanImageOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, check_no_ddpm_schedule
+from library.objectives.flow import (
+    FlowMatchScheme,
+    check_flow_compatible,
+    check_no_ddpm_schedule,
+)
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)

@@ -74,7 +74,11 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
     """(Qwen2_5_VLTextModel, tokenizer) from --text_encoder: one file (`model.*` keys) or a transformers folder."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextModel
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLTextModel,
+    )
 
     label = "--text_encoder"
     if os.path.isdir(path):
