@@ -297,3 +297,20 @@ def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeyp
     assert code == 0, f"{where}: {err.strip().splitlines()[-1:]}"
     saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
     assert saved == ["my_hunyuan_lora.safetensors"]
+
+
+def test_web_ui_template_uses_the_scripts_flags():
+    """webui/templates/hunyuan_image_lora.toml: runs hunyuan_image_train_network.py, and every config key is a flag
+    of that script (so the job's --config_file parses) with sd-scripts' documented values."""
+    from library.cli.entry import build_parser
+    from webui.jobfiles import script_for, templates
+
+    template = templates()["hunyuan_image_lora"]
+    assert (template["template"]["family"], template["template"]["mode"]) == ("hunyuan_image", "lora")
+    assert script_for("hunyuan_image", "lora") == "hunyuan_image_train_network.py"
+    parser = build_parser("test", get_family("hunyuan_image"))
+    dests = {a.dest for a in parser._actions}
+    keys = {k: v for section in template["config"].values() for k, v in section.items()}
+    assert sorted(set(keys) - dests) == []
+    assert (keys["network_module"], keys["discrete_flow_shift"], keys["text_encoder"].endswith("qwen_2.5_vl_7b.safetensors"),
+            keys["fp8_scaled"]) == ("networks.lora_hunyuan_image", 5.0, True, True)
