@@ -314,3 +314,33 @@ def test_web_ui_template_uses_the_scripts_flags():
     assert sorted(set(keys) - dests) == []
     assert (keys["network_module"], keys["discrete_flow_shift"], keys["text_encoder"].endswith("qwen_2.5_vl_7b.safetensors"),
             keys["fp8_scaled"]) == ("networks.lora_hunyuan_image", 5.0, True, True)
+
+
+def test_merge_and_extract_tools_on_the_original_files(tmp_path, hi_files, tiny_hi):
+    """tools/merge_lora.py on the HunyuanImage files (--text_encoder / --byt5 as training takes them) writes the DiT
+    equal to the independent merge in the original layout; extract_lora_from_models.py between the two files gets
+    each module's difference back under its sd-scripts name (no clamping: --clamp_quantile 1.0)."""
+    from tools import extract_lora_from_models, merge_lora
+
+    family = get_family("hunyuan_image")
+    lora_path = random_lora_file(family, tiny_hi, str(tmp_path / "lora.safetensors"), seed=4)
+    parts = ["--text_encoder", hi_files["text_encoder"], "--byt5", hi_files["byt5"]]
+    merged = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", hi_files["dit"], *parts, "--models", lora_path, "--ratios", "1.0",
+                            "--save_to", merged]) == 0
+    expected, used = independent_merge(load_file(hi_files["dit"]), load_file(lora_path))
+    got = load_file(merged)
+    assert used == 32 and got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+    out = str(tmp_path / "extracted.safetensors")
+    assert extract_lora_from_models.main(["--model_org", hi_files["dit"], "--model_tuned", merged, *parts, "--dim", "4",
+                                          "--clamp_quantile", "1.0", "--save_to", out]) == 0
+    extracted, base = load_file(out), load_file(hi_files["dit"])
+    assert len({k.split(".")[0] for k in extracted}) == 32
+    with safe_open(out, "pt") as f:
+        assert f.metadata()["ss_network_module"] == "networks.lora_hunyuan_image"
+    for name, key in (("lora_unet_single_blocks_2_linear1", "single_blocks.2.linear1.weight"),
+                      ("lora_unet_double_blocks_1_txt_attn_qkv", "double_blocks.1.txt_attn_qkv.weight")):
+        down, up, alpha = (extracted[f"{name}.{k}"] for k in ("lora_down.weight", "lora_up.weight", "alpha"))
+        torch.testing.assert_close(up @ down * (alpha / down.shape[0]), got[key] - base[key], rtol=1e-3, atol=1e-4)
