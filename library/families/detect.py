@@ -95,7 +95,6 @@ _CONTENTS = (
     ("encoder.block.", "a T5 text encoder"),
     ("text_model.encoder.layers.", "a CLIP text encoder"),
     ("encoder.layers.", "a CLIP text encoder"),
-    ("encoder.down.0.block.0.", "a HunyuanImage VAE"),
     ("encoder.conv_in.", "an autoencoder"),
     ("first_stage_model.", "an autoencoder"),
 )
