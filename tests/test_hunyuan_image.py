@@ -344,3 +344,20 @@ def test_merge_and_extract_tools_on_the_original_files(tmp_path, hi_files, tiny_
                       ("lora_unet_double_blocks_1_txt_attn_qkv", "double_blocks.1.txt_attn_qkv.weight")):
         down, up, alpha = (extracted[f"{name}.{k}"] for k in ("lora_down.weight", "lora_up.weight", "alpha"))
         torch.testing.assert_close(up @ down * (alpha / down.shape[0]), got[key] - base[key], rtol=1e-3, atol=1e-4)
+
+
+def test_block_swap_and_offloaded_checkpointing_train_as_without(tmp_path, tiny_hi):
+    """--blocks_to_swap 1 (the last two single blocks streamed) with --cpu_offload_checkpointing gives the same LoRA
+    as plain gradient checkpointing (diffusers' HunyuanImage blocks take keyword inputs through both checkpointing
+    functions); the streamed blocks are the last N//2 double and 2·(N − N//2) single ones."""
+    data = make_dataset(str(tmp_path), n=1)
+    extra = ["--network_module", "networks.lora_hunyuan_image", "--gradient_checkpointing"]
+    runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:hunyuan_image", steps=2, extra=extra + more),
+                         "hunyuan_image").run()
+            for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1", "--cpu_offload_checkpointing"]))]
+    a, b = (load_file(p) for p in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lora_unet_single_blocks_3_linear1.lora_up.weight"],
+                           torch.zeros_like(a["lora_unet_single_blocks_3_linear1.lora_up.weight"]))
+    blocks = get_family("hunyuan_image").swappable_blocks(tiny_hi, 1)
+    assert blocks == list(tiny_hi.denoiser.single_transformer_blocks)[2:]

@@ -61,7 +61,6 @@ class HunyuanImageFamily(ModelFamily):
     name = "hunyuan_image"
     options_type = HunyuanImageOptions
     lora_network_module = "networks.lora_hunyuan_image"  # what sd-scripts' hunyuan_image_train_network.py files say
-    external_networks_unsupported = None
     latent_cache_arch = "_hi"  # sd-scripts' `<image>_<w>x<h>_hi.npz`
     latent_cache_key_stride = VAE_SCALE_FACTOR
     latent_channels = LATENT_CHANNELS
