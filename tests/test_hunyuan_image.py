@@ -361,3 +361,22 @@ def test_block_swap_and_offloaded_checkpointing_train_as_without(tmp_path, tiny_
                            torch.zeros_like(a["lora_unet_single_blocks_3_linear1.lora_up.weight"]))
     blocks = get_family("hunyuan_image").swappable_blocks(tiny_hi, 1)
     assert blocks == list(tiny_hi.denoiser.single_transformer_blocks)[2:]
+
+
+def test_comfyui_named_lora_files_read_as_sd_scripts_names(tmp_path, tiny_hi):
+    """sd-scripts' convert_hunyuan_image_lora_to_comfy.py renames img/txt_mlp_fc1/fc2 to _0/_2 and *_mod_linear /
+    modulation_linear to *_lin; such a file comes back in sd-scripts' names (and one already in them unchanged)."""
+    family = get_family("hunyuan_image")
+    original = load_file(random_lora_file(family, tiny_hi, str(tmp_path / "lora.safetensors")))
+    comfy_table = (("img_mlp_fc1", "img_mlp_0"), ("img_mlp_fc2", "img_mlp_2"), ("img_mod_linear", "img_mod_lin"),
+                   ("txt_mlp_fc1", "txt_mlp_0"), ("txt_mlp_fc2", "txt_mlp_2"), ("txt_mod_linear", "txt_mod_lin"),
+                   ("modulation_linear", "modulation_lin"))
+    comfy = {}
+    for key, value in original.items():
+        for ours, theirs in comfy_table:
+            key = key.replace(ours, theirs)
+        comfy[key] = value
+    assert "lora_unet_double_blocks_1_txt_mod_lin.alpha" in comfy and len(set(comfy) - set(original)) == 2 * 6 * 3 + 4 * 1 * 3
+    back = family.convert_lora_state_dict(comfy)
+    assert back.keys() == original.keys() and all(back[k] is original[k] for k in original)
+    assert family.convert_lora_state_dict(original) is original

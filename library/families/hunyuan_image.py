@@ -155,6 +155,18 @@ class HunyuanImageFamily(ModelFamily):
                            fused_slot=layout.fused_slot, external_prefix="lycoris",
                            network_args=HunyuanImageNetworkArgs())]
 
+    def convert_lora_state_dict(self, state_dict: dict) -> dict:
+        """A ComfyUI-named HunyuanImage LoRA (sd-scripts' convert_hunyuan_image_lora_to_comfy.py output) renamed to
+        sd-scripts' names; a file already in them comes back as it is."""
+        renamed = {}
+        for key, value in state_dict.items():
+            name, dot, rest = key.partition(".")
+            renamed[layout.kohya_lora_name(name) + dot + rest] = value
+        return state_dict if renamed.keys() == state_dict.keys() else renamed
+
+    def canonical_lora_name(self, name: str) -> str:
+        return layout.kohya_lora_name(name)
+
     # --- saving --------------------------------------------------------------------------------------
     # One .safetensors DiT file in the original names (Qwen2.5-VL, byT5 and the VAE are separate files).
     save_formats = ("safetensors",)

@@ -212,3 +212,21 @@ def vae_to_diffusers(tensors: Mapping[str, torch.Tensor], levels: int, layers_pe
             value = value.squeeze(2)
         out[f"{mapping.get(module, module)}.{leaf}"] = value
     return out
+
+
+# --- ComfyUI's LoRA names ------------------------------------------------------------------------------------------
+
+# sd-scripts' networks/convert_hunyuan_image_lora_to_comfy.py: the module-name endings ComfyUI's HunyuanImage LoRAs
+# use instead of sd-scripts' (its MLP and modulation layers are named by index / `lin`).
+COMFY_LORA_ENDINGS = {"img_mlp_0": "img_mlp_fc1", "img_mlp_2": "img_mlp_fc2", "img_mod_lin": "img_mod_linear",
+                      "txt_mlp_0": "txt_mlp_fc1", "txt_mlp_2": "txt_mlp_fc2", "txt_mod_lin": "txt_mod_linear",
+                      "modulation_lin": "modulation_linear"}
+_COMFY_LORA_NAME = re.compile(r"^(lora_unet_(?:double|single)_blocks_\d+_)(" + "|".join(COMFY_LORA_ENDINGS) + r")$")
+
+
+def kohya_lora_name(name: str) -> str:
+    """A ComfyUI-named module (`lora_unet_double_blocks_0_img_mlp_0`) in sd-scripts' naming (`..._img_mlp_fc1`);
+    other names come back unchanged."""
+    m = _COMFY_LORA_NAME.match(name)
+    return m[1] + COMFY_LORA_ENDINGS[m[2]] if m else name
+
