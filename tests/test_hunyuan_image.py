@@ -257,9 +257,18 @@ def test_tiny_lora_training_run_with_text_cache_and_samples(tmp_path, tiny_hi):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('a red cube saying "HI" --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n')
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:hunyuan_image", steps=2, extra=[
-        "--network_module", "networks.lora_hunyuan_image", "--cache_text_encoder_outputs",
-        "--network_train_unet_only", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"]), "hunyuan_image")
+        "--network_module", "networks.lora_hunyuan_image", "--cache_text_encoder_outputs_to_disk",
+        "--cache_latents_to_disk", "--network_train_unet_only", "--sample_prompts", str(prompts),
+        "--sample_every_n_steps", "2"]), "hunyuan_image")
     path = trainer.run()
+    import numpy as np
+
+    folder = os.path.join(data, "5_sks toy")
+    with np.load(os.path.join(folder, "img0_hi_te.npz")) as te:  # sd-scripts' suffix and keys
+        assert {"vlm_embed", "vlm_mask", "byt5_embed", "byt5_mask", "ocr_mask"} <= set(te.files)
+        assert te["vlm_embed"].shape == (1024, 32) and te["byt5_embed"].shape == (128, 32) and not te["ocr_mask"]
+    with np.load(os.path.join(folder, "img0_0064x0064_hi.npz")) as latents:
+        assert latents["latents_2x2"].shape == (64, 2, 2)  # 64 channels, 32x down
     samples = os.listdir(tmp_path / "out" / "sample")
     assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples  # sampled with the TE cache
     with safe_open(path, "pt") as f:
