@@ -8,6 +8,7 @@
     python tools/make_tiny_model.py --family chroma --out models/tiny-chroma --single_file
     python tools/make_tiny_model.py --family anima --out models/tiny-anima --single_file
     python tools/make_tiny_model.py --family lumina --out models/tiny-lumina
+    python tools/make_tiny_model.py --family hunyuan_image --out models/tiny-hunyuan
 
 FLUX.1 with --single_file writes the BFL transformer (flux1-tiny.safetensors, or the
 .safetensors name given) plus clip_l.safetensors, t5xxl.safetensors and ae.safetensors
@@ -20,6 +21,9 @@ SAI all-in-one file (MMDiT, VAE, CLIP-L, CLIP-G, T5); with --separate_text_encod
 file plus clip_l / clip_g / t5xxl.safetensors next to it (for --clip_l / --clip_g / --t5xxl).
 Lumina Image 2.0 is always written as its files (--out is a folder): lumina-tiny.safetensors (the original
 NextDiT names), gemma_2_2b.safetensors (`model.*`) and ae.safetensors (BFL's names), for --gemma2 / --ae.
+HunyuanImage 2.1 is always written as its files (--out is a folder): hunyuanimage2.1-tiny.safetensors (the original
+DiT names), qwen_2.5_vl_7b.safetensors, byt5_small_glyphxl.safetensors and hunyuan_image_2.1_vae.safetensors, for
+--text_encoder / --byt5 / --vae.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from library.core.errors import UserError, run_tool  # noqa: E402
 
 FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
             "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3",
-            "lumina": "tiny:lumina"}
+            "lumina": "tiny:lumina", "hunyuan_image": "tiny:hunyuan_image"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +113,18 @@ def _write_lumina(out: str) -> None:
           f"--ae {written['ae']}")
 
 
+def _write_hunyuan_image(out: str) -> None:
+    from library.families.hunyuan_image_loading import write_hunyuan_image_preset
+
+    if out.lower().endswith(".safetensors"):
+        raise UserError(f"--out {out}: HunyuanImage is written as four files; expected a folder name")
+    written = write_hunyuan_image_preset(FAMILIES["hunyuan_image"], out)
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    print(f"train with: --pretrained_model_name_or_path {written['dit']} --text_encoder {written['text_encoder']} "
+          f"--byt5 {written['byt5']} --vae {written['vae']}")
+
+
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
     from library.families.sd_saving import write_preset
@@ -128,6 +144,9 @@ def write(args: argparse.Namespace) -> None:
         return
     if args.family == "lumina":
         _write_lumina(args.out)
+        return
+    if args.family == "hunyuan_image":
+        _write_hunyuan_image(args.out)
         return
     if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
         raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")

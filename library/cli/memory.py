@@ -34,7 +34,8 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
     """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError)."""
-    fp8_unet = bool(values.get("fp8_base_unet"))
+    # HunyuanImage's sd-scripts flag --fp8_scaled: float8 DiT weights (here as --fp8_base_unet, without scales)
+    fp8_unet = bool(values.get("fp8_base_unet")) or bool(values.get("fp8_scaled"))
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")

@@ -62,10 +62,16 @@ def _lumina() -> ModelFamily:
     return LuminaFamily()
 
 
+def _hunyuan_image() -> ModelFamily:
+    from library.families.hunyuan_image import HunyuanImageFamily
+
+    return HunyuanImageFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
                                                    "anima": _anima, "sd3": _sd3,
-                                                   "lumina": _lumina}
+                                                   "lumina": _lumina, "hunyuan_image": _hunyuan_image}
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:

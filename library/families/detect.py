@@ -11,6 +11,7 @@ from library.families import (
     anima_configs,
     chroma_configs,
     flux_configs,
+    hunyuan_image_configs,
     lumina_configs,
     sd3_configs,
     sd_configs,
@@ -23,6 +24,8 @@ _SINGLE_FILE_MARKERS = (
     ("model.diffusion_model.net.blocks.0.self_attn.", "anima"),  # ComfyUI's whole-model Anima file
     ("layers.0.attention.qkv.", "lumina"),  # Lumina Image 2.0 NextDiT
     ("model.diffusion_model.layers.0.attention.qkv.", "lumina"),  # ComfyUI's whole-model Lumina file
+    ("double_blocks.0.img_attn_qkv.", "hunyuan_image"),  # HunyuanImage 2.1 DiT (FLUX.1's is img_attn.qkv)
+    ("model.diffusion_model.double_blocks.0.img_attn_qkv.", "hunyuan_image"),
     ("conditioner.embedders.", "sdxl"),
     ("distilled_guidance_layer.", "chroma"),  # Chroma: FLUX.1's blocks plus the approximator
     ("model.diffusion_model.distilled_guidance_layer.", "chroma"),
@@ -38,7 +41,7 @@ def _preset_family(path: str) -> Optional[str]:
     for name, presets in (("sd", sd_configs.PRESETS), ("sdxl", sdxl_configs.PRESETS), ("flux", flux_configs.PRESETS),
                           ("chroma", chroma_configs.PRESETS),
                           ("anima", anima_configs.PRESETS), ("sd3", sd3_configs.PRESETS),
-                          ("lumina", lumina_configs.PRESETS)):
+                          ("lumina", lumina_configs.PRESETS), ("hunyuan_image", hunyuan_image_configs.PRESETS)):
         if path in presets:
             return name
     return None
@@ -78,6 +81,9 @@ def _file_family(path: str) -> Optional[str]:
 
 # What a single file's tensor names say it holds, most specific first (for "expected X, found Y" errors).
 _CONTENTS = (
+    ("byt5_in.", "a HunyuanImage 2.1 DiT"),
+    ("model.diffusion_model.byt5_in.", "a HunyuanImage 2.1 DiT"),
+    ("model.layers.0.self_attn.q_proj.bias", "a Qwen2.5-VL text encoder"),
     ("net.blocks.", "an Anima DiT"),
     ("cap_embedder.", "a Lumina Image 2.0 DiT"),
     ("model.diffusion_model.cap_embedder.", "a Lumina Image 2.0 DiT"),
@@ -109,7 +115,8 @@ def describe_keys(keys: Iterable[str]) -> str:
 
 
 def detect_family(path: str) -> Optional[str]:
-    """"sd", "sdxl", "flux", "chroma", "sd3", "anima", "lumina", or None when the path does not tell (then the caller's default applies)."""
+    """"sd", "sdxl", "flux", "chroma", "sd3", "anima", "lumina", "hunyuan_image", or None when the path does not tell
+    (then the caller's default applies)."""
     if path.startswith(("tiny:", "random:")):
         return _preset_family(path)
     if os.path.isdir(path):

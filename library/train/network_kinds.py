@@ -38,7 +38,8 @@ OWN_LORA = "networks.lora"
 # sd-scripts' per-family LoRA modules; here every one of them names the project's LoRA (networks.lora),
 # so sd-scripts command lines (FLUX.1: --network_module networks.lora_flux) run unchanged. Saved files
 # record the family's own name (ModelFamily.lora_network_module), as sd-scripts' files do.
-OWN_LORA_NAMES = (OWN_LORA, "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina", "networks.lora_anima")
+OWN_LORA_NAMES = (OWN_LORA, "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina", "networks.lora_anima",
+                  "networks.lora_hunyuan_image")
 
 
 def is_own_lora(name: str) -> bool:

@@ -10,9 +10,11 @@ checkpointing gives. Used as diffusers' `gradient_checkpointing_func`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -99,17 +101,25 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, None, *[t.grad if needs else None for t, needs in zip(inputs, ctx.needs_grad)])
 
 
-def offloaded_checkpoint(module: nn.Module, *args: Any) -> Any:
-    """diffusers' gradient_checkpointing_func: module(*args), its inputs kept on the CPU until backward."""
+def offloaded_checkpoint(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """diffusers' gradient_checkpointing_func: module(*args, **kwargs), the positional inputs kept on the CPU until
+    backward (keyword ones, masks and position embeddings in HunyuanImage's model, stay where they are)."""
     tensors: list[torch.Tensor] = []
     spec = _flatten(args, tensors)
+    call = functools.partial(module.__call__, **kwargs) if kwargs else module.__call__
     if not tensors:
-        return module(*args)
+        return call(*args)
     device = next((t.device for t in tensors if t.device.type != "cpu"), tensors[0].device)
     # An input that needs a gradient, so the block's LoRA parameters get theirs even when no real input
     # does (e.g. the first block, fed by embedders without LoRA).
     anchor = torch.empty(0, device=device, requires_grad=True)
-    return _OffloadedCheckpoint.apply(module.__call__, spec, device, *tensors, anchor)
+    return _OffloadedCheckpoint.apply(call, spec, device, *tensors, anchor)
+
+
+def checkpoint(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """diffusers' own gradient_checkpointing_func (non-reentrant torch checkpoint), taking keyword inputs too:
+    HunyuanImageTransformer2DModel passes its blocks some, which diffusers 0.42's own function refuses."""
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
 def enable_gradient_checkpointing(model: nn.Module, cpu_offload: bool) -> None:
@@ -118,5 +128,5 @@ def enable_gradient_checkpointing(model: nn.Module, cpu_offload: bool) -> None:
     if cpu_offload:
         model.enable_gradient_checkpointing(gradient_checkpointing_func=offloaded_checkpoint)
     else:
-        model.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
     model.train()
