@@ -415,8 +415,8 @@ def test_performance_options_say_why_not():
         "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
         "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
-        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina); no GPU on this "
-                          "machine",
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image); "
+                          "no GPU on this machine",
         "cpu_offload_checkpointing": "no GPU on this machine",
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
         "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
@@ -434,9 +434,10 @@ def test_performance_options_say_why_not():
         "--dynamo_backend: only with torch compile on", "dynamo_backend")
     assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina); no "
-         "GPU on this machine"), "blocks_to_swap")
-    for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("lumina", True), ("sdxl", False)):  # as the trainer's
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina, "
+         "hunyuan_image); no GPU on this machine"), "blocks_to_swap")
+    for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("lumina", True),
+                          ("hunyuan_image", True), ("sdxl", False)):  # as the trainer's
         options = availability(family, "x.py", 1, installed=lambda m: True, flags=flags)  # family_supports_block_swap
         assert [o["available"] for o in options if o["key"] in ("blocks_to_swap", "cpu_offload_checkpointing")] == \
             [swaps, True], family  # activation offload: every family

@@ -18,7 +18,7 @@ from webui.jobfiles import REPO_ROOT, find_key
 
 # Families whose transformer blocks can be swapped to CPU memory (the DiT families; the trainer's
 # family_supports_block_swap says the same for every family the UI has templates of: a test compares them).
-BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma", "lumina")
+BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image")
 
 # key, label, help, section of config.toml, kind ("bool" | "int" | "memory"), [requirements]
 # requirements: "gpu", "package:<module>[:<pip name>]", "family:block_swap", "flag" (the trainer has --key),
