@@ -13,4 +13,6 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
   fi
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest "$@"
+# Two workers (pytest-xdist): the tests run one torch thread each (tests/conftest.py), so two share the 2 cores of
+# a CI machine; the multi-process launches are one group (one worker, one at a time). PYTEST_WORKERS=0: no workers.
+exec python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -58,6 +58,19 @@ def pytest_collection_finish(session):
     _freeze_long_lived()  # the test modules and everything they import
 
 
+# Modules whose tests launch several training processes at once (torchrun / accelerate with 2 processes, the web
+# UI's runs). Under pytest-xdist (scripts/test.sh runs 2 workers, --dist loadgroup) they share one group, so one
+# worker runs them one after another while the other worker runs the in-process tests: never two 2-process
+# launches on 2 cores at the same time.
+MULTIPROCESS_MODULES = frozenset({"test_distributed", "test_fsdp", "test_deepspeed", "test_webui_browser"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in MULTIPROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("multiprocess"))
+
+
 # --- checks that shared things stay as built -----------------------------------------------------------------
 
 def _fingerprint(t: torch.Tensor) -> tuple:
