@@ -5,6 +5,7 @@ keeps every module's name and reduces its rank; show_metadata reads the file."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from PIL import Image
 from safetensors import safe_open
 
@@ -58,3 +59,32 @@ def test_resize_and_show_metadata(tmp_path, tiny_hi, capsys):  # noqa: F811
     assert show_metadata.main([out, "--keys"]) == 0
     printed = capsys.readouterr().out
     assert "Dimension resized from 4 to 2" in printed and "lora_unet_single_blocks_3_linear2.lora_up.weight" in printed
+
+
+def test_convert_to_comfy_writes_comfyuis_names(tmp_path, tiny_hi):  # noqa: F811
+    """tools/convert_lora.py --to comfy on a HunyuanImage LoRA: ComfyUI's names (sd-scripts'
+    convert_hunyuan_image_lora_to_comfy.py: *_mlp_fc1/fc2 -> *_mlp_0/_2, *_mod_linear / modulation_linear ->
+    *_lin; the attention and linear1/linear2 names stay), the same tensors; the family reads it back as before."""
+    from safetensors.torch import load_file
+
+    from tools import convert_lora
+
+    family = get_family("hunyuan_image")
+    src = random_lora_file(family, tiny_hi, str(tmp_path / "lora.safetensors"), seed=7)
+    dst = str(tmp_path / "comfy.safetensors")
+    assert convert_lora.main(["--src_path", src, "--dst_path", dst, "--to", "comfy"]) == 0
+    original, comfy = load_file(src), load_file(dst)
+    names = {k.split(".")[0] for k in comfy}
+    assert {"lora_unet_double_blocks_0_img_mlp_0", "lora_unet_double_blocks_0_img_mlp_2",
+            "lora_unet_double_blocks_1_txt_mod_lin", "lora_unet_single_blocks_3_modulation_lin",
+            "lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1"} <= names
+    assert not [n for n in names if n.endswith(("_fc1", "_fc2", "_linear"))] and len(names) == 32
+    back = family.convert_lora_state_dict(comfy)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+    # A FLUX.1-named file (img_mlp_0 is FLUX.1's own kohya name) is not HunyuanImage's: --to comfy refuses it.
+    flux_named = str(tmp_path / "flux_named.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in comfy.items() if "double_blocks_0_img_mlp_0" in k}, flux_named)
+    assert convert_lora.main(["--src_path", flux_named, "--dst_path", str(tmp_path / "x.safetensors"),
+                              "--to", "comfy"]) != 0

@@ -230,3 +230,25 @@ def kohya_lora_name(name: str) -> str:
     m = _COMFY_LORA_NAME.match(name)
     return m[1] + COMFY_LORA_ENDINGS[m[2]] if m else name
 
+
+_KOHYA_LORA_NAME = re.compile(r"^(lora_unet_(?:double|single)_blocks_\d+_)("
+                              + "|".join(COMFY_LORA_ENDINGS.values()) + r")$")
+_TO_COMFY = {kohya: comfy for comfy, kohya in COMFY_LORA_ENDINGS.items()}
+
+
+def is_kohya_lora(names) -> bool:
+    """Whether kohya module names are HunyuanImage's own (`..._img_mlp_fc1`, `..._img_mod_linear`, ...: FLUX.1's
+    LoRAs name the same layers `img_mlp_0` / `img_mod_lin`, which are ComfyUI's HunyuanImage names)."""
+    return any(_KOHYA_LORA_NAME.match(n) for n in names)
+
+
+def comfy_lora_state(state: dict) -> dict:
+    """A kohya HunyuanImage LoRA state dict in ComfyUI's names (as sd-scripts'
+    convert_hunyuan_image_lora_to_comfy.py writes them): the same tensors, the MLP / modulation modules renamed."""
+    out = {}
+    for key, value in state.items():
+        name, dot, rest = key.partition(".")
+        m = _KOHYA_LORA_NAME.match(name)
+        out[(m[1] + _TO_COMFY[m[2]] if m else name) + dot + rest] = value
+    return out
+

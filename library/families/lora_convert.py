@@ -23,6 +23,7 @@ import torch
 
 from library.core.tensors import unshared
 from library.families import anima_lora
+from library.families import hunyuan_image_layout as hunyuan_layout
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
@@ -47,7 +48,7 @@ from networks.lora_files import (
     read_state_dict,
 )
 
-LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's ComfyUI layout (anima_lora.py)
+LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's / HunyuanImage's ComfyUI layouts
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
@@ -218,9 +219,12 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str
     if to == "kohya":
         return kohya
     if to == "comfy":
+        if hunyuan_layout.is_kohya_lora(k.partition(".")[0] for k in kohya):
+            return hunyuan_layout.comfy_lora_state(kohya)
         if not anima_lora.is_anima(kohya):
             raise UnsupportedLoraError(f"{source}: the comfy layout is for Anima LoRAs (lora_unet_blocks_N_…, "
-                                       f"lora_te_layers_N_…); this file has none (first key {next(iter(kohya))!r})")
+                                       f"lora_te_layers_N_…) and HunyuanImage LoRAs (lora_unet_double_blocks_N_"
+                                       f"img_mlp_fc1, …); this file has neither (first key {next(iter(kohya))!r})")
         return anima_lora.to_comfy(kohya)
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
 
