@@ -46,7 +46,7 @@ from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
+from library.train.sharding import FsdpSettings, fsdp_unsupported, shard_parts
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext
@@ -132,7 +132,7 @@ class Trainer(TrainingLoop):
         self.device = self.accelerator.device
         self.fsdp = FsdpSettings.from_env() if n > 1 else None
         if self.fsdp is not None:
-            why = fsdp_unsupported(self.s)
+            why = fsdp_unsupported(self.s, self.fsdp)
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
@@ -140,11 +140,17 @@ class Trainer(TrainingLoop):
         self.trace = StepTrace(self.accelerator.process_index)
 
     def _shard(self) -> None:
-        for name, part in self.trainable.module.items():
-            units = shard(part, self.fsdp, self.family.block_classes)
-            logger.info("FSDP2: %s sharded over %d processes in %d units", name, self.accelerator.num_processes,
-                        units)
-        self.trainable.sharded = True
+        """FSDP: a fine-tune's trained parts, or the frozen parts a LoRA hooks into with its modules inside."""
+        c, adapters = self.components, None
+        if self.trainable.is_adapter:
+            parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
+            adapters = self.trainable.module
+        else:
+            parts = dict(self.trainable.module.items())
+        self.trainable.sharding, counts = shard_parts(parts, self.fsdp, self.family.block_classes, adapters)
+        for name, units in counts.items():
+            logger.info("FSDP%d: %s sharded over %d processes in %d units", self.fsdp.version, name,
+                        self.accelerator.num_processes, units)
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
