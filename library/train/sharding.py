@@ -133,14 +133,19 @@ def fsdp_unsupported(s, fsdp: FsdpSettings) -> Optional[str]:
         if fsdp.version == 1 and not fsdp.use_orig_params:
             return ("fsdp_use_orig_params false: a LoRA needs it on (frozen base weights and trained LoRA weights "
                     "share a block)")
-    if fsdp.version == 1:
-        return "FSDP1 (fsdp_version 1) is not implemented yet; use fsdp_version 2"
-    if t.compile.torch_compile:
-        return "--torch_compile is not supported with it yet"
+    if fsdp.version == 1 and not fsdp.use_orig_params:
+        return ("fsdp_use_orig_params false: FSDP1 runs here with it on (saving reads the original parameters; "
+                "a LoRA's frozen and trained weights share a block)")
+    if fsdp.state_dict_type != "FULL_STATE_DICT":
+        return (f"fsdp_state_dict_type {fsdp.state_dict_type}: --save_state writes whole weights gathered on rank 0 "
+                "(FULL_STATE_DICT) only")
+    if t.compile.torch_compile and fsdp.version == 1:
+        return "--torch_compile: with FSDP2 only (fsdp_version 2 compiles the blocks after sharding them)"
+    if fsdp.cpu_ram_efficient_loading:
+        return ("fsdp_cpu_ram_efficient_loading: not supported (the model families load whole weights on every "
+                "process; they cannot build on the meta device yet); set it false")
     if s.memory.blocks_to_swap:
         return "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
-    if fsdp.cpu_ram_efficient_loading and not fsdp.sync_module_states:
-        return "fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states true (rank 0 sends the weights)"
     return None
 
 
@@ -206,8 +211,12 @@ def attach_adapters(network: torch.nn.Module, parts: dict[str, torch.nn.Module],
 
 
 def shard(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, ...],
-          param_dtype: Optional[torch.dtype] = None, unit_list: Optional[list[torch.nn.Module]] = None) -> int:
-    """fully_shard `module`'s units, then `module` itself, in place; returns the number of units."""
+          param_dtype: Optional[torch.dtype] = None, unit_list: Optional[list[torch.nn.Module]] = None,
+          checkpoint_units: bool = False) -> int:
+    """fully_shard `module`'s units, then `module` itself, in place; returns the number of units. With
+    `checkpoint_units` each unit's activations are recomputed in backward (torch's composable `checkpoint`,
+    FSDP activation checkpointing) instead of kept."""
+    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = {"reshard_after_forward": s.reshard_after_forward,
@@ -216,6 +225,8 @@ def shard(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, .
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     found = units(module, s, family_classes) if unit_list is None else unit_list
     for unit in found:
+        if checkpoint_units:
+            checkpoint(unit)
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     return len(found)
@@ -273,15 +284,48 @@ class Fsdp2:
                        optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
 
 
+def broadcast_module_states(modules: list[torch.nn.Module]) -> int:
+    """fsdp_sync_module_states: every parameter and buffer of `modules` takes rank 0's values (every process calls
+    it, before sharding); returns how many tensors were sent."""
+    import torch.distributed as dist
+
+    sent = 0
+    with torch.no_grad():
+        for module in modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+                sent += 1
+    return sent
+
+
 def shard_parts(parts: dict[str, torch.nn.Module], s: FsdpSettings, family_classes: tuple[str, ...],
-                adapters: Optional[torch.nn.Module] = None) -> tuple[Fsdp2, dict[str, int]]:
+                adapters: Optional[torch.nn.Module] = None, checkpointed: frozenset[str] = frozenset(),
+                device: Optional[torch.device] = None):
     """Shard a run's trained parts in place ({"denoiser": ..., "text_encoder1": ...}); with `adapters` (a LoRA
-    network) the parts are the frozen models it hooks into and its modules are sharded inside them. Returns how
-    the trainable gathers ({part: units sharded} for the log)."""
+    network) the parts are the frozen models it hooks into and its modules are sharded inside them. With
+    activation checkpointing the block units of every part not in `checkpointed` (parts whose own gradient
+    checkpointing is on: --gradient_checkpointing) are checkpointed. Returns how the trainable gathers (`Fsdp2`,
+    or sharding_fsdp1's `Fsdp1`) and {part: units sharded} for the log."""
+    from torch.distributed._composable import checkpoint
+
+    from library.train.sharding_fsdp1 import Fsdp1, leftover_owners
+
     part_units = {name: units(part, s, family_classes) for name, part in parts.items()}
+    blocks = {name: list(found) for name, found in part_units.items()}
+    if s.version == 1:  # FSDP1 has no root unit: every module with parameters outside the blocks is one
+        part_units = {name: found + leftover_owners(parts[name], found) for name, found in part_units.items()}
     if adapters is not None:
         attached = attach_adapters(adapters, parts, part_units)
         parts = {name: part for name, part in parts.items() if name in attached}
+    if s.version == 1:
+        sharding = Fsdp1(device or torch.device("cpu"))
+        for name, part in parts.items():
+            if s.activation_checkpointing and name not in checkpointed:
+                for block in blocks[name]:
+                    checkpoint(block)
+            sharding.wrap(part, part_units[name], s)
+        return sharding, {name: len(part_units[name]) for name in parts}
     for name, part in parts.items():
-        shard(part, s, family_classes, unit_list=part_units[name])
+        shard(part, s, family_classes, unit_list=part_units[name],
+              checkpoint_units=s.activation_checkpointing and name not in checkpointed)
     return Fsdp2(), {name: len(part_units[name]) for name in parts}

@@ -46,7 +46,7 @@ from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import FsdpSettings, fsdp_unsupported, shard_parts
+from library.train.sharding import FsdpSettings, broadcast_module_states, fsdp_unsupported, shard_parts
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext
@@ -147,10 +147,16 @@ class Trainer(TrainingLoop):
             adapters = self.trainable.module
         else:
             parts = dict(self.trainable.module.items())
-        self.trainable.sharding, counts = shard_parts(parts, self.fsdp, self.family.block_classes, adapters)
+        if self.fsdp.sync_module_states:  # rank 0's weights everywhere, before each process keeps its shards
+            sent = broadcast_module_states([c.denoiser, c.vae, *c.text_encoders, self.trainable.module])
+            logger.info("FSDP: %d tensors synchronised from rank 0 (fsdp_sync_module_states)", sent)
+        checkpointed = frozenset({"denoiser"} if self.t.gradient_checkpointing else ())  # the family's own
+        self.trainable.sharding, counts = shard_parts(parts, self.fsdp, self.family.block_classes, adapters,
+                                                      checkpointed, self.device)
         for name, units in counts.items():
-            logger.info("FSDP%d: %s sharded over %d processes in %d units", self.fsdp.version, name,
-                        self.accelerator.num_processes, units)
+            logger.info("FSDP%d: %s sharded over %d processes in %d units%s", self.fsdp.version, name,
+                        self.accelerator.num_processes, units,
+                        ", activation checkpointing" if self.fsdp.activation_checkpointing else "")
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
