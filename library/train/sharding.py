@@ -136,6 +136,8 @@ def fsdp_unsupported(s, fsdp: FsdpSettings) -> Optional[str]:
     if fsdp.version == 1 and not fsdp.use_orig_params:
         return ("fsdp_use_orig_params false: FSDP1 runs here with it on (saving reads the original parameters; "
                 "a LoRA's frozen and trained weights share a block)")
+    if fsdp.version == 1 and s.ema.use_ema:
+        return "--use_ema: with FSDP2 only (fsdp_version 2 averages each process's shard)"
     if fsdp.state_dict_type != "FULL_STATE_DICT":
         return (f"fsdp_state_dict_type {fsdp.state_dict_type}: --save_state writes whole weights gathered on rank 0 "
                 "(FULL_STATE_DICT) only")
@@ -282,6 +284,19 @@ class Fsdp2:
 
         set_state_dict(module, _torch_optimizer(optimizer), model_state_dict=weights,
                        optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
+
+
+@contextlib.contextmanager
+def sync_done_here(s: Optional[FsdpSettings]) -> Iterator[None]:
+    """While accelerate builds its Accelerator: FSDP_SYNC_MODULE_STATES hidden from its FSDP plugin, which refuses
+    it without a GPU although it never wraps a model here (`broadcast_module_states` does the sync)."""
+    name = "FSDP_SYNC_MODULE_STATES"
+    saved = os.environ.pop(name, None) if s is not None else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
 
 
 def broadcast_module_states(modules: list[torch.nn.Module]) -> int:

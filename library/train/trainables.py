@@ -48,6 +48,12 @@ class Trainable(ABC):
         """The trained tensors, by name: what a state folder stores and restores."""
         return self.module.state_dict()
 
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """The trained tensors' whole shapes, by name (an FSDP1 process holds flat pieces of them)."""
+        if self.sharded and hasattr(self.sharding, "full_shapes"):
+            return self.sharding.full_shapes(self.module)
+        return {name: t.shape for name, t in self.weights().items()}
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(weights, strict=True)
 

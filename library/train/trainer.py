@@ -46,7 +46,13 @@ from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import FsdpSettings, broadcast_module_states, fsdp_unsupported, shard_parts
+from library.train.sharding import (
+    FsdpSettings,
+    broadcast_module_states,
+    fsdp_unsupported,
+    shard_parts,
+    sync_done_here,
+)
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext
@@ -120,7 +126,9 @@ class Trainer(TrainingLoop):
             raise UserError("DeepSpeed (the accelerate config's distributed_type DEEPSPEED): not implemented in this "
                             "trainer yet; launch a full fine-tune with an FSDP2 config, or use DDP "
                             "(tools/make_accelerate_config.py --strategy fsdp2 / ddp)")
-        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
+        fsdp = FsdpSettings.from_env()  # read first: a bad FSDP_* value stops the run here
+        with sync_done_here(fsdp):
+            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
@@ -130,7 +138,7 @@ class Trainer(TrainingLoop):
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
-        self.fsdp = FsdpSettings.from_env() if n > 1 else None
+        self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
             why = fsdp_unsupported(self.s, self.fsdp)
             if why:
