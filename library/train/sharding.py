@@ -15,8 +15,9 @@ encoder) are sharded, and each LoRA module is registered inside the unit that ho
 (`attach_adapters`), so a block's gather brings its frozen weights and its LoRA weights together and only the
 LoRA's gradients are reduce-scattered. Its saved file is the one single-process training writes.
 
-Saving gathers the full weights (`Fsdp2.gathered`): every process takes part in the all-gathers, the main process
-writes the same file as single-process training. FSDP1 is library/train/sharding_fsdp1.py.
+Saving gathers the full weights (`gathered` of sharding_fsdp2.Fsdp2 / sharding_fsdp1.Fsdp1): every process takes
+part in the all-gathers, the main process writes the same file as single-process training. This module reads the
+settings, refuses what cannot combine and decides the units; sharding_fsdp2.py and sharding_fsdp1.py shard them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Iterator, Optional
 import torch
 
 from library.core.errors import ConfigError
+from library.train.sharding_fsdp1 import Fsdp1, leftover_owners
+from library.train.sharding_fsdp2 import Fsdp2, shard
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")  # 1..5
@@ -212,80 +215,6 @@ def attach_adapters(network: torch.nn.Module, parts: dict[str, torch.nn.Module],
     return counts
 
 
-def shard(module: torch.nn.Module, s: FsdpSettings, family_classes: tuple[str, ...],
-          param_dtype: Optional[torch.dtype] = None, unit_list: Optional[list[torch.nn.Module]] = None,
-          checkpoint_units: bool = False) -> int:
-    """fully_shard `module`'s units, then `module` itself, in place; returns the number of units. With
-    `checkpoint_units` each unit's activations are recomputed in backward (torch's composable `checkpoint`,
-    FSDP activation checkpointing) instead of kept."""
-    from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    kwargs = {"reshard_after_forward": s.reshard_after_forward,
-              "offload_policy": CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()}
-    if param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    found = units(module, s, family_classes) if unit_list is None else unit_list
-    for unit in found:
-        if checkpoint_units:
-            checkpoint(unit)
-        fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
-    return len(found)
-
-
-def _torch_optimizer(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
-
-
-class Fsdp2:
-    """How a trainable sharded by `fully_shard` gathers its weights and state (library/train/trainables.py)."""
-
-    @staticmethod
-    @contextlib.contextmanager
-    def gathered(module: torch.nn.Module, keep: bool) -> Iterator[None]:
-        """Inside, `module`'s sharded parameters are whole tensors where `keep` (the process that saves); every
-        process must enter (each parameter is all-gathered in turn). The shards come back on exit."""
-        from torch.distributed.tensor import DTensor
-
-        swapped = []
-        with torch.no_grad():
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is None or not isinstance(p, DTensor):
-                        continue
-                    full = p.full_tensor()
-                    if keep:
-                        sub._parameters[name] = torch.nn.Parameter(full, requires_grad=False)
-                        swapped.append((sub, name, p))
-                    del full
-        try:
-            yield
-        finally:
-            for sub, name, p in swapped:
-                sub._parameters[name] = p
-
-    @staticmethod
-    def full_state(module: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-        """(whole weights, whole optimizer state) on the CPU for a state folder; every process must call it. The
-        optimizer state is keyed by parameter name (PyTorch's full state dict), so it loads back whatever the
-        sharding."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_state_dict(module, _torch_optimizer(optimizer), options=options)
-
-    @staticmethod
-    def load_full_state(module: torch.nn.Module, optimizer, weights: dict[str, torch.Tensor],
-                        optimizer_state: dict) -> None:
-        """Shard a state folder's whole weights and optimizer state back into `module` / `optimizer` (every
-        process)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(module, _torch_optimizer(optimizer), model_state_dict=weights,
-                       optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True))
-
-
 @contextlib.contextmanager
 def sync_done_here(s: Optional[FsdpSettings]) -> Iterator[None]:
     """While accelerate builds its Accelerator: FSDP_SYNC_MODULE_STATES hidden from its FSDP plugin, which refuses
@@ -323,7 +252,6 @@ def shard_parts(parts: dict[str, torch.nn.Module], s: FsdpSettings, family_class
     or sharding_fsdp1's `Fsdp1`) and {part: units sharded} for the log."""
     from torch.distributed._composable import checkpoint
 
-    from library.train.sharding_fsdp1 import Fsdp1, leftover_owners
 
     part_units = {name: units(part, s, family_classes) for name, part in parts.items()}
     blocks = {name: list(found) for name, found in part_units.items()}
@@ -341,6 +269,5 @@ def shard_parts(parts: dict[str, torch.nn.Module], s: FsdpSettings, family_class
             sharding.wrap(part, part_units[name], s)
         return sharding, {name: len(part_units[name]) for name in parts}
     for name, part in parts.items():
-        shard(part, s, family_classes, unit_list=part_units[name],
-              checkpoint_units=s.activation_checkpointing and name not in checkpointed)
+        shard(part, part_units[name], s, checkpoint_units=s.activation_checkpointing and name not in checkpointed)
     return Fsdp2(), {name: len(part_units[name]) for name in parts}

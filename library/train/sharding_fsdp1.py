@@ -101,6 +101,12 @@ class Fsdp1:
             stack.enter_context(self._unwrapped())
             yield
 
+    def local_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`module.state_dict()` of this process's pieces, by the original names, gathering nothing (a state_dict()
+        through FullyShardedDataParallel would all-gather: a collective one process alone must not start)."""
+        with self._unwrapped():
+            return module.state_dict()
+
     def full_shapes(self, module: torch.nn.Module) -> dict[str, torch.Size]:
         """The whole shapes of `module`'s tensors by name (each process holds a flat piece of each)."""
         shapes = {}

@@ -45,7 +45,10 @@ class Trainable(ABC):
         """Optimizer parameter groups and their names (for the lr logs)."""
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The trained tensors, by name: what a state folder stores and restores."""
+        """The trained tensors, by name: what a state folder stores and restores (under FSDP this process's
+        pieces of them)."""
+        if self.sharded and hasattr(self.sharding, "local_state"):
+            return self.sharding.local_state(self.module)
         return self.module.state_dict()
 
     def full_shapes(self) -> dict[str, torch.Size]:
