@@ -221,3 +221,34 @@ def test_what_cannot_combine_is_refused_in_one_line(tmp_path):
         "fsdp_state_dict_type SHARDED_STATE_DICT: --save_state writes whole weights")
     lycoris = ["--network_module", "lycoris.kohya"]
     assert why(lycoris).startswith("--network_module lycoris.kohya: only networks.lora")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--strategy", "fsdp1", "--fsdp_backward_prefetch", "BACKWARD_POST", "--fsdp_forward_prefetch",
+      "--fsdp_reshard_after_forward", "false", "--fsdp_activation_checkpointing"],
+     dict(version=1, sharding_strategy="SHARD_GRAD_OP", backward_prefetch="BACKWARD_POST", forward_prefetch=True,
+          activation_checkpointing=True, use_orig_params=True, state_dict_type="FULL_STATE_DICT",
+          block_classes=("BasicTransformerBlock", "ResnetBlock2D"))),
+    (["--strategy", "fsdp2", "--fsdp_cpu_offload", "--fsdp_activation_checkpointing"],
+     dict(version=2, reshard_after_forward=True, cpu_offload=True, activation_checkpointing=True,
+          cpu_ram_efficient_loading=False, sync_module_states=False, wrap_policy="TRANSFORMER_BASED_WRAP")),
+])
+def test_a_generated_config_reaches_the_loop(tmp_path, monkeypatch, flags, expected):
+    """tools/make_accelerate_config.py's file -> accelerate launch's environment for the processes
+    (prepare_multi_gpu_env) -> FsdpSettings.from_env: every option arrives as written."""
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from library.train.sharding import fsdp_unsupported
+    from tests.test_accelerate_config import _launch_args, _make
+
+    proc, path = _make(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
+    assert proc.returncode == 0, proc.stderr
+    env = prepare_multi_gpu_env(_launch_args(path))
+    for name, value in env.items():
+        if name.startswith("FSDP_") or name == "ACCELERATE_USE_FSDP":
+            monkeypatch.setenv(name, value)
+    s = FsdpSettings.from_env()
+    assert {k: getattr(s, k) for k in expected} == expected
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1))
+    assert fsdp_unsupported(trainer.s, s) is None  # a LoRA run takes it as it is
