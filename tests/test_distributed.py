@@ -274,21 +274,6 @@ def test_deepspeed_launch_is_refused_in_one_line(tmp_path, monkeypatch):
         trainer._setup_accelerator()
 
 
-def test_fsdp1_config_is_refused_in_one_line(tmp_path, monkeypatch):
-    from library.core.errors import ConfigError
-    from library.train.sharding import FsdpSettings
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(ConfigError, match=r"^FSDP version 1 .*only FSDP2 is implemented"):
-        FsdpSettings.from_env()
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "A, B")
-    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
-    s = FsdpSettings.from_env()
-    assert (s.block_classes, s.cpu_offload, s.reshard_after_forward) == (("A", "B"), True, True)
-
-
 def test_ddp_timeout_reaches_accelerate(tmp_path):
     data = dataset(str(tmp_path), n=2)
     trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1,

@@ -45,7 +45,8 @@ def compile_blocks(model: torch.nn.Module, block_classes: tuple[str, ...], opts:
     if opts.dynamo_mode and opts.dynamo_backend == "inductor":
         kwargs["mode"] = opts.dynamo_mode
     names = set(block_classes)
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # by the class or a base class: FSDP2 turns a sharded Block into a subclass named FSDPBlock
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     # One compiled graph serves every block of a kind and shape (parameters are graph inputs); a UNet has a
     # dozen shapes per block kind, more than dynamo's default limit of 8 graphs per function.
     import torch._dynamo.config as dynamo_config

@@ -154,7 +154,7 @@ class TrainingLoop:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
         with self.instruments.phase("optimizer"):
             optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                           self.accelerator.clip_grad_norm_)
+                           getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_))
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)

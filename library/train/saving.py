@@ -129,8 +129,9 @@ class RunSaver:
         model = tensor_bytes(weights, dtype)
         if not self.trainable.is_adapter:  # the whole model is written, not only its trained parts
             c = self.components
-            model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders) for t in m.state_dict().values()],
-                                 dtype)
+            # parameters and buffers, not state_dict(): through FSDP1 units that would all-gather on this process only
+            model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders)
+                                  for t in (*m.parameters(), *m.buffers())], dtype)
         held = sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
                    for state in getattr(self.optimizer, "state", {}).values())
         per_param = 2 if "adam" in (self.optimizer_name or "").lower() else 1  # states appear at the first step
@@ -152,7 +153,8 @@ def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainabl
     if saved is None:
         return
     check_world_size(saved, num_processes, saved.path)
-    check_shapes(saved, trainable.weights(), trainable.shape_settings(), saved.path)
+    shapes = {name: torch.empty(shape, device="meta") for name, shape in trainable.full_shapes().items()}
+    check_shapes(saved, shapes, trainable.shape_settings(), saved.path)
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
                         f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")

@@ -28,7 +28,6 @@ from library.train.network_setup import (
     trained_text_encoders,
 )
 from library.train.settings import FineTuneOptions, NetworkOptions
-from library.train.sharding import full_parameters, full_state, load_full_state
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +45,17 @@ class Trainable(ABC):
         """Optimizer parameter groups and their names (for the lr logs)."""
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The trained tensors, by name: what a state folder stores and restores."""
+        """The trained tensors, by name: what a state folder stores and restores (under FSDP this process's
+        pieces of them)."""
+        if self.sharded and hasattr(self.sharding, "local_state"):
+            return self.sharding.local_state(self.module)
         return self.module.state_dict()
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """The trained tensors' whole shapes, by name (an FSDP1 process holds flat pieces of them)."""
+        if self.sharded and hasattr(self.sharding, "full_shapes"):
+            return self.sharding.full_shapes(self.module)
+        return {name: t.shape for name, t in self.weights().items()}
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(weights, strict=True)
@@ -64,16 +72,28 @@ class Trainable(ABC):
     def save(self, path: str, metadata: dict[str, str]) -> None:
         """Write the trained result to `path` (atomically)."""
 
+    # Set by the trainer when FSDP shards the trained weights: library/train/sharding.py's Fsdp2, or
+    # sharding_fsdp1.py's Fsdp1 (how to gather them whole and to save / load a whole state).
+    sharding: Any = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding is not None
+
     def gathered(self, keep: bool):
         """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
-        return contextlib.nullcontext()
+        return self.sharding.gathered(self.module, keep) if self.sharded else contextlib.nullcontext()
 
     def state_for_saving(self, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
         """(weights, optimizer state) as a state folder stores them; called on every process (FSDP gathers)."""
+        if self.sharded:
+            return self.sharding.full_state(self.module, optimizer)
         return self.weights(), optimizer.state_dict()
 
     def restore(self, weights: dict[str, torch.Tensor], optimizer, optimizer_state: dict) -> None:
         """Load a state folder's weights and optimizer state (every process)."""
+        if self.sharded:
+            return self.sharding.load_full_state(self.module, optimizer, weights, optimizer_state)
         self.load_weights(weights)
         optimizer.load_state_dict(optimizer_state)
 
@@ -167,7 +187,6 @@ class ModelTrainable(Trainable):
     """The model's own weights: the denoiser and/or text encoders, as `fine_tune_plan` says."""
 
     is_adapter = False
-    sharded = False  # FSDP2 shards the trained parts (library/train/sharding.py)
 
     def __init__(self, family: ModelFamily, components: Components, plan: dict[str, float], opts: FineTuneOptions,
                  save_model_as: str, save_precision: Optional[str], *, device: torch.device,
@@ -255,19 +274,6 @@ class ModelTrainable(Trainable):
 
     def file_path(self, output_dir, stem):
         return ckpt.model_path(output_dir, stem, self.save_model_as)
-
-    def gathered(self, keep):
-        return full_parameters(self.module, keep) if self.sharded else contextlib.nullcontext()
-
-    def state_for_saving(self, optimizer):
-        if not self.sharded:
-            return super().state_for_saving(optimizer)
-        return full_state(self.module, optimizer)
-
-    def restore(self, weights, optimizer, optimizer_state):
-        if not self.sharded:
-            return super().restore(weights, optimizer, optimizer_state)
-        load_full_state(self.module, optimizer, weights, optimizer_state)
 
     def save(self, path, metadata):
         self.family.save_model(self.components, path, self.save_model_as, SAVE_DTYPES[self.save_precision],

@@ -46,7 +46,13 @@ from library.train.network_kinds import merge_base_weights
 from library.train.optimizers import create_optimizer, is_schedule_free
 from library.train.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import FsdpSettings, fsdp_unsupported, shard
+from library.train.sharding import (
+    FsdpSettings,
+    broadcast_module_states,
+    fsdp_unsupported,
+    shard_parts,
+    sync_done_here,
+)
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
 from library.train.step import StepContext
@@ -120,7 +126,9 @@ class Trainer(TrainingLoop):
             raise UserError("DeepSpeed (the accelerate config's distributed_type DEEPSPEED): not implemented in this "
                             "trainer yet; launch a full fine-tune with an FSDP2 config, or use DDP "
                             "(tools/make_accelerate_config.py --strategy fsdp2 / ddp)")
-        self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
+        fsdp = FsdpSettings.from_env()  # read first: a bad FSDP_* value stops the run here
+        with sync_done_here(fsdp):
+            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
         if n > 1:
             if self.fused_backward:
@@ -130,9 +138,9 @@ class Trainer(TrainingLoop):
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
         self.device = self.accelerator.device
-        self.fsdp = FsdpSettings.from_env() if n > 1 else None
+        self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
-            why = fsdp_unsupported(self.s)
+            why = fsdp_unsupported(self.s, self.fsdp)
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
@@ -140,11 +148,23 @@ class Trainer(TrainingLoop):
         self.trace = StepTrace(self.accelerator.process_index)
 
     def _shard(self) -> None:
-        for name, part in self.trainable.module.items():
-            units = shard(part, self.fsdp, self.family.block_classes)
-            logger.info("FSDP2: %s sharded over %d processes in %d units", name, self.accelerator.num_processes,
-                        units)
-        self.trainable.sharded = True
+        """FSDP: a fine-tune's trained parts, or the frozen parts a LoRA hooks into with its modules inside."""
+        c, adapters = self.components, None
+        if self.trainable.is_adapter:
+            parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
+            adapters = self.trainable.module
+        else:
+            parts = dict(self.trainable.module.items())
+        if self.fsdp.sync_module_states:  # rank 0's weights everywhere, before each process keeps its shards
+            sent = broadcast_module_states([c.denoiser, c.vae, *c.text_encoders, self.trainable.module])
+            logger.info("FSDP: %d tensors synchronised from rank 0 (fsdp_sync_module_states)", sent)
+        checkpointed = frozenset({"denoiser"} if self.t.gradient_checkpointing else ())  # the family's own
+        self.trainable.sharding, counts = shard_parts(parts, self.fsdp, self.family.block_classes, adapters,
+                                                      checkpointed, self.device)
+        for name, units in counts.items():
+            logger.info("FSDP%d: %s sharded over %d processes in %d units%s", self.fsdp.version, name,
+                        self.accelerator.num_processes, units,
+                        ", activation checkpointing" if self.fsdp.activation_checkpointing else "")
 
     def _setup_data(self) -> None:
         info = DataFamilyInfo.from_family(self.family)
