@@ -152,7 +152,7 @@ def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainabl
     if saved is None:
         return
     check_world_size(saved, num_processes, saved.path)
-    check_shapes(saved, trainable.weights(), trainable.shape_settings(), saved.path)
+    check_shapes(saved, trainable.shapes(), trainable.shape_settings(), saved.path)
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
                         f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")

@@ -37,6 +37,7 @@ class Trainable(ABC):
     """The trained weights of a run. `module` is what accelerate prepares and the optimizer steps."""
 
     module: nn.Module
+    engine = None  # a ZeroEngine (library/train/deepspeed_engine.py) holding the weights' and optimizer's partitions
     is_adapter: bool
     train_text_encoder: bool  # whether any text encoder's output depends on trained weights
     trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
@@ -52,6 +53,15 @@ class Trainable(ABC):
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(weights, strict=True)
 
+    def shapes(self) -> dict[str, torch.Tensor]:
+        """The trained tensors by name, whole shapes (what a resumed state is checked against)."""
+        return self.engine.shapes() if self.engine is not None else self.weights()
+
+    @property
+    def weights_partitioned(self) -> bool:
+        """Whether every process must take part in running the model (ZeRO-3 gathers the weights as it runs)."""
+        return self.engine is not None and self.engine.stage == 3
+
     def shape_settings(self) -> dict[str, Any]:
         """The settings that fix the trained tensors' shapes; a resume with others is refused by name."""
         return {}
@@ -66,14 +76,19 @@ class Trainable(ABC):
 
     def gathered(self, keep: bool):
         """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
-        return contextlib.nullcontext()
+        return self.engine.gathered(keep) if self.engine is not None else contextlib.nullcontext()
 
     def state_for_saving(self, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
         """(weights, optimizer state) as a state folder stores them; called on every process (FSDP gathers)."""
+        if self.engine is not None:
+            return self.engine.full_state()
         return self.weights(), optimizer.state_dict()
 
     def restore(self, weights: dict[str, torch.Tensor], optimizer, optimizer_state: dict) -> None:
         """Load a state folder's weights and optimizer state (every process)."""
+        if self.engine is not None:
+            self.engine.load_state(weights, optimizer_state)
+            return
         self.load_weights(weights)
         optimizer.load_state_dict(optimizer_state)
 
@@ -257,7 +272,7 @@ class ModelTrainable(Trainable):
         return ckpt.model_path(output_dir, stem, self.save_model_as)
 
     def gathered(self, keep):
-        return full_parameters(self.module, keep) if self.sharded else contextlib.nullcontext()
+        return full_parameters(self.module, keep) if self.sharded else super().gathered(keep)
 
     def state_for_saving(self, optimizer):
         if not self.sharded:
