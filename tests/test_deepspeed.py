@@ -1,0 +1,257 @@
+"""DeepSpeed ZeRO (library/train/deepspeed_engine.py) on CPU processes: DeepSpeed's CPU accelerator over gloo.
+
+Two torchrun processes train tiny:sd1 (a LoRA with sd-scripts' --deepspeed flags at ZeRO-2; a full fine-tune from
+the environment an accelerate DeepSpeed config exports at ZeRO-3) and are compared with one plain process of twice
+the batch; the helpers of tests/test_distributed.py record each process's writes and per-step weight hashes.
+The rest checks what reaches DeepSpeed's config and what is refused, in this process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.core.errors import ConfigError, UserError
+from tests import test_distributed as td
+from tests.test_distributed import TORCHRUN, dataset, launch, read_trace, train_args
+from tests.train_helpers import make_trainer
+
+deepspeed = pytest.importorskip("deepspeed", reason="deepspeed not installed (DS_BUILD_OPS=0 pip install deepspeed)")
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun not installed")
+
+CPU_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (it would pick it itself without a GPU)
+SGD = ["--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]  # Adam magnifies float rounding (docs/distributed.md)
+
+
+# The worker of tests/test_distributed.py, running the script twice in the same processes: the arguments before
+# "--then" (writing the trace to $SDTRAIN_DISTRIBUTED_TRACE), then those after it (to <that>2): one start-up less.
+TWICE = td.WORKER.replace(
+    'sys.argv = [os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))] + sys.argv[1:]\n'
+    'runpy.run_path(sys.argv[0], run_name="__main__")', """
+script = os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))
+cut = sys.argv.index("--then")
+for i, argv in enumerate((sys.argv[1:cut], sys.argv[cut + 1:])):
+    if i:
+        os.environ["SDTRAIN_DISTRIBUTED_TRACE"] += "2"
+    sys.argv = [script] + argv
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+""")
+assert TWICE != td.WORKER
+
+
+def _written(tmp: str, rank: int) -> list[str]:
+    with open(os.path.join(tmp, "audit", f"writes{rank}.txt")) as f:
+        return [line for line in f.read().split("\n") if line]
+
+
+def _worst(a: dict, b: dict, keys) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+
+
+@needs_torchrun
+def test_lora_zero2_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
+    """train_network.py --deepspeed --zero_stage 2 on 2 processes x batch 1 = 1 plain process x batch 2; only rank 0
+    writes; a state saved at step 2 resumes both processes to bitwise the uninterrupted steps 3-4."""
+    tmp = str(tmp_path)
+    data = dataset(tmp)
+    out, logs = os.path.join(tmp, "out"), os.path.join(tmp, "logs")
+    ds = ["--deepspeed", "--zero_stage", "2", "--cache_latents", "--cache_latents_to_disk", *SGD]
+    state = os.path.join(out, "lora-step00000002-state")
+    first = train_args(data, out, logs, steps=4, extra=ds + ["--save_every_n_steps", "2"])
+    again = train_args(data, os.path.join(tmp, "resumed"), logs, steps=4, extra=ds + ["--resume", state])
+    monkeypatch.setattr(td, "WORKER", TWICE)  # the resumed run follows in the same two processes
+    launch(tmp, 1, first + ["--then"] + again, env_extra=CPU_ENV)
+    trace = read_trace(tmp)
+    assert [t["step"] for t in trace[0]] == [1, 2, 3, 4]
+    # ZeRO-2 partitions the optimizer state and the gradients; the weights themselves are whole on every process
+    assert [t["params"] for t in trace[0]] == [t["params"] for t in trace[1]]
+    assert len({t["params"] for t in trace[0]}) == 4
+    assert _written(tmp, 1) == []  # rank 1 took part in gathering the state's partitions but wrote nothing
+    assert sorted(os.listdir(out)) == ["lora-state", "lora-step00000002-state", "lora-step00000002.safetensors",
+                                       "lora.safetensors", "lora_config.toml"]
+    saved = torch.load(os.path.join(state, "optimizer.bin"), weights_only=False)
+    assert saved["deepspeed_zero_stage"] == 2 and len(saved["partitions"]) == 2  # each process's ZeRO partition
+    resumed = read_trace(tmp, "trace2")
+    for r in (0, 1):
+        assert [(t["step"], t["images"], t["params"]) for t in resumed[r]] == \
+            [(t["step"], t["images"], t["params"]) for t in trace[r][2:]]
+    two = load_file(os.path.join(out, "lora.safetensors"))
+    resumed_file = load_file(os.path.join(tmp, "resumed", "lora.safetensors"))
+    assert all(torch.equal(two[k], resumed_file[k]) for k in two)
+
+    single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4,
+                        extra=["--cache_latents", "--cache_latents_to_disk", *SGD])
+    single[single.index("--train_batch_size") + 1] = "2"
+    make_trainer(single).run()
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert two.keys() == one.keys() and len(one) == 792  # the same kohya keys as single-process training
+    assert all(two[k].dtype == one[k].dtype == torch.float32 for k in one)
+    worst = _worst(two, one, [k for k in one if not k.endswith("alpha")])
+    moved = max(one[k].abs().max().item() for k in one if "lora_up" in k)
+    print(f"ZeRO-2 LoRA 2x1 vs plain 1x2: largest difference {worst:.3g}; largest lora_up weight {moved:.3g}")
+    assert worst <= 1e-6, worst
+    assert moved >= 1e-2
+
+
+@needs_torchrun
+def test_fine_tune_zero3_from_an_accelerate_config_equals_one_process(tmp_path):
+    """fine_tune.py launched with the environment `accelerate launch --config_file <deepspeed zero 3>` exports:
+    the UNet is partitioned over 2 processes, the saved model (gathered fp32 masters) equals 1 plain process x
+    batch 2, and only rank 0 writes."""
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from library.cli.accelerate_config import LaunchSettings, write
+    from tests.test_accelerate_config import _launch_args
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    config = os.path.join(tmp, "zero3.yaml")
+    write(LaunchSettings(strategy="deepspeed", num_processes=2, zero_stage=3, mode="finetune"), config)
+    _, env = prepare_deepspeed_cmd_env(_launch_args(config))
+    exported = {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+    assert exported["ACCELERATE_USE_DEEPSPEED"] == "true" and exported["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+
+    def ft_args(out: str, batch: int) -> list[str]:
+        return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
+                ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
+                "--cache_latents", "--cache_latents_to_disk", *SGD[:2], "--learning_rate", "0.05",
+                "--max_train_steps", "2", "--seed", "123", "--cpu", "--output_dir", out, "--output_name", "model",
+                "--save_model_as", "safetensors"]
+
+    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra={**CPU_ENV, **exported, "SCRIPT": "fine_tune.py"})
+    assert _written(tmp, 1) == []
+    assert sorted(os.listdir(os.path.join(tmp, "out"))) == ["model.safetensors", "model_config.toml"]
+
+    from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
+    from library.families import get_family
+    from library.train.trainer import Trainer
+
+    family = get_family("sd")
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
+    Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()
+    two = load_file(os.path.join(tmp, "out", "model.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "model.safetensors"))
+    assert two.keys() == one.keys() and len(one) > 1000
+    unet = [k for k in one if k.startswith("model.diffusion_model.")]
+    worst = _worst(two, one, unet)
+    print(f"ZeRO-3 fine-tune 2x1 vs plain 1x2: largest UNet weight difference {worst:.3g}")
+    assert worst <= 1e-5, worst
+    # the frozen parts (VAE, text encoder) are written as loaded, bitwise
+    assert all(torch.equal(two[k], one[k]) for k in one if k.startswith(("first_stage_model.", "cond_stage_model.")))
+
+
+# --- in this process: what reaches DeepSpeed, what is refused --------------------------------------------------------
+
+def _ds_trainer(tmp_path, *extra, family: str = "sd"):
+    data = dataset(str(tmp_path), n=2)
+    argv = train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1, extra=list(extra))
+    if family == "flux":
+        argv[argv.index("tiny:sd1")] = "tiny:flux"
+        argv[argv.index("networks.lora")] = "networks.lora_flux"
+    return make_trainer(argv, family)
+
+
+def test_flags_reach_the_deepspeed_config(tmp_path):
+    from library.train.deepspeed_engine import ZeroConfig
+
+    trainer = _ds_trainer(tmp_path, "--deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "cpu",
+                          "--offload_param_device", "cpu", "--zero3_save_16bit_model", "--mixed_precision", "bf16",
+                          "--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5")
+    t = trainer.s.training
+    zero = ZeroConfig(t.deepspeed)
+    assert (zero.stage, zero.save_16bit, zero.from_flags) == (3, True, True)
+    config = zero.complete(micro_batch=trainer.s.data.train_batch_size, accumulation=t.gradient_accumulation_steps,
+                           world_size=2, max_grad_norm=trainer.s.optimizer.max_grad_norm,
+                           mixed_precision=t.mixed_precision, client_optimizer=True)
+    z = config["zero_optimization"]
+    assert (z["stage"], z["offload_optimizer"]["device"], z["offload_param"]["device"]) == (3, "cpu", "cpu")
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (1, 4, 8, 0.5)
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["zero_allow_untested_optimizer"] is True and config["zero_force_ds_cpu_optimizer"] is False
+    # and DeepSpeed itself reads it so (outside a process group it counts one process)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one = ZeroConfig(t.deepspeed).complete(1, 4, 1, 0.5, "bf16", client_optimizer=True)
+    read = DeepSpeedConfig(one)
+    assert (read.zero_optimization_stage, read.bfloat16_config.enabled, read.float16_config.enabled,
+            read.gradient_clipping,
+            read.train_batch_size, read.gradient_accumulation_steps) == (3, True, False, 0.5, 4, 4)
+    assert read.zero_config.offload_optimizer.device == "cpu" and read.zero_config.offload_param.device == "cpu"
+
+
+def test_fp16_maps_to_deepspeed_loss_scaling(tmp_path):
+    from library.train.deepspeed_engine import ZeroConfig
+
+    trainer = _ds_trainer(tmp_path, "--deepspeed", "--mixed_precision", "fp16", "--max_grad_norm", "0")
+    zero = ZeroConfig(trainer.s.training.deepspeed)
+    config = zero.complete(1, 1, 1, 0.0, "fp16", client_optimizer=True)
+    assert config["fp16"] == {"enabled": True, "auto_cast": False, "initial_scale_power": 0}
+    assert config["bf16"] == {"enabled": False} and config["gradient_clipping"] == 0.0
+    assert config["zero_optimization"]["stage"] == 2  # sd-scripts' default --zero_stage
+
+
+def test_an_accelerate_config_value_that_disagrees_with_the_flags_is_refused(tmp_path, monkeypatch):
+    from library.train.deepspeed_engine import ZeroConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    zero = ZeroConfig(None)
+    assert (zero.stage, zero.from_flags) == (1, False)
+    with pytest.raises(ConfigError, match=r"^DeepSpeed config gradient_accumulation_steps = 1: this run has 4 "
+                                          r"\(--gradient_accumulation_steps\)"):
+        zero.complete(1, 4, 2, 1.0, "no", client_optimizer=True)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--zero_stage", "3"], "--zero_stage: only used with --deepspeed"),
+    (["--deepspeed", "--offload_param_device", "cpu"], "--offload_param_device cpu: parameters are sharded .*stage 3, "
+                                                       "got --zero_stage 2"),
+    (["--deepspeed", "--offload_optimizer_device", "nvme"], "--offload_optimizer_device nvme: needs "
+                                                            "--offload_optimizer_nvme_path"),
+    (["--deepspeed", "--fp16_master_weights_and_gradients"], "--fp16_master_weights_and_gradients: DeepSpeed "
+                                                             "supports it only with --zero_stage 2"),
+])
+def test_bad_deepspeed_flags_are_refused_in_one_line(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match="^" + message):
+        _ds_trainer(tmp_path, *extra)
+
+
+@pytest.mark.parametrize("family,extra,message", [
+    ("flux", ["--blocks_to_swap", "1"], "--blocks_to_swap is not supported with it"),
+    ("sd", ["--torch_compile"], "--torch_compile is not supported with it yet"),
+    ("sd", ["--zero_stage", "3", "--use_ema"], "--use_ema is not supported with ZeRO stage 3"),
+])
+def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path, family, extra, message):
+    trainer = _ds_trainer(tmp_path, "--deepspeed", *extra, family=family)
+    with pytest.raises(UserError, match=r"^DeepSpeed \(ZeRO stage \d.*\): " + message):
+        trainer._setup_accelerator()
+    assert trainer.components is None  # refused before any model loads
+
+
+def test_a_deepspeed_accelerate_launch_with_fused_backward_is_refused(tmp_path, monkeypatch):
+    from tests.test_distributed import dataset as make_data
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch exports for a DeepSpeed config
+    data = make_data(str(tmp_path), n=2)
+    from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
+    from library.families import get_family
+    from library.train.trainer import Trainer
+
+    family = get_family("sd")
+    argv = ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--output_dir",
+            str(tmp_path / "out"), "--fused_backward_pass", "--optimizer_type", "AdamW", "--max_grad_norm", "0"]
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), argv)
+    trainer = Trainer(family, settings_from_args(ns, family, fine_tune=True))
+    with pytest.raises(UserError, match=r"^DeepSpeed \(ZeRO stage 2, .*from the accelerate config\): "
+                                        r"--fused_backward_pass"):
+        trainer._setup_accelerator()
