@@ -102,9 +102,10 @@ def test_lora_zero2_two_processes_equal_one_process_and_resume(tmp_path, monkeyp
 
 @needs_torchrun
 def test_fine_tune_zero3_from_an_accelerate_config_equals_one_process(tmp_path):
-    """fine_tune.py launched with the environment `accelerate launch --config_file <deepspeed zero 3>` exports:
-    the UNet is partitioned over 2 processes, the saved model (gathered fp32 masters) equals 1 plain process x
-    batch 2, and only rank 0 writes."""
+    """fine_tune.py launched with the environment `accelerate launch --config_file <deepspeed zero 3>` exports: the
+    trained text encoder is partitioned over 2 processes, the saved model (its gathered weights) equals 1 plain
+    process x batch 2, and only rank 0 writes. (ZeRO-3 of the whole tiny UNet also trains here, to 1.2e-7 of one
+    process, but DeepSpeed's per-module bookkeeping makes that ~60 s for 2 steps on CPU: the text encoder is cheaper.)"""
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
     from library.cli.accelerate_config import LaunchSettings, write
@@ -121,9 +122,9 @@ def test_fine_tune_zero3_from_an_accelerate_config_equals_one_process(tmp_path):
     def ft_args(out: str, batch: int) -> list[str]:
         return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
                 ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
-                "--cache_latents", "--cache_latents_to_disk", *SGD[:2], "--learning_rate", "0.05",
-                "--max_train_steps", "2", "--seed", "123", "--cpu", "--output_dir", out, "--output_name", "model",
-                "--save_model_as", "safetensors"]
+                "--cache_latents", "--cache_latents_to_disk", *SGD[:2], "--learning_rate", "0",
+                "--train_text_encoder", "--learning_rate_te", "0.05", "--max_train_steps", "2", "--seed", "123",
+                "--cpu", "--output_dir", out, "--output_name", "model", "--save_model_as", "safetensors"]
 
     launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra={**CPU_ENV, **exported, "SCRIPT": "fine_tune.py"})
     assert _written(tmp, 1) == []
@@ -135,16 +136,23 @@ def test_fine_tune_zero3_from_an_accelerate_config_equals_one_process(tmp_path):
 
     family = get_family("sd")
     ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
-    Trainer(family, settings_from_args(ns, family, fine_tune=True)).run()
+    settings = settings_from_args(ns, family, fine_tune=True)
+    start = {}
+    settings.hooks.append(lambda trainer, event, step: event == "train_start" and start.update(
+        {k: v.clone() for k, v in trainer.components.text_encoders[0].state_dict().items()}))
+    Trainer(family, settings).run()
     two = load_file(os.path.join(tmp, "out", "model.safetensors"))
     one = load_file(os.path.join(tmp, "one", "model.safetensors"))
     assert two.keys() == one.keys() and len(one) > 1000
-    unet = [k for k in one if k.startswith("model.diffusion_model.")]
-    worst = _worst(two, one, unet)
-    print(f"ZeRO-3 fine-tune 2x1 vs plain 1x2: largest UNet weight difference {worst:.3g}")
-    assert worst <= 1e-5, worst
-    # the frozen parts (VAE, text encoder) are written as loaded, bitwise
-    assert all(torch.equal(two[k], one[k]) for k in one if k.startswith(("first_stage_model.", "cond_stage_model.")))
+    te = [k for k in one if k.startswith("cond_stage_model.") and "position_ids" not in k]
+    frozen = [k for k in one if k not in te]
+    worst = _worst(two, one, te)
+    moved = max((one[k] - start[k.split("cond_stage_model.transformer.text_model.", 1)[1]]).abs().max().item()
+                for k in te)
+    print(f"ZeRO-3 text encoder 2x1 vs plain 1x2: largest weight difference {worst:.3g}; largest change {moved:.3g}")
+    assert worst <= 1e-6, worst
+    assert moved >= 1e-3  # it trained: 10^3 times the tolerance
+    assert all(torch.equal(two[k], one[k]) for k in frozen)  # the UNet and VAE are written as loaded
 
 
 # --- in this process: what reaches DeepSpeed, what is refused --------------------------------------------------------

@@ -226,6 +226,8 @@ class ZeroEngine:
             for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(name, value)  # what a launcher exports; DeepSpeed reads LOCAL_RANK
         self.stage, self.save_16bit = stage, save_16bit
+        # fp16 / bf16: the model holds 16-bit copies, the optimizer the fp32 masters that are saved
+        self.sixteen_bit = any(config.get(k, {}).get("enabled") is True for k in ("fp16", "bf16"))
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=step_module, optimizer=optimizer,
                                                                  config=config, dist_init_required=False)
         self.trained = step_module.trained
@@ -252,29 +254,46 @@ class ZeroEngine:
                 for k, v in self.trained.state_dict().items()}
 
     # --- whole weights for saving ------------------------------------------------------------------------------
-    def _whole(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The whole value of `p` on every process (a collective: every process calls it for the same p): its fp32
-        master where the optimizer holds one, else (frozen, or --zero3_save_16bit_model) the model's own copy."""
+    def _whole_values(self, params: list[torch.nn.Parameter], keep: bool) -> list[Optional[torch.Tensor]]:
+        """The whole values of `params` (on the CPU where `keep`); a collective: every process calls it alike. In 16-bit
+        training the fp32 masters (DeepSpeed's safe_get_full_fp32_param, one by one), unless --zero3_save_16bit_model;
+        otherwise the model's own copies, which equal them, all-gathered together (ZeRO-3; whole already below)."""
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
-        full = safe_get_full_fp32_param(p) if p.requires_grad and not self.save_16bit else None
-        if full is not None:
-            return full.detach().cpu()
-        with deepspeed.zero.GatheredParameters([p]):  # ZeRO-3: all-gathered for the block; else nothing to do
-            return p.data.detach().clone().cpu()
+        if self.sixteen_bit and not self.save_16bit:
+            out = []
+            for p in params:
+                full = safe_get_full_fp32_param(p) if p.requires_grad else None
+                if full is None:  # frozen: no master
+                    with deepspeed.zero.GatheredParameters([p]):
+                        full = p.data.float()
+                out.append(full.detach().cpu().clone() if keep else None)
+            return out
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.data.detach().cpu().clone() if keep else None for p in params]
 
     @contextlib.contextmanager
-    def gathered(self, keep: bool) -> Iterator[None]:
-        """Inside, the trained module's parameters hold their whole fp32 master values (or the 16-bit ones with
-        --zero3_save_16bit_model) where `keep` (the process that saves); every process must enter."""
+    def gathered(self, keep: bool, chunk_elements: int = 1 << 26) -> Iterator[None]:
+        """Inside, the trained module's parameters hold their whole values where `keep` (the process that saves);
+        every process must enter. Gathered in chunks of at most `chunk_elements` elements (a few collectives, and
+        never the whole model at once on every process)."""
+        entries = [(sub, name, p) for sub in self.trained.modules() for name, p in sub._parameters.items()
+                   if p is not None]
+        chunks, current, size = [], [], 0
+        for entry in entries:
+            numel = getattr(entry[2], "ds_numel", entry[2].numel())
+            if current and size + numel > chunk_elements:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(entry)
+            size += numel
+        if current:
+            chunks.append(current)
         swapped = []
         with torch.no_grad():
-            for sub in self.trained.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is None:
-                        continue
-                    whole = self._whole(p)
+            for chunk in chunks:
+                for (sub, name, p), whole in zip(chunk, self._whole_values([e[2] for e in chunk], keep)):
                     if keep:
                         sub._parameters[name] = torch.nn.Parameter(whole.to(p.device), requires_grad=False)
                         swapped.append((sub, name, p))
@@ -287,7 +306,7 @@ class ZeroEngine:
     def whole_weights(self) -> dict[str, torch.Tensor]:
         """The trained module's whole weights by name (fp32 masters; every process must call it)."""
         keep = self.engine.global_rank == 0
-        with self.gathered(keep=True):
+        with self.gathered(keep):
             return {k: v.detach().cpu() for k, v in self.trained.state_dict().items()} if keep else {}
 
     # --- state folders -----------------------------------------------------------------------------------------
