@@ -237,7 +237,8 @@ def test_bad_deepspeed_flags_are_refused_in_one_line(tmp_path, extra, message):
 @pytest.mark.parametrize("family,extra,message", [
     ("flux", ["--blocks_to_swap", "1"], "--blocks_to_swap is not supported with it"),
     ("sd", ["--torch_compile"], "--torch_compile is not supported with it yet"),
-    ("sd", ["--zero_stage", "3", "--use_ema"], "--use_ema is not supported with ZeRO stage 3"),
+    ("sd", ["--zero_stage", "3", "--use_ema"], "--use_ema is not supported with it yet"),
+    ("sd", ["--optimizer_type", "AdamWScheduleFree"], "--optimizer_type AdamWScheduleFree: schedule-free optimizers"),
 ])
 def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path, family, extra, message):
     trainer = _ds_trainer(tmp_path, "--deepspeed", *extra, family=family)

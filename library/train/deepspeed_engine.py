@@ -192,8 +192,10 @@ def unsupported(stage: int, s) -> Optional[str]:
         return "--torch_compile is not supported with it yet"
     if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() == "true":
         return "the launch also asks for FSDP (ACCELERATE_USE_FSDP); choose one"
-    if stage == 3 and s.ema.use_ema:
-        return "--use_ema is not supported with ZeRO stage 3 (the weights are partitioned); use stage 1 or 2"
+    if "schedulefree" in s.optimizer.optimizer_type.lower():  # train()/eval() swap weights DeepSpeed keeps apart
+        return f"--optimizer_type {s.optimizer.optimizer_type}: schedule-free optimizers are not supported with it"
+    if s.ema.use_ema:  # the saved file would hold the masters, not the averages swapped into the model
+        return "--use_ema is not supported with it yet"
     return None
 
 
