@@ -107,7 +107,9 @@ class ZeroConfig:
     """The DeepSpeed config of this run: accelerate's DeepSpeedPlugin made from the flags (or, without --deepspeed,
     from the accelerate launch's environment), then the run's own values filled in by `complete`."""
 
-    def __init__(self, options: Optional[DeepSpeedOptions]):
+    def __init__(self, options: Optional[DeepSpeedOptions], cpu: bool = False):
+        if cpu:  # --cpu on a machine with a GPU: DeepSpeed picks its accelerator when it is first imported
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if not deepspeed_installed():
             raise UserError(f"DeepSpeed: the deepspeed package is not installed ({INSTALL})")
         from accelerate.utils import DeepSpeedPlugin

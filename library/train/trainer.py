@@ -127,7 +127,7 @@ class Trainer(TrainingLoop):
         t = self.t
         self.zero = None  # DeepSpeed ZeRO (library/train/deepspeed_engine.py): --deepspeed or an accelerate config
         if t.deepspeed is not None or launched_with_deepspeed():
-            self.zero = ZeroConfig(t.deepspeed)
+            self.zero = ZeroConfig(t.deepspeed, cpu=t.cpu)
             why = deepspeed_unsupported(self.zero.stage, self.s)
             if why:
                 raise UserError(f"DeepSpeed ({self.zero.describe()}): {why}")
