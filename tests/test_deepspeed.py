@@ -8,6 +8,7 @@ The rest checks what reaches DeepSpeed's config and what is refused, in this pro
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -26,24 +27,40 @@ CPU_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (it would pic
 SGD = ["--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]  # Adam magnifies float rounding (docs/distributed.md)
 
 
-# The worker of tests/test_distributed.py, running the script twice in the same processes: the arguments before
-# "--then" (writing the trace to $SDTRAIN_DISTRIBUTED_TRACE), then those after it (to <that>2): one start-up less.
-TWICE = td.WORKER.replace(
+# The worker of tests/test_distributed.py, running several trainings one after the other in the same two processes
+# (one start-up instead of one per training): the arguments are parts separated by "--then"; a part may begin with
+# "--script <file>" and "--env <JSON object of variables>" (set for that part only); part i writes its trace to $SDTRAIN_DISTRIBUTED_TRACE
+# for i = 0, then to <that>2, <that>3, ...
+SEVERAL = td.WORKER.replace(
     'sys.argv = [os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))] + sys.argv[1:]\n'
     'runpy.run_path(sys.argv[0], run_name="__main__")', """
-script = os.path.join(os.environ["REPO"], os.environ.get("SCRIPT", "train_network.py"))
-cut = sys.argv.index("--then")
-for i, argv in enumerate((sys.argv[1:cut], sys.argv[cut + 1:])):
-    if i:
-        os.environ["SDTRAIN_DISTRIBUTED_TRACE"] += "2"
-    sys.argv = [script] + argv
+import json
+parts, part = [], []
+for arg in sys.argv[1:]:
+    if arg == "--then":
+        parts.append(part)
+        part = []
+    else:
+        part.append(arg)
+parts.append(part)
+trace = os.environ["SDTRAIN_DISTRIBUTED_TRACE"]
+for i, argv in enumerate(parts):
+    script, env = "train_network.py", {}
+    if argv[0] == "--script":
+        script, argv = argv[1], argv[2:]
+    if argv[0] == "--env":
+        env, argv = json.loads(argv[1]), argv[2:]
+    os.environ.update(env, SDTRAIN_DISTRIBUTED_TRACE=trace + (str(i + 1) if i else ""))
+    sys.argv = [os.path.join(os.environ["REPO"], script)] + argv
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
         if e.code:
             raise
+    for key in env:
+        del os.environ[key]
 """)
-assert TWICE != td.WORKER
+assert SEVERAL != td.WORKER
 
 
 def _written(tmp: str, rank: int) -> list[str]:
@@ -55,29 +72,62 @@ def _worst(a: dict, b: dict, keys) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
 
 
+def _zero3_env(tmp: str) -> dict[str, str]:
+    """The ACCELERATE_* variables `accelerate launch --config_file <deepspeed, zero 3>` exports to its processes."""
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    from library.cli.accelerate_config import LaunchSettings, write
+    from tests.test_accelerate_config import _launch_args
+
+    config = os.path.join(tmp, "zero3.yaml")
+    write(LaunchSettings(strategy="deepspeed", num_processes=2, zero_stage=3, mode="finetune"), config)
+    _, env = prepare_deepspeed_cmd_env(_launch_args(config))
+    exported = {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
+    assert exported["ACCELERATE_USE_DEEPSPEED"] == "true" and exported["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    return exported
+
+
 @needs_torchrun
-def test_lora_zero2_two_processes_equal_one_process_and_resume(tmp_path, monkeypatch):
-    """train_network.py --deepspeed --zero_stage 2 on 2 processes x batch 1 = 1 plain process x batch 2; only rank 0
-    writes; a state saved at step 2 resumes both processes to bitwise the uninterrupted steps 3-4."""
+def test_zero2_lora_and_zero3_fine_tune_on_two_processes_equal_one_process(tmp_path, monkeypatch):
+    """In the same 2 torchrun processes x batch 1 (one start-up): (1) train_network.py --deepspeed --zero_stage 2,
+    saving a state at step 2; (2) both processes resume from it; (3) fine_tune.py with the variables an accelerate
+    DeepSpeed ZeRO-3 config exports, training the text encoder (partitioned over the processes). Each result equals
+    1 plain process x batch 2, the resumed steps are bitwise the uninterrupted ones, and rank 1 writes nothing.
+    (ZeRO-3 of the whole tiny UNet also trains here, to 1.2e-7 of one process, but DeepSpeed's per-module
+    bookkeeping makes that ~60 s for 2 steps on CPU: the text encoder is cheaper.)"""
     tmp = str(tmp_path)
     data = dataset(tmp)
     out, logs = os.path.join(tmp, "out"), os.path.join(tmp, "logs")
-    ds = ["--deepspeed", "--zero_stage", "2", "--cache_latents", "--cache_latents_to_disk", *SGD]
+    cached = ["--cache_latents", "--cache_latents_to_disk"]  # every run reads the same latents
+    ds = ["--deepspeed", "--zero_stage", "2", *cached, *SGD]
     state = os.path.join(out, "lora-step00000002-state")
     first = train_args(data, out, logs, steps=4, extra=ds + ["--save_every_n_steps", "2"])
     again = train_args(data, os.path.join(tmp, "resumed"), logs, steps=4, extra=ds + ["--resume", state])
-    monkeypatch.setattr(td, "WORKER", TWICE)  # the resumed run follows in the same two processes
-    launch(tmp, 1, first + ["--then"] + again, env_extra=CPU_ENV)
+
+    def ft_args(out_dir: str, batch: int) -> list[str]:
+        return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
+                ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
+                *cached, *SGD[:2], "--learning_rate", "0", "--train_text_encoder", "--learning_rate_te", "0.05",
+                "--max_train_steps", "2", "--seed", "123", "--cpu", "--output_dir", out_dir, "--output_name", "model",
+                "--save_model_as", "safetensors"]
+
+    zero3 = json.dumps(_zero3_env(tmp))
+    monkeypatch.setattr(td, "WORKER", SEVERAL)
+    launch(tmp, 1, first + ["--then"] + again + ["--then", "--script", "fine_tune.py", "--env", zero3] +
+           ft_args(os.path.join(tmp, "ft"), 1), env_extra=CPU_ENV, timeout=400,
+           audit_roots=[out, logs, os.path.join(tmp, "resumed"), os.path.join(tmp, "ft")])
+    assert _written(tmp, 1) == []  # rank 1 took part in every gathering (state partitions, weights) but wrote nothing
+
+    # (1) ZeRO-2 partitions the optimizer state and the gradients; the weights are whole and equal on both processes
     trace = read_trace(tmp)
     assert [t["step"] for t in trace[0]] == [1, 2, 3, 4]
-    # ZeRO-2 partitions the optimizer state and the gradients; the weights themselves are whole on every process
     assert [t["params"] for t in trace[0]] == [t["params"] for t in trace[1]]
     assert len({t["params"] for t in trace[0]}) == 4
-    assert _written(tmp, 1) == []  # rank 1 took part in gathering the state's partitions but wrote nothing
     assert sorted(os.listdir(out)) == ["lora-state", "lora-step00000002-state", "lora-step00000002.safetensors",
                                        "lora.safetensors", "lora_config.toml"]
     saved = torch.load(os.path.join(state, "optimizer.bin"), weights_only=False)
     assert saved["deepspeed_zero_stage"] == 2 and len(saved["partitions"]) == 2  # each process's ZeRO partition
+    # (2) resumed at step 2: steps 3-4 see the same images and reach bitwise the same weights and file
     resumed = read_trace(tmp, "trace2")
     for r in (0, 1):
         assert [(t["step"], t["images"], t["params"]) for t in resumed[r]] == \
@@ -85,9 +135,7 @@ def test_lora_zero2_two_processes_equal_one_process_and_resume(tmp_path, monkeyp
     two = load_file(os.path.join(out, "lora.safetensors"))
     resumed_file = load_file(os.path.join(tmp, "resumed", "lora.safetensors"))
     assert all(torch.equal(two[k], resumed_file[k]) for k in two)
-
-    single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4,
-                        extra=["--cache_latents", "--cache_latents_to_disk", *SGD])
+    single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4, extra=cached + SGD)
     single[single.index("--train_batch_size") + 1] = "2"
     make_trainer(single).run()
     one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
@@ -99,60 +147,30 @@ def test_lora_zero2_two_processes_equal_one_process_and_resume(tmp_path, monkeyp
     assert worst <= 1e-6, worst
     assert moved >= 1e-2
 
-
-@needs_torchrun
-def test_fine_tune_zero3_from_an_accelerate_config_equals_one_process(tmp_path):
-    """fine_tune.py launched with the environment `accelerate launch --config_file <deepspeed zero 3>` exports: the
-    trained text encoder is partitioned over 2 processes, the saved model (its gathered weights) equals 1 plain
-    process x batch 2, and only rank 0 writes. (ZeRO-3 of the whole tiny UNet also trains here, to 1.2e-7 of one
-    process, but DeepSpeed's per-module bookkeeping makes that ~60 s for 2 steps on CPU: the text encoder is cheaper.)"""
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env
-
-    from library.cli.accelerate_config import LaunchSettings, write
-    from tests.test_accelerate_config import _launch_args
-
-    tmp = str(tmp_path)
-    data = dataset(tmp, n=4)
-    config = os.path.join(tmp, "zero3.yaml")
-    write(LaunchSettings(strategy="deepspeed", num_processes=2, zero_stage=3, mode="finetune"), config)
-    _, env = prepare_deepspeed_cmd_env(_launch_args(config))
-    exported = {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
-    assert exported["ACCELERATE_USE_DEEPSPEED"] == "true" and exported["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
-
-    def ft_args(out: str, batch: int) -> list[str]:
-        return ["--pretrained_model_name_or_path", "tiny:sd1", "--train_data_dir", data, "--caption_extension",
-                ".txt", "--resolution", "64", "--train_batch_size", str(batch), "--max_data_loader_n_workers", "0",
-                "--cache_latents", "--cache_latents_to_disk", *SGD[:2], "--learning_rate", "0",
-                "--train_text_encoder", "--learning_rate_te", "0.05", "--max_train_steps", "2", "--seed", "123",
-                "--cpu", "--output_dir", out, "--output_name", "model", "--save_model_as", "safetensors"]
-
-    launch(tmp, 1, ft_args(os.path.join(tmp, "out"), 1), env_extra={**CPU_ENV, **exported, "SCRIPT": "fine_tune.py"})
-    assert _written(tmp, 1) == []
-    assert sorted(os.listdir(os.path.join(tmp, "out"))) == ["model.safetensors", "model_config.toml"]
-
+    # (3) the ZeRO-3 fine-tune's saved model (its gathered weights) against one plain process
+    assert sorted(os.listdir(os.path.join(tmp, "ft"))) == ["model.safetensors", "model_config.toml"]
     from library.cli.entry import build_parser, parse_with_config_file, settings_from_args
     from library.families import get_family
     from library.train.trainer import Trainer
 
     family = get_family("sd")
-    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "one"), 2))
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), ft_args(os.path.join(tmp, "ft1"), 2))
     settings = settings_from_args(ns, family, fine_tune=True)
     start = {}
     settings.hooks.append(lambda trainer, event, step: event == "train_start" and start.update(
         {k: v.clone() for k, v in trainer.components.text_encoders[0].state_dict().items()}))
     Trainer(family, settings).run()
-    two = load_file(os.path.join(tmp, "out", "model.safetensors"))
-    one = load_file(os.path.join(tmp, "one", "model.safetensors"))
+    two = load_file(os.path.join(tmp, "ft", "model.safetensors"))
+    one = load_file(os.path.join(tmp, "ft1", "model.safetensors"))
     assert two.keys() == one.keys() and len(one) > 1000
     te = [k for k in one if k.startswith("cond_stage_model.") and "position_ids" not in k]
-    frozen = [k for k in one if k not in te]
     worst = _worst(two, one, te)
     moved = max((one[k] - start[k.split("cond_stage_model.transformer.text_model.", 1)[1]]).abs().max().item()
                 for k in te)
     print(f"ZeRO-3 text encoder 2x1 vs plain 1x2: largest weight difference {worst:.3g}; largest change {moved:.3g}")
     assert worst <= 1e-6, worst
     assert moved >= 1e-3  # it trained: 10^3 times the tolerance
-    assert all(torch.equal(two[k], one[k]) for k in frozen)  # the UNet and VAE are written as loaded
+    assert all(torch.equal(two[k], one[k]) for k in one if k not in te)  # the UNet and VAE are written as loaded
 
 
 # --- in this process: what reaches DeepSpeed, what is refused --------------------------------------------------------
