@@ -11,6 +11,8 @@ EXTRAS = {
     "xformers": ["xformers"],
     # --log_with wandb / all (Weights & Biases; WANDB_MODE=offline logs to files without an account)
     "wandb": ["wandb"],
+    # --deepspeed / an accelerate DeepSpeed config (docs/distributed.md); install with DS_BUILD_OPS=0
+    "deepspeed": ["deepspeed"],
     # python webui.py: the training-job web UI (docs/webui.md)
     "webui": ["fastapi", "uvicorn"],
 }

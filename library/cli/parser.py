@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from library.cli.config_file import add_config_file_arguments
 from library.cli.dataset import add_dataset_arguments
+from library.cli.deepspeed import add_deepspeed_arguments
 from library.cli.fine_tune import (
     MODEL_FORMATS,
     add_ema_arguments,
@@ -99,6 +100,7 @@ def _training_parser(description: str, family, add_trained) -> argparse.Argument
     add_optimizer_arguments(parser)
     add_noise_loss_arguments(parser)
     add_training_arguments(parser)
+    add_deepspeed_arguments(parser)
     add_memory_arguments(parser)
     add_sampling_arguments(parser)
     if family is not None:

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import toml
 
+from library.cli.deepspeed import deepspeed_options_from_args
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.profiling import parse_step_range
@@ -239,6 +240,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         ddp_timeout=ns.ddp_timeout,
         ddp_gradient_as_bucket_view=ns.ddp_gradient_as_bucket_view,
         ddp_static_graph=ns.ddp_static_graph,
+        deepspeed=deepspeed_options_from_args(ns),
     )
 
 

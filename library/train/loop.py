@@ -10,12 +10,13 @@ import logging
 from typing import Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from library.core.errors import UserError
 from library.data.dataset import EpochSampler, PlannedBatches
 from library.train import checkpoints as ckpt
-from library.train.distributed import StepModule, any_process
+from library.train.distributed import any_process
 from library.train.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.step import batch_loss, optimizer_step
@@ -123,7 +124,7 @@ class TrainingLoop:
         several processes DDP averages the gradients during the backward of the group's last micro-batch; the
         others run under no_sync."""
         phase = self.instruments.phase
-        ddp = not isinstance(self.step_module, StepModule)  # DistributedDataParallel around it
+        ddp = isinstance(self.step_module, DistributedDataParallel)
         with (self.step_module.no_sync() if ddp and not sync else contextlib.nullcontext()):
             if batch is not None:
                 pixels = batch["latents"] if batch.get("latents") is not None else batch.get("images")
@@ -132,15 +133,21 @@ class TrainingLoop:
             with phase("forward"):
                 loss, _ = self.step_module(batch, self.noise_generator)
             if batch is None:
-                self.accelerator.backward(loss)
+                self._backward(loss, sync)
                 return 0.0
             self._check_finite(loss, batch, global_step)
             with phase("backward"):
-                self.accelerator.backward(loss / self.t.gradient_accumulation_steps)
+                self._backward(loss / self.t.gradient_accumulation_steps, sync)
             self.instruments.micro_done()
         if self.block_swapper is not None:
             self.block_swapper.release()
         return loss.item()
+
+    def _backward(self, loss: torch.Tensor, sync: bool) -> None:
+        if self.zero is not None:  # the DeepSpeed engine reduces the gradients at the group's last micro-batch
+            self.step_module.backward(loss, sync)
+        else:
+            self.accelerator.backward(loss)
 
     def _check_finite(self, loss: torch.Tensor, batch: dict, global_step: int) -> None:
         if not torch.isfinite(loss):
@@ -153,8 +160,11 @@ class TrainingLoop:
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
         with self.instruments.phase("optimizer"):
-            optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                           getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_))
+            if self.zero is not None:  # clips by the global norm of the partitioned gradients, steps, zeroes
+                self.step_module.step(self.lr_scheduler)
+            else:
+                optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
+                               getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_))
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)

@@ -81,9 +81,10 @@ class SampleHook:
             return
         suffix, epoch = due
         accelerator = trainer.accelerator
-        # Under FSDP every process holds a shard of the model, so every process runs the generation (the
+        # Under FSDP (and ZeRO-3) every process holds a shard of the model, so every process runs the generation (the
         # weights are gathered block by block); only the main one writes the images.
-        sharded = getattr(getattr(trainer, "trainable", None), "sharded", False)
+        trainable = getattr(trainer, "trainable", None)
+        sharded = getattr(trainable, "sharded", False) or getattr(trainable, "weights_partitioned", False)
         if accelerator.is_main_process or sharded:
             self.sample(trainer, step, epoch, suffix, write=accelerator.is_main_process)
         self.last_sampled_step = step

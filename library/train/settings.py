@@ -13,6 +13,7 @@ from library.families.base import LoadOptions
 from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
 from library.train.compile import CompileOptions
+from library.train.deepspeed_engine import DeepSpeedOptions
 from library.train.lr_schedulers import SchedulerOptions
 from library.train.optimizers import OptimizerOptions
 
@@ -64,6 +65,7 @@ class TrainingOptions:
     ddp_timeout: Optional[int] = None  # minutes (accelerate's InitProcessGroupKwargs); None: PyTorch's default
     ddp_gradient_as_bucket_view: bool = False  # accelerate's DistributedDataParallelKwargs
     ddp_static_graph: bool = False
+    deepspeed: Optional[DeepSpeedOptions] = None  # --deepspeed and its flags; None: an accelerate config may ask for it
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Trainable(ABC):
     """The trained weights of a run. `module` is what accelerate prepares and the optimizer steps."""
 
     module: nn.Module
+    engine = None  # a ZeroEngine (library/train/deepspeed_engine.py) holding the weights' and optimizer's partitions
     is_adapter: bool
     train_text_encoder: bool  # whether any text encoder's output depends on trained weights
     trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
@@ -52,13 +53,21 @@ class Trainable(ABC):
         return self.module.state_dict()
 
     def full_shapes(self) -> dict[str, torch.Size]:
-        """The trained tensors' whole shapes, by name (an FSDP1 process holds flat pieces of them)."""
+        """The trained tensors' whole shapes, by name (what a resumed state is checked against; an FSDP1 process
+        holds flat pieces of them, a ZeRO-3 process partitions)."""
+        if self.engine is not None:
+            return self.engine.full_shapes()
         if self.sharded and hasattr(self.sharding, "full_shapes"):
             return self.sharding.full_shapes(self.module)
         return {name: t.shape for name, t in self.weights().items()}
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(weights, strict=True)
+
+    @property
+    def weights_partitioned(self) -> bool:
+        """Whether every process must take part in running the model (ZeRO-3 gathers the weights as it runs)."""
+        return self.engine is not None and self.engine.stage == 3
 
     def shape_settings(self) -> dict[str, Any]:
         """The settings that fix the trained tensors' shapes; a resume with others is refused by name."""
@@ -82,16 +91,23 @@ class Trainable(ABC):
 
     def gathered(self, keep: bool):
         """Entered by every process before saving: sharded weights whole where `keep` (the saving process)."""
+        if self.engine is not None:
+            return self.engine.gathered(keep)
         return self.sharding.gathered(self.module, keep) if self.sharded else contextlib.nullcontext()
 
     def state_for_saving(self, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-        """(weights, optimizer state) as a state folder stores them; called on every process (FSDP gathers)."""
+        """(weights, optimizer state) as a state folder stores them; called on every process (FSDP / ZeRO gather)."""
+        if self.engine is not None:
+            return self.engine.full_state()
         if self.sharded:
             return self.sharding.full_state(self.module, optimizer)
         return self.weights(), optimizer.state_dict()
 
     def restore(self, weights: dict[str, torch.Tensor], optimizer, optimizer_state: dict) -> None:
         """Load a state folder's weights and optimizer state (every process)."""
+        if self.engine is not None:
+            self.engine.load_state(weights, optimizer_state)
+            return
         if self.sharded:
             return self.sharding.load_full_state(self.module, optimizer, weights, optimizer_state)
         self.load_weights(weights)

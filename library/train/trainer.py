@@ -16,6 +16,7 @@ import uuid
 from typing import Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries
@@ -37,6 +38,13 @@ from library.train.distributed import (
     make_accelerator,
     unused_parameters_possible,
 )
+from library.train.deepspeed_engine import (
+    ZeroConfig,
+    ZeroEngine,
+    accelerate_without_deepspeed,
+    launched_with_deepspeed,
+)
+from library.train.deepspeed_engine import unsupported as deepspeed_unsupported
 from library.train.ema import EMA
 from library.train.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
@@ -77,6 +85,7 @@ class Trainer(TrainingLoop):
         self.skipped_images: set[str] = set()
         # set up by run(), in this order
         self.accelerator = self.device = self.weight_dtype = None
+        self.zero = None  # the DeepSpeed config (ZeroConfig) when the run is under DeepSpeed
         self.run_state: Optional[RunState] = None  # progress + every RNG: what a state folder restores
         self.data = None
         self.batches_per_epoch = self.steps_per_epoch = self.max_train_steps = self.num_epochs = 0
@@ -122,15 +131,19 @@ class Trainer(TrainingLoop):
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-            raise UserError("DeepSpeed (the accelerate config's distributed_type DEEPSPEED): not implemented in this "
-                            "trainer yet; launch a full fine-tune with an FSDP2 config, or use DDP "
-                            "(tools/make_accelerate_config.py --strategy fsdp2 / ddp)")
-        fsdp = FsdpSettings.from_env()  # read first: a bad FSDP_* value stops the run here
-        with sync_done_here(fsdp):
+        self.zero = None  # DeepSpeed ZeRO (library/train/deepspeed_engine.py): --deepspeed or an accelerate config
+        if t.deepspeed is not None or launched_with_deepspeed():
+            self.zero = ZeroConfig(t.deepspeed, cpu=t.cpu)
+            why = deepspeed_unsupported(self.zero.stage, self.s)
+            if why:
+                raise UserError(f"DeepSpeed ({self.zero.describe()}): {why}")
+        fsdp = FsdpSettings.from_env() if self.zero is None else None  # read first: a bad FSDP_* value stops here
+        with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
             self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
-        if n > 1:
+        if self.zero is not None:
+            logger.info("DeepSpeed: %s, %d process(es)", self.zero.describe(), n)
+        elif n > 1:
             if self.fused_backward:
                 raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
                                 f"with {n} processes "
@@ -288,7 +301,9 @@ class Trainer(TrainingLoop):
         self.lr_scheduler = create_scheduler(self.optimizer, self.s.scheduler, self.max_train_steps,
                                              self.optimizer_descr)
         self.lr_names = lr_log_names(self.group_names)
-        if self.accelerator.num_processes > 1:
+        if self.zero is not None:
+            self._setup_deepspeed()
+        elif self.accelerator.num_processes > 1:
             # DDP wraps a StepModule (trained weights + the loss as forward), not the network, whose own forward
             # a LoRA never calls (library/train/distributed.py); DDP broadcasts rank 0's weights at the start.
             self.network = self.trainable.module
@@ -298,19 +313,32 @@ class Trainer(TrainingLoop):
             self.network, self.optimizer = self.accelerator.prepare(self.trainable.module, self.optimizer,
                                                                     device_placement=[False, True])
         t = self.t
-        self.step_module = StepModule(self.network, self._batch_loss)
-        if self.fsdp is None:  # FSDP reduce-scatters the gradients itself
+        if self.zero is None:
+            self.step_module = StepModule(self.network, self._batch_loss)
+        if self.fsdp is None and self.zero is None:  # FSDP reduce-scatters the gradients itself, DeepSpeed too
             dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
             unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
             self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
                                              t.ddp_static_graph)
-        if not isinstance(self.step_module, StepModule):
+        if isinstance(self.step_module, DistributedDataParallel):
             ddp = self.step_module
             self.trace.meta["ddp"] = {"static_graph": ddp.static_graph, "find_unused_parameters":
                                       ddp.find_unused_parameters, "gradient_as_bucket_view": ddp.gradient_as_bucket_view}
         self.schedule_free = is_schedule_free(self.optimizer)
         if self.s.ema.use_ema:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
+
+    def _setup_deepspeed(self) -> None:
+        """The engine around the StepModule and the run's optimizer (which keeps its parameter groups: the schedule and
+        the lr logs still read them)."""
+        t = self.t
+        self.network = self.trainable.module
+        config = self.zero.complete(self.s.data.train_batch_size, t.gradient_accumulation_steps,
+                                    self.accelerator.num_processes, self.s.optimizer.max_grad_norm,
+                                    t.mixed_precision, client_optimizer=True)
+        self.step_module = ZeroEngine(StepModule(self.network, self._batch_loss), self.optimizer, config,
+                                      self.zero.stage, self.zero.save_16bit)
+        self.trainable.engine = self.step_module
 
     def _resume(self) -> None:
         resume(self.t.resume, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
@@ -346,7 +374,7 @@ class Trainer(TrainingLoop):
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast)
-        ddp = None if isinstance(self.step_module, StepModule) else self.step_module
+        ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
     # ------------------------------------------------------------------ run
