@@ -96,6 +96,7 @@ RANGES: dict[str, Range] = {
     "seed": Range(0, MAX_SEED, integer=True), "gradient_accumulation_steps": _at_least(1),
     "log_every_n_steps": _at_least(1), "log_tflops": _at_least(1), "validate_every_n_steps": _at_least(1),
     "validate_every_n_epochs": _at_least(1), "max_validation_steps": _at_least(1), "ddp_timeout": _at_least(1),
+    "zero_stage": Range(0, 3, integer=True, note="DeepSpeed ZeRO stage"),
     # memory and sampling
     "blocks_to_swap": _at_least(1), "sample_every_n_steps": _at_least(0, "0 = off"),
     "sample_every_n_epochs": _at_least(0, "0 = off"), "sample_batch_size": _at_least(1),
