@@ -11,9 +11,13 @@ states of --t5_tokens tokens), transformer-only fused kohya LoRA.
 - ours: library.train.step.batch_loss (the trainer's micro-step, text from the
   cache) + clipping + optimizer and scheduler step, as Trainer runs them.
 
+--model_type chroma (as sd-scripts' flag) measures Chroma the same way: lodestones/Chroma1-HD's transformer
+(ChromaTransformer2DModel: no CLIP pooled input, no guidance, its approximator), T5 states with their attention
+mask, and the reference step calling it as Chroma is called (joint text + image mask).
+
 Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
 
-    python bench/bench_flux_step.py [--steps 4] [--double 1] [--single 2] [--t5_tokens 64] [--resolution 64]
+    python bench/bench_flux_step.py [--model_type chroma] [--steps 4] [--double 1] [--single 2] [--t5_tokens 64]
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from bench.common import (  # noqa: E402
 )
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
+from library.families.chroma import joint_attention_mask  # noqa: E402
+from library.families.chroma_configs import PRESETS as CHROMA_PRESETS  # noqa: E402
+from library.families.chroma_model import transformer_config as chroma_transformer_config  # noqa: E402
 from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
 from library.families.flux_configs import PRESETS, transformer_config  # noqa: E402
 from library.families.flux_options import FluxOptions  # noqa: E402
@@ -50,15 +57,21 @@ from library.train.step import StepContext  # noqa: E402
 from networks import lora  # noqa: E402
 
 
-def build_transformer(double: int, single: int, dtype: torch.dtype):
-    """FLUX.1-dev's transformer with `double` / `single` blocks, created directly in `dtype`."""
-    from diffusers import FluxTransformer2DModel
+def build_transformer(double: int, single: int, dtype: torch.dtype, model_type: str = "flux"):
+    """FLUX.1-dev's (or Chroma1-HD's) transformer with `double` / `single` blocks, created directly in `dtype`."""
+    from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel
 
-    preset = dataclasses.replace(PRESETS["random:flux-dev"], double_blocks=double, single_blocks=single)
+    if model_type == "chroma":
+        chroma = dataclasses.replace(CHROMA_PRESETS["random:chroma"], double_blocks=double, single_blocks=single)
+        config = chroma_transformer_config(chroma, PRESETS["random:flux-dev"].t5_d_model)
+        build = lambda: ChromaTransformer2DModel(**config)  # noqa: E731
+    else:
+        preset = dataclasses.replace(PRESETS["random:flux-dev"], double_blocks=double, single_blocks=single)
+        build = lambda: FluxTransformer2DModel(**transformer_config(preset))  # noqa: E731
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = build_seeded(lambda: FluxTransformer2DModel(**transformer_config(preset)), 0)
+        model = build_seeded(build, 0)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
@@ -66,6 +79,7 @@ def build_transformer(double: int, single: int, dtype: torch.dtype):
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--model_type", choices=["flux", "chroma"], default="flux")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--double", type=int, default=1, help="double blocks (FLUX.1: 19)")
@@ -78,12 +92,14 @@ def main() -> None:
     torch.manual_seed(0)
     dtype, device = torch.bfloat16, torch.device(a.device)
 
-    family = get_family("flux")
-    options = FluxOptions(guidance_scale=1.0, t5xxl_max_token_length=a.t5_tokens,
-                          flow=FlowOptions(timestep_sampling="sigmoid"))
+    chroma = a.model_type == "chroma"
+    family = get_family(a.model_type)
+    options = FluxOptions(guidance_scale=0.0 if chroma else 1.0, t5xxl_max_token_length=a.t5_tokens,
+                          flow=FlowOptions(timestep_sampling="sigmoid"), model_type=a.model_type,
+                          apply_t5_attn_mask=chroma)
     t0 = time.perf_counter()
-    transformer = build_transformer(a.double, a.single, dtype).to(device)
-    print(f"built FLUX.1-dev transformer with {a.double} double / {a.single} single blocks (bf16) in "
+    transformer = build_transformer(a.double, a.single, dtype, a.model_type).to(device)
+    print(f"built {'Chroma1-HD' if chroma else 'FLUX.1-dev'} transformer with {a.double} double / {a.single} single blocks (bf16) in "
           f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
     comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
     network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
@@ -96,6 +112,8 @@ def main() -> None:
     caption = "a photo of a sks dog sitting on a wooden chair, high quality"
     text = {"l_pooled": torch.randn(768), "t5_out": torch.randn(a.t5_tokens, 4096),
             "txt_ids": torch.zeros(a.t5_tokens, 3), "t5_attn_mask": torch.ones(a.t5_tokens)}
+    if chroma:  # a caption of a quarter of the padded length, the rest masked out
+        text["t5_attn_mask"][a.t5_tokens // 4:] = 0
     batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
 
     def reference_step() -> None:
@@ -103,10 +121,15 @@ def main() -> None:
         noise = torch.randn_like(x0)
         sigma = torch.sigmoid(torch.randn(1, device=device))
         noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
-        out = transformer(hidden_states=pack_latents(noisy), encoder_hidden_states=text["t5_out"][None].to(device, dtype),
-                          pooled_projections=text["l_pooled"][None].to(device, dtype), timestep=sigma.to(dtype),
-                          img_ids=image_ids(latent, latent, device, dtype), txt_ids=text["txt_ids"].to(device, dtype),
-                          guidance=torch.ones(1, device=device, dtype=dtype), return_dict=False)[0]
+        common = dict(hidden_states=pack_latents(noisy), encoder_hidden_states=text["t5_out"][None].to(device, dtype),
+                      timestep=sigma.to(dtype), img_ids=image_ids(latent, latent, device, dtype),
+                      txt_ids=text["txt_ids"].to(device, dtype), return_dict=False)
+        if chroma:
+            mask = joint_attention_mask(text["t5_attn_mask"][None].to(device), (latent // 2) ** 2)
+            out = transformer(**common, attention_mask=mask)[0]
+        else:
+            out = transformer(**common, pooled_projections=text["l_pooled"][None].to(device, dtype),
+                              guidance=torch.ones(1, device=device, dtype=dtype))[0]
         F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
