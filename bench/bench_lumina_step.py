@@ -1,7 +1,8 @@
 """Lumina Image 2.0 LoRA training step time against the bare diffusers step, measured in the same run.
 
 The NextDiT of random:lumina2 (hidden 2304, 24 heads / 8 KV heads, the real refiners and embedders) at full width
-with fewer main layers (--blocks), so it fits a CPU machine. Random weights, bf16 base, batch 1, cached Gemma-2
+with fewer main layers (--blocks), so it fits a CPU machine. Random weights, bf16 base (--dtype fp32 for CPUs
+without fast bf16), batch 1, cached Gemma-2
 outputs (random second-to-last states of --tokens tokens), transformer-only kohya LoRA (the same network patched
 in for both steps).
 
@@ -12,7 +13,7 @@ in for both steps).
 
 Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 
-    python bench/bench_lumina_step.py [--blocks 2] [--steps 4] [--tokens 256] [--resolution 64]
+    python bench/bench_lumina_step.py [--blocks 2] [--steps 4] [--tokens 256] [--resolution 64] [--dtype fp32]
 """
 
 from __future__ import annotations
@@ -70,16 +71,17 @@ def main() -> None:
     p.add_argument("--resolution", type=int, default=64)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     a = p.parse_args()
     torch.manual_seed(0)
-    dtype, device = torch.bfloat16, torch.device(a.device)
+    dtype, device = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype], torch.device(a.device)
 
     family = get_family("lumina")
     # uniform σ and the raw prediction in both steps (the reference draws σ the same way)
     options = LuminaOptions(flow=LuminaFlowOptions(timestep_sampling="uniform", discrete_flow_shift=1.0))
     t0 = time.perf_counter()
     transformer = build_transformer(a.blocks, dtype).to(device)
-    print(f"built random:lumina2's NextDiT with {a.blocks} main layers (bf16) in {time.perf_counter() - t0:.1f}s, "
+    print(f"built random:lumina2's NextDiT with {a.blocks} main layers ({a.dtype}) in {time.perf_counter() - t0:.1f}s, "
           f"peak RSS {peak_rss_mib():.0f} MiB")
     comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
     network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
@@ -117,7 +119,7 @@ def main() -> None:
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-          f"({latent * latent // 4} image + {a.tokens} text tokens), batch 1, bf16, {device}")
+          f"({latent * latent // 4} image + {a.tokens} text tokens), batch 1, {a.dtype}, {device}")
     print_comparison(result)
 
 
