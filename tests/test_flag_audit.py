@@ -22,10 +22,8 @@ PARSER_ONLY = {
     "output_config": "writes the flags to --config_file and exits before any settings are built",
     "check_config": "read by the entry script after the settings are built: print 'config ok' and exit",
 }
-# Flags that change nothing but the ss_* metadata sd-scripts writes for them.
-METADATA_ONLY = {
-    "lowram": "ss_lowram, as sd-scripts; no loading change here (also in COMPATIBILITY_FLAGS, said once per run)",
-}
+# Flags that change nothing but the ss_* metadata sd-scripts writes for them (none left: --lowram now loads in turns).
+METADATA_ONLY: dict[str, str] = {}
 # sd-scripts flags accepted for compatibility; library/cli/training.py COMPATIBILITY_FLAGS says why, per run.
 COMPATIBILITY_ONLY = {flag: why for flag, why in COMPATIBILITY_FLAGS.items() if flag not in METADATA_ONLY}
 

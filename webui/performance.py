@@ -38,10 +38,11 @@ OPTIONS = [
     ("dynamo_mode", "Compile mode", "inductor mode (blank: PyTorch's default; max-autotune tunes kernels: a much "
      "slower first step)", "training", "choice:default|reduce-overhead|max-autotune|max-autotune-no-cudagraphs",
      ["flag", "needs:torch_compile"]),
-    ("memory", "Load model to", ("VRAM (--highvram: keep everything on the GPU) or RAM (--lowram: load to CPU "
-     "memory first); the trainer accepts both for compatibility"), "training", "memory", ["gpu"]),
+    ("memory", "Load model to", ("VRAM (--highvram: keep the cached parts on the GPU) or RAM (--lowram: the "
+     "processes of a machine load the model one after another, one loading peak in RAM at a time)"),
+     "training", "memory", ["gpu"]),
     ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
-     "to the GPU (DiT families only: flux, sd3, anima, chroma, lumina)"), "memory", "int",
+     "to the GPU (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image)"), "memory", "int",
      ["family:block_swap", "gpu", "flag"]),
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
      "activations in CPU memory until backward; requires gradient checkpointing (every family)"), "memory", "bool",

@@ -66,7 +66,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dynamo_dynamic", action="store_true", help="torch.compile dynamic=True (shapes as symbols)")
     g.add_argument("--mem_eff_attn", action="store_true",
                    help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
-    g.add_argument("--lowram", action="store_true", help="accepted for compatibility; changes nothing here")
+    g.add_argument("--lowram", action="store_true",
+                   help="with several processes on one machine, they load the model one after another (one loading "
+                        "peak in RAM at a time)")
     g.add_argument("--highvram", action="store_true",
                    help="keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; by "
                         "default they wait in CPU memory)")
@@ -124,7 +126,6 @@ _SECRET_FLAGS = ("wandb_api_key",)
 COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
     "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
-    "lowram": "loading does not change with it (recorded as ss_lowram, as sd-scripts does)",
 }
 
 
@@ -230,6 +231,7 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
         log_tflops=getattr(ns, "log_tflops", None),
         compile=_compile_options(ns),
         highvram=ns.highvram,
+        lowram=ns.lowram,
         profile_steps=ns.profile_steps or ns.profile_microbatches,
         profile_microbatches=ns.profile_microbatches,
         profiler_trace_dir=ns.profiler_trace_dir,

@@ -39,6 +39,23 @@ def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int]
     return Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
 
 
+def load_in_turns(load: Callable[[], object], accelerator, enabled: bool):
+    """`load()` on every process; with `enabled` (--lowram) the processes of one machine take turns (local rank
+    0 first, a barrier after each turn), as sd-scripts loads its models. Reading a checkpoint briefly holds its
+    tensors and the model built from them; in turns a machine's RAM holds that peak once, not once per process.
+    Every machine must run the same number of processes (LOCAL_WORLD_SIZE, set by torchrun / accelerate launch)."""
+    n = accelerator.num_processes
+    if not enabled or n == 1:
+        return load()
+    turns = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    loaded = None
+    for turn in range(turns):
+        if turn == accelerator.local_process_index:
+            loaded = load()
+        accelerator.wait_for_everyone()
+    return loaded
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

@@ -55,6 +55,7 @@ class TrainingOptions:
     log_tflops: Optional[int] = None
     compile: CompileOptions = field(default_factory=CompileOptions)  # --torch_compile and the --dynamo_* flags
     highvram: bool = False  # cached parts stay on the device
+    lowram: bool = False  # the processes of a machine load the model one after another
     profile_steps: bool = False  # per-step timing breakdown (library/train/profiling.py)
     profile_microbatches: bool = False
     profiler_trace_dir: Optional[str] = None

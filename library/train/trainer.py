@@ -216,7 +216,7 @@ class Trainer(TrainingLoop):
         return torch.float16 if self.t.full_fp16 else torch.bfloat16 if self.t.full_bf16 else torch.float32
 
     def _setup_model(self) -> None:
-        self.components = self.family.load(self.s.model)
+        self.components = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
         self.family.check_loaded(self.components, self.s.text)  # --clip_skip against the loaded encoders
         c = self.components
         for m in [c.denoiser, c.vae, *c.text_encoders]:
