@@ -35,6 +35,7 @@ from library.train.distributed import (
     StepTrace,
     data_parallel,
     gather_objects,
+    load_in_turns,
     make_accelerator,
     unused_parameters_possible,
 )
