@@ -20,7 +20,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -32,22 +31,23 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    cached_text_step,
     compare_steps,
-    lora_optimizer,
+    denoiser_lora,
     peak_rss_mib,
     print_comparison,
-    trainer_step,
 )
 from library.families import get_family  # noqa: E402
-from library.families.anima_configs import PRESETS, AnimaDiT, adapter_config, transformer_config  # noqa: E402
+from library.families.anima_configs import (  # noqa: E402
+    PRESETS,
+    AnimaDiT,
+    adapter_config,
+    transformer_config,
+)
 from library.families.anima_options import AnimaFlowOptions, AnimaOptions  # noqa: E402
 from library.families.base import Components  # noqa: E402
 from library.families.flux_configs import T5_REAL_VOCAB_SIZE  # noqa: E402
 from library.families.tiny import build_seeded  # noqa: E402
-from library.objectives.losses import LossOptions  # noqa: E402
-from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.step import StepContext  # noqa: E402
-from networks import lora  # noqa: E402
 
 
 def build_dit(blocks: int, dtype: torch.dtype) -> AnimaDiT:
@@ -88,10 +88,7 @@ def main() -> None:
     print(f"built Anima DiT with {a.blocks} blocks + the 6-block LLM adapter ({a.dtype}) in "
           f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
     comps = Components(dit, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network = lora.create_network(1.0, a.dim, a.dim, None, [], dit, lora_targets=family.lora_targets(comps))
-    network.apply_to([], dit, False, True)
-    network.to(device)
-    params, optimizer, scheduler = lora_optimizer(network)
+    network, params, optimizer, scheduler = denoiser_lora(family, comps, dit, a.dim, device)
 
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
@@ -116,10 +113,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
-                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
-                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache={caption: text})
-    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
+                                scheduler)
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} DiT; {a.resolution}x{a.resolution} "

@@ -20,7 +20,6 @@ Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -32,22 +31,25 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    cached_text_step,
     compare_steps,
-    lora_optimizer,
+    denoiser_lora,
     peak_rss_mib,
     print_comparison,
-    trainer_step,
 )
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.hunyuan_image_configs import LATENT_CHANNELS, PRESETS, transformer_config  # noqa: E402
-from library.families.hunyuan_image_options import HunyuanImageFlowOptions, HunyuanImageOptions  # noqa: E402
+from library.families.hunyuan_image_configs import (  # noqa: E402
+    LATENT_CHANNELS,
+    PRESETS,
+    transformer_config,
+)
+from library.families.hunyuan_image_options import (  # noqa: E402
+    HunyuanImageFlowOptions,
+    HunyuanImageOptions,
+)
 from library.families.hunyuan_image_text import BYT5_MAX_TOKENS, QWEN_MAX_TOKENS  # noqa: E402
 from library.families.tiny import build_seeded  # noqa: E402
-from library.objectives.losses import LossOptions  # noqa: E402
-from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.step import StepContext  # noqa: E402
-from networks import lora  # noqa: E402
 
 
 def build_transformer(double: int, single: int, dtype: torch.dtype):
@@ -86,10 +88,7 @@ def main() -> None:
     print(f"built the full-width HunyuanImage DiT with {a.double} double + {a.single} single blocks ({a.dtype}) in "
           f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
     comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
-    network.apply_to([], transformer, False, True)
-    network.to(device)
-    params, optimizer, scheduler = lora_optimizer(network)
+    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
 
     pr = PRESETS["random:hunyuan_image"]
     latent = a.resolution // 32
@@ -118,10 +117,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
-                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
-                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache={caption: text})
-    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
+                                scheduler)
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "

@@ -19,7 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -31,11 +30,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    cached_text_step,
     compare_steps,
-    lora_optimizer,
+    denoiser_lora,
     peak_rss_mib,
     print_comparison,
-    trainer_step,
 )
 from library.families import get_family  # noqa: E402
 from library.families import sd3_layout as sai  # noqa: E402
@@ -44,10 +43,6 @@ from library.families.sd3_configs import PRESETS, transformer_config  # noqa: E4
 from library.families.sd3_options import SD3Options  # noqa: E402
 from library.families.tiny import build_seeded  # noqa: E402
 from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
-from library.objectives.losses import LossOptions  # noqa: E402
-from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.step import StepContext  # noqa: E402
-from networks import lora  # noqa: E402
 
 
 def build_transformer(preset: str, blocks: int, dtype: torch.dtype):
@@ -86,10 +81,7 @@ def main() -> None:
     print(f"built the {a.preset} MMDiT with {a.blocks} joint blocks (bf16) in {time.perf_counter() - t0:.1f}s, "
           f"peak RSS {peak_rss_mib():.0f} MiB")
     comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network = lora.create_network(1.0, a.dim, a.dim, None, [], transformer, lora_targets=family.lora_targets(comps))
-    network.apply_to([], transformer, False, True)
-    network.to(device)
-    params, optimizer, scheduler = lora_optimizer(network)
+    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
 
     pr = PRESETS[a.preset]
     latent = a.resolution // 8
@@ -115,10 +107,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
-                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
-                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache={caption: text})
-    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
+                                scheduler)
 
     result = compare_steps(reference_step, our_step, a.steps, a.warmup)
     print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "

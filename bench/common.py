@@ -79,3 +79,30 @@ def lora_optimizer(network, lr: float = 1e-4):
     params = [q for g in groups for q in g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=lr)
     return params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+def denoiser_lora(family, comps, denoiser, dim: int, device):
+    """A kohya LoRA on the denoiser only (alpha = dim), patched in for both steps, on `device`; with
+    (params, optimizer, scheduler) of lora_optimizer."""
+    from networks import lora
+
+    network = lora.create_network(1.0, dim, dim, None, [], denoiser, lora_targets=family.lora_targets(comps))
+    network.apply_to([], denoiser, False, True)
+    network.to(device)
+    return (network, *lora_optimizer(network))
+
+
+def cached_text_step(family, comps, device, dtype, text_cache: dict, batch: dict, params: list, optimizer,
+                     scheduler) -> Callable[[], None]:
+    """trainer_step for a denoiser-only LoRA whose captions' text-encoder outputs come from `text_cache`
+    (caption -> tensors), with the family's own noise scheme and the default noise and loss options."""
+    import contextlib
+
+    from library.objectives.losses import LossOptions
+    from library.objectives.noise import NoiseOptions
+    from library.train.step import StepContext
+
+    ctx = StepContext(family=family, components=comps, scheme=family.noise_scheme(comps), noise=NoiseOptions(),
+                      loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
+                      train_text_encoder=False, autocast=contextlib.nullcontext, text_cache=text_cache)
+    return trainer_step(ctx, batch, params, optimizer, scheduler)
