@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily
-from library.families.flux_generate import euler_sample, initial_noise, resolve_flow_request
+from library.families.flux_generate import (
+    euler_sample,
+    initial_noise,
+    prompts_then_negatives,
+    resolve_batch,
+    resolve_flow_request,
+)
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -57,13 +63,11 @@ def generate_anima(family: ModelFamily, components: Components, requests: list, 
     """Denoise one batch of requests that share size, steps, scale and sampler."""
     from PIL import Image
 
-    resolved = [resolve_anima_request(r) for r in requests]
+    resolved = resolve_batch(requests, resolve_anima_request, "generate_anima")
     first = resolved[0]
-    if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_anima: a batch must share size, steps, scale and sampler")
     dit = components.denoiser
     use_cfg = first.scale > 1.0
-    texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+    texts = prompts_then_negatives(resolved, use_cfg)
     tokens = family.tokenize(components, texts, None)
     with borrowed_on(components.text_encoders[0], device):
         t = family.encode_text(components, tokens, None).tensors

@@ -139,19 +139,32 @@ def euler_sample(latents: torch.Tensor, sigmas: torch.Tensor, velocity: Callable
     return latents
 
 
+def resolve_batch(requests: list, resolve, name: str, shared: str = "size, steps, scale and sampler") -> list:
+    """The requests with the family's defaults filled in (`resolve`); ValueError naming `name` unless they can
+    run as one batch (the same batch_key: what `shared` lists)."""
+    resolved = [resolve(r) for r in requests]
+    if any(r.batch_key() != resolved[0].batch_key() for r in resolved):
+        raise ValueError(f"{name}: a batch must share {shared}")
+    return resolved
+
+
+def prompts_then_negatives(resolved: list, use_cfg: bool) -> list[str]:
+    """The texts to encode for one batch: every prompt, then (with classifier-free guidance) every negative."""
+    return [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+
+
 @torch.no_grad()
 def generate_flux(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale, guidance and sampler."""
     from PIL import Image
 
 
-    resolved = [resolve_flux_request(r) for r in requests]
+    resolved = resolve_batch(requests, resolve_flux_request, "generate_flux",
+                             "size, steps, scale, guidance and sampler")
     first = resolved[0]
-    if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_flux: a batch must share size, steps, scale, guidance and sampler")
     model = components.denoiser
     use_cfg = first.scale > 1.0
-    texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
+    texts = prompts_then_negatives(resolved, use_cfg)
     text = encode_prompts_flux(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
     batch = {"guidance": torch.full((len(texts),), float(first.guidance), device=device)}

@@ -14,6 +14,8 @@ from library.families.flux_generate import (
     decode_images,
     euler_sample,
     initial_noise,
+    prompts_then_negatives,
+    resolve_batch,
     resolve_flow_request,
 )
 from library.families.sd_generate import borrowed_on
@@ -37,13 +39,13 @@ def generate_hunyuan_image(family: ModelFamily, components: Components, requests
     """Denoise one batch of requests that share size, steps, scale and sampler."""
     from PIL import Image
 
-    resolved = [resolve_flow_request(r, DEFAULT_SIZE, DEFAULT_STEPS, DEFAULT_SCALE, SIZE_MULTIPLE, MIN_SIZE)
-                for r in requests]
+    def resolve(request):
+        return resolve_flow_request(request, DEFAULT_SIZE, DEFAULT_STEPS, DEFAULT_SCALE, SIZE_MULTIPLE, MIN_SIZE)
+
+    resolved = resolve_batch(requests, resolve, "generate_hunyuan_image")
     first = resolved[0]
-    if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_hunyuan_image: a batch must share size, steps, scale and sampler")
     use_cfg = first.scale != 1.0
-    texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+    texts = prompts_then_negatives(resolved, use_cfg)
     qwen, byt5 = components.text_encoders
     with borrowed_on(qwen, device), borrowed_on(byt5, device):
         text = family.encode_text(components, family.tokenize(components, texts, None), None)

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import decode_images, euler_sample, initial_noise, resolve_flow_request
+from library.families.flux_generate import (
+    decode_images,
+    euler_sample,
+    initial_noise,
+    resolve_batch,
+    resolve_flow_request,
+)
 from library.families.sd_generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
@@ -39,10 +45,8 @@ def generate_lumina(family: ModelFamily, components: Components, requests: list,
     """Denoise one batch of requests that share size, steps, scale and sampler."""
     from PIL import Image
 
-    resolved = [resolve_lumina_request(r) for r in requests]
+    resolved = resolve_batch(requests, resolve_lumina_request, "generate_lumina")
     first = resolved[0]
-    if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_lumina: a batch must share size, steps, scale and sampler")
     use_cfg = first.scale != 1.0
     encoder = components.text_encoders[0]
     with borrowed_on(encoder, device):

@@ -16,6 +16,8 @@ from library.families.flux_generate import (
     encode_prompts_flux,
     euler_sample,
     initial_noise,
+    prompts_then_negatives,
+    resolve_batch,
     resolve_flow_request,
 )
 from library.objectives.flow import shift_sigmas
@@ -46,13 +48,11 @@ def generate_sd3(family: ModelFamily, components: Components, requests: list, de
     """Denoise one batch of requests that share size, steps, scale and sampler."""
     from PIL import Image
 
-    resolved = [resolve_sd3_request(r) for r in requests]
+    resolved = resolve_batch(requests, resolve_sd3_request, "generate_sd3")
     first = resolved[0]
-    if any(r.batch_key() != first.batch_key() for r in resolved):
-        raise ValueError("generate_sd3: a batch must share size, steps, scale and sampler")
     model = components.denoiser
     use_cfg = first.scale != 1.0
-    texts = [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+    texts = prompts_then_negatives(resolved, use_cfg)
     text = encode_prompts_flux(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
 
