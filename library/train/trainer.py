@@ -86,7 +86,9 @@ class Trainer(TrainingLoop):
         self.skipped_images: set[str] = set()
         # set up by run(), in this order
         self.accelerator = self.device = self.weight_dtype = None
-        self.zero = None  # the DeepSpeed config (ZeroConfig) when the run is under DeepSpeed
+        # the DeepSpeed config (ZeroConfig; library/train/deepspeed_engine.py) when the run is under DeepSpeed:
+        # --deepspeed or an accelerate DeepSpeed config
+        self.zero = None
         self.run_state: Optional[RunState] = None  # progress + every RNG: what a state folder restores
         self.data = None
         self.batches_per_epoch = self.steps_per_epoch = self.max_train_steps = self.num_epochs = 0
@@ -132,7 +134,6 @@ class Trainer(TrainingLoop):
     # ------------------------------------------------------------------ setup
     def _setup_accelerator(self) -> None:
         t = self.t
-        self.zero = None  # DeepSpeed ZeRO (library/train/deepspeed_engine.py): --deepspeed or an accelerate config
         if t.deepspeed is not None or launched_with_deepspeed():
             self.zero = ZeroConfig(t.deepspeed, cpu=t.cpu)
             why = deepspeed_unsupported(self.zero.stage, self.s)
