@@ -3,7 +3,6 @@ choices, help, group, range), with its family's facts, and exits 0 before anythi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -43,7 +42,8 @@ SCRIPTS = _scripts()
 
 
 def test_the_scripts_are_found():
-    assert len(SCRIPTS) == 13 and ("train_network.py", "sd", False) in SCRIPTS and ("flux_train.py", "flux", True) in SCRIPTS
+    assert len(SCRIPTS) == 13
+    assert ("train_network.py", "sd", False) in SCRIPTS and ("flux_train.py", "flux", True) in SCRIPTS
 
 
 def _check_schema(doc: dict) -> None:
@@ -66,8 +66,9 @@ def _check_schema(doc: dict) -> None:
 def test_train_network_describes_every_flag_and_exits_0():
     """The real script, as the web UI runs it: JSON on stdout, exit 0, at least 150 flags, nothing loaded
     (a --config_file that does not exist is not even read)."""
-    proc = subprocess.run([sys.executable, "train_network.py", "--describe_flags", "--config_file", "/nonexistent.toml"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    argv = [sys.executable, "train_network.py", "--describe_flags", "--config_file", "/nonexistent.toml"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     _check_schema(doc)
@@ -75,9 +76,10 @@ def test_train_network_describes_every_flag_and_exits_0():
     assert len(doc["flags"]) >= 150
     flags = {f["name"]: f for f in doc["flags"]}
     assert flags["network_dim"] == {
-        "name": "network_dim", "type": "int", "default": 4, "choices": None, "help": "LoRA rank (default 4, as sd-scripts)",
-        "group": "network", "range": {"lo": 1, "hi": None, "lo_open": False, "hi_open": False, "integer": True,
-                                      "note": "", "text": "an integer >= 1"},
+        "name": "network_dim", "type": "int", "default": 4, "choices": None,
+        "help": "LoRA rank (default 4, as sd-scripts)", "group": "network",
+        "range": {"lo": 1, "hi": None, "lo_open": False, "hi_open": False, "integer": True, "note": "",
+                  "text": "an integer >= 1"},
         "aliases": [], "takes_value": True, "many": False}
     assert flags["zero_terminal_snr"]["aliases"] == ["rescale_zero_terminal_snr"]
     assert flags["text_encoder_lr"]["many"] and flags["text_encoder_lr"]["type"] == "float"
@@ -95,7 +97,8 @@ def test_every_script_describes_each_argparse_flag_exactly_once(script, family, 
     assert e.value.code == 0
     doc = json.loads(capsys.readouterr().out)
     _check_schema(doc)
-    assert (doc["script"], doc["family"]["name"], doc["mode"]) == (script, family, "fine_tune" if fine_tune else "lora")
+    mode = "fine_tune" if fine_tune else "lora"
+    assert (doc["script"], doc["family"]["name"], doc["mode"]) == (script, family, mode)
     described = [f"--{n}" for f in doc["flags"] for n in (f["name"], *f["aliases"])]
     parser = build_parser("describe", get_family(family), fine_tune)
     known = [o for a in parser._actions if a.dest != "help" for o in a.option_strings]
@@ -200,7 +203,8 @@ def test_web_ui_reads_the_description_once(tmp_path):
     script = tmp_path / "fake_train.py"
     count = tmp_path / "count"
     script.write_text("import json, sys, pathlib\n"
-                      f"p = pathlib.Path({str(count)!r}); p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1')\n"
+                      f"p = pathlib.Path({str(count)!r})\n"
+                      "p.write_text(str(int(p.read_text()) + 1) if p.exists() else '1')\n"
                       "assert sys.argv[1:] == ['--describe_flags']\n"
                       f"print(json.dumps({doc!r}))\n")
     assert performance.trainer_flags(str(script)) == {"a_flag", "old_name", "b_flag"}

@@ -24,9 +24,9 @@ class ConfigFileFlags:
     flag_group: ClassVar[str] = "config file"
     config_file: Optional[str] = flag(None, "TOML file of flags (any [section] layout; keys are flag names without --)")
     output_config: bool = flag(False, "write the effective flags to --config_file and exit")
-    check_config: bool = flag(False, "check every flag, the config file and the dataset config's keys and values as a "
-                                     "run would, print 'config ok' and exit 0; a problem is the run's one-line error and "
-                                     "exit code 2. Loads no model and reads no image")
+    check_config: bool = flag(False, "check every flag, the config file and the dataset config's keys and values as "
+                                     "a run would, print 'config ok' and exit 0; a problem is the run's one-line error "
+                                     "and exit code 2. Loads no model and reads no image")
     describe_flags: bool = flag(False, "print every flag of this script (name, type, default, choices, help, group, "
                                        "range) and the model family's facts as JSON and exit 0; loads nothing")
 

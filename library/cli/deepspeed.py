@@ -7,8 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import Range
+from library.cli.options import Range, add_flags, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.deepspeed_engine import DeepSpeedOptions, check_options
 
@@ -17,25 +16,25 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DeepSpeedFlags:
     flag_group: ClassVar[str] = "DeepSpeed (docs/distributed.md; or launch with an accelerate DeepSpeed config)"
-    deepspeed: bool = flag(False, 'train under DeepSpeed ZeRO with the flags below (they replace an accelerate '
+    deepspeed: bool = flag(False, "train under DeepSpeed ZeRO with the flags below (they replace an accelerate "
                                   "config's)")
-    zero_stage: int = flag(2, 'ZeRO stage: 1 partitions the optimizer states, 2 also the gradients, 3 also the '
-                              'weights',
-                              choices=(0, 1, 2, 3), range=Range(0, 3, integer=True, note='DeepSpeed ZeRO stage'))
-    offload_optimizer_device: Optional[str] = flag(None, 'keep the optimizer states (and its step) in CPU memory or '
-                                                         'on NVMe (stages 1-3)', choices=('cpu', 'nvme'))
-    offload_optimizer_nvme_path: Optional[str] = flag(None, 'folder on the NVMe drive for --offload_optimizer_device '
-                                                            'nvme')
-    offload_param_device: Optional[str] = flag(None, 'keep the partitioned weights in CPU memory or on NVMe (stage 3)',
-                                                     choices=('cpu', 'nvme'))
-    offload_param_nvme_path: Optional[str] = flag(None, 'folder on the NVMe drive for --offload_param_device nvme')
-    zero3_init_flag: bool = flag(False, 'accepted for sd-scripts compatibility: the model is loaded whole by every '
-                                        'process and then partitioned (deepspeed.zero.Init is not used)')
-    zero3_save_16bit_model: bool = flag(False, 'stage 3: save the gathered 16-bit weights instead of the fp32 master '
-                                               'weights')
+    zero_stage: int = flag(2, "ZeRO stage: 1 partitions the optimizer states, 2 also the gradients, 3 also the "
+                              "weights",
+                              choices=(0, 1, 2, 3), range=Range(0, 3, integer=True, note="DeepSpeed ZeRO stage"))
+    offload_optimizer_device: Optional[str] = flag(None, "keep the optimizer states (and its step) in CPU memory or "
+                                                         "on NVMe (stages 1-3)", choices=("cpu", "nvme"))
+    offload_optimizer_nvme_path: Optional[str] = flag(None, "folder on the NVMe drive for --offload_optimizer_device "
+                                                            "nvme")
+    offload_param_device: Optional[str] = flag(None, "keep the partitioned weights in CPU memory or on NVMe (stage 3)",
+                                                     choices=("cpu", "nvme"))
+    offload_param_nvme_path: Optional[str] = flag(None, "folder on the NVMe drive for --offload_param_device nvme")
+    zero3_init_flag: bool = flag(False, "accepted for sd-scripts compatibility: the model is loaded whole by every "
+                                        "process and then partitioned (deepspeed.zero.Init is not used)")
+    zero3_save_16bit_model: bool = flag(False, "stage 3: save the gathered 16-bit weights instead of the fp32 master "
+                                               "weights")
     fp16_master_weights_and_gradients: bool = flag(False, "fp16 master weights and gradients in DeepSpeed's optimizer"
-                                                          ' (only stage 2 with --offload_optimizer_device cpu and '
-                                                          '--mixed_precision fp16)')
+                                                          " (only stage 2 with --offload_optimizer_device cpu and "
+                                                          "--mixed_precision fp16)")
 
 
 def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:

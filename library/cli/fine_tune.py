@@ -6,8 +6,17 @@ import argparse
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, flag, flag_names, flag_specs, flag_values, settings_from
-from library.cli.ranges import LEARNING_RATE, Range, at_least
+from library.cli.options import (
+    LEARNING_RATE,
+    Range,
+    add_flags,
+    at_least,
+    flag,
+    flag_names,
+    flag_specs,
+    flag_values,
+    settings_from,
+)
 from library.core.errors import ConfigError
 from library.train.settings import EmaOptions, FineTuneOptions
 
@@ -17,11 +26,11 @@ MODEL_FORMATS = ["ckpt", "safetensors", "diffusers", "diffusers_safetensors"]
 @dataclass
 class MetadataFlags:
     """--metadata_* (modelspec.*), shared by LoRA and full-model training."""
-    metadata_title: Optional[str] = flag(None, 'modelspec.title (default: output name)')
-    metadata_author: Optional[str] = flag(None, 'modelspec.author')
-    metadata_description: Optional[str] = flag(None, 'modelspec.description')
-    metadata_license: Optional[str] = flag(None, 'modelspec.license')
-    metadata_tags: Optional[str] = flag(None, 'modelspec.tags (comma-separated)')
+    metadata_title: Optional[str] = flag(None, "modelspec.title (default: output name)")
+    metadata_author: Optional[str] = flag(None, "modelspec.author")
+    metadata_description: Optional[str] = flag(None, "modelspec.description")
+    metadata_license: Optional[str] = flag(None, "modelspec.license")
+    metadata_tags: Optional[str] = flag(None, "modelspec.tags (comma-separated)")
 
 
 METADATA_FLAGS = flag_names(MetadataFlags)
@@ -30,25 +39,25 @@ METADATA_FLAGS = flag_names(MetadataFlags)
 @dataclass
 class FineTuneFlags:
     flag_group: ClassVar[str] = "fine-tuning"
-    train_text_encoder: bool = flag(False, 'also train the text encoder(s); each trains unless its learning rate is 0')
-    learning_rate_te: Optional[float] = flag(None, 'learning rate of every text encoder (default: --learning_rate)',
+    train_text_encoder: bool = flag(False, "also train the text encoder(s); each trains unless its learning rate is 0")
+    learning_rate_te: Optional[float] = flag(None, "learning rate of every text encoder (default: --learning_rate)",
                                                    range=LEARNING_RATE)
-    learning_rate_te1: Optional[float] = flag(None, 'learning rate of the first text encoder (SDXL: CLIP-L); '
-                                                    'overrides --learning_rate_te', range=LEARNING_RATE)
-    learning_rate_te2: Optional[float] = flag(None, 'learning rate of the second text encoder (SDXL: OpenCLIP-G); '
-                                                    'overrides --learning_rate_te', range=LEARNING_RATE)
-    block_lr: Optional[str] = flag(None, 'comma-separated learning rates, one per UNet block (SDXL: 23 values: '
-                                         'embeddings, IN00-IN08, MID0-MID2, OUT00-OUT08, out); 0 freezes that block')
-    mem_eff_save: bool = flag(False, 'write checkpoints tensor by tensor, without a second copy of the model in '
-                                     'memory')
-    fused_optimizer_groups: Optional[int] = flag(None, 'cut the parameters into N groups, each stepped (and its '
-                                                       'gradients freed) as soon as all of its gradients are in: like'
-                                                       ' --fused_backward_pass with N optimizers', range=at_least(1))
-    blockwise_fused_optimizers: bool = flag(False, 'FLUX.1: one optimizer per transformer block (each double block, '
-                                                   'each single block, the rest), stepped during backward as soon as '
+    learning_rate_te1: Optional[float] = flag(None, "learning rate of the first text encoder (SDXL: CLIP-L); "
+                                                    "overrides --learning_rate_te", range=LEARNING_RATE)
+    learning_rate_te2: Optional[float] = flag(None, "learning rate of the second text encoder (SDXL: OpenCLIP-G); "
+                                                    "overrides --learning_rate_te", range=LEARNING_RATE)
+    block_lr: Optional[str] = flag(None, "comma-separated learning rates, one per UNet block (SDXL: 23 values: "
+                                         "embeddings, IN00-IN08, MID0-MID2, OUT00-OUT08, out); 0 freezes that block")
+    mem_eff_save: bool = flag(False, "write checkpoints tensor by tensor, without a second copy of the model in "
+                                     "memory")
+    fused_optimizer_groups: Optional[int] = flag(None, "cut the parameters into N groups, each stepped (and its "
+                                                       "gradients freed) as soon as all of its gradients are in: like"
+                                                       " --fused_backward_pass with N optimizers", range=at_least(1))
+    blockwise_fused_optimizers: bool = flag(False, "FLUX.1: one optimizer per transformer block (each double block, "
+                                                   "each single block, the rest), stepped during backward as soon as "
                                                    "its block's gradients are in")
-    fused_backward_pass: bool = flag(False, 'step each parameter as soon as its gradient is complete: the gradients '
-                                            'of the whole model are never held at once (no gradient accumulation)')
+    fused_backward_pass: bool = flag(False, "step each parameter as soon as its gradient is complete: the gradients "
+                                            "of the whole model are never held at once (no gradient accumulation)")
     metadata: MetadataFlags = field(default_factory=MetadataFlags)
 
 
@@ -56,27 +65,27 @@ class FineTuneFlags:
 class T5xxlFineTuneFlags:
     """sd3_train.py's --train_t5xxl and --learning_rate_te3 (a family with a fine_tune_t5xxl_encoder)."""
     flag_group: ClassVar[str] = "fine-tuning T5-XXL"
-    train_t5xxl: bool = flag(False, 'with --train_text_encoder, train T5-XXL too (its outputs cannot be cached then)')
-    learning_rate_te3: Optional[float] = flag(None, 'learning rate of T5-XXL with --train_t5xxl (default: '
-                                                    '--learning_rate_te, else --learning_rate; 0 keeps it frozen)',
+    train_t5xxl: bool = flag(False, "with --train_text_encoder, train T5-XXL too (its outputs cannot be cached then)")
+    learning_rate_te3: Optional[float] = flag(None, "learning rate of T5-XXL with --train_t5xxl (default: "
+                                                    "--learning_rate_te, else --learning_rate; 0 keeps it frozen)",
                                                     range=LEARNING_RATE)
 
 
 @dataclass
 class EmaFlags:
     flag_group: ClassVar[str] = "EMA (moving average of the trained weights)"
-    use_ema: bool = flag(False, 'keep an EMA of the trained weights and save it')
-    ema_decay: float = flag(0.9999, 'EMA decay (default 0.9999)', range=Range(0, 1, lo_open=True, hi_open=True))
-    ema_no_warmup: bool = flag(False, 'use --ema_decay from the first update (default: min(decay, (1+t)/(10+t)) at '
-                                      'update t)')
-    ema_update_every: int = flag(1, 'update the EMA every N optimizer steps', range=at_least(1))
-    ema_device: str = flag('cpu', 'where the EMA weights live: cpu (default) or the training device',
-                                  choices=('cpu', 'same'))
-    ema_start_step: int = flag(0, 'start the EMA at this optimizer step', range=at_least(0))
-    save_ema_only: bool = flag(True, 'save only the EMA weights (default true); false also saves the trained ones as '
-                                     '<name>-nonema')
-    ema_for_sampling: bool = flag(True, 'sample images with the EMA weights (default true)')
-    ema_for_validation: bool = flag(True, 'compute the validation loss with the EMA weights (default true)')
+    use_ema: bool = flag(False, "keep an EMA of the trained weights and save it")
+    ema_decay: float = flag(0.9999, "EMA decay (default 0.9999)", range=Range(0, 1, lo_open=True, hi_open=True))
+    ema_no_warmup: bool = flag(False, "use --ema_decay from the first update (default: min(decay, (1+t)/(10+t)) at "
+                                      "update t)")
+    ema_update_every: int = flag(1, "update the EMA every N optimizer steps", range=at_least(1))
+    ema_device: str = flag("cpu", "where the EMA weights live: cpu (default) or the training device",
+                                  choices=("cpu", "same"))
+    ema_start_step: int = flag(0, "start the EMA at this optimizer step", range=at_least(0))
+    save_ema_only: bool = flag(True, "save only the EMA weights (default true); false also saves the trained ones as "
+                                     "<name>-nonema")
+    ema_for_sampling: bool = flag(True, "sample images with the EMA weights (default true)")
+    ema_for_validation: bool = flag(True, "compute the validation loss with the EMA weights (default true)")
 
 
 def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,8 +135,8 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     if fused and ns.mixed_precision == "fp16" and not ns.full_fp16:
         raise ConfigError(f"{fused}: not with --mixed_precision fp16 (loss scaling must see every "
                           "gradient before a step); use bf16, or --full_fp16")
-    for name in ("fp8_base", "fp8_base_unet"):
-        if getattr(ns, name, False):
+    for name, on in (("fp8_base", ns.fp8_base), ("fp8_base_unet", ns.fp8_base_unet)):
+        if on:
             raise ConfigError(f"--{name}: float8 weights cannot be trained; it is for LoRA training only")
     train_t5xxl = bool(getattr(ns, "train_t5xxl", False))  # T5xxlFineTuneFlags: only some families have them
     if train_t5xxl and not ns.train_text_encoder:

@@ -7,8 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
-from library.cli.options import add_flags, flag, flag_specs
-from library.cli.ranges import at_least
+from library.cli.options import add_flags, at_least, flag, flag_specs
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
@@ -21,15 +20,15 @@ class MemoryFlags:
     """The memory flags: every training script takes them; the family decides what it supports."""
     flag_group: ClassVar[str] = "memory"
     fp8_base: bool = flag(False, "store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer"
-                                 ' by layer; about half the weight memory of bf16')
-    fp8_base_unet: bool = flag(False, 'float8 for the U-Net / DiT only; the text encoders keep the training dtype '
-                                      '(implies --fp8_base)')
-    blocks_to_swap: Optional[int] = flag(None, 'keep N transformer blocks in CPU memory and stream each to the GPU '
-                                               'for its forward and backward (DiT families; FLUX.1: N//2 double and '
-                                               '2*(N-N//2) single blocks)', range=at_least(1))
+                                 " by layer; about half the weight memory of bf16")
+    fp8_base_unet: bool = flag(False, "float8 for the U-Net / DiT only; the text encoders keep the training dtype "
+                                      "(implies --fp8_base)")
+    blocks_to_swap: Optional[int] = flag(None, "keep N transformer blocks in CPU memory and stream each to the GPU "
+                                               "for its forward and backward (DiT families; FLUX.1: N//2 double and "
+                                               "2*(N-N//2) single blocks)", range=at_least(1))
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
-                                                  ' memory until the backward pass (DiT families; turns on '
-                                                  '--gradient_checkpointing)')
+                                                  " memory until the backward pass (DiT families; turns on "
+                                                  "--gradient_checkpointing)")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,8 +9,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from library.cli.noise_loss import noise_schedule_from_args, prediction_type_from_args
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import at_least
+from library.cli.options import add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.families.base import LoadOptions
 from library.train.settings import TextEncodingOptions
@@ -24,13 +23,14 @@ class ModelFlags:
     pretrained_model_name_or_path: Optional[str] = flag(
         None, "base model: a diffusers folder, a .safetensors/.ckpt checkpoint, a Hugging Face id already in the local "
               "cache, or a built-in preset such as tiny:sd1")
-    vae: Optional[str] = flag(None, "VAE to use instead of the model's own: a diffusers VAE folder or a .safetensors/.ckpt "
-                                    "file")
+    vae: Optional[str] = flag(None, "VAE to use instead of the model's own: a diffusers VAE folder or a "
+                                    ".safetensors/.ckpt file")
     v2: bool = flag(False, "the base model is Stable Diffusion 2.x (detected from the model; kept for compatibility)")
     v_parameterization: bool = flag(False, "train with v-prediction (SD 2.x 768-v models); the weights cannot tell, so "
                                            "set it yourself (the same setting as --prediction_type v_prediction)")
-    clip_skip: Optional[int] = flag(None, "use the output of the n-th text encoder layer from the end (2 = penultimate)",
-                                    range=at_least(1, "checked against the encoder's layer count when the model loads"))
+    clip_skip: Optional[int] = flag(
+        None, "use the output of the n-th text encoder layer from the end (2 = penultimate)",
+        range=at_least(1, "checked against the encoder's layer count when the model loads"))
     max_token_length: Optional[int] = flag(None, "maximum caption length in tokens: 150 or 225 encode 75-token chunks "
                                                  "(default: 75, one chunk)", choices=(75, 150, 225))
     no_half_vae: bool = flag(False, "keep the VAE in float32 under fp16/bf16 mixed precision (avoids NaN latents)")

@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from library.cli.fine_tune import MetadataFlags
-from library.cli.options import add_flags, flag, flag_specs, flag_values, settings_from
-from library.cli.ranges import LEARNING_RATE, RATE, Range, at_least
+from library.cli.options import (
+    LEARNING_RATE,
+    RATE,
+    Range,
+    add_flags,
+    at_least,
+    flag,
+    flag_specs,
+    flag_values,
+    settings_from,
+)
 from library.core.errors import ConfigError
 from library.train.settings import NetworkOptions
 
@@ -17,29 +26,29 @@ from library.train.settings import NetworkOptions
 class NetworkFlags:
     """The --network_* / LR / metadata flags of LoRA training (sd-scripts names and defaults)."""
     flag_group: ClassVar[str] = "network"
-    network_module: str = flag('networks.lora', 'Python module of the network to train (default: networks.lora)')
-    network_dim: int = flag(4, 'LoRA rank (default 4, as sd-scripts)', range=at_least(1))
-    network_alpha: float = flag(1, 'LoRA alpha; the update is scaled by alpha/dim (default 1: scale 1/dim)',
-                                   range=Range(0))
-    network_dropout: Optional[float] = flag(None, 'dropout on the rank activations while training', range=RATE)
-    network_args: Optional[list[str]] = flag(None, 'extra network arguments as key=value (e.g. conv_dim=8 '
-                                                   'conv_alpha=4)')
-    network_weights: Optional[str] = flag(None, 'LoRA file to start training from')
-    dim_from_weights: bool = flag(False, 'take the modules, dims and alphas from --network_weights')
-    base_weights: Optional[list[str]] = flag(None, 'LoRA files merged into the base model before training')
-    base_weights_multiplier: Optional[list[float]] = flag(None, 'multiplier of each --base_weights file (default 1.0 '
-                                                                'each)', range=Range())
-    network_train_unet_only: bool = flag(False, 'train only the UNet LoRA')
-    network_train_text_encoder_only: bool = flag(False, 'train only the text encoder LoRA')
-    unet_lr: Optional[float] = flag(None, 'learning rate of the UNet LoRA', range=LEARNING_RATE)
-    text_encoder_lr: Optional[list[float]] = flag(None, 'learning rate of the text encoder LoRA: one value for all, '
-                                                        'or one per text encoder (FLUX.1: CLIP-L, then T5 with '
-                                                        'train_t5xxl)', range=LEARNING_RATE)
-    scale_weight_norms: Optional[float] = flag(None, 'after each step, scale down modules whose update norm exceeds '
-                                                     'this (1.0 is typical)', range=Range(0, lo_open=True))
-    no_metadata: bool = flag(False, 'write only the minimal metadata (base model version and network settings)')
-    training_comment: Optional[str] = flag(None, 'free text stored as ss_training_comment')
-    network_multiplier: float = flag(1.0, 'multiplier of the LoRA while training (default 1.0)', range=Range())
+    network_module: str = flag("networks.lora", "Python module of the network to train (default: networks.lora)")
+    network_dim: int = flag(4, "LoRA rank (default 4, as sd-scripts)", range=at_least(1))
+    network_alpha: float = flag(1, "LoRA alpha; the update is scaled by alpha/dim (default 1: scale 1/dim)",
+                                   range=Range(lo=0))
+    network_dropout: Optional[float] = flag(None, "dropout on the rank activations while training", range=RATE)
+    network_args: Optional[list[str]] = flag(None, "extra network arguments as key=value (e.g. conv_dim=8 "
+                                                   "conv_alpha=4)")
+    network_weights: Optional[str] = flag(None, "LoRA file to start training from")
+    dim_from_weights: bool = flag(False, "take the modules, dims and alphas from --network_weights")
+    base_weights: Optional[list[str]] = flag(None, "LoRA files merged into the base model before training")
+    base_weights_multiplier: Optional[list[float]] = flag(None, "multiplier of each --base_weights file (default 1.0 "
+                                                                "each)", range=Range())
+    network_train_unet_only: bool = flag(False, "train only the UNet LoRA")
+    network_train_text_encoder_only: bool = flag(False, "train only the text encoder LoRA")
+    unet_lr: Optional[float] = flag(None, "learning rate of the UNet LoRA", range=LEARNING_RATE)
+    text_encoder_lr: Optional[list[float]] = flag(None, "learning rate of the text encoder LoRA: one value for all, "
+                                                        "or one per text encoder (FLUX.1: CLIP-L, then T5 with "
+                                                        "train_t5xxl)", range=LEARNING_RATE)
+    scale_weight_norms: Optional[float] = flag(None, "after each step, scale down modules whose update norm exceeds "
+                                                     "this (1.0 is typical)", range=Range(lo=0, lo_open=True))
+    no_metadata: bool = flag(False, "write only the minimal metadata (base model version and network settings)")
+    training_comment: Optional[str] = flag(None, "free text stored as ss_training_comment")
+    network_multiplier: float = flag(1.0, "multiplier of the LoRA while training (default 1.0)", range=Range())
     metadata: MetadataFlags = field(default_factory=MetadataFlags)
 
 

@@ -9,8 +9,7 @@ from typing import Any, ClassVar, Optional
 
 import toml
 
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import Range, at_least
+from library.cli.options import Range, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.objectives.losses import HUBER_SCHEDULES, LOSS_TYPES, LossOptions
 from library.objectives.noise import PREDICTION_TYPES, TIMESTEP_SPACINGS, DDPMSchedule, NoiseOptions
@@ -33,73 +32,75 @@ SCHEDULER_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
 @dataclass
 class NoiseFlags:
     flag_group: ClassVar[str] = "noise and timesteps"
-    noise_offset: Optional[float] = flag(None, 'offset noise strength (about 0.1 is common)', range=Range(0))
-    noise_offset_random_strength: bool = flag(False, 'draw the offset strength uniformly in [0, noise_offset] per '
-                                                     'step')
-    adaptive_noise_scale: Optional[float] = flag(None, 'add this times |channel mean of the latents| to the offset '
-                                                       '(needs --noise_offset)', range=Range())
-    multires_noise_iterations: Optional[int] = flag(None, 'multires (pyramid) noise levels (6-10)', range=at_least(1))
-    multires_noise_discount: float = flag(0.3, 'weight decay per multires level', range=Range(0, 1, lo_open=True))
-    ip_noise_gamma: Optional[float] = flag(None, 'input perturbation noise strength (about 0.1)', range=Range(0))
-    ip_noise_gamma_random_strength: bool = flag(False, 'draw the input perturbation strength uniformly in [0, '
-                                                       'ip_noise_gamma] per step')
-    min_timestep: Optional[int] = flag(None, 'lowest training timestep (default 0)',
+    noise_offset: Optional[float] = flag(None, "offset noise strength (about 0.1 is common)", range=Range(lo=0))
+    noise_offset_random_strength: bool = flag(False, "draw the offset strength uniformly in [0, noise_offset] per "
+                                                     "step")
+    adaptive_noise_scale: Optional[float] = flag(None, "add this times |channel mean of the latents| to the offset "
+                                                       "(needs --noise_offset)", range=Range())
+    multires_noise_iterations: Optional[int] = flag(None, "multires (pyramid) noise levels (6-10)", range=at_least(1))
+    multires_noise_discount: float = flag(0.3, "weight decay per multires level", range=Range(0, 1, lo_open=True))
+    ip_noise_gamma: Optional[float] = flag(None, "input perturbation noise strength (about 0.1)", range=Range(lo=0))
+    ip_noise_gamma_random_strength: bool = flag(False, "draw the input perturbation strength uniformly in [0, "
+                                                       "ip_noise_gamma] per step")
+    min_timestep: Optional[int] = flag(None, "lowest training timestep (default 0)",
                                              range=Range(0, 1000, integer=True))
-    max_timestep: Optional[int] = flag(None, 'highest training timestep, exclusive (default 1000)',
+    max_timestep: Optional[int] = flag(None, "highest training timestep, exclusive (default 1000)",
                                              range=Range(0, 1000, integer=True))
     zero_terminal_snr: bool = flag(False, "rescale the noise schedule to zero terminal SNR (DDPM models); "
                                           "--rescale_zero_terminal_snr is the same (diffusers' name)",
                                    aliases=("rescale_zero_terminal_snr",))
-    timestep_bias_strategy: str = flag('none', 'draw training timesteps more (or less) often in a region: earlier '
-                                               '(the first --timestep_bias_portion of 1000), later (the last '
-                                               'portion), range (--timestep_bias_begin to --timestep_bias_end) or '
-                                               'none (default)', choices=BIAS_STRATEGIES)
-    timestep_bias_multiplier: float = flag(1.0, 'weight of each biased timestep against 1 elsewhere (2: drawn twice '
-                                                'as often, 0.5: half as often; default 1 = no bias)',
-                                                range=Range(0, lo_open=True))
-    timestep_bias_begin: Optional[int] = flag(None, 'first timestep (0-1000, inclusive) of --timestep_bias_strategy '
-                                                    'range', range=Range(0, 1000, integer=True))
-    timestep_bias_end: Optional[int] = flag(None, 'end timestep (0-1000, exclusive) of --timestep_bias_strategy range',
+    timestep_bias_strategy: str = flag("none", "draw training timesteps more (or less) often in a region: earlier "
+                                               "(the first --timestep_bias_portion of 1000), later (the last "
+                                               "portion), range (--timestep_bias_begin to --timestep_bias_end) or "
+                                               "none (default)", choices=BIAS_STRATEGIES)
+    timestep_bias_multiplier: float = flag(1.0, "weight of each biased timestep against 1 elsewhere (2: drawn twice "
+                                                "as often, 0.5: half as often; default 1 = no bias)",
+                                                range=Range(lo=0, lo_open=True))
+    timestep_bias_begin: Optional[int] = flag(None, "first timestep (0-1000, inclusive) of --timestep_bias_strategy "
+                                                    "range", range=Range(0, 1000, integer=True))
+    timestep_bias_end: Optional[int] = flag(None, "end timestep (0-1000, exclusive) of --timestep_bias_strategy range",
                                                   range=Range(0, 1000, integer=True))
-    timestep_bias_portion: float = flag(0.25, 'fraction of the 1000 timesteps that earlier / later biases (default '
-                                              '0.25)', range=Range(0, 1, lo_open=True))
+    timestep_bias_portion: float = flag(0.25, "fraction of the 1000 timesteps that earlier / later biases (default "
+                                              "0.25)", range=Range(0, 1, lo_open=True))
 
 
 @dataclass
 class NoiseSchedulerFlags:
     flag_group: ClassVar[str] = "noise scheduler (DDPM models: SD 1.x, 2.x, SDXL)"
-    prediction_type: Optional[str] = flag(None, 'what the model predicts: epsilon or v_prediction (v_prediction is '
+    prediction_type: Optional[str] = flag(None, "what the model predicts: epsilon or v_prediction (v_prediction is "
                                                 "--v_parameterization; default: --v_parameterization's setting)",
                                                 choices=PREDICTION_TYPES)
-    timestep_spacing: Optional[str] = flag(None, 'how sample images space their denoising steps (leading, trailing, '
+    timestep_spacing: Optional[str] = flag(None, "how sample images space their denoising steps (leading, trailing, "
                                                  "linspace; default: each sampler's own). Training draws every "
-                                                 'integer timestep, so it changes sampling only',
+                                                 "integer timestep, so it changes sampling only",
                                                  choices=TIMESTEP_SPACINGS)
-    noise_scheduler_overrides: Optional[str] = flag(None, 'TOML file of noise-scheduler settings '
-                                                          '(num_train_timesteps, beta_start, beta_end, beta_schedule,'
-                                                          ' rescale_betas_zero_snr, timestep_spacing, '
+    noise_scheduler_overrides: Optional[str] = flag(None, "TOML file of noise-scheduler settings "
+                                                          "(num_train_timesteps, beta_start, beta_end, beta_schedule,"
+                                                          " rescale_betas_zero_snr, timestep_spacing, "
                                                           "prediction_type) replacing SD's")
 
 
 @dataclass
 class LossFlags:
     flag_group: ClassVar[str] = "loss"
-    loss_type: str = flag('l2', 'elementwise loss: l2 (default), l1, huber, smooth_l1',
+    loss_type: str = flag("l2", "elementwise loss: l2 (default), l1, huber, smooth_l1",
                                 choices=LOSS_TYPES)
-    huber_schedule: str = flag('snr', 'how the huber/smooth_l1 threshold c changes with the timestep',
+    huber_schedule: str = flag("snr", "how the huber/smooth_l1 threshold c changes with the timestep",
                                       choices=HUBER_SCHEDULES)
-    huber_c: float = flag(0.1, 'huber/smooth_l1 threshold (base value of the schedule)', range=Range(0, lo_open=True))
-    huber_scale: float = flag(1.0, 'multiplies c in the exponential and constant schedules',
-                                   range=Range(0, lo_open=True))
-    min_snr_gamma: Optional[float] = flag(None, 'min-SNR weighting gamma (5 is common)', range=Range(0, lo_open=True))
-    soft_min_snr_gamma: Optional[float] = flag(None, 'soft min-SNR weighting gamma instead of --min_snr_gamma: weight'
-                                                     ' gamma/(SNR+gamma) (v-prediction: '
-                                                     'SNR*gamma/((SNR+gamma)(SNR+1)))', range=Range(0, lo_open=True))
-    scale_v_pred_loss_like_noise_pred: bool = flag(False, 'v-prediction only: scale the loss like an '
-                                                          'epsilon-prediction loss')
-    v_pred_like_loss: Optional[float] = flag(None, 'epsilon-prediction only: add this times a v-prediction-like loss',
-                                                   range=Range(0, lo_open=True))
-    debiased_estimation_loss: bool = flag(False, 'weight the loss by 1/sqrt(SNR)')
+    huber_c: float = flag(0.1, "huber/smooth_l1 threshold (base value of the schedule)",
+                          range=Range(lo=0, lo_open=True))
+    huber_scale: float = flag(1.0, "multiplies c in the exponential and constant schedules",
+                                   range=Range(lo=0, lo_open=True))
+    min_snr_gamma: Optional[float] = flag(None, "min-SNR weighting gamma (5 is common)",
+                                          range=Range(lo=0, lo_open=True))
+    soft_min_snr_gamma: Optional[float] = flag(None, "soft min-SNR weighting gamma instead of --min_snr_gamma: weight"
+                                                     " gamma/(SNR+gamma) (v-prediction: "
+                                                     "SNR*gamma/((SNR+gamma)(SNR+1)))", range=Range(lo=0, lo_open=True))
+    scale_v_pred_loss_like_noise_pred: bool = flag(False, "v-prediction only: scale the loss like an "
+                                                          "epsilon-prediction loss")
+    v_pred_like_loss: Optional[float] = flag(None, "epsilon-prediction only: add this times a v-prediction-like loss",
+                                                   range=Range(lo=0, lo_open=True))
+    debiased_estimation_loss: bool = flag(False, "weight the loss by 1/sqrt(SNR)")
 
 
 def add_noise_loss_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import LEARNING_RATE, RATE, Range, at_least
+from library.cli.options import LEARNING_RATE, RATE, Range, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.lr_schedulers import (
     SCHEDULERS,
@@ -26,39 +25,39 @@ from library.train.optimizers import (
 @dataclass
 class OptimizerFlags:
     flag_group: ClassVar[str] = "optimizer"
-    optimizer_type: str = flag('', 'AdamW (default), AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, Lion, '
-                                   'Lion8bit, PagedLion8bit, SGDNesterov, SGDNesterov8bit, DAdaptation, '
-                                   'DAdaptAdaGrad, DAdaptAdam, DAdaptAdan, DAdaptAdanIP, DAdaptLion, DAdaptSGD, '
-                                   'Prodigy, AdaFactor, RAdamScheduleFree, AdamWScheduleFree, SGDScheduleFree, or a '
-                                   'class path like torch.optim.RMSprop')
-    learning_rate: float = flag(2e-06, 'learning rate (default 2e-6)', range=LEARNING_RATE)
-    scale_lr: bool = flag(False, 'multiply --learning_rate by processes x --train_batch_size x '
-                                 '--gradient_accumulation_steps (the lr recorded in the metadata is the product)')
-    optimizer_args: Optional[list[str]] = flag(None, 'optimizer keyword arguments as Python literals: '
+    optimizer_type: str = flag("", "AdamW (default), AdamW8bit, PagedAdamW, PagedAdamW8bit, PagedAdamW32bit, Lion, "
+                                   "Lion8bit, PagedLion8bit, SGDNesterov, SGDNesterov8bit, DAdaptation, "
+                                   "DAdaptAdaGrad, DAdaptAdam, DAdaptAdan, DAdaptAdanIP, DAdaptLion, DAdaptSGD, "
+                                   "Prodigy, AdaFactor, RAdamScheduleFree, AdamWScheduleFree, SGDScheduleFree, or a "
+                                   "class path like torch.optim.RMSprop")
+    learning_rate: float = flag(2e-06, "learning rate (default 2e-6)", range=LEARNING_RATE)
+    scale_lr: bool = flag(False, "multiply --learning_rate by processes x --train_batch_size x "
+                                 "--gradient_accumulation_steps (the lr recorded in the metadata is the product)")
+    optimizer_args: Optional[list[str]] = flag(None, "optimizer keyword arguments as Python literals: "
                                                      '"weight_decay=0.01" "betas=(0.9,0.99)"')
-    max_grad_norm: float = flag(1.0, 'clip gradients to this norm; 0 turns clipping off',
-                                     range=Range(0, note='0 = no clipping'))
-    use_8bit_adam: bool = flag(False, 'legacy: same as --optimizer_type AdamW8bit')
-    use_lion_optimizer: bool = flag(False, 'legacy: same as --optimizer_type Lion')
+    max_grad_norm: float = flag(1.0, "clip gradients to this norm; 0 turns clipping off",
+                                     range=Range(lo=0, note="0 = no clipping"))
+    use_8bit_adam: bool = flag(False, "legacy: same as --optimizer_type AdamW8bit")
+    use_lion_optimizer: bool = flag(False, "legacy: same as --optimizer_type Lion")
 
 
 @dataclass
 class SchedulerFlags:
     flag_group: ClassVar[str] = "learning-rate schedule"
     lr_scheduler: str = flag("constant", ", ".join(SCHEDULERS) + " (default constant)")
-    lr_warmup_steps: str = flag('0', 'warmup steps: a count, a ratio of the total below 1 (0.05), or a percentage '
-                                     '(5%)')
-    lr_decay_steps: str = flag('0', 'decay steps of warmup_stable_decay, in the same forms as --lr_warmup_steps')
-    lr_scheduler_num_cycles: int = flag(1, 'cosine restarts / half-cosine cycles', range=at_least(1))
-    lr_scheduler_power: float = flag(1.0, 'polynomial decay power', range=Range(0))
-    lr_scheduler_timescale: Optional[int] = flag(None, 'inverse_sqrt timescale (default: the warmup steps, or 10000)',
+    lr_warmup_steps: str = flag("0", "warmup steps: a count, a ratio of the total below 1 (0.05), or a percentage "
+                                     "(5%)")
+    lr_decay_steps: str = flag("0", "decay steps of warmup_stable_decay, in the same forms as --lr_warmup_steps")
+    lr_scheduler_num_cycles: int = flag(1, "cosine restarts / half-cosine cycles", range=at_least(1))
+    lr_scheduler_power: float = flag(1.0, "polynomial decay power", range=Range(lo=0))
+    lr_scheduler_timescale: Optional[int] = flag(None, "inverse_sqrt timescale (default: the warmup steps, or 10000)",
                                                        range=at_least(1))
-    lr_scheduler_min_lr_ratio: Optional[float] = flag(None, 'lowest lr as a fraction of the initial lr '
-                                                            '(cosine_with_min_lr, cosine_with_restarts, '
-                                                            'warmup_stable_decay, rex)', range=RATE)
-    lr_scheduler_type: str = flag('', 'custom scheduler class, e.g. torch.optim.lr_scheduler.StepLR (replaces '
-                                      '--lr_scheduler)')
-    lr_scheduler_args: Optional[list[str]] = flag(None, 'keyword arguments of the scheduler as Python literals: '
+    lr_scheduler_min_lr_ratio: Optional[float] = flag(None, "lowest lr as a fraction of the initial lr "
+                                                            "(cosine_with_min_lr, cosine_with_restarts, "
+                                                            "warmup_stable_decay, rex)", range=RATE)
+    lr_scheduler_type: str = flag("", "custom scheduler class, e.g. torch.optim.lr_scheduler.StepLR (replaces "
+                                      "--lr_scheduler)")
+    lr_scheduler_args: Optional[list[str]] = flag(None, "keyword arguments of the scheduler as Python literals: "
                                                         '"step_size=100" "gamma=0.5"')
 
 

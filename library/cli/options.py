@@ -9,8 +9,8 @@ range; argparse, `--config_file` keys, the docs' flag tables and `--describe_fla
 
 Field name = flag name. Types: bool with default False is a switch (--flag); bool with default True takes
 true|false; Optional[T] takes a T; Optional[list[T]] takes any number of T (nargs "*"). Metadata: "help",
-"choices", "range" (a library.cli.ranges.Range), "aliases" (more option strings for the same flag), "metavar", "parse" (the function
-argparse converts the text with, where it is not the type itself).
+"choices", "range" (a Range), "aliases" (more option strings for the same flag), "metavar",
+"parse" (the function argparse converts the text with, where it is not the type itself).
 
 The core option groups (library/cli/*.py) hold their defaults in argparse, so --help, the docs and a written
 config show them. A family's options dataclass (library/families) is added with argparse default None: an unset
@@ -25,8 +25,52 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
+MAX_LEARNING_RATE = 10.0  # no optimizer here trains above it; DAdaptation / Prodigy use 1.0
+MAX_SEED = 2**32 - 1  # NumPy's seed range
 
-def flag(default: Any = None, help: str = "", *, choices: Optional[Iterable] = None, range: Any = None,
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag can take (library/cli/ranges.py checks them before anything loads)."""
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False  # lo itself is outside
+    hi_open: bool = False
+    integer: bool = False
+    note: str = ""
+
+    def contains(self, value: float) -> bool:
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return False
+        return not (self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)))
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        g = lambda v: f"{v:g}" if not self.integer else str(int(v))  # noqa: E731
+        if self.lo is not None and self.hi is not None:
+            left, right = ("(" if self.lo_open else "["), (")" if self.hi_open else "]")
+            text = f"{kind} in {left}{g(self.lo)}, {g(self.hi)}{right}"
+        elif self.lo is not None:
+            text = f"{kind} {'>' if self.lo_open else '>='} {g(self.lo)}"
+        elif self.hi is not None:
+            text = f"{kind} {'<' if self.hi_open else '<='} {g(self.hi)}"
+        else:
+            text = f"a finite {'integer' if self.integer else 'number'}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def at_least(n: int, note: str = "") -> Range:
+    """An integer >= n."""
+    return Range(lo=n, integer=True, note=note)
+
+
+LEARNING_RATE = Range(0, MAX_LEARNING_RATE, note=f"learning rates above {MAX_LEARNING_RATE:g} do not train; "
+                                                 "DAdaptation/Prodigy use 1.0")
+RATE = Range(0, 1)
+SEED = Range(0, MAX_SEED, integer=True)
+
+
+def flag(default: Any = None, help: str = "", *, choices: Optional[Iterable] = None, range: Optional[Range] = None,
          aliases: tuple[str, ...] = (), metavar: Optional[str] = None, parse: Optional[Callable] = None) -> Any:
     """One flag's declaration, as a dataclass field (see the module docstring)."""
     metadata: dict[str, Any] = {"help": help}
@@ -46,7 +90,7 @@ class FlagSpec:
     help: str
     group: str
     choices: Optional[tuple] = None
-    range: Any = None
+    range: Optional[Range] = None
     aliases: tuple[str, ...] = ()
     metavar: Optional[str] = None
     parse: Optional[Callable] = None

@@ -17,8 +17,7 @@ from library.cli.model import ModelFlags
 from library.cli.network import NetworkFlags
 from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
 from library.cli.optimizer import OptimizerFlags, SchedulerFlags
-from library.cli.options import FlagSpec, add_flags, flag_specs
-from library.cli.ranges import OTHER_RANGES
+from library.cli.options import FlagSpec, Range, add_flags, at_least, flag_specs
 from library.cli.sampling import SamplingFlags
 from library.cli.text_cache import TextCacheFlags
 from library.cli.training import TRAINING_FLAG_GROUPS
@@ -28,9 +27,19 @@ from library.families.base import ModelFamily
 _BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
 _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSchedulerFlags, LossFlags,
                   *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SamplingFlags)
-# Every flag group declared in library/cli (library/cli/ranges.py reads their ranges).
+# Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
                     T5xxlFineTuneFlags)
+
+
+# The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
+# other flag declares its range with itself (the "range" of its field, library/cli/options.py).
+FAMILY_FLAG_RANGES: dict[str, Range] = {
+    # FLUX.1 and flow matching
+    "guidance_scale": Range(lo=0), "t5xxl_max_token_length": at_least(1), "sigmoid_scale": Range(lo=0, lo_open=True),
+    "discrete_flow_shift": Range(lo=0, lo_open=True), "logit_mean": Range(), "logit_std": Range(lo=0, lo_open=True),
+    "mode_scale": Range(),
+}
 
 
 class TrainingArgumentParser(argparse.ArgumentParser):
@@ -82,7 +91,7 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
     specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
         if dataclasses.fields(family.options_type):  # declared in library/families: their ranges are listed apart
-            specs += [dataclasses.replace(spec, range=OTHER_RANGES.get(spec.name))
+            specs += [dataclasses.replace(spec, range=FAMILY_FLAG_RANGES.get(spec.name))
                       for spec in flag_specs(family.options_type, f"{family.name} model", declared_defaults=False)]
         if family.supports_text_cache:
             specs += flag_specs(TextCacheFlags)

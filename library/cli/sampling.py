@@ -7,8 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import at_least
+from library.cli.options import add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.sampling.prompts import load_prompts
 from library.sampling.samplers import canonical_sampler, sampler_names
@@ -20,18 +19,18 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SamplingFlags:
     flag_group: ClassVar[str] = "sample images during training"
-    sample_prompts: Optional[str] = flag(None, 'prompt file (.txt, .toml or .json) with inline options --n --w --h '
-                                               '--d --s --l --g --ss')
-    sample_every_n_steps: Optional[int] = flag(None, 'sample every N steps', range=at_least(0, '0 = off'))
-    sample_every_n_epochs: Optional[int] = flag(None, 'sample after every N epochs (may be combined with '
-                                                      '--sample_every_n_steps)', range=at_least(0, '0 = off'))
-    sample_at_first: bool = flag(False, 'also sample before the first step')
+    sample_prompts: Optional[str] = flag(None, "prompt file (.txt, .toml or .json) with inline options --n --w --h "
+                                               "--d --s --l --g --ss")
+    sample_every_n_steps: Optional[int] = flag(None, "sample every N steps", range=at_least(0, "0 = off"))
+    sample_every_n_epochs: Optional[int] = flag(None, "sample after every N epochs (may be combined with "
+                                                      "--sample_every_n_steps)", range=at_least(0, "0 = off"))
+    sample_at_first: bool = flag(False, "also sample before the first step")
     sample_sampler: Optional[str] = flag(None, "sampler for prompts without --ss (default: the model's, ddim for SD)",
                                                choices=sampler_names())
-    sample_batch_size: int = flag(1, 'prompts with the same size, steps and scale generated together (default 1)',
+    sample_batch_size: int = flag(1, "prompts with the same size, steps and scale generated together (default 1)",
                                      range=at_least(1))
-    no_sample_grid: bool = flag(False, 'do not write the contact sheet of each sampling event '
-                                       '(sample/<name>_<step>_grid.png)')
+    no_sample_grid: bool = flag(False, "do not write the contact sheet of each sampling event "
+                                       "(sample/<name>_<step>_grid.png)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

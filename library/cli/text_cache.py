@@ -14,12 +14,12 @@ from library.train.settings import TextCacheOptions
 class TextCacheFlags:
     """The sd-scripts text-encoder cache flags (a family that supports the cache adds them)."""
     flag_group: ClassVar[str] = "text encoder output cache"
-    cache_text_encoder_outputs: bool = flag(False, 'encode every caption once before training and keep the outputs in'
-                                                   ' memory (not with caption shuffle/dropout/warmup/wildcards or '
-                                                   'text-encoder training)')
-    cache_text_encoder_outputs_to_disk: bool = flag(False, 'also write them beside each image as '
-                                                           '<stem>_te_outputs.npz (implies '
-                                                           '--cache_text_encoder_outputs)')
+    cache_text_encoder_outputs: bool = flag(False, "encode every caption once before training and keep the outputs in"
+                                                   " memory (not with caption shuffle/dropout/warmup/wildcards or "
+                                                   "text-encoder training)")
+    cache_text_encoder_outputs_to_disk: bool = flag(False, "also write them beside each image as "
+                                                           "<stem>_te_outputs.npz (implies "
+                                                           "--cache_text_encoder_outputs)")
 
 
 def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:

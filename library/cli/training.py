@@ -12,8 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import toml
 
 from library.cli.deepspeed import deepspeed_options_from_args
-from library.cli.options import add_flags, flag, flag_specs, settings_from
-from library.cli.ranges import MAX_SEED, SEED, at_least
+from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.profiling import parse_step_range
@@ -28,114 +27,114 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 @dataclass
 class OutputFlags:
-    flag_group: ClassVar[str] = 'output and saving'
-    output_dir: Optional[str] = flag(None, 'folder for the LoRA files, states, config and logs')
+    flag_group: ClassVar[str] = "output and saving"
+    output_dir: Optional[str] = flag(None, "folder for the LoRA files, states, config and logs")
     output_name: Optional[str] = flag(None, "base file name of the saved LoRA (default 'last')")
-    save_model_as: str = flag('safetensors', 'file format of saved networks', choices=('safetensors', 'ckpt', 'pt'))
-    save_precision: Optional[str] = flag(None, 'dtype of saved tensors (default: as trained)',
+    save_model_as: str = flag("safetensors", "file format of saved networks", choices=("safetensors", "ckpt", "pt"))
+    save_precision: Optional[str] = flag(None, "dtype of saved tensors (default: as trained)",
                                                choices=SAVE_PRECISIONS[1:])
-    save_every_n_epochs: Optional[int] = flag(None, 'save <name>-<epoch>.<ext> every N epochs', range=at_least(1))
-    save_n_epoch_ratio: Optional[int] = flag(None, 'save about N times over the run', range=at_least(1))
-    save_every_n_steps: Optional[int] = flag(None, 'save <name>-step<step>.<ext> every N steps', range=at_least(1))
-    save_last_n_epochs: Optional[int] = flag(None, 'keep only the last N epoch files', range=at_least(1))
-    save_last_n_epochs_state: Optional[int] = flag(None, 'keep only the last N epoch states (default: '
-                                                         '--save_last_n_epochs)', range=at_least(1))
-    save_last_n_steps: Optional[int] = flag(None, 'keep step files from the last N steps only', range=at_least(1))
-    save_last_n_steps_state: Optional[int] = flag(None, 'keep states of the last N steps only (default: '
-                                                        '--save_last_n_steps)', range=at_least(1))
-    save_state: bool = flag(False, 'also save the training state with each model file')
-    save_state_on_train_end: bool = flag(False, 'save <name>-state at the end even without --save_state')
+    save_every_n_epochs: Optional[int] = flag(None, "save <name>-<epoch>.<ext> every N epochs", range=at_least(1))
+    save_n_epoch_ratio: Optional[int] = flag(None, "save about N times over the run", range=at_least(1))
+    save_every_n_steps: Optional[int] = flag(None, "save <name>-step<step>.<ext> every N steps", range=at_least(1))
+    save_last_n_epochs: Optional[int] = flag(None, "keep only the last N epoch files", range=at_least(1))
+    save_last_n_epochs_state: Optional[int] = flag(None, "keep only the last N epoch states (default: "
+                                                         "--save_last_n_epochs)", range=at_least(1))
+    save_last_n_steps: Optional[int] = flag(None, "keep step files from the last N steps only", range=at_least(1))
+    save_last_n_steps_state: Optional[int] = flag(None, "keep states of the last N steps only (default: "
+                                                        "--save_last_n_steps)", range=at_least(1))
+    save_state: bool = flag(False, "also save the training state with each model file")
+    save_state_on_train_end: bool = flag(False, "save <name>-state at the end even without --save_state")
     resume: Optional[str] = flag(None, "state folder to resume from, or 'auto' for the newest state in output_dir")
 
 
 @dataclass
 class StepsFlags:
-    flag_group: ClassVar[str] = 'steps and precision'
+    flag_group: ClassVar[str] = "steps and precision"
     max_train_steps: int = flag(1600, "optimizer steps to train (sd-scripts' default 1600)", range=at_least(1))
-    max_train_epochs: Optional[int] = flag(None, 'overrides --max_train_steps', range=at_least(1))
-    seed: Optional[int] = flag(None, 'seed of everything random (a random one is drawn and recorded when not given)',
+    max_train_epochs: Optional[int] = flag(None, "overrides --max_train_steps", range=at_least(1))
+    seed: Optional[int] = flag(None, "seed of everything random (a random one is drawn and recorded when not given)",
                                      range=SEED)
-    gradient_accumulation_steps: int = flag(1, 'batches per optimizer step', range=at_least(1))
-    mixed_precision: str = flag('no', 'autocast dtype; the frozen base model is stored in it too',
+    gradient_accumulation_steps: int = flag(1, "batches per optimizer step", range=at_least(1))
+    mixed_precision: str = flag("no", "autocast dtype; the frozen base model is stored in it too",
                                       choices=MIXED_PRECISIONS)
-    full_fp16: bool = flag(False, 'train the network itself in fp16')
-    full_bf16: bool = flag(False, 'train the network itself in bf16')
-    gradient_checkpointing: bool = flag(False, 'recompute activations in backward: less memory, slower')
-    xformers: bool = flag(False, 'xformers attention when the package is installed (pip install xformers); otherwise '
-                                 'a warning and PyTorch SDPA')
-    sdpa: bool = flag(False, 'PyTorch SDPA attention (the default)')
+    full_fp16: bool = flag(False, "train the network itself in fp16")
+    full_bf16: bool = flag(False, "train the network itself in bf16")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, slower")
+    xformers: bool = flag(False, "xformers attention when the package is installed (pip install xformers); otherwise "
+                                 "a warning and PyTorch SDPA")
+    sdpa: bool = flag(False, "PyTorch SDPA attention (the default)")
     flash_attn: bool = flag(False, "FlashAttention in the denoiser through diffusers' attention backends when the "
-                                   'flash-attn package is installed (CUDA); otherwise a warning and PyTorch SDPA')
+                                   "flash-attn package is installed (CUDA); otherwise a warning and PyTorch SDPA")
     torch_compile: bool = flag(False, "compile the denoiser's blocks with torch.compile (regional: the first step "
-                                      'traces each block kind once; slower first step, faster steps after)')
-    dynamo_backend: str = flag('inductor', 'torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; '
-                                           'default inductor)', parse=str.lower)
+                                      "traces each block kind once; slower first step, faster steps after)")
+    dynamo_backend: str = flag("inductor", "torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; "
+                                           "default inductor)", parse=str.lower)
     dynamo_mode: Optional[str] = flag(None, "inductor mode (default: PyTorch's)",
                                             choices=DYNAMO_MODES)
-    dynamo_fullgraph: bool = flag(False, 'torch.compile fullgraph=True (no graph breaks)')
-    dynamo_dynamic: bool = flag(False, 'torch.compile dynamic=True (shapes as symbols)')
-    mem_eff_attn: bool = flag(False, 'accepted for compatibility; SDPA is used (it picks a memory-efficient kernel '
-                                     'itself)')
-    lowram: bool = flag(False, 'with several processes on one machine, they load the model one after another (one '
-                               'loading peak in RAM at a time)')
-    highvram: bool = flag(False, 'keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; '
-                                 'by default they wait in CPU memory)')
-    cpu: bool = flag(False, 'train on the CPU even when an accelerator is present')
+    dynamo_fullgraph: bool = flag(False, "torch.compile fullgraph=True (no graph breaks)")
+    dynamo_dynamic: bool = flag(False, "torch.compile dynamic=True (shapes as symbols)")
+    mem_eff_attn: bool = flag(False, "accepted for compatibility; SDPA is used (it picks a memory-efficient kernel "
+                                     "itself)")
+    lowram: bool = flag(False, "with several processes on one machine, they load the model one after another (one "
+                               "loading peak in RAM at a time)")
+    highvram: bool = flag(False, "keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; "
+                                 "by default they wait in CPU memory)")
+    cpu: bool = flag(False, "train on the CPU even when an accelerator is present")
 
 
 @dataclass
 class MultiProcessFlags:
-    flag_group: ClassVar[str] = 'multi-process (accelerate launch / torchrun; docs/distributed.md)'
+    flag_group: ClassVar[str] = "multi-process (accelerate launch / torchrun; docs/distributed.md)"
     ddp_timeout: Optional[int] = flag(None, "timeout of the processes' collective operations (PyTorch's default: 30 "
-                                            'minutes for gloo, 10 for nccl)', range=at_least(1), metavar='MINUTES')
-    ddp_gradient_as_bucket_view: bool = flag(False, 'DDP: gradients are views into its communication buckets (saves '
-                                                    'one gradient copy)')
-    ddp_static_graph: bool = flag(False, 'DDP: the graph is the same every step (faster reduction; finds unused '
-                                         'weights itself)')
+                                            "minutes for gloo, 10 for nccl)", range=at_least(1), metavar="MINUTES")
+    ddp_gradient_as_bucket_view: bool = flag(False, "DDP: gradients are views into its communication buckets (saves "
+                                                    "one gradient copy)")
+    ddp_static_graph: bool = flag(False, "DDP: the graph is the same every step (faster reduction; finds unused "
+                                         "weights itself)")
 
 
 @dataclass
 class LoggingFlags:
-    flag_group: ClassVar[str] = 'logging'
-    logging_dir: Optional[str] = flag(None, 'TensorBoard folder (logging is on when given)')
-    log_with: Optional[str] = flag(None, 'tracker (default tensorboard when --logging_dir is given)',
-                                         choices=('tensorboard', 'wandb', 'all'))
+    flag_group: ClassVar[str] = "logging"
+    logging_dir: Optional[str] = flag(None, "TensorBoard folder (logging is on when given)")
+    log_with: Optional[str] = flag(None, "tracker (default tensorboard when --logging_dir is given)",
+                                         choices=("tensorboard", "wandb", "all"))
     log_prefix: Optional[str] = flag(None, "prefix of the run's log folder name")
-    log_tracker_name: Optional[str] = flag(None, 'tracker name (default network_train)')
-    log_tracker_config: Optional[str] = flag(None, 'TOML file of tracker settings: [wandb] (entity, tags, notes, ... '
-                                                   'for wandb.init) and [tensorboard] (SummaryWriter keyword '
-                                                   'arguments)')
+    log_tracker_name: Optional[str] = flag(None, "tracker name (default network_train)")
+    log_tracker_config: Optional[str] = flag(None, "TOML file of tracker settings: [wandb] (entity, tags, notes, ... "
+                                                   "for wandb.init) and [tensorboard] (SummaryWriter keyword "
+                                                   "arguments)")
     log_config: bool = flag(False, "store the run's flags in the tracker (wandb config, TensorBoard hparams; API key "
-                                   'left out)')
+                                   "left out)")
     wandb_run_name: Optional[str] = flag(None, "name of the wandb run (default: wandb's)")
-    wandb_api_key: Optional[str] = flag(None, 'wandb API key (else WANDB_API_KEY or `wandb login`); never written to '
-                                              'the saved config')
-    log_every_n_steps: int = flag(1, 'write scalars every N steps', range=at_least(1))
-    log_tflops: Optional[int] = flag(None, 'every N steps, log the achieved model TFLOP/s (FLOPs counted once on the '
-                                           'first step) and, on a known GPU, the fraction of its bf16 peak',
-                                           range=at_least(1), metavar='N')
+    wandb_api_key: Optional[str] = flag(None, "wandb API key (else WANDB_API_KEY or `wandb login`); never written to "
+                                              "the saved config")
+    log_every_n_steps: int = flag(1, "write scalars every N steps", range=at_least(1))
+    log_tflops: Optional[int] = flag(None, "every N steps, log the achieved model TFLOP/s (FLOPs counted once on the "
+                                           "first step) and, on a known GPU, the fraction of its bf16 peak",
+                                           range=at_least(1), metavar="N")
 
 
 @dataclass
 class DiagnosticsFlags:
-    flag_group: ClassVar[str] = 'diagnostics'
-    profile_steps: bool = flag(False, 'per-step timing breakdown in the log and TensorBoard: data wait, forward, '
-                                      'backward (and the all-reduce overlapped with it), optimizer, other')
-    profile_microbatches: bool = flag(False, 'with the breakdown, the forward/backward time of every '
-                                             'gradient-accumulation micro-batch')
-    profiler_trace_dir: Optional[str] = flag(None, 'write a torch.profiler trace of --profiler_trace_steps here '
-                                                   '(TensorBoard / Perfetto)')
-    profiler_trace_steps: str = flag('3-4', 'optimizer steps the trace covers, inclusive (default 3-4: after warm-up)',
-                                            metavar='A-B')
+    flag_group: ClassVar[str] = "diagnostics"
+    profile_steps: bool = flag(False, "per-step timing breakdown in the log and TensorBoard: data wait, forward, "
+                                      "backward (and the all-reduce overlapped with it), optimizer, other")
+    profile_microbatches: bool = flag(False, "with the breakdown, the forward/backward time of every "
+                                             "gradient-accumulation micro-batch")
+    profiler_trace_dir: Optional[str] = flag(None, "write a torch.profiler trace of --profiler_trace_steps here "
+                                                   "(TensorBoard / Perfetto)")
+    profiler_trace_steps: str = flag("3-4", "optimizer steps the trace covers, inclusive (default 3-4: after warm-up)",
+                                            metavar="A-B")
 
 
 @dataclass
 class ValidationFlags:
-    flag_group: ClassVar[str] = 'validation'
-    validate_every_n_steps: Optional[int] = flag(None, 'validation loss every N steps (needs validation_split)',
+    flag_group: ClassVar[str] = "validation"
+    validate_every_n_steps: Optional[int] = flag(None, "validation loss every N steps (needs validation_split)",
                                                        range=at_least(1))
-    validate_every_n_epochs: Optional[int] = flag(None, 'validation loss every N epochs', range=at_least(1))
-    max_validation_steps: Optional[int] = flag(None, 'at most N validation batches each time', range=at_least(1))
+    validate_every_n_epochs: Optional[int] = flag(None, "validation loss every N epochs", range=at_least(1))
+    max_validation_steps: Optional[int] = flag(None, "at most N validation batches each time", range=at_least(1))
 
 
 TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags)
@@ -180,7 +179,8 @@ def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
     return data
 
 
-def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
+def training_options_from_args(ns: argparse.Namespace,
+                               gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
     """TrainingOptions; the checks are those of flag combinations (each flag's own range is declared).
     `gradient_checkpointing`: the value other flags imply (library/cli/memory.py), else the flag."""
     if not ns.output_dir:
