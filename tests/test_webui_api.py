@@ -581,7 +581,8 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
     # the scripts' --help (the Performance options' flags) is not what this test is about: the option flags as given
     flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
     monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
-    c = TestClient(create_app(jobs_dir, find_gpus=list))
+    # the templates' other model files stay /models/... placeholders: that folder is one the server allows
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
     templates = {t["name"]: t for t in c.get("/api/templates").json()}
     jobs = {}
     for (family, mode), script in NEW_FAMILY_SCRIPTS.items():
