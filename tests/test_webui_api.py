@@ -668,8 +668,9 @@ def test_output_name_that_is_a_path_is_refused_and_the_run_writes_nothing_outsid
     client.post("/api/jobs/1/start")
     assert client.app.state.runner.wait(1, 120) == "failed"
     assert client.get("/api/jobs/1/status").json()["exit_code"] == 2
+    log = open(os.path.join(jobs_dir, "1", "train.log")).read()
     assert ("error: --output_name '../../../outside/pwn': is a path; expected a file name such as my_lora "
-            "(no '/', '\\' or '..'; the folder is --output_dir)") in open(os.path.join(jobs_dir, "1", "train.log")).read()
+            "(no '/', '\\' or '..'; the folder is --output_dir)") in log
     assert not outside.exists() and sorted(os.listdir(tmp_path)) == ["jobs"]
 
 
@@ -768,6 +769,10 @@ def test_deleting_event_files_never_follows_a_link(client, jobs_dir, tmp_path):
     assert client.post("/api/jobs/1/tensorboard").status_code == 409  # nor is TensorBoard started on it
     assert client.post("/api/jobs/1/start").status_code == 409  # nor a run that would log through it
     assert client.get("/api/jobs/1").json()["status"] == "draft"
+    client.app.state.store.update_job(1, status="queued")  # queued before the link was planted: never started
+    client.app.state.runner.refresh()
+    assert client.get("/api/jobs/1").json()["status"] == "failed"
+    assert client.get("/api/jobs/1/status").json()["runs"] == []
 
     os.remove(os.path.join(output, "logs"))  # a real logs/ with links below it
     os.makedirs(os.path.join(output, "logs", "network_train"))
@@ -847,7 +852,8 @@ def test_no_route_answers_5xx_to_hostile_ids_paths_and_bodies(jobs_dir, monkeypa
 
     monkeypatch.setattr(Runner, "_launch", lambda self, job: self.store.update_job(job["id"], status="finished"))
     monkeypatch.setattr(TensorBoards, "start", lambda self, job_id, logdir, log_path: self.status(job_id))
-    monkeypatch.setattr(webui.jobfiles.subprocess, "run", lambda argv, **kw: subprocess.CompletedProcess(argv, 0, "", ""))
+    monkeypatch.setattr(webui.jobfiles.subprocess, "run",
+                        lambda argv, **kw: subprocess.CompletedProcess(argv, 0, "", ""))
     app = create_app(jobs_dir, find_gpus=list)
     c = TestClient(app, raise_server_exceptions=False)
     _create(c)

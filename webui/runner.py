@@ -100,6 +100,9 @@ class Runner:
 
     def _launch(self, job: dict[str, Any]) -> None:
         folder = self.folder(job["id"])
+        if folder.planted_link() is not None:  # the API refuses to start it (409); a queued one fails unstarted
+            self.store.update_job(job["id"], status="failed", exit_code=None, pid=None, pid_start=None)
+            return
         argv = training_command(job, folder)
         gpu_env = gpu_environment(folder)
         if os.path.exists(folder.exit_code_path):

@@ -27,7 +27,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output and saving")
     g.add_argument("--output_dir", type=str, default=None, help="folder for the LoRA files, states, config and logs")
     g.add_argument("--output_name", type=str, default=None,
-                   help="base file name of the saved LoRA (default 'last'): a name, not a path (the folder is --output_dir)")
+                   help="base file name of the saved LoRA (default 'last'): a name, not a path "
+                        "(the folder is --output_dir)")
     g.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"], help="file format of saved networks")
     g.add_argument("--save_precision", type=str, default=None, choices=[p for p in SAVE_PRECISIONS if p], help="dtype of saved tensors (default: as trained)")
     g.add_argument("--save_every_n_epochs", type=int, default=None, help="save <name>-<epoch>.<ext> every N epochs")
