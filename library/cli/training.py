@@ -26,7 +26,9 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output and saving")
     g.add_argument("--output_dir", type=str, default=None, help="folder for the LoRA files, states, config and logs")
-    g.add_argument("--output_name", type=str, default=None, help="base file name of the saved LoRA (default 'last')")
+    g.add_argument("--output_name", type=str, default=None,
+                   help="base file name of the saved LoRA (default 'last'): a name, not a path "
+                        "(the folder is --output_dir)")
     g.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"], help="file format of saved networks")
     g.add_argument("--save_precision", type=str, default=None, choices=[p for p in SAVE_PRECISIONS if p], help="dtype of saved tensors (default: as trained)")
     g.add_argument("--save_every_n_epochs", type=int, default=None, help="save <name>-<epoch>.<ext> every N epochs")
@@ -163,11 +165,25 @@ def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> No
         raise ConfigError(f"--{name}: expected an integer >= {0 if allow_zero else 1}, got {value}")
 
 
+def check_output_name(name: Optional[str]) -> None:
+    """--output_name is a file name inside --output_dir (sd-scripts' use): no folder part, no `..`, not empty.
+    The saved files, states and `<name>_config.toml` are joined to --output_dir with it, so a path here would
+    write outside that folder."""
+    if name is None:
+        return
+    problem = ("is empty" if not name.strip() else "contains a NUL character" if "\0" in name
+               else "is a path" if "/" in name or "\\" in name or name in (".", "..") else None)
+    if problem:
+        raise ConfigError(f"--output_name {name!r}: {problem}; expected a file name such as my_lora "
+                          "(no '/', '\\' or '..'; the folder is --output_dir)")
+
+
 def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
     """Translate the namespace into TrainingOptions, checking flag combinations. `gradient_checkpointing`:
     the value other flags imply (library/cli/memory.py), else the flag."""
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
+    check_output_name(ns.output_name)
     for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
                  "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
                  "save_last_n_steps_state", "validate_every_n_steps", "validate_every_n_epochs",
