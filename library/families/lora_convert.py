@@ -48,7 +48,7 @@ from networks.lora_files import (
     read_state_dict,
 )
 
-LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's / HunyuanImage's ComfyUI layouts
+LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's / HunyuanImage's / Chroma's ComfyUI names
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
@@ -211,8 +211,38 @@ def _kohya_module(name: str, down: torch.Tensor, up: torch.Tensor) -> dict[str, 
             f"{name}.alpha": torch.tensor(float(down.shape[0]), dtype=down.dtype)}
 
 
-def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str, torch.Tensor]:
-    """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima)."""
+# Chroma's T5 in kohya names: sd-scripts' lora_flux.py (and we) write it as FLUX.1's third encoder, lora_te3_;
+# ComfyUI's key map (comfy/lora.py, model_lora_keys_clip) numbers a T5 that has no CLIP-L / CLIP-G beside it
+# as the first: lora_te1_encoder_block_N_... . A T5 module name is never a CLIP one (text_model_encoder_layers_).
+_T5_KOHYA, _T5_COMFY_ALONE = "lora_te3_encoder_", "lora_te1_encoder_"
+
+
+def is_chroma_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a kohya Flux-layout LoRA is Chroma's: its metadata says so (ss_base_model_version, as sd-scripts
+    writes it), or, without metadata, its BFL blocks have no modulation layers and its only text encoder is T5."""
+    version = (metadata or {}).get("ss_base_model_version")
+    if version:
+        return version == "chroma"
+    names = {k.partition(".")[0] for k in state}
+    return (any(n.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) or n.startswith(_T5_KOHYA)
+                for n in names)
+            and not any(n.endswith(("_mod_lin", "_modulation_lin")) or n.startswith("lora_te1_") for n in names))
+
+
+def chroma_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kohya Chroma LoRA in the names ComfyUI maps onto Chroma: T5 lora_te3_ -> lora_te1_, the DiT unchanged."""
+    return {(_T5_COMFY_ALONE + k[len(_T5_KOHYA):] if k.startswith(_T5_KOHYA) else k): v for k, v in state.items()}
+
+
+def _t5_alone_to_kohya(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # ComfyUI's name for a lone T5 back to ours (a T5 module is never CLIP-L, so lora_te1_encoder_ is T5).
+    return {(_T5_KOHYA + k[len(_T5_COMFY_ALONE):] if k.startswith(_T5_COMFY_ALONE) else k): v for k, v in state.items()}
+
+
+def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
+            metadata: Optional[Mapping[str, str]] = None) -> dict[str, torch.Tensor]:
+    """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima,
+    HunyuanImage, Chroma); `metadata` (the file's) tells Chroma from FLUX.1."""
     if to not in LAYOUTS:
         raise UnsupportedLoraError(f"--to: expected one of {', '.join(LAYOUTS)}, got {to!r}")
     kohya = _as_kohya(state, detect_layout(state, source), source)
@@ -222,16 +252,20 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str
         if hunyuan_layout.is_kohya_lora(k.partition(".")[0] for k in kohya):
             return hunyuan_layout.comfy_lora_state(kohya)
         if not anima_lora.is_anima(kohya):
+            if is_chroma_lora(kohya, metadata):
+                return chroma_to_comfy(kohya)
             raise UnsupportedLoraError(f"{source}: the comfy layout is for Anima LoRAs (lora_unet_blocks_N_…, "
-                                       f"lora_te_layers_N_…) and HunyuanImage LoRAs (lora_unet_double_blocks_N_"
-                                       f"img_mlp_fc1, …); this file has neither (first key {next(iter(kohya))!r})")
+                                       f"lora_te_layers_N_…), HunyuanImage LoRAs (lora_unet_double_blocks_N_"
+                                       f"img_mlp_fc1, …) and Chroma LoRAs (ss_base_model_version chroma); this file "
+                                       f"is none of them (first key {next(iter(kohya))!r}); FLUX.1, SD and SDXL "
+                                       f"files load in ComfyUI as they are")
         return anima_lora.to_comfy(kohya)
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
 
 
 def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
     if layout == "kohya":
-        return dict(state)
+        return _t5_alone_to_kohya(state)
     if layout == "comfy":
         try:
             return anima_lora.from_comfy(state)
