@@ -219,13 +219,12 @@ _T5_KOHYA, _T5_COMFY_ALONE = "lora_te3_encoder_", "lora_te1_encoder_"
 
 def is_chroma_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
     """Whether a kohya Flux-layout LoRA is Chroma's: its metadata says so (ss_base_model_version, as sd-scripts
-    writes it), or, without metadata, its BFL blocks have no modulation layers and its only text encoder is T5."""
+    writes it), or, without metadata, it has T5 modules but no CLIP-L and no FLUX.1 modulation layers."""
     version = (metadata or {}).get("ss_base_model_version")
     if version:
         return version == "chroma"
     names = {k.partition(".")[0] for k in state}
-    return (any(n.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) or n.startswith(_T5_KOHYA)
-                for n in names)
+    return (any(n.startswith(_T5_KOHYA) for n in names)
             and not any(n.endswith(("_mod_lin", "_modulation_lin")) or n.startswith("lora_te1_") for n in names))
 
 
