@@ -27,6 +27,7 @@ from library.families import hunyuan_image_layout as hunyuan_layout
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
+    dotted,
     is_lumina_file,
     is_sd3_file,
     is_sd3_peft,
@@ -48,7 +49,7 @@ from networks.lora_files import (
     read_state_dict,
 )
 
-LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's / HunyuanImage's / Chroma's ComfyUI names
+LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: the names ComfyUI maps (Anima, HunyuanImage, Chroma, Lumina)
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
@@ -66,8 +67,8 @@ def detect_layout(state: Mapping[str, torch.Tensor], source: str) -> str:
         return "comfy"
     for key in state:
         name, _, suffix = key.partition(".")
-        if name.startswith("lora_") and suffix in KOHYA_SUFFIXES:
-            return "kohya"
+        if name.startswith("lora_") and suffix in KOHYA_SUFFIXES or key.startswith(COMFY_GEMMA2_PREFIX):
+            return "kohya"  # ComfyUI's Gemma-2 names (Lumina's --to comfy) are read back as kohya
         if name in _DIFFUSERS_PARTS and key.endswith((".lora_A.weight", ".lora_B.weight")):
             return "diffusers"
     raise UnsupportedLoraError(f"{source}: unexpected key {next(iter(state))!r}; expected a kohya (lora_unet_…"
@@ -233,15 +234,53 @@ def chroma_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {(_T5_COMFY_ALONE + k[len(_T5_KOHYA):] if k.startswith(_T5_KOHYA) else k): v for k, v in state.items()}
 
 
-def _t5_alone_to_kohya(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # ComfyUI's name for a lone T5 back to ours (a T5 module is never CLIP-L, so lora_te1_encoder_ is T5).
-    return {(_T5_KOHYA + k[len(_T5_COMFY_ALONE):] if k.startswith(_T5_COMFY_ALONE) else k): v for k, v in state.items()}
+# Lumina's Gemma-2 in kohya names (lora_te_layers_N_...): ComfyUI's key map has kohya names for CLIP, T5 and
+# HunyuanDiT's BERT only, but maps every text-encoder weight by its generic name, `text_encoders.` + its state-dict
+# key; Lumina's encoder is `gemma2_2b` (comfy/text_encoders/lumina2.py), a Llama-style `transformer.model`.
+COMFY_GEMMA2_PREFIX = "text_encoders.gemma2_2b.transformer.model."
+_GEMMA2_KOHYA = "lora_te_"
+
+
+def is_lumina_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a kohya LoRA is Lumina 2's: its metadata says so (ss_base_model_version lumina2, sd-scripts' value)
+    or its DiT names are NextDiT's (a Gemma-2-only file without metadata reads as Anima's Qwen3: the same names)."""
+    version = (metadata or {}).get("ss_base_model_version")
+    return version == "lumina2" or is_lumina_file([k.partition(".")[0] for k in state])
+
+
+def lumina_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kohya Lumina LoRA in names ComfyUI maps: Gemma-2 `lora_te_<path>` -> `text_encoders.gemma2_2b.transformer.
+    model.<dotted path>` (lora_down / lora_up / alpha kept), the DiT's kohya names unchanged (ComfyUI reads them)."""
+    out = {}
+    for key, value in state.items():
+        name, _, suffix = key.partition(".")
+        if name.startswith(_GEMMA2_KOHYA):
+            key = f"{COMFY_GEMMA2_PREFIX}{dotted(name[len(_GEMMA2_KOHYA):])}.{suffix}"
+        out[key] = value
+    return out
+
+
+def _comfy_text_encoder_names_to_kohya(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's names for Chroma's lone T5 (lora_te1_encoder_...: a T5 module is never CLIP-L) and Lumina's Gemma-2
+    (text_encoders.gemma2_2b.transformer.model.<path>) back to ours."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith(_T5_COMFY_ALONE):
+            key = _T5_KOHYA + key[len(_T5_COMFY_ALONE):]
+        elif key.startswith(COMFY_GEMMA2_PREFIX):
+            rest = key[len(COMFY_GEMMA2_PREFIX):]
+            suffix = next((x for x in KOHYA_SUFFIXES if rest.endswith("." + x)), None)
+            if suffix is not None:  # anything else stays as it is and is named by the kohya reader
+                key = f"{_GEMMA2_KOHYA}{rest[:-len(suffix) - 1].replace('.', '_')}.{suffix}"
+        out[key] = value
+    return out
 
 
 def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
             metadata: Optional[Mapping[str, str]] = None) -> dict[str, torch.Tensor]:
     """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima,
-    HunyuanImage, Chroma); `metadata` (the file's) tells Chroma from FLUX.1."""
+    HunyuanImage, Chroma, Lumina); `metadata` (the file's) tells Chroma from FLUX.1 and a Gemma-2-only Lumina file
+    from Anima."""
     if to not in LAYOUTS:
         raise UnsupportedLoraError(f"--to: expected one of {', '.join(LAYOUTS)}, got {to!r}")
     kohya = _as_kohya(state, detect_layout(state, source), source)
@@ -250,6 +289,8 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
     if to == "comfy":
         if hunyuan_layout.is_kohya_lora(k.partition(".")[0] for k in kohya):
             return hunyuan_layout.comfy_lora_state(kohya)
+        if is_lumina_lora(kohya, metadata):  # before Anima's: Gemma-2's names look like Qwen3's
+            return lumina_to_comfy(kohya)
         if not anima_lora.is_anima(kohya):
             if is_chroma_lora(kohya, metadata):
                 return chroma_to_comfy(kohya)
@@ -264,7 +305,7 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
 
 def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
     if layout == "kohya":
-        return _t5_alone_to_kohya(state)
+        return _comfy_text_encoder_names_to_kohya(state)
     if layout == "comfy":
         try:
             return anima_lora.from_comfy(state)
