@@ -1,4 +1,4 @@
-"""Convert a LoRA between the kohya, diffusers/PEFT, ai-toolkit (Flux) and ComfyUI (Anima, HunyuanImage, Chroma)
+"""Convert a LoRA between the kohya, diffusers/PEFT, ai-toolkit (Flux) and ComfyUI (Anima, HunyuanImage, Chroma, Lumina)
 layouts; the source layout is detected.
 
     python tools/convert_lora.py --src_path kohya.safetensors --dst_path peft.safetensors --to diffusers
