@@ -152,3 +152,35 @@ def test_comfy_chroma_without_metadata_and_flux_refused(tmp_path):
     assert sum(k.startswith("lora_te1_") for k in convert(state, "comfy", "chroma.safetensors")) == 504
     with pytest.raises(UnsupportedLoraError, match="flux.safetensors: the comfy layout is for Anima"):
         convert(state, "comfy", "flux.safetensors", {"ss_base_model_version": "flux1"})
+
+
+def test_chroma_t5_lora_in_diffusers_is_left_out():
+    """ChromaPipeline loads `transformer` and `text_encoder` (its T5), but diffusers 0.42's text-encoder LoRA loader
+    maps only CLIP's module names (q_proj, ..., fc2) from PEFT to its own format: T5 keys named text_encoder.* make
+    load_lora_weights fail. So --to diffusers keeps FLUX.1's text_encoder_2.* for the T5, which the pipeline skips
+    while it loads every DiT key (docs/lora_format.md, the loader table)."""
+    import pytest
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+    from peft.tuners.lora import LoraLayer
+
+    family = get_family("chroma")
+    c = family.load(LoadOptions("tiny:chroma"))
+    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c),
+                         train_t5xxl="True")
+    kohya = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    peft = convert(kohya, "diffusers", "chroma.safetensors", {"ss_base_model_version": "chroma"})
+    assert len([k for k in peft if k.startswith("text_encoder_2.encoder.block.")]) == 2 * 168
+
+    def pipe():
+        return ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=c.vae,
+                              text_encoder=copy.deepcopy(c.text_encoders[0]), tokenizer=c.tokenizers[0],
+                              transformer=copy.deepcopy(c.denoiser))
+
+    p = pipe()
+    p.load_lora_weights(peft)
+    assert sum(isinstance(m, LoraLayer) for m in p.transformer.modules()) == 2 * 2 * 6 + 3 * 5  # every DiT key
+    assert not any(isinstance(m, LoraLayer) for m in p.text_encoder.modules())
+    as_text_encoder = {("text_encoder." + k[len("text_encoder_2."):] if k.startswith("text_encoder_2.") else k): v
+                       for k, v in peft.items()}
+    with pytest.raises(ValueError, match="Could not automatically infer state dict type"):
+        pipe().load_lora_weights(as_text_encoder)
