@@ -214,8 +214,9 @@ def _kohya_module(name: str, down: torch.Tensor, up: torch.Tensor) -> dict[str, 
 
 # Chroma's T5 in kohya names: sd-scripts' lora_flux.py (and we) write it as FLUX.1's third encoder, lora_te3_;
 # ComfyUI's key map (comfy/lora.py, model_lora_keys_clip) numbers a T5 that has no CLIP-L / CLIP-G beside it
-# as the first: lora_te1_encoder_block_N_... . A T5 module name is never a CLIP one (text_model_encoder_layers_).
-_T5_KOHYA, _T5_COMFY_ALONE = "lora_te3_encoder_", "lora_te1_encoder_"
+# as the first: lora_te1_encoder_block_N_... . A T5 module name is never a CLIP one (text_model_encoder_layers_)
+# nor HunyuanDiT's BERT (lora_te1_encoder_layer_N_...).
+_T5_KOHYA, _T5_COMFY_ALONE = "lora_te3_encoder_block_", "lora_te1_encoder_block_"
 
 
 def is_chroma_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
@@ -261,7 +262,7 @@ def lumina_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _comfy_text_encoder_names_to_kohya(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ComfyUI's names for Chroma's lone T5 (lora_te1_encoder_...: a T5 module is never CLIP-L) and Lumina's Gemma-2
+    """ComfyUI's names for Chroma's lone T5 (lora_te1_encoder_block_...: never CLIP-L's) and Lumina's Gemma-2
     (text_encoders.gemma2_2b.transformer.model.<path>) back to ours."""
     out = {}
     for key, value in state.items():
