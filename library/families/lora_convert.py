@@ -297,9 +297,10 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
                 return chroma_to_comfy(kohya)
             raise UnsupportedLoraError(f"{source}: the comfy layout is for Anima LoRAs (lora_unet_blocks_N_…, "
                                        f"lora_te_layers_N_…), HunyuanImage LoRAs (lora_unet_double_blocks_N_"
-                                       f"img_mlp_fc1, …) and Chroma LoRAs (ss_base_model_version chroma); this file "
-                                       f"is none of them (first key {next(iter(kohya))!r}); FLUX.1, SD and SDXL "
-                                       f"files load in ComfyUI as they are")
+                                       f"img_mlp_fc1, …), Chroma LoRAs (ss_base_model_version chroma) and Lumina LoRAs "
+                                       f"(lora_unet_layers_N_attention_qkv, …); this file is none of them (first key "
+                                       f"{next(iter(kohya))!r}); SD, SDXL, FLUX.1 and SD3 files load in ComfyUI as "
+                                       f"they are")
         return anima_lora.to_comfy(kohya)
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
 
