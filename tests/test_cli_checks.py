@@ -126,3 +126,22 @@ def test_unknown_config_file_keys_are_all_reported(tmp_path, capsys):
         f"error: {cfg}: network.network_alpah: unknown flag (did you mean network_alpha?)",
         f"{cfg}: network.network_dimm: unknown flag (did you mean network_dim?)",
     ]
+
+
+def test_output_name_must_be_a_file_name_not_a_path(tmp_path, capsys, no_training):
+    """Issue 22: --output_name is joined to --output_dir for the model, its states and <name>_config.toml, so a
+    path there wrote outside the folder (`../../../outside/pwn` three levels up). A folder part, `..`, an absolute
+    path, an empty name or a NUL is one line naming the flag, exit 2, before anything loads; nothing is written."""
+    out = tmp_path / "a" / "b" / "out"
+    for name, problem in (("../../../outside/pwn", "is a path"), (str(tmp_path / "abs"), "is a path"),
+                          ("sub/lora", "is a path"), ("..", "is a path"), ("win\\lora", "is a path"),
+                          ("", "is empty"), ("lo\0ra", "contains a NUL character")):
+        code = run_training("sd", "test", _argv(str(out), "--output_name", name))
+        err = capsys.readouterr().err.strip()
+        assert code == 2, name
+        assert err == (f"error: --output_name {name!r}: {problem}; expected a file name such as my_lora "
+                       "(no '/', '\\' or '..'; the folder is --output_dir)"), err
+    assert os.listdir(tmp_path) == []
+    for name in ("my_lora", "my.lora-v2", "..lora"):  # names with dots stay names
+        code = run_training("sd", "test", _argv(str(out), "--output_name", name, "--check_config"))
+        assert code == 0, (name, capsys.readouterr().err)

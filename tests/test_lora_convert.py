@@ -1,5 +1,7 @@
 """Key conversion kohya <-> diffusers/PEFT <-> ai-toolkit: golden key names, exact round trips, diffusers parity."""
 
+import re
+
 import pytest
 import torch
 
@@ -178,3 +180,54 @@ def test_convert_full_size_flux_lora_to_diffusers_saves(tmp_path):
     assert len(out) == 2 * 19 * (14) + 2 * 38 * 6
     back = to_kohya(out, "peft")
     assert _max_delta_error(sd, back) < 1e-5
+
+
+def test_lumina_to_comfy_gives_gemma2_the_names_comfyuis_key_map_uses(tmp_path):
+    """ComfyUI (a125cd84, comfy/lora.py) reads a Lumina LoRA's DiT by its kohya names but has none for Gemma-2: it
+    maps a text-encoder weight by kohya name only for CLIP, T5 and HunyuanDiT's BERT, and every one by its generic
+    name `text_encoders.<state-dict key>`; Lumina's encoder is `gemma2_2b.transformer.model.` + transformers' Gemma-2
+    names (comfy/text_encoders/lumina2.py, llama.py). --to comfy renames exactly the Gemma-2 keys; they read back."""
+    from safetensors.torch import load_file
+
+    from library.families import get_family
+    from library.families.base import LoadOptions
+    from library.families.lora_convert import load_lora_file
+    from networks.lora import create_network
+    from tools import convert_lora
+
+    family = get_family("lumina")
+    c = family.load(LoadOptions("tiny:lumina"))
+    net = create_network(1.0, 4, 2, c.vae, c.text_encoders, c.denoiser, lora_targets=family.lora_targets(c))
+    src, dst = str(tmp_path / "lumina.safetensors"), str(tmp_path / "lumina_comfy.safetensors")
+    net.save_weights(src, None, {"ss_base_model_version": "lumina2", "ss_network_module": "networks.lora_lumina"})
+    kohya = load_file(src)
+    # the key map, as data: the DiT's weights (NextDiT's own names, as ComfyUI's model holds them under
+    # diffusion_model.) as lora_unet_<key with . -> _> and diffusion_model.<key>; Gemma-2's by the generic name
+    dit = [k[:-len(".weight")] for k in family.single_file_state_dict(c) if k.endswith(".weight")]
+    gemma = [k[:-len(".weight")] for k in c.text_encoders[0].state_dict() if k.endswith(".weight")]
+    key_map = ({f"lora_unet_{k.replace('.', '_')}" for k in dit} | {f"diffusion_model.{k}" for k in dit}
+               | {f"text_encoders.gemma2_2b.transformer.model.{k}" for k in gemma})
+
+    def unused(state):
+        return {k for k in state if k.rpartition(".lora_")[0] not in key_map and k.rpartition(".alpha")[0] not in key_map}
+
+    te_keys = {k for k in kohya if k.startswith("lora_te_")}
+    assert len(te_keys) == 546 and unused(kohya) == te_keys  # 26 layers x 7 modules x 3 keys: all unused as is
+
+    assert convert_lora.main(["--src_path", src, "--dst_path", dst, "--to", "comfy"]) == 0
+    comfy = load_file(dst)
+    gemma_name = re.compile(r"^lora_te_layers_(\d+)_(self_attn|mlp)_([a-z]+_proj)\.(lora_down\.weight|lora_up\.weight|alpha)$")
+    assert all(gemma_name.match(k) for k in te_keys)
+    renamed = {k: "text_encoders.gemma2_2b.transformer.model.layers.{}.{}.{}.{}".format(*gemma_name.match(k).groups())
+               for k in te_keys}
+    assert "text_encoders.gemma2_2b.transformer.model.layers.0.self_attn.q_proj.lora_down.weight" in comfy
+    assert "text_encoders.gemma2_2b.transformer.model.layers.25.mlp.gate_proj.alpha" in comfy
+    assert set(comfy) == (set(kohya) - te_keys) | {renamed[k] for k in te_keys}
+    assert not [k for k in comfy if "qwen3" in k]  # not taken for an Anima file (same Qwen3 / Gemma-2 names)
+    assert unused(comfy) == set()
+    name = "layers.3.self_attn.k_proj.lora_up.weight"
+    assert torch.equal(comfy["text_encoders.gemma2_2b.transformer.model." + name],
+                       kohya["lora_te_" + name.replace(".lora_up.weight", "").replace(".", "_") + ".lora_up.weight"])
+
+    assert convert(comfy, "kohya", dst).keys() == kohya.keys()  # and back, and readable by every tool
+    assert len(load_lora_file(dst).modules) == len(kohya) // 3

@@ -581,7 +581,8 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
     # the scripts' --help (the Performance options' flags) is not what this test is about: the option flags as given
     flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
     monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
-    c = TestClient(create_app(jobs_dir, find_gpus=list))
+    # the templates' other model files stay /models/... placeholders: that folder is one the server allows
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
     templates = {t["name"]: t for t in c.get("/api/templates").json()}
     jobs = {}
     for (family, mode), script in NEW_FAMILY_SCRIPTS.items():
@@ -629,3 +630,268 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
     assert written[("anima", "finetune")]["optimizer"]["llm_adapter_lr"] == 0
     assert written[("chroma", "finetune")]["model"]["model_type"] == "chroma"
     assert all(w["model"]["pretrained_model_name_or_path"].startswith("tiny:") for w in written.values())
+
+
+# --- issue 22 item 4: hostile settings, planted links and ids -----------------------------------------------
+
+def _put_config(client, job_id, section, key, value):
+    settings = client.get(f"/api/jobs/{job_id}/settings").json()
+    settings["config"].setdefault(section, {})[key] = value
+    return client.put(f"/api/jobs/{job_id}/settings", json=settings)
+
+
+def test_output_name_that_is_a_path_is_refused_and_the_run_writes_nothing_outside(client, jobs_dir, tmp_path):
+    """`output_name = "../../../outside/pwn"` was saved (200: the trainer's --check_config took it) and the run
+    wrote pwn.safetensors, pwn-state/ and pwn_config.toml three levels up; an absolute name too. Now the save is
+    422 naming the field, nothing is written; and a config.toml edited by hand to hold it is refused by the
+    trainer itself (exit code 2, its one line in the log) before anything is written."""
+    _create(client)
+    config_path = os.path.join(jobs_dir, "1", "config.toml")
+    before = open(config_path).read()
+    outside = tmp_path / "outside"
+    for name in ("../../../outside/pwn", str(outside / "pwn"), "sub/pwn", "..", "a\\b", "p\0wn"):
+        r = _put_config(client, 1, "output", "output_name", name)
+        assert r.status_code == 422, (name, r.text)
+        assert r.json()["detail"] == {
+            "error": f"output_name {name!r}: expected a name, not a path (no '/', '\\', '..' or NUL): the run's "
+                     "files go into the job's folder", "field": "output_name"}
+        assert open(config_path).read() == before
+    for key in ("log_prefix", "log_tracker_name"):  # joined to logging_dir the same way
+        r = _put_config(client, 1, "output", key, "../../../outside/x")
+        assert (r.status_code, r.json()["detail"]["field"]) == (422, key)
+    assert not outside.exists()
+
+    config = toml.load(config_path)  # a hand-edited config.toml: the trainer's own check
+    config["output"]["output_name"] = "../../../outside/pwn"
+    with open(config_path, "w") as f:
+        toml.dump(config, f)
+    client.post("/api/jobs/1/start")
+    assert client.app.state.runner.wait(1, 120) == "failed"
+    assert client.get("/api/jobs/1/status").json()["exit_code"] == 2
+    log = open(os.path.join(jobs_dir, "1", "train.log")).read()
+    assert ("error: --output_name '../../../outside/pwn': is a path; expected a file name such as my_lora "
+            "(no '/', '\\' or '..'; the folder is --output_dir)") in log
+    assert not outside.exists() and sorted(os.listdir(tmp_path)) == ["jobs"]
+
+
+def test_every_path_setting_is_contained(jobs_dir, tmp_path):
+    """Each setting that names a path: what the run writes into must be inside the job's folder, what it reads
+    (models, LoRA weights, states, tracker and scheduler TOMLs, data folders) inside the roots or the job's
+    folder; 403 naming the field, before the trainer's check. Presets, hub ids and resume = "auto" are no paths."""
+    root = tmp_path / "data"
+    root.mkdir()
+    c = TestClient(create_app(jobs_dir, data_roots=[str(root), os.path.join(os.path.dirname(__file__), "..")]))
+    _create(c)
+    job = os.path.join(jobs_dir, "1")
+    outside = str(tmp_path / "elsewhere")
+    refused = [("diagnostics", "profiler_trace_dir", str(root / "trace"), "outside the job's folder"),
+               ("diagnostics", "profiler_trace_dir", "../trace", "outside the job's folder"),
+               ("network", "network_weights", outside + "/w.safetensors", "outside the allowed folders"),
+               ("network", "base_weights", [str(root / "a.safetensors"), outside], "outside the allowed folders"),
+               ("training", "resume", "/etc", "outside the allowed folders"),
+               ("model", "pretrained_model_name_or_path", "../../../../model.safetensors", "outside the allowed"),
+               ("model", "vae", outside, "outside the allowed folders"),
+               ("output", "log_tracker_config", "/etc/passwd", "outside the allowed folders"),
+               ("dataset", "train_data_dir", outside, "outside the allowed folders")]
+    for section, key, value, why in refused:
+        r = _put_config(c, 1, section, key, value)
+        assert r.status_code == 403, (key, value, r.text)
+        assert r.json()["detail"]["field"] == key and why in r.json()["detail"]["error"], r.text
+    r = _put_config(c, 1, "model", "vae", "a\0b")
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "vae 'a\\x00b': a path cannot contain a NUL character", "field": "vae"}
+
+    from webui.folders import Roots, settings_path_refusal
+
+    roots = Roots([str(root)])
+    ok = {"model": {"pretrained_model_name_or_path": "tiny:sd1", "t5_tokenizer_path": "google/t5-v1_1-xxl",
+                    "vae": str(root / "vae.safetensors")},
+          "training": {"resume": "auto", "profiler_trace_dir": os.path.join(job, "output", "trace")},
+          "network": {"network_weights": os.path.join(job, "output", "lora.safetensors")}}
+    assert settings_path_refusal({"config": ok}, job, roots) is None
+    assert settings_path_refusal({"config": {"training": {"resume": os.path.join(job, "output", "lora-state")}}},
+                                 job, roots) is None
+    os.symlink(outside, str(root / "link"))  # inside by name, outside after the link
+    assert settings_path_refusal({"config": {"network": {"network_weights": str(root / "link" / "w")}}}, job,
+                                 roots)[:2] == (403, f"network_weights {root}/link/w: outside the allowed folders "
+                                                     f"({root}; the server's --data_root) and the job's folder")
+
+
+def test_every_path_valued_trainer_flag_is_classified_by_the_web_ui():
+    """A new flag that takes a text must be sorted here: a path the UI contains (webui.folders), a key it manages
+    (jobfiles.MANAGED_KEYS) or no path at all (the list below). Else a new path flag would go unchecked."""
+    import argparse
+
+    from library.cli.entry import build_parser
+    from library.families import get_family
+    from webui import folders
+    from webui.jobfiles import MANAGED_KEYS
+
+    not_paths = {
+        "attn_mode", "block_lr", "caption_extension", "caption_prefix", "caption_separator", "caption_suffix",
+        "dynamo_mode", "ema_device", "face_crop_aug_range", "huber_schedule", "keep_tokens_separator", "log_with",
+        "loss_type", "lr_decay_steps", "lr_scheduler", "lr_scheduler_args", "lr_scheduler_type", "lr_warmup_steps",
+        "metadata_author", "metadata_description", "metadata_license", "metadata_tags", "metadata_title",
+        "mixed_precision", "model_prediction_type", "model_type", "network_args", "network_module",
+        "offload_optimizer_device", "offload_param_device", "optimizer_args", "optimizer_type", "prediction_type",
+        "profiler_trace_steps", "resize_interpolation", "resolution", "resolution_schedule",
+        "resolution_step_fractions", "sample_sampler", "save_model_as", "save_precision", "secondary_separator",
+        "system_prompt", "timestep_bias_strategy", "timestep_sampling", "timestep_spacing", "training_comment",
+        "wandb_api_key", "wandb_run_name", "weighting_scheme"}
+    classified = set(folders.NAME_KEYS + folders.JOB_FOLDER_KEYS + folders.READ_PATH_KEYS + MANAGED_KEYS)
+    text_flags = set()
+    for family in ("sd", "sdxl", "flux", "sd3", "anima", "lumina", "hunyuan_image"):
+        for fine_tune in (False, True):
+            for a in build_parser("", get_family(family), fine_tune)._actions:
+                if a.option_strings and a.nargs != 0 and a.type in (None, str) \
+                        and not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+                    text_flags.add(a.dest)
+    assert sorted(text_flags - classified - not_paths) == []
+    assert classified & not_paths == set()
+
+
+def test_deleting_event_files_never_follows_a_link(client, jobs_dir, tmp_path):
+    """A symbolic link planted at output/logs made DELETE .../tensorboard_events delete the event files it
+    pointed at. Now a link at output/ or output/logs/ is 409 and nothing is deleted; a link below is not
+    descended; a link named like an event file is left alone; the outside files survive every case."""
+    _create(client)
+    outside = tmp_path / "outside"
+    (outside / "run").mkdir(parents=True)
+    kept = [outside / "events.out.tfevents.1.host", outside / "run" / "events.out.tfevents.2.host"]
+    for f in kept:
+        f.write_text("not the UI's")
+    output = os.path.join(jobs_dir, "1", "output")
+    os.makedirs(output)
+    os.symlink(str(outside), os.path.join(output, "logs"))
+    r = client.delete("/api/jobs/1/tensorboard_events?confirm=yes")
+    assert [f.exists() for f in kept] == [True, True]
+    assert r.status_code == 409 and r.json()["detail"].startswith(f"{output}/logs: not a folder of the job's own")
+    assert client.post("/api/jobs/1/tensorboard").status_code == 409  # nor is TensorBoard started on it
+    assert client.post("/api/jobs/1/start").status_code == 409  # nor a run that would log through it
+    assert client.get("/api/jobs/1").json()["status"] == "draft"
+    client.app.state.store.update_job(1, status="queued")  # queued before the link was planted: never started
+    client.app.state.runner.refresh()
+    assert client.get("/api/jobs/1").json()["status"] == "failed"
+    assert client.get("/api/jobs/1/status").json()["runs"] == []
+
+    os.remove(os.path.join(output, "logs"))  # a real logs/ with links below it
+    os.makedirs(os.path.join(output, "logs", "network_train"))
+    own = os.path.join(output, "logs", "network_train", "events.out.tfevents.3.host")
+    open(own, "w").close()
+    os.symlink(str(outside), os.path.join(output, "logs", "network_train", "linked_run"))
+    os.symlink(str(kept[0]), os.path.join(output, "logs", "events.out.tfevents.9.link"))
+    assert client.delete("/api/jobs/1/tensorboard_events?confirm=yes").json() == {"deleted": 1}
+    assert not os.path.exists(own) and all(f.read_text() == "not the UI's" for f in kept)
+
+    os.rename(output, output + ".real")  # a link in place of output/ itself
+    os.symlink(str(tmp_path), output)
+    assert client.delete("/api/jobs/1/tensorboard_events?confirm=yes").status_code == 409
+    assert all(f.read_text() == "not the UI's" for f in kept)
+
+
+def test_the_ui_writes_nothing_through_a_planted_link(client, jobs_dir, tmp_path, monkeypatch):
+    """The settings check's scratch folder, the run's train.log and exit code, and a duplicated job's accelerate
+    config: a link planted at any of them is not written (nor read) through."""
+    import subprocess
+    import sys
+
+    import webui.jobfiles
+    import webui.runner
+
+    _create(client)
+    folder = os.path.join(jobs_dir, "1")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "log.txt").write_text("mine\n")
+    (outside / "secret.yaml").write_text("secret: 1\n")
+    os.symlink(str(outside), os.path.join(folder, ".check"))  # the scratch folder the check once reused
+    ran = []
+    monkeypatch.setattr(webui.jobfiles.subprocess, "run",  # the trainer's check: not what this test is about
+                        lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""))
+    assert client.put("/api/jobs/1/settings", json=client.get("/api/jobs/1/settings").json()).status_code == 200
+    assert [a[-1] for a in ran if a[-1] == "--check_config"] == ["--check_config"]
+    assert sorted(os.listdir(outside)) == ["log.txt", "secret.yaml"]
+
+    os.symlink(str(outside / "log.txt"), os.path.join(folder, "train.log"))
+    os.symlink(str(outside / "exit"), os.path.join(folder, "exit_code"))
+    monkeypatch.setattr(webui.runner, "training_command", lambda job, f: [sys.executable, "-c", "print('ran')"])
+    client.post("/api/jobs/1/start")
+    assert client.app.state.runner.wait(1, 30) == "finished"
+    assert (outside / "log.txt").read_text() == "mine\n" and not (outside / "exit").exists()
+    assert not os.path.islink(os.path.join(folder, "train.log"))
+    assert "ran" in open(os.path.join(folder, "train.log")).read()
+
+    os.symlink(str(outside / "secret.yaml"), os.path.join(folder, "accelerate_config.yaml"))
+    client.post("/api/jobs/1/duplicate")
+    assert not os.path.exists(os.path.join(jobs_dir, "2", "accelerate_config.yaml"))
+
+
+HOSTILE_IDS = ("0", "-1", "99999999999999999999999999999999", "9223372036854775808", "-9223372036854775809",
+               "abc", "1.5", "%00", "1e3", "0x1", "%EF%BC%91")
+HOSTILE_PATHS = ("output/%00", "%00", "a%00b", "%ff", "%c3%28", "..%2f..%2fjobs.sqlite3", "x" * 5000,
+                 "output/" + "a/" * 300, "%ed%a0%80", "%0a")
+HOSTILE_BODIES = (None, [], "x", 1, {"template": ["tiny_sd1_lora"]}, {"template": {"a": 1}}, {"name": ["x"]},
+                  {"launcher": ["python"]}, {"name": "x" * 1000}, {"name": "\0"}, {"config": [], "dataset": 3},
+                  {"config": {"output": {"output_name": "\0"}}}, {"config": {"model": {"vae": ["\0"]}}},
+                  {"config": {"a": {"b": {"network_weights": "/etc/passwd"}}}},
+                  {"dataset": {"datasets": [{"subsets": [{"image_dir": "\0"}]}]}},
+                  {"dataset": {"datasets": [{"subsets": [{"image_dir": ["a"]}]}]}}, {"dataset": {"datasets": "x"}},
+                  {"launch": {"gpu_ids": [10**30]}}, {"launch": {"strategy": ["x"]}}, {"prompts": [1, None, {}]},
+                  {"config": {"training": {"max_train_steps": 10**30}}})
+
+
+def test_no_route_answers_5xx_to_hostile_ids_paths_and_bodies(jobs_dir, monkeypatch):
+    """An id beyond SQLite's integer answered 500 on every route, a NUL in a file path 500: now every route,
+    with every hostile id, path, query and body below, answers below 500: ids that name no job are 404, paths
+    with a NUL 400. (Runs, TensorBoard and the trainer's check are stand-ins: the answers are what is tested.)"""
+    import subprocess
+
+    import webui.jobfiles
+    from webui.runner import Runner
+    from webui.tensorboard import TensorBoards
+
+    monkeypatch.setattr(Runner, "_launch", lambda self, job: self.store.update_job(job["id"], status="finished"))
+    monkeypatch.setattr(TensorBoards, "start", lambda self, job_id, logdir, log_path: self.status(job_id))
+    monkeypatch.setattr(webui.jobfiles.subprocess, "run",
+                        lambda argv, **kw: subprocess.CompletedProcess(argv, 0, "", ""))
+    app = create_app(jobs_dir, find_gpus=list)
+    c = TestClient(app, raise_server_exceptions=False)
+    _create(c)
+    assert c.get("/api/jobs/99999999999999999999999999999999/settings").json() == {
+        "detail": "no job 99999999999999999999999999999999"}
+    assert c.get("/api/jobs/1/revisions/9223372036854775808").json() == {
+        "detail": "job 1 has no settings revision 9223372036854775808"}
+    assert c.get("/api/jobs/1/files/output/%00").json() == {"detail": "path: a path cannot contain a NUL character"}
+    answers = []  # (method, url, keywords, status)
+
+    def hit(method, url, **kw):
+        answers.append((method, url[:100], repr(kw)[:100], c.request(method, url, **kw).status_code))
+
+    for route in [r for r in app.routes if hasattr(r, "methods")]:
+        for method in sorted(route.methods - {"HEAD"}):
+            path = route.path
+            query = "?confirm=yes" if method == "DELETE" else ""
+            if "{" not in path:
+                for value in HOSTILE_PATHS if path in ("/api/folders", "/api/image") else ():
+                    hit(method, f"{path}?path={value}")
+                for body in HOSTILE_BODIES if method in ("POST", "PUT", "PATCH") else ():
+                    hit(method, path, json=body)
+                hit(method, path)
+                continue
+            for bad in HOSTILE_IDS:
+                hit(method, path.replace("{job_id}", bad).replace("{revision_id}", "1")
+                    .replace("{path:path}", "config.toml") + query)
+                if "{job_id}" in path:
+                    assert answers[-1][-1] == 404, answers[-1]
+                if "{revision_id}" in path:
+                    hit(method, path.replace("{job_id}", "1").replace("{revision_id}", bad))
+                    assert answers[-1][-1] == 404, answers[-1]
+            for value in HOSTILE_PATHS if "{path:path}" in path else ():
+                hit(method, path.replace("{job_id}", "1").replace("{path:path}", value))
+            for body in HOSTILE_BODIES if method in ("POST", "PUT", "PATCH") else ():
+                hit(method, path.replace("{job_id}", "1").replace("{revision_id}", "1"), json=body)
+    for offset in ("99999999999999999999999", "-1", "1e9"):
+        hit("GET", "/api/jobs/1/log?follow=false", headers={"Last-Event-ID": offset})
+    assert len(answers) >= 500  # 505 with the routes of today: every route was reached
+    assert [a for a in answers if a[-1] >= 500] == []
+    assert {a[-1] for a in answers if "files/output/%00" in a[1] or "path=%00" in a[1]} == {400}

@@ -47,7 +47,11 @@ def _free_port() -> int:
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the training run inherits it (shared 2-core machines)
-    app = create_app(str(tmp_path / "jobs"), stop_timeout=30, find_gpus=list)  # as on a machine without GPUs
+    from webui.jobfiles import REPO_ROOT
+
+    # as on a machine without GPUs; the templates' /models/... placeholders are in an allowed folder
+    app = create_app(str(tmp_path / "jobs"), stop_timeout=30, find_gpus=list,
+                     data_roots=[REPO_ROOT, os.getcwd(), "/models"])
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

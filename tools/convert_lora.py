@@ -1,9 +1,10 @@
-"""Convert a LoRA between the kohya, diffusers/PEFT, ai-toolkit (Flux) and ComfyUI (Anima) layouts; the source
-layout is detected.
+"""Convert a LoRA between the kohya, diffusers/PEFT, ai-toolkit (Flux) and ComfyUI (Anima, HunyuanImage, Chroma, Lumina)
+layouts; the source layout is detected.
 
     python tools/convert_lora.py --src_path kohya.safetensors --dst_path peft.safetensors --to diffusers
     python tools/convert_lora.py --src_path ai_toolkit_flux.safetensors --dst_path kohya.safetensors --to kohya
     python tools/convert_lora.py --src_path anima_lora.safetensors --dst_path anima_comfy.safetensors --to comfy
+    python tools/convert_lora.py --src_path chroma_lora.safetensors --dst_path chroma_comfy.safetensors --to comfy
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run(argv=None) -> None:
     dtype = parse_precision(args.save_precision)
     state, metadata = read_state_dict(args.src_path)
     source_layout = detect_layout(state, args.src_path)
-    out = convert(state, args.to, args.src_path)
+    out = convert(state, args.to, args.src_path, metadata)
     if dtype is not None:
         out = {k: v.to(dtype) for k, v in out.items()}
     md = {k: v for k, v in metadata.items() if not k.startswith("sshs_") and k != "modelspec.hash_sha256"}

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from fastapi import Body, FastAPI, HTTPException, Query, Request
+from fastapi import Body, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from webui import logs, performance
-from webui.folders import Roots, dataset_paths, missing_dataset_folders
+from webui.folders import Roots, missing_dataset_folders, settings_path_refusal
 from webui.hardware import gpus
 from webui.history import changes
-from webui.jobfiles import (IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, SettingsError, model_type_refusal, script_for,
-                            templates)
+from webui.jobfiles import (IMAGE_EXTENSIONS, REPO_ROOT, JobFolder, PlantedLink, SettingsError, model_type_refusal,
+                            script_for, templates)
 from webui.multigpu import clean_launch, write_accelerate_config
 from webui.runner import LAUNCHERS, Runner, gpu_environment, shown_command, training_command
 from webui.store import ACTIVE, Store
@@ -28,6 +31,18 @@ from webui.tensorboard import TensorBoards
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 TOKEN_COOKIE = "webui_token"
 MAX_NAME = 120
+MAX_ID = 2**63 - 1  # SQLite's largest INTEGER: a larger id names no job (404), it is not a server error
+# Job and revision ids in a route: an integer 1..MAX_ID, else 404 (see ids_outside_the_store below).
+JobId = Annotated[int, Path(ge=1, le=MAX_ID)]
+RevisionId = Annotated[int, Path(ge=1, le=MAX_ID)]
+_OFFSET_RE = re.compile(r"[0-9]{1,18}")  # a Last-Event-ID byte offset
+
+
+def clean_path_param(value: str, what: str) -> str:
+    """A path from the URL: 400 when it holds a NUL (no file has one; the OS calls would raise)."""
+    if "\0" in value:
+        raise HTTPException(400, f"{what}: a path cannot contain a NUL character")
+    return value
 
 
 def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float = 60.0,
@@ -56,12 +71,34 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
             response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
         return response
 
+    @app.exception_handler(RequestValidationError)
+    async def ids_outside_the_store(request: Request, exc: RequestValidationError):
+        """A job or revision id in the path that is no integer in 1..MAX_ID names nothing: 404 (FastAPI's
+        422 stays for the query and the body)."""
+        bad = [e["loc"][1] for e in exc.errors() if tuple(e.get("loc", ()))[:1] == ("path",)]
+        if bad:
+            given = request.path_params
+            detail = (f"no job {given.get('job_id')}" if "job_id" in bad else
+                      f"job {given.get('job_id')} has no settings revision {given.get('revision_id')}")
+            return JSONResponse({"detail": detail}, status_code=404)
+        return await request_validation_exception_handler(request, exc)
+
     # --- helpers -------------------------------------------------------------------------------------
     def job_or_404(job_id: int) -> dict[str, Any]:
         job = store.job(job_id)
         if job is None:
             raise HTTPException(404, f"no job {job_id}")
         return job
+
+    def own_folder(job_id: int) -> JobFolder:
+        """The job's folder, 409 when it, output/ or output/logs/ is a symbolic link (the UI makes none; a run,
+        TensorBoard or a deletion through one would write or delete outside the jobs folder)."""
+        folder = JobFolder(jobs_dir, job_id)
+        link = folder.planted_link()
+        if link is not None:
+            raise HTTPException(409, f"{link}: a symbolic link, not the job's own folder: not followed "
+                                     "(remove the link)")
+        return folder
 
     def describe(job: dict[str, Any]) -> dict[str, Any]:
         folder = JobFolder(jobs_dir, job["id"])
@@ -81,14 +118,15 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
 
     def check_and_write(job: dict[str, Any], settings: dict[str, Any], check: bool = True,
                         what: Optional[str] = None) -> dict[str, Any]:
-        """Refuse paths outside the roots (403) and options this machine cannot use (422) at once, then run
-        the trainer's check and the accelerate config generator; write; keep a revision. Returns the settings."""
-        folder = JobFolder(jobs_dir, job["id"])
-        for key, path in dataset_paths(settings.get("dataset") or {}):
-            if roots.inside(path) is None:
-                raise HTTPException(403, {"error": f"{key} {path}: outside the allowed folders "
-                                                   f"({', '.join(roots.roots)}; the server's --data_root)",
-                                          "field": key})
+        """Refuse paths outside the job's folder and the roots (403), names that are paths (422) and options
+        this machine cannot use (422) at once, then run the trainer's check and the accelerate config
+        generator; write; keep a revision. Returns the settings. `check` False: the settings are the server's
+        own template (as when a job is created): no path nor trainer check."""
+        folder = own_folder(job["id"])
+        refused_path = settings_path_refusal(settings, folder.path, roots) if check else None
+        if refused_path:
+            status, error, field = refused_path
+            raise HTTPException(status, {"error": error, "field": field})
         if check:
             for key, path, where in missing_dataset_folders(settings.get("dataset") or {}):
                 what = "file" if key == "metadata_file" else "folder"
@@ -151,12 +189,12 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     def create_job(body: dict = Body(...)) -> dict[str, Any]:
         all_templates = templates()
         name = body.get("template")
-        if name not in all_templates:
+        if not isinstance(name, str) or name not in all_templates:
             raise HTTPException(422, {"error": f"template: unknown template {name!r}; one of "
                                                f"{', '.join(sorted(all_templates))}", "field": "template"})
         t = all_templates[name]
         launcher = body.get("launcher", default_launcher)
-        if launcher not in LAUNCHERS:
+        if not isinstance(launcher, str) or launcher not in LAUNCHERS:
             raise HTTPException(422, {"error": f"launcher: one of {', '.join(LAUNCHERS)}", "field": "launcher"})
         job_id = store.create_job(clean_name(body.get("name") or t["template"]["title"]), name,
                                   t["template"]["family"], t["template"]["mode"], launcher)
@@ -167,30 +205,30 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         return describe(job)
 
     @app.get("/api/jobs/{job_id}")
-    def get_job(job_id: int) -> dict[str, Any]:
+    def get_job(job_id: JobId) -> dict[str, Any]:
         runner.refresh()
         return describe(job_or_404(job_id))
 
     @app.post("/api/jobs/{job_id}/duplicate", status_code=201)
-    def duplicate_job(job_id: int, body: Optional[dict] = Body(None)) -> dict[str, Any]:
+    def duplicate_job(job_id: JobId, body: Optional[dict] = Body(None)) -> dict[str, Any]:
         job = job_or_404(job_id)
         name = clean_name((body or {}).get("name") or f"{job['name']} (copy)"[:MAX_NAME])
         new_id = store.create_job(name, job["template"], job["family"], job["mode"], job["launcher"])
         source, copy = JobFolder(jobs_dir, job_id), JobFolder(jobs_dir, new_id)
         copy.write_settings(source.settings())
-        if os.path.isfile(source.accelerate_config_path):
+        if os.path.isfile(source.accelerate_config_path) and not os.path.islink(source.accelerate_config_path):
             shutil.copyfile(source.accelerate_config_path, copy.accelerate_config_path)
         store.add_revision(new_id, copy.settings(), f"duplicated from job {job_id}")
         return describe(store.job(new_id))
 
     @app.patch("/api/jobs/{job_id}")
-    def update_job(job_id: int, body: dict = Body(...)) -> dict[str, Any]:
+    def update_job(job_id: JobId, body: dict = Body(...)) -> dict[str, Any]:
         job_or_404(job_id)
         values = {}
         if "name" in body:
             values["name"] = clean_name(body["name"])
         if "launcher" in body:
-            if body["launcher"] not in LAUNCHERS:
+            if not isinstance(body["launcher"], str) or body["launcher"] not in LAUNCHERS:
                 raise HTTPException(422, {"error": f"launcher: one of {', '.join(LAUNCHERS)}", "field": "launcher"})
             values["launcher"] = body["launcher"]
         if values:
@@ -198,7 +236,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         return describe(store.job(job_id))
 
     @app.delete("/api/jobs/{job_id}")
-    def delete_job(job_id: int, confirm: str = Query("")) -> dict[str, Any]:
+    def delete_job(job_id: JobId, confirm: str = Query("")) -> dict[str, Any]:
         job = job_or_404(job_id)
         if confirm != "yes":
             raise HTTPException(400, "deleting a job removes its folder and trained files: repeat with ?confirm=yes")
@@ -216,12 +254,12 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
 
     # --- settings ------------------------------------------------------------------------------------
     @app.get("/api/jobs/{job_id}/settings")
-    def get_settings(job_id: int) -> dict[str, Any]:
+    def get_settings(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return JobFolder(jobs_dir, job_id).settings()
 
     @app.put("/api/jobs/{job_id}/settings")
-    def put_settings(job_id: int, body: dict = Body(...)) -> dict[str, Any]:
+    def put_settings(job_id: JobId, body: dict = Body(...)) -> dict[str, Any]:
         job = job_or_404(job_id)
         if job["status"] in ACTIVE:
             raise HTTPException(409, "the job is queued or running: stop it before changing its settings")
@@ -231,10 +269,12 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                 or not isinstance(settings["prompts"], list) or not isinstance(settings["launch"], dict):
             raise HTTPException(422, {"error": "expected {config: {...}, dataset: {...}, prompts: [...], "
                                                "launch: {...}}", "field": None})
+        if not all(isinstance(p, str) for p in settings["prompts"]):
+            raise HTTPException(422, {"error": "prompts: expected a list of texts", "field": "prompts"})
         return check_and_write(job, settings)
 
     @app.post("/api/jobs/{job_id}/revert")
-    def revert_settings(job_id: int) -> dict[str, Any]:
+    def revert_settings(job_id: JobId) -> dict[str, Any]:
         """Danger zone: the template's settings again."""
         job = job_or_404(job_id)
         if job["status"] in ACTIVE:
@@ -246,19 +286,19 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                                      "launch": {}}, check=False, what="reverted to the template")
 
     @app.get("/api/jobs/{job_id}/performance")
-    def performance_availability(job_id: int) -> list[dict[str, Any]]:
+    def performance_availability(job_id: JobId) -> list[dict[str, Any]]:
         """The Performance options, each with whether this machine, the family and the trainer can use it and
         why not (the page disables those; a save that turns one on is refused with 422)."""
         return performance_options(job_or_404(job_id))
 
     @app.get("/api/jobs/{job_id}/revisions")
-    def revisions(job_id: int) -> list[dict[str, Any]]:
+    def revisions(job_id: JobId) -> list[dict[str, Any]]:
         """The settings history, newest first: id, time, what changed."""
         job_or_404(job_id)
         return store.revisions(job_id)
 
     @app.get("/api/jobs/{job_id}/revisions/{revision_id}")
-    def revision(job_id: int, revision_id: int) -> dict[str, Any]:
+    def revision(job_id: JobId, revision_id: RevisionId) -> dict[str, Any]:
         job_or_404(job_id)
         rev = store.revision(job_id, revision_id)
         if rev is None:
@@ -266,7 +306,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         return rev
 
     @app.post("/api/jobs/{job_id}/revisions/{revision_id}/restore")
-    def restore_revision(job_id: int, revision_id: int) -> dict[str, Any]:
+    def restore_revision(job_id: JobId, revision_id: RevisionId) -> dict[str, Any]:
         """The settings of an earlier save again, checked as a save is (and kept as a new revision)."""
         job = job_or_404(job_id)
         if job["status"] in ACTIVE:
@@ -278,17 +318,18 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
 
     # --- runs ----------------------------------------------------------------------------------------
     @app.post("/api/jobs/{job_id}/start")
-    def start_job(job_id: int) -> dict[str, Any]:
+    def start_job(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
+        own_folder(job_id)
         return {"status": runner.start(job_id), "job": describe(store.job(job_id))}
 
     @app.post("/api/jobs/{job_id}/stop")
-    def stop_job(job_id: int) -> dict[str, Any]:
+    def stop_job(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return {"status": runner.stop(job_id), "job": describe(store.job(job_id))}
 
     @app.get("/api/jobs/{job_id}/status")
-    def job_status(job_id: int) -> dict[str, Any]:
+    def job_status(job_id: JobId) -> dict[str, Any]:
         runner.refresh()
         job = job_or_404(job_id)
         folder = JobFolder(jobs_dir, job_id)
@@ -297,14 +338,14 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                 "runs": store.runs(job_id)}
 
     @app.get("/api/jobs/{job_id}/log")
-    def log_stream(job_id: int, request: Request, follow: bool = True) -> StreamingResponse:
+    def log_stream(job_id: JobId, request: Request, follow: bool = True) -> StreamingResponse:
         """Server-sent events: the log's lines (event id = byte offset, so a reconnect goes on where it
         stopped), "Waiting for training to start..." while there is no log, and an `end` event when the
         job is not running and everything was sent."""
         job_or_404(job_id)
         folder = JobFolder(jobs_dir, job_id)
         last = request.headers.get("last-event-id", "")
-        offset = int(last) if last.isdigit() else 0
+        offset = int(last) if _OFFSET_RE.fullmatch(last) else 0
 
         def events():
             nonlocal offset
@@ -340,20 +381,20 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     @app.get("/api/jobs/{job_id}/history")
-    def loss_history(job_id: int) -> list[dict[str, Any]]:
+    def loss_history(job_id: JobId) -> list[dict[str, Any]]:
         """Loss and LR by step, parsed from the log (the console's chart)."""
         job_or_404(job_id)
         return logs.history(JobFolder(jobs_dir, job_id).log_path)
 
     @app.get("/api/jobs/{job_id}/samples")
-    def samples(job_id: int) -> list[dict[str, Any]]:
+    def samples(job_id: JobId) -> list[dict[str, Any]]:
         job_or_404(job_id)
         return JobFolder(jobs_dir, job_id).sample_images()
 
     @app.get("/api/jobs/{job_id}/files/{path:path}")
-    def job_file(job_id: int, path: str) -> Response:
+    def job_file(job_id: JobId, path: str) -> Response:
         job_or_404(job_id)
-        target = JobFolder(jobs_dir, job_id).resolve(path)
+        target = JobFolder(jobs_dir, job_id).resolve(clean_path_param(path, "path"))
         if target is None:
             raise HTTPException(403, "outside the job's folder")
         if not os.path.isfile(target):
@@ -361,31 +402,34 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
         return FileResponse(target)
 
     @app.get("/api/jobs/{job_id}/trained")
-    def trained(job_id: int) -> list[dict[str, Any]]:
+    def trained(job_id: JobId) -> list[dict[str, Any]]:
         """The trained files, for download through /files/."""
         job_or_404(job_id)
         return JobFolder(jobs_dir, job_id).trained_files()
 
     @app.delete("/api/jobs/{job_id}/tensorboard_events")
-    def delete_events(job_id: int, confirm: str = Query("")) -> dict[str, Any]:
+    def delete_events(job_id: JobId, confirm: str = Query("")) -> dict[str, Any]:
         job_or_404(job_id)
         if confirm != "yes":
             raise HTTPException(400, "repeat with ?confirm=yes to delete the job's TensorBoard event files")
-        return {"deleted": JobFolder(jobs_dir, job_id).delete_event_files()}
+        try:
+            return {"deleted": JobFolder(jobs_dir, job_id).delete_event_files()}
+        except PlantedLink as e:
+            raise HTTPException(409, str(e)) from None
 
     @app.get("/api/jobs/{job_id}/tensorboard")
-    def tensorboard_status(job_id: int) -> dict[str, Any]:
+    def tensorboard_status(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return boards.status(job_id)
 
     @app.post("/api/jobs/{job_id}/tensorboard")
-    def tensorboard_start(job_id: int) -> dict[str, Any]:
+    def tensorboard_start(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
-        folder = JobFolder(jobs_dir, job_id)
+        folder = own_folder(job_id)
         return boards.start(job_id, os.path.join(folder.output_dir, "logs"), os.path.join(folder.path, "tensorboard.log"))
 
     @app.delete("/api/jobs/{job_id}/tensorboard")
-    def tensorboard_stop(job_id: int) -> dict[str, Any]:
+    def tensorboard_stop(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return boards.stop(job_id)
 
@@ -397,7 +441,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     def folders(path: str = "") -> dict[str, Any]:
         """The folder picker: subfolders with image counts, the folder's image count and first images."""
         try:
-            return roots.listing(path or None)
+            return roots.listing(clean_path_param(path, "path") or None)
         except PermissionError:
             raise HTTPException(403, "outside the allowed folders") from None
         except FileNotFoundError:
@@ -406,7 +450,7 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     @app.get("/api/image")
     def image(path: str) -> FileResponse:
         """An image inside the allowed folders (the thumbnail strip)."""
-        real = roots.inside(path)
+        real = roots.inside(clean_path_param(path, "path"))
         if real is None:
             raise HTTPException(403, "outside the allowed folders")
         if not os.path.isfile(real) or not real.lower().endswith(IMAGE_EXTENSIONS):

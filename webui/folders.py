@@ -1,14 +1,29 @@
-"""The folders the API may show and the settings may name (datasets): each path must resolve, after
-symlinks, inside one of the allowed roots (--data_root; default: the toolkit's folder and the current one)."""
+"""The folders the API may show and the settings may name: each path must resolve, after symlinks, inside
+one of the allowed roots (--data_root; default: the toolkit's folder and the current one) or, for what a run
+writes or reads of its own, inside the job's folder. A setting that is part of a file name must be a name."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+import re
+from typing import Any, Iterator, Optional, Sequence
 
 from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT
 
 DATASET_PATH_KEYS = ("image_dir", "conditioning_data_dir", "metadata_file")
+# config.toml keys (in any section) by what the run does with their value. The UI's own keys (output_dir,
+# logging_dir, dataset_config, sample_prompts, config_file: jobfiles.MANAGED_KEYS) point into the job's folder.
+NAME_KEYS = ("output_name", "log_prefix", "log_tracker_name")  # joined to output_dir / logging_dir: names only
+JOB_FOLDER_KEYS = ("profiler_trace_dir",)  # folders the run writes into: inside the job's folder
+# Files and folders the run reads, or writes beside the user's data (latent caches, DeepSpeed's NVMe swap):
+# inside the roots or the job's folder.
+READ_PATH_KEYS = (
+    "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "gemma2", "text_encoder",
+    "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights", "base_weights",
+    "resume", "log_tracker_config", "noise_scheduler_overrides", "train_data_dir", "reg_data_dir", "in_json",
+    "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path")
+MODEL_ID_KEYS = ("pretrained_model_name_or_path", "t5_tokenizer_path")  # may name a preset or a hub id instead
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the trainer's loader tells one
 
 
 class Roots:
@@ -20,10 +35,13 @@ class Roots:
                 self.roots.append(real)
 
     def inside(self, path: str, base: str = REPO_ROOT) -> Optional[str]:
-        """`path` (relative ones from `base`, where runs start) resolved, or None when outside every root."""
-        real = os.path.realpath(os.path.join(base, os.path.expanduser(path)))
+        """`path` (relative ones from `base`, where runs start) resolved, or None when outside every root.
+        A path with a NUL character is outside (callers that answer a request refuse it first, with 400)."""
+        if "\0" in path:
+            return None
+        real = resolved(path, base)
         for root in self.roots:
-            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            if within(real, root):
                 return real
         return None
 
@@ -96,3 +114,71 @@ def missing_dataset_folders(dataset: dict, base: str = REPO_ROOT) -> list[tuple[
                 if not (os.path.isfile(path) if key == "metadata_file" else os.path.isdir(path)):
                     out.append((key, value, f"datasets[{di}].subsets[{si}]"))
     return out
+
+
+def resolved(path: str, base: str = REPO_ROOT) -> str:
+    """`path` after `~`, from `base` when relative (runs start in the toolkit's folder), after symlinks."""
+    return os.path.realpath(os.path.join(base, os.path.expanduser(path)))
+
+
+def within(real: str, folder: str) -> bool:
+    """Whether the resolved path `real` is `folder` or inside it (`folder` resolved too)."""
+    folder = os.path.realpath(folder)
+    return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _config_values(config: Any, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """(key, value) of every `keys` entry in config.toml's tables at any depth (the trainer flattens them);
+    a list value (base_weights) gives one entry per item."""
+    if not isinstance(config, dict):
+        return
+    for key, value in config.items():
+        if isinstance(value, dict):
+            yield from _config_values(value, keys)
+        elif key in keys:
+            for item in value if isinstance(value, list) else [value]:
+                yield key, item
+
+
+def is_model_id(value: str) -> bool:
+    """A built-in preset (tiny:sd1) or a Hugging Face id (owner/name) that is no path here: not a path."""
+    if value.startswith(("tiny:", "random:")):
+        return True
+    return bool(_HUB_ID.match(value)) and ".." not in value.split("/") and not os.path.exists(
+        os.path.join(REPO_ROOT, value))
+
+
+def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Optional[tuple[int, str, str]]:
+    """(HTTP status, one-line error, field) for the first setting that names a place a run may not read or
+    write: a NUL in a path or name (422), a name with a folder part or `..` (422), a folder the run writes
+    into outside the job's folder (403), a file or folder it reads outside the roots and the job's folder
+    (403), a dataset path outside the roots (403). None when every path-valued setting is contained."""
+    config, dataset = settings.get("config") or {}, settings.get("dataset") or {}
+    for key, value in _config_values(config, NAME_KEYS):
+        if not isinstance(value, str):
+            continue
+        if "\0" in value or "/" in value or "\\" in value or value.strip() in (".", ".."):
+            return 422, (f"{key} {value!r}: expected a name, not a path (no '/', '\\', '..' or NUL): the run's "
+                         "files go into the job's folder"), key
+    candidates = [(key, value, "job") for key, value in _config_values(config, JOB_FOLDER_KEYS)]
+    candidates += [(key, value, "read") for key, value in _config_values(config, READ_PATH_KEYS)]
+    candidates += [(key, value, "dataset") for key, value in dataset_paths(dataset)]
+    for key, value, kind in candidates:
+        if not isinstance(value, str) or value == "":
+            continue
+        if "\0" in value:
+            return 422, f"{key} {value!r}: a path cannot contain a NUL character", key
+        if kind == "job":
+            if not within(resolved(value), job_folder):
+                return 403, (f"{key} {value}: outside the job's folder ({job_folder}): the run writes only "
+                             "there"), key
+        elif kind == "read":
+            if (key == "resume" and value == "auto") or (key in MODEL_ID_KEYS and is_model_id(value)):
+                continue
+            if roots.inside(value) is None and not within(resolved(value), job_folder):
+                return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the "
+                             f"server's --data_root) and the job's folder"), key
+        elif roots.inside(value) is None:
+            return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the server's "
+                         "--data_root)"), key
+    return None

@@ -11,7 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Any, Optional
+import tempfile
+from typing import Any, Iterator, Optional
 
 import toml
 
@@ -35,6 +36,20 @@ MODEL_TYPES = {"flux": (None, "flux"), "chroma": ("chroma",)}
 # Keys the UI sets itself, pointing into the job's folder (a value given for them is replaced).
 MANAGED_KEYS = ("output_dir", "logging_dir", "dataset_config", "sample_prompts", "config_file")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+EVENT_FILE_PREFIX = "events.out.tfevents."
+_NO_FOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+class PlantedLink(OSError):
+    """A symbolic link where the job's folder, output/ or output/logs/ should be: the UI never follows it."""
+
+
+def open_for_append(path: str):
+    """`path` opened to append bytes (train.log, tensorboard.log), never through a symbolic link: a link there
+    is not the UI's and is replaced by the file (O_NOFOLLOW: one planted meanwhile raises, is not followed)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), "ab")
 
 
 class SettingsError(ValueError):
@@ -150,8 +165,8 @@ class JobFolder:
     def check_settings(self, settings: dict[str, Any], script: str, timeout: float = 180) -> None:
         """Run the trainer's own parser and checks (`<script> --config_file ... --check_config`) on the
         settings, written to a scratch folder of the job. Raises SettingsError with its one-line error."""
-        scratch = os.path.join(self.path, ".check")
-        os.makedirs(scratch, exist_ok=True)
+        os.makedirs(self.path, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix=".check-", dir=self.path)  # a new folder: nothing planted to follow
         paths = [os.path.join(scratch, n) for n in ("config.toml", "dataset.toml", "prompts.txt")]
         try:
             texts = self.files_for(settings, *paths)
@@ -174,8 +189,18 @@ class JobFolder:
         raise SettingsError(message, error_field(message), error_where(message))
 
     # --- files --------------------------------------------------------------------------------------
+    def planted_link(self) -> Optional[str]:
+        """The first of the job's folder, output/ and output/logs/ that is a symbolic link (the UI makes none:
+        runs, TensorBoard and deletions must not write or delete through one), else None."""
+        for path in (self.path, self.output_dir, os.path.join(self.output_dir, "logs")):
+            if os.path.islink(path):
+                return path
+        return None
+
     def resolve(self, relative: str) -> Optional[str]:
-        """`relative` inside the job folder after symlinks, or None when it points outside."""
+        """`relative` inside the job folder after symlinks, or None when it points outside (or has a NUL)."""
+        if "\0" in relative:
+            return None
         root = os.path.realpath(self.path)
         target = os.path.realpath(os.path.join(root, relative))
         return target if target == root or target.startswith(root + os.sep) else None
@@ -205,15 +230,46 @@ class JobFolder:
         return sorted(out, key=lambda s: s["mtime"], reverse=True)
 
     def delete_event_files(self) -> int:
-        """Remove the TensorBoard event files under output/logs/ (nothing else); returns how many."""
-        removed = 0
-        logs_dir = os.path.join(self.output_dir, "logs")
-        for folder, _, files in os.walk(logs_dir):
-            for name in files:
-                if name.startswith("events.out.tfevents."):
-                    os.remove(os.path.join(folder, name))
-                    removed += 1
-        return removed
+        """Remove the TensorBoard event files under output/logs/ (nothing else); returns how many.
+
+        Never through a symbolic link: the folders are opened with O_NOFOLLOW relative to their parent's
+        descriptor, so a link at the job's folder, output/ or output/logs/ raises PlantedLink, a link below is
+        not descended, and a link named like an event file is left alone (not a regular file)."""
+        fds = []
+        try:
+            logs_dir = os.path.join(self.output_dir, "logs")
+            for name, full in ((self.path, self.path), ("output", self.output_dir), ("logs", logs_dir)):
+                try:
+                    fds.append(os.open(name, _NO_FOLLOW_DIR, dir_fd=fds[-1] if fds else None))
+                except FileNotFoundError:
+                    return 0
+                except OSError as e:  # ELOOP: a symbolic link; ENOTDIR: a file
+                    raise PlantedLink(f"{full}: not a folder of the job's own ({e.strerror}): not followed, "
+                                      "nothing deleted") from None
+            return sum(1 for _ in _remove_event_files(fds[-1]))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _remove_event_files(dir_fd: int) -> Iterator[str]:
+    """Unlink the regular files named events.out.tfevents.* in the folder open as `dir_fd` and its real
+    subfolders (each opened with O_NOFOLLOW relative to its parent); yields each name removed."""
+    with os.scandir(dir_fd) as entries:
+        entries = list(entries)
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                fd = os.open(entry.name, _NO_FOLLOW_DIR, dir_fd=dir_fd)
+            except OSError:  # replaced by a link (or removed) since the listing: not followed
+                continue
+            try:
+                yield from _remove_event_files(fd)
+            finally:
+                os.close(fd)
+        elif entry.name.startswith(EVENT_FILE_PREFIX) and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.name, dir_fd=dir_fd)
+            yield entry.name
 
 
 def _drop_empty(config: dict) -> dict:

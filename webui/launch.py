@@ -35,7 +35,10 @@ def main(argv: list[str]) -> int:
         if code < 0:
             code = 128 - code
     tmp = f"{exit_file}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    if os.path.islink(tmp):  # never write through a link planted in the job's folder
+        os.unlink(tmp)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "w",
+                   encoding="utf-8") as f:
         f.write(f"{code}\n")
     os.replace(tmp, exit_file)
     return code

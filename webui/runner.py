@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import toml
 
-from webui.jobfiles import REPO_ROOT, JobFolder, script_for
+from webui.jobfiles import REPO_ROOT, JobFolder, open_for_append, script_for
 from webui.store import Store
 
 LAUNCHERS = ("python", "accelerate")
@@ -100,11 +100,14 @@ class Runner:
 
     def _launch(self, job: dict[str, Any]) -> None:
         folder = self.folder(job["id"])
+        if folder.planted_link() is not None:  # the API refuses to start it (409); a queued one fails unstarted
+            self.store.update_job(job["id"], status="failed", exit_code=None, pid=None, pid_start=None)
+            return
         argv = training_command(job, folder)
         gpu_env = gpu_environment(folder)
         if os.path.exists(folder.exit_code_path):
             os.remove(folder.exit_code_path)
-        with open(folder.log_path, "ab") as log:
+        with open_for_append(folder.log_path) as log:
             log.write(f"$ {shown_command(argv, gpu_env)}\n".encode())
             log.flush()
             child = subprocess.Popen([sys.executable, "-m", "webui.launch", folder.exit_code_path, "--", *argv],
@@ -178,7 +181,7 @@ class Runner:
         self.store.update_job(job["id"], status=status, exit_code=code, pid=None, pid_start=None)
         self.store.end_run(job["id"], status, code)
         if status == "failed" and self._resumes_after_crash(job, code):
-            with open(self.folder(job["id"]).log_path, "ab") as log:
+            with open_for_append(self.folder(job["id"]).log_path) as log:
                 log.write(f"[webui] the run ended with exit code {code}; auto-resume: retry "
                           f"{job['retries'] + 1} of {self.max_retries}\n".encode())
             self.store.update_job(job["id"], status="queued", retries=job["retries"] + 1)

@@ -10,6 +10,8 @@ import sys
 import threading
 from typing import Any
 
+from webui.jobfiles import open_for_append
+
 NOT_RUNNING = "Not running"
 
 
@@ -40,7 +42,7 @@ class TensorBoards:
             return self.status(job_id)
         os.makedirs(logdir, exist_ok=True)
         port = free_port()
-        with open(log_path, "ab") as log:
+        with open_for_append(log_path) as log:
             child = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host",
                                       "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -29,7 +29,8 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16")
 class OutputFlags:
     flag_group: ClassVar[str] = "output and saving"
     output_dir: Optional[str] = flag(None, "folder for the LoRA files, states, config and logs")
-    output_name: Optional[str] = flag(None, "base file name of the saved LoRA (default 'last')")
+    output_name: Optional[str] = flag(None, "base file name of the saved LoRA (default 'last'): a name, not a path "
+                                            "(the folder is --output_dir)")
     save_model_as: str = flag("safetensors", "file format of saved networks", choices=("safetensors", "ckpt", "pt"))
     save_precision: Optional[str] = flag(None, "dtype of saved tensors (default: as trained)",
                                                choices=SAVE_PRECISIONS[1:])
@@ -179,12 +180,26 @@ def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
     return data
 
 
+def check_output_name(name: Optional[str]) -> None:
+    """--output_name is a file name inside --output_dir (sd-scripts' use): no folder part, no `..`, not empty.
+    The saved files, states and `<name>_config.toml` are joined to --output_dir with it, so a path here would
+    write outside that folder."""
+    if name is None:
+        return
+    problem = ("is empty" if not name.strip() else "contains a NUL character" if "\0" in name
+               else "is a path" if "/" in name or "\\" in name or name in (".", "..") else None)
+    if problem:
+        raise ConfigError(f"--output_name {name!r}: {problem}; expected a file name such as my_lora "
+                          "(no '/', '\\' or '..'; the folder is --output_dir)")
+
+
 def training_options_from_args(ns: argparse.Namespace,
                                gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
     """TrainingOptions; the checks are those of flag combinations (each flag's own range is declared).
     `gradient_checkpointing`: the value other flags imply (library/cli/memory.py), else the flag."""
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
+    check_output_name(ns.output_name)
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
     if ns.full_fp16 and ns.mixed_precision != "fp16":

@@ -27,6 +27,7 @@ from library.families import hunyuan_image_layout as hunyuan_layout
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
+    dotted,
     is_lumina_file,
     is_sd3_file,
     is_sd3_peft,
@@ -48,7 +49,7 @@ from networks.lora_files import (
     read_state_dict,
 )
 
-LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: Anima's / HunyuanImage's ComfyUI layouts
+LAYOUTS = ("kohya", "diffusers", "ai-toolkit", "comfy")  # comfy: the names ComfyUI maps (Anima, HunyuanImage, Chroma, Lumina)
 PEFT_SUFFIXES = {"lora_A.weight": "down", "lora_B.weight": "up", "alpha": "alpha"}
 _DIFFUSERS_PARTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "transformer")
 
@@ -66,8 +67,8 @@ def detect_layout(state: Mapping[str, torch.Tensor], source: str) -> str:
         return "comfy"
     for key in state:
         name, _, suffix = key.partition(".")
-        if name.startswith("lora_") and suffix in KOHYA_SUFFIXES:
-            return "kohya"
+        if name.startswith("lora_") and suffix in KOHYA_SUFFIXES or key.startswith(COMFY_GEMMA2_PREFIX):
+            return "kohya"  # ComfyUI's Gemma-2 names (Lumina's --to comfy) are read back as kohya
         if name in _DIFFUSERS_PARTS and key.endswith((".lora_A.weight", ".lora_B.weight")):
             return "diffusers"
     raise UnsupportedLoraError(f"{source}: unexpected key {next(iter(state))!r}; expected a kohya (lora_unet_…"
@@ -211,8 +212,76 @@ def _kohya_module(name: str, down: torch.Tensor, up: torch.Tensor) -> dict[str, 
             f"{name}.alpha": torch.tensor(float(down.shape[0]), dtype=down.dtype)}
 
 
-def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str, torch.Tensor]:
-    """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima)."""
+# Chroma's T5 in kohya names: sd-scripts' lora_flux.py (and we) write it as FLUX.1's third encoder, lora_te3_;
+# ComfyUI's key map (comfy/lora.py, model_lora_keys_clip) numbers a T5 that has no CLIP-L / CLIP-G beside it
+# as the first: lora_te1_encoder_block_N_... . A T5 module name is never a CLIP one (text_model_encoder_layers_)
+# nor HunyuanDiT's BERT (lora_te1_encoder_layer_N_...).
+_T5_KOHYA, _T5_COMFY_ALONE = "lora_te3_encoder_block_", "lora_te1_encoder_block_"
+
+
+def is_chroma_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a kohya Flux-layout LoRA is Chroma's: its metadata says so (ss_base_model_version, as sd-scripts
+    writes it), or, without metadata, it has T5 modules but no CLIP-L and no FLUX.1 modulation layers."""
+    version = (metadata or {}).get("ss_base_model_version")
+    if version:
+        return version == "chroma"
+    names = {k.partition(".")[0] for k in state}
+    return (any(n.startswith(_T5_KOHYA) for n in names)
+            and not any(n.endswith(("_mod_lin", "_modulation_lin")) or n.startswith("lora_te1_") for n in names))
+
+
+def chroma_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kohya Chroma LoRA in the names ComfyUI maps onto Chroma: T5 lora_te3_ -> lora_te1_, the DiT unchanged."""
+    return {(_T5_COMFY_ALONE + k[len(_T5_KOHYA):] if k.startswith(_T5_KOHYA) else k): v for k, v in state.items()}
+
+
+# Lumina's Gemma-2 in kohya names (lora_te_layers_N_...): ComfyUI's key map has kohya names for CLIP, T5 and
+# HunyuanDiT's BERT only, but maps every text-encoder weight by its generic name, `text_encoders.` + its state-dict
+# key; Lumina's encoder is `gemma2_2b` (comfy/text_encoders/lumina2.py), a Llama-style `transformer.model`.
+COMFY_GEMMA2_PREFIX = "text_encoders.gemma2_2b.transformer.model."
+_GEMMA2_KOHYA = "lora_te_"
+
+
+def is_lumina_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a kohya LoRA is Lumina 2's: its metadata says so (ss_base_model_version lumina2, sd-scripts' value)
+    or its DiT names are NextDiT's (a Gemma-2-only file without metadata reads as Anima's Qwen3: the same names)."""
+    version = (metadata or {}).get("ss_base_model_version")
+    return version == "lumina2" or is_lumina_file([k.partition(".")[0] for k in state])
+
+
+def lumina_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A kohya Lumina LoRA in names ComfyUI maps: Gemma-2 `lora_te_<path>` -> `text_encoders.gemma2_2b.transformer.
+    model.<dotted path>` (lora_down / lora_up / alpha kept), the DiT's kohya names unchanged (ComfyUI reads them)."""
+    out = {}
+    for key, value in state.items():
+        name, _, suffix = key.partition(".")
+        if name.startswith(_GEMMA2_KOHYA):
+            key = f"{COMFY_GEMMA2_PREFIX}{dotted(name[len(_GEMMA2_KOHYA):])}.{suffix}"
+        out[key] = value
+    return out
+
+
+def _comfy_text_encoder_names_to_kohya(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's names for Chroma's lone T5 (lora_te1_encoder_block_...: never CLIP-L's) and Lumina's Gemma-2
+    (text_encoders.gemma2_2b.transformer.model.<path>) back to ours."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith(_T5_COMFY_ALONE):
+            key = _T5_KOHYA + key[len(_T5_COMFY_ALONE):]
+        elif key.startswith(COMFY_GEMMA2_PREFIX):
+            rest = key[len(COMFY_GEMMA2_PREFIX):]
+            suffix = next((x for x in KOHYA_SUFFIXES if rest.endswith("." + x)), None)
+            if suffix is not None:  # anything else stays as it is and is named by the kohya reader
+                key = f"{_GEMMA2_KOHYA}{rest[:-len(suffix) - 1].replace('.', '_')}.{suffix}"
+        out[key] = value
+    return out
+
+
+def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
+            metadata: Optional[Mapping[str, str]] = None) -> dict[str, torch.Tensor]:
+    """Convert `state` (layout detected) to `to`: "kohya", "diffusers", "ai-toolkit" or "comfy" (Anima,
+    HunyuanImage, Chroma, Lumina); `metadata` (the file's) tells Chroma from FLUX.1 and a Gemma-2-only Lumina file
+    from Anima."""
     if to not in LAYOUTS:
         raise UnsupportedLoraError(f"--to: expected one of {', '.join(LAYOUTS)}, got {to!r}")
     kohya = _as_kohya(state, detect_layout(state, source), source)
@@ -221,17 +290,24 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str
     if to == "comfy":
         if hunyuan_layout.is_kohya_lora(k.partition(".")[0] for k in kohya):
             return hunyuan_layout.comfy_lora_state(kohya)
+        if is_lumina_lora(kohya, metadata):  # before Anima's: Gemma-2's names look like Qwen3's
+            return lumina_to_comfy(kohya)
         if not anima_lora.is_anima(kohya):
+            if is_chroma_lora(kohya, metadata):
+                return chroma_to_comfy(kohya)
             raise UnsupportedLoraError(f"{source}: the comfy layout is for Anima LoRAs (lora_unet_blocks_N_…, "
-                                       f"lora_te_layers_N_…) and HunyuanImage LoRAs (lora_unet_double_blocks_N_"
-                                       f"img_mlp_fc1, …); this file has neither (first key {next(iter(kohya))!r})")
+                                       f"lora_te_layers_N_…), HunyuanImage LoRAs (lora_unet_double_blocks_N_"
+                                       f"img_mlp_fc1, …), Chroma LoRAs (ss_base_model_version chroma) and Lumina LoRAs "
+                                       f"(lora_unet_layers_N_attention_qkv, …); this file is none of them (first key "
+                                       f"{next(iter(kohya))!r}); SD, SDXL, FLUX.1 and SD3 files load in ComfyUI as "
+                                       f"they are")
         return anima_lora.to_comfy(kohya)
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
 
 
 def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
     if layout == "kohya":
-        return dict(state)
+        return _comfy_text_encoder_names_to_kohya(state)
     if layout == "comfy":
         try:
             return anima_lora.from_comfy(state)
