@@ -24,7 +24,7 @@ from library.cli.optimizer import (
     scheduler_options_from_args,
 )
 from library.cli.options import options_from_namespace
-from library.cli.parser import build_fine_tune_parser, build_network_training_parser
+from library.cli.parser import build_parser
 from library.cli.preflight import check_output_folders
 from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
@@ -169,6 +169,3 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     print(f"saved {path}")
     return 0
 
-
-def build_parser(description: str, family=None, fine_tune: bool = False):
-    return (build_fine_tune_parser if fine_tune else build_network_training_parser)(description, family)

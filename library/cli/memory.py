@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional
 
+from library.cli.options import add_flags, at_least, flag, flag_specs
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
@@ -13,23 +15,25 @@ from library.train.settings import MemoryOptions
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class MemoryFlags:
+    """The memory flags: every training script takes them; the family decides what it supports."""
+    flag_group: ClassVar[str] = "memory"
+    fp8_base: bool = flag(False, "store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer"
+                                 " by layer; about half the weight memory of bf16")
+    fp8_base_unet: bool = flag(False, "float8 for the U-Net / DiT only; the text encoders keep the training dtype "
+                                      "(implies --fp8_base)")
+    blocks_to_swap: Optional[int] = flag(None, "keep N transformer blocks in CPU memory and stream each to the GPU "
+                                               "for its forward and backward (DiT families; FLUX.1: N//2 double and "
+                                               "2*(N-N//2) single blocks)", range=at_least(1))
+    cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
+                                                  " memory until the backward pass (DiT families; turns on "
+                                                  "--gradient_checkpointing)")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
-    g = parser.add_argument_group("memory")
-    g.add_argument("--fp8_base", action="store_true",
-                   help="store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer by "
-                        "layer; about half the weight memory of bf16")
-    g.add_argument("--fp8_base_unet", action="store_true",
-                   help="float8 for the U-Net / DiT only; the text encoders keep the training dtype "
-                        "(implies --fp8_base)")
-    g.add_argument("--blocks_to_swap", type=int, default=None,
-                   help="keep N transformer blocks in CPU memory and stream each to the GPU for its forward and "
-                        "backward (DiT families; FLUX.1: N//2 double and 2*(N-N//2) single blocks)")
-    g.add_argument("--cpu_offload_checkpointing", action="store_true",
-                   help="with gradient checkpointing, keep each block's saved inputs in CPU memory until the "
-                        "backward pass (DiT families; turns on --gradient_checkpointing)")
+    add_flags(parser, flag_specs(MemoryFlags))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
