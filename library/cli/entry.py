@@ -128,8 +128,11 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
                  fine_tune: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
     _setup_logging()
-    stop = StopHandler().install()  # from here on a signal stops cleanly, also while loading and caching
+    stop = StopHandler()
     try:
+        # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
+        # script imported (library/core/stop_signals.py recorded it) stops here.
+        stop.install()
         return _run(family_name, description, argv, stop, fine_tune)
     except StopRequested as e:
         print(str(e), file=sys.stderr)

@@ -384,8 +384,10 @@ class Trainer(TrainingLoop):
         """Train; returns the path of the final model or network file."""
         own_handler = self.stop is None
         if own_handler:
-            self.stop = StopHandler().install()
+            self.stop = StopHandler()
         try:
+            if own_handler:
+                self.stop.install()
             self._setup_accelerator()
             self._setup_data()
             self._setup_model()
