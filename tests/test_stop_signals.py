@@ -79,14 +79,19 @@ while time.time() < deadline:  # only the kernel's parent-death signal fills the
         break
     time.sleep(0.02)
 """
-started = []
-# Started from a thread that ends at once, as a launcher may: the kernel then sends the parent-death
-# signal although the launcher lives on, and the child must not take that for the launcher's death.
-t = threading.Thread(target=lambda: started.append(subprocess.Popen([sys.executable, "-c", child], stdout=sys.stdout)))
+def start_child():
+    # Started from a thread that ends once the child has set its parent-death signal, as a launcher's may: the
+    # kernel then sends that signal although the launcher lives on; the child must not take it for its death.
+    subprocess.Popen([sys.executable, "-c", child], stdout=sys.stdout)
+    deadline = time.time() + 20
+    while "ready" not in open(os.environ["LOG"]).read() and time.time() < deadline:  # the child has set it
+        time.sleep(0.05)
+    time.sleep(0.3)
+t = threading.Thread(target=start_child)
 t.start()
 t.join()
-print("child", started[0].pid, flush=True)
-time.sleep(2.0)
+print("thread ended %.3f" % time.time(), flush=True)
+time.sleep(1.5)
 print("launcher exits %.3f" % time.time(), flush=True)
 os._exit(0)
 '''
@@ -94,12 +99,13 @@ os._exit(0)
 
 @pytest.mark.skipif(not LINUX, reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 def test_the_kernel_tells_a_launched_process_that_its_launcher_is_gone(tmp_path):
-    """Nothing polls in the child: only PR_SET_PDEATHSIG can record the launcher's death. Its thread ending
-    (2 s before the launcher exits) must not count."""
+    """Nothing polls in the child: only PR_SET_PDEATHSIG can record the launcher's death. The end of the
+    launcher's thread that started the child (1.5 s before the launcher exits; the kernel signals that too)
+    must not count."""
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=REPO, env=dict(ENV, LOCAL_RANK="0"),
-                                    stdout=f, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                    env=dict(ENV, LOCAL_RANK="0", LOG=str(log)))
         assert launcher.wait(timeout=60) == 0
     deadline = time.time() + 30
     while "launcher gone" not in log.read_text() and time.time() < deadline:
@@ -109,6 +115,7 @@ def test_the_kernel_tells_a_launched_process_that_its_launcher_is_gone(tmp_path)
     assert gone, text
     assert int(gone.group(1)) == signal.SIGUSR2
     assert float(gone.group(2)) >= float(re.search(r"launcher exits ([\d.]+)", text).group(1)), text
+    assert float(re.search(r"thread ended ([\d.]+)", text).group(1)) < float(gone.group(2)) - 1.0, text
 
 
 def _free_port() -> int:
