@@ -118,6 +118,31 @@ def test_the_kernel_tells_a_launched_process_that_its_launcher_is_gone(tmp_path)
     assert float(re.search(r"thread ended ([\d.]+)", text).group(1)) < float(gone.group(2)) - 1.0, text
 
 
+def test_a_launched_run_stops_at_the_step_after_its_parent_changed(monkeypatch):
+    """The portable check (any system, and a signal the kernel could not send): getppid() at every step."""
+    from library.core import stop_signals
+    from library.train.stopping import StopHandler
+
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    launcher = os.getppid()
+    stop = StopHandler().install()
+    try:
+        stop.in_loop = True
+        assert (stop.launcher, stop.requested) == (launcher, False)
+        monkeypatch.setattr(os, "getppid", lambda: 1)  # handed to init
+        assert (stop.requested, stop.signum, stop.why) == (True, 1, f"because its launcher (pid {launcher}) is gone")
+    finally:
+        stop.uninstall()
+    assert stop_signals.launcher_gone() is False  # no longer watched
+    monkeypatch.delenv("LOCAL_RANK")
+    plain = StopHandler().install()  # not launched: a parent that changes is not a stop
+    try:
+        plain.in_loop = True
+        assert (plain.launcher, plain.requested) == (None, False)
+    finally:
+        plain.uninstall()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -96,7 +96,8 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
-        flags={**flag_values(ns), **{name: recorded[name] for name in ("seed", "gradient_checkpointing", "learning_rate")}},
+        flags={**flag_values(ns), **{name: recorded[name] for name in ("seed", "gradient_checkpointing",
+                                                                        "learning_rate")}},
     )
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:

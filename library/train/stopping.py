@@ -87,9 +87,10 @@ class StopHandler:
             return  # the launcher's thread that started this process ended; the launcher lives on
         if not self.in_loop or self.signum is not None:
             when = "before training started" if not self.in_loop else "a second time, during a step"
-            if self.signum is None:
-                self.signum = stop_signals.LAUNCHER_GONE_SIGNUM if launcher_gone else signum
-                self.why = stop_signals.launcher_why(self.launcher) if launcher_gone else stop_signals.signal_why(signum)
+            if self.signum is None and launcher_gone:
+                self.signum, self.why = stop_signals.LAUNCHER_GONE_SIGNUM, stop_signals.launcher_why(self.launcher)
+            elif self.signum is None:
+                self.signum, self.why = signum, stop_signals.signal_why(signum)
             raise StopRequested(self.signum, when, self.why)
         if launcher_gone:
             self._launcher_gone()
