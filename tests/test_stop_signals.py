@@ -134,6 +134,16 @@ def test_a_launched_run_stops_at_the_step_after_its_parent_changed(monkeypatch):
     finally:
         stop.uninstall()
     assert stop_signals.launcher_gone() is False  # no longer watched
+    monkeypatch.setattr(os, "getppid", lambda: launcher)
+    stop = StopHandler().install()
+    try:  # SIGINT to the launcher's group (the web UI's Stop) also ends the launcher: not a second request
+        stop.in_loop = True
+        stop._on_signal(signal.SIGINT, None)
+        monkeypatch.setattr(os, "getppid", lambda: 1)
+        stop._on_signal(stop_signals.PARENT_DEATH_SIGNAL, None)  # raised StopRequested (no state saved) before
+        assert (stop.requested, stop.signum, stop.why) == (True, signal.SIGINT, "by signal 2")
+    finally:
+        stop.uninstall()
     monkeypatch.delenv("LOCAL_RANK")
     plain = StopHandler().install()  # not launched: a parent that changes is not a stop
     try:

@@ -80,8 +80,8 @@ def _main_thread() -> bool:
 
 
 def _on_signal_at_start(signum, frame) -> None:
-    if signum == PARENT_DEATH_SIGNAL and signum not in STOP_SIGNALS and not launcher_gone():
-        return  # the launcher's thread that started us ended; the launcher itself lives on
+    if signum == PARENT_DEATH_SIGNAL and signum not in STOP_SIGNALS and (_pending or not launcher_gone()):
+        return  # a stop is already asked for, or the launcher's thread that started us ended (the launcher lives on)
     if _pending:  # asked twice while importing: stop now, nothing has been written yet
         first = _pending[0]
         why = launcher_why(_watched) if first == PARENT_DEATH_SIGNAL else signal_why(first)

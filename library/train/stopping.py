@@ -83,8 +83,10 @@ class StopHandler:
 
     def _on_signal(self, signum, frame) -> None:
         launcher_gone = signum == PARENT_DEATH_SIGNAL and signum not in SIGNALS
-        if launcher_gone and not stop_signals.launcher_gone():
-            return  # the launcher's thread that started this process ended; the launcher lives on
+        if launcher_gone and (self.signum is not None or not stop_signals.launcher_gone()):
+            # A stop is already under way (the web UI's SIGINT to the group also ends the launcher: that is not a
+            # second request), or the launcher's thread that started this process ended and the launcher lives on.
+            return
         if not self.in_loop or self.signum is not None:
             when = "before training started" if not self.in_loop else "a second time, during a step"
             if self.signum is None and launcher_gone:
