@@ -154,6 +154,24 @@ def test_a_launched_run_stops_at_the_step_after_its_parent_changed(monkeypatch):
         plain.uninstall()
 
 
+def test_a_process_the_signal_did_not_reach_stops_at_the_same_step_with_its_own_line(tmp_path, monkeypatch):
+    """With several processes a signal may reach only some; the others stop at the same step (any_process). Such a
+    process had no signal number: the entry script's 128 + signum was a TypeError traceback."""
+    from library.train import loop
+    from library.train.trainer import InterruptedTraining
+    from tests.train_helpers import make_trainer
+
+    monkeypatch.setattr(loop, "any_process", lambda flag, device=None: True)  # another process got SIGINT
+    data = make_dataset(str(tmp_path), n=1)
+    out = tmp_path / "out"
+    with pytest.raises(InterruptedTraining) as stopped:
+        make_trainer(base_args(data, str(out), steps=4)).run()
+    state = str(out / "lora-step00000001-state")
+    assert (stopped.value.signum, str(stopped.value)) == (signal.SIGTERM, (
+        f"stopped because another process was asked to stop; state saved to {state} (resume with --resume {state})"))
+    assert os.path.isfile(os.path.join(state, "train_state.json"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
