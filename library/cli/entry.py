@@ -77,7 +77,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
                           f"{family.external_networks_unsupported}")
     # A drawn seed and implied checkpointing are what the data layer and the metadata must see.
-    recorded = {**vars(ns), "seed": training.seed, "gradient_checkpointing": gradient_checkpointing, "learning_rate": optimizer.learning_rate}
+    resolved = {"seed": training.seed, "gradient_checkpointing": gradient_checkpointing,
+                "learning_rate": optimizer.learning_rate}
+    recorded = {**vars(ns), **resolved}
     settings = RunSettings(
         model=model,
         data=data_options_from_args(ns, seed=training.seed),
@@ -96,8 +98,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
-        flags={**flag_values(ns), **{name: recorded[name] for name in ("seed", "gradient_checkpointing",
-                                                                        "learning_rate")}},
+        flags={**flag_values(ns), **resolved},
     )
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
