@@ -62,7 +62,8 @@ def pytest_collection_finish(session):
 # UI's runs). Under pytest-xdist (scripts/test.sh runs 2 workers, --dist loadgroup) they share one group, so one
 # worker runs them one after another while the other worker runs the in-process tests: never two 2-process
 # launches on 2 cores at the same time.
-MULTIPROCESS_MODULES = frozenset({"test_distributed", "test_fsdp", "test_deepspeed", "test_webui_browser"})
+MULTIPROCESS_MODULES = frozenset({"test_distributed", "test_fsdp", "test_deepspeed", "test_webui_browser",
+                                  "test_stop_signals"})
 
 
 def pytest_collection_modifyitems(config, items):

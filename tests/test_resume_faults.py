@@ -75,6 +75,42 @@ def test_resume_with_other_network_dim_names_the_difference(tmp_path):
         make_trainer(argv).run()
 
 
+def test_resume_names_every_changed_flag_in_one_warning_line(tmp_path, caplog):
+    """Issue 22: --resume auto with another --learning_rate (and --flip_aug, --max_train_steps) was accepted without
+    a word. One line names each change; output, saving and logging flags may differ silently; the same flags say
+    nothing. The saved optimizer and scheduler keep their rates, and the line says so."""
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    make_trainer(base_args(data, out, steps=2, extra=["--save_state"])).run()
+    with caplog.at_level(logging.WARNING, logger="library.train.state"):
+        make_trainer(base_args(data, out, steps=3, extra=["--save_state", "--resume", "auto"])).run()
+    assert [r.getMessage() for r in caplog.records if r.name == "library.train.state"] == [
+        f"--resume {out}/lora-state: these flags differ from the saved run: --max_train_steps 2 -> 3"]
+    caplog.clear()
+    argv = base_args(data, out, steps=4, extra=["--resume", "auto", "--flip_aug", "--save_every_n_steps", "1",
+                                                "--logging_dir", str(tmp_path / "logs"), "--output_name", "other"])
+    argv[argv.index("--learning_rate") + 1] = "2e-3"
+    trainer = make_trainer(argv)
+    with caplog.at_level(logging.WARNING, logger="library.train.state"):
+        trainer.run()
+    assert [r.getMessage() for r in caplog.records if r.name == "library.train.state"] == [
+        f"--resume {out}/lora-state: these flags differ from the saved run: --flip_aug False -> True, "
+        "--learning_rate 0.001 -> 0.002, --max_train_steps 3 -> 4 "
+        "(the learning rates go on from the saved optimizer and scheduler)"]
+    assert {g["initial_lr"] for g in trainer.optimizer.param_groups} == {1e-3}  # what the line says
+
+
+def test_changed_flags_leaves_out_shape_and_output_flags_and_flags_an_old_state_lacks():
+    from library.train.state import changed_flags
+
+    saved = {"learning_rate": 1e-4, "network_dim": 4, "output_dir": "a", "save_every_n_steps": None,
+             "network_args": ["conv_dim=4"], "seed": 1, "resolution": "64"}
+    current = {"learning_rate": 2e-4, "network_dim": 8, "output_dir": "b", "save_every_n_steps": 5,
+               "network_args": ["conv_dim=8"], "seed": None, "resolution": "64", "new_flag": 1}
+    assert changed_flags(saved, current, refused={"network_dim"}) == [
+        "--learning_rate 0.0001 -> 0.0002", "--network_args [conv_dim=4] -> [conv_dim=8]", "--seed 1 -> (not set)"]
+
+
 def test_dim_from_weights_starts_from_the_files_values(tmp_path, tiny_sd1):
     """Item 3: --network_weights F --dim_from_weights builds the network from F's shapes AND loads F's values."""
     family = get_family("sd")

@@ -122,5 +122,10 @@ def config_values(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     return out
 
 
+def flag_values(ns: argparse.Namespace) -> dict[str, Any]:
+    """Every flag of a namespace with its value, secrets and the config-file flags left out (a state records them)."""
+    return {name: value for name, value in vars(ns).items() if name not in _NOT_SAVED and name not in _SECRETS}
+
+
 def write_config_file(ns: argparse.Namespace, path: str, parser: argparse.ArgumentParser) -> None:
     atomic_write_text(path, toml.dumps(config_values(ns, parser)))

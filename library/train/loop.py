@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from typing import Optional
 
 import torch
@@ -33,8 +34,9 @@ class TrainingError(UserError):
 class InterruptedTraining(Exception):
     """Raised after a signal once the state is saved; the entry script exits with 128 + signal."""
 
-    def __init__(self, signum: int, state_dir: str):
-        super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
+    def __init__(self, signum: int, state_dir: str, why: Optional[str] = None):
+        super().__init__(f"stopped {why or f'by signal {signum}'}; state saved to {state_dir} "
+                         f"(resume with --resume {state_dir})")
         self.signum = signum
         self.state_dir = state_dir
 
@@ -242,7 +244,11 @@ class TrainingLoop:
         progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
         self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
-        raise InterruptedTraining(self.stop.signum, ckpt.state_path(self.t.output_dir, stem))
+        if self.stop.requested:
+            signum, why = self.stop.signum, self.stop.why
+        else:  # the signal reached another process (any_process): this one stops at the same step
+            signum, why = signal.SIGTERM, "because another process was asked to stop"
+        raise InterruptedTraining(signum, ckpt.state_path(self.t.output_dir, stem), why)
 
     def _finish(self) -> str:
         progress = self.run_state.progress  # mid-epoch when --max_train_steps ended the run: resume goes on there

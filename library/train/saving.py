@@ -23,6 +23,7 @@ from library.train.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
 from library.core.errors import UserError
 from library.train.state import RunState, TrainProgress, check_shapes, check_world_size, choose_state, save_state
+from library.train.state import warn_changed_flags
 from library.train.trainables import Trainable
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainabl
     check_world_size(saved, num_processes, saved.path)
     shapes = {name: torch.empty(shape, device="meta") for name, shape in trainable.full_shapes().items()}
     check_shapes(saved, shapes, trainable.shape_settings(), saved.path)
+    if process_index == 0:
+        warn_changed_flags(saved, run_state.flags, saved.path)
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
                         f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")

@@ -177,4 +177,7 @@ class RunSettings:
     # The flag values sd-scripts mirrors into ss_* metadata, as the user gave them (library/core/metadata.py
     # RECORDED_FLAGS); only metadata reads them.
     recorded_flags: Mapping[str, Any] = field(default_factory=dict)
+    # Every flag's value (secrets left out): a state folder records them, and a resume names the ones that
+    # changed (library/train/state.py changed_flags).
+    flags: Mapping[str, Any] = field(default_factory=dict)
     hooks: list[Hook] = field(default_factory=list)  # e.g. sampling (library/train/sampling_hook.py)

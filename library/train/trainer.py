@@ -159,7 +159,7 @@ class Trainer(TrainingLoop):
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
-        self.run_state = RunState.start(t.seed, self.accelerator.process_index)
+        self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)
 
     def _shard(self) -> None:
@@ -384,8 +384,10 @@ class Trainer(TrainingLoop):
         """Train; returns the path of the final model or network file."""
         own_handler = self.stop is None
         if own_handler:
-            self.stop = StopHandler().install()
+            self.stop = StopHandler()
         try:
+            if own_handler:
+                self.stop.install()
             self._setup_accelerator()
             self._setup_data()
             self._setup_model()
