@@ -64,7 +64,7 @@ from library.train.sharding import (
 )
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
-from library.train.step import StepContext
+from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
 from library.train.tracking import Tracker
@@ -268,7 +268,7 @@ class Trainer(TrainingLoop):
                                  self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
         share = self._cache_share(gather=not d.cache_latents_to_disk)  # each process encodes its share
         cache = functools.partial(self.data.cache_latents,
-                                  lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
+                                  lambda images: encode_with_vae(self.family, vae, images),
                                   vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                   num_workers=d.data_loader_workers())
         cache(share=share)
