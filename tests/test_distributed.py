@@ -279,17 +279,20 @@ def test_ddp_timeout_reaches_accelerate(tmp_path):
 
 @needs_torchrun
 def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
-    """Item (c): 2 processes x batch 1 train the LoRA that 1 process x batch 2 trains (float tolerance below):
-    the plan puts every sample in the same place, and its noise and timestep come from its own seed."""
+    """2 processes x batch 1 train the LoRA that 1 process x batch 2 trains, at default flags (AdamW, UNet and
+    text encoder, two epochs): the plan puts every sample in the same place, its noise and timestep come from its
+    own seed, and so does its VAE posterior sample. The 2-process run builds fresh disk caches (each process
+    encodes half of the images); the 1-process run caches nothing and encodes every batch as it trains, so the
+    latents agree only if an image's posterior sample depends on nothing but the image."""
     from safetensors.torch import load_file
 
     tmp = str(tmp_path)
     data = dataset(tmp)
-    extra = ["--cache_latents", "--cache_latents_to_disk",  # both runs read the same latents
-             "--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]
+    epochs = ["--max_train_epochs", "2"]
     # --lowram: the two processes load the model in turns (barriers at loading; the result must not change)
-    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=4,
-                              extra=[*extra, "--lowram"]), audit_roots=[data])
+    launch(tmp, 1, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=8,
+                              extra=[*epochs, "--cache_latents", "--cache_latents_to_disk", "--lowram"]),
+           audit_roots=[data])
     # each process encoded and wrote the latent caches of its own half of the images
     written = {}
     for r in (0, 1):
@@ -298,17 +301,23 @@ def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
                      if line.startswith("os.rename")}
         written[r] = {n for n in names if n.endswith("_sd.npz") and not n.startswith(".")}
     assert len(written[0]) == len(written[1]) == 4 and not written[0] & written[1], written
-    single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=4, extra=extra)
+    single = train_args(data, os.path.join(tmp, "one"), os.path.join(tmp, "logs1"), steps=8, extra=epochs)
     single[single.index("--train_batch_size") + 1] = "2"
     make_trainer(single).run()
     two = load_file(os.path.join(tmp, "out", "lora.safetensors"))
     one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
     assert two.keys() == one.keys()
-    worst = max((two[k].float() - one[k].float()).abs().max().item() for k in two if not k.endswith("alpha"))
+    assert any(k.startswith("lora_te_") for k in one) and any(k.startswith("lora_unet_") for k in one)
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((two[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
     moved = max(one[k].float().abs().max().item() for k in one if "lora_up" in k)  # lora_up starts at 0
-    print(f"largest difference {worst:.3g}; largest lora_up weight {moved:.3g}")
-    assert worst <= 1e-6, worst  # float32 rounding (summation order); measured 1.9e-7
-    assert moved >= 1e-2  # the LoRA trained: 10^4 times the tolerance
+    print(f"relative difference {diff / norm:.3g}; largest lora_up weight {moved:.3g}")
+    # float32 rounding (summation order), magnified by Adam's division by tiny second moments: measured 6.0e-6
+    # here (1 vs 2 threads alone moves it by about 1e-6); with each process drawing its own posterior samples
+    # (the code before) it was 7.2e-2
+    assert diff / norm <= 5e-5, diff / norm
+    assert moved >= 5e-3  # the LoRA trained (8 AdamW steps of lr 1e-3)
 
 
 @needs_torchrun
