@@ -277,6 +277,65 @@ def test_ddp_timeout_reaches_accelerate(tmp_path):
     assert acc.init_handler is not None and acc.init_handler.timeout.total_seconds() == 7 * 60
 
 
+ACCELERATE_SIMPLE = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_lone_process_note_names_what_accelerate_launch_was_asked():
+    from library.train.distributed import lone_process_note
+
+    argv = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train_network.py"]
+    note = lone_process_note(1, ACCELERATE_SIMPLE, argv, script="train_network.py")
+    assert note == ("accelerate launch was asked for 2 processes but started only this one (its launcher starts "
+                    "several CPU processes only through MPI, GPU ones only with --multi_gpu): this run trains as 1 "
+                    "process; for 2: `torchrun --nproc_per_node 2 train_network.py --cpu ...` (CPU) or `accelerate "
+                    "launch --multi_gpu --num_processes 2 train_network.py ...` (GPUs), see docs/distributed.md")
+    assert "asked for 3 processes" in lone_process_note(1, ACCELERATE_SIMPLE, ["launch", "--num-processes=3"])
+    # N unreadable (another OS, another launcher line): still said, with N
+    assert "asked for several processes" in lone_process_note(1, ACCELERATE_SIMPLE, [])
+    assert "--nproc_per_node N" in lone_process_note(1, ACCELERATE_SIMPLE, ["launch", "--num_processes", "x"])
+    # not said: several processes run; torchrun or accelerate's multi-GPU launcher (WORLD_SIZE); accelerate launch
+    # asked for one (no MASTER_ADDR); not launched by accelerate at all
+    assert lone_process_note(2, ACCELERATE_SIMPLE, argv) is None
+    assert lone_process_note(1, {**ACCELERATE_SIMPLE, "WORLD_SIZE": "1"}, argv) is None
+    assert lone_process_note(1, {"ACCELERATE_USE_CPU": "True"}, argv) is None
+    assert lone_process_note(1, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, argv) is None
+
+
+def test_accelerate_launch_cpu_with_two_processes_runs_one_and_says_so(tmp_path):
+    """The installed accelerate's own launcher: `--cpu --num_processes 2` starts one process, and that process
+    reads it from what the launcher left (environment and command line); `--cpu` alone says nothing."""
+    accelerate = shutil.which("accelerate")
+    if accelerate is None:
+        pytest.skip("accelerate's launcher not installed")
+    probe = tmp_path / "probe.py"
+    probe.write_text("from library.train.distributed import lone_process_note\nprint(lone_process_note(1))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    lines = {}
+    for asked in (["--num_processes", "2"], []):
+        out = subprocess.run([accelerate, "launch", "--cpu", *asked, "--num_machines", "1", "--mixed_precision",
+                              "no", "--dynamo_backend", "no", str(probe)], env=env, cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines[len(asked)] = out.stdout.strip().splitlines()
+    assert len(lines[2]) == 1 and lines[2][0].startswith("accelerate launch was asked for 2 processes"), lines
+    assert lines[0] == ["None"]
+
+
+def test_the_trainer_logs_the_note_at_start(tmp_path, monkeypatch, caplog):
+    import logging
+
+    for name, value in ACCELERATE_SIMPLE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1))
+    with caplog.at_level(logging.WARNING, logger="library.train.trainer"):
+        trainer._setup_accelerator()
+    notes = [r.getMessage() for r in caplog.records if "accelerate launch was asked for" in r.getMessage()]
+    assert len(notes) == 1 and "this run trains as 1 process" in notes[0]
+
+
 @needs_torchrun
 def test_same_seed_same_lora_whatever_the_world_size(tmp_path):
     """2 processes x batch 1 train the LoRA that 1 process x batch 2 trains, at default flags (AdamW, UNet and

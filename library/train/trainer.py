@@ -36,6 +36,7 @@ from library.train.distributed import (
     data_parallel,
     gather_objects,
     load_in_turns,
+    lone_process_note,
     make_accelerator,
     unused_parameters_possible,
 )
@@ -152,6 +153,9 @@ class Trainer(TrainingLoop):
                                 "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
+        note = lone_process_note(n)  # `accelerate launch --cpu --num_processes 2` runs one process
+        if note:
+            logger.warning(note)
         self.device = self.accelerator.device
         self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
