@@ -194,11 +194,16 @@ def test_two_processes_shard_batches_agree_on_weights_and_only_rank0_writes(tmp_
 
 @needs_torchrun
 def test_two_loopback_nodes_one_process_each(tmp_path):
+    """Also without --seed: each process draws one, and they must take rank 0's (the epoch plan is a function of
+    it), or their batches overlap (check_run: disjoint batches covering the epoch)."""
     tmp = str(tmp_path)
     data = dataset(tmp)
-    launch(tmp, 2, train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
-                              extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
-                                     "--profile_steps", "--cache_latents"]))  # in memory: shared by gathering
+    argv = train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
+                      extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
+                             "--profile_steps", "--cache_latents"])  # in memory: shared by gathering
+    seed = argv.index("--seed")
+    del argv[seed:seed + 2]
+    launch(tmp, 2, argv)
     check_run(tmp, steps=5, images=8, ddp=(True, True, False))
     # --profile_steps times DDP's bucket all-reduces (rank 0's TensorBoard events)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

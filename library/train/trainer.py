@@ -144,6 +144,9 @@ class Trainer(TrainingLoop):
         with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
             self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
+        if n > 1:
+            self._agree_on_seed()
+            t = self.t
         if self.zero is not None:
             logger.info("DeepSpeed: %s, %d process(es)", self.zero.describe(), n)
         elif n > 1:
@@ -165,6 +168,15 @@ class Trainer(TrainingLoop):
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _agree_on_seed(self) -> None:
+        """Every process takes rank 0's seed. Without --seed each process drew its own, and the epochs' batch plans,
+        the per-sample draws and the initial weights are functions of it: with different seeds the processes would
+        train on overlapping batches."""
+        agreed = gather_objects(self.t.seed)[0]
+        if agreed != self.t.seed:
+            self.s = self.s.with_seed(agreed)
+            self.t = self.s.training
 
     def _shard(self) -> None:
         """FSDP: a fine-tune's trained parts, or the frozen parts a LoRA hooks into with its modules inside."""
