@@ -229,7 +229,7 @@ def test_disk_latent_cache_uses_sd_scripts_flux_keys_one_file_for_all_resolution
     trainer = make_trainer(args, "flux")
     encoded = []
     original = trainer.family.encode_images
-    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     trainer.run()
     assert encoded == []  # both resolutions were found in the one file
 

@@ -8,6 +8,7 @@ targets and their kohya names, and the strings written into metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 import os
 from typing import Any, ClassVar, Mapping, Optional
@@ -18,6 +19,7 @@ from torch import nn
 from library.core.errors import ConfigError, UserError
 from library.families import model_saving
 from library.objectives.noise import DDPMSchedule, NoiseScheme
+from library.objectives.posterior import posterior_sample
 from networks.lora_args import BlockLayout
 from networks.lora_targets import LoraTarget
 
@@ -203,12 +205,15 @@ class ModelFamily(ABC):
     # --- images ------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, vae: nn.Module, images: torch.Tensor,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                      generator: Optional[torch.Generator | Sequence[torch.Generator]] = None) -> torch.Tensor:
         """Images in [-1, 1] (B,3,H,W) -> unscaled latents (B,C,H/8,W/8), float32.
 
-        The posterior sample draws from `generator` when given (validation needs fixed draws).
+        The posterior sample draws from `generator`; a sequence holds one generator per image
+        (library/objectives/posterior.py: the trainer passes each image's own).
         """
         dist = vae.encode(images.to(vae.device, vae.dtype)).latent_dist
+        if isinstance(generator, Sequence):
+            return posterior_sample(dist, generator)
         return dist.sample(generator=generator).float()
 
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:
