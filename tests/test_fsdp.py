@@ -199,9 +199,10 @@ def test_fsdp2_blocks_compile_after_sharding(one_process_group):
     for _ in range(2):  # the second step runs the compiled graphs
         sharded.zero_grad()
         sharded(x).square().sum().backward()
-    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
-        if q.grad is not None:
-            assert torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6), name
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
+    # measured 0; blocks compiled over float16-rounded weights give 8e-4, weights gathered in bfloat16 7.9e-3
+    assert_close_measured(grads, {n: q.grad for n, q in plain.named_parameters() if q.grad is not None}, 1e-6,
+                          "sharded + compiled vs plain: gradients")
 
 
 def test_what_cannot_combine_is_refused_in_one_line(tmp_path):
