@@ -49,7 +49,8 @@ def test_blockwise_fused_optimizers_step_each_block_in_backward_and_equal_the_us
     # Each block's optimizer steps once per step, during backward: the last block first, the embedders last.
     assert stepped == 3 * (names[1:][::-1] + ["denoiser other"])
     assert held == [0, 0, 0]  # no gradient is left once backward is done
-    # measured 0 (one float32 step of these weights is ~1e-7); gradients rounded through float16 before each
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY) (one float32 step of these weights
+    # is ~1e-7); gradients rounded through float16 before each
     # block's step give 1.9e-3
     assert_close_measured(blockwise, usual, 1e-5, "blockwise fused vs usual AdamW: weights")
 
@@ -88,7 +89,8 @@ def test_blocks_to_swap_over_trained_blocks_trains_as_without(tmp_path, tiny_flu
     assert swapper.swapped == [model.transformer_blocks[1], *model.single_transformer_blocks[1:]]
     assert swapper.write_back == (mode == ["--blockwise_fused_optimizers"])
     assert swapper.stats.loads > 0
-    # measured 1.2e-7, 1.2e-7 and 4.5e-8 (one float32 step of these weights); a swapped block's update not copied
+    # measured at most 1.2e-7 (one float32 step of these weights) with the AVX-512, AVX2 and default kernels
+    # (ATEN_CPU_CAPABILITY); a swapped block's update not copied
     # back (--blockwise_fused_optimizers) gives 3e-3
     assert_close_measured(got, want, 1e-5, f"blocks_to_swap {mode}: weights")
     swapped = model.transformer_blocks[1].attn.to_out[0].weight

@@ -172,7 +172,8 @@ def test_fsdp2_activation_checkpointing_recomputes_blocks_with_the_same_gradient
     assert Block.calls == 4  # each block's forward again in backward
     grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
     assert sorted(grads) == sorted(n for n, p in plain.named_parameters() if p.requires_grad)
-    # measured 0; float32 rounding of these 6-term sums would be ~1e-7. Weights gathered in bfloat16 give 7.9e-3
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); float32 rounding of these 6-term sums
+    # would be ~1e-7. Weights gathered in bfloat16 give 7.9e-3
     assert_close_measured(grads, {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}, 1e-6,
                           "sharded + checkpointed vs plain: gradients")
     again = copy.deepcopy(plain)
@@ -200,7 +201,8 @@ def test_fsdp2_blocks_compile_after_sharding(one_process_group):
         sharded.zero_grad()
         sharded(x).square().sum().backward()
     grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
-    # measured 0; blocks compiled over float16-rounded weights give 8e-4, weights gathered in bfloat16 7.9e-3
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); blocks compiled over float16-rounded
+    # weights give 8e-4, weights gathered in bfloat16 7.9e-3
     assert_close_measured(grads, {n: q.grad for n, q in plain.named_parameters() if q.grad is not None}, 1e-6,
                           "sharded + compiled vs plain: gradients")
 
