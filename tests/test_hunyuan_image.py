@@ -26,7 +26,8 @@ from library.families.hunyuan_image_loading import write_hunyuan_image_preset
 from library.families.hunyuan_image_options import HunyuanImageOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
-from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
+from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
+                                 random_lora_file)
 
 
 @pytest.fixture(scope="module")
@@ -356,16 +357,20 @@ def test_merge_and_extract_tools_on_the_original_files(tmp_path, hi_files, tiny_
 
 
 def test_block_swap_and_offloaded_checkpointing_train_as_without(tmp_path, tiny_hi):
-    """--blocks_to_swap 1 (the last two single blocks streamed) with --cpu_offload_checkpointing gives the same LoRA
-    as plain gradient checkpointing (diffusers' HunyuanImage blocks take keyword inputs through both checkpointing
-    functions); the streamed blocks are the last N//2 double and 2·(N − N//2) single ones."""
+    """--blocks_to_swap 1 (the last two single blocks streamed) with --cpu_offload_checkpointing gives the LoRA of
+    plain gradient checkpointing up to float rounding (diffusers' HunyuanImage blocks take keyword inputs through
+    both checkpointing functions); the streamed blocks are the last N//2 double and 2·(N − N//2) single ones."""
     data = make_dataset(str(tmp_path), n=1)
     extra = ["--network_module", "networks.lora_hunyuan_image", "--gradient_checkpointing"]
     runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:hunyuan_image", steps=1, extra=extra + more),
                          "hunyuan_image").run()
             for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1", "--cpu_offload_checkpointing"]))]
     a, b = (load_file(p) for p in runs)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); 3e-5 leaves room for
+    # kernels that depend on alignment. The swapped blocks' weights (the saved inputs) copied through float16 give
+    # 6.4e-5 (4.5e-5), zeros in place of the weights 2e-3
+    assert_close_measured(b, a, 3e-5, "hunyuan swap + offload vs plain: LoRA")
+    assert largest_lora_up(a) > 5e-4  # trained: one AdamW step at 1e-3 moves it 1e-3
     assert not torch.equal(a["lora_unet_single_blocks_3_linear1.lora_up.weight"],
                            torch.zeros_like(a["lora_unet_single_blocks_3_linear1.lora_up.weight"]))
     blocks = get_family("hunyuan_image").swappable_blocks(tiny_hi, 1)
