@@ -283,6 +283,23 @@ def _finite_file(path: str) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in load_file(path).values())
 
 
+def test_first_non_finite_names_the_first_and_ignores_overflowing_sums():
+    """The check sums each tensor in float32: a NaN / inf anywhere is found, named in order (nested optimizer
+    state by its path), and finite values whose sum overflows (3e38 x 1000; float16 60000 x 1e5) are not a NaN."""
+    from library.train.saving import first_non_finite, named_tensors
+
+    inf, nan = torch.zeros(10), torch.ones(3, 4)
+    inf[3], nan[1, 2] = float("inf"), float("nan")
+    assert first_non_finite([("a", torch.zeros(3)), ("b", inf), ("c", nan)]) == "b"
+    assert first_non_finite([("c", nan), ("b", inf)]) == "c"
+    assert first_non_finite([("big", torch.full((1000,), 3e38)),
+                             ("half", torch.full((100000,), 60000.0, dtype=torch.float16)),
+                             ("steps", torch.tensor([2**40])), ("empty", torch.empty(0))]) is None
+    state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(2)}, 1: {"exp_avg": nan}},
+             "param_groups": [{"lr": 1.0}]}
+    assert first_non_finite(named_tensors(state, "optimizer state")) == "optimizer state.state.1.exp_avg"
+
+
 @pytest.mark.parametrize("where, expected", [
     ("weights", "lora_unet_up_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.lora_up.weight"),
     ("optimizer", "optimizer state.state.5.exp_avg_sq"),
