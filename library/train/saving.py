@@ -60,7 +60,7 @@ def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]
     where: dict[torch.device, list[int]] = {}
     checked: list[tuple[str, torch.Tensor]] = []
     for name, t in named:
-        if not t.is_floating_point() or t.numel() == 0:
+        if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":  # meta: nothing held here
             continue
         if hasattr(t, "to_local"):
             t = t.to_local()
