@@ -21,6 +21,7 @@ from library.train.distributed import any_process
 from library.train.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.step import batch_loss, optimizer_step
+from library.train.stopping import nan_hint
 from library.train.tracking import LossWindow
 from library.train.validation import validation_loss
 
@@ -156,8 +157,12 @@ class TrainingLoop:
             paths = ", ".join(batch.get("image_paths", [])[:8])
             raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                 f"Images in this batch: {paths}. The files saved so far are intact; "
-                                f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
-                                f"or a lower learning rate")
+                                f"{self._nan_hint()}")
+
+    def _nan_hint(self) -> str:
+        t = self.t
+        return nan_hint(t.mixed_precision, t.full_fp16, t.full_bf16, self.s.no_half_vae,
+                        self.s.optimizer.max_grad_norm)
 
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter

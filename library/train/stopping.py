@@ -100,3 +100,21 @@ class StopHandler:
         self.signum = signum
         self.why = stop_signals.signal_why(signum)
         logger.warning("signal %d: saving state after the current step, then stopping", signum)
+
+
+def nan_hint(mixed_precision: str, full_fp16: bool = False, full_bf16: bool = False, no_half_vae: bool = False,
+             max_grad_norm: float = 1.0) -> str:
+    """What to try after a NaN / inf, from the run's own settings: only changes the run has not made yet."""
+    tips = []
+    if mixed_precision == "fp16":
+        tips.append("--mixed_precision bf16 (or no, for float32)")
+    elif mixed_precision == "bf16":
+        tips.append("--mixed_precision no (float32)")
+    if full_fp16 or full_bf16:
+        tips.append(f"training without --{'full_fp16' if full_fp16 else 'full_bf16'}")
+    if mixed_precision != "no" and not no_half_vae:
+        tips.append("--no_half_vae")
+    if not max_grad_norm:
+        tips.append("--max_grad_norm 1 (gradient clipping is off)")
+    tips.append("a lower learning rate")
+    return "try " + (", ".join(tips[:-1]) + " or " if len(tips) > 1 else "") + tips[-1]

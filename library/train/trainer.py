@@ -428,7 +428,7 @@ class Trainer(TrainingLoop):
             self.accelerator.wait_for_everyone()
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
-                                  self._metadata, self.num_epochs, self.max_train_steps)
+                                  self._metadata, self.num_epochs, self.max_train_steps, self._nan_hint())
             if self.accelerator.is_main_process:
                 self.saver.check_disk_space()
                 self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
