@@ -17,8 +17,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from library.cli.entry import run_training
-from library.families.chroma_generate import resolve_chroma_request
-from library.families.chroma_model import chroma_to_single_file
+from library.families.chroma.generate import resolve_chroma_request
+from library.families.chroma.model import chroma_to_single_file
 from library.families.detect import detect_family
 from library.sampling.generate import GenerationRequest, generate_images
 from library.sampling.output import read_png_text

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from library.families.flux_generate import (
+from library.families.flux.generate import (
     decode_images,
     encode_prompts_flux,
     flux_sigmas,

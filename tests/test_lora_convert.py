@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from library.families.lora_convert import convert, detect_layout, to_diffusers, to_kohya
+from library.families.common.lora_convert import convert, detect_layout, to_diffusers, to_kohya
 from networks.lora_files import UnsupportedLoraError, group_modules
 
 H = 3072  # Flux hidden size: diffusers' converter hard-codes the single-block split dims
@@ -144,7 +144,7 @@ def test_unknown_and_lycoris_files_are_refused_with_the_key():
 
 def _full_size_flux_kohya(rank=2):
     """Every module of a real FLUX.1 LoRA (19 double + 38 single blocks, fused qkv / linear1), rank `rank`."""
-    from library.families.flux_lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
+    from library.families.flux.lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
 
     shapes = {"img_mod.lin": (6 * H, H), "txt_mod.lin": (6 * H, H), "img_attn.qkv": (3 * H, H),
               "txt_attn.qkv": (3 * H, H), "img_attn.proj": (H, H), "txt_attn.proj": (H, H),

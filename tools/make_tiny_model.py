@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _write_sd3(out: str, single_file: bool, separate: bool) -> None:
-    from library.families.sd3_saving import write_sd3_preset
+    from library.families.sd3.saving import write_sd3_preset
 
     layout = "diffusers" if not single_file else "separate" if separate else "single_file"
     for name, path in write_sd3_preset(FAMILIES["sd3"], out, layout).items():
@@ -64,7 +64,7 @@ def _write_sd3(out: str, single_file: bool, separate: bool) -> None:
 
 
 def _write_flux(out: str, single_file: bool) -> None:
-    from library.families.flux_saving import write_flux_preset
+    from library.families.flux.saving import write_flux_preset
 
     written = write_flux_preset(FAMILIES["flux"], out, single_file=single_file)
     if not single_file:
@@ -77,7 +77,7 @@ def _write_flux(out: str, single_file: bool) -> None:
 
 
 def _write_chroma(out: str, single_file: bool) -> None:
-    from library.families.chroma_model import write_chroma_preset
+    from library.families.chroma.model import write_chroma_preset
 
     if not single_file:
         raise UserError("--family chroma: add --single_file (Chroma is published as a single file; sd-scripts "
@@ -90,7 +90,7 @@ def _write_chroma(out: str, single_file: bool) -> None:
 
 
 def _write_anima(out: str) -> None:
-    from library.families.anima_loading import write_anima_preset
+    from library.families.anima.loading import write_anima_preset
 
     if out.lower().endswith(".safetensors"):
         raise UserError(f"--out {out}: Anima is written as three files; expected a folder name")
@@ -102,7 +102,7 @@ def _write_anima(out: str) -> None:
 
 
 def _write_lumina(out: str) -> None:
-    from library.families.lumina_loading import write_lumina_preset
+    from library.families.lumina.loading import write_lumina_preset
 
     if out.lower().endswith(".safetensors"):
         raise UserError(f"--out {out}: Lumina is written as three files; expected a folder name")
@@ -114,7 +114,7 @@ def _write_lumina(out: str) -> None:
 
 
 def _write_hunyuan_image(out: str) -> None:
-    from library.families.hunyuan_image_loading import write_hunyuan_image_preset
+    from library.families.hunyuan_image.loading import write_hunyuan_image_preset
 
     if out.lower().endswith(".safetensors"):
         raise UserError(f"--out {out}: HunyuanImage is written as four files; expected a folder name")
@@ -127,8 +127,8 @@ def _write_hunyuan_image(out: str) -> None:
 
 def write(args: argparse.Namespace) -> None:
     """Write the tiny model `args` names (UserError on a bad --out)."""
-    from library.families.sd_saving import write_preset
-    from library.families.sdxl_saving import write_sdxl_preset
+    from library.families.sd.saving import write_preset
+    from library.families.sdxl.saving import write_sdxl_preset
 
     if args.family == "flux":
         _write_flux(args.out, args.single_file)

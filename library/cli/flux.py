@@ -11,13 +11,13 @@ import argparse
 from typing import Optional
 
 from library.cli.options import add_option_arguments
-from library.families.anima_options import COMPONENT_FILE_FLAGS as ANIMA_FILE_FLAGS
-from library.families.anima_options import AnimaOptions
-from library.families.flux_options import COMPONENT_FILE_FLAGS, FluxOptions
-from library.families.hunyuan_image_options import COMPONENT_FILE_FLAGS as HUNYUAN_IMAGE_FILE_FLAGS
-from library.families.hunyuan_image_options import HunyuanImageOptions
-from library.families.lumina_options import LuminaOptions
-from library.families.sd3_options import SD3Options
+from library.families.anima.options import COMPONENT_FILE_FLAGS as ANIMA_FILE_FLAGS
+from library.families.anima.options import AnimaOptions
+from library.families.flux.options import COMPONENT_FILE_FLAGS, FluxOptions
+from library.families.hunyuan_image.options import COMPONENT_FILE_FLAGS as HUNYUAN_IMAGE_FILE_FLAGS
+from library.families.hunyuan_image.options import HunyuanImageOptions
+from library.families.lumina.options import LuminaOptions
+from library.families.sd3.options import SD3Options
 
 TOOL_FILE_FLAGS = (*COMPONENT_FILE_FLAGS, "clip_g", "gemma2", *HUNYUAN_IMAGE_FILE_FLAGS)
 

@@ -39,7 +39,7 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
-    # Anima's sd-scripts flag for the same thing (library/families/anima_options.py)
+    # Anima's sd-scripts flag for the same thing (library/families/anima/options.py)
     offload = bool(values.get("cpu_offload_checkpointing")) or bool(values.get("unsloth_offload_checkpointing"))
     name = getattr(family, "name", "this model family")
     if swap is not None and family is not None and not family_supports_block_swap(family):

@@ -21,49 +21,49 @@ logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFp32Warni
 
 
 def _sd() -> ModelFamily:
-    from library.families.sd import SDFamily
+    from library.families.sd.family import SDFamily
 
     return SDFamily()
 
 
 def _sdxl() -> ModelFamily:
-    from library.families.sdxl import SDXLFamily
+    from library.families.sdxl.family import SDXLFamily
 
     return SDXLFamily()
 
 
 def _flux() -> ModelFamily:
-    from library.families.flux import FluxFamily
+    from library.families.flux.family import FluxFamily
 
     return FluxFamily()
 
 
 def _chroma() -> ModelFamily:
-    from library.families.chroma import ChromaFamily
+    from library.families.chroma.family import ChromaFamily
 
     return ChromaFamily()
 
 
 def _anima() -> ModelFamily:
-    from library.families.anima import AnimaFamily
+    from library.families.anima.family import AnimaFamily
 
     return AnimaFamily()
 
 
 def _sd3() -> ModelFamily:
-    from library.families.sd3 import SD3Family
+    from library.families.sd3.family import SD3Family
 
     return SD3Family()
 
 
 def _lumina() -> ModelFamily:
-    from library.families.lumina import LuminaFamily
+    from library.families.lumina.family import LuminaFamily
 
     return LuminaFamily()
 
 
 def _hunyuan_image() -> ModelFamily:
-    from library.families.hunyuan_image import HunyuanImageFamily
+    from library.families.hunyuan_image.family import HunyuanImageFamily
 
     return HunyuanImageFamily()
 

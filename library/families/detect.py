@@ -7,16 +7,21 @@ import json
 import os
 from typing import Iterable, Optional
 
-from library.families import (
-    anima_configs,
-    chroma_configs,
-    flux_configs,
-    hunyuan_image_configs,
-    lumina_configs,
-    sd3_configs,
-    sd_configs,
-    sdxl_configs,
-)
+from library.families.anima import configs as anima_configs
+
+from library.families.chroma import configs as chroma_configs
+
+from library.families.flux import configs as flux_configs
+
+from library.families.hunyuan_image import configs as hunyuan_image_configs
+
+from library.families.lumina import configs as lumina_configs
+
+from library.families.sd3 import configs as sd3_configs
+
+from library.families.sd import configs as sd_configs
+
+from library.families.sdxl import configs as sdxl_configs
 
 # Key prefixes that only one family's single-file checkpoints carry, most specific first.
 _SINGLE_FILE_MARKERS = (

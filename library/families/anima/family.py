@@ -16,18 +16,18 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.families import anima_layout as layout
-from library.families.anima_configs import LATENT_CHANNELS
-from library.families.anima_generate import generate_anima
-from library.families.anima_loading import (
+from library.families.anima import layout
+from library.families.anima.configs import LATENT_CHANNELS
+from library.families.anima.generate import generate_anima
+from library.families.anima.loading import (
     block_count,
     check_model_source,
     load_anima_components,
 )
-from library.families.anima_network_args import AnimaNetworkArgs
-from library.families.anima_options import LR_GROUPS, AnimaOptions
+from library.families.anima.network_args import AnimaNetworkArgs
+from library.families.anima.options import LR_GROUPS, AnimaOptions
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.swap_rules import check_last_blocks_swap, last_blocks
+from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from library.core.safetensors_io import write_safetensors
-from library.families import anima_layout as layout
-from library.families.anima_configs import (
+from library.families.anima import layout
+from library.families.anima.configs import (
     LATENT_CHANNELS,
     PRESETS,
     QWEN3_TOKENIZER_REPO,
@@ -33,9 +33,9 @@ from library.families.anima_configs import (
     vae_config,
 )
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_loading import _adopt, _read_file, find_t5_tokenizer
-from library.families.loading import classify_source
-from library.families.swap_rules import indexed_blocks_in_file
+from library.families.flux.loading import _adopt, _read_file, find_t5_tokenizer
+from library.families.common.loading import classify_source
+from library.families.common.swap_rules import indexed_blocks_in_file
 
 
 def anima_source_kind(path: str) -> str:
@@ -258,7 +258,7 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
         if opts.vae:
             vae = load_vae_file(opts.vae, opts.vae_dtype)
     if opts.from_scratch:
-        from library.families.loading import scratch_denoiser
+        from library.families.common.loading import scratch_denoiser
 
         dit.transformer = scratch_denoiser(dit.transformer, opts.init_seed)
     t5_tokenizer = load_t5_tokenizer(options.t5_tokenizer_path, dit.llm_adapter.config.target_vocab_size, cache, path)

@@ -19,24 +19,24 @@ import torch
 
 from library.core.errors import ConfigError, warn_once
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.chroma_generate import generate_chroma
-from library.families.chroma_model import (
+from library.families.chroma.generate import generate_chroma
+from library.families.chroma.model import (
     CHROMA_IMPLEMENTATION,
     chroma_block_counts,
     chroma_source_kind,
     chroma_to_single_file,
     load_chroma_components,
 )
-from library.families.flux import (
+from library.families.flux.family import (
     FluxFamily,
     image_ids,
     pack_latents,
     swap_split,
     unpack_latents,
 )
-from library.families.flux_lora_names import T5_TARGETS, bfl_module_path, fused_slot
-from library.families.flux_network_args import FluxNetworkArgs
-from library.families.flux_options import FluxOptions
+from library.families.flux.lora_names import T5_TARGETS, bfl_module_path, fused_slot
+from library.families.flux.network_args import FluxNetworkArgs
+from library.families.flux.options import FluxOptions
 from library.objectives.flow import check_flow_compatible, check_no_ddpm_schedule
 from networks.lora_targets import LoraTarget
 
@@ -143,7 +143,7 @@ class ChromaFamily(FluxFamily):
     # --- generation -------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
-        """T5-only, masked, true-CFG flow-match Euler generation (library/families/chroma_generate.py)."""
+        """T5-only, masked, true-CFG flow-match Euler generation (library/families/chroma/generate.py)."""
         return generate_chroma(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------

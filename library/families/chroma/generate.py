@@ -18,7 +18,7 @@ import torch
 
 from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import (
+from library.families.flux.generate import (
     decode_images,
     encode_prompts_flux,
     euler_sample,

@@ -18,25 +18,25 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from library.families import flux_bfl_layout as bfl
+from library.families.flux import layout as bfl
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.chroma_configs import APPROXIMATOR_CHANNELS, PRESET_SEED, PRESETS, ChromaPreset
-from library.families.flux_configs import (
+from library.families.chroma.configs import APPROXIMATOR_CHANNELS, PRESET_SEED, PRESETS, ChromaPreset
+from library.families.flux.configs import (
     LATENT_CHANNELS,
     build_t5_tokenizer,
     flux_vae_config,
     t5_config,
 )
-from library.families.flux_configs import PRESET_SEED as FLUX_SEED
-from library.families.flux_configs import PRESETS as FLUX_PRESETS
-from library.families.flux_loading import (
+from library.families.flux.configs import PRESET_SEED as FLUX_SEED
+from library.families.flux.configs import PRESETS as FLUX_PRESETS
+from library.families.flux.loading import (
     _adopt,
     _read_file,
     load_ae_file,
     load_t5xxl_file,
 )
-from library.families.loading import classify_source, load_vae, scratch_denoiser
-from library.families.tiny import build_seeded
+from library.families.common.loading import classify_source, load_vae, scratch_denoiser
+from library.families.common.tiny import build_seeded
 
 CHROMA_IMPLEMENTATION = "https://huggingface.co/lodestones/Chroma"  # sd-scripts' modelspec.implementation
 
@@ -227,9 +227,9 @@ def write_chroma_preset(preset: str, out: str) -> dict[str, str]:
     """Write a preset ("tiny:chroma") as a Chroma user has it: the transformer single file (`out`, a .safetensors
     name, or a folder that gets chroma-tiny.safetensors) plus t5xxl.safetensors and ae.safetensors next to it.
     Returns {"transformer" | "t5xxl" | "ae": path}."""
-    from library.families import ldm_layout as ldm
-    from library.families import model_saving
-    from library.families.flux_bfl_layout import t5_to_file
+    from library.families.common import ldm_layout as ldm
+    from library.families.common import model_saving
+    from library.families.flux.layout import t5_to_file
 
     parts = build_chroma_modules(preset)
     transformer = out if out.lower().endswith(".safetensors") else os.path.join(out, "chroma-tiny.safetensors")

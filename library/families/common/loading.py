@@ -16,15 +16,15 @@ from typing import Any, Mapping, Optional
 import torch
 
 from library.core.tensors import aligned
-from library.families import ldm_layout as ldm
+from library.families.common import ldm_layout as ldm
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.sd_configs import (
+from library.families.sd.configs import (
     PRESETS,
     text_encoder_config,
     unet_config,
     vae_config,
 )
-from library.families.tiny import build_sd_modules, build_seeded, build_tokenizer, tiny_vocab_size
+from library.families.common.tiny import build_sd_modules, build_seeded, build_tokenizer, tiny_vocab_size
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from library.families.sd_configs import (
+from library.families.sd.configs import (
     PRESETS,
     SDPreset,
     text_encoder_config,

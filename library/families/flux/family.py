@@ -16,28 +16,28 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError, warn_once
-from library.families import flux_saving
+from library.families.flux import saving as flux_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
-from library.families.flux_configs import (
+from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+from library.families.flux.configs import (
     AE_SCALING_FACTOR,
     AE_SHIFT_FACTOR,
     LATENT_CHANNELS,
 )
-from library.families.flux_generate import generate_flux
-from library.families.flux_loading import (
+from library.families.flux.generate import generate_flux
+from library.families.flux.loading import (
     block_counts,
     check_model_source,
     load_flux_components,
 )
-from library.families.flux_lora_names import (
+from library.families.flux.lora_names import (
     T5_TARGETS,
     TRANSFORMER_TARGETS,
     bfl_module_path,
     fused_slot,
 )
-from library.families.flux_network_args import FluxNetworkArgs, in_layer_targets
-from library.families.flux_options import FluxOptions
+from library.families.flux.network_args import FluxNetworkArgs, in_layer_targets
+from library.families.flux.options import FluxOptions
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -156,7 +156,7 @@ class FluxFamily(ModelFamily):
                 "apply_t5_attn_mask": options.apply_t5_attn_mask}
 
     def variant(self, options: FluxOptions) -> ModelFamily:
-        """--model_type chroma: the Chroma family (library/families/chroma.py) trains instead."""
+        """--model_type chroma: the Chroma family (library/families/chroma/family.py) trains instead."""
         if options.model_type == "chroma":
             from library.families import get_family
 
@@ -256,14 +256,14 @@ class FluxFamily(ModelFamily):
     # --- generation -------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
-        """Flow-match Euler generation (library/families/flux_generate.py); clip_skip does not apply."""
+        """Flow-match Euler generation (library/families/flux/generate.py); clip_skip does not apply."""
         return generate_flux(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet (BFL names, fused qkv / linear1), lora_te1 (CLIP-L) and the optional targets: the layers
         outside the blocks (`in_dims`) and T5 (`lora_te3`, `train_t5xxl=True`); all carry FLUX.1's network args
-        (library/families/flux_network_args.py)."""
+        (library/families/flux/network_args.py)."""
         from dataclasses import replace
 
 

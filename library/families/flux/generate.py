@@ -25,7 +25,7 @@ import torch
 
 from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.sd_generate import borrowed_on
+from library.families.sd.generate import borrowed_on
 from library.objectives.flow import flux_shift_mu, time_shift
 from library.sampling.generate import GeneratedImage
 from library.sampling.samplers import sampler_spec

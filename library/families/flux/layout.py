@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from library.core.safetensors_io import Deferred, concat
-from library.families.flux_lora_names import (
+from library.families.flux.lora_names import (
     SWAPPED_HALVES,
     bfl_module_path,
     diffusers_paths,
@@ -182,7 +182,7 @@ def infer_transformer_config(checkpoint: Mapping[str, torch.Tensor]) -> dict:
     The rotary axes are not stored in the weights; they come from the built-in preset
     of the same head size (FLUX.1's (16, 56, 56) for 128).
     """
-    from library.families.flux_configs import PRESETS
+    from library.families.flux.configs import PRESETS
 
     ckpt = transformer_tensors(checkpoint)
     try:

@@ -18,11 +18,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from library.core.tensors import aligned
-from library.families import flux_bfl_layout as bfl
-from library.families import ldm_layout as ldm
+from library.families.flux import layout as bfl
+from library.families.common import ldm_layout as ldm
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.detect import describe_keys
-from library.families.flux_bfl_layout import (
+from library.families.flux.layout import (
     FLOAT8_DTYPES,
     block_count,
     clip_l_from_file,
@@ -30,7 +30,7 @@ from library.families.flux_bfl_layout import (
     transformer_tensors,
     upcast_float8,
 )
-from library.families.flux_configs import (
+from library.families.flux.configs import (
     LATENT_CHANNELS,
     PRESETS,
     build_flux_modules,
@@ -38,7 +38,7 @@ from library.families.flux_configs import (
     flux_vae_config,
     t5_config,
 )
-from library.families.loading import (
+from library.families.common.loading import (
     classify_source,
     find_tokenizer,
     infer_vae_config,
@@ -46,7 +46,7 @@ from library.families.loading import (
     load_vae,
     scratch_denoiser,
 )
-from library.families.sd_configs import text_encoder_config
+from library.families.sd.configs import text_encoder_config
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -318,7 +318,7 @@ def check_model_source(path: str, files) -> None:
 def load_flux_components(opts: LoadOptions, files=None) -> Components:
     """Components of a FLUX.1 model: denoiser = transformer, text encoders = [CLIP-L, T5].
 
-    `files` carries the --clip_l / --t5xxl / --ae paths (library.families.flux_options.FluxOptions):
+    `files` carries the --clip_l / --t5xxl / --ae paths (library.families.flux.options.FluxOptions):
     required with a BFL single file, replacing that part of a preset or a diffusers folder.
     """
     path = opts.pretrained_model_name_or_path

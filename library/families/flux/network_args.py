@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 from torch import nn
 
 from library.core.errors import ConfigError
-from library.families.flux_lora_names import (
+from library.families.flux.lora_names import (
     OUTSIDE_BLOCKS,
     bfl_path,
     outside_block_name,

@@ -1,6 +1,6 @@
 """What a FLUX.1 model is saved as: the BFL transformer file (as sd-scripts' flux_train.py saves: the
 transformer alone, as flux1-dev.safetensors), the FluxPipeline folder, and for the tiny model the
-clip_l / t5xxl / ae files that --clip_l / --t5xxl / --ae take. Writing is library/families/model_saving.py.
+clip_l / t5xxl / ae files that --clip_l / --t5xxl / --ae take. Writing is library/families/common/model_saving.py.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from library.families import ldm_layout as ldm
-from library.families import model_saving
-from library.families.flux_bfl_layout import (
+from library.families.common import ldm_layout as ldm
+from library.families.common import model_saving
+from library.families.flux.layout import (
     clip_l_to_file,
     diffusers_to_bfl,
     t5_to_file,
 )
-from library.families.flux_configs import build_flux_modules
+from library.families.flux.configs import build_flux_modules
 
 # As FluxPipeline.save_pretrained writes it, without importing the pipeline.
 _MODEL_INDEX = {

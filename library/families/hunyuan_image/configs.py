@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
 LATENT_CHANNELS = 64
 VAE_SCALE_FACTOR = 32

@@ -15,21 +15,21 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.families import hunyuan_image_layout as layout
-from library.families import hunyuan_image_text as text_rules
+from library.families.hunyuan_image import layout
+from library.families.hunyuan_image import text as text_rules
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.hunyuan_image_configs import (
+from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     LATENT_SCALING_FACTOR,
     VAE_SCALE_FACTOR,
 )
-from library.families.hunyuan_image_loading import (
+from library.families.hunyuan_image.loading import (
     block_counts,
     check_model_source,
     load_components,
 )
-from library.families.hunyuan_image_network_args import HunyuanImageNetworkArgs
-from library.families.hunyuan_image_options import HunyuanImageOptions
+from library.families.hunyuan_image.network_args import HunyuanImageNetworkArgs
+from library.families.hunyuan_image.options import HunyuanImageOptions
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -140,7 +140,7 @@ class HunyuanImageFamily(ModelFamily):
     # --- generation ----------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
-        from library.families.hunyuan_image_generate import generate_hunyuan_image
+        from library.families.hunyuan_image.generate import generate_hunyuan_image
 
         if components.vae is None:
             raise ConfigError("--vae: required to decode HunyuanImage images (hunyuan_image_2.1_vae_fp16.safetensors)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import (
+from library.families.flux.generate import (
     decode_images,
     euler_sample,
     initial_noise,
@@ -18,7 +18,7 @@ from library.families.flux_generate import (
     resolve_batch,
     resolve_flow_request,
 )
-from library.families.sd_generate import borrowed_on
+from library.families.sd.generate import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
 

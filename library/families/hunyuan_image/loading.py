@@ -21,10 +21,10 @@ from typing import Optional
 import torch
 
 from library.core.safetensors_io import write_safetensors
-from library.families import hunyuan_image_layout as layout
+from library.families.hunyuan_image import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_loading import _adopt, _read_file
-from library.families.hunyuan_image_configs import (
+from library.families.flux.loading import _adopt, _read_file
+from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     PRESETS,
     QWEN_TOKENIZER_REPO,
@@ -36,8 +36,8 @@ from library.families.hunyuan_image_configs import (
     transformer_config,
     vae_config,
 )
-from library.families.loading import classify_source
-from library.families.swap_rules import indexed_blocks_in_file
+from library.families.common.loading import classify_source
+from library.families.common.swap_rules import indexed_blocks_in_file
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn_qkv\.")
 
@@ -200,7 +200,7 @@ def load_components(opts: LoadOptions, options) -> Components:
         if opts.vae:
             vae = load_vae_file(opts.vae, opts.vae_dtype)
     if opts.from_scratch:
-        from library.families.loading import scratch_denoiser
+        from library.families.common.loading import scratch_denoiser
 
         transformer = scratch_denoiser(transformer, opts.init_seed)
     for module, dtype in ((transformer, opts.dtype), (qwen, opts.dtype), (byt5, opts.dtype), (vae, opts.vae_dtype)):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.flux_configs import flux_vae_config
-from library.families.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.flux.configs import flux_vae_config
+from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20240617

@@ -16,19 +16,19 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.families import lumina_layout as layout
+from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.flux_configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
-from library.families.lumina_configs import LATENT_CHANNELS
-from library.families.lumina_generate import generate_lumina
-from library.families.lumina_loading import (
+from library.families.flux.configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.lumina.configs import LATENT_CHANNELS
+from library.families.lumina.generate import generate_lumina
+from library.families.lumina.loading import (
     block_count,
     check_model_source,
     load_lumina_components,
 )
-from library.families.lumina_network_args import LuminaNetworkArgs, embedder_targets
-from library.families.lumina_options import LuminaOptions
-from library.families.swap_rules import check_last_blocks_swap, last_blocks
+from library.families.lumina.network_args import LuminaNetworkArgs, embedder_targets
+from library.families.lumina.options import LuminaOptions
+from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.lumina_configs import UNUSED_NORM_KEY
+from library.families.lumina.configs import UNUSED_NORM_KEY
 
 COMFY_PREFIX = "model.diffusion_model."
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")

@@ -20,12 +20,12 @@ from typing import Optional
 import torch
 
 from library.core.safetensors_io import write_safetensors
-from library.families import ldm_layout as ldm
-from library.families import lumina_layout as layout
+from library.families.common import ldm_layout as ldm
+from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_loading import _adopt, _read_file, load_ae_file
-from library.families.loading import classify_source
-from library.families.lumina_configs import (
+from library.families.flux.loading import _adopt, _read_file, load_ae_file
+from library.families.common.loading import classify_source
+from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
     LATENT_CHANNELS,
     PRESETS,
@@ -34,7 +34,7 @@ from library.families.lumina_configs import (
     gemma2_config,
     transformer_config,
 )
-from library.families.swap_rules import indexed_blocks_in_file
+from library.families.common.swap_rules import indexed_blocks_in_file
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 
@@ -159,7 +159,7 @@ def load_lumina_components(opts: LoadOptions, options) -> Components:
         if ae_path:
             vae = load_ae_file(ae_path, opts.vae_dtype)
     if opts.from_scratch:
-        from library.families.loading import scratch_denoiser
+        from library.families.common.loading import scratch_denoiser
 
         transformer = scratch_denoiser(transformer, opts.init_seed)
     for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):

@@ -12,16 +12,16 @@ from typing import Optional
 
 import torch
 
-from library.families import sd_saving
+from library.families.sd import saving as sd_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.clip_text import (
+from library.families.common.clip_text import (
     TEXT_ENCODER_TARGETS,
     chunk_token_ids,
     encode_token_chunks,
     text_encoder_kohya_path,
 )
-from library.families.loading import load_sd_components
-from library.families.sd_generate import generate_sd
+from library.families.common.loading import load_sd_components
+from library.families.sd.generate import generate_sd
 from library.objectives.noise import DDPMScheme
 from networks.lora_targets import LoraTarget, outside_block_targets
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.clip_text import encode_token_chunks
+from library.families.common.clip_text import encode_token_chunks
 from library.sampling.generate import GeneratedImage
 from library.sampling.prompt_weighting import (
     apply_token_weights,

@@ -1,6 +1,6 @@
 """What an SD 1.x / 2.x model is saved as: the LDM single-file layout and the StableDiffusionPipeline folder.
 
-The writing itself (formats, dtype, atomic files and folders) is library/families/model_saving.py.
+The writing itself (formats, dtype, atomic files and folders) is library/families/common/model_saving.py.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from library.families import ldm_layout as ldm
-from library.families import model_saving
-from library.families.sd_configs import PRESETS
-from library.families.tiny import build_sd_modules
+from library.families.common import ldm_layout as ldm
+from library.families.common import model_saving
+from library.families.sd.configs import PRESETS
+from library.families.common.tiny import build_sd_modules
 
 # The training noise schedule of every SD 1.x / 2.x model (scaled_linear, 0.00085 .. 0.012, 1000 steps).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from library.families.flux_configs import PRESETS as FLUX_PRESETS
-from library.families.flux_configs import build_t5_tokenizer, t5_config
-from library.families.sd_configs import NORM_GROUPS, REAL_VOCAB_SIZE
-from library.families.sdxl_configs import te1_config, te2_config
-from library.families.tiny import build_seeded, build_tokenizer
+from library.families.flux.configs import PRESETS as FLUX_PRESETS
+from library.families.flux.configs import build_t5_tokenizer, t5_config
+from library.families.sd.configs import NORM_GROUPS, REAL_VOCAB_SIZE
+from library.families.sdxl.configs import te1_config, te2_config
+from library.families.common.tiny import build_seeded, build_tokenizer
 
 # The SD3 autoencoder's latent normalisation (diffusers' vae config of stabilityai/stable-diffusion-3-medium-diffusers).
 VAE_SCALING_FACTOR = 1.5305

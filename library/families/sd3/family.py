@@ -18,34 +18,35 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError, warn_once
-from library.families import model_saving, sd3_saving
-from library.families import sd3_layout as sai
+from library.families.common import model_saving
+from library.families.sd3 import saving as sd3_saving
+from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
-from library.families.flux_lora_names import T5_TARGETS
-from library.families.sd3_configs import (
+from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+from library.families.flux.lora_names import T5_TARGETS
+from library.families.sd3.configs import (
     LATENT_CHANNELS,
     VAE_SCALING_FACTOR,
     VAE_SHIFT_FACTOR,
     model_type_of,
 )
-from library.families.sd3_generate import generate_sd3
-from library.families.sd3_loading import (
+from library.families.sd3.generate import generate_sd3
+from library.families.sd3.loading import (
     block_count,
     load_sd3_components,
     missing_component_flags,
     sd3_source_kind,
 )
-from library.families.sd3_lora_names import (
+from library.families.sd3.lora_names import (
     TRANSFORMER_TARGETS,
     fused_slot,
     sai_module_path,
 )
-from library.families.sd3_network_args import SD3NetworkArgs, emb_layer_targets
-from library.families.sd3_options import SD3Options
-from library.families.sd3_pos_embed import install as install_positions
-from library.families.sd3_pos_embed import latent_sizes_of
-from library.families.swap_rules import check_last_blocks_swap, last_blocks
+from library.families.sd3.network_args import SD3NetworkArgs, emb_layer_targets
+from library.families.sd3.options import SD3Options
+from library.families.sd3.pos_embed import install as install_positions
+from library.families.sd3.pos_embed import latent_sizes_of
+from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import check_no_ddpm_schedule
 from library.objectives.flow_sd3 import SD3FlowScheme
 from networks.lora_targets import LoraTarget
@@ -129,7 +130,7 @@ class SD3Family(ModelFamily):
 
     def prepare_for_data(self, components: Components, resolutions: list[tuple[int, int]]) -> None:
         """--enable_scaled_pos_embed (a position grid per training resolution) and --pos_emb_random_crop_rate
-        (library/families/sd3_pos_embed.py), as sd-scripts sets them up from the datasets' resolutions."""
+        (library/families/sd3/pos_embed.py), as sd-scripts sets them up from the datasets' resolutions."""
         options = self.options(components)
         if options.enable_scaled_pos_embed or options.pos_emb_random_crop_rate:
             sizes = latent_sizes_of(resolutions) if options.enable_scaled_pos_embed else None
@@ -224,14 +225,14 @@ class SD3Family(ModelFamily):
     # --- generation -------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:
-        """Flow-match Euler generation with CFG (library/families/sd3_generate.py); clip_skip does not apply."""
+        """Flow-match Euler generation with CFG (library/families/sd3/generate.py); clip_skip does not apply."""
         return generate_sd3(self, components, requests, device or components.denoiser.device)
 
     # --- LoRA ---------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet (SAI names, fused qkv), the layers outside the joint blocks (with `emb_dims`), lora_te1 (CLIP-L),
         lora_te2 (CLIP-G) and, with `train_t5xxl=True`, lora_te3 (T5); all carry SD3's network args
-        (library/families/sd3_network_args.py)."""
+        (library/families/sd3/network_args.py)."""
         transformer = components.denoiser
         args = SD3NetworkArgs(int(transformer.config.num_layers))
         targets = [LoraTarget("lora_unet", transformer, TRANSFORMER_TARGETS, rename=sai_module_path,

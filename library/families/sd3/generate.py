@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux_generate import (
+from library.families.flux.generate import (
     decode_images,
     encode_prompts_flux,
     euler_sample,

@@ -26,7 +26,7 @@ from diffusers.models.normalization import AdaLayerNormContinuous
 from torch import nn
 
 from library.core.safetensors_io import Deferred, concat
-from library.families.sd3_lora_names import (
+from library.families.sd3.lora_names import (
     _BY_SAI,
     BLOCK_NORMS,
     OUTSIDE_BLOCKS,
@@ -154,7 +154,7 @@ def sai_to_diffusers(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.
 
 def infer_transformer_config(checkpoint: Mapping[str, torch.Tensor]) -> dict:
     """SD3Transformer2DModel kwargs from a SAI MMDiT's tensor shapes (as sd-scripts' analyze_state_dict_state)."""
-    from library.families.sd3_configs import HEAD_DIM
+    from library.families.sd3.configs import HEAD_DIM
 
     ckpt = transformer_tensors(checkpoint)
     try:

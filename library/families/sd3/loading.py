@@ -19,24 +19,24 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families import ldm_layout as ldm
-from library.families import sd3_layout as sai
+from library.families.common import ldm_layout as ldm
+from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux_loading import _adopt, _read_file, t5_from_tensors
-from library.families.loading import (
+from library.families.flux.loading import _adopt, _read_file, t5_from_tensors
+from library.families.common.loading import (
     classify_source,
     find_tokenizer,
     load_folder_parts,
     scratch_denoiser,
 )
-from library.families.sd3_configs import (
+from library.families.sd3.configs import (
     LATENT_CHANNELS,
     PRESETS,
     build_sd3_modules,
     sd3_vae_config,
 )
-from library.families.sdxl_configs import te1_config, te2_config
-from library.families.swap_rules import indexed_blocks_in_file
+from library.families.sdxl.configs import te1_config, te2_config
+from library.families.common.swap_rules import indexed_blocks_in_file
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 # --clip_l / --clip_g / --t5xxl: the part each gives, its tokenizer, and what the file should hold.
@@ -123,7 +123,7 @@ def vae_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor],
     """The SD3 AutoencoderKL (16 latent channels, no quant convs) from LDM VAE tensors under `prefix`."""
     from diffusers import AutoencoderKL
 
-    from library.families.loading import infer_vae_config
+    from library.families.common.loading import infer_vae_config
 
     try:
         found = infer_vae_config(tensors, prefix)
@@ -170,7 +170,7 @@ def _component_parts(files, opts: LoadOptions) -> dict:
 def load_sd3_vae(path: str, dtype: torch.dtype = torch.float32):
     """--vae: a diffusers VAE folder, or a .safetensors file of SD3 VAE tensors (optionally under first_stage_model.)."""
     if os.path.isdir(path):
-        from library.families.loading import load_vae
+        from library.families.common.loading import load_vae
 
         return load_vae(path)
     tensors = _read_file("--vae", path, "the SD3 VAE (encoder.*, decoder.* keys)",

@@ -20,8 +20,8 @@ from typing import Mapping, Optional
 
 from torch import nn
 
-from library.families.flux_network_args import _block_selection, dim_list
-from library.families.sd3_lora_names import OUTSIDE_BLOCKS
+from library.families.flux.network_args import _block_selection, dim_list
+from library.families.sd3.lora_names import OUTSIDE_BLOCKS
 from networks.lora_rules import parse_bool, parse_number
 from networks.lora_targets import LoraTarget
 

@@ -16,14 +16,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from library.families.sd_configs import (
+from library.families.sd.configs import (
     NORM_GROUPS,
     REAL_VOCAB_SIZE,
     text_encoder_config,
     text_heads,
     vae_config,
 )
-from library.families.tiny import build_seeded, build_tokenizer
+from library.families.common.tiny import build_seeded, build_tokenizer
 
 HEAD_CHANNELS = 64
 SDXL_DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")

@@ -15,19 +15,19 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import warn_once
-from library.families import sdxl_saving
+from library.families.sdxl import saving as sdxl_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.clip_text import (
+from library.families.common.clip_text import (
     TEXT_ENCODER_TARGETS,
     chunk_token_ids,
     join_token_chunks,
     penultimate_states,
     text_encoder_kohya_path,
 )
-from library.families.sd import UNET_CONV_TARGETS, UNET_TARGETS
-from library.families.sdxl_generate import generate_sdxl
-from library.families.sdxl_loading import load_sdxl_components
-from library.families.sdxl_lora_names import (
+from library.families.sd.family import UNET_CONV_TARGETS, UNET_TARGETS
+from library.families.sdxl.generate import generate_sdxl
+from library.families.sdxl.loading import load_sdxl_components
+from library.families.sdxl.lora_names import (
     convert_to_sgm_names,
     is_diffusers_named,
     sgm_lora_name,

@@ -15,8 +15,8 @@ import functools
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.clip_text import join_token_chunks, penultimate_states
-from library.families.sd_generate import borrowed_on, generate_ddpm, resolve_request
+from library.families.common.clip_text import join_token_chunks, penultimate_states
+from library.families.sd.generate import borrowed_on, generate_ddpm, resolve_request
 from library.sampling.prompt_weighting import (
     apply_token_weights,
     chunk_count,

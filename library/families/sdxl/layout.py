@@ -18,9 +18,9 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from library.core.safetensors_io import Deferred, concat
-from library.families import ldm_layout as ldm
+from library.families.common import ldm_layout as ldm
 from library.families.base import ModelLoadError
-from library.families.sdxl_configs import SDXL_UP_BLOCKS, TIME_IDS, sdxl_unet_config
+from library.families.sdxl.configs import SDXL_UP_BLOCKS, TIME_IDS, sdxl_unet_config
 
 UNET_PREFIX = ldm.UNET_PREFIX
 VAE_PREFIX = ldm.VAE_PREFIX

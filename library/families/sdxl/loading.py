@@ -11,10 +11,10 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families import ldm_layout as ldm
-from library.families import sgm_layout as sgm
+from library.families.common import ldm_layout as ldm
+from library.families.sdxl import layout as sgm
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.loading import (
+from library.families.common.loading import (
     SINGLE_FILE_SUFFIXES,
     _materialize,
     classify_source,
@@ -25,8 +25,8 @@ from library.families.loading import (
     scratch_denoiser,
     vae_from_ldm,
 )
-from library.families.sd_configs import PRESETS as SD_PRESETS
-from library.families.sdxl_configs import (
+from library.families.sd.configs import PRESETS as SD_PRESETS
+from library.families.sdxl.configs import (
     PRESETS,
     build_sdxl_modules,
     te1_config,

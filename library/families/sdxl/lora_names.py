@@ -13,7 +13,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from library.families.sgm_layout import unet_key_to_sgm
+from library.families.sdxl.layout import unet_key_to_sgm
 
 UNET_PREFIX = "lora_unet_"
 # SDXL's 23 blocks (sd-scripts' block_dims layout): 0 embeddings, 1-9 input_blocks 0-8,

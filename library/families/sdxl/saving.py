@@ -1,6 +1,6 @@
 """What an SDXL model is saved as: the SGM single-file layout and the StableDiffusionXLPipeline folder.
 
-The writing itself (formats, dtype, atomic files and folders) is library/families/model_saving.py.
+The writing itself (formats, dtype, atomic files and folders) is library/families/common/model_saving.py.
 """
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 
-from library.families import model_saving
-from library.families import sgm_layout as sgm
-from library.families.sdxl_configs import build_sdxl_modules
+from library.families.common import model_saving
+from library.families.sdxl import layout as sgm
+from library.families.sdxl.configs import build_sdxl_modules
 
 # SDXL base's training schedule (scaled_linear 0.00085 .. 0.012, 1000 steps) as its EulerDiscrete scheduler.
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
