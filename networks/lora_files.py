@@ -2,7 +2,7 @@
 
 Modules are kept in kohya form: `<name>.lora_down.weight`, `<name>.lora_up.weight`
 and an optional `<name>.alpha`. Files in another layout (diffusers/PEFT,
-ai-toolkit) are converted on load by library/families/common/lora_convert.py. LyCORIS-only
+ai-toolkit) are converted on load by library/families/lora_convert.py. LyCORIS-only
 algorithms (LoHa, LoKr, OFT, ...) are refused with a one-line error naming the key;
 LoCon (kohya keys on convs) is an ordinary LoRA here.
 """

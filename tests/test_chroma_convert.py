@@ -13,7 +13,7 @@ from library.families import get_family
 from library.families.base import LoadOptions
 from library.families.chroma.family import joint_attention_mask
 from library.families.flux.family import image_ids, pack_latents
-from library.families.common.lora_convert import convert
+from library.families.lora_convert import convert
 from networks.lora import create_network, create_network_from_weights
 
 

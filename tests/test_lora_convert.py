@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from library.families.common.lora_convert import convert, detect_layout, to_diffusers, to_kohya
+from library.families.lora_convert import convert, detect_layout, to_diffusers, to_kohya
 from networks.lora_files import UnsupportedLoraError, group_modules
 
 H = 3072  # Flux hidden size: diffusers' converter hard-codes the single-block split dims

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from library.core import hashes
 from library.families import get_family
-from library.families.common.lora_convert import load_lora_file
+from library.families.lora_convert import load_lora_file
 from networks.lora_files import LoraModule, save_lora_file
 from networks.lora_merge import WeightedLora, concat_merge, svd_merge
 

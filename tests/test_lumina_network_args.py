@@ -148,7 +148,7 @@ def test_convert_to_diffusers_loads_in_lumina2_pipeline(tmp_path, tiny):
 
     from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline
 
-    from library.families.common.lora_convert import convert
+    from library.families.lora_convert import convert
     from networks.lora import create_network_from_weights
 
     family, c = get_family("lumina"), copy.deepcopy(tiny)

@@ -275,7 +275,7 @@ def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
     from diffusers import StableDiffusion3Pipeline
 
     from library.families.sd3 import saving as sd3_saving
-    from library.families.common.lora_convert import convert
+    from library.families.lora_convert import convert
 
     family, c = get_family("sd3"), tiny_sd3_copy
     path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.families.common.lora_convert import LAYOUTS  # noqa: E402
+from library.families.lora_convert import LAYOUTS  # noqa: E402
 from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
     from library.core.metadata import save_lora_state_dict
-    from library.families.common.lora_convert import convert, detect_layout
+    from library.families.lora_convert import convert, detect_layout
     from networks.lora_files import parse_precision, read_state_dict
 
     dtype = parse_precision(args.save_precision)

@@ -48,7 +48,7 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
 
     `lbws`: one LoRA Block Weight list per model (svd_merge_lora's --lbws), multiplied into its ratio per block.
     """
-    from library.families.common.lora_convert import load_lora_file
+    from library.families.lora_convert import load_lora_file
     from networks.lora_block_weights import check_lbws, module_block_weights
     from networks.lora_files import dim_alpha_summary, save_lora_file, updated_metadata
     from networks.lora_merge import WeightedLora, check_ratios, concat_merge, svd_merge
@@ -86,7 +86,7 @@ def run(argv=None) -> None:
                          dtype, args.device)
         return
     from library.cli.flux import component_files
-    from library.families.common.lora_convert import load_lora_file
+    from library.families.lora_convert import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
     from tools.lora_models import in_family_names, load_model, lora_layers, save_model
 

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from library.families.common.lora_convert import load_lora_file
+    from library.families.lora_convert import load_lora_file
     from networks.lora_files import (
         dim_alpha_summary,
         parse_precision,

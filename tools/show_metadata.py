@@ -34,7 +34,7 @@ def _decoded(metadata: dict) -> dict:
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from library.families.common.lora_convert import load_lora_file
+    from library.families.lora_convert import load_lora_file
     from networks.lora_files import (
         lycoris_algo,
         read_state_dict,

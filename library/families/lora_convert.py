@@ -24,7 +24,7 @@ import torch
 from library.core.tensors import unshared
 from library.families.anima import lora_comfy as anima_lora
 from library.families.hunyuan_image import layout as hunyuan_layout
-from library.families.common.lora_layouts import (
+from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
     is_lumina_file,

@@ -6,7 +6,7 @@ BFL paths for Flux (one fused layer for q, k, v). A diffusers/PEFT file names
 modules by diffusers paths under a part (`unet.`, `text_encoder.`,
 `text_encoder_2.`, `transformer.`). The name tables live in each family's
 `*_lora_names` module; this module picks the family and applies them, so that
-library/families/common/lora_convert.py only does the tensor math.
+library/families/lora_convert.py only does the tensor math.
 """
 
 from __future__ import annotations

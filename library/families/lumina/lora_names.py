@@ -1,6 +1,6 @@
 """Lumina Image 2.0 LoRA module names: sd-scripts' kohya names (the original NextDiT module paths, `lora_unet_
 layers_0_attention_qkv`) <-> diffusers' Lumina2Transformer2DModel paths (`layers.0.attn.to_q`), for the key
-conversion of tools/convert_lora.py (library/families/common/lora_layouts.py).
+conversion of tools/convert_lora.py (library/families/lora_layouts.py).
 
 The fused `attention.qkv` stands for `attn.to_q`, `attn.to_k` and `attn.to_v`, in that row order; with
 grouped-query attention k and v are narrower than q, whose rows equal the layer's input width.
