@@ -9,7 +9,8 @@ from library.families import family_names, get_family
 from library.families.base import TextConditioning
 from library.families.common.clip_text import final_layer_norm
 from library.families.sd.family import SDFamily
-from library.families.common.tiny import build_sd_modules, tiny_vocab_size
+from library.families.common.tiny import tiny_vocab_size
+from library.families.sd.configs import build_sd_modules
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from library.families.sd.configs import (
-    PRESETS,
-    SDPreset,
-    text_encoder_config,
-    unet_config,
-    vae_config,
-)
+
 
 BOS_TOKEN = "<|startoftext|>"
 EOS_TOKEN = "<|endoftext|>"
@@ -116,37 +110,3 @@ def build_seeded(factory, seed: int, device: str | torch.device = "cpu") -> nn.M
         return factory().to(device)
 
 
-def _text_encoder_kwargs(preset: SDPreset, tokenizer) -> dict:
-    return text_encoder_config(
-        preset.v2, hidden_size=preset.text_hidden, intermediate_size=preset.text_intermediate,
-        num_hidden_layers=preset.text_layers, vocab_size=preset.text_vocab_size or len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-
-
-def build_sd_modules(config_name: str, device: str | torch.device = "cpu") -> dict[str, nn.Module]:
-    """Build the UNet, VAE, text encoder and tokenizer of a preset ("tiny:sd1", "random:sd15", ...).
-
-    On device "meta" no memory is allocated (for counting parameters and modules);
-    otherwise weights are random from a fixed seed, identical on every call.
-    Returns {"unet", "vae", "text_encoder", "tokenizer"}.
-    """
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    preset = PRESETS[config_name]
-    tokenizer = build_tokenizer(preset.v2)
-    unet_kwargs = unet_config(preset.v2, preset.unet_channels, preset.text_hidden,
-                              sample_size=preset.unet_sample_size)
-    vae_kwargs = vae_config(preset.vae_channels, sample_size=preset.unet_sample_size * 8)
-    te_config = CLIPTextConfig(**_text_encoder_kwargs(preset, tokenizer))
-
-    def make(index: int, factory):
-        return build_seeded(factory, PRESET_SEED + index, device)
-
-    unet = make(0, lambda: UNet2DConditionModel(**unet_kwargs))
-    vae = make(1, lambda: AutoencoderKL(**vae_kwargs))
-    text_encoder = make(2, lambda: CLIPTextModel(te_config))
-    for module in (unet, vae, text_encoder):
-        module.eval()
-    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer}

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from library.families.sd.configs import (
-    NORM_GROUPS,
-    REAL_VOCAB_SIZE,
-    text_encoder_config,
-)
+from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config
 from library.families.common.tiny import build_seeded, build_tokenizer
 
 # The FLUX.1 autoencoder's own latent normalisation (diffusers' vae config of black-forest-labs/FLUX.1-dev).

@@ -46,7 +46,7 @@ from library.families.common.loading import (
     load_vae,
     scratch_denoiser,
 )
-from library.families.sd.configs import text_encoder_config
+from library.families.common.configs import text_encoder_config
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.

@@ -14,14 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# Group norms use 32 groups in every SD model; the tiny widths are multiples of 32
-# so nothing about normalisation has to be guessed when loading a single file.
-NORM_GROUPS = 32
-# Both CLIP-L (SD1) and OpenCLIP-H (SD2) use 64-channel attention heads, and so do
-# the SD2 UNet's attentions; SD1's UNet uses 8 heads whatever the width.
-HEAD_CHANNELS = 64
+import torch
+from torch import nn
+
+from library.families.common.configs import (
+    HEAD_CHANNELS,
+    NORM_GROUPS,
+    REAL_VOCAB_SIZE,
+    text_encoder_config,
+    vae_config,
+)
+from library.families.common.tiny import PRESET_SEED, build_seeded, build_tokenizer
+
 SD1_UNET_HEADS = 8
-MAX_POSITIONS = 77
 
 SD_DOWN_BLOCKS = ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
 SD_UP_BLOCKS = ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D")
@@ -32,11 +37,6 @@ def unet_heads(v2: bool, block_out_channels: tuple[int, ...]) -> Any:
     if not v2:
         return SD1_UNET_HEADS
     return [max(1, c // HEAD_CHANNELS) for c in block_out_channels]
-
-
-def text_heads(hidden_size: int) -> int:
-    """Attention heads of a CLIP text encoder of this width (64 channels per head)."""
-    return max(1, hidden_size // HEAD_CHANNELS)
 
 
 def unet_config(v2: bool, block_out_channels: tuple[int, ...], cross_attention_dim: int, *,
@@ -56,42 +56,6 @@ def unet_config(v2: bool, block_out_channels: tuple[int, ...], cross_attention_d
         attention_head_dim=unet_heads(v2, tuple(block_out_channels)),
         use_linear_projection=v2,
         norm_num_groups=NORM_GROUPS,
-    )
-
-
-def vae_config(block_out_channels: tuple[int, ...], *, layers_per_block: int = 2, latent_channels: int = 4,
-               sample_size: int = 512) -> dict:
-    """Keyword arguments of `AutoencoderKL`; each block after the first halves the resolution."""
-    n = len(block_out_channels)
-    return dict(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * n,
-        up_block_types=("UpDecoderBlock2D",) * n,
-        block_out_channels=tuple(block_out_channels),
-        layers_per_block=layers_per_block,
-        latent_channels=latent_channels,
-        norm_num_groups=NORM_GROUPS,
-        sample_size=sample_size,
-    )
-
-
-def text_encoder_config(v2: bool, *, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
-                        vocab_size: int, bos_token_id: int, eos_token_id: int, pad_token_id: int,
-                        max_position_embeddings: int = MAX_POSITIONS) -> dict:
-    """Keyword arguments of `transformers.CLIPTextConfig` for CLIP-L (SD1) or OpenCLIP-H (SD2)."""
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=text_heads(hidden_size),
-        max_position_embeddings=max_position_embeddings,
-        hidden_act="gelu" if v2 else "quick_gelu",
-        projection_dim=512 if v2 else 768,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
     )
 
 
@@ -115,7 +79,6 @@ class SDPreset:
 SD1_TEXT_LAYERS = 12
 # diffusers' SD2 text encoder holds 23 of OpenCLIP-H's 24 layers (SD2 uses the penultimate one).
 SD2_TEXT_LAYERS = 23
-REAL_VOCAB_SIZE = 49408
 
 _TINY_UNET = (32, 64, 128, 128)  # widths double where the real ones do: same conv_shortcut layout
 _TINY_VAE = (32, 64, 128, 128)
@@ -137,3 +100,41 @@ PRESETS: dict[str, SDPreset] = {
 def preset_names() -> list[str]:
     """All built-in preset names, e.g. ["tiny:sd1", ..., "random:sd15", ...]."""
     return list(PRESETS)
+
+
+def _text_encoder_kwargs(preset: SDPreset, tokenizer) -> dict:
+    return text_encoder_config(
+        preset.v2, hidden_size=preset.text_hidden, intermediate_size=preset.text_intermediate,
+        num_hidden_layers=preset.text_layers, vocab_size=preset.text_vocab_size or len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+
+
+def build_sd_modules(config_name: str, device: str | torch.device = "cpu") -> dict[str, nn.Module]:
+    """Build the UNet, VAE, text encoder and tokenizer of a preset ("tiny:sd1", "random:sd15", ...).
+
+    On device "meta" no memory is allocated (for counting parameters and modules);
+    otherwise weights are random from a fixed seed, identical on every call.
+    Returns {"unet", "vae", "text_encoder", "tokenizer"}.
+    """
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    preset = PRESETS[config_name]
+    tokenizer = build_tokenizer(preset.v2)
+    unet_kwargs = unet_config(preset.v2, preset.unet_channels, preset.text_hidden,
+                              sample_size=preset.unet_sample_size)
+    vae_kwargs = vae_config(preset.vae_channels, sample_size=preset.unet_sample_size * 8)
+    te_config = CLIPTextConfig(**_text_encoder_kwargs(preset, tokenizer))
+
+    def make(index: int, factory):
+        return build_seeded(factory, PRESET_SEED + index, device)
+
+    unet = make(0, lambda: UNet2DConditionModel(**unet_kwargs))
+    vae = make(1, lambda: AutoencoderKL(**vae_kwargs))
+    text_encoder = make(2, lambda: CLIPTextModel(te_config))
+    for module in (unet, vae, text_encoder):
+        module.eval()
+    return {"unet": unet, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer}
+
+

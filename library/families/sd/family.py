@@ -20,7 +20,7 @@ from library.families.common.clip_text import (
     encode_token_chunks,
     text_encoder_kohya_path,
 )
-from library.families.common.loading import load_sd_components
+from library.families.sd.loading import load_sd_components
 from library.families.sd.generate import generate_sd
 from library.objectives.noise import DDPMScheme
 from networks.lora_targets import LoraTarget, outside_block_targets

@@ -13,7 +13,7 @@ from torch import nn
 from library.families.common import ldm_layout as ldm
 from library.families.common import model_saving
 from library.families.sd.configs import PRESETS
-from library.families.common.tiny import build_sd_modules
+from library.families.sd.configs import build_sd_modules
 
 # The training noise schedule of every SD 1.x / 2.x model (scaled_linear, 0.00085 .. 0.012, 1000 steps).
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",

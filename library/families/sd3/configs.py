@@ -19,7 +19,7 @@ from torch import nn
 
 from library.families.flux.configs import PRESETS as FLUX_PRESETS
 from library.families.flux.configs import build_t5_tokenizer, t5_config
-from library.families.sd.configs import NORM_GROUPS, REAL_VOCAB_SIZE
+from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE
 from library.families.sdxl.configs import te1_config, te2_config
 from library.families.common.tiny import build_seeded, build_tokenizer
 

@@ -16,13 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from library.families.sd.configs import (
-    NORM_GROUPS,
-    REAL_VOCAB_SIZE,
-    text_encoder_config,
-    text_heads,
-    vae_config,
-)
+from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config, text_heads, vae_config
 from library.families.common.tiny import build_seeded, build_tokenizer
 
 HEAD_CHANNELS = 64

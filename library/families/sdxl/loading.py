@@ -16,7 +16,7 @@ from library.families.sdxl import layout as sgm
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.loading import (
     SINGLE_FILE_SUFFIXES,
-    _materialize,
+    materialize,
     classify_source,
     find_tokenizer,
     load_folder_parts,
@@ -82,7 +82,7 @@ def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
     sgm.check_sdxl_keys(checkpoint, path)
     try:
         unet_kwargs = sgm.infer_unet_config(checkpoint)
-        unet = _materialize(lambda: UNet2DConditionModel(**unet_kwargs),
+        unet = materialize(lambda: UNet2DConditionModel(**unet_kwargs),
                             lambda s: ldm.pull(checkpoint, sgm.unet_key_map(s, unet_kwargs["layers_per_block"]), s))
         vae = vae_from_ldm(checkpoint, sgm.VAE_PREFIX)
         shapes1, shapes2 = sgm.te1_shapes(checkpoint), sgm.te2_shapes(checkpoint)
@@ -90,8 +90,8 @@ def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
         tok2 = find_tokenizer(True, shapes2["vocab_size"], tokenizer_cache_dir, path)
         c1 = CLIPTextConfig(**te1_config(tokenizer=tok1, **shapes1))
         c2 = CLIPTextConfig(**te2_config(tokenizer=tok2, **shapes2))
-        te1 = _materialize(lambda: CLIPTextModel(c1), lambda s: ldm.pull(checkpoint, sgm.te1_key_map(s), s))
-        te2 = _materialize(lambda: CLIPTextModelWithProjection(c2), lambda s: sgm.pull_te2(checkpoint, s))
+        te1 = materialize(lambda: CLIPTextModel(c1), lambda s: ldm.pull(checkpoint, sgm.te1_key_map(s), s))
+        te2 = materialize(lambda: CLIPTextModelWithProjection(c2), lambda s: sgm.pull_te2(checkpoint, s))
     except (ldm.LayoutError, ValueError, StopIteration) as e:
         raise ModelLoadError(f"{path}: SDXL checkpoint is incomplete or has unexpected shapes ({e})") from None
     return {"unet": unet, "vae": vae, "text_encoder": te1, "text_encoder_2": te2, "tokenizer": tok1,
