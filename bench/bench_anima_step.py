@@ -46,7 +46,7 @@ from library.families.anima.configs import (  # noqa: E402
 )
 from library.families.anima.options import AnimaFlowOptions, AnimaOptions  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.flux.configs import T5_REAL_VOCAB_SIZE  # noqa: E402
+from library.families.common.t5 import T5_REAL_VOCAB_SIZE  # noqa: E402
 from library.families.common.tiny import build_seeded  # noqa: E402
 
 

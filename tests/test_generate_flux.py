@@ -15,11 +15,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from library.families.flux.generate import (
-    decode_images,
-    encode_prompts_flux,
-    flux_sigmas,
-)
+from library.families.flux.generate import flux_sigmas
+
+from library.families.common.flow_sampling import decode_images, encode_prompts_flux
 from library.sampling.generate import GenerationRequest, generate_images
 from library.sampling.output import read_png_text
 from library.train.network_apply import NetworkSpec

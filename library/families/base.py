@@ -97,6 +97,14 @@ class ModelFamily(ABC):
     """
 
     name: ClassVar[str] = ""  # "sd", "sdxl", "flux"
+    # Facts about the family's files, read by library/families/detect.py: the tensor-name prefixes only this
+    # family's single files carry, (prefix, "what the file holds") pairs for "expected X, found Y" errors, the
+    # substrings of a diffusers model_index.json `_class_name` that name it, and the order families are tried in
+    # (lowest first: the most specific markers first, SDXL before SD).
+    single_file_markers: ClassVar[tuple[str, ...]] = ()
+    contents: ClassVar[tuple[tuple[str, str], ...]] = ()
+    diffusers_class_markers: ClassVar[tuple[str, ...]] = ()
+    detect_rank: ClassVar[int] = 100
     # The dataclass of this family's own options. Its fields (with help text in their metadata; nested
     # dataclasses flattened) become the script's flags, named as the fields (library/cli/options.py).
     options_type: ClassVar[type] = NoOptions
@@ -137,6 +145,11 @@ class ModelFamily(ABC):
     fine_tune_t5xxl_encoder: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> Mapping[str, Any]:
+        """The built-in presets ("tiny:sd1", "random:sd15", ...) by name."""
+        return {}
+
     def options(self, components: Components) -> Any:
         """The run's options carried by `components` (the defaults when loaded without any)."""
         return components.options if components.options is not None else self.options_type()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from library.families.flux.configs import T5_REAL_VOCAB_SIZE, build_t5_tokenizer
+from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
 LATENT_CHANNELS = 16

@@ -60,6 +60,14 @@ class AnimaFamily(ModelFamily):
     """Anima (circlestone-labs/Anima) and other Cosmos-Predict2 DiTs with the LLM adapter."""
 
     name = "anima"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 30
+    single_file_markers = ("net.blocks.0.self_attn.",
+                           "model.diffusion_model.net.blocks.0.self_attn.")
+    contents = (("net.blocks.", "an Anima DiT"),
+                ("model.layers.", "a Qwen3 text encoder"))
+    diffusers_class_markers = ()
     options_type = AnimaOptions
     lora_network_module = "networks.lora_anima"  # what sd-scripts' anima_train_network.py files say
     latent_cache_arch = "_anima"
@@ -80,6 +88,12 @@ class AnimaFamily(ModelFamily):
                               ("LLMAdapterTransformerBlock", "AnimaTextConditionerBlock"))
 
     # --- options -------------------------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.anima.configs import PRESETS
+
+        return PRESETS
+
     def check_options(self, options: AnimaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

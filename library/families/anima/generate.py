@@ -15,14 +15,8 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily
-from library.families.flux.generate import (
-    euler_sample,
-    initial_noise,
-    prompts_then_negatives,
-    resolve_batch,
-    resolve_flow_request,
-)
-from library.families.sd.generate import borrowed_on
+from library.families.common.flow_sampling import euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
+from library.families.common.flow_sampling import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
 

@@ -33,7 +33,8 @@ from library.families.anima.configs import (
     vae_config,
 )
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux.loading import _adopt, _read_file, find_t5_tokenizer
+from library.families.common.t5 import find_t5_tokenizer
+from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
 
@@ -51,7 +52,7 @@ def load_dit_file(path: str, dtype: torch.dtype, adapter_path: Optional[str] = N
     """AnimaDiT from an original DiT file; the adapter from it, or from `adapter_path` (--llm_adapter_path)."""
     from diffusers import CosmosTransformer3DModel
 
-    tensors = _read_file(label, path, "an Anima / Cosmos-Predict2 DiT (net.blocks.* keys)",
+    tensors = read_file(label, path, "an Anima / Cosmos-Predict2 DiT (net.blocks.* keys)",
                          lambda keys: any(re.match(r"(model\.diffusion_model\.)?(net\.)?blocks\.0\.self_attn\.", k)
                                           for k in keys), dtype)
     dit, adapter = layout.split_original(tensors)
@@ -66,7 +67,7 @@ def load_dit_file(path: str, dtype: torch.dtype, adapter_path: Optional[str] = N
     config = transformer_config(preset) | dict(num_layers=shape["blocks"], num_attention_heads=shape["heads"],
                                                attention_head_dim=shape["head_dim"],
                                                adaln_lora_dim=shape["adaln_lora_dim"], text_embed_dim=shape["text_dim"])
-    transformer = _adopt(label, path, lambda: CosmosTransformer3DModel(**config), layout.to_diffusers(dit))
+    transformer = adopt(label, path, lambda: CosmosTransformer3DModel(**config), layout.to_diffusers(dit))
     if adapter_path:
         adapter = load_adapter_file(adapter_path, dtype)
     elif not adapter:
@@ -80,7 +81,7 @@ def load_dit_file(path: str, dtype: torch.dtype, adapter_path: Optional[str] = N
 def load_adapter_file(path: str, dtype: torch.dtype) -> torch.nn.Module:
     """--llm_adapter_path: the adapter alone (`llm_adapter.*`, `net.llm_adapter.*` or bare `blocks.*` keys)."""
     label = "--llm_adapter_path"
-    tensors = _read_file(label, path, "an Anima LLM adapter (llm_adapter.* keys)",
+    tensors = read_file(label, path, "an Anima LLM adapter (llm_adapter.* keys)",
                          lambda keys: any(k.endswith("out_proj.weight") for k in keys), dtype)
     _, adapter = layout.split_original(tensors)
     return _adapter_from_tensors(label, path, adapter or tensors)
@@ -97,7 +98,7 @@ def _adapter_from_tensors(label: str, path: str, tensors: dict) -> torch.nn.Modu
                   num_layers=shape["layers"], num_attention_heads=shape["heads"], mlp_ratio=4.0,
                   target_vocab_size=shape["vocab"], use_self_attention=True, use_layer_norm=False,
                   min_sequence_length=0)
-    return _adopt(label, path, lambda: AnimaTextConditioner(**config), tensors)
+    return adopt(label, path, lambda: AnimaTextConditioner(**config), tensors)
 
 
 # --- Qwen3 ---------------------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str]
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{label} {path}: not a Qwen3 folder ({str(e).splitlines()[0][:200]})") from None
         return model.eval(), _padded(tokenizer)
-    raw = _read_file(label, path, "a Qwen3 text encoder (model.layers.* keys)",
+    raw = read_file(label, path, "a Qwen3 text encoder (model.layers.* keys)",
                      lambda keys: any(re.match(r"(model\.)?layers\.0\.self_attn\.q_norm\.", k) for k in keys), dtype)
     tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in raw.items() if k != "lm_head.weight"}
     try:
@@ -127,7 +128,7 @@ def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str]
                               head_dim=head_dim, vocab=vocab)
     except KeyError as e:
         raise ModelLoadError(f"{label} {path}: incomplete Qwen3, no tensor for model.{e.args[0]}") from None
-    model = _adopt(label, path, lambda: Qwen3Model(config), tensors)
+    model = adopt(label, path, lambda: Qwen3Model(config), tensors)
     return model, find_qwen3_tokenizer(vocab, tokenizer_cache_dir, path)
 
 
@@ -217,7 +218,7 @@ def load_vae_file(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     label = "--vae"
-    tensors = _read_file(label, path, "the Qwen-Image VAE (encoder.* / decoder.* keys)",
+    tensors = read_file(label, path, "the Qwen-Image VAE (encoder.* / decoder.* keys)",
                          lambda keys: any(k.startswith(("encoder.conv1.", "encoder.conv_in.")) for k in keys), dtype)
     if "encoder.conv1.weight" in tensors:
         tensors = convert_wan_vae_to_diffusers(tensors)
@@ -229,7 +230,7 @@ def load_vae_file(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
     if z_dim != LATENT_CHANNELS:
         raise ModelLoadError(f"{label} {path}: expected the Qwen-Image VAE with {LATENT_CHANNELS} latent channels, "
                              f"found {z_dim}")
-    return _adopt(label, path, lambda: AutoencoderKLQwenImage(**vae_config(base_dim)), tensors)
+    return adopt(label, path, lambda: AutoencoderKLQwenImage(**vae_config(base_dim)), tensors)
 
 
 # --- all parts -----------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from library.families.flux.family import (
     swap_split,
     unpack_latents,
 )
-from library.families.flux.lora_names import T5_TARGETS, bfl_module_path, fused_slot
+from library.families.flux.lora_names import bfl_module_path, fused_slot
+from library.families.common.t5 import T5_TARGETS
 from library.families.flux.network_args import FluxNetworkArgs
 from library.families.flux.options import FluxOptions
 from library.objectives.flow import check_flow_compatible, check_no_ddpm_schedule
@@ -50,6 +51,13 @@ class ChromaFamily(FluxFamily):
     """Chroma (diffusers ChromaTransformer2DModel + T5-XXL + the FLUX.1 AE), trained with rectified flow."""
 
     name = "chroma"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 50
+    single_file_markers = ("distilled_guidance_layer.",
+                           "model.diffusion_model.distilled_guidance_layer.")
+    contents = (("distilled_guidance_layer.", "a Chroma transformer"),)
+    diffusers_class_markers = ()
     options_type = FluxOptions  # the flags of flux_train_network.py, with --model_type chroma
     text_encoder_outputs = (("t5_out", "txt_ids", "t5_attn_mask"),)
     text_cache_suffix = "_chroma_te.npz"
@@ -57,6 +65,12 @@ class ChromaFamily(FluxFamily):
     lycoris_module_aliases = (("DoubleStreamBlock", "ChromaTransformerBlock"),
                               ("SingleStreamBlock", "ChromaSingleTransformerBlock"))
     save_formats = ("safetensors",)  # the single file sd-scripts reads; no diffusers folder
+
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.chroma.configs import PRESETS
+
+        return PRESETS
 
     def variant(self, options: FluxOptions) -> ModelFamily:
         if options.model_type != "chroma":

@@ -18,16 +18,8 @@ import torch
 
 from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux.generate import (
-    decode_images,
-    encode_prompts_flux,
-    euler_sample,
-    flux_sigmas,
-    initial_noise,
-    prompts_then_negatives,
-    resolve_batch,
-    resolve_flow_request,
-)
+from library.families.flux.generate import flux_sigmas
+from library.families.common.flow_sampling import decode_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
 from library.sampling.generate import GeneratedImage
 
 logger = logging.getLogger(__name__)

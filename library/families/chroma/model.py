@@ -21,20 +21,14 @@ from torch import nn
 from library.families.flux import layout as bfl
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.chroma.configs import APPROXIMATOR_CHANNELS, PRESET_SEED, PRESETS, ChromaPreset
-from library.families.flux.configs import (
-    LATENT_CHANNELS,
-    build_t5_tokenizer,
-    flux_vae_config,
-    t5_config,
-)
+from library.families.common.autoencoder import LATENT_CHANNELS
+from library.families.common.autoencoder import flux_vae_config
+from library.families.common.t5 import build_t5_tokenizer, t5_config
 from library.families.flux.configs import PRESET_SEED as FLUX_SEED
 from library.families.flux.configs import PRESETS as FLUX_PRESETS
-from library.families.flux.loading import (
-    _adopt,
-    _read_file,
-    load_ae_file,
-    load_t5xxl_file,
-)
+from library.families.common.autoencoder import load_ae_file
+from library.families.common.t5 import load_t5xxl_file
+from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source, load_vae, scratch_denoiser
 from library.families.common.tiny import build_seeded
 
@@ -161,7 +155,7 @@ def load_chroma_transformer(path: str, dtype: torch.dtype = torch.float32,
     """ChromaTransformer2DModel from a Chroma single file (Chroma1-HD / -Base layout, any precision)."""
     from diffusers import ChromaTransformer2DModel
 
-    tensors = _read_file(label, path, "a Chroma transformer (double_blocks.* and distilled_guidance_layer.* keys)",
+    tensors = read_file(label, path, "a Chroma transformer (double_blocks.* and distilled_guidance_layer.* keys)",
                          is_chroma_checkpoint, dtype)
     tensors = bfl.transformer_tensors(tensors)
     try:
@@ -169,7 +163,7 @@ def load_chroma_transformer(path: str, dtype: torch.dtype = torch.float32,
         state_dict = chroma_from_single_file(tensors)
     except bfl.BflLayoutError as e:
         raise ModelLoadError(f"{label} {path}: {e}") from None
-    return _adopt(label, path, lambda: ChromaTransformer2DModel(**config), state_dict)
+    return adopt(label, path, lambda: ChromaTransformer2DModel(**config), state_dict)
 
 
 def chroma_block_counts(path: str) -> Optional[tuple[int, int]]:
@@ -229,7 +223,7 @@ def write_chroma_preset(preset: str, out: str) -> dict[str, str]:
     Returns {"transformer" | "t5xxl" | "ae": path}."""
     from library.families.common import ldm_layout as ldm
     from library.families.common import model_saving
-    from library.families.flux.layout import t5_to_file
+    from library.families.common.t5 import t5_to_file
 
     parts = build_chroma_modules(preset)
     transformer = out if out.lower().endswith(".safetensors") else os.path.join(out, "chroma-tiny.safetensors")

@@ -59,3 +59,23 @@ def text_encoder_config(v2: bool, *, hidden_size: int, intermediate_size: int, n
 REAL_VOCAB_SIZE = 49408
 
 
+def te1_config(*, hidden_size: int, intermediate_size: int, num_hidden_layers: int, vocab_size: int,
+               tokenizer, max_position_embeddings: int = 77) -> dict:
+    """CLIPTextConfig kwargs of SDXL's first encoder (CLIP-L: quick_gelu)."""
+    return text_encoder_config(False, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                               num_hidden_layers=num_hidden_layers, vocab_size=vocab_size,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id, max_position_embeddings=max_position_embeddings)
+
+
+def te2_config(*, hidden_size: int, intermediate_size: int, num_hidden_layers: int, vocab_size: int,
+               projection_dim: int, tokenizer, max_position_embeddings: int = 77) -> dict:
+    """CLIPTextConfig kwargs of SDXL's second encoder (OpenCLIP-bigG: gelu, with a text projection)."""
+    kwargs = text_encoder_config(True, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                                 num_hidden_layers=num_hidden_layers, vocab_size=vocab_size,
+                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, max_position_embeddings=max_position_embeddings)
+    kwargs["projection_dim"] = projection_dim
+    return kwargs
+
+

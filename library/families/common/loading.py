@@ -1,25 +1,22 @@
-"""Resolve what --pretrained_model_name_or_path (and --vae) points at, and load SD 1.x / 2.x from it.
-
-Accepted: a built-in preset ("tiny:sd1", "random:sd15", ...), a diffusers folder
-(model_index.json), a single-file `.safetensors` / `.ckpt` in the original LDM
-layout, or a hub id that is already in the local Hugging Face cache. Nothing is
-ever downloaded.
-"""
+"""Loading pieces every family shares: what a model path is (preset, diffusers folder, single file, cached hub id),
+reading a single file's tensors with a one-line error naming what it holds instead, building a module from a
+state dict, the SD-style autoencoder and CLIP tokenizers. Nothing is ever downloaded."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from library.core.tensors import aligned
-from library.families.common import ldm_layout as ldm
 from library.families.base import ModelLoadError
+from library.families.common import ldm_layout as ldm
 from library.families.common.configs import text_encoder_config, vae_config
 from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
+from library.families.detect import describe_keys
 
 logger = logging.getLogger(__name__)
 
@@ -236,3 +233,78 @@ def load_vae(path: str):
     sample = ", ".join(list(checkpoint)[:3]) or "no tensors"
     raise ModelLoadError(f"--vae {path}: expected VAE keys (encoder.*, decoder.*, optionally under "
                          f"first_stage_model.), found {sample}")
+
+
+def read_file(label: str, path: str, expected: str, holds: Callable[[list[str]], bool],
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of one .safetensors file, floating ones cast to `dtype` as they are read.
+
+    `holds(keys)` checks the header first, so a file of the wrong kind stops before any
+    weight is read, with a message naming what the file holds instead.
+    """
+    from safetensors import safe_open
+
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{label}: {path} does not exist")
+    if not path.lower().endswith(".safetensors"):
+        raise ModelLoadError(f"{label} {path}: expected a .safetensors file")
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+            if not holds(keys):
+                raise ModelLoadError(f"{label} {path}: expected {expected}, found {describe_keys(keys)}")
+            tensors = {}
+            for key in keys:
+                tensor = f.get_tensor(key)
+                # float8 stays as read until upcast_float8 can apply ComfyUI's scale_weight to it
+                if tensor.is_floating_point() and tensor.dtype not in FLOAT8_DTYPES:
+                    tensor = tensor.to(dtype)
+                tensors[key] = tensor
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader failure is a bad file for the user
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{label} {path}: cannot read as .safetensors ({detail[:200]})") from None
+    return upcast_float8(tensors, dtype)
+
+
+def adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Build a model without allocating weights, then take `state_dict`'s tensors as its weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    wanted = {k: v.shape for k, v in model.state_dict().items()}
+    missing = [k for k in wanted if k not in state_dict]
+    if missing:
+        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
+    wrong = next((k for k, s in wanted.items() if state_dict[k].shape != s), None)
+    if wrong is not None:
+        raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
+                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
+    model.load_state_dict(aligned({k: state_dict[k] for k in wanted}), strict=True, assign=True)
+    return model.eval()
+
+
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                      if hasattr(torch, n))
+
+
+def upcast_float8(checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """float8 tensors as `dtype`; ComfyUI's scaled-fp8 weights are multiplied by their `scale_weight`.
+
+    Other tensors are returned as they are; the marker keys (`scaled_fp8`, `*.scale_weight`,
+    `*.scale_input`) are dropped.
+    """
+    out = {}
+    for key, tensor in checkpoint.items():
+        if key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input")):
+            continue
+        if tensor.dtype in FLOAT8_DTYPES:
+            scale = checkpoint.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
+            tensor = tensor.to(dtype) if scale is None else (tensor.float() * scale.float()).to(dtype)
+        out[key] = tensor
+    return out
+
+

@@ -11,28 +11,18 @@ tokenizer built here (pad 0, eos 1, unk 2, as T5's).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config
+from library.families.common.configs import REAL_VOCAB_SIZE, text_encoder_config
 from library.families.common.tiny import build_seeded, build_tokenizer
+from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer, t5_config
+from library.families.common.autoencoder import flux_vae_config
+from library.families.common.autoencoder import LATENT_CHANNELS
 
-# The FLUX.1 autoencoder's own latent normalisation (diffusers' vae config of black-forest-labs/FLUX.1-dev).
-AE_SCALING_FACTOR = 0.3611
-AE_SHIFT_FACTOR = 0.1159
-LATENT_CHANNELS = 16
-T5_MODEL_MAX_LENGTH = 512
-T5_REAL_VOCAB_SIZE = 32128
 PRESET_SEED = 20240603
-# Words the tiny T5 tokenizer knows whole; anything else is spelled letter by letter.
-_T5_WORDS = (
-    "the a an of and in on with to at by for photo picture painting portrait landscape man woman girl boy "
-    "person dog cat bird house tree flower sky water mountain city street red blue green yellow black white "
-    "hair eyes face smiling standing sitting holding wearing dress shirt hat background detailed style"
-).split()
 
 
 @dataclass(frozen=True)
@@ -66,7 +56,6 @@ PRESETS: dict[str, FluxPreset] = {
     "random:flux-schnell": FluxPreset("random:flux-schnell", guidance_embeds=False, **_FULL),
 }
 CLIP_LAYERS = 12
-T5_LAYERS = 24
 
 
 def transformer_config(p: FluxPreset) -> dict:
@@ -75,58 +64,6 @@ def transformer_config(p: FluxPreset) -> dict:
                 num_single_layers=p.single_blocks, attention_head_dim=p.head_dim, num_attention_heads=p.heads,
                 joint_attention_dim=p.t5_d_model, pooled_projection_dim=p.clip_hidden,
                 guidance_embeds=p.guidance_embeds, axes_dims_rope=tuple(p.axes_dims_rope))
-
-
-def flux_vae_config(block_out_channels: tuple[int, ...]) -> dict:
-    """AutoencoderKL kwargs of the FLUX.1 AE: 16 latent channels, no quant convs, its scale and shift."""
-    n = len(block_out_channels)
-    return dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
-                up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=tuple(block_out_channels),
-                layers_per_block=2, latent_channels=LATENT_CHANNELS, norm_num_groups=NORM_GROUPS,
-                use_quant_conv=False, use_post_quant_conv=False, scaling_factor=AE_SCALING_FACTOR,
-                shift_factor=AE_SHIFT_FACTOR)
-
-
-def t5_config(p: FluxPreset, vocab_size: int):
-    """transformers.T5Config of the T5-XXL v1.1 encoder shape (gated GELU) at the preset's widths."""
-    from transformers import T5Config
-
-    return T5Config(vocab_size=vocab_size, d_model=p.t5_d_model, d_ff=p.t5_d_ff, d_kv=p.t5_d_kv,
-                    num_heads=p.t5_heads, num_layers=T5_LAYERS, feed_forward_proj="gated-gelu",
-                    relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                    dense_act_fn="gelu_new", is_gated_act=True, tie_word_embeddings=False,
-                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-
-
-@functools.lru_cache(maxsize=1)
-def _t5_vocab() -> tuple[tuple[str, float], ...]:
-    letters = "abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -3.0)]
-    vocab += [("▁" + w, -1.0) for w in _T5_WORDS]
-    vocab += [(c, -5.0) for c in letters] + [("▁" + c, -4.0) for c in letters]
-    return tuple(vocab)
-
-
-def build_t5_tokenizer():
-    """A small local T5 tokenizer (SentencePiece-style Unigram, lower-cased; appends </s>)."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
-    from transformers import T5TokenizerFast
-
-    core = Tokenizer(models.Unigram(list(_t5_vocab()), unk_id=2, byte_fallback=False))
-    core.normalizer = normalizers.Lowercase()
-    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    core.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
-                                                        special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                           extra_ids=0, model_max_length=T5_MODEL_MAX_LENGTH)
 
 
 def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:

@@ -19,23 +19,16 @@ from library.core.errors import ConfigError, warn_once
 from library.families.flux import saving as flux_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
-from library.families.flux.configs import (
-    AE_SCALING_FACTOR,
-    AE_SHIFT_FACTOR,
-    LATENT_CHANNELS,
-)
+from library.families.common.autoencoder import LATENT_CHANNELS
+from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
 from library.families.flux.generate import generate_flux
 from library.families.flux.loading import (
     block_counts,
     check_model_source,
     load_flux_components,
 )
-from library.families.flux.lora_names import (
-    T5_TARGETS,
-    TRANSFORMER_TARGETS,
-    bfl_module_path,
-    fused_slot,
-)
+from library.families.flux.lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
+from library.families.common.t5 import T5_TARGETS
 from library.families.flux.network_args import FluxNetworkArgs, in_layer_targets
 from library.families.flux.options import FluxOptions
 from library.objectives.flow import (
@@ -107,6 +100,14 @@ class FluxFamily(ModelFamily):
                               ("SingleStreamBlock", "FluxSingleTransformerBlock"))
 
     name = "flux"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 60
+    single_file_markers = ("double_blocks.",
+                           "model.diffusion_model.double_blocks.")
+    contents = (("double_blocks.", "a FLUX.1 transformer"),
+                ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"))
+    diffusers_class_markers = ("Flux",)
     lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
@@ -123,6 +124,12 @@ class FluxFamily(ModelFamily):
     text_cache_suffix = "_flux_te.npz"
 
     # --- options ---------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.flux.configs import PRESETS
+
+        return PRESETS
+
     def check_options(self, options: FluxOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

@@ -28,6 +28,7 @@ from library.families.flux.lora_names import (
     fused_widths,
     outside_block_name,
 )
+from library.families.common.loading import upcast_float8
 
 BFL_PREFIX = "model.diffusion_model."
 # RMSNorm scales of q and k (not LoRA layers, so not in flux_lora_names): diffusers path in a block -> BFL path.
@@ -38,8 +39,6 @@ _NORMS = {"transformer_blocks": ("double_blocks", DOUBLE_BLOCK_NORMS),
           "single_transformer_blocks": ("single_blocks", SINGLE_BLOCK_NORMS)}
 _NORMS_BY_BFL = {bfl: (diffusers, {v: k for k, v in table.items()}) for diffusers, (bfl, table) in _NORMS.items()}
 _BLOCK = re.compile(r"^(\w+)\.(\d+)\.(.+)$")
-FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-                      if hasattr(torch, n))
 MLP_RATIO = 4  # diffusers' FluxSingleTransformerBlock fixes it; linear1 holds 3 + 4 widths
 
 
@@ -58,23 +57,6 @@ def transformer_tensors(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, tor
     if any(k.startswith(BFL_PREFIX) for k in checkpoint):
         return {k[len(BFL_PREFIX):]: v for k, v in checkpoint.items() if k.startswith(BFL_PREFIX)}
     return dict(checkpoint)
-
-
-def upcast_float8(checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """float8 tensors as `dtype`; ComfyUI's scaled-fp8 weights are multiplied by their `scale_weight`.
-
-    Other tensors are returned as they are; the marker keys (`scaled_fp8`, `*.scale_weight`,
-    `*.scale_input`) are dropped.
-    """
-    out = {}
-    for key, tensor in checkpoint.items():
-        if key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input")):
-            continue
-        if tensor.dtype in FLOAT8_DTYPES:
-            scale = checkpoint.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
-            tensor = tensor.to(dtype) if scale is None else (tensor.float() * scale.float()).to(dtype)
-        out[key] = tensor
-    return out
 
 
 # --- diffusers -> BFL --------------------------------------------------------------------------
@@ -214,7 +196,6 @@ def infer_transformer_config(checkpoint: Mapping[str, torch.Tensor]) -> dict:
 
 CLIP_FILE_PREFIX = "text_model."  # ComfyUI's / HF's clip_l.safetensors; transformers 5 has no such level
 _CLIP_IGNORED = ("text_projection.weight", "logit_scale")
-T5_TIED = ("shared.weight", "encoder.embed_tokens.weight")  # one embedding stored under either name or both
 
 
 def clip_l_to_file(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -234,15 +215,3 @@ def clip_l_from_file(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def t5_to_file(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """T5EncoderModel tensors as a t5xxl.safetensors file holds them: the tied embedding once, as `shared.weight`."""
-    return {k: v for k, v in state_dict.items() if k != T5_TIED[1]}
-
-
-def t5_from_file(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A t5xxl.safetensors state dict as T5EncoderModel's: both names of the tied embedding, no decoder parts."""
-    out = {k: v for k, v in checkpoint.items() if k.startswith("encoder.") or k == T5_TIED[0]}
-    embedding = out.get(T5_TIED[0], out.get(T5_TIED[1]))
-    if embedding is not None:
-        out.update({name: embedding for name in T5_TIED})
-    return out

@@ -13,47 +13,37 @@ the file's tensors, so loading holds one copy of the weights. Nothing is downloa
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
 
-from library.core.tensors import aligned
 from library.families.flux import layout as bfl
-from library.families.common import ldm_layout as ldm
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.detect import describe_keys
 from library.families.flux.layout import (
-    FLOAT8_DTYPES,
     block_count,
     clip_l_from_file,
-    t5_from_file,
     transformer_tensors,
-    upcast_float8,
 )
-from library.families.flux.configs import (
-    LATENT_CHANNELS,
-    PRESETS,
-    build_flux_modules,
-    build_t5_tokenizer,
-    flux_vae_config,
-    t5_config,
-)
+from library.families.flux.configs import PRESETS, build_flux_modules
 from library.families.common.loading import (
     classify_source,
     find_tokenizer,
-    infer_vae_config,
     load_folder_parts,
     load_vae,
     scratch_denoiser,
 )
 from library.families.common.configs import text_encoder_config
+from library.families.common.loading import adopt, read_file
+from library.families.common.t5 import load_t5xxl_file
+from library.families.common.autoencoder import load_ae_file
+from library.families.common.t5 import T5XXL_FILE
+from library.families.common.autoencoder import AE_FILE
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
 _COMPONENT_FLAGS = (("clip_l", "text_encoder", "a CLIP-L text encoder (clip_l.safetensors)"),
-                    ("t5xxl", "text_encoder_2", "a T5-XXL text encoder (t5xxl_fp16.safetensors)"),
-                    ("ae", "vae", "the FLUX.1 autoencoder (ae.safetensors)"))
-T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"  # the tokenizer sd-scripts pairs with t5xxl files
+                    ("t5xxl", "text_encoder_2", T5XXL_FILE),
+                    ("ae", "vae", AE_FILE))
 
 
 def flux_source_kind(path: str) -> str:
@@ -81,57 +71,6 @@ def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Op
 
 # --- reading one file ------------------------------------------------------------------------
 
-def _read_file(label: str, path: str, expected: str, holds: Callable[[list[str]], bool],
-               dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors of one .safetensors file, floating ones cast to `dtype` as they are read.
-
-    `holds(keys)` checks the header first, so a file of the wrong kind stops before any
-    weight is read, with a message naming what the file holds instead.
-    """
-    from safetensors import safe_open
-
-
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{label}: {path} does not exist")
-    if not path.lower().endswith(".safetensors"):
-        raise ModelLoadError(f"{label} {path}: expected a .safetensors file")
-    try:
-        with safe_open(path, "pt") as f:
-            keys = list(f.keys())
-            if not holds(keys):
-                raise ModelLoadError(f"{label} {path}: expected {expected}, found {describe_keys(keys)}")
-            tensors = {}
-            for key in keys:
-                tensor = f.get_tensor(key)
-                # float8 stays as read until upcast_float8 can apply ComfyUI's scale_weight to it
-                if tensor.is_floating_point() and tensor.dtype not in FLOAT8_DTYPES:
-                    tensor = tensor.to(dtype)
-                tensors[key] = tensor
-    except ModelLoadError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any reader failure is a bad file for the user
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{label} {path}: cannot read as .safetensors ({detail[:200]})") from None
-    return upcast_float8(tensors, dtype)
-
-
-def _adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """Build a model without allocating weights, then take `state_dict`'s tensors as its weights."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = factory()
-    wanted = {k: v.shape for k, v in model.state_dict().items()}
-    missing = [k for k in wanted if k not in state_dict]
-    if missing:
-        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
-    wrong = next((k for k, s in wanted.items() if state_dict[k].shape != s), None)
-    if wrong is not None:
-        raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
-                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
-    model.load_state_dict(aligned({k: state_dict[k] for k in wanted}), strict=True, assign=True)
-    return model.eval()
-
 
 # --- the parts ---------------------------------------------------------------------------------
 
@@ -140,7 +79,7 @@ def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: s
     from diffusers import FluxTransformer2DModel
 
 
-    tensors = _read_file(label, path, "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)",
+    tensors = read_file(label, path, "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)",
                          lambda keys: any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks."))
                                           for k in keys), dtype)
     try:
@@ -148,7 +87,7 @@ def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: s
         state_dict = bfl.bfl_to_diffusers(tensors)
     except bfl.BflLayoutError as e:
         raise ModelLoadError(f"{label} {path}: {e}") from None
-    return _adopt(label, path, lambda: FluxTransformer2DModel(**config), state_dict)
+    return adopt(label, path, lambda: FluxTransformer2DModel(**config), state_dict)
 
 
 def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
@@ -159,7 +98,7 @@ def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_ca
 
 
     label = "--clip_l"
-    raw = _read_file(label, path, _COMPONENT_FLAGS[0][2],
+    raw = read_file(label, path, _COMPONENT_FLAGS[0][2],
                      lambda keys: any("embeddings.token_embedding." in k for k in keys)
                      and any(k.startswith(("text_model.encoder.layers.", "encoder.layers.")) for k in keys), dtype)
     ckpt = clip_l_from_file(raw)
@@ -174,93 +113,7 @@ def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_ca
         False, hidden_size=tokens.shape[1], intermediate_size=fc1.shape[0], num_hidden_layers=layers,
         vocab_size=tokens.shape[0], max_position_embeddings=positions.shape[0], bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    return _adopt(label, path, lambda: CLIPTextModel(config), ckpt), tokenizer
-
-
-def load_t5xxl_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
-    """(T5EncoderModel, tokenizer) from a T5-XXL encoder file (`shared.weight`, `encoder.block.N.*`; fp16/fp8 ok)."""
-    label = "--t5xxl"
-    tensors = _read_file(label, path, _COMPONENT_FLAGS[1][2],
-                         lambda keys: any(k.startswith("encoder.block.") for k in keys), dtype)
-    return t5_from_tensors(label, path, tensors, tokenizer_cache_dir)
-
-
-def t5_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor],
-                    tokenizer_cache_dir: Optional[str] = None):
-    """(T5EncoderModel, tokenizer) from T5 v1.1 encoder tensors (`shared.weight`, `encoder.block.N.*`), its shape
-    read from them; `label` / `path` name the source in errors (FLUX.1's --t5xxl file, SD3's file or folder)."""
-    import dataclasses
-    import re
-
-    from transformers import T5EncoderModel
-
-    ckpt = t5_from_file(tensors)
-    try:
-        embedding = ckpt["shared.weight"]
-        q = ckpt["encoder.block.0.layer.0.SelfAttention.q.weight"]
-        bias = ckpt["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]
-        wi = ckpt["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"]
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: expected a T5 v1.1 encoder (gated-GELU), no tensor for "
-                             f"{e.args[0]}") from None
-    heads = bias.shape[1]
-    shape = dataclasses.replace(PRESETS["tiny:flux"], t5_d_model=embedding.shape[1], t5_d_ff=wi.shape[0],
-                                t5_heads=heads, t5_d_kv=q.shape[0] // heads)
-    config = t5_config(shape, embedding.shape[0])
-    config.num_layers = len({m[1] for k in ckpt if (m := re.match(r"encoder\.block\.(\d+)\.", k))})
-    config.relative_attention_num_buckets = bias.shape[0]
-    tokenizer = find_t5_tokenizer(embedding.shape[0], tokenizer_cache_dir, path)
-    model = _adopt(label, path, lambda: T5EncoderModel(config), ckpt)
-    model.tie_weights()  # adopting gave shared and embed_tokens separate Parameters over one tensor
-    return model, tokenizer
-
-
-def find_t5_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
-    """The local tiny T5 tokenizer for the tiny encoder, else T5-XXL's from --tokenizer_cache_dir or the HF cache."""
-    from transformers import T5TokenizerFast
-
-
-    tiny = build_t5_tokenizer()
-    if vocab_size == len(tiny):
-        return tiny
-    sources = []
-    if tokenizer_cache_dir:
-        sources.append((os.path.join(tokenizer_cache_dir, T5_TOKENIZER_REPO.replace("/", "_")), {}))
-    sources.append((T5_TOKENIZER_REPO, {"local_files_only": True}))
-    for source, kwargs in sources:
-        try:
-            tokenizer = T5TokenizerFast.from_pretrained(source, **kwargs)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
-        if 0 < len(tokenizer) <= vocab_size:  # T5's embedding is padded past the vocabulary (32128 vs 32100)
-            return tokenizer
-    raise ModelLoadError(f"--t5xxl {path}: the {T5_TOKENIZER_REPO} tokenizer is not cached locally; pass "
-                         f"--tokenizer_cache_dir with a saved copy (folder {T5_TOKENIZER_REPO.replace('/', '_')})")
-
-
-def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
-    """AutoencoderKL from BFL's ae.safetensors (LDM VAE keys without prefix, 16 latent channels)."""
-    from diffusers import AutoencoderKL
-
-
-    label = "--ae"
-    ckpt = _read_file(label, path, _COMPONENT_FLAGS[2][2],
-                      lambda keys: "encoder.conv_in.weight" in keys and "decoder.conv_in.weight" in keys, dtype)
-    try:
-        found = infer_vae_config(ckpt, "")
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
-    if found["latent_channels"] != LATENT_CHANNELS:
-        raise ModelLoadError(f"{label} {path}: expected the FLUX.1 autoencoder with {LATENT_CHANNELS} latent "
-                             f"channels, found {found['latent_channels']} (an SD/SDXL VAE?)")
-    config = {**flux_vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoencoderKL(**config).state_dict().items()}
-    try:
-        state_dict = ldm.pull(ckpt, ldm.vae_key_map(shapes, ""), shapes)
-    except (ldm.LayoutError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
-    return _adopt(label, path, lambda: AutoencoderKL(**config), state_dict)
+    return adopt(label, path, lambda: CLIPTextModel(config), ckpt), tokenizer
 
 
 # --- all parts ---------------------------------------------------------------------------------

@@ -47,7 +47,6 @@ SWAPPED_HALVES = frozenset({"norm_out.linear"})
 KOHYA_PREFIX = {"transformer": "lora_unet", "unet": "lora_unet", "text_encoder": "lora_te1",
                 "text_encoder_2": "lora_te3"}
 TRANSFORMER_TARGETS = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
-T5_TARGETS = ("T5Attention", "T5DenseGatedActDense")
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _BFL_BLOCK = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
 _DIFFUSERS_BLOCKS = {"double_blocks": "transformer_blocks", "single_blocks": "single_transformer_blocks"}
@@ -90,7 +89,6 @@ def fused_slot(path: str) -> Optional[int]:
         return None
     name = hit[0].split(".", 2)[2]
     return hit[1] if name in FUSED_PARTS else None
-
 
 
 def diffusers_paths(bfl_path: str) -> Optional[list[str]]:

@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 from torch import nn
 
 from library.core.errors import ConfigError
+from library.families.common.network_args import block_selection
 from library.families.flux.lora_names import (
     OUTSIDE_BLOCKS,
     bfl_path,
@@ -35,6 +36,7 @@ from networks.lora_rules import (
     parse_regex_values,
 )
 from networks.lora_targets import LoraTarget
+from library.families.common.network_args import dim_list
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +134,8 @@ class FluxNetworkArgs:
             raise ConfigError(f"--network_args train_blocks: expected one of {', '.join(TRAIN_BLOCKS)}, "
                               f"got {train_blocks!r}")
         rules.train_blocks = train_blocks
-        rules.double_blocks = _block_selection("train_double_block_indices", raw, self.num_double)
-        rules.single_blocks = _block_selection("train_single_block_indices", raw, self.num_single)
+        rules.double_blocks = block_selection("train_double_block_indices", raw, self.num_double)
+        rules.single_blocks = block_selection("train_single_block_indices", raw, self.num_single)
         if raw.get("network_reg_dims") is not None:
             rules.reg_dims = parse_regex_values("network_reg_dims", raw["network_reg_dims"], int, "an integer >= 0")
         if raw.get("network_reg_lrs") is not None:
@@ -141,46 +143,6 @@ class FluxNetworkArgs:
         rules.train_t5xxl = parse_bool("train_t5xxl", raw.get("train_t5xxl"))
         rules.verbose = parse_bool("verbose", raw.get("verbose"))
         return rules
-
-
-def _in_dims(text: str) -> list[int]:
-    """`[img,time,vector,guidance,txt]` (brackets optional) -> five dims >= 0."""
-    return dim_list("in_dims", text, "[img,time,vector,guidance,txt]", len(IN_DIM_GROUPS))
-
-
-def dim_list(key: str, text: str, layout: str, count: int) -> list[int]:
-    """A `--network_args` list of `count` dims >= 0 such as in_dims / emb_dims (brackets optional); `layout` names
-    the positions in the error."""
-    body = str(text).strip()
-    if body.startswith("[") and body.endswith("]"):
-        body = body[1:-1]
-    items = body.split(",")
-    what = f"{count} comma-separated integers >= 0 {layout}"
-    if len(items) != count:
-        raise ConfigError(f"--network_args {key}: expected {what}, got {len(items)} values")
-    return [parse_number(key, item, int, what) for item in items]
-
-
-def _block_selection(key: str, raw: Mapping[str, str], count: int) -> Optional[frozenset[int]]:
-    """"0,3-5" / "all" / "none" -> the chosen block indices (None: all of them)."""
-    text = raw.get(key)
-    if text is None or str(text).strip() == "all":
-        return None
-    text = str(text).strip()
-    if text in ("none", ""):
-        return frozenset()
-    what = f"indices from 0 to {count - 1} like 0,3-5, or all, or none (this model has {count} blocks)"
-    chosen: set[int] = set()
-    for item in text.split(","):
-        start, dash, end = item.strip().partition("-")
-        try:
-            first, last = int(start), int(end if dash else start)
-        except ValueError:
-            raise ConfigError(f"--network_args {key}: expected {what}, got {item.strip()!r}") from None
-        if not 0 <= first <= last < count:
-            raise ConfigError(f"--network_args {key}: expected {what}, got {item.strip()!r}")
-        chosen.update(range(first, last + 1))
-    return frozenset(chosen)
 
 
 # diffusers modules outside the blocks that in_dims targets: a bare Linear each (img_in, txt_in) and the
@@ -213,3 +175,10 @@ def _layer_type(name: str) -> str:
     """`lora_unet_double_blocks_0_img_attn_qkv` -> `img_attn`; `..._single_blocks_3_linear1` -> `linear1`."""
     path = bfl_path(name[len("lora_unet_"):])
     return path.split(".")[2] if path else ""
+
+
+def _in_dims(text: str) -> list[int]:
+    """`[img,time,vector,guidance,txt]` (brackets optional) -> five dims >= 0."""
+    return dim_list("in_dims", text, "[img,time,vector,guidance,txt]", len(IN_DIM_GROUPS))
+
+

@@ -12,11 +12,8 @@ from torch import nn
 
 from library.families.common import ldm_layout as ldm
 from library.families.common import model_saving
-from library.families.flux.layout import (
-    clip_l_to_file,
-    diffusers_to_bfl,
-    t5_to_file,
-)
+from library.families.flux.layout import clip_l_to_file, diffusers_to_bfl
+from library.families.common.t5 import t5_to_file
 from library.families.flux.configs import build_flux_modules
 
 # As FluxPipeline.save_pretrained writes it, without importing the pipeline.

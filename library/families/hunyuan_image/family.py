@@ -59,6 +59,15 @@ class HunyuanImageFamily(ModelFamily):
     """HunyuanImage 2.1 (tencent/HunyuanImage-2.1)."""
 
     name = "hunyuan_image"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 10
+    single_file_markers = ("double_blocks.0.img_attn_qkv.",
+                           "model.diffusion_model.double_blocks.0.img_attn_qkv.")
+    contents = (("byt5_in.", "a HunyuanImage 2.1 DiT"),
+                ("model.diffusion_model.byt5_in.", "a HunyuanImage 2.1 DiT"),
+                ("model.layers.0.self_attn.q_proj.bias", "a Qwen2.5-VL text encoder"))
+    diffusers_class_markers = ()
     options_type = HunyuanImageOptions
     lora_network_module = "networks.lora_hunyuan_image"  # what sd-scripts' hunyuan_image_train_network.py files say
     latent_cache_arch = "_hi"  # sd-scripts' `<image>_<w>x<h>_hi.npz`
@@ -74,6 +83,12 @@ class HunyuanImageFamily(ModelFamily):
     block_classes = TRANSFORMER_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles
 
     # --- options -------------------------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.hunyuan_image.configs import PRESETS
+
+        return PRESETS
+
     def check_options(self, options: HunyuanImageOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

@@ -23,7 +23,7 @@ import torch
 from library.core.safetensors_io import write_safetensors
 from library.families.hunyuan_image import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux.loading import _adopt, _read_file
+from library.families.common.loading import adopt, read_file
 from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     PRESETS,
@@ -52,7 +52,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """HunyuanImageTransformer2DModel from an original DiT file."""
     from diffusers import HunyuanImageTransformer2DModel
 
-    tensors = layout.strip_prefix(_read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
+    tensors = layout.strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)
@@ -69,7 +69,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
                          num_refiner_layers=shape["refiner"], text_embed_dim=shape["text_dim"],
                          text_embed_2_dim=shape["byt5_dim"], rope_axes_dim=(head_dim // 2, head_dim // 2))
     state = layout.to_diffusers(tensors, shape["hidden"])
-    return _adopt(label, path, lambda: HunyuanImageTransformer2DModel(**config), state)
+    return adopt(label, path, lambda: HunyuanImageTransformer2DModel(**config), state)
 
 
 def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
@@ -89,7 +89,7 @@ def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] 
             raise ModelLoadError(f"{label} {path}: not a Qwen2.5-VL folder ({str(e).splitlines()[0][:200]})") from None
         tokenizer.padding_side = "right"
         return whole.model.language_model.eval(), tokenizer
-    raw = _read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
+    raw = read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
                      lambda keys: any(re.match(r"model\.layers\.0\.self_attn\.q_proj\.bias", k) for k in keys), dtype)
     tensors = {k[len("model."):]: v for k, v in raw.items() if k.startswith("model.")}
     try:
@@ -105,7 +105,7 @@ def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] 
                              q // head_dim, k // head_dim, vocab, mrope)
     except KeyError as e:
         raise ModelLoadError(f"{label} {path}: incomplete Qwen2.5-VL, no tensor for model.{e.args[0]}") from None
-    model = _adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
+    model = adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
     return model, find_qwen_tokenizer(vocab, tokenizer_cache_dir, path)
 
 
@@ -136,7 +136,7 @@ def load_byt5(path: str, dtype: torch.dtype):
     from transformers import T5EncoderModel
 
     label = "--byt5"
-    raw = _read_file(label, path, "a byT5 text encoder (encoder.block.* keys)",
+    raw = read_file(label, path, "a byT5 text encoder (encoder.block.* keys)",
                      lambda keys: "shared.weight" in keys and any(k.startswith("encoder.block.0.") for k in keys), dtype)
     tensors = {k: v for k, v in raw.items() if k == "shared.weight" or k.startswith("encoder.")}
     tensors["encoder.embed_tokens.weight"] = tensors["shared.weight"]
@@ -153,7 +153,7 @@ def load_byt5(path: str, dtype: torch.dtype):
     if vocab != len(tokenizer):
         raise ModelLoadError(f"{label} {path}: expected the glyph byT5 ({len(tokenizer)} tokens: byT5's 384 and "
                              f"sd-scripts' colour and font tokens), found a vocabulary of {vocab}")
-    return _adopt(label, path, lambda: T5EncoderModel(config), tensors), tokenizer
+    return adopt(label, path, lambda: T5EncoderModel(config), tensors), tokenizer
 
 
 def _vae_levels(tensors) -> tuple[int, int]:
@@ -166,7 +166,7 @@ def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
     """AutoencoderKLHunyuanImage from the original VAE file (Encoder / Decoder names, no prefix)."""
     from diffusers import AutoencoderKLHunyuanImage
 
-    raw = _read_file(label, path, "the HunyuanImage 2.1 VAE (encoder.down.* keys)",
+    raw = read_file(label, path, "the HunyuanImage 2.1 VAE (encoder.down.* keys)",
                      lambda keys: any(k.startswith("encoder.down.0.block.0.") for k in keys), dtype)
     tensors = {k[len("vae."):] if k.startswith("vae.") else k: v for k, v in raw.items()}
     levels, per_block = _vae_levels(tensors)
@@ -175,7 +175,7 @@ def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
         raise ModelLoadError(f"{label} {path}: expected a VAE with {LATENT_CHANNELS} latent channels, found "
                              f"{tensors['encoder.conv_out.weight'].shape[0] // 2}")
     state = layout.vae_to_diffusers(tensors, levels, per_block)
-    return _adopt(label, path, lambda: AutoencoderKLHunyuanImage(**vae_config(channels, per_block)), state)
+    return adopt(label, path, lambda: AutoencoderKLHunyuanImage(**vae_config(channels, per_block)), state)
 
 
 def load_components(opts: LoadOptions, options) -> Components:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.flux.configs import flux_vae_config
+from library.families.common.autoencoder import flux_vae_config
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
 LATENT_CHANNELS = 16

@@ -18,7 +18,7 @@ import torch
 from library.core.errors import ConfigError
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.flux.configs import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
 from library.families.lumina.configs import LATENT_CHANNELS
 from library.families.lumina.generate import generate_lumina
 from library.families.lumina.loading import (
@@ -86,6 +86,15 @@ class LuminaFamily(ModelFamily):
     """Lumina Image 2.0 (Alpha-VLLM/Lumina-Image-2.0)."""
 
     name = "lumina"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 20
+    single_file_markers = ("layers.0.attention.qkv.",
+                           "model.diffusion_model.layers.0.attention.qkv.")
+    contents = (("cap_embedder.", "a Lumina Image 2.0 DiT"),
+                ("model.diffusion_model.cap_embedder.", "a Lumina Image 2.0 DiT"),
+                ("model.layers.0.post_feedforward_layernorm.", "a Gemma-2 text encoder"))
+    diffusers_class_markers = ()
     options_type = LuminaOptions
     lora_network_module = "networks.lora_lumina"  # what sd-scripts' lumina_train_network.py files say
     latent_cache_arch = "_lumina"
@@ -101,6 +110,12 @@ class LuminaFamily(ModelFamily):
     TEXT_KEYS = ("hidden_state", "input_ids", "attention_mask")  # also the keys of `_lumina_te.npz`
 
     # --- options -------------------------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.lumina.configs import PRESETS
+
+        return PRESETS
+
     def check_options(self, options: LuminaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

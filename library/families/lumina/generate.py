@@ -11,14 +11,8 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux.generate import (
-    decode_images,
-    euler_sample,
-    initial_noise,
-    resolve_batch,
-    resolve_flow_request,
-)
-from library.families.sd.generate import borrowed_on
+from library.families.common.flow_sampling import decode_images, euler_sample, initial_noise, resolve_batch, resolve_flow_request
+from library.families.common.flow_sampling import borrowed_on
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
 

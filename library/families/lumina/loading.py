@@ -23,7 +23,8 @@ from library.core.safetensors_io import write_safetensors
 from library.families.common import ldm_layout as ldm
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux.loading import _adopt, _read_file, load_ae_file
+from library.families.common.autoencoder import load_ae_file
+from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source
 from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
@@ -49,7 +50,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Lumina2Transformer2DModel from an original NextDiT file (or ComfyUI's whole-model file)."""
     from diffusers import Lumina2Transformer2DModel
 
-    tensors = layout.strip_prefix(_read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
+    tensors = layout.strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)
@@ -72,7 +73,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     modulated = {m[1] for k in tensors if (m := re.match(r"((layers|noise_refiner|context_refiner)\.\d+)\."
                                                            r"adaLN_modulation\.", k))}
     state = layout.to_diffusers(tensors, shape["heads"], shape["kv_heads"], modulated)
-    return _adopt(label, path, lambda: Lumina2Transformer2DModel(**config), state)
+    return adopt(label, path, lambda: Lumina2Transformer2DModel(**config), state)
 
 
 def load_gemma2(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
@@ -89,7 +90,7 @@ def load_gemma2(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str
             raise ModelLoadError(f"{label} {path}: not a Gemma-2 folder ({str(e).splitlines()[0][:200]})") from None
         tokenizer.padding_side = "right"
         return model.eval(), tokenizer
-    raw = _read_file(label, path, "a Gemma-2 text encoder (model.layers.* keys)",
+    raw = read_file(label, path, "a Gemma-2 text encoder (model.layers.* keys)",
                      lambda keys: any(re.search(r"(^|\.)layers\.0\.post_feedforward_layernorm\.", k) for k in keys),
                      dtype)
     tensors = {}
@@ -111,7 +112,7 @@ def load_gemma2(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str
                                heads=q // head_dim, kv_heads=k // head_dim, head_dim=head_dim, vocab=vocab)
     except KeyError as e:
         raise ModelLoadError(f"{label} {path}: incomplete Gemma-2, no tensor for model.{e.args[0]}") from None
-    model = _adopt(label, path, lambda: Gemma2Model(config), tensors)
+    model = adopt(label, path, lambda: Gemma2Model(config), tensors)
     return model, find_gemma2_tokenizer(vocab, tokenizer_cache_dir, path)
 
 

@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 from torch import nn
 
 from library.core.errors import ConfigError
-from library.families.flux.network_args import dim_list
+from library.families.common.network_args import dim_list
 from library.families.lumina.layout import OUTSIDE_MODULES
 from networks.lora_rules import parse_bool, parse_number
 from networks.lora_targets import LoraTarget

@@ -46,6 +46,12 @@ class SDFamily(ModelFamily):
     """Stable Diffusion 1.x and 2.x (incl. v-prediction): UNet2DConditionModel + one CLIP text encoder."""
 
     name = "sd"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 80
+    single_file_markers = ("model.diffusion_model.",)
+    contents = (("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),)
+    diffusers_class_markers = ("StableDiffusion",)
     latent_cache_arch = "_sd"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
@@ -53,6 +59,12 @@ class SDFamily(ModelFamily):
     latents_scale = 0.18215
     latents_shift = 0.0
     bucket_reso_multiple = 64
+
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.sd.configs import PRESETS
+
+        return PRESETS
 
     def load(self, opts: LoadOptions) -> Components:
         """Load a diffusers folder, a single-file checkpoint, a hub id from the local cache, or a preset."""

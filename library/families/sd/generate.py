@@ -12,7 +12,6 @@ extractor) has to exist.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
@@ -31,6 +30,7 @@ from library.sampling.prompt_weighting import (
     weighted_windows,
 )
 from library.sampling.samplers import make_scheduler
+from library.families.common.flow_sampling import borrowed_on
 
 logger = logging.getLogger(__name__)
 
@@ -79,23 +79,6 @@ def encode_prompts(components: Components, texts: list[str], clip_skip: Optional
     with borrowed_on(text_encoder, device):
         states = encode_token_chunks(text_encoder, ids.to(device), clip_skip, window)
     return apply_token_weights(states, weights)
-
-
-@contextlib.contextmanager
-def borrowed_on(module: torch.nn.Module, device: torch.device):
-    """Run `module` on `device` for the block, then put it back where it lived.
-
-    With cached text-encoder outputs an encoder may live elsewhere (CPU); sampling borrows it.
-    """
-    home = next(module.parameters()).device
-    moved = home != torch.device(device)
-    if moved:
-        module.to(device)
-    try:
-        yield module
-    finally:
-        if moved:
-            module.to(home)
 
 
 def _step_kwargs(scheduler, generators: list[torch.Generator]) -> dict:

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from library.families.flux.configs import PRESETS as FLUX_PRESETS
-from library.families.flux.configs import build_t5_tokenizer, t5_config
+from library.families.common.t5 import build_t5_tokenizer, t5_config
 from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE
-from library.families.sdxl.configs import te1_config, te2_config
+from library.families.common.configs import te1_config, te2_config
 from library.families.common.tiny import build_seeded, build_tokenizer
 
 # The SD3 autoencoder's latent normalisation (diffusers' vae config of stabilityai/stable-diffusion-3-medium-diffusers).
@@ -121,11 +120,7 @@ def clip_configs(p: SD3Preset, tok_l, tok_g):
 
 def t5_preset_config(p: SD3Preset, vocab_size: int):
     """T5Config of the preset's T5-XXL encoder shape."""
-    import dataclasses
-
-    shape = dataclasses.replace(FLUX_PRESETS["tiny:flux"], t5_d_model=p.t5_d_model, t5_d_ff=p.t5_d_ff,
-                                t5_heads=p.t5_heads, t5_d_kv=p.t5_d_kv)
-    return t5_config(shape, vocab_size)
+    return t5_config(p, vocab_size)
 
 
 def build_sd3_modules(name: str, device: str | torch.device = "cpu") -> dict:

@@ -23,7 +23,7 @@ from library.families.sd3 import saving as sd3_saving
 from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
-from library.families.flux.lora_names import T5_TARGETS
+from library.families.common.t5 import T5_TARGETS
 from library.families.sd3.configs import (
     LATENT_CHANNELS,
     VAE_SCALING_FACTOR,
@@ -70,6 +70,14 @@ class SD3Family(ModelFamily):
     """SD3 medium, SD3.5 medium and SD3.5 large (diffusers SD3Transformer2DModel), rectified flow as sd-scripts."""
 
     name = "sd3"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 70
+    single_file_markers = ("model.diffusion_model.joint_blocks.",
+                                "joint_blocks.")
+    contents = (("model.diffusion_model.joint_blocks.", "an SD3 checkpoint"),
+                ("joint_blocks.", "an SD3 MMDiT"))
+    diffusers_class_markers = ("StableDiffusion3",)
     options_type = SD3Options
     lora_network_module = "networks.lora_sd3"
     latent_cache_arch = "_sd3"
@@ -91,6 +99,12 @@ class SD3Family(ModelFamily):
     fine_tune_t5xxl_encoder = 2  # ... unless --train_t5xxl
 
     # --- options ---------------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.sd3.configs import PRESETS
+
+        return PRESETS
+
     def check_options(self, options: SD3Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

@@ -11,15 +11,7 @@ from __future__ import annotations
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.flux.generate import (
-    decode_images,
-    encode_prompts_flux,
-    euler_sample,
-    initial_noise,
-    prompts_then_negatives,
-    resolve_batch,
-    resolve_flow_request,
-)
+from library.families.common.flow_sampling import decode_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
 from library.objectives.flow import shift_sigmas
 from library.sampling.generate import GeneratedImage
 

@@ -22,7 +22,8 @@ import torch
 from library.families.common import ldm_layout as ldm
 from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.flux.loading import _adopt, _read_file, t5_from_tensors
+from library.families.common.t5 import t5_from_tensors
+from library.families.common.loading import adopt, read_file
 from library.families.common.loading import (
     classify_source,
     find_tokenizer,
@@ -35,7 +36,7 @@ from library.families.sd3.configs import (
     build_sd3_modules,
     sd3_vae_config,
 )
-from library.families.sdxl.configs import te1_config, te2_config
+from library.families.common.configs import te1_config, te2_config
 from library.families.common.swap_rules import indexed_blocks_in_file
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -88,7 +89,7 @@ def transformer_from_tensors(label: str, path: str, tensors: Mapping[str, torch.
         state_dict = sai.sai_to_diffusers(tensors)
     except sai.SaiLayoutError as e:
         raise ModelLoadError(f"{label} {path}: {e}") from None
-    return sai.to_sai_order(_adopt(label, path, lambda: SD3Transformer2DModel(**config), state_dict))
+    return sai.to_sai_order(adopt(label, path, lambda: SD3Transformer2DModel(**config), state_dict))
 
 
 def clip_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor], big_g: bool,
@@ -116,7 +117,7 @@ def clip_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor]
                   vocab_size=tokens.shape[0], tokenizer=tokenizer, max_position_embeddings=positions.shape[0],
                   **({"projection_dim": ckpt["text_projection.weight"].shape[0]} if big_g else {}))
     kwargs["projection_dim"] = ckpt["text_projection.weight"].shape[0]
-    return _adopt(label, path, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**kwargs)), ckpt), tokenizer
+    return adopt(label, path, lambda: CLIPTextModelWithProjection(CLIPTextConfig(**kwargs)), ckpt), tokenizer
 
 
 def vae_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor], prefix: str):
@@ -139,7 +140,7 @@ def vae_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor],
         state_dict = ldm.pull(tensors, ldm.vae_key_map(shapes, prefix), shapes)
     except (ldm.LayoutError, ValueError) as e:
         raise ModelLoadError(f"{label} {path}: VAE tensors are incomplete or mis-shaped ({e})") from None
-    return _adopt(label, path, lambda: AutoencoderKL(**config), state_dict)
+    return adopt(label, path, lambda: AutoencoderKL(**config), state_dict)
 
 
 # --- whole files ------------------------------------------------------------------------------------
@@ -148,10 +149,10 @@ def _component_file(flag: str, path: str, opts: LoadOptions):
     """(text encoder, tokenizer) from the file --clip_l / --clip_g / --t5xxl names."""
     what = next(w for f, _, _, w in _COMPONENT_FLAGS if f == flag)
     if flag == "t5xxl":
-        tensors = _read_file(f"--{flag}", path, what, lambda keys: any(k.startswith("encoder.block.") for k in keys),
+        tensors = read_file(f"--{flag}", path, what, lambda keys: any(k.startswith("encoder.block.") for k in keys),
                              opts.dtype)
         return t5_from_tensors(f"--{flag}", path, tensors, opts.tokenizer_cache_dir)
-    tensors = _read_file(f"--{flag}", path, what,
+    tensors = read_file(f"--{flag}", path, what,
                          lambda keys: any("embeddings.token_embedding." in k for k in keys), opts.dtype)
     return clip_from_tensors(f"--{flag}", path, tensors, flag == "clip_g", opts.tokenizer_cache_dir)
 
@@ -173,7 +174,7 @@ def load_sd3_vae(path: str, dtype: torch.dtype = torch.float32):
         from library.families.common.loading import load_vae
 
         return load_vae(path)
-    tensors = _read_file("--vae", path, "the SD3 VAE (encoder.*, decoder.* keys)",
+    tensors = read_file("--vae", path, "the SD3 VAE (encoder.*, decoder.* keys)",
                          lambda keys: any(k.startswith(("encoder.conv_in.", sai.VAE_PREFIX + "encoder.conv_in."))
                                           for k in keys), dtype)
     prefix = sai.VAE_PREFIX if any(k.startswith(sai.VAE_PREFIX) for k in tensors) else ""
@@ -183,7 +184,7 @@ def load_sd3_vae(path: str, dtype: torch.dtype = torch.float32):
 def load_sai_file(path: str, files, opts: LoadOptions) -> dict:
     """Every part from a SAI single file, with --clip_l / --clip_g / --t5xxl / --vae for what it lacks or replaces."""
     label = "--pretrained_model_name_or_path"
-    tensors = _read_file(label, path, "an SD3 MMDiT in the SAI layout (joint_blocks.* keys)", _holds_mmdit,
+    tensors = read_file(label, path, "an SD3 MMDiT in the SAI layout (joint_blocks.* keys)", _holds_mmdit,
                          opts.dtype)
     parts = {"transformer": transformer_from_tensors(label, path, tensors)}
     given = _component_parts(files, opts)

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 from torch import nn
 
-from library.families.flux.network_args import _block_selection, dim_list
+from library.families.common.network_args import block_selection, dim_list
 from library.families.sd3.lora_names import OUTSIDE_BLOCKS
 from networks.lora_rules import parse_bool, parse_number
 from networks.lora_targets import LoraTarget
@@ -92,7 +92,7 @@ class SD3NetworkArgs:
         for key in TYPE_DIMS:
             if raw.get(key) is not None:
                 rules.type_dims[key] = parse_number(key, raw[key], int, "an integer >= 0 (0: no module)")
-        rules.blocks = _block_selection("train_block_indices", raw, self.num_blocks)
+        rules.blocks = block_selection("train_block_indices", raw, self.num_blocks)
         rules.train_t5xxl = parse_bool("train_t5xxl", raw.get("train_t5xxl"))
         rules.verbose = parse_bool("verbose", raw.get("verbose"))
         return rules

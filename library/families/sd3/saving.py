@@ -14,7 +14,7 @@ from torch import nn
 from library.families.common import ldm_layout as ldm
 from library.families.common import model_saving
 from library.families.sd3 import layout as sai
-from library.families.flux.layout import t5_to_file
+from library.families.common.t5 import t5_to_file
 from library.families.sd3.configs import build_sd3_modules
 
 _MODEL_INDEX = {

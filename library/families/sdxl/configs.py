@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_encoder_config, text_heads, vae_config
+from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_heads, vae_config
 from library.families.common.tiny import build_seeded, build_tokenizer
+from library.families.common.configs import te1_config, te2_config
 
 HEAD_CHANNELS = 64
 SDXL_DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")
@@ -57,26 +58,6 @@ def sdxl_unet_config(block_out_channels: tuple[int, ...], cross_attention_dim: i
         projection_class_embeddings_input_dim=pooled_dim + TIME_IDS * addition_time_embed_dim,
         norm_num_groups=NORM_GROUPS,
     )
-
-
-def te1_config(*, hidden_size: int, intermediate_size: int, num_hidden_layers: int, vocab_size: int,
-               tokenizer, max_position_embeddings: int = 77) -> dict:
-    """CLIPTextConfig kwargs of SDXL's first encoder (CLIP-L: quick_gelu)."""
-    return text_encoder_config(False, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                               num_hidden_layers=num_hidden_layers, vocab_size=vocab_size,
-                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                               pad_token_id=tokenizer.pad_token_id, max_position_embeddings=max_position_embeddings)
-
-
-def te2_config(*, hidden_size: int, intermediate_size: int, num_hidden_layers: int, vocab_size: int,
-               projection_dim: int, tokenizer, max_position_embeddings: int = 77) -> dict:
-    """CLIPTextConfig kwargs of SDXL's second encoder (OpenCLIP-bigG: gelu, with a text projection)."""
-    kwargs = text_encoder_config(True, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                                 num_hidden_layers=num_hidden_layers, vocab_size=vocab_size,
-                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, max_position_embeddings=max_position_embeddings)
-    kwargs["projection_dim"] = projection_dim
-    return kwargs
 
 
 @dataclass(frozen=True)

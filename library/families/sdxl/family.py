@@ -55,6 +55,12 @@ class SDXLFamily(ModelFamily):
     """Stable Diffusion XL base (and fine-tunes of it), epsilon or v prediction."""
 
     name = "sdxl"
+    # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
+    # families are tried in detect_rank order, lowest first (the most specific markers first).
+    detect_rank = 40
+    single_file_markers = ("conditioner.embedders.",)
+    contents = (("conditioner.embedders.", "an SDXL checkpoint"),)
+    diffusers_class_markers = ("XL",)
     latent_cache_arch = "_sdxl"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
@@ -66,6 +72,12 @@ class SDXLFamily(ModelFamily):
     text_cache_suffix = "_te_outputs.npz"
 
     # --- loading ----------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> dict:
+        from library.families.sdxl.configs import PRESETS
+
+        return PRESETS
+
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
         components = load_sdxl_components(opts)

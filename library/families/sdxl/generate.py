@@ -16,7 +16,8 @@ import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.families.common.clip_text import join_token_chunks, penultimate_states
-from library.families.sd.generate import borrowed_on, generate_ddpm, resolve_request
+from library.families.sd.generate import generate_ddpm, resolve_request
+from library.families.common.flow_sampling import borrowed_on
 from library.sampling.prompt_weighting import (
     apply_token_weights,
     chunk_count,

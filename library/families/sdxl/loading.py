@@ -26,12 +26,8 @@ from library.families.common.loading import (
     vae_from_ldm,
 )
 from library.families.sd.configs import PRESETS as SD_PRESETS
-from library.families.sdxl.configs import (
-    PRESETS,
-    build_sdxl_modules,
-    te1_config,
-    te2_config,
-)
+from library.families.sdxl.configs import PRESETS, build_sdxl_modules
+from library.families.common.configs import te1_config, te2_config
 
 _PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
