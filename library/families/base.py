@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from library.core.errors import ConfigError, UserError
-from library.families.common import model_saving
+from library.families import model_saving
 from library.objectives.noise import DDPMSchedule, NoiseScheme
 from networks.lora_args import BlockLayout
 from networks.lora_targets import LoraTarget

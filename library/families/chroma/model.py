@@ -222,7 +222,7 @@ def write_chroma_preset(preset: str, out: str) -> dict[str, str]:
     name, or a folder that gets chroma-tiny.safetensors) plus t5xxl.safetensors and ae.safetensors next to it.
     Returns {"transformer" | "t5xxl" | "ae": path}."""
     from library.families.common import ldm_layout as ldm
-    from library.families.common import model_saving
+    from library.families import model_saving
     from library.families.common.t5 import t5_to_file
 
     parts = build_chroma_modules(preset)

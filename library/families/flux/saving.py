@@ -1,6 +1,6 @@
 """What a FLUX.1 model is saved as: the BFL transformer file (as sd-scripts' flux_train.py saves: the
 transformer alone, as flux1-dev.safetensors), the FluxPipeline folder, and for the tiny model the
-clip_l / t5xxl / ae files that --clip_l / --t5xxl / --ae take. Writing is library/families/common/model_saving.py.
+clip_l / t5xxl / ae files that --clip_l / --t5xxl / --ae take. Writing is library/families/model_saving.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from library.families.common import ldm_layout as ldm
-from library.families.common import model_saving
+from library.families import model_saving
 from library.families.flux.layout import clip_l_to_file, diffusers_to_bfl
 from library.families.common.t5 import t5_to_file
 from library.families.flux.configs import build_flux_modules

@@ -1,6 +1,6 @@
 """What an SD 1.x / 2.x model is saved as: the LDM single-file layout and the StableDiffusionPipeline folder.
 
-The writing itself (formats, dtype, atomic files and folders) is library/families/common/model_saving.py.
+The writing itself (formats, dtype, atomic files and folders) is library/families/model_saving.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from library.families.common import ldm_layout as ldm
-from library.families.common import model_saving
+from library.families import model_saving
 from library.families.sd.configs import PRESETS
 from library.families.sd.configs import build_sd_modules
 

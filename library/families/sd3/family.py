@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError, warn_once
-from library.families.common import model_saving
+from library.families import model_saving
 from library.families.sd3 import saving as sd3_saving
 from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning

@@ -1,7 +1,7 @@
 """What an SD3 model is saved as: the SAI single file (MMDiT, VAE and the three text encoders in one file, as
 sd3_medium_incl_clips_t5xxlfp16.safetensors; the loaders of sd-scripts, ComfyUI and diffusers read it), the
 StableDiffusion3Pipeline folder, and for the tiny model also the MMDiT + VAE file with separate
-clip_l / clip_g / t5xxl files (the sd3.5_large.safetensors layout). Writing is library/families/common/model_saving.py.
+clip_l / clip_g / t5xxl files (the sd3.5_large.safetensors layout). Writing is library/families/model_saving.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 from torch import nn
 
 from library.families.common import ldm_layout as ldm
-from library.families.common import model_saving
+from library.families import model_saving
 from library.families.sd3 import layout as sai
 from library.families.common.t5 import t5_to_file
 from library.families.sd3.configs import build_sd3_modules

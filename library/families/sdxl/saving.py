@@ -1,6 +1,6 @@
 """What an SDXL model is saved as: the SGM single-file layout and the StableDiffusionXLPipeline folder.
 
-The writing itself (formats, dtype, atomic files and folders) is library/families/common/model_saving.py.
+The writing itself (formats, dtype, atomic files and folders) is library/families/model_saving.py.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 
-from library.families.common import model_saving
+from library.families import model_saving
 from library.families.sdxl import layout as sgm
 from library.families.sdxl.configs import build_sdxl_modules
 
