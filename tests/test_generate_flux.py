@@ -100,7 +100,7 @@ def test_ddpm_sampler_falls_back_to_flow_euler(loaded, caplog):
     family, c, _ = loaded
     from library.core import errors
 
-    errors._warned.clear()  # the warning is logged once per process
+    errors.forget_warnings()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING):
         a, b = generate_images(family, c, [request(sampler="euler_a"), request()])
     assert a.request.sampler == "flow_euler" and np.array_equal(np.asarray(a.image), np.asarray(b.image))

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from library.cli.config_file import parse_with_config_file
 from library.cli.entry import (
-    _setup_logging,
+    setup_logging,
     build_parser,
     family_for,
     settings_from_args,
@@ -47,7 +47,7 @@ def _detected_family(argv: Sequence[str]) -> Optional[str]:
 def run_cache_tool(argv: Optional[Sequence[str]], description: str, forced_flags: list[str],
                    action: Callable, check_family: Optional[Callable] = None) -> int:
     """Parse training flags (+ `forced_flags`), build the trainer and run `action(trainer)`; exit code."""
-    _setup_logging()
+    setup_logging()
     name, rest = family_name(list(sys.argv[1:] if argv is None else argv))
 
     def body() -> None:

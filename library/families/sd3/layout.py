@@ -27,10 +27,10 @@ from torch import nn
 
 from library.core.safetensors_io import Deferred, concat
 from library.families.sd3.lora_names import (
-    _BY_SAI,
+    BY_SAI,
     BLOCK_NORMS,
     OUTSIDE_BLOCKS,
-    _lookup,
+    lookup,
     fused_slot,
 )
 
@@ -73,7 +73,7 @@ def diffusers_key_to_sai(key: str) -> tuple[str, Optional[int]]:
     if key == "pos_embed.pos_embed":
         return "pos_embed", None
     module, param = key.rsplit(".", 1)
-    hit = _lookup(module)
+    hit = lookup(module)
     if hit is not None:
         return f"{hit[0]}.{param}", fused_slot(module)
     m = _BLOCK.match(module)
@@ -137,7 +137,7 @@ def sai_to_diffusers(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.
             out[f"transformer_blocks.{m[1]}.{_NORMS_BY_SAI[m[2]]}.{param}"] = tensor
             continue
         if m:
-            paths = [f"transformer_blocks.{m[1]}.{p}" for p in _BY_SAI.get(m[2], [])]
+            paths = [f"transformer_blocks.{m[1]}.{p}" for p in BY_SAI.get(m[2], [])]
         else:
             paths = [OUTSIDE_BLOCKS[module]] if module in OUTSIDE_BLOCKS else []
         if not paths or param not in ("weight", "bias"):

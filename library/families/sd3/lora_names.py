@@ -45,13 +45,13 @@ KOHYA_PREFIX = {"transformer": "lora_unet", "text_encoder": "lora_te1", "text_en
 TRANSFORMER_TARGETS = ("JointTransformerBlock",)
 _BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
 _SAI_BLOCK = re.compile(r"^joint_blocks\.(\d+)\.(.+)$")
-_BY_SAI: dict[str, list[str]] = {}
+BY_SAI: dict[str, list[str]] = {}
 for _path, (_sai, _slot) in sorted(BLOCK.items(), key=lambda kv: kv[1]):
-    _BY_SAI.setdefault(_sai, []).append(_path)
+    BY_SAI.setdefault(_sai, []).append(_path)
 _OUTSIDE_BY_PATH = {v: k for k, v in OUTSIDE_BLOCKS.items()}
 
 
-def _lookup(path: str) -> Optional[tuple[str, int]]:
+def lookup(path: str) -> Optional[tuple[str, int]]:
     m = _BLOCK.match(path)
     if not m:
         return None
@@ -62,7 +62,7 @@ def _lookup(path: str) -> Optional[tuple[str, int]]:
 def sai_module_path(path: str) -> str:
     """A diffusers transformer module path as its SAI path (`transformer_blocks.0.attn.to_k` ->
     `joint_blocks.0.x_block.attn.qkv`); paths outside the blocks' layers come back unchanged."""
-    hit = _lookup(path)
+    hit = lookup(path)
     if hit is not None:
         return hit[0]
     return _OUTSIDE_BY_PATH.get(path, path)
@@ -70,7 +70,7 @@ def sai_module_path(path: str) -> str:
 
 def fused_slot(path: str) -> Optional[int]:
     """Slot of a diffusers projection inside its fused SAI qkv (q 0, k 1, v 2); None when not fused."""
-    hit = _lookup(path)
+    hit = lookup(path)
     if hit is None:
         return None
     return hit[1] if hit[0].split(".", 2)[2] in FUSED else None
@@ -80,12 +80,12 @@ def diffusers_paths(sai_path: str) -> Optional[list[str]]:
     """The diffusers paths a SAI module stands for, in fused row order; None when it names no LoRA layer."""
     m = _SAI_BLOCK.match(sai_path)
     if m:
-        paths = _BY_SAI.get(m[2])
+        paths = BY_SAI.get(m[2])
         return None if paths is None else [f"transformer_blocks.{m[1]}.{p}" for p in paths]
     return [OUTSIDE_BLOCKS[sai_path]] if sai_path in OUTSIDE_BLOCKS else None
 
 
-_UNDERSCORED = {name.replace(".", "_"): name for name in (*_BY_SAI, *OUTSIDE_BLOCKS)}
+_UNDERSCORED = {name.replace(".", "_"): name for name in (*BY_SAI, *OUTSIDE_BLOCKS)}
 _KOHYA_BLOCK = re.compile(r"^joint_blocks_(\d+)_(\w+)$")
 
 
@@ -95,7 +95,7 @@ def sai_path(kohya_rest: str) -> Optional[str]:
     m = _KOHYA_BLOCK.match(kohya_rest)
     if m:
         name = _UNDERSCORED.get(m[2])
-        return None if name is None or name not in _BY_SAI else f"joint_blocks.{m[1]}.{name}"
+        return None if name is None or name not in BY_SAI else f"joint_blocks.{m[1]}.{name}"
     name = _UNDERSCORED.get(kohya_rest)
     return name if name in OUTSIDE_BLOCKS else None
 
