@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable, Mapping, Optional
 
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
@@ -74,6 +74,10 @@ _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "fl
                                                    "lumina": _lumina, "hunyuan_image": _hunyuan_image}
 
 
+# The family of a model path that tells nothing else and of a tool given no selector (sd-scripts' default: SD 1.x/2.x).
+DEFAULT_FAMILY = "sd"
+
+
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
     """Add a family (e.g. "sdxl", "flux") under `name`."""
     _REGISTRY[name] = factory
@@ -90,3 +94,22 @@ def get_family(name: str) -> ModelFamily:
     if factory is None:
         raise ConfigError(f"model family: expected one of {', '.join(family_names())}, got {name!r}")
     return factory()
+
+
+def registered_families() -> list[ModelFamily]:
+    """One instance of every registered family, in registration order (imports them all)."""
+    return [factory() for factory in _REGISTRY.values()]
+
+
+def selected_family(flags: Mapping[str, Any]) -> Optional[str]:
+    """The family whose sd-scripts selector flag (`--sdxl`, `--flux`: `ModelFamily.selector_flag`) is set in
+    `flags` (parsed flag values by name), or None."""
+    for family in registered_families():
+        if family.selector_flag and flags.get(family.selector_flag):
+            return family.name
+    return None
+
+
+def selector_flags() -> dict[str, str]:
+    """The sd-scripts selector flags of the shared tools ("--sdxl") and the family each selects."""
+    return {f"--{family.selector_flag}": family.name for family in registered_families() if family.selector_flag}

@@ -11,7 +11,7 @@ predicts the velocity ε - x0.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -25,8 +25,14 @@ from library.families.anima.loading import (
     load_anima_components,
 )
 from library.families.anima.network_args import AnimaNetworkArgs
-from library.families.anima.options import LR_GROUPS, AnimaOptions
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.anima.options import COMPONENT_FILE_FLAGS, LR_GROUPS, AnimaOptions
+from library.families.base import (
+    Components,
+    LoadOptions,
+    ModelFamily,
+    TextConditioning,
+    check_folder_name,
+)
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
@@ -68,6 +74,12 @@ class AnimaFamily(ModelFamily):
     contents = (("net.blocks.", "an Anima DiT"),
                 ("model.layers.", "a Qwen3 text encoder"))
     diffusers_class_markers = ()
+    scripts = {"lora": "anima_train_network.py", "finetune": "anima_train.py"}
+    text_encoder_labels = ("Text encoder (Qwen3)",)
+    denoiser_label = "DiT"
+    component_file_flags = COMPONENT_FILE_FLAGS
+    flag_aliases = (("unsloth_offload_checkpointing", "cpu_offload_checkpointing"),)
+    tiny_presets = ("tiny:anima",)
     options_type = AnimaOptions
     lora_network_module = "networks.lora_anima"  # what sd-scripts' anima_train_network.py files say
     latent_cache_arch = "_anima"
@@ -93,6 +105,19 @@ class AnimaFamily(ModelFamily):
         from library.families.anima.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.anima.loading import write_anima_preset
+
+        check_folder_name(out, "Anima is written as three files")
+        return write_anima_preset(preset, out)
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        return (f"--pretrained_model_name_or_path {written['dit']} --qwen3 {written['qwen3']} "
+                f"--vae {written['vae']}")
 
     def check_options(self, options: AnimaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,

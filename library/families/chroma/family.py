@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from library.core.errors import ConfigError, warn_once
+from library.core.errors import ConfigError, UserError, warn_once
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.chroma.generate import generate_chroma
 from library.families.chroma.model import (
@@ -27,6 +27,7 @@ from library.families.chroma.model import (
     chroma_to_single_file,
     load_chroma_components,
 )
+from library.families.common.t5 import T5_TARGETS
 from library.families.flux.family import (
     FluxFamily,
     image_ids,
@@ -35,7 +36,6 @@ from library.families.flux.family import (
     unpack_latents,
 )
 from library.families.flux.lora_names import bfl_module_path, fused_slot
-from library.families.common.t5 import T5_TARGETS
 from library.families.flux.network_args import FluxNetworkArgs
 from library.families.flux.options import FluxOptions
 from library.objectives.flow import check_flow_compatible, check_no_ddpm_schedule
@@ -58,6 +58,12 @@ class ChromaFamily(FluxFamily):
                            "model.diffusion_model.distilled_guidance_layer.")
     contents = (("distilled_guidance_layer.", "a Chroma transformer"),)
     diffusers_class_markers = ()
+    model_types = ("chroma",)  # the --model_type values of its scripts that select it
+    selector_flag = None
+    variant_of = "flux"  # FLUX.1's scripts with --model_type chroma
+    text_encoder_labels = ("Text encoder (T5-XXL)",)
+    tiny_presets = ("tiny:chroma",)
+    component_file_flags = ("t5xxl", "ae")  # FLUX.1's, less CLIP-L (Chroma has no CLIP)
     options_type = FluxOptions  # the flags of flux_train_network.py, with --model_type chroma
     text_encoder_outputs = (("t5_out", "txt_ids", "t5_attn_mask"),)
     text_cache_suffix = "_chroma_te.npz"
@@ -71,6 +77,22 @@ class ChromaFamily(FluxFamily):
         from library.families.chroma.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.chroma.model import write_chroma_preset
+
+        if not single_file:
+            raise UserError("--family chroma: add --single_file (Chroma is published as a single file; sd-scripts "
+                            "loads no diffusers folder of it)")
+        return write_chroma_preset(preset, out)
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        return ("flux_train_network.py --model_type chroma --apply_t5_attn_mask --guidance_scale 0 "
+                f"--pretrained_model_name_or_path {written['transformer']} --t5xxl {written['t5xxl']} "
+                f"--ae {written['ae']}")
 
     def variant(self, options: FluxOptions) -> ModelFamily:
         if options.model_type != "chroma":

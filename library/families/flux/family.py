@@ -11,26 +11,36 @@ ordinary latent tensors.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from library.core.errors import ConfigError, warn_once
-from library.families.flux import saving as flux_saving
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
-from library.families.common.autoencoder import LATENT_CHANNELS
-from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.common.autoencoder import (
+    AE_SCALING_FACTOR,
+    AE_SHIFT_FACTOR,
+    LATENT_CHANNELS,
+)
+from library.families.common.clip_text import (
+    TEXT_ENCODER_TARGETS,
+    text_encoder_kohya_path,
+)
+from library.families.common.t5 import T5_TARGETS
+from library.families.flux import saving as flux_saving
 from library.families.flux.generate import generate_flux
 from library.families.flux.loading import (
     block_counts,
     check_model_source,
     load_flux_components,
 )
-from library.families.flux.lora_names import TRANSFORMER_TARGETS, bfl_module_path, fused_slot
-from library.families.common.t5 import T5_TARGETS
+from library.families.flux.lora_names import (
+    TRANSFORMER_TARGETS,
+    bfl_module_path,
+    fused_slot,
+)
 from library.families.flux.network_args import FluxNetworkArgs, in_layer_targets
-from library.families.flux.options import FluxOptions
+from library.families.flux.options import COMPONENT_FILE_FLAGS, FluxOptions
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -108,6 +118,13 @@ class FluxFamily(ModelFamily):
     contents = (("double_blocks.", "a FLUX.1 transformer"),
                 ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"))
     diffusers_class_markers = ("Flux",)
+    scripts = {"lora": "flux_train_network.py", "finetune": "flux_train.py"}
+    model_types = (None, "flux")  # the --model_type values of its scripts that select it
+    selector_flag = "flux"
+    text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)")
+    denoiser_label = "Transformer"
+    component_file_flags = COMPONENT_FILE_FLAGS
+    tiny_presets = ("tiny:flux",)
     lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
@@ -129,6 +146,21 @@ class FluxFamily(ModelFamily):
         from library.families.flux.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.flux.saving import write_flux_preset
+
+        written = write_flux_preset(preset, out, single_file=single_file)
+        return written if single_file else {preset: out}
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        if "transformer" not in written:
+            return ""
+        return ("--pretrained_model_name_or_path " + written["transformer"]
+                + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
 
     def check_options(self, options: FluxOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,

@@ -10,14 +10,20 @@ default --model_prediction_type raw, target noise - latents).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from library.core.errors import ConfigError
+from library.families.base import (
+    Components,
+    LoadOptions,
+    ModelFamily,
+    TextConditioning,
+    check_folder_name,
+)
 from library.families.hunyuan_image import layout
 from library.families.hunyuan_image import text as text_rules
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
 from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     LATENT_SCALING_FACTOR,
@@ -29,7 +35,10 @@ from library.families.hunyuan_image.loading import (
     load_components,
 )
 from library.families.hunyuan_image.network_args import HunyuanImageNetworkArgs
-from library.families.hunyuan_image.options import HunyuanImageOptions
+from library.families.hunyuan_image.options import (
+    COMPONENT_FILE_FLAGS,
+    HunyuanImageOptions,
+)
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -68,6 +77,12 @@ class HunyuanImageFamily(ModelFamily):
                 ("model.diffusion_model.byt5_in.", "a HunyuanImage 2.1 DiT"),
                 ("model.layers.0.self_attn.q_proj.bias", "a Qwen2.5-VL text encoder"))
     diffusers_class_markers = ()
+    scripts = {"lora": "hunyuan_image_train_network.py"}
+    text_encoder_labels = ("Text encoder (Qwen2.5-VL)", "Text encoder 2 (byT5)")
+    denoiser_label = "DiT"
+    component_file_flags = COMPONENT_FILE_FLAGS
+    flag_aliases = (("fp8_scaled", "fp8_base_unet"),)
+    tiny_presets = ("tiny:hunyuan_image",)
     options_type = HunyuanImageOptions
     lora_network_module = "networks.lora_hunyuan_image"  # what sd-scripts' hunyuan_image_train_network.py files say
     latent_cache_arch = "_hi"  # sd-scripts' `<image>_<w>x<h>_hi.npz`
@@ -88,6 +103,19 @@ class HunyuanImageFamily(ModelFamily):
         from library.families.hunyuan_image.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.hunyuan_image.loading import write_hunyuan_image_preset
+
+        check_folder_name(out, "HunyuanImage is written as four files")
+        return write_hunyuan_image_preset(preset, out)
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        return (f"--pretrained_model_name_or_path {written['dit']} --text_encoder {written['text_encoder']} "
+                f"--byt5 {written['byt5']} --vae {written['vae']}")
 
     def check_options(self, options: HunyuanImageOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,

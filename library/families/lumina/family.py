@@ -11,14 +11,21 @@ predict returns its negation, the velocity ε - x0 of the project's flow scheme.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from library.core.errors import ConfigError
-from library.families.lumina import layout
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.base import (
+    Components,
+    LoadOptions,
+    ModelFamily,
+    TextConditioning,
+    check_folder_name,
+)
 from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
+from library.families.lumina import layout
 from library.families.lumina.configs import LATENT_CHANNELS
 from library.families.lumina.generate import generate_lumina
 from library.families.lumina.loading import (
@@ -27,8 +34,7 @@ from library.families.lumina.loading import (
     load_lumina_components,
 )
 from library.families.lumina.network_args import LuminaNetworkArgs, embedder_targets
-from library.families.lumina.options import LuminaOptions
-from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
+from library.families.lumina.options import COMPONENT_FILE_FLAGS, LuminaOptions
 from library.objectives.flow import (
     FlowMatchScheme,
     check_flow_compatible,
@@ -95,6 +101,11 @@ class LuminaFamily(ModelFamily):
                 ("model.diffusion_model.cap_embedder.", "a Lumina Image 2.0 DiT"),
                 ("model.layers.0.post_feedforward_layernorm.", "a Gemma-2 text encoder"))
     diffusers_class_markers = ()
+    scripts = {"lora": "lumina_train_network.py", "finetune": "lumina_train.py"}
+    text_encoder_labels = ("Text encoder (Gemma-2)",)
+    denoiser_label = "DiT"
+    component_file_flags = COMPONENT_FILE_FLAGS
+    tiny_presets = ("tiny:lumina",)
     options_type = LuminaOptions
     lora_network_module = "networks.lora_lumina"  # what sd-scripts' lumina_train_network.py files say
     latent_cache_arch = "_lumina"
@@ -115,6 +126,19 @@ class LuminaFamily(ModelFamily):
         from library.families.lumina.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.lumina.loading import write_lumina_preset
+
+        check_folder_name(out, "Lumina is written as three files")
+        return write_lumina_preset(preset, out)
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        return (f"--pretrained_model_name_or_path {written['dit']} --gemma2 {written['gemma2']} "
+                f"--ae {written['ae']}")
 
     def check_options(self, options: LuminaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,

@@ -12,16 +12,22 @@ from typing import Optional
 
 import torch
 
-from library.families.sd import saving as sd_saving
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.base import (
+    Components,
+    LoadOptions,
+    ModelFamily,
+    TextConditioning,
+    check_single_file_name,
+)
 from library.families.common.clip_text import (
     TEXT_ENCODER_TARGETS,
     chunk_token_ids,
     encode_token_chunks,
     text_encoder_kohya_path,
 )
-from library.families.sd.loading import load_sd_components
+from library.families.sd import saving as sd_saving
 from library.families.sd.generate import generate_sd
+from library.families.sd.loading import load_sd_components
 from library.objectives.noise import DDPMScheme
 from networks.lora_targets import LoraTarget, outside_block_targets
 
@@ -52,6 +58,10 @@ class SDFamily(ModelFamily):
     single_file_markers = ("model.diffusion_model.",)
     contents = (("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),)
     diffusers_class_markers = ("StableDiffusion",)
+    scripts = {"lora": "train_network.py", "finetune": "fine_tune.py"}
+    text_encoder_labels = ("Text encoder (CLIP)",)
+    denoiser_label = "UNet"
+    tiny_presets = ("tiny:sd1", "tiny:sd2", "tiny:sd2-v")
     latent_cache_arch = "_sd"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
@@ -65,6 +75,15 @@ class SDFamily(ModelFamily):
         from library.families.sd.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.sd.saving import write_preset
+
+        check_single_file_name(out, single_file)
+        write_preset(preset, out, single_file=single_file)
+        return {preset: out}
 
     def load(self, opts: LoadOptions) -> Components:
         """Load a diffusers folder, a single-file checkpoint, a hub id from the local cache, or a preset."""

@@ -19,11 +19,15 @@ import torch
 
 from library.core.errors import ConfigError, warn_once
 from library.families import model_saving
-from library.families.sd3 import saving as sd3_saving
-from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
-from library.families.common.clip_text import TEXT_ENCODER_TARGETS, text_encoder_kohya_path
+from library.families.common.clip_text import (
+    TEXT_ENCODER_TARGETS,
+    text_encoder_kohya_path,
+)
+from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.families.common.t5 import T5_TARGETS
+from library.families.sd3 import layout as sai
+from library.families.sd3 import saving as sd3_saving
 from library.families.sd3.configs import (
     LATENT_CHANNELS,
     VAE_SCALING_FACTOR,
@@ -43,10 +47,9 @@ from library.families.sd3.lora_names import (
     sai_module_path,
 )
 from library.families.sd3.network_args import SD3NetworkArgs, emb_layer_targets
-from library.families.sd3.options import SD3Options
+from library.families.sd3.options import COMPONENT_FILE_FLAGS, SD3Options
 from library.families.sd3.pos_embed import install as install_positions
 from library.families.sd3.pos_embed import latent_sizes_of
-from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import check_no_ddpm_schedule
 from library.objectives.flow_sd3 import SD3FlowScheme
 from networks.lora_targets import LoraTarget
@@ -78,6 +81,11 @@ class SD3Family(ModelFamily):
     contents = (("model.diffusion_model.joint_blocks.", "an SD3 checkpoint"),
                 ("joint_blocks.", "an SD3 MMDiT"))
     diffusers_class_markers = ("StableDiffusion3",)
+    scripts = {"lora": "sd3_train_network.py", "finetune": "sd3_train.py"}
+    text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (CLIP-G)")
+    denoiser_label = "MMDiT"
+    component_file_flags = COMPONENT_FILE_FLAGS
+    tiny_presets = ("tiny:sd3",)
     options_type = SD3Options
     lora_network_module = "networks.lora_sd3"
     latent_cache_arch = "_sd3"
@@ -104,6 +112,14 @@ class SD3Family(ModelFamily):
         from library.families.sd3.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.sd3.saving import write_sd3_preset
+
+        layout = "diffusers" if not single_file else "separate" if separate_text_encoders else "single_file"
+        return write_sd3_preset(preset, out, layout)
 
     def check_options(self, options: SD3Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,

@@ -15,8 +15,13 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import warn_once
-from library.families.sdxl import saving as sdxl_saving
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning
+from library.families.base import (
+    Components,
+    LoadOptions,
+    ModelFamily,
+    TextConditioning,
+    check_single_file_name,
+)
 from library.families.common.clip_text import (
     TEXT_ENCODER_TARGETS,
     chunk_token_ids,
@@ -25,6 +30,7 @@ from library.families.common.clip_text import (
     text_encoder_kohya_path,
 )
 from library.families.sd.family import UNET_CONV_TARGETS, UNET_TARGETS
+from library.families.sdxl import saving as sdxl_saving
 from library.families.sdxl.generate import generate_sdxl
 from library.families.sdxl.loading import load_sdxl_components
 from library.families.sdxl.lora_names import (
@@ -61,6 +67,11 @@ class SDXLFamily(ModelFamily):
     single_file_markers = ("conditioner.embedders.",)
     contents = (("conditioner.embedders.", "an SDXL checkpoint"),)
     diffusers_class_markers = ("XL",)
+    scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py"}
+    selector_flag = "sdxl"
+    text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (OpenCLIP-G)")
+    denoiser_label = "UNet"
+    tiny_presets = ("tiny:sdxl",)
     latent_cache_arch = "_sdxl"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
     latent_channels = 4
@@ -77,6 +88,15 @@ class SDXLFamily(ModelFamily):
         from library.families.sdxl.configs import PRESETS
 
         return PRESETS
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        from library.families.sdxl.saving import write_sdxl_preset
+
+        check_single_file_name(out, single_file)
+        write_sdxl_preset(preset, out, single_file=single_file)  # SDXL's own SGM layout
+        return {preset: out}
 
     def load(self, opts: LoadOptions) -> Components:
         """A preset (tiny:sdxl, random:sdxl), an SDXL diffusers folder, or an SGM single-file checkpoint."""
