@@ -98,3 +98,85 @@ def test_the_private_name_scan_finds_both_forms(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     assert private_uses(str(user)) == ["user.py:1: from pkg.inner import _secret", "user.py:4: inner._secret",
                                        "user.py:4: pkg.inner._secret"]
+
+
+# Where a family may be named by a literal: its package, the tests, docs, templates, and its entry scripts
+# (the scripts of ModelFamily.scripts are the family's entry points: `train_network.main("flux")` is how a script
+# says which family it is).
+FAMILY_LITERALS_ALLOWED = ("library/families/", "tests/", "docs/", "webui/templates/")
+# Step benches each measure one family's step against its bare diffusers reference, as tests do.
+FAMILY_LITERALS_IN_BENCHES = "bench/"
+# The web UI imports no trainer code (import-linter), so it cannot ask the registry; it keeps these tables until the
+# form reads the family facts from --describe_flags. Removed when the form reads --describe_flags.
+FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS = (
+    "webui/jobfiles.py",  # SCRIPTS, MODEL_TYPES: ModelFamily.scripts / model_types
+    "webui/performance.py",  # BLOCK_SWAP_FAMILIES: ModelFamily.supports_block_swap()
+    "webui/static/form.js",  # TE_NAMES, DENOISER_NAMES: text_encoder_labels / denoiser_label; per-family fields
+)
+
+
+def _family_literals() -> set[str]:
+    from library.families import get_family, family_names
+
+    names = set(family_names())
+    for name in family_names():
+        family = get_family(name)
+        names.update(p.removeprefix("tiny:") for p in family.tiny_presets)  # make_tiny_model's "sd1", "sd2-v"
+        names.update(t for t in family.model_types if t)  # --model_type values
+    return names
+
+
+def _entry_scripts() -> set[str]:
+    from library.families import registered_families
+
+    return {script for family in registered_families() for script in family.scripts.values()}
+
+
+def family_literals_in(path: str, literals: set[str]) -> list[str]:
+    """String constants of a .py file (or quoted words of a .js file) that are exactly a family's name."""
+    rel = os.path.relpath(path, ROOT)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".js"):
+        import re
+
+        return [f"{rel}:{n}: {m.group(1)!r}" for n, line in enumerate(text.splitlines(), 1)
+                for m in re.finditer(r"""["']([\w.-]+)["']""", line) if m.group(1) in literals]
+    return [f"{rel}:{node.lineno}: {node.value!r}" for node in ast.walk(ast.parse(text, rel))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in literals]
+
+
+def _family_literal_offenders(allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    literals, scripts = _family_literals(), _entry_scripts()
+    found = {}
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "__pycache__")]
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            if not name.endswith((".py", ".js")) or rel.startswith(allowed) or rel in scripts:
+                continue
+            hits = family_literals_in(path, literals)
+            if hits:
+                found[rel] = hits
+    return found
+
+
+def test_no_family_name_literal_outside_the_family_packages():
+    """A family is named in its package; everything else asks the registry (ModelFamily facts)."""
+    offenders = _family_literal_offenders(FAMILY_LITERALS_ALLOWED + (FAMILY_LITERALS_IN_BENCHES,)
+                                          + FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS)
+    assert offenders == {}
+
+
+def test_the_web_ui_allow_list_is_not_stale():
+    """Each web UI file on the allow-list still names families (take it off the list once it does not)."""
+    found = _family_literal_offenders(FAMILY_LITERALS_ALLOWED + (FAMILY_LITERALS_IN_BENCHES,))
+    assert sorted(found) == sorted(FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS)
+
+
+def test_the_family_literal_scan_finds_a_literal(tmp_path):
+    path = tmp_path / "tool.py"
+    path.write_text('x = "flux"\ny = "flux_train_network.py"  # a script name is not a family name\nz = "sdxl"\n')
+    assert [hit.split(": ", 1)[1] for hit in family_literals_in(str(path), _family_literals())] == ["'flux'",
+                                                                                                    "'sdxl'"]

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.cli.entry import build_parser  # noqa: E402
-from library.families import get_family  # noqa: E402
+from library.families import DEFAULT_FAMILY, get_family  # noqa: E402
 
 
 def flag_tables(parser: argparse.ArgumentParser) -> str:
@@ -36,7 +36,7 @@ def flag_tables(parser: argparse.ArgumentParser) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--family", default="sd")
+    p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--fine_tune", action="store_true", help="the fine-tune script's parser")
     a = p.parse_args()
     print(flag_tables(build_parser("", get_family(a.family), a.fine_tune)))

@@ -101,11 +101,11 @@ def registered_families() -> list[ModelFamily]:
     return [factory() for factory in _REGISTRY.values()]
 
 
-def selected_family(flags: Mapping[str, Any]) -> Optional[str]:
+def selected_family(values: Mapping[str, Any]) -> Optional[str]:
     """The family whose sd-scripts selector flag (`--sdxl`, `--flux`: `ModelFamily.selector_flag`) is set in
-    `flags` (parsed flag values by name), or None."""
+    `values` (parsed flag values by name), or None."""
     for family in registered_families():
-        if family.selector_flag and flags.get(family.selector_flag):
+        if family.selector_flag and values.get(family.selector_flag):
             return family.name
     return None
 
