@@ -1,6 +1,6 @@
 """The interface every model family implements; the training loop knows only this.
 
-A family module (sd.py, later sdxl.py, flux.py) owns everything model-specific:
+A family package (library/families/sd/, sdxl/, flux/, ...) owns everything model-specific:
 loading, tokenising, text encoding, the noise scheme, the model call, the LoRA
 targets and their kohya names, and the strings written into metadata.
 """

@@ -222,7 +222,7 @@ class AnimaFamily(ModelFamily):
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet: the DiT's blocks, patch / time embedders and final layer under their original names (the
         last three excluded by default, as sd-scripts), the adapter's blocks with train_llm_adapter=True;
-        lora_te: Qwen3's attention and MLP. All carry Anima's network args (anima_network_args.py)."""
+        lora_te: Qwen3's attention and MLP. All carry Anima's network args (anima/network_args.py)."""
         dit = components.denoiser
         encoder = components.text_encoders[0] if components.text_encoders else None
         # Rooted at the whole AnimaDiT, so an external network's raw module paths (lycoris.kohya) map too.

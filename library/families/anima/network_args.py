@@ -7,7 +7,7 @@
 - `network_reg_dims` / `network_reg_lrs`: `regex=value,...`, the first regex matching the whole path wins;
 - `verbose=True`.
 
-The original path of a module is its name in the original file (anima_layout.original_path), the name sd-scripts
+The original path of a module is its name in the original file (anima/layout.py original_path), the name sd-scripts
 matches against; Qwen3's are its own (`layers.0.self_attn.q_proj`).
 """
 

@@ -1,5 +1,5 @@
 """--blocks_to_swap for DiTs with one list of blocks (SD3, Anima, Lumina): sd-scripts swaps the last N blocks and
-allows at most blocks - 2. FLUX.1 / Chroma split N between two block kinds (flux_loading.swap_split)."""
+allows at most blocks - 2. FLUX.1 / Chroma split N between two block kinds (flux/loading.py swap_split)."""
 
 from __future__ import annotations
 

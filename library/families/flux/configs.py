@@ -5,7 +5,7 @@ double- and single-stream blocks and the guidance embedder, a 16-channel
 AutoencoderKL without quant convs, CLIP-L with 12 layers, a gated-GELU T5
 encoder with 24 blocks) so text-encoder LoRA names and counts equal the real
 model's; the transformer has 2 double and 3 single blocks and every width shrinks.
-Tokenizers are local: the tiny CLIP one from tiny.py and a small T5 Unigram
+Tokenizers are local: the tiny CLIP one from common/tiny.py and a small T5 Unigram
 tokenizer built here (pad 0, eos 1, unk 2, as T5's).
 """
 

@@ -1,6 +1,6 @@
 """Image generation for FLUX.1: CLIP-L + T5 text, guidance, and a flow-match Euler loop.
 
-Not the DDPM loop of SD/SDXL (`sd_generate.generate_ddpm`): a rectified-flow model
+Not the DDPM loop of SD/SDXL (`sd/generate.py` generate_ddpm): a rectified-flow model
 predicts a velocity v, and one Euler step is x_next = x + (σ_next - σ)·v on a σ
 schedule from 1 (noise) to 0 (image). For a guidance-distilled model (dev) the σ
 are shifted by the image's token count, as diffusers' FluxPipeline and sd-scripts

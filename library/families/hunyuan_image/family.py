@@ -1,7 +1,7 @@
 """The HunyuanImage 2.1 family: Tencent's 17B DiT (diffusers HunyuanImageTransformer2DModel), Qwen2.5-VL-7B and glyph
 byT5 text, its 32x-down VAE, rectified flow; trained as sd-scripts' hunyuan_image_train_network.py trains it.
 
-Text as sd-scripts (hunyuan_image_text.py): Qwen2.5-VL's third-to-last hidden states of the caption in its chat
+Text as sd-scripts (hunyuan_image/text.py): Qwen2.5-VL's third-to-last hidden states of the caption in its chat
 template, and byT5 states of the caption's quoted text. Latents are the VAE's times 0.75289. The DiT is called with
 t = ⌊σ·1000⌋ (sd-scripts casts the timestep to an integer) and predicts the velocity ε - x0 directly (sd-scripts'
 default --model_prediction_type raw, target noise - latents).
@@ -91,7 +91,7 @@ class HunyuanImageFamily(ModelFamily):
     vae_scale_factor = VAE_SCALE_FACTOR
     latents_scale = LATENT_SCALING_FACTOR
     latents_shift = 0.0
-    ae_scale, ae_shift = LATENT_SCALING_FACTOR, 0.0  # for flux_generate.decode_images
+    ae_scale, ae_shift = LATENT_SCALING_FACTOR, 0.0  # for common/flow_sampling.py decode_images
     bucket_reso_multiple = 32  # sd-scripts: verify_bucket_reso_steps(32)
     supports_text_cache = True
     text_cache_suffix = "_hi_te.npz"
@@ -152,7 +152,7 @@ class HunyuanImageFamily(ModelFamily):
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
                  max_token_length: Optional[int]) -> list[torch.Tensor]:
-        """[Qwen ids, mask, byT5 ids, mask] (hunyuan_image_text.tokenize)."""
+        """[Qwen ids, mask, byT5 ids, mask] (hunyuan_image/text.py tokenize)."""
         return text_rules.tokenize(components.tokenizers[0], components.tokenizers[1], captions)
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor],

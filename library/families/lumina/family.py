@@ -245,7 +245,7 @@ class LuminaFamily(ModelFamily):
         """lora_unet: every joint / refiner block and the final layer under NextDiT's names (q, k, v as one fused
         `attention_qkv`), the embedders with `embedder_dims`; lora_te: Gemma-2's attention and MLP (sd-scripts'
         networks/lora_lumina.py)."""
-        args = LuminaNetworkArgs()  # sd-scripts' lora_lumina network args (lumina_network_args.py)
+        args = LuminaNetworkArgs()  # sd-scripts' lora_lumina network args (lumina/network_args.py)
         targets = [LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=layout.original_path,
                               fused_slot=layout.fused_slot, external_prefix="lycoris", network_args=args),
                    *embedder_targets(components.denoiser, args)]

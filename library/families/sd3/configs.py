@@ -128,7 +128,7 @@ def build_sd3_modules(name: str, device: str | torch.device = "cpu") -> dict:
 
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a
     fixed seed, identical on every call. The transformer is in diffusers' own layout (see
-    sd3_layout.to_sai_order for what loading does next). Returns {"transformer", "vae", "text_encoder",
+    sd3/layout.py to_sai_order for what loading does next). Returns {"transformer", "vae", "text_encoder",
     "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"}.
     """
     from diffusers import AutoencoderKL, SD3Transformer2DModel

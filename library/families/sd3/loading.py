@@ -81,7 +81,7 @@ def _diffusers_parts(folder: str, skip: set[str], scratch_seed: Optional[int] = 
 # --- parts from tensors ----------------------------------------------------------------------------
 
 def transformer_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor]):
-    """SD3Transformer2DModel (in SAI order, sd3_layout.to_sai_order) from SAI MMDiT tensors."""
+    """SD3Transformer2DModel (in SAI order, sd3/layout.py to_sai_order) from SAI MMDiT tensors."""
     from diffusers import SD3Transformer2DModel
 
     try:

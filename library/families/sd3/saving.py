@@ -35,7 +35,7 @@ PART_NAMES = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_enco
 def pipeline_folder(parts: Mapping[str, Any]) -> tuple[dict, dict]:
     """The parts and model_index.json of a folder that the SD3 loader and StableDiffusion3Pipeline read.
 
-    The transformer must be in diffusers' order while it is written (sd3_layout.diffusers_order)."""
+    The transformer must be in diffusers' order while it is written (sd3/layout.py diffusers_order)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
 

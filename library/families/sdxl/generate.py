@@ -1,6 +1,6 @@
 """Image generation for SDXL: both CLIP encoders, weighted prompts, size ids, and the shared DDPM loop.
 
-The denoising loop is SD's (`sd_generate.generate_ddpm`); SDXL differs only in
+The denoising loop is SD's (`sd/generate.py` generate_ddpm); SDXL differs only in
 its conditioning. Each encoder's penultimate states are weighted by the prompt
 weights (`(word:1.2)`) and long prompts are split into 75-token windows as
 training does; the pooled embedding comes from encoder 2's first window and is
