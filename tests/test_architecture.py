@@ -180,3 +180,13 @@ def test_the_family_literal_scan_finds_a_literal(tmp_path):
     path.write_text('x = "flux"\ny = "flux_train_network.py"  # a script name is not a family name\nz = "sdxl"\n')
     assert [hit.split(": ", 1)[1] for hit in family_literals_in(str(path), _family_literals())] == ["'flux'",
                                                                                                     "'sdxl'"]
+
+
+def test_one_package_per_family_and_few_modules_beside_them():
+    from library.families import family_names
+
+    folder = os.path.join(ROOT, "library", "families")
+    modules = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
+    packages = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "__init__.py")))
+    assert len(modules) <= 6, modules
+    assert packages == sorted([*family_names(), "common"])
