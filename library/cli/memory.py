@@ -48,8 +48,9 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     offload = aliased["cpu_offload_checkpointing"]
     name = getattr(family, "name", "this model family")
     if swap is not None and family is not None and not family_supports_block_swap(family):
-        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only the DiT families "
-                          "stream their transformer blocks); drop the flag")
+        swapping = ", ".join(f.name for f in registered_families() if f.supports_block_swap())
+        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families stream their "
+                          f"transformer blocks: {swapping}); drop the flag")
     if swap is not None and values.get("torch_compile"):
         raise ConfigError("--torch_compile with --blocks_to_swap: swapped blocks change device every step, so their "
                           "compiled code would be re-traced every step; drop one of them")
