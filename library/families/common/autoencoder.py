@@ -19,8 +19,6 @@ from library.families.common.loading import (
 AE_FILE = "the FLUX.1 autoencoder (ae.safetensors)"
 # The FLUX.1 autoencoder's own latent normalisation (diffusers' vae config of black-forest-labs/FLUX.1-dev).
 AE_SCALING_FACTOR = 0.3611
-
-
 AE_SHIFT_FACTOR = 0.1159
 
 

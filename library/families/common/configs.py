@@ -5,13 +5,9 @@ from __future__ import annotations
 # Group norms use 32 groups in every SD model; the tiny widths are multiples of 32
 # so nothing about normalisation has to be guessed when loading a single file.
 NORM_GROUPS = 32
-
-
 # Both CLIP-L (SD1) and OpenCLIP-H (SD2) use 64-channel attention heads, and so do
 # the SD2 UNet's attentions; SD1's UNet uses 8 heads whatever the width.
 HEAD_CHANNELS = 64
-
-
 MAX_POSITIONS = 77
 
 

@@ -4,8 +4,8 @@ classifier-free guidance, prompt encoding and autoencoder decoding with modules 
 from __future__ import annotations
 
 import contextlib
-import logging
 import dataclasses
+import logging
 from typing import Callable, Optional
 
 import numpy as np

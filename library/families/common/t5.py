@@ -4,7 +4,6 @@ loading an encoder file (fp16 / fp8) and its tokenizer, and the single-file layo
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import os
 from typing import Mapping, Optional
@@ -31,8 +30,6 @@ class T5Shape:
 
 
 T5_REAL_VOCAB_SIZE = 32128
-
-
 # Words the tiny T5 tokenizer knows whole; anything else is spelled letter by letter.
 _T5_WORDS = (
     "the a an of and in on with to at by for photo picture painting portrait landscape man woman girl boy "
@@ -166,8 +163,6 @@ def t5_from_file(checkpoint: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
 # What a --t5xxl file should hold (for its error message).
 T5XXL_FILE = "a T5-XXL text encoder (t5xxl_fp16.safetensors)"
 T5_TOKENIZER_REPO = "google/t5-v1_1-xxl"  # the tokenizer sd-scripts pairs with t5xxl files
-
-
 T5_TARGETS = ("T5Attention", "T5DenseGatedActDense")
 
 

@@ -11,8 +11,19 @@ import torch
 
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common import ldm_layout as ldm
+from library.families.common.loading import (
+    cached_hub_folder,
+    classify_source,
+    find_tokenizer,
+    infer_text_encoder_config,
+    load_folder_parts,
+    load_vae,
+    materialize,
+    read_checkpoint,
+    scratch_denoiser,
+    vae_from_ldm,
+)
 from library.families.sd.configs import PRESETS, build_sd_modules, unet_config
-from library.families.common.loading import cached_hub_folder, classify_source, find_tokenizer, infer_text_encoder_config, load_folder_parts, load_vae, materialize, read_checkpoint, scratch_denoiser, vae_from_ldm
 
 logger = logging.getLogger(__name__)
 
