@@ -38,8 +38,8 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     # A family's own sd-scripts spelling of a shared flag counts as that flag (ModelFamily.flag_aliases:
     # HunyuanImage's --fp8_scaled is --fp8_base_unet here, without scales; Anima's --unsloth_offload_checkpointing)
     aliased = {flag: bool(values.get(flag)) for flag in ("fp8_base_unet", "cpu_offload_checkpointing")}
-    for f in registered_families():
-        for alias, flag in f.flag_aliases:
+    for f in [family] if family is not None else registered_families():  # a family's flags come with its script
+        for alias, flag in getattr(f, "flag_aliases", ()):
             aliased[flag] = aliased.get(flag, False) or bool(values.get(alias))
     fp8_unet = aliased["fp8_base_unet"]
     swap = values.get("blocks_to_swap")

@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 from library.core.errors import ConfigError
-from library.families import registered_families
+from library.families import family_names, get_family, registered_families
 from library.families.base import Components, ModelFamily
 from library.train.network_setup import (
     external_state_dict,
@@ -50,6 +50,13 @@ def own_lora_names() -> tuple[str, ...]:
 
 def is_own_lora(name: str) -> bool:
     """Whether --network_module `name` is the project's LoRA (networks.lora or one of sd-scripts' per-family names)."""
+    if name == OWN_LORA:
+        return True
+    if not name.startswith(OWN_LORA + "_"):
+        return False  # LyCORIS or another package: no family is imported to say so
+    suffix = name[len(OWN_LORA) + 1:]  # sd-scripts' names end in the family's name: look there first
+    if suffix in family_names() and get_family(suffix).lora_network_module == name:
+        return True
     return name in own_lora_names()
 
 
