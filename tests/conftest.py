@@ -315,9 +315,9 @@ def tiny_flux_copy(tiny_store):
 
 @pytest.fixture(scope="session")
 def tiny_sd1_file(tiny_store, tmp_path_factory) -> str:
-    """tiny:sd1 as one LDM-layout .safetensors file (library.families.sd_saving.write_preset)."""
+    """tiny:sd1 as one LDM-layout .safetensors file (library.families.sd.saving.write_preset)."""
     def write(root):
-        from library.families.sd_saving import write_preset
+        from library.families.sd.saving import write_preset
 
         path = os.path.join(root, "tiny-sd1.safetensors")
         write_preset("tiny:sd1", path, single_file=True)
@@ -328,9 +328,9 @@ def tiny_sd1_file(tiny_store, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_file(tiny_store, tmp_path_factory) -> str:
-    """tiny:sdxl as one SGM-layout .safetensors file (library.families.sdxl_saving.write_sdxl_preset)."""
+    """tiny:sdxl as one SGM-layout .safetensors file (library.families.sdxl.saving.write_sdxl_preset)."""
     def write(root):
-        from library.families.sdxl_saving import write_sdxl_preset
+        from library.families.sdxl.saving import write_sdxl_preset
 
         path = os.path.join(root, "tiny-sdxl.safetensors")
         write_sdxl_preset("tiny:sdxl", path, single_file=True)
@@ -341,9 +341,9 @@ def tiny_sdxl_file(tiny_store, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_folder(tiny_store, tmp_path_factory) -> str:
-    """tiny:sdxl as a diffusers folder (library.families.sdxl_saving.write_sdxl_preset)."""
+    """tiny:sdxl as a diffusers folder (library.families.sdxl.saving.write_sdxl_preset)."""
     def write(root):
-        from library.families.sdxl_saving import write_sdxl_preset
+        from library.families.sdxl.saving import write_sdxl_preset
 
         path = os.path.join(root, "tiny-sdxl")
         write_sdxl_preset("tiny:sdxl", path)

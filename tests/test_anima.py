@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 
 from library.core.errors import ConfigError
-from library.families import anima_layout as layout
+from library.families.anima import layout
 from library.families import get_family
-from library.families.anima_configs import build_anima_modules
-from library.families.anima_loading import vae_key_to_wan, write_anima_preset
-from library.families.anima_options import AnimaOptions
+from library.families.anima.configs import build_anima_modules
+from library.families.anima.loading import vae_key_to_wan, write_anima_preset
+from library.families.anima.options import AnimaOptions
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.detect import detect_family
 from networks.lora import create_network
@@ -221,7 +221,7 @@ def test_weighting_scheme_weights_the_raw_velocity_loss_as_sd_scripts(loaded):
     """compute_loss_weighting_for_anima: sigma_sqrt σ^-2 and cosmap 2/(π(1-2σ+2σ²)) on the raw prediction."""
     import math
 
-    from library.families.anima_options import AnimaFlowOptions
+    from library.families.anima.options import AnimaFlowOptions
 
     family, c = loaded
     t = torch.tensor([250.0, 500.0])
@@ -332,7 +332,7 @@ def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(
 
     from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
 
-    from library.families import anima_lora
+    from library.families.anima import lora_comfy as anima_lora
 
     family, c = loaded
     dit = copy.deepcopy(c.denoiser)

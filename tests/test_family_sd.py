@@ -7,9 +7,10 @@ from torch import nn
 from library.core.errors import ConfigError
 from library.families import family_names, get_family
 from library.families.base import TextConditioning
-from library.families.clip_text import final_layer_norm
-from library.families.sd import SDFamily
-from library.families.tiny import build_sd_modules, tiny_vocab_size
+from library.families.common.clip_text import final_layer_norm
+from library.families.sd.family import SDFamily
+from library.families.common.tiny import tiny_vocab_size
+from library.families.sd.configs import build_sd_modules
 from tests.train_helpers import assert_close_measured
 
 

@@ -11,9 +11,9 @@ from library.cli.options import options_from_values
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.families.flux import image_ids, pack_latents, unpack_latents
-from library.families.flux_configs import build_flux_modules
-from library.families.flux_options import FluxOptions
+from library.families.flux.family import image_ids, pack_latents, unpack_latents
+from library.families.flux.configs import build_flux_modules
+from library.families.flux.options import FluxOptions
 from networks.lora import create_network
 from networks.lora_fused import FusedLoRAModule
 from tests.train_helpers import assert_close_measured, base_args, make_dataset, make_trainer
@@ -115,7 +115,7 @@ def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
     with torch.device("meta"):
         from diffusers import FluxTransformer2DModel
 
-        from library.families.flux_configs import PRESETS, transformer_config
+        from library.families.flux.configs import PRESETS, transformer_config
 
         transformer = FluxTransformer2DModel(**transformer_config(PRESETS["random:flux-dev"]))
     c = Components(transformer, None, [None], [None])

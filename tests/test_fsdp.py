@@ -245,11 +245,11 @@ def test_a_generated_config_reaches_the_loop(tmp_path, monkeypatch, flags, expec
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     from library.train.sharding import fsdp_unsupported
-    from tests.test_accelerate_config import _launch_args, _make
+    from tests.test_accelerate_config import launch_args, make_accelerate_config
 
-    proc, path = _make(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
+    proc, path = make_accelerate_config(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
     assert proc.returncode == 0, proc.stderr
-    env = prepare_multi_gpu_env(_launch_args(path))
+    env = prepare_multi_gpu_env(launch_args(path))
     for name, value in env.items():
         if name.startswith("FSDP_") or name == "ACCELERATE_USE_FSDP":
             monkeypatch.setenv(name, value)

@@ -14,16 +14,16 @@ from safetensors.torch import load_file, save_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import hunyuan_image_layout as layout
-from library.families import hunyuan_image_text as text_rules
+from library.families.hunyuan_image import layout
+from library.families.hunyuan_image import text as text_rules
 from library.families.base import (
     Components,
     LoadOptions,
     ModelLoadError,
 )
-from library.families.hunyuan_image_configs import build_hunyuan_image_modules
-from library.families.hunyuan_image_loading import write_hunyuan_image_preset
-from library.families.hunyuan_image_options import HunyuanImageOptions
+from library.families.hunyuan_image.configs import build_hunyuan_image_modules
+from library.families.hunyuan_image.loading import write_hunyuan_image_preset
+from library.families.hunyuan_image.options import HunyuanImageOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
@@ -101,7 +101,7 @@ def test_tiny_files_load_through_the_real_loaders(hi_files, tiny_hi):
     assert loaded.tokenizers[0].get_vocab() == tiny_hi.tokenizers[0].get_vocab()
     assert len(loaded.tokenizers[1]) == 1510
     assert detect_family(hi_files["dit"]) == "hunyuan_image" and detect_family("tiny:hunyuan_image") == "hunyuan_image"
-    from library.families.hunyuan_image_loading import load_dit_file
+    from library.families.hunyuan_image.loading import load_dit_file
 
     comfy = hi_files["dit"].replace(".safetensors", "-comfy.safetensors")
     save_file({layout.COMFY_PREFIX + k: v for k, v in load_file(hi_files["dit"]).items()}, comfy)
@@ -130,7 +130,7 @@ def test_option_errors_are_one_line(hi_files):
 def test_full_size_lora_names_on_meta():
     """sd-scripts' networks.lora_hunyuan_image on the 17B model: every Linear of the 20 double and 40 single blocks
     under its original name (10 and 3 per block), the fused widths of its split_dims, no text-encoder LoRA."""
-    from library.families.hunyuan_image import swap_split
+    from library.families.hunyuan_image.family import swap_split
 
     family = get_family("hunyuan_image")
     parts = build_hunyuan_image_modules("random:hunyuan_image", device="meta")
@@ -225,7 +225,7 @@ def independent_merge(original: dict, lora: dict) -> tuple[dict, int]:
 def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path, tiny_hi):
     """The LoRA-patched DiT equals one whose original-layout weights (fused qkv / linear1) had up @ down · alpha /
     rank added per module, loaded back by the single-file loader."""
-    from library.families.hunyuan_image_loading import load_dit_file
+    from library.families.hunyuan_image.loading import load_dit_file
 
     family = get_family("hunyuan_image")
     c = family.load(LoadOptions("tiny:hunyuan_image"))
@@ -251,7 +251,7 @@ def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path, tiny_
 def test_tiny_lora_training_run_with_text_cache_and_samples(tmp_path, tiny_hi):
     import os
 
-    from library.families.hunyuan_image_generate import hunyuan_image_sigmas
+    from library.families.hunyuan_image.generate import hunyuan_image_sigmas
     from library.objectives.flow import shift_sigmas
 
     data = make_dataset(str(tmp_path), n=2)

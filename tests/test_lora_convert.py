@@ -146,7 +146,7 @@ def test_unknown_and_lycoris_files_are_refused_with_the_key():
 
 def _full_size_flux_kohya(rank=2):
     """Every module of a real FLUX.1 LoRA (19 double + 38 single blocks, fused qkv / linear1), rank `rank`."""
-    from library.families.flux_lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
+    from library.families.flux.lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
 
     shapes = {"img_mod.lin": (6 * H, H), "txt_mod.lin": (6 * H, H), "img_attn.qkv": (3 * H, H),
               "txt_attn.qkv": (3 * H, H), "img_attn.proj": (H, H), "txt_attn.proj": (H, H),

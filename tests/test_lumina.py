@@ -13,15 +13,15 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import lumina_layout as layout
+from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.lumina_configs import (
+from library.families.lumina.configs import (
     PRESETS,
     build_lumina_modules,
     transformer_config,
 )
-from library.families.lumina_loading import write_lumina_preset
-from library.families.lumina_options import LuminaOptions
+from library.families.lumina.loading import write_lumina_preset
+from library.families.lumina.options import LuminaOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
@@ -74,7 +74,7 @@ def test_tiny_files_load_through_the_real_loaders(lumina_files, tiny_lumina):
     assert loaded.tokenizers[0].get_vocab() == tiny_lumina.tokenizers[0].get_vocab()
     assert detect_family(lumina_files["dit"]) == "lumina" and detect_family("tiny:lumina") == "lumina"
     # ComfyUI's whole-model prefix loads the same DiT
-    from library.families.lumina_loading import load_dit_file
+    from library.families.lumina.loading import load_dit_file
 
     comfy = lumina_files["dit"].replace(".safetensors", "-comfy.safetensors")
     from safetensors.torch import save_file
@@ -139,7 +139,7 @@ def independent_merge(original: dict, lora: dict) -> tuple[dict, int]:
 def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path):
     """The LoRA-patched DiT equals one whose NextDiT-layout weights (q, k, v fused) had up @ down · alpha / rank
     added per module, loaded back by the single-file loader."""
-    from library.families.lumina_loading import load_dit_file
+    from library.families.lumina.loading import load_dit_file
 
     family = get_family("lumina")
     c = family.load(LoadOptions("tiny:lumina"))
@@ -229,7 +229,7 @@ def test_tiny_lumina_lora_training_run(tmp_path):
 
 
 def test_generation_makes_images(tiny_lumina):
-    from library.families.lumina_generate import lumina_sigmas
+    from library.families.lumina.generate import lumina_sigmas
     from library.objectives.flow import shift_sigmas
     from library.sampling.generate import GenerationRequest
 
@@ -246,8 +246,8 @@ def test_nextdit_shift_is_uniform_then_shifted_by_image_size():
     (0.5 at 256, 1.15 at 4096)."""
     import math
 
-    from library.families.lumina import LuminaFlowScheme
-    from library.families.lumina_options import LuminaFlowOptions
+    from library.families.lumina.family import LuminaFlowScheme
+    from library.families.lumina.options import LuminaFlowOptions
 
     scheme = LuminaFlowScheme(LuminaFlowOptions(timestep_sampling="nextdit_shift"))
     sigmas = scheme.sample_sigmas(4, torch.Generator().manual_seed(3), (1, 16, 64, 64))

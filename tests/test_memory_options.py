@@ -254,20 +254,20 @@ def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
     """On CUDA each swapped block's weights sit in one buffer registered with cudaHostRegister (mocked here)."""
     from unittest import mock
 
-    from library.train.block_swap import _page_locked_copies
+    from library.train.block_swap import page_locked_copies
 
     tensors = [torch.randn(3, 5).bfloat16(), torch.randn(7), torch.tensor(2.0), torch.arange(10)]
     cudart = mock.Mock()
     cudart.cudaHostRegister.return_value = 0
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    buffer, copies = _page_locked_copies(tensors)
+    buffer, copies = page_locked_copies(tensors)
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(tensors, copies))
     assert all(c.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for c in copies)
     assert buffer.numel() == 4 * 256  # each copy starts on a 256-byte boundary
     cudart.cudaHostRegister.assert_called_once_with(buffer.data_ptr(), 1024, 0)
     cudart.cudaHostRegister.return_value = 2  # cudaErrorMemoryAllocation
     with pytest.raises(UserError, match=r"^--blocks_to_swap: cannot page-lock 0 MiB of host memory"):
-        _page_locked_copies(tensors)
+        page_locked_copies(tensors)
 
 
 def test_parts_whose_outputs_are_cached_wait_in_cpu_memory():

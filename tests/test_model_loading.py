@@ -16,8 +16,8 @@ from library.cli.model import (
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
-from library.families.loading import find_tokenizer
-from library.families.sd_saving import ldm_state_dict
+from library.families.common.loading import find_tokenizer
+from library.families.sd.saving import ldm_state_dict
 from tools.make_tiny_model import main as make_tiny_model
 
 FAMILY = get_family("sd")
@@ -175,8 +175,8 @@ def test_bad_model_files(tmp_path):
 def test_single_file_tokenizer_lookup(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="openai/clip-vit-large-patch14 tokenizer is not cached locally"):
         find_tokenizer(False, 49408, None, "real.safetensors")
-    from library.families import loading
-    from library.families.tiny import build_tokenizer
+    from library.families.common import loading
+    from library.families.common.tiny import build_tokenizer
 
     # Pretend the tiny vocabulary is a real one, found only in --tokenizer_cache_dir.
     monkeypatch.setattr(loading, "tiny_vocab_size", lambda: -1)

@@ -21,7 +21,7 @@ from library.cli.ranges import check_ranges
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.families.sd_generate import SD_SCHEDULER_CONFIG
+from library.families.sd.generate import SD_SCHEDULER_CONFIG
 from library.objectives.flow import FlowMatchScheme, FlowOptions
 from library.objectives.losses import LossOptions, check_loss_options, soft_min_snr_weight, training_loss
 from library.objectives.noise import DDPMSchedule, DDPMScheme

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from library.cli.flux import add_component_file_arguments, component_files  # noqa: E402
 from library.cli.options import options_from_values  # noqa: E402
 from library.core.errors import ConfigError, run_tool  # noqa: E402
+from library.families import DEFAULT_FAMILY, get_family, selected_family  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
 
@@ -79,7 +80,7 @@ class GenerateOptions:
     ckpt: str
     outdir: str
     prompts: list = field(default_factory=list)  # SamplePrompt
-    family: str = "sd"
+    family: str = DEFAULT_FAMILY
     vae: Optional[str] = None
     component_files: dict = field(default_factory=dict)  # FLUX.1 --clip_l / --t5xxl / --ae
     v2: bool = False
@@ -138,11 +139,10 @@ def _family(a: argparse.Namespace) -> str:
     """--sdxl / --flux, else what the model says; a Chroma file or preset is Chroma with or without --flux
     (sd-scripts' FLUX.1 scripts take Chroma with --model_type chroma)."""
     detected = detect_family(a.ckpt)
-    if a.sdxl:
-        return "sdxl"
-    if detected == "chroma":
-        return detected
-    return "flux" if a.flux else (detected or "sd")
+    selected = selected_family(vars(a))
+    if selected is None:
+        return detected or DEFAULT_FAMILY
+    return detected if detected is not None and get_family(detected).variant_of == selected else selected
 
 
 def load_model(o: GenerateOptions):

@@ -15,7 +15,7 @@ import torch
 from library.cli.options import options_from_values
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries_of
-from library.families import get_family
+from library.families import DEFAULT_FAMILY, get_family
 from library.families.base import Components, LoadOptions, ModelFamily
 from library.families.detect import detect_family
 from networks.lora_targets import LoraLayer
@@ -36,7 +36,7 @@ def load_model(path: str, family_name: Optional[str] = None, dtype: torch.dtype 
 
     `flags`: the family's own flags that loading needs (FLUX.1's --clip_l / --t5xxl / --ae for a BFL file).
     """
-    family = get_family(family_name or detect_family(path) or "sd")
+    family = get_family(family_name or detect_family(path) or DEFAULT_FAMILY)
     options = options_from_values(family.options_type, flags or {})
     components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype, family_options=options))
     return LoadedModel(family, components)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.cli.describe import describe  # noqa: E402
 from library.cli.parser import training_flags  # noqa: E402
 from library.core.io_utils import atomic_write_text  # noqa: E402
-from library.families import get_family  # noqa: E402
+from library.families import DEFAULT_FAMILY, get_family  # noqa: E402
 
 BEGIN = "<!-- flag tables -->"
 END = "<!-- end of flag tables -->"
@@ -57,7 +57,7 @@ def replace_tables(page_text: str, tables: str, page: str = "page") -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--family", default="sd")
+    p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--fine_tune", action="store_true", help="the fine-tune script's flags")
     p.add_argument("--write", metavar="PAGE", help="replace the flag tables of this Markdown page")
     a = p.parse_args()

@@ -43,7 +43,7 @@ from library.train.stopping import StopHandler, StopRequested
 from library.train.trainer import InterruptedTraining, Trainer
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -131,7 +131,7 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
                  fine_tune: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
-    _setup_logging()
+    setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 from library.cli.options import add_flags, at_least, flag, flag_specs
 from library.core.errors import ConfigError
+from library.families import registered_families
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
 
@@ -38,17 +39,22 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
     """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError)."""
-    # HunyuanImage's sd-scripts flag --fp8_scaled: float8 DiT weights (here as --fp8_base_unet, without scales)
-    fp8_unet = bool(values.get("fp8_base_unet")) or bool(values.get("fp8_scaled"))
+    # A family's own sd-scripts spelling of a shared flag counts as that flag (ModelFamily.flag_aliases:
+    # HunyuanImage's --fp8_scaled is --fp8_base_unet here, without scales; Anima's --unsloth_offload_checkpointing)
+    aliased = {flag: bool(values.get(flag)) for flag in ("fp8_base_unet", "cpu_offload_checkpointing")}
+    for f in [family] if family is not None else registered_families():  # a family's flags come with its script
+        for alias, flag in getattr(f, "flag_aliases", ()):
+            aliased[flag] = aliased.get(flag, False) or bool(values.get(alias))
+    fp8_unet = aliased["fp8_base_unet"]
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
-    # Anima's sd-scripts flag for the same thing (library/families/anima_options.py)
-    offload = bool(values.get("cpu_offload_checkpointing")) or bool(values.get("unsloth_offload_checkpointing"))
+    offload = aliased["cpu_offload_checkpointing"]
     name = getattr(family, "name", "this model family")
     if swap is not None and family is not None and not family_supports_block_swap(family):
-        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families such as flux "
-                          "stream their transformer blocks); drop the flag")
+        swapping = ", ".join(f.name for f in registered_families() if f.supports_block_swap())
+        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families stream their "
+                          f"transformer blocks: {swapping}); drop the flag")
     if swap is not None and values.get("torch_compile"):
         raise ConfigError("--torch_compile with --blocks_to_swap: swapped blocks change device every step, so their "
                           "compiled code would be re-traced every step; drop one of them")

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from library.families import flux_lora_names as flux
-from library.families import lumina_lora_names as lumina
-from library.families import sd3_lora_names as sd3
-from library.families import sdxl_lora_names as sdxl
-from library.families.ldm_layout import LayoutError
+from library.families.flux import lora_names as flux
+from library.families.lumina import lora_names as lumina
+from library.families.sd3 import lora_names as sd3
+from library.families.sdxl import lora_names as sdxl
+from library.families.common.ldm_layout import LayoutError
 
 # Identifiers with underscores in diffusers / transformers / SGM module paths, so that a kohya
 # name (every "." turned into "_") can be dotted again: the longest match wins.
