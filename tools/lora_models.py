@@ -89,3 +89,26 @@ def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = Non
         model.family.save_checkpoint(model.components, path, dtype)
     except NotImplementedError as e:
         raise UserError(str(e)) from None
+
+
+def load_adapter_file(path: str):
+    """Any adapter file the tools take: a LoRA in a known layout (library.families.lora_convert.load_lora_file),
+    or a LyCORIS file (LoHa, LoKr, DoRA, OFT, IA3, ...) whose modules compute ΔW with LyCORIS' own code."""
+    from library.families.lora_convert import load_lora_file
+    from networks.lora_files import read_state_dict
+    from networks.lycoris_delta import is_lycoris_state, load_lycoris_file
+
+    state, metadata = read_state_dict(path)
+    if state and is_lycoris_state(state):
+        return load_lycoris_file(path, state, metadata)
+    return load_lora_file(path)
+
+
+def plain_modules(lora, bases: Optional[Mapping[str, torch.Tensor]] = None) -> dict:
+    """A loaded file's modules as plain LoRA modules; a LyCORIS module becomes its exact ΔW as factors
+    (`bases`: base weights by name, for DoRA / OFT / IA3, whose ΔW depends on them)."""
+    if lora.layout != "lycoris":
+        return dict(lora.modules)
+    from networks.lycoris_delta import exact_loras
+
+    return exact_loras(lora.modules, bases)
