@@ -103,7 +103,7 @@ class LycorisModule:
         try:
             with torch.no_grad():
                 module = cls.make_module_from_state_dict(self.name, layer, *params)
-        except (RuntimeError, ValueError, TypeError) as e:  # shapes that do not fit the layer
+        except (RuntimeError, ValueError, TypeError, AttributeError) as e:  # missing tensors, shapes that do not fit
             raise UnsupportedLoraError(f"{self.source}: {self.name}: the {self.kind} tensors do not fit a layer of "
                                        f"shape {list(weight.shape)} ({e})") from None
         return module.eval()
