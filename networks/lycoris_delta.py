@@ -167,7 +167,12 @@ def group_lycoris_modules(state: Mapping[str, torch.Tensor], source: str) -> dic
             raise UnsupportedLoraError(f"{source}: {name}.{unknown[0]}: not a key of a LyCORIS "
                                        f"{KIND_NAMES[cls.__name__]} module")
         kind = KIND_NAMES[cls.__name__] + ("+DoRA" if "dora_scale" in tensors else "")
-        modules[name] = LycorisModule(name, kind, tensors, source)
+        module = LycorisModule(name, kind, tensors, source)
+        try:
+            module.file_shape()
+        except KeyError as e:
+            raise UnsupportedLoraError(f"{source}: {name}.{e.args[0]} is missing (a LyCORIS {kind} module)") from None
+        modules[name] = module
     return modules
 
 
