@@ -34,6 +34,8 @@ KIND_NAMES = {"LoConModule": "LoCon", "LohaModule": "LoHa", "LokrModule": "LoKr"
               "IA3Module": "IA3", "DiagOFTModule": "OFT", "ButterflyOFTModule": "BOFT", "GLoRAModule": "GLoRA",
               "NormModule": "norm"}
 ADDITIVE = {"LoCon", "LoHa", "LoKr", "full"}
+# sd-scripts' networks.oft files (`oft_unet_*.oft_blocks`) share LyCORIS' key name but not its constraint.
+SD_SCRIPTS_OFT, SD_SCRIPTS_OFT_PREFIX = "OFT (networks.oft)", "oft_unet_"
 
 AnyModule = Union[LoraModule, "LycorisModule"]
 
@@ -111,6 +113,16 @@ class LycorisModule:
     def delta(self, base: Optional[torch.Tensor] = None, multiplier: float = 1.0) -> torch.Tensor:
         """ΔW (float32, laid out like `base`, else like `file_shape()`) at `multiplier`, as LyCORIS merges it:
         W + multiplier·ΔW for additive kinds, LyCORIS' merged weight minus W for the others."""
+        if self.kind == SD_SCRIPTS_OFT and base is not None:
+            from networks.oft import block_rotation, rotated_weight
+
+            weight = base.detach().to("cpu", torch.float32)
+            blocks = self.tensors["oft_blocks"]
+            if weight.shape[0] != blocks.shape[0] * blocks.shape[1]:
+                raise UserError(f"{self.source}: {self.name}: {blocks.shape[0]} OFT blocks of {blocks.shape[1]} rows "
+                                f"do not fit the base weight {list(weight.shape)}")
+            rotation = block_rotation(blocks, float(self.tensors["alpha"]) * weight.shape[0], multiplier)
+            return rotated_weight(weight, rotation) - weight
         if base is None:
             if self.needs_base:
                 raise UserError(f"{self.source}: {self.name}: a LyCORIS {self.kind} module: its ΔW depends on the "
@@ -155,6 +167,9 @@ def group_lycoris_modules(state: Mapping[str, torch.Tensor], source: str) -> dic
             alpha = tensors.get("alpha")
             modules[name] = LoraModule(name, tensors["lora_down.weight"], tensors["lora_up.weight"],
                                        None if alpha is None else float(alpha.float()))
+            continue
+        if name.startswith(SD_SCRIPTS_OFT_PREFIX) and set(tensors) == {"oft_blocks", "alpha"}:
+            modules[name] = LycorisModule(name, SD_SCRIPTS_OFT, tensors, source)  # not LyCORIS' constraint
             continue
         full = {f"{name}.{k}": v for k, v in tensors.items()}
         cls, _ = get_module(full, name)

@@ -68,7 +68,12 @@ def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
 def in_family_names(model: LoadedModel, modules: Mapping[str, T]) -> dict[str, T]:
     """A LoRA file's modules by the family's kohya names (`lora_layers` keys): a LyCORIS full-preset SDXL
     file's `lora_unet_conv_in` is `lora_unet_input_blocks_0_0` here. Names the family does not know stay."""
-    return {model.family.canonical_lora_name(name): module for name, module in modules.items()}
+    return {model.family.canonical_lora_name(_lora_name(name)): module for name, module in modules.items()}
+
+
+def _lora_name(name: str) -> str:
+    """sd-scripts' networks.oft names its modules `oft_unet_<path>`, the layer that `lora_unet_<path>` names."""
+    return "lora_unet_" + name[len("oft_unet_"):] if name.startswith("oft_unet_") else name
 
 
 def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torch.Tensor]:
