@@ -152,6 +152,13 @@ class OwnLoRA(NetworkKind):
         return renamed
 
 
+class LoRAFA(OwnLoRA):
+    """networks.lora_fa: the project's LoRA with lora_down frozen (sd-scripts' LoRA-FA); files record its name."""
+
+    def metadata_module(self, family: ModelFamily) -> str:
+        return self.name
+
+
 class ExternalNetwork(NetworkKind):
     """Any other module with sd-scripts' create_network / create_network_from_weights."""
 
@@ -214,6 +221,8 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
+    if name == "networks.lora_fa":
+        return LoRAFA(name, import_network_module(name))
     module = import_network_module(name)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)
