@@ -152,8 +152,9 @@ class OwnLoRA(NetworkKind):
         return renamed
 
 
-class LoRAFA(OwnLoRA):
-    """networks.lora_fa: the project's LoRA with lora_down frozen (sd-scripts' LoRA-FA); files record its name."""
+class OwnLoRAVariant(OwnLoRA):
+    """networks.lora_fa (lora_down frozen) and networks.dylora (rank trained a unit at a time): built from the
+    family's targets like networks.lora, in its file layout; files record the module's own name."""
 
     def metadata_module(self, family: ModelFamily) -> str:
         return self.name
@@ -221,8 +222,8 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
-    if name == "networks.lora_fa":
-        return LoRAFA(name, import_network_module(name))
+    if name in ("networks.lora_fa", "networks.dylora"):
+        return OwnLoRAVariant(name, import_network_module(name))
     module = import_network_module(name)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)
