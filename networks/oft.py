@@ -31,6 +31,19 @@ ALL_LINEAR_CLASSES = ("Transformer2DModel",)
 CONV_CLASSES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
 
 
+def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors, or a torch pickle's."""
+    if os.path.splitext(file)[1] == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def load_state_dict(file: str) -> dict[str, torch.Tensor]:
+    return load_state_dict_file(file)
+
+
 def _flag(value: Any) -> bool:
     return str(value).lower() not in ("", "0", "false", "none", "no")
 
@@ -152,10 +165,7 @@ class OFTNetwork(nn.Module):
             oft.restore()
 
     def load_weights(self, file: str):
-        from safetensors.torch import load_file
-
-        state = load_file(file) if file.endswith(".safetensors") else torch.load(file, map_location="cpu")
-        return self.load_state_dict(state, False)
+        return self.load_state_dict(load_state_dict_file(file), False)
 
     def is_mergeable(self) -> bool:
         return True
@@ -218,10 +228,7 @@ def settings_from_weights(weights_sd: dict) -> dict[str, Any]:
 def create_network_from_weights(multiplier: float, file: str, vae, text_encoder, unet, weights_sd=None,
                                 for_inference: bool = False, **kwargs):
     if weights_sd is None:
-        from safetensors.torch import load_file
-
-        weights_sd = load_file(file) if os.path.splitext(file)[1] == ".safetensors" else \
-            torch.load(file, map_location="cpu")
+        weights_sd = load_state_dict_file(file)
     s = settings_from_weights(weights_sd)
     network = OFTNetwork(text_encoder, unet, multiplier, s["dim"], s["alpha"], s["enable_all_linear"],
                          s["enable_conv"])
