@@ -19,7 +19,7 @@ sd-scripts infers from its names (`_ff_`: all linear; `in_layers_2` or resnet co
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +114,10 @@ class OFTModule(nn.Module):
         org.weight.data = self.new_weight(multiplier).to(org.weight.dtype)
 
 
-def target_layers(unet: nn.Module, enable_all_linear: bool, enable_conv: bool) -> list[tuple[str, nn.Module]]:
-    """(file name, layer) of every layer sd-scripts' OFTNetwork adapts, in model order."""
+def target_layers(unet: nn.Module, enable_all_linear: bool, enable_conv: bool,
+                  rename: Optional[Callable[[str], str]] = None) -> list[tuple[str, nn.Module]]:
+    """(file name, layer) of every layer sd-scripts' OFTNetwork adapts, in model order. `rename`: the family's
+    diffusers path -> the path sd-scripts' own UNet has (SDXL: SGM `input_blocks.4.1...`)."""
     classes = set(ALL_LINEAR_CLASSES if enable_all_linear else ATTENTION_CLASSES)
     if enable_conv:
         classes |= set(CONV_CLASSES)
@@ -127,7 +129,8 @@ def target_layers(unet: nn.Module, enable_all_linear: bool, enable_conv: bool) -
             is_conv = isinstance(child, nn.Conv2d)
             if not (isinstance(child, nn.Linear) or (is_conv and (child.kernel_size == (1, 1) or enable_conv))):
                 continue
-            oft_name = f"{PREFIX}.{name}.{child_name}".replace(".", "_")
+            path = ".".join(p for p in (name, child_name) if p)
+            oft_name = f"{PREFIX}_{(rename(path) if rename is not None else path).replace('.', '_')}"
             if oft_name not in seen:
                 seen.add(oft_name)
                 out.append((oft_name, child))
@@ -138,12 +141,13 @@ class OFTNetwork(nn.Module):
     """sd-scripts' OFTNetwork API (create / apply / merge / optimizer groups / save) over a diffusers UNet."""
 
     def __init__(self, text_encoder: Any, unet: nn.Module, multiplier: float = 1.0, dim: int = 4,
-                 alpha: float = 1e-3, enable_all_linear: bool = False, enable_conv: bool = False) -> None:
+                 alpha: float = 1e-3, enable_all_linear: bool = False, enable_conv: bool = False,
+                 rename: Optional[Callable[[str], str]] = None) -> None:
         super().__init__()
         self.multiplier = multiplier
         self.dim, self.alpha = dim, alpha
         self.unet_ofts = [OFTModule(name, layer, multiplier, dim, alpha)
-                          for name, layer in target_layers(unet, enable_all_linear, enable_conv)]
+                          for name, layer in target_layers(unet, enable_all_linear, enable_conv, rename)]
         if not self.unet_ofts:
             raise ValueError("networks.oft: the model has no layer OFT adapts (it needs a UNet with attention)")
         for oft in self.unet_ofts:
@@ -205,13 +209,23 @@ class OFTNetwork(nn.Module):
             torch.save(state, file)
 
 
+def _unet_rename(lora_targets, unet: nn.Module) -> Optional[Callable[[str], str]]:
+    """The family's rename of the UNet's paths (its LoRA target rooted at the UNet), if it has one."""
+    for target in lora_targets or ():
+        if target.root is unet and not target.is_text_encoder:
+            return target.rename
+    return None
+
+
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae, text_encoder,
-                   unet, neuron_dropout: Optional[float] = None, **kwargs) -> OFTNetwork:
-    """sd-scripts' defaults: 4 blocks, constraint factor 1e-3."""
+                   unet, neuron_dropout: Optional[float] = None, lora_targets=None, block_layout=None,
+                   **kwargs) -> OFTNetwork:
+    """sd-scripts' defaults: 4 blocks, constraint factor 1e-3. `lora_targets` (the family's) give the names
+    sd-scripts' own UNet has (SDXL: SGM paths)."""
     return OFTNetwork(text_encoder, unet, multiplier, 4 if network_dim is None else int(network_dim),
                       1e-3 if network_alpha is None else float(network_alpha),
                       enable_all_linear=_flag(kwargs.get("enable_all_linear", False)),
-                      enable_conv=_flag(kwargs.get("enable_conv", False)))
+                      enable_conv=_flag(kwargs.get("enable_conv", False)), rename=_unet_rename(lora_targets, unet))
 
 
 def settings_from_weights(weights_sd: dict) -> dict[str, Any]:
@@ -226,10 +240,10 @@ def settings_from_weights(weights_sd: dict) -> dict[str, Any]:
 
 
 def create_network_from_weights(multiplier: float, file: str, vae, text_encoder, unet, weights_sd=None,
-                                for_inference: bool = False, **kwargs):
+                                for_inference: bool = False, lora_targets=None, block_layout=None, **kwargs):
     if weights_sd is None:
         weights_sd = load_state_dict_file(file)
     s = settings_from_weights(weights_sd)
     network = OFTNetwork(text_encoder, unet, multiplier, s["dim"], s["alpha"], s["enable_all_linear"],
-                         s["enable_conv"])
+                         s["enable_conv"], rename=_unet_rename(lora_targets, unet))
     return network, weights_sd

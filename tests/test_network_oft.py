@@ -104,3 +104,23 @@ def test_merge_lora_tool_merges_an_oft_file_into_the_model(trained, tmp_path):
     out = str(tmp_path / "merged.safetensors")
     assert main(["--sd_model", "tiny:sd1", "--models", path, "--save_to", out]) == 0
     torch.testing.assert_close(unet_out(load_model(out, "sd").components), want, rtol=1e-4, atol=1e-5)
+
+
+def test_sdxl_oft_file_uses_sd_scripts_sgm_names(tmp_path):
+    """sd-scripts' SDXL UNet names its blocks SGM-style, so its OFT files do (`oft_unet_input_blocks_4_1_...`)."""
+    import re
+
+    from networks.oft import target_layers
+
+    data = make_dataset(str(tmp_path), n=1)
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset="tiny:sdxl", steps=1, extra=[
+        "--network_module", "networks.oft", "--network_train_unet_only", "--bucket_reso_steps", "32"]), "sdxl")
+    with safe_open(trainer.run(), framework="pt") as f:
+        names = sorted({k.split(".")[0] for k in f.keys()})
+    attention = [n for n, m in trainer.components.denoiser.named_modules() if type(m).__name__ == "Attention"]
+    assert len(names) == 4 * len(attention) and len(names) == len(target_layers(trainer.components.denoiser,
+                                                                                 False, False))
+    sgm = re.compile(r"^oft_unet_(input_blocks_\d+_1|middle_block_1|output_blocks_\d+_1)_transformer_blocks_\d+_"
+                     r"attn[12]_to_(q|k|v|out_0)$")
+    assert [n for n in names if not sgm.match(n)] == []
+    assert "oft_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q" in names

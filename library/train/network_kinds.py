@@ -153,9 +153,9 @@ class OwnLoRA(NetworkKind):
 
 
 class OwnLoRAVariant(OwnLoRA):
-    """networks.lora_fa (lora_down frozen), networks.dylora (rank trained a unit at a time) and networks.oft_flux
-    (OFT on FLUX.1's BFL layers): built from the family's targets like networks.lora; files record the module's
-    own name."""
+    """networks.lora_fa (lora_down frozen), networks.dylora (rank trained a unit at a time), networks.oft and
+    networks.oft_flux (OFT, under the names sd-scripts' own models give the layers): built from the family's
+    targets like networks.lora; files record the module's own name."""
 
     def metadata_module(self, family: ModelFamily) -> str:
         return self.name
@@ -223,7 +223,7 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
-    if name in ("networks.lora_fa", "networks.dylora", "networks.oft_flux"):
+    if name in ("networks.lora_fa", "networks.dylora", "networks.oft", "networks.oft_flux"):
         return OwnLoRAVariant(name, import_network_module(name))
     module = import_network_module(name)
     if name.split(".")[0] == "lycoris":
