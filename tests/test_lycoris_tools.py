@@ -22,7 +22,8 @@ from tests.train_helpers import base_args, make_dataset, make_trainer
 
 pytest.importorskip("lycoris.kohya")
 
-KINDS = {"lokr": ["algo=lokr"], "loha": ["algo=loha"], "dora": ["algo=locon", "dora_wd=True"]}
+KINDS = {"lokr": ["algo=lokr"], "loha": ["algo=loha"], "dora": ["algo=locon", "dora_wd=True"],
+         "oft": ["algo=diag-oft"]}
 
 
 def _run(tool, argv):
@@ -108,7 +109,7 @@ def test_merge_into_the_model_equals_base_plus_the_measured_delta(kind, trained,
         ulp = torch.finfo(torch.float32).eps * float(base[name].abs().max())
         worst = max(worst, float((got - dw).abs().max()) / ulp)
     print(kind, "worst error in float32 ulps of max|W|:", worst)
-    assert worst <= 4, worst  # measured: LoKr 1.0, LoHa 1.41, DoRA 1.0
+    assert worst <= 4, worst  # measured: LoKr 1.0, LoHa 1.41, DoRA 1.0, OFT 1.0
     untouched = [n for n in base if n not in measured]
     assert untouched and all(torch.equal(merged_layers[n].weight, base[n]) for n in untouched)
 
