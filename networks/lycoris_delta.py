@@ -34,7 +34,8 @@ KIND_NAMES = {"LoConModule": "LoCon", "LohaModule": "LoHa", "LokrModule": "LoKr"
               "IA3Module": "IA3", "DiagOFTModule": "OFT", "ButterflyOFTModule": "BOFT", "GLoRAModule": "GLoRA",
               "NormModule": "norm"}
 ADDITIVE = {"LoCon", "LoHa", "LoKr", "full"}
-# sd-scripts' networks.oft files (`oft_unet_*.oft_blocks`) share LyCORIS' key name but not its constraint.
+# sd-scripts' networks.oft / oft_flux files (`oft_unet_*.oft_blocks[.i]`) share LyCORIS' key name but not its
+# constraint (alpha × rows of each part).
 SD_SCRIPTS_OFT, SD_SCRIPTS_OFT_PREFIX = "OFT (networks.oft)", "oft_unet_"
 
 AnyModule = Union[LoraModule, "LycorisModule"]
@@ -117,12 +118,15 @@ class LycorisModule:
             from networks.oft import block_rotation, rotated_weight
 
             weight = base.detach().to("cpu", torch.float32)
-            blocks = self.tensors["oft_blocks"]
-            if weight.shape[0] != blocks.shape[0] * blocks.shape[1]:
-                raise UserError(f"{self.source}: {self.name}: {blocks.shape[0]} OFT blocks of {blocks.shape[1]} rows "
-                                f"do not fit the base weight {list(weight.shape)}")
-            rotation = block_rotation(blocks, float(self.tensors["alpha"]) * weight.shape[0], multiplier)
-            return rotated_weight(weight, rotation) - weight
+            parts = _oft_parts(self.tensors)  # networks.oft_flux: one per part of a fused layer, in row order
+            rows = [p.shape[0] * p.shape[1] for p in parts]
+            if weight.shape[0] != sum(rows):
+                raise UserError(f"{self.source}: {self.name}: OFT blocks for {sum(rows)} rows do not fit the base "
+                                f"weight {list(weight.shape)}")
+            alpha = float(self.tensors["alpha"])
+            turned = [rotated_weight(w, block_rotation(p, alpha * w.shape[0], multiplier))
+                      for p, w in zip(parts, weight.split(rows, dim=0))]
+            return torch.cat(turned, dim=0) - weight
         if base is None:
             if self.needs_base:
                 raise UserError(f"{self.source}: {self.name}: a LyCORIS {self.kind} module: its ΔW depends on the "
@@ -168,7 +172,7 @@ def group_lycoris_modules(state: Mapping[str, torch.Tensor], source: str) -> dic
             modules[name] = LoraModule(name, tensors["lora_down.weight"], tensors["lora_up.weight"],
                                        None if alpha is None else float(alpha.float()))
             continue
-        if name.startswith(SD_SCRIPTS_OFT_PREFIX) and set(tensors) == {"oft_blocks", "alpha"}:
+        if name.startswith(SD_SCRIPTS_OFT_PREFIX) and _sd_scripts_oft_keys(tensors):
             modules[name] = LycorisModule(name, SD_SCRIPTS_OFT, tensors, source)  # not LyCORIS' constraint
             continue
         full = {f"{name}.{k}": v for k, v in tensors.items()}
@@ -189,6 +193,19 @@ def group_lycoris_modules(state: Mapping[str, torch.Tensor], source: str) -> dic
             raise UnsupportedLoraError(f"{source}: {name}.{e.args[0]} is missing (a LyCORIS {kind} module)") from None
         modules[name] = module
     return modules
+
+
+def _sd_scripts_oft_keys(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """networks.oft (`oft_blocks`, `alpha`) or networks.oft_flux (`oft_blocks.<i>` per part, `alpha`)."""
+    parts = set(tensors) - {"alpha"}
+    return "alpha" in tensors and (parts == {"oft_blocks"} or
+                                   parts == {f"oft_blocks.{i}" for i in range(len(parts))} != set())
+
+
+def _oft_parts(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    if "oft_blocks" in tensors:
+        return [tensors["oft_blocks"]]
+    return [tensors[f"oft_blocks.{i}"] for i in range(len(tensors) - 1)]
 
 
 def exact_lora(module: AnyModule, base: Optional[torch.Tensor] = None) -> LoraModule:

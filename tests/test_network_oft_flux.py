@@ -86,3 +86,27 @@ def test_oft_flux_reloads_strictly_hooks_and_merges_to_the_trained_output(tmp_pa
     torch.testing.assert_close(flux_output(c), base, rtol=0, atol=0)
     network.merge_to(c.text_encoders, c.denoiser, load_file(path))
     torch.testing.assert_close(flux_output(c), want, rtol=1e-4, atol=1e-5)
+
+
+def test_merge_lora_merges_an_oft_flux_file_into_the_fused_layers(tmp_path):
+    """merge_lora's path (load_adapter_file, in_family_names, merge_into_layers): each part of a fused BFL layer is
+    turned by its own rotation, the rows of its diffusers Linear; the result equals the hooked network."""
+    from networks import oft_flux
+    from networks.lora_merge import WeightedLora, merge_into_layers
+    from tools.lora_models import in_family_names, load_adapter_file, load_model, lora_layers
+
+    path = train(tmp_path, "enable_all_linear=True")[0]
+    family = get_family("flux")
+    hooked, merged = load_model("tiny:flux", "flux"), load_model("tiny:flux", "flux")
+    base = flux_output(hooked.components)
+    c = hooked.components
+    network, _ = oft_flux.create_network_from_weights(1.0, path, None, c.text_encoders, c.denoiser,
+                                                      lora_targets=family.lora_targets(c))
+    network.apply_to(c.text_encoders, c.denoiser)
+    network.load_state_dict(load_file(path), strict=True)
+    want = flux_output(c)
+    lora = load_adapter_file(path)
+    assert merge_into_layers(lora_layers(merged), [WeightedLora(in_family_names(merged, lora.modules), 1.0)]) == 29
+    got = flux_output(merged.components)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(got, base)

@@ -81,7 +81,7 @@ def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torc
     weights = base_weights(model)
     out = {}
     for name in names:
-        canonical = model.family.canonical_lora_name(name)
+        canonical = model.family.canonical_lora_name(_lora_name(name))
         if canonical in weights:
             out[name] = weights[canonical]
     return out
