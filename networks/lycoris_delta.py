@@ -129,7 +129,8 @@ class LycorisModule:
             return torch.cat(turned, dim=0) - weight
         if base is None:
             if self.needs_base:
-                raise UserError(f"{self.source}: {self.name}: a LyCORIS {self.kind} module: its ΔW depends on the "
+                what = f"an {self.kind}" if self.kind == SD_SCRIPTS_OFT else f"a LyCORIS {self.kind}"
+                raise UserError(f"{self.source}: {self.name}: {what} module: its ΔW depends on the "
                                 f"base model's weight; give the base model (merge_lora.py --sd_model, "
                                 f"resize_lora.py --base_model)")
             shape = self.file_shape()
@@ -195,6 +196,12 @@ def group_lycoris_modules(state: Mapping[str, torch.Tensor], source: str) -> dic
     return modules
 
 
+def lora_module_name(name: str) -> str:
+    """The kohya LoRA name of the layer a module adapts: sd-scripts' OFT writes `oft_unet_<path>` for the layer
+    `lora_unet_<path>` names; every other name is one already."""
+    return "lora_unet_" + name[len(SD_SCRIPTS_OFT_PREFIX):] if name.startswith(SD_SCRIPTS_OFT_PREFIX) else name
+
+
 def _sd_scripts_oft_keys(tensors: Mapping[str, torch.Tensor]) -> bool:
     """networks.oft (`oft_blocks`, `alpha`) or networks.oft_flux (`oft_blocks.<i>` per part, `alpha`)."""
     parts = set(tensors) - {"alpha"}
@@ -223,7 +230,7 @@ def exact_lora(module: AnyModule, base: Optional[torch.Tensor] = None) -> LoraMo
     rank = down.shape[0]
     if dw.dim() == 4:
         down, up = down.reshape(rank, *dw.shape[1:]), up.reshape(out, rank, 1, 1)
-    return LoraModule(module.name, down.contiguous(), up.contiguous(), float(rank))
+    return LoraModule(lora_module_name(module.name), down.contiguous(), up.contiguous(), float(rank))
 
 
 def refactored_lora(module: AnyModule, rank: int, base: Optional[torch.Tensor] = None,
@@ -262,7 +269,11 @@ def exact_loras(modules: Mapping[str, AnyModule],
                 bases: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, LoraModule]:
     """exact_lora of every module (`bases`: base weights by module name, for the kinds that need them)."""
     bases = bases or {}
-    return {name: exact_lora(m, bases.get(name)) for name, m in modules.items()}
+    out = {}
+    for name, m in modules.items():
+        plain = exact_lora(m, bases.get(name))
+        out[plain.name] = plain
+    return out
 
 
 def as_lora_metadata(metadata: Mapping[str, str]) -> dict[str, str]:

@@ -124,3 +124,30 @@ def test_sdxl_oft_file_uses_sd_scripts_sgm_names(tmp_path):
                      r"attn[12]_to_(q|k|v|out_0)$")
     assert [n for n in names if not sgm.match(n)] == []
     assert "oft_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q" in names
+
+
+def test_resize_to_lora_refactors_an_oft_file_with_the_base_model(trained, tmp_path, capsys):
+    """The rank-r LoRA of an OFT file: lora_unet_ names, and the SVD truncation error of ΔW = merged − base."""
+    from safetensors.torch import load_file
+
+    from networks.lora_math import delta_weight
+    from tools.lora_models import load_model, lora_layers
+    from tools.merge_lora import main as merge
+    from tools.resize_lora import main as resize
+
+    path, _ = trained
+    out, merged = str(tmp_path / "r.safetensors"), str(tmp_path / "m.safetensors")
+    assert resize(["--model", path, "--to_lora", "--new_rank", "4", "--save_to", out]) == 2
+    assert "an OFT (networks.oft) module: its ΔW depends on the base model's weight" in capsys.readouterr().err
+    assert resize(["--model", path, "--to_lora", "--new_rank", "4", "--base_model", "tiny:sd1", "--save_to", out]) == 0
+    assert merge(["--sd_model", "tiny:sd1", "--models", path, "--save_to", merged]) == 0
+    base, after = lora_layers(load_model("tiny:sd1", "sd")), lora_layers(load_model(merged, "sd"))
+    state = load_file(out)
+    names = sorted({k.split(".")[0] for k in state})
+    assert len(names) == 128 and all(n.startswith("lora_unet_") for n in names)
+    for name in names:
+        dw = (after[name].weight - base[name].weight).detach().reshape(after[name].weight.shape[0], -1)
+        got = delta_weight(state[f"{name}.lora_down.weight"], state[f"{name}.lora_up.weight"],
+                           state[f"{name}.alpha"]).reshape(dw.shape)
+        best = float(torch.linalg.svdvals(dw.double())[4:].square().sum().sqrt())
+        assert abs(float((got - dw).norm()) - best) <= 1e-4 * float(dw.norm()) + 1e-6, name

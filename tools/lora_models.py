@@ -73,7 +73,9 @@ def in_family_names(model: LoadedModel, modules: Mapping[str, T]) -> dict[str, T
 
 def _lora_name(name: str) -> str:
     """sd-scripts' networks.oft names its modules `oft_unet_<path>`, the layer that `lora_unet_<path>` names."""
-    return "lora_unet_" + name[len("oft_unet_"):] if name.startswith("oft_unet_") else name
+    from networks.lycoris_delta import lora_module_name
+
+    return lora_module_name(name)
 
 
 def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torch.Tensor]:

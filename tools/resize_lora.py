@@ -76,6 +76,10 @@ def run(argv=None) -> None:
         base = base_weights_for(load_model(args.base_model, args.model_family, flags=component_files(args)),
                                 lora.modules)
     modules = plain_modules(lora, base)  # --to_lora: each LyCORIS module's exact ΔW, then resized as a LoRA
+    if base is not None and lora.layout == "lycoris":
+        from networks.lycoris_delta import lora_module_name
+
+        base = {lora_module_name(k): v for k, v in base.items()}  # oft_unet_x comes out as lora_unet_x
     result = resize_modules(modules, opts, base)
     if args.verbose:
         for report in result.reports:
