@@ -165,6 +165,15 @@ class OwnLoRA(NetworkKind):
         return renamed
 
 
+class OwnLoRAVariant(OwnLoRA):
+    """networks.lora_fa (lora_down frozen), networks.dylora (rank trained a unit at a time), networks.oft and
+    networks.oft_flux (OFT, under the names sd-scripts' own models give the layers): built from the family's
+    targets like networks.lora; files record the module's own name."""
+
+    def metadata_module(self, family: ModelFamily) -> str:
+        return self.name
+
+
 class ExternalNetwork(NetworkKind):
     """Any other module with sd-scripts' create_network / create_network_from_weights."""
 
@@ -227,6 +236,8 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
+    if name in ("networks.lora_fa", "networks.dylora", "networks.oft", "networks.oft_flux"):
+        return OwnLoRAVariant(name, import_network_module(name))
     module = import_network_module(name)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)
