@@ -180,17 +180,22 @@ def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
     return data
 
 
-def check_output_name(name: Optional[str]) -> None:
-    """--output_name is a file name inside --output_dir (sd-scripts' use): no folder part, no `..`, not empty.
-    The saved files, states and `<name>_config.toml` are joined to --output_dir with it, so a path here would
-    write outside that folder."""
+def check_file_name(flag_name: str, name: Optional[str], example: str, folder_flag: str) -> None:
+    """A flag whose value is joined to a folder as one name (--output_name to --output_dir, --log_prefix and
+    --log_tracker_name to --logging_dir): no folder part, no `..`, not empty, so nothing is written outside."""
     if name is None:
         return
     problem = ("is empty" if not name.strip() else "contains a NUL character" if "\0" in name
                else "is a path" if "/" in name or "\\" in name or name in (".", "..") else None)
     if problem:
-        raise ConfigError(f"--output_name {name!r}: {problem}; expected a file name such as my_lora "
-                          "(no '/', '\\' or '..'; the folder is --output_dir)")
+        raise ConfigError(f"{flag_name} {name!r}: {problem}; expected a file name such as {example} "
+                          f"(no '/', '\\' or '..'; the folder is {folder_flag})")
+
+
+def check_output_name(name: Optional[str]) -> None:
+    """--output_name is a file name inside --output_dir (sd-scripts' use); the saved files, states and
+    `<name>_config.toml` are joined to --output_dir with it."""
+    check_file_name("--output_name", name, "my_lora", "--output_dir")
 
 
 def training_options_from_args(ns: argparse.Namespace,
@@ -200,6 +205,8 @@ def training_options_from_args(ns: argparse.Namespace,
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
     check_output_name(ns.output_name)
+    check_file_name("--log_prefix", ns.log_prefix, "run1_", "--logging_dir")
+    check_file_name("--log_tracker_name", ns.log_tracker_name, "network_train", "--logging_dir")
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
     if ns.full_fp16 and ns.mixed_precision != "fp16":
