@@ -174,9 +174,21 @@ SCRIPT_PARSERS = {
     "lumina_train_network.py": ("lumina", False), "anima_train_network.py": ("anima", False),
     "hunyuan_image_train_network.py": ("hunyuan_image", False), "fine_tune.py": ("sd", True),
     "sdxl_train.py": ("sdxl", True), "flux_train.py": ("flux", True), "sd3_train.py": ("sd3", True),
-    "lumina_train.py": ("lumina", True), "anima_train.py": ("anima", True), "train_db.py": ("sd", "db"),
+    "lumina_train.py": ("lumina", True), "anima_train.py": ("anima", True), "train_db.py": ("sd", True),
 }
-REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {}
+REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
+    "dataset_class": "sd-scripts' dataset class interface (train_util.BaseDataset subclasses) does not exist here",
+    "fused_backward_pass": "LoRA scripts only: sd-scripts accepts it there and ignores it; here it is a fine-tune flag",
+    "controlnet_model_name_or_path": "ControlNet training is not implemented; sd-scripts' flux_train_network.py and "
+                                     "flux_train.py accept it and ignore it",
+}
+# Not yet implemented (issue 24, open): refused until they act.
+REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in (
+    "weighted_captions", "huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo",
+    "huggingface_token", "huggingface_repo_visibility", "save_state_to_huggingface", "resume_from_huggingface",
+    "async_upload", "initial_step", "initial_epoch", "skip_until_initial_step", "debug_dataset",
+    "no_token_padding", "stop_text_encoder_training", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
+    "use_t5xxl_cache_only")})
 
 
 def _our_flags(script: str) -> set:

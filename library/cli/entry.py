@@ -48,6 +48,25 @@ def _setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def configure_console_logging(level: Optional[str], path: Optional[str], simple: bool) -> None:
+    """--console_log_level / --console_log_file / --console_log_simple (sd-scripts' names): the root logger's level,
+    a file that gets the same messages (appended; a folder that does not exist stops here), and plain messages."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"--console_log_file {path}: its folder does not exist")
+    root = logging.getLogger()
+    if level:
+        root.setLevel(level)
+    if simple:
+        for handler in root.handlers:
+            handler.setFormatter(logging.Formatter("%(message)s"))
+    if path and not any(getattr(h, "console_log_file", None) == os.path.abspath(path) for h in root.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.console_log_file = os.path.abspath(path)
+        handler.setFormatter(logging.Formatter("%(message)s" if simple else
+                                               "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
 def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
@@ -55,6 +74,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
     check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    configure_console_logging(ns.console_log_level, ns.console_log_file, ns.console_log_simple)
     note_compatibility_flags(vars(ns))
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)

@@ -62,7 +62,8 @@ class StepsFlags:
     full_bf16: bool = flag(False, "train the network itself in bf16")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, slower")
     xformers: bool = flag(False, "xformers attention when the package is installed (pip install xformers); otherwise "
-                                 "a warning and PyTorch SDPA")
+                                 "a warning and PyTorch SDPA (sd-scripts' --diffusers_xformers is the same flag)",
+                                 aliases=("diffusers_xformers",))
     sdpa: bool = flag(False, "PyTorch SDPA attention (the default)")
     flash_attn: bool = flag(False, "FlashAttention in the denoiser through diffusers' attention backends when the "
                                    "flash-attn package is installed (CUDA); otherwise a warning and PyTorch SDPA")
@@ -81,6 +82,8 @@ class StepsFlags:
     highvram: bool = flag(False, "keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; "
                                  "by default they wait in CPU memory)")
     cpu: bool = flag(False, "train on the CPU even when an accelerator is present")
+    disable_mmap_load_safetensors: bool = flag(False, "accepted for sd-scripts compatibility (a workaround for slow "
+                                                      "mmap reads on some Windows/WSL disks)")
 
 
 @dataclass
@@ -110,6 +113,10 @@ class LoggingFlags:
     wandb_run_name: Optional[str] = flag(None, "name of the wandb run (default: wandb's)")
     wandb_api_key: Optional[str] = flag(None, "wandb API key (else WANDB_API_KEY or `wandb login`); never written to "
                                               "the saved config")
+    console_log_level: Optional[str] = flag(None, "level of the messages printed (default INFO, or $LOGLEVEL)",
+                                            choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    console_log_file: Optional[str] = flag(None, "also write the messages to this file (appended)")
+    console_log_simple: bool = flag(False, "plain messages: no level and logger name")
     log_every_n_steps: int = flag(1, "write scalars every N steps", range=at_least(1))
     log_tflops: Optional[int] = flag(None, "every N steps, log the achieved model TFLOP/s (FLOPs counted once on the "
                                            "first step) and, on a known GPU, the fraction of its bf16 peak",
@@ -151,6 +158,12 @@ _SECRET_FLAGS = ("wandb_api_key",)
 COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
     "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
+    "cache_info": "image sizes are read from file headers here; there is no meta-information cache to write",
+    "disable_mmap_load_safetensors": "a workaround for slow mmap reads on some Windows/WSL disks in sd-scripts' "
+                                     "loaders; the loaders here read through safetensors / diffusers",
+    "use_safetensors": "safetensors is already the default --save_model_as here",
+    "t5xxl_device": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL runs with the other text encoders",
+    "t5xxl_dtype": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL takes the run's dtype",
 }
 
 

@@ -26,6 +26,12 @@ class SD3Options:
         "help": "SD3: CLIP-G text encoder file (.safetensors); default: the one inside the checkpoint"})
     t5xxl: Optional[str] = field(default=None, metadata={
         "help": "SD3: T5-XXL text encoder file (.safetensors); default: the one inside the checkpoint"})
+    t5xxl_device: Optional[str] = field(default=None, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK]: T5-XXL runs with the "
+                "other text encoders"})
+    t5xxl_dtype: Optional[str] = field(default=None, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK]: T5-XXL takes the "
+                "run's dtype"})
     t5xxl_max_token_length: int = field(default=256, metadata={
         "help": "T5 tokens per caption (sd-scripts' default 256)"})
     apply_lg_attn_mask: bool = field(default=False, metadata={
