@@ -48,3 +48,33 @@ def test_console_log_file_level_and_simple(tmp_path):
     assert path.read_text() == "shown\n"
     with pytest.raises(ConfigError, match="^--console_log_file .*: its folder does not exist$"):
         configure_console_logging(None, str(tmp_path / "no" / "run.log"), False)
+
+
+def test_initial_step_positions_as_sd_scripts():
+    """--initial_step with --skip_until_initial_step: step N+1, mid-epoch on the batches an uninterrupted run sees
+    there; without it only the epoch moves; --initial_epoch E is (E-1) epochs of steps."""
+    from library.train.state import TrainProgress
+    from library.train.step_position import initial_progress
+
+    assert initial_progress(None, None, False, 5, 1, 20) is None
+    assert initial_progress(7, None, True, 5, 2, 20) == TrainProgress(epoch=2, global_step=7, batches_done=4)
+    assert initial_progress(7, None, False, 5, 2, 20) == TrainProgress(epoch=2, global_step=0, batches_done=0)
+    assert initial_progress(None, 3, True, 5, 1, 20) == TrainProgress(epoch=3, global_step=10, batches_done=0)
+    assert initial_progress(4, 3, True, 5, 1, 20) == TrainProgress(epoch=1, global_step=4, batches_done=4)
+    resumed = TrainProgress(epoch=4, global_step=17, batches_done=2)
+    assert initial_progress(4, None, True, 5, 1, 20, resumed) == TrainProgress(epoch=1, global_step=4, batches_done=4)
+    with pytest.raises(ConfigError, match=r"^--initial_step 20: expected fewer than --max_train_steps \(20\)$"):
+        initial_progress(20, None, True, 5, 1, 20)
+
+
+def test_skip_until_initial_step_trains_only_the_remaining_steps(tmp_path):
+    """A tiny SD1 run of --max_train_steps 4 from --initial_step 3 --skip_until_initial_step makes one optimizer
+    step (the scheduler counts 1) and ends at step 4."""
+    from tests.train_helpers import base_args, make_dataset, make_trainer
+
+    data = make_dataset(str(tmp_path / "data"))
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=4,
+                                     extra=["--initial_step", "3", "--skip_until_initial_step"]))
+    trainer.run()
+    assert trainer.run_state.progress.global_step == 4
+    assert trainer.lr_scheduler.last_epoch == 1

@@ -46,6 +46,12 @@ class OutputFlags:
     save_state: bool = flag(False, "also save the training state with each model file")
     save_state_on_train_end: bool = flag(False, "save <name>-state at the end even without --save_state")
     resume: Optional[str] = flag(None, "state folder to resume from, or 'auto' for the newest state in output_dir")
+    initial_step: Optional[int] = flag(None, "start counting at this optimizer step (sd-scripts; with --resume it "
+                                             "replaces the state's step; docs/resume.md)", range=at_least(0))
+    initial_epoch: Optional[int] = flag(None, "start at this epoch (1-based; --initial_step wins when both are given)",
+                                              range=at_least(1))
+    skip_until_initial_step: bool = flag(False, "with --initial_step/--initial_epoch: skip the batches of the steps "
+                                                "before it and train the rest up to --max_train_steps")
 
 
 @dataclass
@@ -219,6 +225,8 @@ def training_options_from_args(ns: argparse.Namespace,
         raise ConfigError("--full_fp16 needs --mixed_precision fp16")
     if ns.full_bf16 and ns.mixed_precision != "bf16":
         raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    if ns.skip_until_initial_step and ns.initial_step is None and ns.initial_epoch is None:
+        raise ConfigError("--skip_until_initial_step: needs --initial_step or --initial_epoch")
     log_with = ns.log_with
     if log_with is None and ns.logging_dir:
         log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given

@@ -33,6 +33,9 @@ class TrainingOptions:
     save_state: bool = False
     save_state_on_train_end: bool = False
     resume: Optional[str] = None
+    initial_step: Optional[int] = None  # library/train/step_position.py
+    initial_epoch: Optional[int] = None
+    skip_until_initial_step: bool = False
     max_train_steps: int = 1600
     max_train_epochs: Optional[int] = None
     save_n_epoch_ratio: Optional[int] = None

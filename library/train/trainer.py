@@ -63,6 +63,7 @@ from library.train.sharding import (
     sync_done_here,
 )
 from library.train.saving import RunSaver, resume
+from library.train.step_position import initial_progress
 from library.train.state import RunState
 from library.train.step import StepContext
 from library.train.stopping import StopHandler
@@ -401,6 +402,11 @@ class Trainer(TrainingLoop):
             if not self.t.highvram:
                 park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
             self._resume()
+            start = initial_progress(self.t.initial_step, self.t.initial_epoch, self.t.skip_until_initial_step,
+                                     self.steps_per_epoch, self.t.gradient_accumulation_steps, self.max_train_steps,
+                                     self.run_state.progress if self.t.resume else None)
+            if start is not None:
+                self.run_state.progress = start
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             if self.accelerator.is_main_process:
