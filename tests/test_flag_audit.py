@@ -184,9 +184,7 @@ REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
 }
 # Not yet implemented (issue 24, open): refused until they act.
 REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in (
-    "weighted_captions", "huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo",
-    "huggingface_token", "huggingface_repo_visibility", "save_state_to_huggingface", "resume_from_huggingface",
-    "async_upload", "debug_dataset",
+    "weighted_captions", "debug_dataset",
     "no_token_padding", "stop_text_encoder_training", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
     "use_t5xxl_cache_only")})
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import toml
 
 from library.cli.deepspeed import deepspeed_options_from_args
+from library.cli.hub import HubFlags, hub_options_from_args
 from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
@@ -151,7 +152,8 @@ class ValidationFlags:
     max_validation_steps: Optional[int] = flag(None, "at most N validation batches each time", range=at_least(1))
 
 
-TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags)
+TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags,
+                        HubFlags)
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +161,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TRACKERS = ("tensorboard", "wandb")
-_SECRET_FLAGS = ("wandb_api_key",)
+_SECRET_FLAGS = ("wandb_api_key", "huggingface_token")
 # sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.
 COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
@@ -255,6 +257,7 @@ def training_options_from_args(ns: argparse.Namespace,
         profile_steps=ns.profile_steps or ns.profile_microbatches,
         profiler_trace_steps=_trace_steps(ns),
         deepspeed=deepspeed_options_from_args(ns),
+        hub=hub_options_from_args(ns),
     )
 
 

@@ -14,6 +14,7 @@ from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
 from library.train.compile import CompileOptions
 from library.train.deepspeed_engine import DeepSpeedOptions
+from library.train.hub import HubOptions
 from library.train.lr_schedulers import SchedulerOptions
 from library.train.optimizers import OptimizerOptions
 
@@ -69,6 +70,7 @@ class TrainingOptions:
     ddp_timeout: Optional[int] = None  # minutes (accelerate's InitProcessGroupKwargs); None: PyTorch's default
     ddp_gradient_as_bucket_view: bool = False  # accelerate's DistributedDataParallelKwargs
     ddp_static_graph: bool = False
+    hub: HubOptions = field(default_factory=HubOptions)  # --huggingface_* (library/train/hub.py)
     deepspeed: Optional[DeepSpeedOptions] = None  # --deepspeed and its flags; None: an accelerate config may ask for it
 
 

@@ -62,6 +62,7 @@ from library.train.sharding import (
     shard_parts,
     sync_done_here,
 )
+from library.train.hub import HubUploader, download_state
 from library.train.saving import RunSaver, resume
 from library.train.step_position import initial_progress
 from library.train.state import RunState
@@ -344,7 +345,10 @@ class Trainer(TrainingLoop):
         self.trainable.engine = self.step_module
 
     def _resume(self) -> None:
-        resume(self.t.resume, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
+        where = self.t.resume
+        if where and self.t.hub.resume_from_huggingface:  # every process downloads the state it reads
+            where = download_state(where, self.t.hub.token)
+        resume(where, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
                self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state,
                self.accelerator.process_index, self.accelerator.num_processes)
 
@@ -417,6 +421,8 @@ class Trainer(TrainingLoop):
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
                                   self._metadata, self.num_epochs, self.max_train_steps)
+            if self.t.hub.repo_id and self.accelerator.is_main_process:
+                self.saver.uploader = HubUploader(self.t.hub)
             if self.accelerator.is_main_process:
                 self.saver.check_disk_space()
                 self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
@@ -425,6 +431,8 @@ class Trainer(TrainingLoop):
             self.stop.in_loop = True
             return self._train()
         finally:
+            if self.saver is not None and self.saver.uploader is not None:
+                self.saver.uploader.wait()  # a stopped or failed run still lets its uploads end
             self.stop.in_loop = False
             if own_handler:
                 self.stop.uninstall()
