@@ -174,7 +174,7 @@ SCRIPT_PARSERS = {
     "lumina_train_network.py": ("lumina", False), "anima_train_network.py": ("anima", False),
     "hunyuan_image_train_network.py": ("hunyuan_image", False), "fine_tune.py": ("sd", True),
     "sdxl_train.py": ("sdxl", True), "flux_train.py": ("flux", True), "sd3_train.py": ("sd3", True),
-    "lumina_train.py": ("lumina", True), "anima_train.py": ("anima", True), "train_db.py": ("sd", True),
+    "lumina_train.py": ("lumina", True), "anima_train.py": ("anima", True), "train_db.py": ("sd", "db"),
 }
 REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
     "dataset_class": "sd-scripts' dataset class interface (train_util.BaseDataset subclasses) does not exist here",
@@ -185,13 +185,13 @@ REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
 # Not yet implemented (issue 24, open): refused until they act.
 REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in (
     "weighted_captions", "debug_dataset",
-    "no_token_padding", "stop_text_encoder_training", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
+    "no_token_padding", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
     "use_t5xxl_cache_only")})
 
 
 def _our_flags(script: str) -> set:
     family, mode = SCRIPT_PARSERS[script]
-    parser = build_parser("audit", get_family(family), mode)
+    parser = build_parser("audit", get_family(family), bool(mode), dreambooth=mode == "db")
     return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
 
 

@@ -35,6 +35,7 @@ from library.core.metadata import RECORDED_FLAGS
 from library.data.config import resolve_datasets
 from library.families import get_family
 from library.families.base import ModelFamily
+from library.train.dreambooth import StopTextEncoderTraining
 from library.train.network_kinds import network_kind
 from library.train.optimizers import optimizer_class
 from library.train.settings import RunSettings
@@ -116,6 +117,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
     )
+    stop_te = getattr(ns, "stop_text_encoder_training", None)  # train_db.py
+    if fine_tune and stop_te is not None and stop_te > 0:
+        settings.hooks.append(StopTextEncoderTraining(stop_te))
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
         if type(family).generate is ModelFamily.generate:
@@ -145,12 +149,13 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False) -> int:
-    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
+                 fine_tune: bool = False, dreambooth: bool = False) -> int:
+    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
+    train_db.py, a fine-tune with its DreamBooth flags). Returns the exit code."""
     _setup_logging()
     stop = StopHandler().install()  # from here on a signal stops cleanly, also while loading and caching
     try:
-        return _run(family_name, description, argv, stop, fine_tune)
+        return _run(family_name, description, argv, stop, fine_tune, dreambooth)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -159,9 +164,9 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool) -> int:
+         fine_tune: bool, dreambooth: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune)
+    parser = build_parser(description, family, fine_tune, dreambooth)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)

@@ -55,6 +55,15 @@ def metadata_from_args(ns) -> dict:
 
 
 @dataclass
+class DreamBoothFlags:
+    """train_db.py's own flags (sd-scripts' DreamBooth script: a full fine-tune whose text encoder trains by
+    default)."""
+    flag_group: ClassVar[str] = "DreamBooth (train_db.py)"
+    stop_text_encoder_training: Optional[int] = flag(None, "train the text encoder for the first N steps only (-1 or"
+                                                           " 0: never; default: the whole run)", range=at_least(-1))
+
+
+@dataclass
 class FineTuneFlags:
     flag_group: ClassVar[str] = "fine-tuning"
     train_text_encoder: bool = flag(False, "also train the text encoder(s); each trains unless its learning rate is 0")
@@ -165,10 +174,17 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     if train_t5xxl and (ns.cache_text_encoder_outputs or getattr(ns, "cache_text_encoder_outputs_to_disk", False)):
         raise ConfigError("--train_t5xxl: T5-XXL's outputs cannot be cached while it trains; drop "
                           "--cache_text_encoder_outputs")
+    train_text_encoder = ns.train_text_encoder
+    if hasattr(ns, "stop_text_encoder_training"):  # train_db.py: the text encoder trains unless told otherwise
+        stop = ns.stop_text_encoder_training
+        train_text_encoder = stop is None or stop > 0
+        if ns.train_text_encoder and not train_text_encoder:
+            raise ConfigError(f"--train_text_encoder with --stop_text_encoder_training {stop}: the second says the "
+                              "text encoder never trains; drop one")
     te3 = getattr(ns, "learning_rate_te3", None)
     if te3 is not None and not train_t5xxl:
         raise ConfigError("--learning_rate_te3: T5-XXL trains only with --train_t5xxl; add it or drop the rate")
-    return settings_from(FineTuneOptions, ns, learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2, te3],
+    return settings_from(FineTuneOptions, ns, train_text_encoder=train_text_encoder, learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2, te3],
                          train_t5xxl=train_t5xxl, block_lr=block_lrs_from_args(ns.block_lr, family),
                          metadata=metadata_from_args(ns))
 
