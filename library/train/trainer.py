@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from library.core.errors import UserError
+from library.core.errors import ConfigError, UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, build_training_data
 from library.data.cache_share import CacheShare
@@ -376,11 +376,15 @@ class Trainer(TrainingLoop):
         """The noise scheme and the StepContext every step (and the text cache) encodes with."""
         self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
         check_loss_options(self.s.loss, self.scheme)
+        if self.trainable is not None and not self.trainable.is_adapter and any(
+                sub.custom_attributes.get("diff_output_preservation") for sub in self.data.subsets):
+            raise ConfigError("custom_attributes.diff_output_preservation: only for network (LoRA) training, where "
+                              "the base model's prediction is the network at multiplier 0 (as sd-scripts)")
         self.ctx = StepContext(
             family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast)
+            autocast=self.accelerator.autocast, adapter_off=getattr(self.trainable, "adapter_off", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
