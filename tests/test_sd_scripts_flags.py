@@ -1,9 +1,11 @@
 """Issue 24: sd-scripts flags that were 'unrecognized arguments' and now act: deprecated FLUX.1 block-swap aliases,
 --text_encoder_batch_size, --console_log_*."""
 
+import contextlib
 import logging
 
 import pytest
+import torch
 
 from library.cli.memory import blocks_to_swap_with_aliases
 from library.cli.text_cache import text_cache_options_from_args
@@ -78,3 +80,56 @@ def test_skip_until_initial_step_trains_only_the_remaining_steps(tmp_path):
     trainer.run()
     assert trainer.run_state.progress.global_step == 4
     assert trainer.lr_scheduler.last_epoch == 1
+
+
+@pytest.mark.parametrize("family,preset", [("sd", "tiny:sd1"), ("sdxl", "tiny:sdxl")])
+def test_weighted_captions_weight_the_training_conditioning(family, preset):
+    """--weighted_captions: an unweighted caption encodes exactly as without the flag; '(word:1.5)' changes the
+    conditioning (and equals the sampling path's weighting of the same prompt)."""
+    from library.families import get_family
+    from library.families.base import LoadOptions
+    from library.train.step import StepContext, encode_captions
+
+    fam = get_family(family)
+    components = fam.load(LoadOptions(preset))
+
+    def ctx(weighted):
+        return StepContext(family=fam, components=components, scheme=None, noise=None, loss=None,
+                           device=torch.device("cpu"), weight_dtype=torch.float32, clip_skip=None,
+                           max_token_length=None, train_text_encoder=False, autocast=contextlib.nullcontext,
+                           weighted_captions=weighted)
+
+    with torch.no_grad():
+        plain = encode_captions(ctx(False), ["sks toy, red"]).tensors
+        same = encode_captions(ctx(True), ["sks toy, red"]).tensors
+        weighted = encode_captions(ctx(True), ["(sks toy:1.5), red"]).tensors
+        literal = encode_captions(ctx(False), ["(sks toy:1.5), red"]).tensors
+    assert plain.keys() == same.keys() == weighted.keys()
+    assert all(torch.equal(plain[k], same[k]) for k in plain)
+    key = "encoder_hidden_states" if family == "sd" else "hidden_state1"
+    assert weighted[key].shape == plain[key].shape
+    assert not torch.equal(weighted[key], plain[key]) and not torch.equal(weighted[key], literal[key])
+
+
+def test_weighted_captions_refusals(tmp_path):
+    from tests.train_helpers import base_args, make_trainer
+
+    with pytest.raises(ConfigError, match="^--weighted_captions: not supported for flux "):
+        make_trainer(base_args(str(tmp_path), str(tmp_path / "o"), preset="tiny:flux",
+                               extra=["--weighted_captions"]), "flux")
+    with pytest.raises(ConfigError, match="^--weighted_captions with --cache_text_encoder_outputs: "):
+        make_trainer(base_args(str(tmp_path), str(tmp_path / "o"), preset="tiny:sdxl",
+                               extra=["--weighted_captions", "--cache_text_encoder_outputs"]), "sdxl")
+
+
+def test_weighted_captions_train_with_text_encoder_lora(tmp_path):
+    """A tiny SD1 LoRA run with --weighted_captions, the text encoder LoRA included: the weighted path carries
+    gradients to the text encoder's LoRA (its weights change)."""
+    from safetensors.torch import load_file
+
+    from tests.train_helpers import base_args, make_dataset, make_trainer
+
+    data = make_dataset(str(tmp_path / "data"), n=2)
+    path = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=["--weighted_captions"])).run()
+    te_up = [v for k, v in load_file(path).items() if k.startswith("lora_te_") and k.endswith("lora_up.weight")]
+    assert te_up and any(bool(v.abs().sum() > 0) for v in te_up)

@@ -92,6 +92,12 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)
     text_cache = text_cache_options_from_args(ns)
+    if ns.weighted_captions and not family.supports_weighted_captions:
+        raise ConfigError(f"--weighted_captions: not supported for {family.name} (sd-scripts takes it for SD 1.x/2.x "
+                          "and SDXL only); drop the flag")
+    if ns.weighted_captions and text_cache.enabled:
+        raise ConfigError("--weighted_captions with --cache_text_encoder_outputs: the cache holds unweighted outputs "
+                          "(as sd-scripts refuses); drop one")
     network = unet_only_when_caching(network, text_cache.enabled, family)
     if network and network.network_module != "networks.lora" and family.external_networks_unsupported:
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "

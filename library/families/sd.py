@@ -21,7 +21,7 @@ from library.families.clip_text import (
     text_encoder_kohya_path,
 )
 from library.families.loading import load_sd_components
-from library.families.sd_generate import generate_sd
+from library.families.sd_generate import encode_weighted, generate_sd
 from library.objectives.noise import DDPMScheme
 from networks.lora_targets import LoraTarget, outside_block_targets
 
@@ -67,6 +67,14 @@ class SDFamily(ModelFamily):
         window = components.tokenizers[0].model_max_length
         states = encode_token_chunks(components.text_encoders[0], tokens[0], clip_skip, window)
         return TextConditioning(tensors={"encoder_hidden_states": states})
+
+    supports_weighted_captions = True
+
+    def encode_weighted_captions(self, components: Components, captions: list[str], clip_skip: Optional[int],
+                                 max_token_length: Optional[int], device: torch.device) -> TextConditioning:
+        n_chunks = (max_token_length or 75) // 75  # the windows encode_text uses: unweighted captions match it
+        return TextConditioning(tensors={"encoder_hidden_states": encode_weighted(components, captions, clip_skip,
+                                                                                  n_chunks, device)})
 
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> DDPMScheme:
         return DDPMScheme.from_schedule(getattr(components, "noise_schedule", None),

@@ -125,6 +125,7 @@ class TextEncodingOptions:
     """How captions are tokenised and encoded."""
     clip_skip: Optional[int] = None
     max_token_length: Optional[int] = None
+    weighted_captions: bool = False  # "(word:1.2)" in training captions (SD, SDXL; library/train/step.py)
 
 
 @dataclass

@@ -31,6 +31,7 @@ class StepContext:
     autocast: object  # a context-manager factory (accelerator.autocast)
     text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
     live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
+    weighted_captions: bool = False  # --weighted_captions: "(word:1.2)" in captions (family.encode_weighted_captions)
     adapter_off: Optional[Callable] = None  # a LoRA run: a context in which the model predicts without it (DOP)
 
 
@@ -45,6 +46,10 @@ def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Gener
 
 def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[frozenset] = None) -> TextConditioning:
     """The text conditioning of `captions`: from every text encoder, or only those numbered in `encoders`."""
+    if ctx.weighted_captions:  # never with the text cache (refused before the scan), so all encoders run
+        with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():
+            return ctx.family.encode_weighted_captions(ctx.components, captions, ctx.clip_skip, ctx.max_token_length,
+                                                       ctx.device)
     tokens = ctx.family.tokenize(ctx.components, captions, ctx.max_token_length)
     tokens = [t.to(ctx.device) for t in tokens]
     with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():

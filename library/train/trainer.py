@@ -384,7 +384,7 @@ class Trainer(TrainingLoop):
             family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast, adapter_off=getattr(self.trainable, "adapter_off", None))
+            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
