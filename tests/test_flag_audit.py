@@ -184,7 +184,6 @@ REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
 }
 # Not yet implemented (issue 24, open): refused until they act.
 REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in (
-    "debug_dataset",
     "no_token_padding", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
     "use_t5xxl_cache_only")})
 

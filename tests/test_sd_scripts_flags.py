@@ -3,6 +3,7 @@
 
 import contextlib
 import logging
+import os
 
 import pytest
 import torch
@@ -133,3 +134,21 @@ def test_weighted_captions_train_with_text_encoder_lora(tmp_path):
     path = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=["--weighted_captions"])).run()
     te_up = [v for k, v in load_file(path).items() if k.startswith("lora_te_") and k.endswith("lora_up.weight")]
     assert te_up and any(bool(v.abs().sum() > 0) for v in te_up)
+
+
+def test_debug_dataset_prints_batches_without_training(tmp_path, capsys):
+    """--debug_dataset: the first epoch's batches (4 images x 5 repeats, batch 1: 20), each with its caption; no
+    model file, exit code 0; --debug_dataset_dir writes each batch's image."""
+    from library.cli.entry import run_training
+    from tests.train_helpers import base_args, make_dataset
+
+    data = make_dataset(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    code = run_training("sd", "t", base_args(data, str(out), extra=["--debug_dataset", "--debug_dataset_dir",
+                                                                     str(tmp_path / "seen")]))
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert printed.count("\n    caption: sks toy, square, color ") == 20
+    assert printed.count("epoch 1 batch ") == 20 and "epoch 1 batch 20/20 step 20: bucket " in printed
+    assert not out.exists() or not [n for n in os.listdir(out) if n.endswith(".safetensors")]
+    assert len(os.listdir(tmp_path / "seen")) == 20

@@ -183,6 +183,9 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)
             check_output_folders(settings.training)  # before the dataset scan and the model load
+        if ns.debug_dataset:  # print the batches and stop: nothing loads, nothing trains
+            Trainer(family, settings, stop).debug_dataset()
+            return 0
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed

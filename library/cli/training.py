@@ -139,6 +139,10 @@ class DiagnosticsFlags:
                                              "gradient-accumulation micro-batch")
     profiler_trace_dir: Optional[str] = flag(None, "write a torch.profiler trace of --profiler_trace_steps here "
                                                    "(TensorBoard / Perfetto)")
+    debug_dataset: bool = flag(False, "print the first epoch's batches as training loads them (captions, buckets, "
+                                      "crops, weights) and exit: no model loads, nothing trains")
+    debug_dataset_dir: Optional[str] = flag(None, "with --debug_dataset: also write each batch's images here as PNG "
+                                                  "(sd-scripts shows them in a window)")
     profiler_trace_steps: str = flag("3-4", "optimizer steps the trace covers, inclusive (default 3-4: after warm-up)",
                                             metavar="A-B")
 
@@ -227,6 +231,8 @@ def training_options_from_args(ns: argparse.Namespace,
         raise ConfigError("--full_fp16 needs --mixed_precision fp16")
     if ns.full_bf16 and ns.mixed_precision != "bf16":
         raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    if not ns.debug_dataset and ns.debug_dataset_dir:  # --debug_dataset itself: library/cli/entry.py
+        raise ConfigError("--debug_dataset_dir: only used with --debug_dataset")
     if ns.skip_until_initial_step and ns.initial_step is None and ns.initial_epoch is None:
         raise ConfigError("--skip_until_initial_step: needs --initial_step or --initial_epoch")
     log_with = ns.log_with

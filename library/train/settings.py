@@ -34,6 +34,7 @@ class TrainingOptions:
     save_state: bool = False
     save_state_on_train_end: bool = False
     resume: Optional[str] = None
+    debug_dataset_dir: Optional[str] = None  # --debug_dataset's images (library/train/debug_dataset.py)
     initial_step: Optional[int] = None  # library/train/step_position.py
     initial_epoch: Optional[int] = None
     skip_until_initial_step: bool = False

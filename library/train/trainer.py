@@ -62,6 +62,7 @@ from library.train.sharding import (
     shard_parts,
     sync_done_here,
 )
+from library.train.debug_dataset import print_batches
 from library.train.hub import HubUploader, download_state
 from library.train.saving import RunSaver, resume
 from library.train.step_position import initial_progress
@@ -387,6 +388,16 @@ class Trainer(TrainingLoop):
             autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
+
+    def debug_dataset(self) -> int:
+        """--debug_dataset: print the first epoch's batches; no model loads. Returns the number of batches."""
+        self._setup_accelerator()
+        self._setup_data()
+        if not self.accelerator.is_main_process:
+            return 0
+        if self.t.debug_dataset_dir:
+            os.makedirs(self.t.debug_dataset_dir, exist_ok=True)
+        return print_batches(self.data, image_dir=self.t.debug_dataset_dir)
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
