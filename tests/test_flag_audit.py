@@ -183,9 +183,7 @@ REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
                                      "flux_train.py accept it and ignore it",
 }
 # Not yet implemented (issue 24, open): refused until they act.
-REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in (
-    "no_token_padding", "save_clip", "save_t5xxl", "num_last_block_to_freeze",
-    "use_t5xxl_cache_only")})
+REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in ("no_token_padding",)})
 
 
 def _our_flags(script: str) -> set:

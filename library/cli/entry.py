@@ -91,6 +91,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)
+    if not fine_tune and getattr(family_options, "num_last_block_to_freeze", None):
+        raise ConfigError("--num_last_block_to_freeze: a full fine-tune flag (sd3_train.py); a LoRA trains no block "
+                          "weights to freeze")
     text_cache = text_cache_options_from_args(ns)
     if ns.weighted_captions and not family.supports_weighted_captions:
         raise ConfigError(f"--weighted_captions: not supported for {family.name} (sd-scripts takes it for SD 1.x/2.x "

@@ -98,6 +98,9 @@ class T5xxlFineTuneFlags:
     learning_rate_te3: Optional[float] = flag(None, "learning rate of T5-XXL with --train_t5xxl (default: "
                                                     "--learning_rate_te, else --learning_rate; 0 keeps it frozen)",
                                                     range=LEARNING_RATE)
+    use_t5xxl_cache_only: bool = flag(False, "cache the T5-XXL outputs (turns on --cache_text_encoder_outputs) while "
+                                             "CLIP-L/G train with --train_text_encoder (frozen CLIP outputs are "
+                                             "cached too: the same numbers)")
 
 
 @dataclass

@@ -39,6 +39,8 @@ FAMILY_FLAG_RANGES: dict[str, Range] = {
     "guidance_scale": Range(lo=0), "t5xxl_max_token_length": at_least(1), "sigmoid_scale": Range(lo=0, lo_open=True),
     "discrete_flow_shift": Range(lo=0, lo_open=True), "logit_mean": Range(), "logit_std": Range(lo=0, lo_open=True),
     "mode_scale": Range(),
+    # SD3
+    "num_last_block_to_freeze": at_least(1),
 }
 
 

@@ -33,6 +33,7 @@ def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]
     """TextCacheOptions from a namespace or a dict of flag values; absent flags mean off."""
     values = ns if isinstance(ns, Mapping) else vars(ns)
     to_disk = bool(values.get("cache_text_encoder_outputs_to_disk") or False)
-    return TextCacheOptions(enabled=bool(values.get("cache_text_encoder_outputs") or False) or to_disk,
+    t5_only = bool(values.get("use_t5xxl_cache_only") or False)  # sd3_train.py: implies the cache, as sd-scripts
+    return TextCacheOptions(enabled=bool(values.get("cache_text_encoder_outputs") or False) or to_disk or t5_only,
                             to_disk=to_disk, batch_size=max(1, int(values.get("text_encoder_batch_size")
                                                     or values.get("vae_batch_size") or 1)))
