@@ -182,8 +182,6 @@ REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
     "controlnet_model_name_or_path": "ControlNet training is not implemented; sd-scripts' flux_train_network.py and "
                                      "flux_train.py accept it and ignore it",
 }
-# Not yet implemented (issue 24, open): refused until they act.
-REFUSED_SD_SCRIPTS_FLAGS.update({name: "not implemented yet" for name in ("no_token_padding",)})
 
 
 def _our_flags(script: str) -> set:

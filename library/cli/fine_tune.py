@@ -61,6 +61,8 @@ class DreamBoothFlags:
     flag_group: ClassVar[str] = "DreamBooth (train_db.py)"
     stop_text_encoder_training: Optional[int] = flag(None, "train the text encoder for the first N steps only (-1 or"
                                                            " 0: never; default: the whole run)", range=at_least(-1))
+    no_token_padding: bool = flag(False, "accepted for sd-scripts compatibility: sd-scripts sets it and reads it "
+                                         "nowhere (the code using it is commented out)")
 
 
 @dataclass

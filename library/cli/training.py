@@ -176,6 +176,7 @@ COMPATIBILITY_FLAGS = {
     "use_safetensors": "safetensors is already the default --save_model_as here",
     "t5xxl_device": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL runs with the other text encoders",
     "t5xxl_dtype": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL takes the run's dtype",
+    "no_token_padding": "sd-scripts (48d368fa) sets it and reads it nowhere: the code that used it is commented out",
     "save_clip": "marked [DOES NOT WORK] in sd-scripts too (no unified SD3 checkpoint with CLIP)",
     "save_t5xxl": "marked [DOES NOT WORK] in sd-scripts too (no unified SD3 checkpoint with T5-XXL)",
 }
