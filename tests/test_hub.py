@@ -99,3 +99,17 @@ def test_hub_state_spec_as_sd_scripts():
     assert parse_hub_state("me/r/states/last-state") == ("me/r", "states/last-state", None, "model")
     assert parse_hub_state("me/r/s:v1") == ("me/r", "s", "v1", "model")
     assert parse_hub_state("me/r/s:v1:dataset") == ("me/r", "s", "v1", "dataset")
+
+
+def test_token_is_never_written_to_the_saved_config(tmp_path):
+    from library.cli.config_file import parse_with_config_file, write_config_file
+    from library.cli.entry import build_parser
+    from library.families import get_family
+
+    parser = build_parser("t", get_family("sd"))
+    ns = parse_with_config_file(parser, base_args(str(tmp_path), str(tmp_path / "o"), extra=[
+        "--huggingface_repo_id", "me/r", "--huggingface_token", "hf_secret"]))
+    path = tmp_path / "c.toml"
+    write_config_file(ns, str(path), parser)
+    text = path.read_text()
+    assert 'huggingface_repo_id = "me/r"' in text and "hf_secret" not in text and "huggingface_token" not in text
