@@ -36,7 +36,7 @@ custom_attributes = {{ diff_output_preservation = {str(preserve).lower()} }}
     return str(path)
 
 
-def _run(tmp_path, preserve: bool, monkeypatch):
+def _run(tmp_path, preserve: bool, monkeypatch, family: str = "sd", preset: str = "tiny:sd1", extra=()):
     seen = []
     real = loop_module.batch_loss
 
@@ -49,10 +49,11 @@ def _run(tmp_path, preserve: bool, monkeypatch):
         return mean, per_sample
 
     monkeypatch.setattr(loop_module, "batch_loss", recording)
-    argv = base_args("unused", str(tmp_path / f"out{int(preserve)}"), steps=3)
+    argv = base_args("unused", str(tmp_path / f"out{int(preserve)}"), preset=preset, steps=3, extra=list(extra))
     i = argv.index("--train_data_dir")
     del argv[i:i + 2]
-    trainer = make_trainer(argv + ["--dataset_config", _dataset_config(tmp_path / f"d{int(preserve)}", preserve)])
+    trainer = make_trainer(argv + ["--dataset_config", _dataset_config(tmp_path / f"d{int(preserve)}", preserve)],
+                           family)
     path = trainer.run()
     return load_file(path), seen
 
@@ -70,3 +71,10 @@ def test_dop_targets_the_base_prediction(tmp_path, monkeypatch):
     assert not seen_plain[0][1].any() and bool((seen_plain[0][0] > 0).all())
     assert with_dop.keys() == without.keys()
     assert any(not torch.equal(with_dop[k], without[k]) for k in with_dop)
+
+
+def test_dop_on_flux_marked_loss_is_zero_at_step_1(tmp_path, monkeypatch):
+    """The same on FLUX.1 (flow matching: the target in the model's own prediction space)."""
+    _, seen = _run(tmp_path, True, monkeypatch, "flux", "tiny:flux", ["--t5xxl_max_token_length", "8"])
+    losses, flags, _ = seen[0]
+    assert flags.any() and losses[flags].tolist() == [0.0] * int(flags.sum())
