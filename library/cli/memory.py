@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
-from library.cli.options import add_flags, at_least, flag, flag_specs
+from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
@@ -29,11 +28,6 @@ class MemoryFlags:
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
                                                   " memory until the backward pass (DiT families; turns on "
                                                   "--gradient_checkpointing)")
-
-
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
-    add_flags(parser, flag_specs(MemoryFlags))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:

@@ -123,12 +123,3 @@ def build_parser(description: str, family: Optional[ModelFamily] = None,
     add_flags(parser, parser.flag_specs)
     return parser
 
-
-def build_network_training_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of train_network.py; a family may add its own group."""
-    return build_parser(description, family)
-
-
-def build_fine_tune_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
-    return build_parser(description, family, fine_tune=True)

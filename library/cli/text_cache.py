@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Union
 
-from library.cli.options import add_flags, flag, flag_specs
+from library.cli.options import flag
 from library.train.settings import TextCacheOptions
 
 
@@ -20,11 +20,6 @@ class TextCacheFlags:
     cache_text_encoder_outputs_to_disk: bool = flag(False, "also write them beside each image as "
                                                            "<stem>_te_outputs.npz (implies "
                                                            "--cache_text_encoder_outputs)")
-
-
-def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the sd-scripts text-encoder cache flags to `parser`."""
-    add_flags(parser, flag_specs(TextCacheFlags))
 
 
 def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]]) -> TextCacheOptions:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import toml
 
 from library.cli.deepspeed import deepspeed_options_from_args
-from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
+from library.cli.options import MAX_SEED, SEED, at_least, flag, settings_from
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.profiling import parse_step_range
@@ -139,10 +139,6 @@ class ValidationFlags:
 
 
 TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags)
-
-
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, [spec for cls in TRAINING_FLAG_GROUPS for spec in flag_specs(cls)])
 
 
 TRACKERS = ("tensorboard", "wandb")

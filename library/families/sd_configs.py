@@ -133,7 +133,3 @@ PRESETS: dict[str, SDPreset] = {
                                  1024, 4096, SD2_TEXT_LAYERS, REAL_VOCAB_SIZE),
 }
 
-
-def preset_names() -> list[str]:
-    """All built-in preset names, e.g. ["tiny:sd1", ..., "random:sd15", ...]."""
-    return list(PRESETS)
