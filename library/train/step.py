@@ -30,6 +30,7 @@ class StepContext:
     autocast: object  # a context-manager factory (accelerator.autocast)
     text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
     live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
+    fill_text_cache: bool = False  # the automatic cache: text_cache gains a caption the first time a step meets it
 
 
 def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -51,6 +52,17 @@ def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[fr
         return ctx.family.encode_text_with(ctx.components, tokens, ctx.clip_skip, encoders)
 
 
+def fill_text_cache(ctx: StepContext, captions: list[str]) -> None:
+    """Encode the captions of a batch that ctx.text_cache does not hold yet (together, as the plain step would
+    encode them) and keep each one's outputs; the automatic cache of frozen text encoders."""
+    missing = [c for c in dict.fromkeys(captions) if c not in ctx.text_cache]
+    if missing:
+        with torch.no_grad():
+            outputs = encode_captions(ctx, missing).tensors
+        for i, caption in enumerate(missing):
+            ctx.text_cache[caption] = {k: v[i].detach().cpu() for k, v in outputs.items()}  # as the explicit cache
+
+
 def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
           timesteps: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noise, timesteps, input noise) for `latents`, drawn from `generator` (timesteps: given ones kept)."""
@@ -70,6 +82,8 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch, generator)
+    if ctx.fill_text_cache:
+        fill_text_cache(ctx, batch["captions"])
     if ctx.text_cache is not None:
         text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step
