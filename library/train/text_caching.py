@@ -69,7 +69,8 @@ def start_auto_text_cache(ctx: StepContext, data: TrainingData, settings: RunSet
             blocked = (f"{len(captions)} captions would take {per_caption * len(captions) / 2**30:.1f} GiB "
                        f"(over {AUTO_TEXT_CACHE_MAX_BYTES >> 30} GiB)")
     if blocked is not None:
-        if blocked not in ("--no_auto_text_cache", "--cache_text_encoder_outputs", "no text encoder"):
+        if blocked not in ("--no_auto_text_cache", "--cache_text_encoder_outputs", "no text encoder",
+                           "a text encoder trains"):  # said only when the reason is not the user's own choice
             logger.info("text encoder outputs are computed every step (%s)", blocked)
         return False
     ctx.text_cache, ctx.fill_text_cache = {}, True
