@@ -16,7 +16,7 @@ from library.cli.config_file import (
 )
 from library.cli.dataset import data_options_from_args
 from library.cli.fine_tune import ema_options_from_args, fine_tune_options_from_args
-from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args
+from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args, speed_options_from_args
 from library.cli.model import load_options_from_args, text_options_from_args
 from library.cli.network import network_options_from_args
 from library.cli.noise_loss import loss_options_from_args, noise_options_from_args
@@ -125,6 +125,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         text=text_options_from_args(ns),
         text_cache=text_cache,
         memory=memory,
+        speed=speed_options_from_args(vars(ns)),
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},

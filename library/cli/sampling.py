@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, at_least, flag, flag_specs, settings_from
+from library.cli.options import at_least, flag, settings_from
 from library.core.errors import ConfigError
 from library.sampling.prompts import load_prompts
 from library.sampling.samplers import canonical_sampler, sampler_names
@@ -31,11 +31,6 @@ class SamplingFlags:
                                      range=at_least(1))
     no_sample_grid: bool = flag(False, "do not write the contact sheet of each sampling event "
                                        "(sample/<name>_<step>_grid.png)")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --sample_prompts, --sample_every_n_steps/epochs, --sample_at_first, --sample_sampler, ..."""
-    add_flags(parser, flag_specs(SamplingFlags))
 
 
 def sampling_options_from_args(ns: argparse.Namespace) -> SamplingOptions:

@@ -298,9 +298,3 @@ def is_schedule_free(optimizer) -> bool:
     """
     inner = unwrap_optimizer(optimizer)
     return callable(getattr(inner, "train", None)) and callable(getattr(inner, "eval", None))
-
-
-def is_adaptive(optimizer_type: str) -> bool:
-    """D-Adaptation / Prodigy names (their groups carry "d"; the loop logs d*lr)."""
-    spec = OPTIMIZERS.get((optimizer_type or "").lower())
-    return bool(spec and spec.adaptive)

@@ -17,6 +17,7 @@ from library.train.deepspeed_engine import DeepSpeedOptions
 from library.train.hub import HubOptions
 from library.train.lr_schedulers import SchedulerOptions
 from library.train.optimizers import OptimizerOptions
+from library.train.speedups import SpeedOptions
 
 
 @dataclass
@@ -177,6 +178,7 @@ class RunSettings:
     text: TextEncodingOptions = field(default_factory=TextEncodingOptions)
     text_cache: TextCacheOptions = field(default_factory=TextCacheOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False
