@@ -596,22 +596,25 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
         model = settings["config"]["model"]
         assert model["pretrained_model_name_or_path"].startswith("/models/")  # placeholders, as the FLUX.1 ones
         model["pretrained_model_name_or_path"] = f"tiny:{family}"
+        blanked = {k: "" for k, v in model.items() if isinstance(v, str) and v.startswith("/models/")}
         settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
         settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
         if (family, mode) == ("anima", "finetune"):
             settings["config"]["optimizer"]["llm_adapter_lr"] = 0
-        jobs[(family, mode)] = (job["id"], settings)
-    assert {k: set(s["config"]["model"]) for k, (_, s) in jobs.items() if k[1] == "lora"} == {
+        jobs[(family, mode)] = (job["id"], settings, blanked)
+    assert {k: set(s["config"]["model"]) for k, (_, s, _) in jobs.items() if k[1] == "lora"} == {
         ("sd3", "lora"): {"pretrained_model_name_or_path", "clip_l", "clip_g", "t5xxl"},
         ("anima", "lora"): {"pretrained_model_name_or_path", "qwen3", "vae"},
         ("chroma", "lora"): {"model_type", "pretrained_model_name_or_path", "t5xxl", "ae", "apply_t5_attn_mask",
                              "guidance_scale"},  # no clip_l for Chroma
         ("lumina", "lora"): {"pretrained_model_name_or_path", "gemma2", "ae"}}
-    assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s) in jobs.items()
+    assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s, _) in jobs.items()
             if k[1] == "lora"} == {"sd3": "networks.lora_sd3", "anima": "networks.lora_anima",
                                    "chroma": "networks.lora_flux", "lumina": "networks.lora_lumina"}
 
-    chroma_id, chroma = jobs[("chroma", "lora")]
+    for _, settings, blanked in jobs.values():  # Save checks that the model files exist: the tiny preset has them all
+        settings["config"]["model"].update(blanked)
+    chroma_id, chroma, _ = jobs[("chroma", "lora")]
     for model_type, got in ((None, "blank"), ("flux", '"flux"')):
         model = {k: v for k, v in chroma["config"]["model"].items() if k != "model_type"}
         if model_type:
@@ -626,7 +629,7 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
                                           jobs.values())))
     for key, r in results.items():
         assert r.status_code == 200, (key, r.text)
-    written = {k: toml.load(os.path.join(jobs_dir, str(i), "config.toml")) for k, (i, _) in jobs.items()}
+    written = {k: toml.load(os.path.join(jobs_dir, str(i), "config.toml")) for k, (i, _, _) in jobs.items()}
     assert written[("anima", "finetune")]["optimizer"]["llm_adapter_lr"] == 0
     assert written[("chroma", "finetune")]["model"]["model_type"] == "chroma"
     assert all(w["model"]["pretrained_model_name_or_path"].startswith("tiny:") for w in written.values())
@@ -895,3 +898,56 @@ def test_no_route_answers_5xx_to_hostile_ids_paths_and_bodies(jobs_dir, monkeypa
     assert len(answers) >= 500  # 505 with the routes of today: every route was reached
     assert [a for a in answers if a[-1] >= 500] == []
     assert {a[-1] for a in answers if "files/output/%00" in a[1] or "path=%00" in a[1]} == {400}
+
+
+# --- issue 29: Save means Start will work ---------------------------------------------------------------------
+
+def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch):
+    """A model file that does not exist and an Anima dataset whose resolution 64 is below its smallest bucket 256
+    were accepted by Save and failed 7-8 s after Start: both are refused at the field now; GET .../check says
+    whether Start will work for the files as they are (a template's /models/... placeholders: to fill in) and
+    which of max_train_steps / max_train_epochs governs the run (sd-scripts' rule: epochs, when given)."""
+    from webui import performance
+    from webui.jobfiles import REPO_ROOT
+
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
+    tiny = _create(c, name="tiny lora A")
+    r = _put_config(c, tiny["id"], "model", "pretrained_model_name_or_path", "/models/nope.safetensors")
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "pretrained_model_name_or_path /models/nope.safetensors: no such file or folder",
+        "field": "pretrained_model_name_or_path"}
+    r = _put_config(c, tiny["id"], "network", "network_weights", "examples/nope.safetensors")
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "network_weights"
+    check = c.get(f"/api/jobs/{tiny['id']}/check").json()
+    assert check["ok"] is True and check["placeholders"] == []
+    assert check["run_length"]["governs"] == "max_train_steps"
+
+    anima = _create(c, template="anima_lora")
+    check = c.get(f"/api/jobs/{anima['id']}/check").json()
+    assert check["ok"] is False and check["error"] == "dataset.toml: datasets[0].subsets[0].image_dir: no such folder: " \
+        "data/my_images" and check["field"] == "image_dir"
+    assert check["placeholders"] == ["pretrained_model_name_or_path", "qwen3", "vae"]
+    assert check["run_length"] == {"governs": "max_train_epochs", "overridden": None,
+                                   "note": "max_train_epochs 10 governs: the run trains 10 epochs"}
+    settings = c.get(f"/api/jobs/{anima['id']}/settings").json()
+    settings["config"]["model"] = {"pretrained_model_name_or_path": "tiny:anima"}
+    settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
+    settings["config"]["training"]["max_train_steps"] = 10
+    ds = settings["dataset"]["datasets"][0]
+    ds["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
+    ds["resolution"] = 64
+    r = c.put(f"/api/jobs/{anima['id']}/settings", json=settings)
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "dataset.toml: datasets[0]: min_bucket_reso: expected at most the smaller resolution side 64, "
+                 "got 256 (rounded to steps of 64: 256)", "field": "min_bucket_reso", "where": "datasets[0]"}
+    ds["min_bucket_reso"] = 64
+    r = c.put(f"/api/jobs/{anima['id']}/settings", json=settings)
+    assert r.status_code == 200, r.text
+    check = c.get(f"/api/jobs/{anima['id']}/check").json()
+    assert check["ok"] is True and check["placeholders"] == []
+    assert check["run_length"] == {
+        "governs": "max_train_epochs", "overridden": "max_train_steps",
+        "note": "max_train_epochs 10 governs: the run trains 10 epochs; max_train_steps 10 is overridden "
+                "(sd-scripts' rule: epochs, when given, win)"}

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Callable, Optional
 from fastapi import Depends, HTTPException, Path, Request
 
 from webui import performance
+from webui.checks import first_missing_input, placeholders, run_length
 from webui.folders import Roots, missing_dataset_folders, settings_path_refusal
 from webui.history import changes
 from webui.jobfiles import JobFolder, SettingsError, model_type_refusal, script_for
@@ -51,6 +52,7 @@ class WebContext:
         self.store = Store(os.path.join(jobs_dir, "jobs.sqlite3"))
         self.runner = Runner(self.store, jobs_dir, stop_timeout=stop_timeout)
         self.boards = TensorBoards()
+        self._checked: dict[int, tuple[Any, dict[str, Any]]] = {}  # job id -> (what was checked, the answer)
 
     def folder(self, job_id: int) -> JobFolder:
         return JobFolder(self.jobs_dir, job_id)
@@ -95,6 +97,9 @@ class WebContext:
             for key, path, where in missing_dataset_folders(settings.get("dataset") or {}):
                 what = "file" if key == "metadata_file" else "folder"
                 raise refuse(422, f"dataset.toml: {where}.{key}: no such {what}: {path}", key, where=where)
+            missing = first_missing_input(settings.get("config") or {})
+            if missing:  # the trainer's check loads no model: a missing model file would fail only at Start
+                raise refuse(422, *missing)
         config = settings["config"]
         for section in config.values():  # "Block swap count" 0 is off: no flag (the trainer wants >= 1)
             if isinstance(section, dict) and section.get("blocks_to_swap") == 0:
@@ -135,9 +140,51 @@ class WebContext:
         elif os.path.exists(folder.accelerate_config_path):
             os.remove(folder.accelerate_config_path)  # no strategy: one process, no accelerate config
         saved = folder.settings()
+        self._checked[job["id"]] = (self._check_key(job["id"]), self._answer(saved, None))
         summary = changes(previous["settings"] if previous else None, saved)
         self.store.add_revision(job["id"], saved, f"{what}: {summary}" if what else summary)
         return saved
+
+
+    def _check_key(self, job_id: int) -> Any:
+        folder = self.folder(job_id)
+        stamp = []
+        for path in (folder.config_path, folder.dataset_path, folder.prompts_path, folder.launch_path):
+            try:
+                st = os.stat(path)
+                stamp.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamp.append(None)
+        return tuple(stamp)
+
+    @staticmethod
+    def _answer(settings: dict[str, Any], refusal: Optional[HTTPException]) -> dict[str, Any]:
+        detail = refusal.detail if refusal is not None else None
+        if refusal is not None and not isinstance(detail, dict):
+            detail = {"error": str(detail), "field": None}
+        config = settings.get("config") or {}
+        return {"ok": refusal is None, "error": detail and detail.get("error"), "field": detail and detail.get("field"),
+                "where": detail and detail.get("where"), "placeholders": placeholders(config),
+                "run_length": run_length(config)}
+
+    def start_check(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Whether Start will work with the job's files as they are: every check of a Save, nothing written
+        (cached until one of the job's files changes)."""
+        key = self._check_key(job["id"])
+        cached = self._checked.get(job["id"])
+        if cached and cached[0] == key:
+            return cached[1]
+        settings = self.folder(job["id"]).settings()
+        refusal = None
+        try:
+            scratch = self.check(job, settings)
+            if scratch:
+                os.remove(scratch)
+        except HTTPException as e:
+            refusal = e
+        answer = self._answer(settings, refusal)
+        self._checked[job["id"]] = (key, answer)
+        return answer
 
 
 def context(request: Request) -> WebContext:

@@ -127,14 +127,14 @@ def within(real: str, folder: str) -> bool:
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _config_values(config: Any, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
+def config_values(config: Any, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
     """(key, value) of every `keys` entry in config.toml's tables at any depth (the trainer flattens them);
     a list value (base_weights) gives one entry per item."""
     if not isinstance(config, dict):
         return
     for key, value in config.items():
         if isinstance(value, dict):
-            yield from _config_values(value, keys)
+            yield from config_values(value, keys)
         elif key in keys:
             for item in value if isinstance(value, list) else [value]:
                 yield key, item
@@ -154,14 +154,14 @@ def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Opti
     into outside the job's folder (403), a file or folder it reads outside the roots and the job's folder
     (403), a dataset path outside the roots (403). None when every path-valued setting is contained."""
     config, dataset = settings.get("config") or {}, settings.get("dataset") or {}
-    for key, value in _config_values(config, NAME_KEYS):
+    for key, value in config_values(config, NAME_KEYS):
         if not isinstance(value, str):
             continue
         if "\0" in value or "/" in value or "\\" in value or value.strip() in (".", ".."):
             return 422, (f"{key} {value!r}: expected a name, not a path (no '/', '\\', '..' or NUL): the run's "
                          "files go into the job's folder"), key
-    candidates = [(key, value, "job") for key, value in _config_values(config, JOB_FOLDER_KEYS)]
-    candidates += [(key, value, "read") for key, value in _config_values(config, READ_PATH_KEYS)]
+    candidates = [(key, value, "job") for key, value in config_values(config, JOB_FOLDER_KEYS)]
+    candidates += [(key, value, "read") for key, value in config_values(config, READ_PATH_KEYS)]
     candidates += [(key, value, "dataset") for key, value in dataset_paths(dataset)]
     for key, value, kind in candidates:
         if not isinstance(value, str) or value == "":

@@ -300,7 +300,8 @@ def one_line_error(stderr: str) -> str:
 
 
 _FLAG_RE = re.compile(r"--([A-Za-z0-9_]+)")
-_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\]\.(?:subsets\[\d+\]\.)?)*([A-Za-z0-9_]+)(?::|$| )")
+_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\](?:\.subsets\[\d+\])?(?:\.|: ))*"
+                     r"([A-Za-z0-9_]+)(?::|$| )")
 
 
 _WHERE_RE = re.compile(r"^dataset\.toml: (datasets\[\d+\](?:\.subsets\[\d+\])?|general)")

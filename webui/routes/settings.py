@@ -32,6 +32,14 @@ def put_settings(ctx: Ctx, job_id: JobId, body: Settings) -> dict[str, Any]:
     return ctx.check_and_write(job, body.as_settings())
 
 
+@router.get("/api/jobs/{job_id}/check")
+def start_check(ctx: Ctx, job_id: JobId) -> dict[str, Any]:
+    """Whether Start will work: every check of a Save on the job's files as they are (a job made from a
+    template with placeholder paths, or files edited by hand, may fail it). `ok`, else the one-line `error` and
+    its `field`; `placeholders`: the settings still to fill in; `run_length`: whether steps or epochs govern."""
+    return ctx.start_check(ctx.job_or_404(job_id))
+
+
 @router.post("/api/jobs/{job_id}/revert")
 def revert_settings(ctx: Ctx, job_id: JobId) -> dict[str, Any]:
     """Danger zone: the template's settings again."""
