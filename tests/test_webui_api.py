@@ -951,3 +951,54 @@ def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch
         "governs": "max_train_epochs", "overridden": "max_train_steps",
         "note": "max_train_epochs 10 governs: the run trains 10 epochs; max_train_steps 10 is overridden "
                 "(sd-scripts' rule: epochs, when given, win)"}
+
+
+def test_sample_now_save_now_stop_and_generate_on_a_real_tiny_job(client, jobs_dir, monkeypatch):
+    """During a run, sample_now and save_now reach the trainer through output/.control/ and happen at its next
+    step; Stop ends the run at the step after the one the log showed (the bar is written at every step into a
+    file: it lagged several steps behind); generate runs tools/generate.py with the job's trained LoRA and the
+    images land in the gallery, labelled."""
+    from library.train.control import CONTROL_DIR
+    from webui.generation import CONTROL_DIR as UI_CONTROL_DIR
+
+    assert UI_CONTROL_DIR == CONTROL_DIR
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    job = _create(client, name="tiny")
+    settings = client.get("/api/jobs/1/settings").json()
+    settings["config"]["training"].update(max_train_steps=400, save_every_n_steps=1000)
+    settings["prompts"] = ["a sks shape --w 64 --h 64 --s 2 --d 1"]
+    assert client.put("/api/jobs/1/settings", json=settings).status_code == 200
+    assert client.post("/api/jobs/1/sample_now").status_code == 409  # not running
+    assert client.post("/api/jobs/1/generate", json={}).status_code == 409  # no trained LoRA yet
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"
+    s = _wait_for_step(client, 1, 2, 120)
+    assert s["status"] == "running"
+    assert client.post("/api/jobs/1/sample_now").status_code == 202
+    assert client.post("/api/jobs/1/save_now").status_code == 202
+    output = os.path.join(jobs_dir, "1", "output")
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not (len(client.get("/api/jobs/1/samples").json()) == 2 and
+                                          client.get("/api/jobs/1/trained").json()):
+        time.sleep(0.2)
+    trained = client.get("/api/jobs/1/trained").json()
+    assert len(trained) == 1 and trained[0]["name"].startswith("lora-step"), trained
+    saved_step = int(trained[0]["name"][len("lora-step"):-len(".safetensors")])
+    samples = client.get("/api/jobs/1/samples").json()
+    assert sorted(((x["step"], x["prompt_index"], x["prompt"], x["grid"]) for x in samples), key=str) == [
+        (saved_step, 0, "a sks shape", False), (saved_step, None, None, True)]  # sampled and saved at one step
+    assert not os.listdir(os.path.join(output, CONTROL_DIR))  # the requests were taken
+
+    shown = client.get("/api/jobs/1/status").json()["progress"]["step"]
+    assert client.post("/api/jobs/1/stop").json()["status"] == "stopping"
+    assert client.app.state.runner.wait(1, 60) == "stopped"
+    stopped_at = client.get("/api/jobs/1/status").json()["progress"]["step"]
+    assert shown <= stopped_at <= shown + 2, (shown, stopped_at)  # the step in progress, at most the next
+
+    r = client.post("/api/jobs/1/generate", json={"prompts": ["a sks shape --w 64 --h 64"], "steps": 2,
+                                                  "checkpoint": trained[0]["name"], "seed": 3})
+    assert r.status_code == 202, r.text
+    assert client.post("/api/jobs/1/generate", json={}).status_code in (409, 202)
+    assert client.app.state.ctx.generations.wait(1, 120) == "finished", client.get("/api/jobs/1/generate").json()
+    generated = [x for x in client.get("/api/jobs/1/samples").json() if x["generated"]]
+    assert len(generated) >= 1 and generated[0]["prompt"] == "a sks shape" and generated[0]["prompt_index"] == 0
+    assert client.post("/api/jobs/1/generate", json={"checkpoint": "nope.safetensors"}).status_code in (409, 422)

@@ -13,6 +13,7 @@ from fastapi import Depends, HTTPException, Path, Request
 
 from webui import performance
 from webui.checks import first_missing_input, placeholders, run_length
+from webui.generation import Generations
 from webui.folders import Roots, missing_dataset_folders, settings_path_refusal
 from webui.history import changes
 from webui.jobfiles import JobFolder, SettingsError, model_type_refusal, script_for
@@ -52,6 +53,7 @@ class WebContext:
         self.store = Store(os.path.join(jobs_dir, "jobs.sqlite3"))
         self.runner = Runner(self.store, jobs_dir, stop_timeout=stop_timeout)
         self.boards = TensorBoards()
+        self.generations = Generations()
         self._checked: dict[int, tuple[Any, dict[str, Any]]] = {}  # job id -> (what was checked, the answer)
 
     def folder(self, job_id: int) -> JobFolder:
@@ -76,7 +78,20 @@ class WebContext:
     def describe(self, job: dict[str, Any]) -> dict[str, Any]:
         folder = self.folder(job["id"])
         return {**job, "folder": folder.path, "script": script_for(job["family"], job["mode"]),
-                "command": shown_command(training_command(job, folder), gpu_environment(folder))}
+                "command": shown_command(training_command(job, folder), gpu_environment(folder)),
+                "queue": self.queue_place(job), "resumable": folder.has_state()}
+
+    def queue_place(self, job: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """A queued job's place: position (1: next to start) and what it waits for (the running job)."""
+        if job["status"] != "queued":
+            return None
+        jobs = self.store.jobs()
+        queued = [j["id"] for j in jobs if j["status"] == "queued"]
+        running = [j for j in jobs if j["status"] == "running"]
+        waits = (", ".join(f'job {j["id"]} "{j["name"]}" (running)' for j in running) if running
+                 else "the next status refresh")
+        return {"position": queued.index(job["id"]) + 1, "of": len(queued),
+                "waits_for": f"{waits}: one run at a time"}
 
     def performance_options(self, job: dict[str, Any]) -> list[dict[str, Any]]:
         return performance.availability(job["family"], script_for(job["family"], job["mode"]),

@@ -26,6 +26,20 @@ def clean_name(name: Any) -> str:
     return name
 
 
+def unique_name(ctx, name: str, job_id: Optional[int] = None) -> str:
+    """`name`, or with the first free suffix " (2)", " (3)", ... when another job has it (names are unique)."""
+    taken = {j["name"] for j in ctx.store.jobs() if j["id"] != job_id}
+    if name not in taken:
+        return name
+    n = 2
+    while True:
+        suffix = f" ({n})"
+        candidate = name[:MAX_NAME - len(suffix)] + suffix
+        if candidate not in taken:
+            return candidate
+        n += 1
+
+
 def clean_launcher(launcher: Any) -> str:
     if not isinstance(launcher, str) or launcher not in LAUNCHERS:
         raise refuse(422, f"launcher: one of {', '.join(LAUNCHERS)}", "launcher")
@@ -51,7 +65,7 @@ def create_job(ctx: Ctx, body: NewJob) -> dict[str, Any]:
                      "template")
     t = all_templates[body.template]
     launcher = clean_launcher(body.launcher if body.launcher is not None else ctx.default_launcher)
-    job_id = ctx.store.create_job(clean_name(body.name or t["template"]["title"]), body.template,
+    job_id = ctx.store.create_job(unique_name(ctx, clean_name(body.name or t["template"]["title"])), body.template,
                                   t["template"]["family"], t["template"]["mode"], launcher)
     folder = ctx.folder(job_id)
     folder.write_settings({"config": t["config"], "dataset": t["dataset"], "prompts": t.get("prompts", [])})
@@ -69,7 +83,7 @@ def get_job(ctx: Ctx, job_id: JobId) -> dict[str, Any]:
 def duplicate_job(ctx: Ctx, job_id: JobId, body: Optional[Duplicate] = Body(None)) -> dict[str, Any]:
     job = ctx.job_or_404(job_id)
     name = clean_name((body.name if body else None) or f"{job['name']} (copy)"[:MAX_NAME])
-    new_id = ctx.store.create_job(name, job["template"], job["family"], job["mode"], job["launcher"])
+    new_id = ctx.store.create_job(unique_name(ctx, name), job["template"], job["family"], job["mode"], job["launcher"])
     source, copy = ctx.folder(job_id), ctx.folder(new_id)
     copy.write_settings(source.settings())
     if os.path.isfile(source.accelerate_config_path) and not os.path.islink(source.accelerate_config_path):
@@ -83,7 +97,7 @@ def update_job(ctx: Ctx, job_id: JobId, body: JobChanges) -> dict[str, Any]:
     ctx.job_or_404(job_id)
     values = {}
     if "name" in body.model_fields_set:
-        values["name"] = clean_name(body.name)
+        values["name"] = unique_name(ctx, clean_name(body.name), job_id)
     if "launcher" in body.model_fields_set:
         values["launcher"] = clean_launcher(body.launcher)
     if values:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -35,3 +35,12 @@ class Settings(_Body):
     def as_settings(self) -> dict[str, Any]:
         return {"config": self.config or {}, "dataset": self.dataset or {}, "prompts": self.prompts or [],
                 "launch": self.launch or {}}
+
+
+class Generate(_Body):
+    prompts: Optional[list[str]] = None  # blank: the job's sample prompts
+    checkpoint: Optional[str] = None  # a trained file of the job (output/NAME); blank: the newest
+    steps: Optional[int] = Field(None, ge=1, le=1000)
+    width: Optional[int] = Field(None, ge=16, le=8192)
+    height: Optional[int] = Field(None, ge=16, le=8192)
+    seed: Optional[int] = Field(None, ge=0, le=2**32 - 1)
