@@ -1002,3 +1002,29 @@ def test_sample_now_save_now_stop_and_generate_on_a_real_tiny_job(client, jobs_d
     generated = [x for x in client.get("/api/jobs/1/samples").json() if x["generated"]]
     assert len(generated) >= 1 and generated[0]["prompt"] == "a sks shape" and generated[0]["prompt_index"] == 0
     assert client.post("/api/jobs/1/generate", json={"checkpoint": "nope.safetensors"}).status_code in (409, 422)
+
+
+def test_job_names_are_unique_and_a_queued_job_says_what_it_waits_for(client, monkeypatch):
+    """A second "tiny lora A" was a second job of the same name: now it is "tiny lora A (2)" (creating,
+    duplicating and renaming alike); a queued job says its place and the run it waits for; Start says Resume
+    only when a run saved a state (a start that failed before any step says Start)."""
+    from webui.runner import Runner
+
+    names = [_create(client, name="tiny lora A")["name"] for _ in range(3)]
+    assert names == ["tiny lora A", "tiny lora A (2)", "tiny lora A (3)"]
+    assert client.post("/api/jobs/1/duplicate", json={"name": "tiny lora A"}).json()["name"] == "tiny lora A (4)"
+    assert client.patch("/api/jobs/2", json={"name": "tiny lora A"}).json()["name"] == "tiny lora A (2)"  # its own
+    assert client.patch("/api/jobs/3", json={"name": " tiny  lora A "}).json()["name"] == "tiny lora A (3)"
+    assert client.patch("/api/jobs/3", json={"name": 5}).json()["detail"]["field"] == "name"
+
+    monkeypatch.setattr(Runner, "_launch", lambda self, job: self.store.update_job(job["id"], status="running"))
+    monkeypatch.setattr(Runner, "alive", lambda self, job: True)
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"
+    assert client.post("/api/jobs/2/start").json()["status"] == "queued"
+    third = client.post("/api/jobs/3/start").json()
+    assert third["status"] == "queued" and third["job"]["queue"] == {
+        "position": 2, "of": 2, "waits_for": 'job 1 "tiny lora A" (running): one run at a time'}
+    assert client.get("/api/jobs/1").json()["queue"] is None
+    assert client.get("/api/jobs/1").json()["resumable"] is False
+    os.makedirs(os.path.join(client.app.state.runner.jobs_dir, "1", "output", "lora-step00000004-state"))
+    assert client.get("/api/jobs/1").json()["resumable"] is True

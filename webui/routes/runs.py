@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from webui import logs
+from webui.hardware import process_group_memory
 from webui.context import OFFSET_RE, Ctx, JobId
 from webui.store import ACTIVE
 
@@ -87,3 +88,14 @@ def loss_history(ctx: Ctx, job_id: JobId) -> list[dict[str, Any]]:
     """Loss and LR by step, parsed from the log (the console's chart)."""
     ctx.job_or_404(job_id)
     return logs.history(ctx.folder(job_id).log_path)
+
+
+@router.get("/api/jobs/{job_id}/hardware")
+def run_hardware(ctx: Ctx, job_id: JobId) -> dict[str, Any]:
+    """The live hardware panel: the run's resident memory (its process group) and each GPU's memory and
+    utilisation (nvidia-smi; none on a CPU machine)."""
+    ctx.runner.refresh()
+    job = ctx.job_or_404(job_id)
+    running = job["status"] == "running" and job["pid"]
+    return {"status": job["status"], "cpu": process_group_memory(job["pid"]) if running else None,
+            "gpus": ctx.find_gpus()}
