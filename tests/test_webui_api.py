@@ -1028,3 +1028,58 @@ def test_job_names_are_unique_and_a_queued_job_says_what_it_waits_for(client, mo
     assert client.get("/api/jobs/1").json()["resumable"] is False
     os.makedirs(os.path.join(client.app.state.runner.jobs_dir, "1", "output", "lora-step00000004-state"))
     assert client.get("/api/jobs/1").json()["resumable"] is True
+
+
+def test_data_roots_upload_and_the_raw_editor(jobs_dir, tmp_path):
+    """A folder outside --data_root needed a restart: now POST /api/data_roots allows it at once and is kept on
+    the server (a new server has it too); image counts are recursive; images dropped on the page go into the
+    job's dataset folder, which its settings may name; config.toml and dataset.toml edited as text are checked
+    as a Save is (the trainer's own one-line error, nothing written) and kept in the history."""
+    from webui.jobfiles import REPO_ROOT
+
+    outside = tmp_path / "elsewhere"
+    (outside / "a" / "b").mkdir(parents=True)
+    for rel in ("x.png", "a/y.png", "a/b/z.jpg", "a/b/z.txt"):
+        (outside / rel).write_bytes(b"\x89PNG")
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT]))
+    assert c.get(f"/api/folders?path={outside}").status_code == 403
+    r = c.post("/api/data_roots", json={"path": str(outside)})
+    assert r.status_code == 201 and r.json()["images"] == 3 and r.json()["added"] == [str(outside)]
+    listing = c.get(f"/api/folders?path={outside}").json()
+    assert listing["images"] == 1 and [(f["name"], f["images"]) for f in listing["folders"]] == [("a", 2)]
+    assert c.post("/api/data_roots", json={"path": "relative/x"}).status_code == 422
+    assert c.post("/api/data_roots", json={"path": str(tmp_path / "none")}).status_code == 422
+    again = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT]))  # kept on the server
+    assert str(outside) in again.get("/api/data_roots").json()["roots"]
+    assert again.delete(f"/api/data_roots?path={outside}").json()["added"] == []
+    assert again.get(f"/api/folders?path={outside}").status_code == 403
+    assert again.delete(f"/api/data_roots?path={REPO_ROOT}").status_code == 404  # --data_root stays
+
+    _create(c)
+    image = open(os.path.join(REPO_ROOT, "examples", "data", "train", "10_sks shape",
+                              sorted(n for n in os.listdir(os.path.join(REPO_ROOT, "examples", "data", "train",
+                                                                         "10_sks shape")) if n.endswith(".png"))[0]),
+                 "rb").read()
+    r = c.put("/api/jobs/1/dataset_files/one.png", content=image)
+    assert r.status_code == 201 and r.json() == {"folder": os.path.join(jobs_dir, "1", "dataset"), "name": "one.png",
+                                                 "images": 1}
+    assert c.put("/api/jobs/1/dataset_files/one.txt", content=b"a sks shape").status_code == 201
+    assert c.put("/api/jobs/1/dataset_files/..%2Fx.png", content=b"x").status_code in (404, 422)
+    assert c.put("/api/jobs/1/dataset_files/run.sh", content=b"x").status_code == 422
+    assert c.put("/api/jobs/1/dataset_files/.hidden.png", content=b"x").status_code == 422
+
+    raw = c.get("/api/jobs/1/raw").json()
+    assert "max_train_steps = 20" in raw["config"] and 'image_dir = "examples/data/train/10_sks shape"' in raw["dataset"]
+    bad = raw["config"].replace("learning_rate = 0.001", "learning_rate = -1")
+    r = c.put("/api/jobs/1/raw", json={"config": bad, "dataset": raw["dataset"]})
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "learning_rate"
+    assert c.put("/api/jobs/1/raw", json={"config": "[x", "dataset": ""}).json()["detail"]["error"].startswith(
+        "config.toml: not TOML: ")
+    dataset = raw["dataset"].replace("examples/data/train/10_sks shape", os.path.join(jobs_dir, "1", "dataset"))
+    config = raw["config"].replace("max_train_steps = 20", "max_train_steps = 7")
+    r = c.put("/api/jobs/1/raw", json={"config": config, "dataset": dataset})
+    assert r.status_code == 200, r.text
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["training"]["max_train_steps"] == 7
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["output"]["output_dir"] == \
+        os.path.join(jobs_dir, "1", "output")  # the UI's own keys, set again
+    assert c.get("/api/jobs/1/revisions").json()[0]["changes"].startswith("edited as text: max_train_steps: 20 -> 7")

@@ -18,12 +18,12 @@ from webui.context import WebContext
 from webui.folders import Roots
 from webui.hardware import gpus
 from webui.jobfiles import REPO_ROOT
-from webui.routes import files, folders, generate, jobs, runs, settings, tensorboard
+from webui.routes import datasets, files, folders, generate, jobs, runs, settings, tensorboard
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 TOKEN_COOKIE = "webui_token"
 ROUTERS = (jobs.router, settings.router, runs.router, generate.router, files.router, tensorboard.router,
-           folders.router)
+           folders.router, datasets.router)
 
 
 def _body_error(exc: RequestValidationError) -> Optional[dict]:
@@ -42,6 +42,8 @@ def create_app(jobs_dir: str, token: Optional[str] = None, stop_timeout: float =
     """`find_gpus`: the GPUs of this machine (webui.hardware.gpus; tests give a stand-in list)."""
     ctx = WebContext(os.path.abspath(jobs_dir), Roots(data_roots or [REPO_ROOT, os.getcwd()]), stop_timeout,
                      default_launcher, find_gpus)
+    for added in datasets.load_added_roots(ctx):  # folders added from the page, kept on the server
+        ctx.roots.add(added)
     app = FastAPI(title="Training jobs", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     app.state.store, app.state.runner, app.state.tensorboards = ctx.store, ctx.runner, ctx.boards

@@ -47,6 +47,7 @@ class WebContext:
                  find_gpus: Callable[[], list[dict[str, Any]]]):
         self.jobs_dir = jobs_dir
         self.roots = roots
+        self.base_roots = list(roots.roots)  # --data_root; more are added from the page (webui/routes/datasets.py)
         self.default_launcher = default_launcher
         self.find_gpus = find_gpus
         os.makedirs(jobs_dir, exist_ok=True)

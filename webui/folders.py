@@ -34,6 +34,18 @@ class Roots:
             if real not in self.roots:
                 self.roots.append(real)
 
+    def add(self, root: str) -> str:
+        """Allow one more folder (after symlinks); returns it."""
+        real = os.path.realpath(root)
+        if real not in self.roots:
+            self.roots.append(real)
+        return real
+
+    def remove(self, root: str) -> None:
+        real = os.path.realpath(root)
+        if real in self.roots:
+            self.roots.remove(real)
+
     def inside(self, path: str, base: str = REPO_ROOT) -> Optional[str]:
         """`path` (relative ones from `base`, where runs start) resolved, or None when outside every root.
         A path with a NUL character is outside (callers that answer a request refuse it first, with 400)."""
@@ -73,8 +85,15 @@ def image_files(folder: str) -> list[str]:
         return []
 
 
-def count_images(folder: str) -> int:
-    return len(image_files(folder))
+def count_images(folder: str, limit: int = 1_000_000) -> int:
+    """The images in `folder` and its subfolders (hidden ones and symbolic links to folders are not entered)."""
+    total = 0
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        total += sum(1 for f in files if f.lower().endswith(IMAGE_EXTENSIONS))
+        if total >= limit:
+            break
+    return total
 
 
 def dataset_paths(dataset: dict) -> list[tuple[str, str]]:
@@ -178,7 +197,7 @@ def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Opti
             if roots.inside(value) is None and not within(resolved(value), job_folder):
                 return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the "
                              f"server's --data_root) and the job's folder"), key
-        elif roots.inside(value) is None:
+        elif roots.inside(value) is None and not within(resolved(value), job_folder):
             return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the server's "
-                         "--data_root)"), key
+                         "--data_root) and the job's folder"), key
     return None

@@ -44,3 +44,12 @@ class Generate(_Body):
     width: Optional[int] = Field(None, ge=16, le=8192)
     height: Optional[int] = Field(None, ge=16, le=8192)
     seed: Optional[int] = Field(None, ge=0, le=2**32 - 1)
+
+
+class DataRoot(_Body):
+    path: str
+
+
+class RawSettings(_Body):
+    config: str  # config.toml as text (the UI's own keys are set again on write)
+    dataset: str  # dataset.toml as text
