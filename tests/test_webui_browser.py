@@ -203,8 +203,10 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
 
 
 def _chart_has_axes_and_hover(browser):
-    axes = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#chart .u-axis .u-label")]
+    axes = browser.execute_script("return chart.axes.map((a) => a.label)")  # uPlot draws them on its canvas
     assert axes == ["step", "loss", "learning rate"], axes
+    assert browser.execute_script("return chart.series.map((s) => s.label)")[:4] == [
+        "step", "loss", "loss (smoothed)", "LR"]
     over = browser.find_element(By.CSS_SELECTOR, "#chart .u-over")
     from selenium.webdriver.common.action_chains import ActionChains
 
@@ -292,7 +294,8 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
         "train/10_sks shape; subsets[1].num_repeats: set to 2; strategy: set to single")
     items[1].find_element(By.CSS_SELECTOR, ".restore-btn").click()
     browser.switch_to.alert.accept()
-    wait.until(lambda d: d.find_element(By.ID, "form-ok").text == "Restored revision 2.")
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").text.startswith("Restored revision 2. max_train_steps 40 "
+                                                                          "governs"))
     assert len(toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]) == 1
     assert not os.path.exists(os.path.join(job, "accelerate_config.yaml"))
     assert len(browser.find_elements(By.CSS_SELECTOR, "#folder-rows .folder-row")) == 1  # drawn, in its tab

@@ -13,8 +13,8 @@ from fastapi import Depends, HTTPException, Path, Request
 
 from webui import performance
 from webui.checks import first_missing_input, placeholders, run_length
-from webui.generation import Generations
 from webui.folders import Roots, missing_dataset_folders, settings_path_refusal
+from webui.generation import Generations
 from webui.history import changes
 from webui.jobfiles import JobFolder, SettingsError, model_type_refusal, script_for
 from webui.multigpu import clean_launch, write_accelerate_config

@@ -90,6 +90,8 @@ async function selectJob(id) {
   loadTensorBoard();
   loadChart();
   loadHardware();
+  loadRoots();
+  $("raw-editor").hidden = true; $("upload-msg").textContent = "";
   $("events-msg").textContent = "";
   $("control-msg").textContent = "";
   await loadJobs();
@@ -420,6 +422,51 @@ async function generateNow() {
   if (!genTimer) genTimer = setInterval(pollGeneration, 1000);
 }
 
+// --- data folders, upload, the raw editor -----------------------------------------------------------------------
+async function loadRoots() {
+  const r = await api("GET", "/api/data_roots");
+  const ul = $("roots-list");
+  ul.textContent = "";
+  for (const root of r.roots) {
+    const li = el("li", {}, root + " ");
+    if (r.added.includes(root)) {
+      const b = el("button", { type: "button" }, "Remove");
+      b.addEventListener("click", () => action(async () => {
+        await api("DELETE", `/api/data_roots?path=${encodeURIComponent(root)}`); loadRoots();
+      }));
+      li.appendChild(b);
+    }
+    ul.appendChild(li);
+  }
+  if (current) $("upload-folder").textContent = current.folder + "/dataset";
+}
+async function uploadFiles(files) {
+  let last = null;
+  for (const f of files) {
+    const r = await fetch(`/api/jobs/${current.id}/dataset_files/${encodeURIComponent(f.name)}`, { method: "PUT", body: f });
+    const data = await r.json().catch(() => null);
+    if (!r.ok) { $("upload-msg").textContent = `${f.name}: ${data && data.detail ? (data.detail.error || data.detail) : r.statusText}`; return; }
+    last = data;
+  }
+  if (last) $("upload-msg").textContent = `${files.length} file(s) uploaded: ${last.folder} now holds ${last.images} image(s); use it as a dataset folder in Data.`;
+}
+async function loadRaw() {
+  const r = await api("GET", `/api/jobs/${current.id}/raw`);
+  $("raw-config").value = r.config; $("raw-dataset").value = r.dataset;
+  $("raw-editor").hidden = false; $("raw-msg").textContent = "";
+}
+async function saveRaw() {
+  setBusy(true, "Saving the text: running every check Start makes...");
+  try {
+    settings = await api("PUT", `/api/jobs/${current.id}/raw`, { config: $("raw-config").value, dataset: $("raw-dataset").value });
+    $("raw-msg").className = "ok"; $("raw-msg").textContent = "Saved: every check Start makes passed.";
+    renderForm(); loadHistory(); loadCheck();
+    current = await api("GET", `/api/jobs/${current.id}`); showJob(current);
+  } catch (e) {
+    $("raw-msg").className = "error"; $("raw-msg").textContent = e.message;
+  } finally { setBusy(false); }
+}
+
 async function action(fn) {
   try { await fn(); } catch (e) { alert(e.message); }
 }
@@ -439,6 +486,16 @@ function init() {
   $("chart-smooth").addEventListener("input", drawChart);
   window.addEventListener("resize", () => { if (chart) chart.setSize(chartSize()); });
   $("generate-btn").addEventListener("click", () => action(generateNow));
+  $("root-add").addEventListener("click", () => action(async () => {
+    await api("POST", "/api/data_roots", { path: $("root-path").value.trim() });
+    $("root-path").value = ""; loadRoots();
+  }));
+  const zone = $("drop-zone");
+  zone.addEventListener("dragover", (ev) => { ev.preventDefault(); zone.classList.add("over"); });
+  zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+  zone.addEventListener("drop", (ev) => { ev.preventDefault(); zone.classList.remove("over"); action(() => uploadFiles([...ev.dataTransfer.files])); });
+  $("raw-load").addEventListener("click", () => action(loadRaw));
+  $("raw-save").addEventListener("click", () => action(saveRaw));
   $("sample-now-btn").addEventListener("click", () => action(async () => {
     await api("POST", `/api/jobs/${current.id}/sample_now`);
     $("control-msg").textContent = "Sample now: asked; the run samples at its next step.";
