@@ -926,8 +926,8 @@ def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch
 
     anima = _create(c, template="anima_lora")
     check = c.get(f"/api/jobs/{anima['id']}/check").json()
-    assert check["ok"] is False and check["error"] == "dataset.toml: datasets[0].subsets[0].image_dir: no such folder: " \
-        "data/my_images" and check["field"] == "image_dir"
+    assert check["ok"] is False and check["field"] == "image_dir"
+    assert check["error"] == "dataset.toml: datasets[0].subsets[0].image_dir: no such folder: data/my_images"
     assert check["placeholders"] == ["pretrained_model_name_or_path", "qwen3", "vae"]
     assert check["run_length"] == {"governs": "max_train_epochs", "overridden": None,
                                    "note": "max_train_epochs 10 governs: the run trains 10 epochs"}
@@ -963,7 +963,7 @@ def test_sample_now_save_now_stop_and_generate_on_a_real_tiny_job(client, jobs_d
 
     assert UI_CONTROL_DIR == CONTROL_DIR
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    job = _create(client, name="tiny")
+    _create(client, name="tiny")
     settings = client.get("/api/jobs/1/settings").json()
     settings["config"]["training"].update(max_train_steps=400, save_every_n_steps=1000)
     settings["prompts"] = ["a sks shape --w 64 --h 64 --s 2 --d 1"]

@@ -160,6 +160,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     slow.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chart .u-legend .u-series")) >= 4)
     _chart_has_axes_and_hover(browser)
     tab(browser, "Outputs")
+    browser.execute_script("window.scrollTo(0, 0)")
     slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples table.gallery img"))  # a sample, from the prompt
     assert not browser.find_element(By.ID, "no-samples").is_displayed()
     heads = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "#samples table.gallery tr:first-child th")]
@@ -169,9 +170,11 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     link = browser.find_element(By.CSS_SELECTOR, "#samples table.gallery td a")
     assert link.get_attribute("target") == "_blank" and link.get_attribute("href").endswith(".png")
     os.makedirs(shots, exist_ok=True)
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(shots, "webui_samples.png"))
     tab(browser, "Run")
     _chart_has_axes_and_hover(browser)
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(shots, "webui_job.png"))
 
     # 50 concurrent API calls while the job trains: no errors
@@ -337,6 +340,11 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     marked = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".field.placeholder-field"))
     assert {m.get_attribute("data-field") for m in marked} >= {"pretrained_model_name_or_path", "qwen3", "vae"}
     assert marked[0].find_element(By.CSS_SELECTOR, ".to-fill").text == "to fill in: the template's placeholder path"
+    tab(browser, "Data")
+    folder = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="0"] .image-dir')
+    folder.clear()
+    folder.send_keys("examples/data/train/10_sks shape")
+    tab(browser, "Model")
     model = browser.find_element(By.ID, "f-pretrained_model_name_or_path")
     model.clear()
     model.send_keys("/models/nope.safetensors")
@@ -350,10 +358,6 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     tab(browser, "Training")
     browser.find_element(By.ID, "f-optimizer_type").clear()
     browser.find_element(By.ID, "f-optimizer_type").send_keys("AdamW")  # no bitsandbytes needed
-    tab(browser, "Data")
-    folder = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="0"] .image-dir')
-    folder.clear()
-    folder.send_keys("examples/data/train/10_sks shape")
     tab(browser, "Model")
     frozen.click()
     assert not browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()

@@ -49,8 +49,8 @@ class TrainingLoop:
         start = self.run_state.progress
         global_step = start.global_step
         loss_window = LossWindow(self.batches_per_epoch)
-        # Into a file (the web UI's train.log) the bar is written at every step: tqdm's default skips steps
-        # (mininterval, dynamic miniters), so the log showed a step several behind the run's.
+        # Into a file (the web UI's train.log) the bar is written at every step: tqdm skips redraws closer than
+        # 0.1 s, so fast steps were missing from the log (the web UI's progress and loss chart read it).
         to_file = not getattr(sys.stderr, "isatty", lambda: False)()
         bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
                    disable=not self.accelerator.is_local_main_process,

@@ -217,7 +217,7 @@ async function pollStatus() {
       if (p.lr !== undefined) parts.push(`LR ${p.lr}`);
       if (p.rate) parts.push(p.rate);
       $("progress").textContent = parts.join(" · ");
-      if ((s.status === "running" && chartTick++ % 5 === 0) || changed) { loadChart(); loadSamples(); }
+      if ((s.status === "running" && chartTick++ % 5 === 0) || changed) { loadChart(); loadSamples(); loadTrained(); }
     }
     if (changed) { loadJobs(); loadSamples(); loadTrained(); }
   } catch (e) { /* the server restarts: try again next time */ }
@@ -372,7 +372,7 @@ function drawChart() {
     cursor: { drag: { x: true, y: false } },
     scales: { x: { time: false }, loss: log ? { distr: 3 } : {}, lr: { auto: true, range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] } },
     axes: [{ label: "step" },
-      { scale: "loss", label: "loss", size: 60, values: (u, v) => v.map((x) => x === null ? "" : Number(x.toPrecision(3))) },
+      { scale: "loss", label: "loss", size: 70 },
       { scale: "lr", label: "learning rate", side: 1, size: 70, grid: { show: false }, values: (u, v) => v.map((x) => x.toExponential(1)) }],
     series,
   }, data, box);
