@@ -1083,3 +1083,21 @@ def test_data_roots_upload_and_the_raw_editor(jobs_dir, tmp_path):
     assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["output"]["output_dir"] == \
         os.path.join(jobs_dir, "1", "output")  # the UI's own keys, set again
     assert c.get("/api/jobs/1/revisions").json()[0]["changes"].startswith("edited as text: max_train_steps: 20 -> 7")
+
+
+def test_the_runs_control_folder_is_read_once_and_emptied(tmp_path):
+    """library/train/control.py: the requests the web UI writes are taken once (removed), unknown names are
+    left alone, and no folder means nothing asked."""
+    from library.train.control import control_dir, take_requests
+    from webui.generation import request_control
+    from webui.jobfiles import JobFolder
+
+    folder = JobFolder(str(tmp_path), 1)
+    assert take_requests(folder.output_dir) == set()
+    request_control(folder, "sample")
+    request_control(folder, "save")
+    with open(os.path.join(control_dir(folder.output_dir), "other"), "w") as f:
+        f.write("x")
+    assert take_requests(folder.output_dir) == {"sample", "save"}
+    assert take_requests(folder.output_dir) == set()
+    assert os.listdir(control_dir(folder.output_dir)) == ["other"]
