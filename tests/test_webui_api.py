@@ -1101,3 +1101,18 @@ def test_the_runs_control_folder_is_read_once_and_emptied(tmp_path):
     assert take_requests(folder.output_dir) == {"sample", "save"}
     assert take_requests(folder.output_dir) == set()
     assert os.listdir(control_dir(folder.output_dir)) == ["other"]
+
+
+def test_history_has_the_validation_loss_where_it_was_logged(tmp_path):
+    """The chart's validation loss: "validation loss at step N" lands on step N, one at an epoch's end on the
+    last step shown before it."""
+    log = tmp_path / "train.log"
+    log.write_text(
+        "steps:  25%|##  | 1/4 [00:01<00:03,  1.00it/s, loss=1.5000, lr=1.00e-03]\r"
+        "steps:  50%|##  | 2/4 [00:02<00:02,  1.00it/s, loss=1.2500, lr=1.00e-03]\n"
+        "INFO library.train.loop: validation loss at step 2: 1.31250\n"
+        "steps:  75%|##  | 3/4 [00:03<00:01,  1.00it/s, loss=1.1000, lr=5.00e-04]\n"
+        "INFO library.train.loop: validation loss at epoch 1: 1.20000\n")
+    assert logs.history(str(log)) == [
+        {"step": 1, "loss": 1.5, "lr": 1e-3}, {"step": 2, "loss": 1.25, "lr": 1e-3, "val_loss": 1.3125},
+        {"step": 3, "loss": 1.1, "lr": 5e-4, "val_loss": 1.2}]
