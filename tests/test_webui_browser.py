@@ -377,3 +377,52 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     note = browser.find_element(By.CSS_SELECTOR, '.field[data-field="max_train_epochs"] .run-length').text
     assert note == "governs the run's length"
     browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", "/tmp"), "webui_anima_training.png"))
+
+
+def test_data_folders_upload_and_the_raw_editor(server, browser, tmp_path):
+    """Data tab: a folder added from the page is allowed on the server at once; files dropped on the drop zone
+    land in the job's dataset folder. Model tab: config.toml edited as text is checked and written. A second
+    job of the same name gets " (2)"."""
+    url, app = server
+    wait = WebDriverWait(browser, 90, poll_frequency=0.2)
+    extra = tmp_path / "more_images"
+    (extra / "sub").mkdir(parents=True)
+    (extra / "sub" / "a.png").write_bytes(b"\x89PNG")
+    browser.get(url + "/")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#template-select option[value="tiny_sd1_lora"]'))
+    for _ in range(2):
+        browser.find_element(By.ID, "new-name").send_keys("tiny lora A")
+        browser.find_element(By.ID, "create-btn").click()
+        wait.until(lambda d: d.find_elements(By.ID, "f-network_dim"))  # the form of the new job, drawn
+        wait.until(lambda d: d.find_element(By.ID, "job-name").text.startswith("tiny lora A"))
+    wait.until(lambda d: d.find_element(By.ID, "job-name").text == "tiny lora A (2)")
+    assert [j["name"] for j in app.state.store.jobs()] == ["tiny lora A", "tiny lora A (2)"]
+
+    tab(browser, "Data")
+    browser.find_element(By.ID, "root-path").send_keys(str(extra))
+    browser.find_element(By.ID, "root-add").click()
+    wait.until(lambda d: str(extra) in d.find_element(By.ID, "roots-list").text)
+    assert str(extra) in app.state.ctx.roots.roots
+    browser.execute_script("""
+        const dt = new DataTransfer();
+        dt.items.add(new File([new Uint8Array([137, 80, 78, 71])], "dropped.png", { type: "image/png" }));
+        dt.items.add(new File(["a sks shape"], "dropped.txt", { type: "text/plain" }));
+        const zone = document.getElementById("drop-zone");
+        zone.dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true }));""")
+    wait.until(lambda d: "2 file(s) uploaded" in d.find_element(By.ID, "upload-msg").text)
+    dataset = os.path.join(app.state.runner.jobs_dir, "2", "dataset")
+    assert sorted(os.listdir(dataset)) == ["dropped.png", "dropped.txt"]
+
+    tab(browser, "Model")
+    browser.find_element(By.ID, "raw-load").click()
+    raw = wait.until(lambda d: d.find_element(By.ID, "raw-config").get_attribute("value"))
+    assert "max_train_steps = 20" in raw
+    browser.execute_script("document.getElementById('raw-config').value = arguments[0]",
+                           raw.replace("max_train_steps = 20", "max_train_steps = 9"))
+    browser.find_element(By.ID, "raw-save").click()
+    msg = wait.until(lambda d: d.find_element(By.ID, "raw-msg").text)
+    assert msg == "Saved: every check Start makes passed."
+    assert toml.load(os.path.join(app.state.runner.jobs_dir, "2", "config.toml"))["training"]["max_train_steps"] == 9
+    browser.save_screenshot(str(tmp_path / "raw.png"))
+    tab(browser, "Data")
+    browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", str(tmp_path)), "webui_data.png"))

@@ -76,12 +76,13 @@ async function selectJob(id) {
   current = job;
   $("empty-state").hidden = true;
   $("job-view").hidden = false;
+  startCheck = null;
+  $("raw-editor").hidden = true; $("upload-msg").textContent = "";
   showJob(job);
+  showTab(job.status === "running" || job.status === "queued" ? "Run" : "Model");
   await loadFormData(job);
   renderForm();
   clearErrors();
-  startCheck = null;
-  showTab(job.status === "running" || job.status === "queued" ? "Run" : "Model");
   loadCheck();
   loadHistory();
   openConsole(true);
@@ -91,7 +92,6 @@ async function selectJob(id) {
   loadChart();
   loadHardware();
   loadRoots();
-  $("raw-editor").hidden = true; $("upload-msg").textContent = "";
   $("events-msg").textContent = "";
   $("control-msg").textContent = "";
   await loadJobs();
