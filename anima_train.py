@@ -5,9 +5,13 @@
         --output_dir out --output_name my_model --learning_rate 1e-5 --llm_adapter_lr 0
 """
 
-import sys
+from library.core import stop_signals
 
-from library.cli.entry import run_training
+stop_signals.install_at_start()  # first: a stop signal during the imports below is kept (docs/resume.md)
+
+import sys  # noqa: E402
+
+from library.cli.entry import run_training  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_training("anima", "Fine-tune Anima (the DiT and its LLM adapter)", fine_tune=True))

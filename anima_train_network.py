@@ -5,9 +5,13 @@
         --network_module networks.lora_anima --network_dim 16 --output_dir out --output_name my_lora
 """
 
-import sys
+from library.core import stop_signals
 
-from library.cli.entry import run_training
+stop_signals.install_at_start()  # first: a stop signal during the imports below is kept (docs/resume.md)
+
+import sys  # noqa: E402
+
+from library.cli.entry import run_training  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_training("anima", "Train a LoRA network on Anima (rectified flow)"))

@@ -4,9 +4,13 @@
         --output_dir out --output_name my_model --save_model_as safetensors --learning_rate 1e-5
 """
 
-import sys
+from library.core import stop_signals
 
-from library.cli.entry import run_training
+stop_signals.install_at_start()  # first: a stop signal during the imports below is kept (docs/resume.md)
+
+import sys  # noqa: E402
+
+from library.cli.entry import run_training  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_training("sd3", "Fine-tune SD3 / SD3.5 (the model's own weights)", fine_tune=True))

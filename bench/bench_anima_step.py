@@ -38,16 +38,16 @@ from bench.common import (  # noqa: E402
     print_comparison,
 )
 from library.families import get_family  # noqa: E402
-from library.families.anima_configs import (  # noqa: E402
+from library.families.anima.configs import (  # noqa: E402
     PRESETS,
     AnimaDiT,
     adapter_config,
     transformer_config,
 )
-from library.families.anima_options import AnimaFlowOptions, AnimaOptions  # noqa: E402
+from library.families.anima.options import AnimaFlowOptions, AnimaOptions  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.flux_configs import T5_REAL_VOCAB_SIZE  # noqa: E402
-from library.families.tiny import build_seeded  # noqa: E402
+from library.families.common.t5 import T5_REAL_VOCAB_SIZE  # noqa: E402
+from library.families.common.tiny import build_seeded  # noqa: E402
 
 
 def build_dit(blocks: int, dtype: torch.dtype) -> AnimaDiT:

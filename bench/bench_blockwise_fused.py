@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from library.families.flux import optimizer_block, pack_latents  # noqa: E402
-from library.families.flux_configs import PRESETS, transformer_config  # noqa: E402
+from library.families.flux.family import optimizer_block, pack_latents  # noqa: E402
+from library.families.flux.configs import PRESETS, transformer_config  # noqa: E402
 from library.train.fused_backward import FusedBackwardOptimizer  # noqa: E402
 
 

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def _port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -39,7 +39,7 @@ def run(tmp: str, processes: int, steps: int) -> list[list[dict]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", SDTRAIN_DISTRIBUTED_TRACE=trace, LOGLEVEL="WARNING",
                PYTHONPATH=REPO, HF_HUB_OFFLINE="1")
     cmd = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", str(processes), "--master_addr", "127.0.0.1",
-           "--master_port", str(_port()), os.path.join(REPO, "train_network.py"), *argv]
+           "--master_port", str(free_port()), os.path.join(REPO, "train_network.py"), *argv]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"torchrun with {processes} process(es) failed:\n{proc.stderr[-3000:]}")

@@ -21,7 +21,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.bench_ddp import _port, images_per_second  # noqa: E402
+from bench.bench_ddp import free_port, images_per_second  # noqa: E402
 
 
 def run(tmp: str, name: str, steps: int, extra: list[str]) -> list[list[dict]]:
@@ -34,7 +34,7 @@ def run(tmp: str, name: str, steps: int, extra: list[str]) -> list[list[dict]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", SDTRAIN_DISTRIBUTED_TRACE=trace, LOGLEVEL="WARNING",
                PYTHONPATH=REPO, HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     cmd = [shutil.which("torchrun") or "torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_port()), os.path.join(REPO, "train_network.py"), *argv]
+           "--master_port", str(free_port()), os.path.join(REPO, "train_network.py"), *argv]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")

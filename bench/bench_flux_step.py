@@ -42,15 +42,15 @@ from bench.common import (  # noqa: E402
 )
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.chroma import joint_attention_mask  # noqa: E402
-from library.families.chroma_configs import PRESETS as CHROMA_PRESETS  # noqa: E402
-from library.families.chroma_model import (
+from library.families.chroma.family import joint_attention_mask  # noqa: E402
+from library.families.chroma.configs import PRESETS as CHROMA_PRESETS  # noqa: E402
+from library.families.chroma.model import (
     transformer_config as chroma_transformer_config,  # noqa: E402
 )
-from library.families.flux import image_ids, pack_latents, unpack_latents  # noqa: E402
-from library.families.flux_configs import PRESETS, transformer_config  # noqa: E402
-from library.families.flux_options import FluxOptions  # noqa: E402
-from library.families.tiny import build_seeded  # noqa: E402
+from library.families.flux.family import image_ids, pack_latents, unpack_latents  # noqa: E402
+from library.families.flux.configs import PRESETS, transformer_config  # noqa: E402
+from library.families.flux.options import FluxOptions  # noqa: E402
+from library.families.common.tiny import build_seeded  # noqa: E402
 from library.objectives.flow import FlowOptions  # noqa: E402
 
 

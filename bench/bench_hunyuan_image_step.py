@@ -39,17 +39,17 @@ from bench.common import (  # noqa: E402
 )
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.hunyuan_image_configs import (  # noqa: E402
+from library.families.hunyuan_image.configs import (  # noqa: E402
     LATENT_CHANNELS,
     PRESETS,
     transformer_config,
 )
-from library.families.hunyuan_image_options import (  # noqa: E402
+from library.families.hunyuan_image.options import (  # noqa: E402
     HunyuanImageFlowOptions,
     HunyuanImageOptions,
 )
-from library.families.hunyuan_image_text import BYT5_MAX_TOKENS, QWEN_MAX_TOKENS  # noqa: E402
-from library.families.tiny import build_seeded  # noqa: E402
+from library.families.hunyuan_image.text import BYT5_MAX_TOKENS, QWEN_MAX_TOKENS  # noqa: E402
+from library.families.common.tiny import build_seeded  # noqa: E402
 
 
 def build_transformer(double: int, single: int, dtype: torch.dtype):

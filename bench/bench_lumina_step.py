@@ -38,9 +38,9 @@ from bench.common import (  # noqa: E402
 )
 from library.families import get_family  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.lumina_configs import PRESETS, transformer_config  # noqa: E402
-from library.families.lumina_options import LuminaFlowOptions, LuminaOptions  # noqa: E402
-from library.families.tiny import build_seeded  # noqa: E402
+from library.families.lumina.configs import PRESETS, transformer_config  # noqa: E402
+from library.families.lumina.options import LuminaFlowOptions, LuminaOptions  # noqa: E402
+from library.families.common.tiny import build_seeded  # noqa: E402
 
 
 def build_transformer(blocks: int, dtype: torch.dtype):

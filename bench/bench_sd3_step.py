@@ -37,11 +37,11 @@ from bench.common import (  # noqa: E402
     print_comparison,
 )
 from library.families import get_family  # noqa: E402
-from library.families import sd3_layout as sai  # noqa: E402
+from library.families.sd3 import layout as sai  # noqa: E402
 from library.families.base import Components  # noqa: E402
-from library.families.sd3_configs import PRESETS, transformer_config  # noqa: E402
-from library.families.sd3_options import SD3Options  # noqa: E402
-from library.families.tiny import build_seeded  # noqa: E402
+from library.families.sd3.configs import PRESETS, transformer_config  # noqa: E402
+from library.families.sd3.options import SD3Options  # noqa: E402
+from library.families.common.tiny import build_seeded  # noqa: E402
 from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
 
 

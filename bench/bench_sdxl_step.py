@@ -39,7 +39,7 @@ from bench.common import (  # noqa: E402
 )
 from library.families import get_family
 from library.families.base import Components
-from library.families.sdxl_configs import build_sdxl_modules
+from library.families.sdxl.configs import build_sdxl_modules
 from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
 from library.train.step import StepContext

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
         save_metadata,
     )
     from library.data.image_scan import read_image_size
-    from library.families import get_family
+    from library.families import DEFAULT_FAMILY, get_family, selected_family
 
     if len(args.max_resolution.split(",")) != 2:
         raise UserError(f"--max_resolution: expected 'width,height', got {args.max_resolution!r}")
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
     warn_list("images could not be read and are left out", unreadable)
     if not images:
         raise UserError(f"train_data_dir: no readable images in {args.train_data_dir}")
-    family = get_family("sdxl" if args.sdxl else "flux" if args.flux else "sd")
+    family = get_family(selected_family(vars(args)) or DEFAULT_FAMILY)
 
     with tempfile.TemporaryDirectory(prefix="prepare_buckets_") as tmp:
         # The trainer reads every image of the folder (entries without a caption too: the caption

@@ -36,7 +36,7 @@ from networks.lora_targets import (  # noqa: F401 (re-exported)
     SD_UNET_CONV_TARGETS,
     SD_UNET_TARGETS,
     LoraTarget,
-    _is_linear_like,
+    is_linear_like,
     clip_text_model_rename,
     default_lora_targets,
     iter_target_groups,
@@ -129,7 +129,7 @@ class LoRANetwork(nn.Module):
     def _generic_dim_alpha(self, name: str, module: nn.Module, is_te: bool) -> tuple[Optional[int], Any]:
         """dim and alpha from the generic args: block_dims, conv_dim or network_dim."""
         a = self.args
-        linear_like = _is_linear_like(module)
+        linear_like = is_linear_like(module)
         idx = -1 if is_te or a.block_dims is None else self.block_layout(name)
         if idx >= 0:
             if linear_like:

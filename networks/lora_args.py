@@ -4,7 +4,7 @@ All values arrive as strings ("conv_dim=8"); a bad one raises ConfigError naming
 the argument. Block-wise values follow sd-scripts, in the block layout the model
 family gives (`BlockLayout`): SD 1.x/2.x has 25 blocks (IN00-IN11, MID,
 OUT00-OUT11) and learning-rate weights as 12 down, 1 mid and 12 up values (or a
-preset); SDXL has 23 blocks and 9 / 3 / 9 weights (library/families/sdxl_lora_names.py).
+preset); SDXL has 23 blocks and 9 / 3 / 9 weights (library/families/sdxl/lora_names.py).
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ def check_ratios(models: Sequence[str], ratios: Optional[Sequence[float]]) -> li
 def merge_into_layers(layers: Mapping[str, LoraLayer], loras: Sequence[WeightedLora]) -> int:
     """Add ratio·ΔW of every module into the matching base layer, in place; returns modules merged.
 
+    A module may also be a LyCORIS one (networks.lycoris_delta.LycorisModule), merged as LyCORIS merges it.
+
     Refuses a LoRA with a module the model does not have, or one whose shape does
     not fit, before any weight is changed.
     """
@@ -58,6 +60,11 @@ def merge_into_layers(layers: Mapping[str, LoraLayer], loras: Sequence[WeightedL
                 raise UserError(f"{lora.source}: module {name} matches no layer of the base model "
                                 f"(a LoRA for another model family or version?)")
             weight = layers[name].weight
+            if not isinstance(module, LoraModule):  # a LyCORIS module: ΔW by LyCORIS, its shape checked there
+                if module.numel() not in (None, weight.numel()):
+                    raise UserError(f"{lora.source}: {name}: ΔW has {module.numel()} values "
+                                    f"({list(module.file_shape())}) but the base weight is {list(weight.shape)}")
+                continue
             if weight.numel() != module.out_features * module.in_flat:
                 raise UserError(f"{lora.source}: {name}: ΔW has {module.out_features}x{module.in_flat} values but the "
                                 f"base weight is {list(weight.shape)}")
@@ -66,8 +73,11 @@ def merge_into_layers(layers: Mapping[str, LoraLayer], loras: Sequence[WeightedL
         for lora in loras:
             for name, module in lora.modules.items():
                 layer = layers[name]
-                layer.set_weight(lora_math.merge_into(layer.weight.data, module.down, module.up, module.alpha,
-                                                      lora.ratio))
+                if isinstance(module, LoraModule):
+                    new = lora_math.merge_into(layer.weight.data, module.down, module.up, module.alpha, lora.ratio)
+                else:
+                    new = module.merged_weight(layer.weight.data, lora.ratio)
+                layer.set_weight(new)
                 merged += 1
     return merged
 

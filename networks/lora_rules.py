@@ -2,7 +2,7 @@
 
 A family declares the arguments it understands beyond the generic ones of
 networks/lora_args.py with an object following `NetworkArgRules` (FLUX.1:
-library/families/flux_network_args.py) and hangs it on its `LoraTarget`s. The
+library/families/flux/network_args.py) and hangs it on its `LoraTarget`s. The
 network then asks the parsed `ModuleRules` one question per module: its dim
 (0: no module), its learning rate, and whether an optional target is on. Nothing
 here knows any model; `RegexValues` is the `regex=value,...` list that

@@ -144,7 +144,7 @@ def iter_target_groups(target: LoraTarget, include_conv: bool) -> Iterable[tuple
         yield name, [m for _, m in sorted(members, key=lambda item: item[0])]
 
 
-def _is_linear_like(module: nn.Module) -> bool:
+def is_linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or tuple(module.kernel_size) == (1, 1)
 
 

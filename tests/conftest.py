@@ -62,7 +62,8 @@ def pytest_collection_finish(session):
 # UI's runs). Under pytest-xdist (scripts/test.sh runs 2 workers, --dist loadgroup) they share one group, so one
 # worker runs them one after another while the other worker runs the in-process tests: never two 2-process
 # launches on 2 cores at the same time.
-MULTIPROCESS_MODULES = frozenset({"test_distributed", "test_fsdp", "test_deepspeed", "test_webui_browser"})
+MULTIPROCESS_MODULES = frozenset({"test_distributed", "test_fsdp", "test_deepspeed", "test_webui_browser",
+                                  "test_stop_signals"})
 
 
 def pytest_collection_modifyitems(config, items):
@@ -314,9 +315,9 @@ def tiny_flux_copy(tiny_store):
 
 @pytest.fixture(scope="session")
 def tiny_sd1_file(tiny_store, tmp_path_factory) -> str:
-    """tiny:sd1 as one LDM-layout .safetensors file (library.families.sd_saving.write_preset)."""
+    """tiny:sd1 as one LDM-layout .safetensors file (library.families.sd.saving.write_preset)."""
     def write(root):
-        from library.families.sd_saving import write_preset
+        from library.families.sd.saving import write_preset
 
         path = os.path.join(root, "tiny-sd1.safetensors")
         write_preset("tiny:sd1", path, single_file=True)
@@ -327,9 +328,9 @@ def tiny_sd1_file(tiny_store, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_file(tiny_store, tmp_path_factory) -> str:
-    """tiny:sdxl as one SGM-layout .safetensors file (library.families.sdxl_saving.write_sdxl_preset)."""
+    """tiny:sdxl as one SGM-layout .safetensors file (library.families.sdxl.saving.write_sdxl_preset)."""
     def write(root):
-        from library.families.sdxl_saving import write_sdxl_preset
+        from library.families.sdxl.saving import write_sdxl_preset
 
         path = os.path.join(root, "tiny-sdxl.safetensors")
         write_sdxl_preset("tiny:sdxl", path, single_file=True)
@@ -340,9 +341,9 @@ def tiny_sdxl_file(tiny_store, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_sdxl_folder(tiny_store, tmp_path_factory) -> str:
-    """tiny:sdxl as a diffusers folder (library.families.sdxl_saving.write_sdxl_preset)."""
+    """tiny:sdxl as a diffusers folder (library.families.sdxl.saving.write_sdxl_preset)."""
     def write(root):
-        from library.families.sdxl_saving import write_sdxl_preset
+        from library.families.sdxl.saving import write_sdxl_preset
 
         path = os.path.join(root, "tiny-sdxl")
         write_sdxl_preset("tiny:sdxl", path)

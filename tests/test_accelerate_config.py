@@ -15,13 +15,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "make_accelerate_config.py")
 
 
-def _make(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
+def make_accelerate_config(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
     out = str(tmp_path / "accelerate.yaml")
     proc = subprocess.run([sys.executable, TOOL, *flags, "--output", out], capture_output=True, text=True, cwd=REPO)
     return proc, out
 
 
-def _launch_args(path: str):
+def launch_args(path: str):
     """The launch arguments `accelerate launch --config_file path train.py` works with (as launch_command)."""
     from accelerate.commands.launch import (
         _validate_launch_command,
@@ -40,7 +40,7 @@ def _fsdp_plugin(path: str):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    env = prepare_multi_gpu_env(_launch_args(path))
+    env = prepare_multi_gpu_env(launch_args(path))
     fsdp_env = {k: v for k, v in env.items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
     # sync_module_states asks for the current GPU; there is none here
     with mock.patch.dict(os.environ, fsdp_env), \
@@ -50,28 +50,28 @@ def _fsdp_plugin(path: str):
 
 
 def test_ddp_file_launches_two_processes(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "ddp", "--num_processes", "2", "--gpu_ids", "0,1",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "ddp", "--num_processes", "2", "--gpu_ids", "0,1",
                        "--mixed_precision", "bf16")
     assert proc.returncode == 0, proc.stderr
-    args = _launch_args(path)
+    args = launch_args(path)
     assert (args.multi_gpu, args.num_processes, args.gpu_ids, args.mixed_precision) == (True, 2, "0,1", "bf16")
     assert not args.use_fsdp and not args.use_deepspeed
 
 
 def test_two_machines(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "ddp", "--num_processes", "4", "--num_machines", "2",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "ddp", "--num_processes", "4", "--num_machines", "2",
                        "--machine_rank", "1", "--main_process_ip", "127.0.0.1", "--main_process_port", "29555")
     assert proc.returncode == 0, proc.stderr
     with open(path, encoding="utf-8") as f:
         config = yaml.safe_load(f)
     assert (config["distributed_type"], config["use_cpu"], config["gpu_ids"]) == ("MULTI_GPU", False, "all")
-    args = _launch_args(path)
+    args = launch_args(path)
     assert (args.num_machines, args.machine_rank, args.main_process_ip, args.main_process_port) == \
         (2, 1, "127.0.0.1", 29555)
 
 
 def test_fsdp2_family_blocks_reach_the_plugin(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "fsdp2", "--num_processes", "2", "--family", "flux",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "fsdp2", "--num_processes", "2", "--family", "flux",
                        "--mode", "finetune", "--fsdp_cpu_offload", "--fsdp_activation_checkpointing",
                        "--fsdp_reshard_after_forward", "false")
     assert proc.returncode == 0, proc.stderr
@@ -87,7 +87,7 @@ def test_fsdp2_family_blocks_reach_the_plugin(tmp_path):
 
 
 def test_fsdp1_options_reach_the_plugin(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "fsdp1", "--num_processes", "2", "--family", "sdxl",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "fsdp1", "--num_processes", "2", "--family", "sdxl",
                        "--fsdp_backward_prefetch", "BACKWARD_POST", "--fsdp_forward_prefetch",
                        "--fsdp_cpu_ram_efficient_loading", "--fsdp_reshard_after_forward", "false")
     assert proc.returncode == 0, proc.stderr
@@ -101,7 +101,7 @@ def test_fsdp1_options_reach_the_plugin(tmp_path):
 
 
 def test_size_based_wrap(tmp_path):
-    proc, path = _make(tmp_path, "--strategy", "fsdp2", "--num_processes", "8", "--fsdp_wrap_policy",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "fsdp2", "--num_processes", "8", "--fsdp_wrap_policy",
                        "SIZE_BASED_WRAP", "--fsdp_min_num_params", "2e7")
     assert proc.returncode == 0, proc.stderr
     env, plugin = _fsdp_plugin(path)
@@ -111,11 +111,11 @@ def test_size_based_wrap(tmp_path):
 def test_deepspeed_zero3_offload(tmp_path):
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    proc, path = _make(tmp_path, "--strategy", "deepspeed", "--num_processes", "2", "--zero_stage", "3",
+    proc, path = make_accelerate_config(tmp_path, "--strategy", "deepspeed", "--num_processes", "2", "--zero_stage", "3",
                        "--offload_optimizer_device", "cpu", "--offload_param_device", "cpu",
                        "--gradient_accumulation_steps", "4")
     assert proc.returncode == 0, proc.stderr
-    args = _launch_args(path)
+    args = launch_args(path)
     assert args.use_deepspeed
     _, env = prepare_deepspeed_cmd_env(args)
     assert (env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"],
@@ -143,7 +143,7 @@ def test_deepspeed_zero3_offload(tmp_path):
     (["--strategy", "ddp", "--num_processes", "2", "--fsdp_use_orig_params", "maybe"], "expected true or false"),
 ])
 def test_bad_options_one_line_nothing_written(tmp_path, flags, message):
-    proc, path = _make(tmp_path, *flags)
+    proc, path = make_accelerate_config(tmp_path, *flags)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

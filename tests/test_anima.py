@@ -18,15 +18,15 @@ import torch
 from safetensors import safe_open
 
 from library.core.errors import ConfigError
-from library.families import anima_layout as layout
+from library.families.anima import layout
 from library.families import get_family
-from library.families.anima_configs import build_anima_modules
-from library.families.anima_loading import vae_key_to_wan, write_anima_preset
-from library.families.anima_options import AnimaOptions
+from library.families.anima.configs import build_anima_modules
+from library.families.anima.loading import vae_key_to_wan, write_anima_preset
+from library.families.anima.options import AnimaOptions
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.detect import detect_family
 from networks.lora import create_network
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer
 
 TOKENS = ["--qwen3_max_token_length", "16", "--t5_max_token_length", "16"]
 
@@ -221,7 +221,7 @@ def test_weighting_scheme_weights_the_raw_velocity_loss_as_sd_scripts(loaded):
     """compute_loss_weighting_for_anima: sigma_sqrt σ^-2 and cosmap 2/(π(1-2σ+2σ²)) on the raw prediction."""
     import math
 
-    from library.families.anima_options import AnimaFlowOptions
+    from library.families.anima.options import AnimaFlowOptions
 
     family, c = loaded
     t = torch.tensor([250.0, 500.0])
@@ -332,7 +332,7 @@ def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(
 
     from diffusers.loaders.lora_pipeline import AnimaLoraLoaderMixin
 
-    from library.families import anima_lora
+    from library.families.anima import lora_comfy as anima_lora
 
     family, c = loaded
     dit = copy.deepcopy(c.denoiser)
@@ -369,8 +369,8 @@ def test_comfy_layout_loads_in_diffusers_anima_lora_loader_with_the_same_output(
 
 
 def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path, files):
-    """--blocks_to_swap 1 (the last DiT block streamed) gives the same LoRA as no swapping; more than
-    blocks - 2 is refused before loading, naming the bound."""
+    """--blocks_to_swap 1 (the last DiT block streamed) gives the LoRA of no swapping, up to float rounding (the
+    block runs on copies of its weights); more than blocks - 2 is refused before loading, naming the bound."""
     from safetensors.torch import load_file
 
     data = make_dataset(str(tmp_path), n=1)
@@ -378,7 +378,11 @@ def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path,
     runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:anima", steps=2, extra=extra + more),
                          "anima").run() for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1"]))]
     a, b = (load_file(p) for p in runs)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the same ops on copies of the weights: measured 0 with the AVX-512, AVX2 and default kernels
+    # (ATEN_CPU_CAPABILITY); 3e-5 leaves room for kernels that depend on alignment. The swapped block's weights
+    # copied through float16 give 7.7e-5, zeros in their place 4e-3
+    assert_close_measured(b, a, 3e-5, "anima swap vs plain: LoRA")
+    assert largest_lora_up(a) > 1e-3  # trained: 10 times the tolerance
     family = get_family("anima")
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
         family.check_options(AnimaOptions(qwen3=files["qwen3"]), LoadOptions(files["dit"], vae=files["vae"]),

@@ -19,7 +19,7 @@ def test_cache_latents_tool_then_training_reuses_every_entry(tmp_path, monkeypat
     trainer = make_trainer(args)
     encoded = []
     original = trainer.family.encode_images
-    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     trainer.run()
     assert encoded == []  # every latent came from the cache written by the tool
 

@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 from library.cli.entry import run_training
 from library.families import get_family
 from library.families.base import Components, LoadOptions
-from library.families.chroma import joint_attention_mask
-from library.families.chroma_model import (
+from library.families.chroma.family import joint_attention_mask
+from library.families.chroma.model import (
     build_chroma_modules,
     chroma_from_single_file,
     chroma_to_single_file,
     load_chroma_transformer,
 )
-from library.families.flux_options import FluxOptions
+from library.families.flux.options import FluxOptions
 from networks.lora import create_network
 from tests.train_helpers import base_args, make_dataset
 

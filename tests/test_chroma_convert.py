@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.families.chroma import joint_attention_mask
-from library.families.flux import image_ids, pack_latents
+from library.families.chroma.family import joint_attention_mask
+from library.families.flux.family import image_ids, pack_latents
 from library.families.lora_convert import convert
 from networks.lora import create_network, create_network_from_weights
 
@@ -59,7 +59,7 @@ def test_converted_chroma_lora_loads_in_chroma_pipeline_with_our_outputs():
 
 
 def test_merge_lora_into_a_chroma_single_file(tmp_path):
-    from library.families.chroma_model import load_chroma_transformer
+    from library.families.chroma.model import load_chroma_transformer
     from tests.train_helpers import random_lora_file
     from tools import merge_lora
     from tools.make_tiny_model import main as make_tiny_model
@@ -90,7 +90,7 @@ def _comfy_chroma_key_map(c) -> set[str]:
     T5-XXL alone (`t5xxl.transformer.` + the T5 names of comfy/text_encoders/t5.py, which are transformers'); with
     no clip_l / clip_g the T5 index stays 1, so each weight is `lora_te1_<k with . -> _>`, and generically
     `text_encoders.t5xxl.transformer.<k>`."""
-    from library.families.chroma_model import chroma_to_single_file
+    from library.families.chroma.model import chroma_to_single_file
 
     dit = [k[:-len(".weight")] for k in chroma_to_single_file(c.denoiser.state_dict()) if k.endswith(".weight")]
     t5 = [k[:-len(".weight")] for k in c.text_encoders[0].state_dict() if k.endswith(".weight")]

@@ -17,8 +17,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from library.cli.entry import run_training
-from library.families.chroma_generate import resolve_chroma_request
-from library.families.chroma_model import chroma_to_single_file
+from library.families.chroma.generate import resolve_chroma_request
+from library.families.chroma.model import chroma_to_single_file
 from library.families.detect import detect_family
 from library.sampling.generate import GenerationRequest, generate_images
 from library.sampling.output import read_png_text
@@ -105,7 +105,7 @@ def test_defaults_guidance_and_cfg(chroma_file, caplog):
     c = dataclasses.replace(c, options=dataclasses.replace(c.options, t5xxl_max_token_length=16))  # faster T5
     r = resolve_chroma_request(GenerationRequest("a cat", seed=1, width=70))
     assert (r.width, r.height, r.steps, r.scale, r.guidance, r.sampler) == (64, 512, 20, 1.0, 0.0, "flow_euler")
-    errors._warned.clear()  # the warning is logged once per process
+    errors.forget_warnings()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING):
         assert resolve_chroma_request(GenerationRequest("a cat", guidance=3.5)).guidance == 0.0
     assert "guidance 3.5 (--g) is ignored for Chroma: the model has no guidance input" in caplog.text

@@ -77,11 +77,11 @@ def _zero3_env(tmp: str) -> dict[str, str]:
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
     from library.cli.accelerate_config import LaunchSettings, write
-    from tests.test_accelerate_config import _launch_args
+    from tests.test_accelerate_config import launch_args
 
     config = os.path.join(tmp, "zero3.yaml")
     write(LaunchSettings(strategy="deepspeed", num_processes=2, zero_stage=3, mode="finetune"), config)
-    _, env = prepare_deepspeed_cmd_env(_launch_args(config))
+    _, env = prepare_deepspeed_cmd_env(launch_args(config))
     exported = {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
     assert exported["ACCELERATE_USE_DEEPSPEED"] == "true" and exported["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     return exported

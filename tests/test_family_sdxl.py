@@ -10,8 +10,8 @@ import torch
 
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
-from library.families.sdxl_configs import build_sdxl_modules
-from library.families.sdxl_lora_names import convert_to_sgm_names, sgm_lora_name
+from library.families.sdxl.configs import build_sdxl_modules
+from library.families.sdxl.lora_names import convert_to_sgm_names, sgm_lora_name
 from networks import lora
 from networks.lora import iter_target_modules
 from networks.lora_args import sdxl_unet_block_index
@@ -156,7 +156,7 @@ def test_encode_text_penultimate_states_pool_and_chunks(tiny):
 
 def test_predict_passes_size_ids_and_pool(tiny):
     from library.families.base import TextConditioning
-    from library.families.sdxl import time_ids
+    from library.families.sdxl.family import time_ids
 
     batch = {"original_sizes_hw": torch.tensor([[1080, 1920]]), "crop_top_lefts": torch.tensor([[0, 24]]),
              "target_sizes_hw": torch.tensor([[768, 1344]])}

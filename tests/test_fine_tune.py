@@ -13,7 +13,7 @@ from library.cli.entry import build_parser, run_training, settings_from_args
 from library.families import get_family
 from library.families.base import LoadOptions
 from library.train.trainer import InterruptedTraining, Trainer
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import assert_close_measured, base_args, make_dataset, make_trainer
 
 
 def ft_args(data: str, out: str, preset: str = "tiny:sd1", steps: int = 2, extra=()) -> list[str]:
@@ -168,9 +168,10 @@ def test_fused_backward_pass_equals_the_usual_step_and_holds_no_gradients(tmp_pa
     assert held == [0, 0, 0]
     assert len(fused.optimizer.optimizer.chunks if hasattr(fused.optimizer, "optimizer") else fused.optimizer.chunks) \
         == (3 if "3" in fused_flags else sum(1 for _ in fused.trainable.module.parameters()))
-    assert a.keys() == b.keys()
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst < 1e-6, worst
+    # measured 0 for both with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY) (one float32 step of these
+    # weights is ~1e-7); gradients rounded through float16 before
+    # each fused step give 2.2e-3
+    assert_close_measured(b, a, 1e-5, f"{fused_flags[0]} vs usual step: weights")
 
 
 def test_sdxl_block_lr_trains_each_block_at_its_rate_and_freezes_zero_blocks(tmp_path, tiny_sdxl):

@@ -177,7 +177,7 @@ def test_prepare_buckets_latents_then_training_reuses_every_latent(tmp_path, mon
     sd = get_family("sd")
     encoded = []
     original = sd.encode_images
-    monkeypatch.setattr(type(sd), "encode_images", lambda self, vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(type(sd), "encode_images", lambda self, vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     assert prepare_buckets_latents.main(args + ["--skip_existing"]) == 0
     assert encoded == []
 
@@ -220,7 +220,7 @@ def test_prepare_buckets_latents_sdxl_files_are_valid_for_tools_cache_latents(tm
     sdxl = get_family("sdxl")
     encoded = []
     original = sdxl.encode_images
-    monkeypatch.setattr(type(sdxl), "encode_images", lambda self, vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(type(sdxl), "encode_images", lambda self, vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     assert cache_latents.main(["--sdxl", "--pretrained_model_name_or_path", "tiny:sdxl", "--in_json", out,
                                "--train_data_dir", root, "--resolution", "64,64", "--enable_bucket",
                                "--max_data_loader_n_workers", "0", "--output_dir", str(tmp_path / "o")] + buckets) == 0

@@ -21,6 +21,7 @@ PARSER_ONLY = {
     "config_file": "its TOML becomes the parser's defaults before parsing",
     "output_config": "writes the flags to --config_file and exits before any settings are built",
     "check_config": "read by the entry script after the settings are built: print 'config ok' and exit",
+    "describe_flags": "prints the flags' description and exits before the config file is read",
 }
 # Flags that change nothing but the ss_* metadata sd-scripts writes for them (none left: --lowram now loads in turns).
 METADATA_ONLY: dict[str, str] = {}

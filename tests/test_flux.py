@@ -11,12 +11,12 @@ from library.cli.options import options_from_values
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.families.flux import image_ids, pack_latents, unpack_latents
-from library.families.flux_configs import build_flux_modules
-from library.families.flux_options import FluxOptions
+from library.families.flux.family import image_ids, pack_latents, unpack_latents
+from library.families.flux.configs import build_flux_modules
+from library.families.flux.options import FluxOptions
 from networks.lora import create_network
 from networks.lora_fused import FusedLoRAModule
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import assert_close_measured, base_args, make_dataset, make_trainer
 
 DOUBLE_0 = ["img_mod_lin", "txt_mod_lin", "img_attn_qkv", "img_attn_proj", "txt_attn_qkv", "txt_attn_proj",
             "img_mlp_0", "img_mlp_2", "txt_mlp_0", "txt_mlp_2"]
@@ -115,7 +115,7 @@ def test_diffusers_kohya_flux_converter_reads_every_key(caplog):
     with torch.device("meta"):
         from diffusers import FluxTransformer2DModel
 
-        from library.families.flux_configs import PRESETS, transformer_config
+        from library.families.flux.configs import PRESETS, transformer_config
 
         transformer = FluxTransformer2DModel(**transformer_config(PRESETS["random:flux-dev"]))
     c = Components(transformer, None, [None], [None])
@@ -229,7 +229,7 @@ def test_disk_latent_cache_uses_sd_scripts_flux_keys_one_file_for_all_resolution
     trainer = make_trainer(args, "flux")
     encoded = []
     original = trainer.family.encode_images
-    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     trainer.run()
     assert encoded == []  # both resolutions were found in the one file
 
@@ -248,8 +248,10 @@ def test_clip_l_trains_while_t5_outputs_are_cached_and_equals_an_uncached_run(tm
     assert {k for entry in cached.ctx.text_cache.values() for k in entry} == {"t5_out", "txt_ids", "t5_attn_mask"}
     assert a.keys() == b.keys() and any(k.startswith("lora_te1_") for k in b)
     assert b["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight"].abs().sum() > 0  # CLIP trained
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    # the cache encodes the captions in other batches than training: measured 0 with the AVX-512, AVX2 and default
+    # kernels (ATEN_CPU_CAPABILITY); 3e-5 leaves room for kernels that depend on the batch. A cache of
+    # float16-rounded T5 states gives 1.2e-4
+    assert_close_measured(b, a, 3e-5, "T5 cached vs live: LoRA")
 
 
 def test_caching_text_outputs_while_every_encoder_trains_stops_with_one_line(tmp_path, capsys):

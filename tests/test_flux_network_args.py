@@ -10,7 +10,7 @@ import torch
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import Components
-from library.families.flux_configs import (
+from library.families.flux.configs import (
     PRESETS,
     build_flux_modules,
     transformer_config,

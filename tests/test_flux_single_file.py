@@ -8,17 +8,17 @@ from safetensors.torch import load_file, save_file
 
 from library.families import get_family
 from library.families.base import LoadOptions, ModelLoadError
-from library.families.flux_bfl_layout import (
+from library.families.flux.layout import (
     bfl_to_diffusers,
     diffusers_key_to_bfl,
     diffusers_to_bfl,
     infer_transformer_config,
 )
-from library.families.flux_configs import (
+from library.families.flux.configs import (
     PRESETS,
     transformer_config,
 )
-from library.families.flux_options import FluxOptions
+from library.families.flux.options import FluxOptions
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 DOUBLE_BLOCK_KEYS = sorted(
@@ -297,7 +297,7 @@ def test_wrong_component_file_names_the_flag_and_what_it_holds(files, flag, give
 
 
 def test_sd_vae_as_ae_is_refused(files, tmp_path, tiny_sd1):
-    from library.families import ldm_layout as ldm
+    from library.families.common import ldm_layout as ldm
 
     vae = tiny_sd1.vae.state_dict()
     path = str(tmp_path / "sd_vae.safetensors")
@@ -337,7 +337,7 @@ def test_generate_and_extract_take_the_component_files(files, tmp_path):
 
 
 def test_block_counts_are_read_without_loading_weights(files, tmp_path, tiny_flux_folder):
-    from library.families.flux_loading import block_counts
+    from library.families.flux.loading import block_counts
 
     folder = tiny_flux_folder
     assert block_counts("tiny:flux") == block_counts(files["transformer"]) == block_counts(folder) == (2, 3)

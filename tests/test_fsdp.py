@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from library.core.errors import ConfigError
 from library.train.sharding import FsdpSettings
 from tests.test_distributed import dataset, launch, needs_torchrun, read_trace, train_args
-from tests.train_helpers import make_trainer
+from tests.train_helpers import assert_close_measured, make_trainer
 
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
              "FSDP_RESHARD_AFTER_FORWARD": "true"}
@@ -153,7 +153,8 @@ class Block(torch.nn.Module):
 
 def test_fsdp2_activation_checkpointing_recomputes_blocks_with_the_same_gradients(one_process_group):
     """FSDP_ACTIVATION_CHECKPOINTING: each unit runs its forward again in backward; the gradients are those of
-    the model without sharding or checkpointing, bitwise."""
+    the model without sharding or checkpointing, up to float rounding (FSDP's reduce-scatter and autograd's
+    recompute are other computations)."""
     from library.train.sharding import shard_parts
 
     torch.manual_seed(0)
@@ -171,7 +172,10 @@ def test_fsdp2_activation_checkpointing_recomputes_blocks_with_the_same_gradient
     assert Block.calls == 4  # each block's forward again in backward
     grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
     assert sorted(grads) == sorted(n for n, p in plain.named_parameters() if p.requires_grad)
-    assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters() if p.requires_grad)
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); float32 rounding of these 6-term sums
+    # would be ~1e-7. Weights gathered in bfloat16 give 7.9e-3
+    assert_close_measured(grads, {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}, 1e-6,
+                          "sharded + checkpointed vs plain: gradients")
     again = copy.deepcopy(plain)
     shard_parts({"denoiser": again}, s, ("Block",), checkpointed=frozenset({"denoiser"}))
     Block.calls = 0
@@ -196,9 +200,11 @@ def test_fsdp2_blocks_compile_after_sharding(one_process_group):
     for _ in range(2):  # the second step runs the compiled graphs
         sharded.zero_grad()
         sharded(x).square().sum().backward()
-    for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
-        if q.grad is not None:
-            assert torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6), name
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters() if p.grad is not None}
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); blocks compiled over float16-rounded
+    # weights give 8e-4, weights gathered in bfloat16 7.9e-3
+    assert_close_measured(grads, {n: q.grad for n, q in plain.named_parameters() if q.grad is not None}, 1e-6,
+                          "sharded + compiled vs plain: gradients")
 
 
 def test_what_cannot_combine_is_refused_in_one_line(tmp_path):
@@ -239,11 +245,11 @@ def test_a_generated_config_reaches_the_loop(tmp_path, monkeypatch, flags, expec
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     from library.train.sharding import fsdp_unsupported
-    from tests.test_accelerate_config import _launch_args, _make
+    from tests.test_accelerate_config import launch_args, make_accelerate_config
 
-    proc, path = _make(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
+    proc, path = make_accelerate_config(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
     assert proc.returncode == 0, proc.stderr
-    env = prepare_multi_gpu_env(_launch_args(path))
+    env = prepare_multi_gpu_env(launch_args(path))
     for name, value in env.items():
         if name.startswith("FSDP_") or name == "ACCELERATE_USE_FSDP":
             monkeypatch.setenv(name, value)

@@ -15,11 +15,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from library.families.flux_generate import (
-    decode_images,
-    encode_prompts_flux,
-    flux_sigmas,
-)
+from library.families.flux.generate import flux_sigmas
+
+from library.families.common.flow_sampling import decode_images, encode_prompts_flux
 from library.sampling.generate import GenerationRequest, generate_images
 from library.sampling.output import read_png_text
 from library.train.network_apply import NetworkSpec
@@ -102,7 +100,7 @@ def test_ddpm_sampler_falls_back_to_flow_euler(loaded, caplog):
     family, c, _ = loaded
     from library.core import errors
 
-    errors._warned.clear()  # the warning is logged once per process
+    errors.forget_warnings()  # the warning is logged once per process
     with caplog.at_level(logging.WARNING):
         a, b = generate_images(family, c, [request(sampler="euler_a"), request()])
     assert a.request.sampler == "flow_euler" and np.array_equal(np.asarray(a.image), np.asarray(b.image))

@@ -69,7 +69,7 @@ def test_two_samplers_run_and_the_seed_fixes_the_image(loaded):
 
 
 def test_defaults_are_sdxl_ones():
-    from library.families.sdxl_generate import resolve_sdxl_request
+    from library.families.sdxl.generate import resolve_sdxl_request
 
     r = resolve_sdxl_request(GenerationRequest("a cat"))
     assert (r.width, r.height, r.steps, r.scale, r.sampler) == (1024, 1024, 30, 7.5, "ddim")
@@ -78,15 +78,15 @@ def test_defaults_are_sdxl_ones():
 
 
 def test_size_ids_are_the_requested_size_uncropped():
-    from library.families.sdxl import time_ids
-    from library.families.sdxl_generate import size_ids
+    from library.families.sdxl.family import time_ids
+    from library.families.sdxl.generate import size_ids
 
     ids = time_ids(size_ids(2, 96, 64), torch.device("cpu"), torch.float32)
     assert ids.tolist() == [[96.0, 64.0, 0.0, 0.0, 96.0, 64.0]] * 2
 
 
 def test_unweighted_prompts_encode_as_training_does(loaded):
-    from library.families.sdxl_generate import encode_prompts_sdxl
+    from library.families.sdxl.generate import encode_prompts_sdxl
 
     family, c, device = loaded
     long = ", ".join(["red cat on a blue table"] * 14)  # > 75 tokens: two windows

@@ -14,19 +14,20 @@ from safetensors.torch import load_file, save_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import hunyuan_image_layout as layout
-from library.families import hunyuan_image_text as text_rules
+from library.families.hunyuan_image import layout
+from library.families.hunyuan_image import text as text_rules
 from library.families.base import (
     Components,
     LoadOptions,
     ModelLoadError,
 )
-from library.families.hunyuan_image_configs import build_hunyuan_image_modules
-from library.families.hunyuan_image_loading import write_hunyuan_image_preset
-from library.families.hunyuan_image_options import HunyuanImageOptions
+from library.families.hunyuan_image.configs import build_hunyuan_image_modules
+from library.families.hunyuan_image.loading import write_hunyuan_image_preset
+from library.families.hunyuan_image.options import HunyuanImageOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
-from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
+from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
+                                 random_lora_file)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_tiny_files_load_through_the_real_loaders(hi_files, tiny_hi):
     assert loaded.tokenizers[0].get_vocab() == tiny_hi.tokenizers[0].get_vocab()
     assert len(loaded.tokenizers[1]) == 1510
     assert detect_family(hi_files["dit"]) == "hunyuan_image" and detect_family("tiny:hunyuan_image") == "hunyuan_image"
-    from library.families.hunyuan_image_loading import load_dit_file
+    from library.families.hunyuan_image.loading import load_dit_file
 
     comfy = hi_files["dit"].replace(".safetensors", "-comfy.safetensors")
     save_file({layout.COMFY_PREFIX + k: v for k, v in load_file(hi_files["dit"]).items()}, comfy)
@@ -129,7 +130,7 @@ def test_option_errors_are_one_line(hi_files):
 def test_full_size_lora_names_on_meta():
     """sd-scripts' networks.lora_hunyuan_image on the 17B model: every Linear of the 20 double and 40 single blocks
     under its original name (10 and 3 per block), the fused widths of its split_dims, no text-encoder LoRA."""
-    from library.families.hunyuan_image import swap_split
+    from library.families.hunyuan_image.family import swap_split
 
     family = get_family("hunyuan_image")
     parts = build_hunyuan_image_modules("random:hunyuan_image", device="meta")
@@ -224,7 +225,7 @@ def independent_merge(original: dict, lora: dict) -> tuple[dict, int]:
 def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path, tiny_hi):
     """The LoRA-patched DiT equals one whose original-layout weights (fused qkv / linear1) had up @ down · alpha /
     rank added per module, loaded back by the single-file loader."""
-    from library.families.hunyuan_image_loading import load_dit_file
+    from library.families.hunyuan_image.loading import load_dit_file
 
     family = get_family("hunyuan_image")
     c = family.load(LoadOptions("tiny:hunyuan_image"))
@@ -250,7 +251,7 @@ def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path, tiny_
 def test_tiny_lora_training_run_with_text_cache_and_samples(tmp_path, tiny_hi):
     import os
 
-    from library.families.hunyuan_image_generate import hunyuan_image_sigmas
+    from library.families.hunyuan_image.generate import hunyuan_image_sigmas
     from library.objectives.flow import shift_sigmas
 
     data = make_dataset(str(tmp_path), n=2)
@@ -356,16 +357,20 @@ def test_merge_and_extract_tools_on_the_original_files(tmp_path, hi_files, tiny_
 
 
 def test_block_swap_and_offloaded_checkpointing_train_as_without(tmp_path, tiny_hi):
-    """--blocks_to_swap 1 (the last two single blocks streamed) with --cpu_offload_checkpointing gives the same LoRA
-    as plain gradient checkpointing (diffusers' HunyuanImage blocks take keyword inputs through both checkpointing
-    functions); the streamed blocks are the last N//2 double and 2·(N − N//2) single ones."""
+    """--blocks_to_swap 1 (the last two single blocks streamed) with --cpu_offload_checkpointing gives the LoRA of
+    plain gradient checkpointing up to float rounding (diffusers' HunyuanImage blocks take keyword inputs through
+    both checkpointing functions); the streamed blocks are the last N//2 double and 2·(N − N//2) single ones."""
     data = make_dataset(str(tmp_path), n=1)
     extra = ["--network_module", "networks.lora_hunyuan_image", "--gradient_checkpointing"]
     runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:hunyuan_image", steps=1, extra=extra + more),
                          "hunyuan_image").run()
             for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1", "--cpu_offload_checkpointing"]))]
     a, b = (load_file(p) for p in runs)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # measured 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY); 3e-5 leaves room for
+    # kernels that depend on alignment. The swapped blocks' weights (the saved inputs) copied through float16 give
+    # 6.4e-5 (4.5e-5), zeros in place of the weights 2e-3
+    assert_close_measured(b, a, 3e-5, "hunyuan swap + offload vs plain: LoRA")
+    assert largest_lora_up(a) > 5e-4  # trained: one AdamW step at 1e-3 moves it 1e-3
     assert not torch.equal(a["lora_unet_single_blocks_3_linear1.lora_up.weight"],
                            torch.zeros_like(a["lora_unet_single_blocks_3_linear1.lora_up.weight"]))
     blocks = get_family("hunyuan_image").swappable_blocks(tiny_hi, 1)

@@ -119,3 +119,130 @@ def test_failed_write_leaves_nothing(tmp_path):
         with atomic_directory(str(tmp_path / "d")) as tmp:
             raise RuntimeError("boom")
     assert os.listdir(tmp_path) == []
+
+
+# --- issue 22, item 4: temporaries a SIGKILL leaves, and failed writes -----------------------------------------
+
+def _partial_safetensors(path, metadata, cut=100):
+    """The first bytes of a safetensors file with `metadata`, as a kill while writing its tensors leaves it."""
+    from safetensors.torch import save
+
+    data = save({"a.lora_up.weight": torch.ones(64, 64)}, metadata=metadata)
+    path.write_bytes(data[: len(data) - cut])
+
+
+def test_issue22_config_temporary_is_removed(tmp_path):
+    """A SIGKILL while <name>_config.toml is written left .lora_config.toml.<pid>-<r>.tmp.toml forever
+    (_belongs_to wanted `lora.` or `lora-`)."""
+    dead = _dead_pid()
+    stale = f".lora_config.toml.{dead}-0123abcd.tmp.toml"
+    keep = [f".lora2_config.toml.{dead}-0123abcd.tmp.toml", f".lora_configs.toml.{dead}-0123abcd.tmp.toml",
+            "lora_config.toml"]
+    for name in [stale, *keep]:
+        (tmp_path / name).write_text("x")
+    removed = clean_stale_temporaries(str(tmp_path), "lora")
+    assert [os.path.basename(p) for p in removed] == [stale]
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+
+
+def test_issue22_safetensors_own_temporaries_of_this_output_are_removed(tmp_path):
+    """A SIGKILL inside safetensors' save_file left its .tmpXXXXXX (a whole model) in the output folder, which
+    nothing removed. Those whose header names this output (LoRA: ss_output_name; fine-tune: the modelspec title
+    "<name> (step N)") are removed; others, and ones too short to tell, stay."""
+    _partial_safetensors(tmp_path / ".tmpAb12Cd", {"ss_output_name": "lora", "modelspec.title": "x"})
+    _partial_safetensors(tmp_path / ".tmpZZ99yy", {"modelspec.title": "lora (step 10)"})
+    _partial_safetensors(tmp_path / ".tmp000aaa", {"modelspec.title": "lora"})
+    _partial_safetensors(tmp_path / ".tmpOther1", {"ss_output_name": "lora2"})
+    _partial_safetensors(tmp_path / ".tmpNoMeta", None)
+    (tmp_path / ".tmpEmpty0").write_bytes(b"")
+    (tmp_path / ".tmpShort0").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    _partial_safetensors(tmp_path / ".tmpTooLongName", {"ss_output_name": "lora"})
+    removed = clean_stale_temporaries(str(tmp_path), "lora")
+    assert sorted(os.path.basename(p) for p in removed) == [".tmp000aaa", ".tmpAb12Cd", ".tmpZZ99yy"]
+    assert sorted(os.listdir(tmp_path)) == [".tmpEmpty0", ".tmpNoMeta", ".tmpOther1", ".tmpShort0",
+                                            ".tmpTooLongName"]
+
+
+_KILLED_IN_SAVE_FILE = r"""
+import os, signal, sys
+import torch
+import safetensors.torch
+from library.core.io_utils import save_safetensors_atomic
+
+def save_file(tensors, filename, metadata=None):  # as safetensors does it: its own temporary beside `filename`
+    with open(os.path.join(os.path.dirname(filename), ".tmpKiLLed"), "wb") as f:
+        f.write(b"\x00" * 4096)
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+safetensors.torch.save_file = save_file
+save_safetensors_atomic({"x": torch.zeros(4)}, sys.argv[1], {"ss_output_name": "lora"})
+"""
+
+
+def test_issue22_a_kill_inside_save_file_leaves_only_our_temporary(tmp_path):
+    """save_file's own temporary now lies inside our named temporary folder, which clean_stale_temporaries
+    removes after the kill; before, it lay in the output folder under a name nothing recognised."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lora-000001.safetensors").write_bytes(b"earlier")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", _KILLED_IN_SAVE_FILE, str(out / "lora-000002.safetensors")],
+                       cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, timeout=120)
+    assert p.returncode == -9, p.stderr.decode()
+    left = sorted(os.listdir(out))
+    assert len(left) == 2 and left[1] == "lora-000001.safetensors"
+    assert io_utils.final_name(left[0]) == "lora-000002.safetensors" and is_temporary_name(left[0])
+    assert os.listdir(out / left[0]) == [".tmpKiLLed"]
+    removed = clean_stale_temporaries(str(out), "lora")
+    assert [os.path.basename(r) for r in removed] == [left[0]]
+    assert os.listdir(out) == ["lora-000001.safetensors"]
+
+
+def test_issue22_writer_failures_become_one_line_and_leave_nothing(tmp_path, monkeypatch):
+    """safetensors reports a full disk as SafetensorError("... I/O error: No space left on device (os error 28)");
+    atomic writers turn it (and OSError) into WriteFailed, one line naming the final path, temporary removed."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    (tmp_path / "a.safetensors").write_bytes(b"earlier")
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"x" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(io_utils.WriteFailed) as e:
+        save_safetensors_atomic({"x": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
+    assert str(e.value) == f"{tmp_path / 'a.safetensors'}: the disk is full; nothing was half-written"
+    assert e.value.disk_full and isinstance(e.value, OSError)
+    with pytest.raises(io_utils.WriteFailed) as e:  # through an outer atomic_path (networks' save_weights)
+        with atomic_path(str(tmp_path / "b.safetensors")) as tmp:
+            save_lora_state_dict(tmp, {"a.alpha": torch.tensor(1.0)}, {})
+    assert str(e.value) == f"{tmp_path / 'b.safetensors'}: the disk is full; nothing was half-written"
+    with pytest.raises(io_utils.WriteFailed) as e:
+        with atomic_directory(str(tmp_path / "s-state")) as tmp:
+            save_safetensors_atomic({"x": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))
+    assert str(e.value) == f"{tmp_path / 's-state'}: the disk is full; nothing was half-written"
+
+    def eio(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("builtins.open", eio)
+    with pytest.raises(io_utils.WriteFailed) as e:
+        io_utils.atomic_write_text(str(tmp_path / "lora_config.toml"), "x")
+    monkeypatch.undo()
+    assert str(e.value) == f"{tmp_path / 'lora_config.toml'}: could not be written (Input/output error); " \
+                           "nothing was half-written"
+    assert os.listdir(tmp_path) == ["a.safetensors"]
+    assert (tmp_path / "a.safetensors").read_bytes() == b"earlier"
+
+
+def test_issue22_other_exceptions_pass_through(tmp_path):
+    """Only writers' failures become WriteFailed: a bug stays a bug (its traceback), a signal a signal."""
+    for exc in (ValueError("bug"), RuntimeError("CUDA error: an illegal memory access"), KeyboardInterrupt()):
+        with pytest.raises(type(exc)):
+            with atomic_path(str(tmp_path / "a.bin")):
+                raise exc
+    assert os.listdir(tmp_path) == []

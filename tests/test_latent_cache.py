@@ -102,6 +102,8 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
         {"vae_id": "other-vae:fp16"},
         {"latent_shape": (4, 8, 8)},
         {"random_crop": True},
+        # a cache written before each image's posterior sample came from its own seed (no "posterior" key)
+        {"posterior": "per-image seed (sha256 of the pixels)"},
     ],
 )
 def test_different_settings_are_stale(tmp_path, change):

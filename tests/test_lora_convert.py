@@ -146,7 +146,7 @@ def test_unknown_and_lycoris_files_are_refused_with_the_key():
 
 def _full_size_flux_kohya(rank=2):
     """Every module of a real FLUX.1 LoRA (19 double + 38 single blocks, fused qkv / linear1), rank `rank`."""
-    from library.families.flux_lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
+    from library.families.flux.lora_names import DOUBLE_BLOCK, SINGLE_BLOCK
 
     shapes = {"img_mod.lin": (6 * H, H), "txt_mod.lin": (6 * H, H), "img_attn.qkv": (3 * H, H),
               "txt_attn.qkv": (3 * H, H), "img_attn.proj": (H, H), "txt_attn.proj": (H, H),
@@ -231,3 +231,23 @@ def test_lumina_to_comfy_gives_gemma2_the_names_comfyuis_key_map_uses(tmp_path):
 
     assert convert(comfy, "kohya", dst).keys() == kohya.keys()  # and back, and readable by every tool
     assert len(load_lora_file(dst).modules) == len(kohya) // 3
+
+
+def test_an_sd1_peft_file_with_cross_attention_reads_back_as_sd1(tiny_sd1, tmp_path):
+    """`.attn2.` marks SD3.5 only inside `transformer.`; an SD 1.x UNet's cross-attention used to send the whole
+    file to the SD3 reader ("not an SD3 part")."""
+    from library.families import get_family
+    from library.families.lora_convert import convert, load_lora_file
+    from safetensors.torch import load_file, save_file
+
+    from tests.train_helpers import random_lora_file
+
+    src = random_lora_file(get_family("sd"), tiny_sd1, str(tmp_path / "sd1.safetensors"))
+    kohya = load_lora_file(src)
+    peft = convert(load_file(src), "diffusers", src)
+    assert any(".attn2." in k and k.startswith("unet.") for k in peft)
+    save_file(peft, str(tmp_path / "peft.safetensors"))
+    back = load_lora_file(str(tmp_path / "peft.safetensors")).modules
+    assert back.keys() == kohya.modules.keys()
+    for name, m in kohya.modules.items():
+        torch.testing.assert_close(back[name].delta(), m.delta(), rtol=1e-5, atol=1e-7)

@@ -227,7 +227,7 @@ def sd1(tiny_sd1_modules):
 
 @pytest.fixture(scope="module")
 def full_meta():
-    from library.families.tiny import build_sd_modules
+    from library.families.sd.configs import build_sd_modules
 
     return build_sd_modules("random:sd15", device="meta")
 

@@ -94,8 +94,7 @@ def test_tools_refuse_bad_input_with_one_line(tmp_path, capsys):
     save_file({"lora_unet_a.hada_w1_a": torch.zeros(2, 2)}, bad)
     assert _run("resize_lora", ["--model", bad, "--save_to", str(tmp_path / "o.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {bad}: lora_unet_a.hada_w1_a: a LyCORIS LoHa module; only LoRA/LoCon "
-                   f"(lora_down/lora_up) files are supported by this tool\n")
+    assert err == f"error: {bad}: lora_unet_a.hada_w1_b is missing (a LyCORIS LoHa module)\n"
     assert _run("merge_lora", ["--save_to", str(tmp_path / "o.safetensors"), "--models", bad]) == 2
     assert "give --concat (exact) or --new_rank" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o.safetensors")

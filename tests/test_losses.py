@@ -167,6 +167,7 @@ def test_check_loss_options():
 import argparse  # noqa: E402
 
 from library.cli.noise_loss import add_noise_loss_arguments, loss_options_from_args  # noqa: E402
+from library.cli.ranges import check_ranges  # noqa: E402
 
 
 def parse(argv):
@@ -189,13 +190,15 @@ def test_loss_flags_parse():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--huber_c", "0"], "--huber_c: expected a number > 0, got 0.0"),
-    (["--min_snr_gamma", "-5"], "--min_snr_gamma: expected a number > 0"),
-    (["--huber_scale", "0"], "--huber_scale: expected a number > 0"),
+    (["--huber_c", "0"], "^--huber_c 0: expected a number > 0$"),
+    (["--min_snr_gamma", "-5"], "^--min_snr_gamma -5: expected a number > 0$"),
+    (["--huber_scale", "0"], "^--huber_scale 0: expected a number > 0$"),
 ])
 def test_bad_loss_flags(argv, message):
+    """Each flag's own range is declared with it (library/cli/noise_loss.py) and checked before any settings are
+    built (check_ranges, the first step of settings_from_args)."""
     with pytest.raises(ConfigError, match=message):
-        loss_options_from_args(parse(argv))
+        check_ranges(vars(parse(argv)))
 
 
 def test_loss_type_choices():

@@ -13,18 +13,19 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import lumina_layout as layout
+from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.lumina_configs import (
+from library.families.lumina.configs import (
     PRESETS,
     build_lumina_modules,
     transformer_config,
 )
-from library.families.lumina_loading import write_lumina_preset
-from library.families.lumina_options import LuminaOptions
+from library.families.lumina.loading import write_lumina_preset
+from library.families.lumina.options import LuminaOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
-from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
+from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
+                                 random_lora_file)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def test_tiny_files_load_through_the_real_loaders(lumina_files, tiny_lumina):
     assert loaded.tokenizers[0].get_vocab() == tiny_lumina.tokenizers[0].get_vocab()
     assert detect_family(lumina_files["dit"]) == "lumina" and detect_family("tiny:lumina") == "lumina"
     # ComfyUI's whole-model prefix loads the same DiT
-    from library.families.lumina_loading import load_dit_file
+    from library.families.lumina.loading import load_dit_file
 
     comfy = lumina_files["dit"].replace(".safetensors", "-comfy.safetensors")
     from safetensors.torch import save_file
@@ -138,7 +139,7 @@ def independent_merge(original: dict, lora: dict) -> tuple[dict, int]:
 def test_lora_equals_an_independent_merge_in_the_original_layout(tmp_path):
     """The LoRA-patched DiT equals one whose NextDiT-layout weights (q, k, v fused) had up @ down · alpha / rank
     added per module, loaded back by the single-file loader."""
-    from library.families.lumina_loading import load_dit_file
+    from library.families.lumina.loading import load_dit_file
 
     family = get_family("lumina")
     c = family.load(LoadOptions("tiny:lumina"))
@@ -228,7 +229,7 @@ def test_tiny_lumina_lora_training_run(tmp_path):
 
 
 def test_generation_makes_images(tiny_lumina):
-    from library.families.lumina_generate import lumina_sigmas
+    from library.families.lumina.generate import lumina_sigmas
     from library.objectives.flow import shift_sigmas
     from library.sampling.generate import GenerationRequest
 
@@ -245,8 +246,8 @@ def test_nextdit_shift_is_uniform_then_shifted_by_image_size():
     (0.5 at 256, 1.15 at 4096)."""
     import math
 
-    from library.families.lumina import LuminaFlowScheme
-    from library.families.lumina_options import LuminaFlowOptions
+    from library.families.lumina.family import LuminaFlowScheme
+    from library.families.lumina.options import LuminaFlowOptions
 
     scheme = LuminaFlowScheme(LuminaFlowOptions(timestep_sampling="nextdit_shift"))
     sigmas = scheme.sample_sigmas(4, torch.Generator().manual_seed(3), (1, 16, 64, 64))
@@ -320,14 +321,18 @@ def test_merge_tool_writes_the_merged_original_dit(tmp_path, lumina_files, tiny_
 
 
 def test_blocks_to_swap_trains_as_without_and_is_bounded_as_sd_scripts(tmp_path, lumina_files):
-    """--blocks_to_swap 1 (the last joint block streamed) gives the same LoRA as no swapping; more than
-    blocks - 2 is refused before loading, naming the bound."""
+    """--blocks_to_swap 1 (the last joint block streamed) gives the LoRA of no swapping, up to float rounding (the
+    block runs on copies of its weights); more than blocks - 2 is refused before loading, naming the bound."""
     data = make_dataset(str(tmp_path), n=1)
     extra = ["--network_module", "networks.lora_lumina", "--network_train_unet_only", "--gemma2_max_token_length", "8"]
     runs = [make_trainer(base_args(data, str(tmp_path / name), "tiny:lumina", steps=2, extra=extra + more),
                          "lumina").run() for name, more in (("plain", []), ("swap", ["--blocks_to_swap", "1"]))]
     a, b = (load_file(p) for p in runs)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the same ops on copies of the weights: measured 0 with the AVX-512, AVX2 and default kernels
+    # (ATEN_CPU_CAPABILITY); 3e-5 leaves room for kernels that depend on alignment. The swapped block's weights
+    # copied through float16 give 1.7e-3, zeros in their place 4e-3
+    assert_close_measured(b, a, 3e-5, "lumina swap vs plain: LoRA")
+    assert largest_lora_up(a) > 1e-3  # trained: 10 times the tolerance
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 blocks"):
         get_family("lumina").check_options(LuminaOptions(gemma2=lumina_files["gemma2"], ae=lumina_files["ae"]),
                                            LoadOptions(lumina_files["dit"]), blocks_to_swap=2)

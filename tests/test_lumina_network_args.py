@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import lumina_layout as layout
+from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, TextConditioning
-from library.families.lumina_configs import PRESETS, transformer_config
-from library.families.lumina_options import LuminaFlowOptions
+from library.families.lumina.configs import PRESETS, transformer_config
+from library.families.lumina.options import LuminaFlowOptions
 from networks.lora import create_network
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

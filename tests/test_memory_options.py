@@ -1,4 +1,9 @@
-"""Memory options (--blocks_to_swap, --fp8_base, --cpu_offload_checkpointing) train exactly as without them."""
+"""Memory options (--blocks_to_swap, --fp8_base, --cpu_offload_checkpointing) train as without them.
+
+Each option runs the same math as another computation (blocks copied to and from offload memory, saved inputs
+recomputed by another autograd function, float8 weights upcast on the fly), so the results agree up to float
+rounding, which depends on the CPU: compared with a tolerance set from the measured difference
+(tests/train_helpers.py assert_close_measured)."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from library.families import get_family
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
 from library.train.offload_checkpoint import offloaded_checkpoint
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer
 
 FLUX_ARGS = ["--t5xxl_max_token_length", "16", "--network_train_unet_only", "--cache_text_encoder_outputs"]
 
@@ -43,10 +48,6 @@ def _train(tmp_path, name, preset, family, extra, steps=2, round_trip_fp8=None):
     trainer._micro_step = lambda *a: losses.append(step(*a)) or losses[-1]
     path = trainer.run()
     return losses, load_file(path), trainer
-
-
-def _same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------------------- block swap on a toy model
@@ -83,8 +84,10 @@ def test_block_swapper_residency_and_gradients(checkpoint):
     out = model(x)
     assert swapper.resident() == [0, 1, 2]  # forward done: every swapped block is back in offload memory
     out.sum().backward()
-    for a, b in zip(reference.adapters, model.adapters):
-        assert torch.equal(a.grad, b.grad)
+    # The swapped blocks run on copies of their weights: measured 0 with the AVX-512, AVX2 and default kernels
+    # (ATEN_CPU_CAPABILITY); float32 rounding of these 8-term sums would be ~1e-7. Copies through float16 give 5.9e-4
+    assert_close_measured({i: a.grad for i, a in enumerate(model.adapters)},
+                          {i: a.grad for i, a in enumerate(reference.adapters)}, 1e-6, "adapter gradients")
     events = [(kind, block) for kind, block, _ in swapper.stats.events]
     forward = [("forward", 3), ("forward", 4), ("forward", 5)]
     if checkpoint is None:
@@ -116,7 +119,7 @@ def test_a_block_whose_inputs_need_no_gradient_is_released_after_backward():
 
 
 # ---------------------------------------------------------------------------- FLUX.1: swap and offload
-def test_flux_block_swap_and_cpu_offload_checkpointing_train_exactly_as_without(tmp_path):
+def test_flux_block_swap_and_cpu_offload_checkpointing_train_as_without(tmp_path):
     base_losses, base_lora, _ = _train(tmp_path, "plain", "tiny:flux", "flux", FLUX_ARGS)
     for name, extra in [("checkpointing", ["--gradient_checkpointing"]),
                         ("swap_checkpointing", ["--gradient_checkpointing", "--blocks_to_swap", "2"]),
@@ -124,8 +127,11 @@ def test_flux_block_swap_and_cpu_offload_checkpointing_train_exactly_as_without(
                         ("offload", ["--cpu_offload_checkpointing"]),
                         ("offload_swap", ["--cpu_offload_checkpointing", "--blocks_to_swap", "2"])]:
         losses, lora, trainer = _train(tmp_path, name, "tiny:flux", "flux", FLUX_ARGS + extra)
-        assert losses == base_losses, name
-        assert _same_weights(lora, base_lora), name
+        # measured 0 and 0 for every variant with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY). Swapped
+        # weights copied through float16 give 1.6e-3 (LoRA), saved inputs through float16 2.8e-3 (LoRA), dropped
+        # input gradients 3.2e-4 (losses)
+        assert_close_measured(losses, base_losses, 1e-5, f"{name}: losses")
+        assert_close_measured(lora, base_lora, 1e-4, f"{name}: LoRA")
         swapper = trainer.block_swapper
         if swapper is not None:
             blocks = trainer.components.denoiser
@@ -168,10 +174,11 @@ def test_fp8_sd1_trains_as_float8_rounded_weights(tmp_path):
     fp8_losses, fp8_lora, trainer = _train(tmp_path, "fp8", "tiny:sd1", "sd", ["--fp8_base"])
     rounded_losses, rounded_lora, _ = _train(tmp_path, "rounded", "tiny:sd1", "sd", [], round_trip_fp8="all")
     full_losses, _, _ = _train(tmp_path, "full", "tiny:sd1", "sd", [])
-    assert fp8_losses == rounded_losses
-    # Same forward; only the order gradients of a shared input are summed in may differ.
-    for key in rounded_lora:
-        torch.testing.assert_close(fp8_lora[key], rounded_lora[key], rtol=0, atol=1e-4)
+    # Same forward; the float8 layers' own backward and the order gradients of a shared input are summed in may
+    # differ from autograd's: measured 0 and 0 with the AVX-512, AVX2 and default kernels (ATEN_CPU_CAPABILITY).
+    # A float8 layer dropping its bias gives 2.7e-3 (losses), its input gradient rounded through float16 1.8e-3 (LoRA)
+    assert_close_measured(fp8_losses, rounded_losses, 1e-5, "fp8 vs rounded: losses")
+    assert_close_measured(fp8_lora, rounded_lora, 1e-4, "fp8 vs rounded: LoRA")
     assert fp8_losses != full_losses
     torch.testing.assert_close(torch.tensor(fp8_losses), torch.tensor(full_losses), rtol=0.02, atol=0)
     c = trainer.components
@@ -188,8 +195,10 @@ def test_fp8_flux_with_block_swap_samples_and_validates(tmp_path):
         "--sample_prompts", str(prompts), "--sample_at_first"])
     rounded_losses, rounded_lora, _ = _train(tmp_path, "rounded", "tiny:flux", "flux", FLUX_ARGS + validation,
                                              round_trip_fp8="denoiser")
-    assert losses == rounded_losses
-    assert _same_weights(lora, rounded_lora)
+    # measured 0 and 0 (all three kernel sets); a dropped bias gives 3.5e-2 (losses), swapped weights copied through
+    # float16 2e-4 (LoRA), a float16-rounded input gradient 1.1e-3 (LoRA)
+    assert_close_measured(losses, rounded_losses, 1e-5, "fp8 + swap vs rounded: losses")
+    assert_close_measured(lora, rounded_lora, 1e-4, "fp8 + swap vs rounded: LoRA")
     names = sorted(os.path.basename(p)[:16] for p in glob.glob(os.path.join(str(tmp_path / "fp8"), "sample", "*.png")))
     assert names == ["lora_e000000_00_", "lora_e000000_gri"]  # the sample before training, and its grid
     c = trainer.components
@@ -210,14 +219,19 @@ def test_memory_flag_checks():
     assert memory_options_from_args({"cpu_offload_checkpointing": True}, sd).cpu_offload_checkpointing  # any family
 
 
-def test_sd1_cpu_offload_checkpointing_trains_exactly_as_plain_checkpointing(tmp_path):
+def test_sd1_cpu_offload_checkpointing_trains_as_plain_checkpointing(tmp_path):
     """The UNet's checkpointed blocks (ResNet and transformer blocks) with their saved inputs in CPU memory:
-    the same losses as plain gradient checkpointing, and the same LoRA up to the order in which backward sums a
-    tensor's gradients (AdamW's first steps magnify that rounding; measured 1.2e-5 after 2 steps)."""
+    the losses and LoRA of plain gradient checkpointing up to the order in which backward sums a tensor's gradients
+    (the text states and time embedding every block takes), which AdamW's first steps magnify; the second loss
+    follows from the first step's LoRA (it differed in the last bit on a 2-core AMD EPYC)."""
     base_losses, base_lora, _ = _train(tmp_path, "plain", "tiny:sd1", "sd", ["--gradient_checkpointing"])
     losses, lora, _ = _train(tmp_path, "offload", "tiny:sd1", "sd", ["--cpu_offload_checkpointing"])
-    assert losses == base_losses and lora.keys() == base_lora.keys()
-    assert max((lora[k] - base_lora[k]).abs().max().item() for k in lora) <= 5e-5
+    # measured 1.2e-7 (AVX-512 kernels) and 0 (AVX2, default: ATEN_CPU_CAPABILITY); dropped input gradients give
+    # 3.5e-4
+    assert_close_measured(losses, base_losses, 1e-5, "offload vs plain: losses")
+    # measured 3.6e-6 (AVX-512), 4.3e-5 (AVX2), 4.1e-5 (default); saved inputs rounded through float16 give 1.9e-3
+    assert_close_measured(lora, base_lora, 4e-4, "offload vs plain: LoRA")
+    assert largest_lora_up(base_lora) > 1e-3  # trained: two AdamW steps of 1e-3 move it 2e-3
     assert len(base_losses) == 2 and base_losses[0] != base_losses[1]
 
 
@@ -240,20 +254,20 @@ def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
     """On CUDA each swapped block's weights sit in one buffer registered with cudaHostRegister (mocked here)."""
     from unittest import mock
 
-    from library.train.block_swap import _page_locked_copies
+    from library.train.block_swap import page_locked_copies
 
     tensors = [torch.randn(3, 5).bfloat16(), torch.randn(7), torch.tensor(2.0), torch.arange(10)]
     cudart = mock.Mock()
     cudart.cudaHostRegister.return_value = 0
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    buffer, copies = _page_locked_copies(tensors)
+    buffer, copies = page_locked_copies(tensors)
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(tensors, copies))
     assert all(c.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for c in copies)
     assert buffer.numel() == 4 * 256  # each copy starts on a 256-byte boundary
     cudart.cudaHostRegister.assert_called_once_with(buffer.data_ptr(), 1024, 0)
     cudart.cudaHostRegister.return_value = 2  # cudaErrorMemoryAllocation
     with pytest.raises(UserError, match=r"^--blocks_to_swap: cannot page-lock 0 MiB of host memory"):
-        _page_locked_copies(tensors)
+        page_locked_copies(tensors)
 
 
 def test_parts_whose_outputs_are_cached_wait_in_cpu_memory():

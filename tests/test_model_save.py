@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from library.core.errors import UserError
 from library.families import get_family
 from library.families.base import SAVE_FORMATS, LoadOptions, model_save_path
-from library.families.flux_options import FluxOptions
+from library.families.flux.options import FluxOptions
 
 CASES = {"sd1": ("sd", "tiny_sd1"), "sd2v": ("sd", "tiny_sd2v"), "sdxl": ("sdxl", "tiny_sdxl"),
          "flux": ("flux", "tiny_flux")}

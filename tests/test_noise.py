@@ -177,6 +177,7 @@ def test_noise_keeps_latent_dtype():
 import argparse  # noqa: E402
 
 from library.cli.noise_loss import add_noise_loss_arguments, noise_options_from_args  # noqa: E402
+from library.cli.ranges import check_ranges  # noqa: E402
 
 
 def parse(argv):
@@ -206,10 +207,19 @@ def test_noise_flags_parse():
     (["--ip_noise_gamma_random_strength"], "--ip_noise_gamma_random_strength: needs --ip_noise_gamma"),
     (["--min_timestep", "600", "--max_timestep", "500"], r"--min_timestep \(600\) is above --max_timestep \(500\)"),
     (["--max_timestep", "1001"], "--max_timestep: expected an integer from 0 to 1000, got 1001"),
-    (["--multires_noise_iterations", "0"], "--multires_noise_iterations: expected an integer >= 1"),
-    (["--multires_noise_discount", "1.5"], r"--multires_noise_discount: expected a number in \(0, 1\]"),
-    (["--noise_offset", "-0.1"], "--noise_offset: expected a number >= 0"),
 ])
 def test_bad_noise_flags(argv, message):
     with pytest.raises(ConfigError, match=message):
         noise_options_from_args(parse(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--multires_noise_iterations", "0"], "^--multires_noise_iterations 0: expected an integer >= 1$"),
+    (["--multires_noise_discount", "1.5"], r"^--multires_noise_discount 1.5: expected a number in \(0, 1\]$"),
+    (["--noise_offset", "-0.1"], "^--noise_offset -0.1: expected a number >= 0$"),
+    (["--max_timestep", "1001"], r"^--max_timestep 1001: expected an integer in \[0, 1000\]$"),
+])
+def test_noise_flag_ranges(argv, message):
+    """Each flag's own range is declared with it and checked before any settings are built (check_ranges)."""
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(vars(parse(argv)))

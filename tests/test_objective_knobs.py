@@ -17,10 +17,11 @@ from library.cli.noise_loss import (
     read_scheduler_overrides,
 )
 from library.cli.optimizer import add_optimizer_arguments, optimizer_options_from_args
+from library.cli.ranges import check_ranges
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.families.sd_generate import SD_SCHEDULER_CONFIG
+from library.families.sd.generate import SD_SCHEDULER_CONFIG
 from library.objectives.flow import FlowMatchScheme, FlowOptions
 from library.objectives.losses import LossOptions, check_loss_options, soft_min_snr_weight, training_loss
 from library.objectives.noise import DDPMSchedule, DDPMScheme
@@ -326,8 +327,8 @@ def test_soft_min_snr_in_the_loss_at_known_timesteps(v_pred):
 def test_soft_min_snr_checks():
     with pytest.raises(ConfigError, match="set only one of them"):
         loss_options_from_args(parse(["--min_snr_gamma", "5", "--soft_min_snr_gamma", "5"]))
-    with pytest.raises(ConfigError, match="--soft_min_snr_gamma: expected a number > 0"):
-        loss_options_from_args(parse(["--soft_min_snr_gamma", "0"]))
+    with pytest.raises(ConfigError, match="^--soft_min_snr_gamma 0: expected a number > 0$"):
+        check_ranges(vars(parse(["--soft_min_snr_gamma", "0"])))  # its declared range, checked before the settings
     assert loss_options_from_args(parse(["--soft_min_snr_gamma", "4"])).soft_min_snr_gamma == 4.0
     with pytest.raises(ConfigError, match="--soft_min_snr_gamma: needs an SNR-based"):
         check_loss_options(LossOptions(soft_min_snr_gamma=5.0), FlowMatchScheme())

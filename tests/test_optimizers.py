@@ -13,6 +13,7 @@ from library.cli.optimizer import (
     optimizer_options_from_args,
     scheduler_options_from_args,
 )
+from library.cli.ranges import check_ranges
 from library.core.errors import ConfigError
 from library.train.optimizers import (
     OptimizerOptions,
@@ -235,8 +236,6 @@ def test_flags_parse():
     (["--lr_scheduler", "cosine_annealing"], "--lr_scheduler: expected one of constant,"),
     (["--lr_warmup_steps", "ten"], "--lr_warmup_steps: expected a step count"),
     (["--lr_decay_steps", "-3"], "--lr_decay_steps: expected a step count"),
-    (["--lr_scheduler_min_lr_ratio", "1.5"], "--lr_scheduler_min_lr_ratio: expected a number between 0 and 1"),
-    (["--lr_scheduler_num_cycles", "0"], "--lr_scheduler_num_cycles: expected an integer >= 1"),
     (["--lr_scheduler_args", "gamma"], "--lr_scheduler_args: expected key=value"),
 ])
 def test_bad_scheduler_flags(argv, message):
@@ -245,8 +244,18 @@ def test_bad_scheduler_flags(argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--learning_rate", "-1"], "--learning_rate: expected a number >= 0"),
-    (["--max_grad_norm", "-1"], "--max_grad_norm: expected a number >= 0"),
+    (["--lr_scheduler_min_lr_ratio", "1.5"], r"^--lr_scheduler_min_lr_ratio 1.5: expected a number in \[0, 1\]$"),
+    (["--lr_scheduler_num_cycles", "0"], "^--lr_scheduler_num_cycles 0: expected an integer >= 1$"),
+    (["--learning_rate", "-1"], r"^--learning_rate -1: expected a number in \[0, 10\] \(learning rates above 10"),
+    (["--max_grad_norm", "-1"], r"^--max_grad_norm -1: expected a number >= 0 \(0 = no clipping\)$"),
+])
+def test_optimizer_flag_ranges(argv, message):
+    """Each flag's own range is declared with it and checked before any settings are built (check_ranges)."""
+    with pytest.raises(ConfigError, match=message):
+        check_ranges(vars(parse(argv)))
+
+
+@pytest.mark.parametrize("argv, message", [
     (["--optimizer_args", "foo=bar"], "--optimizer_args: 'foo=bar'"),
     (["--use_lion_optimizer", "--optimizer_type", "Prodigy"], "--use_lion_optimizer and --optimizer_type Prodigy"),
 ])

@@ -81,7 +81,7 @@ def test_defaults_are_filled_in(sd1):
 
 def test_unweighted_prompt_encodes_as_training_does(sd1):
     family, c = sd1
-    from library.families.sd_generate import encode_prompts
+    from library.families.sd.generate import encode_prompts
 
     short = "a photo of a cat"
     long = ", ".join(["red cat on a blue table"] * 14)  # > 75 tokens: two windows

@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import sd3_layout as sai
+from library.families.sd3 import layout as sai
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.sd3_configs import PRESETS, build_sd3_modules, transformer_config
-from library.families.sd3_options import SD3Options
-from library.families.sd3_pos_embed import ScaledPositions
-from library.families.sd3_saving import write_sd3_preset
+from library.families.sd3.configs import PRESETS, build_sd3_modules, transformer_config
+from library.families.sd3.options import SD3Options
+from library.families.sd3.pos_embed import ScaledPositions
+from library.families.sd3.saving import write_sd3_preset
 from library.objectives.flow_sd3 import SD3FlowOptions
 from networks.lora import create_network
 from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
@@ -274,7 +274,7 @@ def test_diffusers_load_lora_weights_after_conversion(tmp_path, tiny_sd3_copy):
 
     from diffusers import StableDiffusion3Pipeline
 
-    from library.families import sd3_saving
+    from library.families.sd3 import saving as sd3_saving
     from library.families.lora_convert import convert
 
     family, c = get_family("sd3"), tiny_sd3_copy
@@ -398,7 +398,7 @@ def test_generation_schedule_and_images(tiny_sd3):
     shifted, then 0; generated images are the requested size and the same for a seed, in a batch or not."""
     import numpy as np
 
-    from library.families.sd3_generate import sd3_sigmas
+    from library.families.sd3.generate import sd3_sigmas
     from library.sampling.generate import GenerationRequest
 
     def shift(t):

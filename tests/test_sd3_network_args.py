@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families import sd3_layout as sai
+from library.families.sd3 import layout as sai
 from library.families.base import Components
-from library.families.sd3_configs import PRESETS, transformer_config
+from library.families.sd3.configs import PRESETS, transformer_config
 from networks.lora import create_network, create_network_from_weights
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer
 
 
 def _lora(tmp_path, name: str, extra: list[str]) -> dict[str, torch.Tensor]:
@@ -32,10 +32,11 @@ def test_regional_compile_trains_the_same_lora(tmp_path, caplog):
     # tiny:sd1: 2 down + 2 up/mid transformer blocks and the ResNet blocks, compiled one by one
     assert line.startswith("--torch_compile: ") and " blocks of UNet2DConditionModel compiled (aot_eager" in line
     assert int(line.split()[1]) >= 8
-    assert eager.keys() == compiled.keys()
-    worst = max((eager[k] - compiled[k]).abs().max().item() for k in eager)
-    moved = max(eager[k].abs().max().item() for k in eager if "lora_up" in k)
-    assert worst <= 1e-5 and moved > 1e-4, (worst, moved)
+    # AOTAutograd's decomposed graphs round otherwise: measured 6.3e-6, 3.4e-6, 2.9e-6 with the AVX-512, AVX2 and
+    # default kernels (ATEN_CPU_CAPABILITY), 1.6x under the 1e-5 bound it had;
+    # blocks compiled over float16-rounded weights give 2.9e-3
+    assert_close_measured(compiled, eager, 1e-4, "compiled vs eager: LoRA")
+    assert largest_lora_up(eager) > 1e-4
     torch._dynamo.reset()
 
 

@@ -19,7 +19,7 @@ def _npz(data):
 def _count_encodes(trainer, monkeypatch) -> list:
     encoded = []
     original = trainer.family.encode_images
-    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x: encoded.append(len(x)) or original(vae, x))
+    monkeypatch.setattr(trainer.family, "encode_images", lambda vae, x, *more: encoded.append(len(x)) or original(vae, x, *more))
     return encoded
 
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from library.core import hashes
 from library.core import metadata as M
 from library.train.network_kinds import OwnLoRA, network_kind
-from library.train.run_metadata import _timestep_range
+from library.train.run_metadata import timestep_range
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 # The keys sd-scripts 48d368f writes into a LoRA of train_network.py, read from its source:
@@ -152,8 +152,8 @@ def test_issue5_bucket_keys_in_folder_mode_only_with_bucketing(tmp_path):
 
 def test_issue5_timestep_range_is_never_none_none():
     """Issue 11 item 5: modelspec.timestep_range was written as the literal "None,None"."""
-    assert _timestep_range(None, None) is None
-    assert _timestep_range(100, None) == (100, 1000) and _timestep_range(None, 500) == (0, 500)
+    assert timestep_range(None, None) is None
+    assert timestep_range(100, None) == (100, 1000) and timestep_range(None, 500) == (0, 500)
     md = M.modelspec_metadata("stable-diffusion-v1", "diffusers", "x", 512, timestep_range=(None, None))
     assert "modelspec.timestep_range" not in md
 
@@ -170,7 +170,7 @@ def test_issue5_model_hashes_are_cached_by_path_mtime_and_size(tmp_path, monkeyp
     expected = (hashlib.sha256(blob[0x100000:0x110000]).hexdigest()[:8], hashlib.sha256(blob).hexdigest())
     assert hashes.cached_file_hashes(str(path)) == expected
     assert hashes.cached_file_hashes(str(path)) == expected
-    hashes._FILE_HASHES.clear()  # a new process: the JSON cache answers
+    hashes.forget_file_hashes()  # a new process: the JSON cache answers
     assert hashes.cached_file_hashes(str(path)) == expected
     assert len(reads) == 1
     os.utime(path, ns=(1, 1))  # touched (or replaced): hashed again

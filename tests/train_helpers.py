@@ -63,3 +63,35 @@ def random_lora_file(family, components, path: str, seed: int = 0) -> str:
             lora.lora_up.weight.copy_(torch.randn(lora.lora_up.weight.shape, generator=gen) * 0.2)
     net.save_weights(path, None, {})
     return path
+
+
+def largest_difference(a, b) -> float:
+    """The largest absolute difference between two results of the same shape: tensors, lists of numbers (losses),
+    or dicts of tensors with the same keys (a LoRA or model file). NaN anywhere gives NaN."""
+    import torch
+
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+        assert a, "nothing to compare"
+        return torch.tensor([largest_difference(a[k], b[k]) for k in a], dtype=torch.float64).max().item()
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_close_measured(actual, expected, tolerance: float, what: str) -> float:
+    """Two different computations of one result (CPU-offloaded vs plain checkpointing, swapped blocks vs none,
+    sharded vs plain, batched vs one by one) agree up to float rounding, which depends on the CPU and its kernels.
+
+    Bitwise equality is for the same ops in the same order (a resumed run, a file read back); here the largest
+    absolute difference is printed (pytest -s shows it) and must be at most `tolerance`: 10-100x the figure
+    measured, written next to it by the caller, and far below what a real bug gives. Returns the difference."""
+    worst = largest_difference(actual, expected)
+    print(f"{what}: largest difference {worst:.3g} (tolerance {tolerance:.3g})")
+    assert worst <= tolerance, f"{what}: largest difference {worst:.3g} > tolerance {tolerance:.3g}"
+    return worst
+
+
+def largest_lora_up(lora: dict) -> float:
+    """How far a networks.lora file trained: its lora_up weights start at 0."""
+    return max(v.float().abs().max().item() for k, v in lora.items() if "lora_up" in k)

@@ -50,6 +50,7 @@ def run(argv=None) -> None:
         text_encoder_included,
     )
     from networks.lora_files import dim_alpha_summary, parse_precision, save_lora_file
+    from library.families import selected_family
     from library.families.detect import detect_family
     from tools.lora_models import load_model, lora_layers
 
@@ -57,7 +58,7 @@ def run(argv=None) -> None:
     opts.check()
     dtype = parse_precision(args.save_precision)
     include_conv = args.conv_dim is not None
-    family = args.model_family or ("sdxl" if args.sdxl else None) or detect_family(args.model_org)
+    family = args.model_family or selected_family(vars(args)) or detect_family(args.model_org)
     org = load_model(args.model_org, family, flags=component_files(args))
     tuned = load_model(args.model_tuned, family, flags=component_files(args))
     org_layers = lora_layers(org, include_conv, file_only=False)  # the modules networks.lora trains, as sd-scripts

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from library.cli.flux import add_component_file_arguments, component_files  # noqa: E402
 from library.cli.options import options_from_values  # noqa: E402
 from library.core.errors import ConfigError, run_tool  # noqa: E402
+from library.families import DEFAULT_FAMILY, get_family, selected_family  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
 
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="run the model in bfloat16")
     g.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     g = p.add_argument_group("networks (one value per network)")
-    g.add_argument("--network_module", nargs="*", default=[], help="module of each network (default networks.lora)")
+    g.add_argument("--network_module", nargs="*", default=[], help="module of each network (default: lycoris.kohya for a file with LyCORIS "
+                                                                "modules, else networks.lora)")
     g.add_argument("--network_weights", nargs="*", default=[], help="LoRA / LyCORIS files")
     g.add_argument("--network_mul", nargs="*", type=float, default=[], help="multiplier of each network (default 1)")
     g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
@@ -79,7 +81,7 @@ class GenerateOptions:
     ckpt: str
     outdir: str
     prompts: list = field(default_factory=list)  # SamplePrompt
-    family: str = "sd"
+    family: str = DEFAULT_FAMILY
     vae: Optional[str] = None
     component_files: dict = field(default_factory=dict)  # FLUX.1 --clip_l / --t5xxl / --ae
     v2: bool = False
@@ -128,21 +130,38 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         family=_family(a),
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
-        networks=network_specs(a.network_module, a.network_weights, a.network_mul), merge=a.merge,
+        networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
+                               a.network_weights, a.network_mul), merge=a.merge,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
                                   sampler=a.sampler))
+
+
+def _default_module(path: str) -> str:
+    """The --network_module a file needs when none is given: lycoris.kohya for LyCORIS modules (LoHa, LoKr, DoRA,
+    OFT, IA3, ...), which networks.lora cannot build, else networks.lora."""
+    from networks.lycoris_delta import is_lycoris_state
+
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = list(f.keys())
+        except Exception:  # not readable: networks.lora says what is wrong with it
+            return "networks.lora"
+        return "lycoris.kohya" if is_lycoris_state(keys) else "networks.lora"
+    return "networks.lora"
 
 
 def _family(a: argparse.Namespace) -> str:
     """--sdxl / --flux, else what the model says; a Chroma file or preset is Chroma with or without --flux
     (sd-scripts' FLUX.1 scripts take Chroma with --model_type chroma)."""
     detected = detect_family(a.ckpt)
-    if a.sdxl:
-        return "sdxl"
-    if detected == "chroma":
-        return detected
-    return "flux" if a.flux else (detected or "sd")
+    selected = selected_family(vars(a))
+    if selected is None:
+        return detected or DEFAULT_FAMILY
+    return detected if detected is not None and get_family(detected).variant_of == selected else selected
 
 
 def load_model(o: GenerateOptions):

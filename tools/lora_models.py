@@ -15,7 +15,7 @@ import torch
 from library.cli.options import options_from_values
 from library.core.errors import UserError
 from library.core.io_utils import clean_stale_temporaries_of
-from library.families import get_family
+from library.families import DEFAULT_FAMILY, get_family
 from library.families.base import Components, LoadOptions, ModelFamily
 from library.families.detect import detect_family
 from networks.lora_targets import LoraLayer
@@ -36,7 +36,7 @@ def load_model(path: str, family_name: Optional[str] = None, dtype: torch.dtype 
 
     `flags`: the family's own flags that loading needs (FLUX.1's --clip_l / --t5xxl / --ae for a BFL file).
     """
-    family = get_family(family_name or detect_family(path) or "sd")
+    family = get_family(family_name or detect_family(path) or DEFAULT_FAMILY)
     options = options_from_values(family.options_type, flags or {})
     components = family.load(LoadOptions(path, dtype=dtype, vae_dtype=dtype, family_options=options))
     return LoadedModel(family, components)
@@ -68,7 +68,14 @@ def base_weights(model: LoadedModel) -> dict[str, torch.Tensor]:
 def in_family_names(model: LoadedModel, modules: Mapping[str, T]) -> dict[str, T]:
     """A LoRA file's modules by the family's kohya names (`lora_layers` keys): a LyCORIS full-preset SDXL
     file's `lora_unet_conv_in` is `lora_unet_input_blocks_0_0` here. Names the family does not know stay."""
-    return {model.family.canonical_lora_name(name): module for name, module in modules.items()}
+    return {model.family.canonical_lora_name(_lora_name(name)): module for name, module in modules.items()}
+
+
+def _lora_name(name: str) -> str:
+    """sd-scripts' networks.oft names its modules `oft_unet_<path>`, the layer that `lora_unet_<path>` names."""
+    from networks.lycoris_delta import lora_module_name
+
+    return lora_module_name(name)
 
 
 def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -76,7 +83,7 @@ def base_weights_for(model: LoadedModel, names: Iterable[str]) -> dict[str, torc
     weights = base_weights(model)
     out = {}
     for name in names:
-        canonical = model.family.canonical_lora_name(name)
+        canonical = model.family.canonical_lora_name(_lora_name(name))
         if canonical in weights:
             out[name] = weights[canonical]
     return out
@@ -89,3 +96,26 @@ def save_model(model: LoadedModel, path: str, dtype: Optional[torch.dtype] = Non
         model.family.save_checkpoint(model.components, path, dtype)
     except NotImplementedError as e:
         raise UserError(str(e)) from None
+
+
+def load_adapter_file(path: str):
+    """Any adapter file the tools take: a LoRA in a known layout (library.families.lora_convert.load_lora_file),
+    or a LyCORIS file (LoHa, LoKr, DoRA, OFT, IA3, ...) whose modules compute ΔW with LyCORIS' own code."""
+    from library.families.lora_convert import load_lora_file
+    from networks.lora_files import read_state_dict
+    from networks.lycoris_delta import is_lycoris_state, load_lycoris_file
+
+    state, metadata = read_state_dict(path)
+    if state and is_lycoris_state(state):
+        return load_lycoris_file(path, state, metadata)
+    return load_lora_file(path)
+
+
+def plain_modules(lora, bases: Optional[Mapping[str, torch.Tensor]] = None) -> dict:
+    """A loaded file's modules as plain LoRA modules; a LyCORIS module becomes its exact ΔW as factors
+    (`bases`: base weights by name, for DoRA / OFT / IA3, whose ΔW depends on them)."""
+    if lora.layout != "lycoris":
+        return dict(lora.modules)
+    from networks.lycoris_delta import exact_loras
+
+    return exact_loras(lora.modules, bases)

@@ -34,16 +34,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.core.errors import UserError, run_tool  # noqa: E402
+from library.core.errors import run_tool  # noqa: E402
+from library.families import registered_families  # noqa: E402
 
-FAMILIES = {"sd1": "tiny:sd1", "sd2": "tiny:sd2", "sd2-v": "tiny:sd2-v", "sdxl": "tiny:sdxl", "flux": "tiny:flux",
-            "chroma": "tiny:chroma", "anima": "tiny:anima", "sd3": "tiny:sd3",
-            "lumina": "tiny:lumina", "hunyuan_image": "tiny:hunyuan_image"}
+
+def tiny_presets() -> dict[str, tuple[str, str]]:
+    """--family choice -> (family name, preset): each family's `tiny_presets`, named after "tiny:"."""
+    return {preset.removeprefix("tiny:"): (family.name, preset)
+            for family in registered_families() for preset in family.tiny_presets}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", required=True, choices=list(FAMILIES), help="which tiny model to write")
+    parser.add_argument("--family", required=True, choices=list(tiny_presets()), help="which tiny model to write")
     parser.add_argument("--out", required=True,
                         help="output: a folder (diffusers layout) or, with --single_file, a .safetensors/.ckpt file "
                              "(flux: a .safetensors name or a folder for the four files)")
@@ -55,104 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write_sd3(out: str, single_file: bool, separate: bool) -> None:
-    from library.families.sd3_saving import write_sd3_preset
-
-    layout = "diffusers" if not single_file else "separate" if separate else "single_file"
-    for name, path in write_sd3_preset(FAMILIES["sd3"], out, layout).items():
-        print(f"wrote {name}: {path}")
-
-
-def _write_flux(out: str, single_file: bool) -> None:
-    from library.families.flux_saving import write_flux_preset
-
-    written = write_flux_preset(FAMILIES["flux"], out, single_file=single_file)
-    if not single_file:
-        print(f"wrote tiny:flux to {out}")
-        return
-    for name, path in written.items():
-        print(f"wrote {name}: {path}")
-    print("train with: --pretrained_model_name_or_path " + written["transformer"]
-          + "".join(f" --{flag} {written[flag]}" for flag in ("clip_l", "t5xxl", "ae")))
-
-
-def _write_chroma(out: str, single_file: bool) -> None:
-    from library.families.chroma_model import write_chroma_preset
-
-    if not single_file:
-        raise UserError("--family chroma: add --single_file (Chroma is published as a single file; sd-scripts "
-                        "loads no diffusers folder of it)")
-    written = write_chroma_preset(FAMILIES["chroma"], out)
-    for name, path in written.items():
-        print(f"wrote {name}: {path}")
-    print("train with: flux_train_network.py --model_type chroma --apply_t5_attn_mask --guidance_scale 0 "
-          f"--pretrained_model_name_or_path {written['transformer']} --t5xxl {written['t5xxl']} --ae {written['ae']}")
-
-
-def _write_anima(out: str) -> None:
-    from library.families.anima_loading import write_anima_preset
-
-    if out.lower().endswith(".safetensors"):
-        raise UserError(f"--out {out}: Anima is written as three files; expected a folder name")
-    written = write_anima_preset(FAMILIES["anima"], out)
-    for name, path in written.items():
-        print(f"wrote {name}: {path}")
-    print(f"train with: --pretrained_model_name_or_path {written['dit']} --qwen3 {written['qwen3']} "
-          f"--vae {written['vae']}")
-
-
-def _write_lumina(out: str) -> None:
-    from library.families.lumina_loading import write_lumina_preset
-
-    if out.lower().endswith(".safetensors"):
-        raise UserError(f"--out {out}: Lumina is written as three files; expected a folder name")
-    written = write_lumina_preset(FAMILIES["lumina"], out)
-    for name, path in written.items():
-        print(f"wrote {name}: {path}")
-    print(f"train with: --pretrained_model_name_or_path {written['dit']} --gemma2 {written['gemma2']} "
-          f"--ae {written['ae']}")
-
-
-def _write_hunyuan_image(out: str) -> None:
-    from library.families.hunyuan_image_loading import write_hunyuan_image_preset
-
-    if out.lower().endswith(".safetensors"):
-        raise UserError(f"--out {out}: HunyuanImage is written as four files; expected a folder name")
-    written = write_hunyuan_image_preset(FAMILIES["hunyuan_image"], out)
-    for name, path in written.items():
-        print(f"wrote {name}: {path}")
-    print(f"train with: --pretrained_model_name_or_path {written['dit']} --text_encoder {written['text_encoder']} "
-          f"--byt5 {written['byt5']} --vae {written['vae']}")
-
-
 def write(args: argparse.Namespace) -> None:
-    """Write the tiny model `args` names (UserError on a bad --out)."""
-    from library.families.sd_saving import write_preset
-    from library.families.sdxl_saving import write_sdxl_preset
+    """Write the tiny model `args` names through its family's `write_preset` (UserError on a bad --out)."""
+    from library.families import get_family
 
-    if args.family == "flux":
-        _write_flux(args.out, args.single_file)
+    name, preset = tiny_presets()[args.family]
+    family = get_family(name)
+    written = family.write_preset(preset, args.out, single_file=args.single_file,
+                                  separate_text_encoders=args.separate_text_encoders)
+    if written == {preset: args.out}:
+        print(f"wrote {preset} to {args.out}")
         return
-    if args.family == "sd3":
-        _write_sd3(args.out, args.single_file, args.separate_text_encoders)
-        return
-    if args.family == "chroma":
-        _write_chroma(args.out, args.single_file)
-        return
-    if args.family == "anima":
-        _write_anima(args.out)
-        return
-    if args.family == "lumina":
-        _write_lumina(args.out)
-        return
-    if args.family == "hunyuan_image":
-        _write_hunyuan_image(args.out)
-        return
-    if args.single_file and not args.out.lower().endswith((".safetensors", ".ckpt")):
-        raise UserError(f"--out {args.out}: with --single_file expected a .safetensors or .ckpt file name")
-    writer = {"sdxl": write_sdxl_preset}.get(args.family, write_preset)  # SDXL has its own SGM layout
-    writer(FAMILIES[args.family], args.out, single_file=args.single_file)
-    print(f"wrote {FAMILIES[args.family]} to {args.out}")
+    for part, path in written.items():
+        print(f"wrote {part}: {path}")
+    hint = family.preset_hint(written)
+    if hint:
+        print(f"train with: {hint}")
 
 
 def main(argv: list[str] | None = None) -> int:

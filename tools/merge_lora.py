@@ -48,16 +48,17 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
 
     `lbws`: one LoRA Block Weight list per model (svd_merge_lora's --lbws), multiplied into its ratio per block.
     """
-    from library.families.lora_convert import load_lora_file
     from networks.lora_block_weights import check_lbws, module_block_weights
     from networks.lora_files import dim_alpha_summary, save_lora_file, updated_metadata
     from networks.lora_merge import WeightedLora, check_ratios, concat_merge, svd_merge
+    from tools.lora_models import load_adapter_file, plain_modules
 
     ratios = check_ratios(models, ratios)
     lbws = check_lbws(lbws, models)
-    files = [load_lora_file(m) for m in models]  # all read and checked before any SVD
-    loras = [WeightedLora(f.modules, r, f.path, module_block_weights(w, f.modules, f.path) if w else None)
-             for f, r, w in zip(files, ratios, lbws)]
+    files = [load_adapter_file(m) for m in models]  # all read and checked before any SVD
+    plain = [plain_modules(f) for f in files]  # LyCORIS modules: their exact ΔW as factors
+    loras = [WeightedLora(p, r, f.path, module_block_weights(w, p, f.path) if w else None)
+             for f, p, r, w in zip(files, plain, ratios, lbws)]
     if concat:
         modules, how = concat_merge(loras), "concatenated ranks"
     else:
@@ -68,6 +69,10 @@ def merge_lora_files(models, ratios, save_to, concat, new_rank, new_conv_rank, d
     names = ", ".join(f"{os.path.basename(m)}x{r:g}" + (f" lbw [{','.join(f'{v:g}' for v in w)}]" if w else "")
                       for m, r, w in zip(models, ratios, lbws))
     metadata = updated_metadata(files[0].metadata, dim, alpha, f"merged ({how}): {names}")
+    if any(f.layout == "lycoris" for f in files):
+        from networks.lycoris_delta import as_lora_metadata
+
+        metadata = as_lora_metadata(metadata)
     clean_stale_temporaries_of(save_to)
     save_lora_file(save_to, modules, metadata, dtype or files[0].dtype)
     print(f"saved {save_to}: {len(modules)} modules, rank {dim}")
@@ -86,12 +91,11 @@ def run(argv=None) -> None:
                          dtype, args.device)
         return
     from library.cli.flux import component_files
-    from library.families.lora_convert import load_lora_file
     from networks.lora_merge import WeightedLora, check_ratios, merge_into_layers
-    from tools.lora_models import in_family_names, load_model, lora_layers, save_model
+    from tools.lora_models import in_family_names, load_adapter_file, load_model, lora_layers, save_model
 
     ratios = check_ratios(args.models, args.ratios)
-    files = [load_lora_file(m) for m in args.models]
+    files = [load_adapter_file(m) for m in args.models]  # LoRA or LyCORIS (LoHa, LoKr, DoRA, OFT, IA3, ...)
     model = load_model(args.sd_model, args.model_family, flags=component_files(args))
     loras = [WeightedLora(in_family_names(model, f.modules), r, m) for f, m, r in zip(files, args.models, ratios)]
     merged = merge_into_layers(lora_layers(model), loras)

@@ -38,13 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base checkpoint, needed by recipes with spn_ckpt / fro_ckpt")
     p.add_argument("--model_family", default=None,
                    help="family of --base_model (sd, sdxl, flux, ...; default: detected from the model, else sd)")
+    p.add_argument("--to_lora", action="store_true",
+                   help="re-factor a LyCORIS file (LoHa, LoKr, LoCon with Tucker, DoRA, OFT, IA3, full) into a plain "
+                        "LoRA of --new_rank; DoRA, OFT and IA3 need --base_model")
     add_component_file_arguments(p)  # for a FLUX.1 BFL single-file --base_model
     return p
 
 
 def run(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    from library.families.lora_convert import load_lora_file
     from networks.lora_files import (
         dim_alpha_summary,
         parse_precision,
@@ -52,11 +54,20 @@ def run(argv=None) -> None:
         updated_metadata,
     )
     from networks.lora_resize import ResizeOptions, resize_comment, resize_modules
+    from tools.lora_models import load_adapter_file, plain_modules
 
     opts = ResizeOptions(args.new_rank, args.new_conv_rank, args.dynamic_method, args.dynamic_param, args.device)
     opts.rules()  # validate the flags before any loading
     dtype = parse_precision(args.save_precision)
-    lora = load_lora_file(args.model)
+    lora = load_adapter_file(args.model)
+    if lora.layout == "lycoris" and not args.to_lora:
+        from networks.lora_files import UnsupportedLoraError
+        from networks.lycoris_delta import LycorisModule
+
+        first = next((m for m in lora.modules.values() if isinstance(m, LycorisModule)), None)
+        if first is not None:
+            raise UnsupportedLoraError(f"{args.model}: {first.name}: a LyCORIS {first.kind} module; give --to_lora "
+                                       f"to re-factor the file into a plain LoRA of --new_rank")
     base = None
     if args.base_model:
         from library.cli.flux import component_files
@@ -64,16 +75,25 @@ def run(argv=None) -> None:
 
         base = base_weights_for(load_model(args.base_model, args.model_family, flags=component_files(args)),
                                 lora.modules)
-    result = resize_modules(lora.modules, opts, base)
+    modules = plain_modules(lora, base)  # --to_lora: each LyCORIS module's exact ΔW, then resized as a LoRA
+    if base is not None and lora.layout == "lycoris":
+        from networks.lycoris_delta import lora_module_name
+
+        base = {lora_module_name(k): v for k, v in base.items()}  # oft_unet_x comes out as lora_unet_x
+    result = resize_modules(modules, opts, base)
     if args.verbose:
         for report in result.reports:
             print(report.line())
-    old_dim = lora.metadata.get("ss_network_dim") or dim_alpha_summary(lora.modules.values())[0]
+    old_dim = lora.metadata.get("ss_network_dim") or dim_alpha_summary(modules.values())[0]
     if opts.dynamic_method:
         dim, alpha = "Dynamic", "Dynamic"
     else:
         dim, alpha = dim_alpha_summary(result.modules)
     metadata = updated_metadata(lora.metadata, dim, alpha, resize_comment(opts, old_dim))
+    if lora.layout == "lycoris":
+        from networks.lycoris_delta import as_lora_metadata
+
+        metadata = as_lora_metadata(metadata)
     clean_stale_temporaries_of(args.save_to)
     save_lora_file(args.save_to, result.modules, metadata, dtype or lora.dtype)
     kept = sum(r.new_rank for r in result.reports)

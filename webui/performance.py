@@ -1,13 +1,14 @@
 """The Performance (and Diagnostics) options of a job and whether this machine, the job's family and the trainer can use each.
 
 Packages are looked up with importlib.util.find_spec (nothing is imported), GPUs with nvidia-smi
-(webui.hardware), and the trainer's flags from its own `--help` (once per script): the UI imports no trainer.
+(webui.hardware), and the trainer's flags from its own `--describe_flags` JSON (run once per script, kept for the
+server's life): the UI imports no trainer.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import re
+import json
 import subprocess
 import sys
 import threading
@@ -60,27 +61,41 @@ NEEDS_TEXT = {"max_data_loader_n_workers": "needs data-loader workers > 0",
 MEMORY_FLAGS = ("highvram", "lowram")
 
 
-_FLAGS: dict[str, frozenset[str]] = {}
-_FLAGS_LOCKS: dict[str, threading.Lock] = {}
+_DESCRIPTIONS: dict[str, dict[str, Any]] = {}
+_DESCRIPTION_LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
 
 
-def trainer_flags(script: str, timeout: float = 120) -> frozenset[str]:
-    """The flags `<script> --help` lists (without the dashes), learned once per script; empty (and asked
-    again next time) when the script cannot say."""
+def trainer_description(script: str, timeout: float = 120) -> dict[str, Any] | None:
+    """`<script> --describe_flags`: every flag of the script (name, type, default, choices, help, group, range) and
+    its family's facts, learned once per script; None (and asked again next time) when the script cannot say."""
     with _LOCKS_LOCK:
-        lock = _FLAGS_LOCKS.setdefault(script, threading.Lock())
-    with lock:  # one --help per script, also when the start-up thread and a request ask at once
-        if script not in _FLAGS:
+        lock = _DESCRIPTION_LOCKS.setdefault(script, threading.Lock())
+    with lock:  # one run per script, also when the start-up thread and a request ask at once
+        if script not in _DESCRIPTIONS:
             try:
-                result = subprocess.run([sys.executable, script, "--help"], check=False, cwd=REPO_ROOT,
+                result = subprocess.run([sys.executable, script, "--describe_flags"], check=False, cwd=REPO_ROOT,
                                         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
             except (OSError, subprocess.TimeoutExpired):
-                return frozenset()
+                return None
             if result.returncode != 0:
-                return frozenset()
-            _FLAGS[script] = frozenset(re.findall(r"(?<![\w-])--([A-Za-z0-9_]+)", result.stdout))
-        return _FLAGS[script]
+                return None
+            try:
+                description = json.loads(result.stdout)
+            except ValueError:
+                return None
+            if not isinstance(description, dict) or not isinstance(description.get("flags"), list):
+                return None
+            _DESCRIPTIONS[script] = description
+        return _DESCRIPTIONS[script]
+
+
+def trainer_flags(script: str, timeout: float = 120) -> frozenset[str]:
+    """The flags (and their other names, without the dashes) that `script` describes; empty when it cannot say."""
+    description = trainer_description(script, timeout)
+    if description is None:
+        return frozenset()
+    return frozenset(name for flag in description["flags"] for name in (flag["name"], *flag.get("aliases", ())))
 
 
 def package_installed(module: str) -> bool:

@@ -57,12 +57,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     threading.Thread(target=watch, daemon=True).start()
 
-    def learn_trainer_flags() -> None:  # the Performance options' first look needs each script's --help
+    def learn_trainer_flags() -> None:  # the Performance options' first look needs each script's --describe_flags
         from webui.jobfiles import SCRIPTS
-        from webui.performance import trainer_flags
+        from webui.performance import trainer_description
 
         for script in sorted(set(SCRIPTS.values())):
-            trainer_flags(script)
+            trainer_description(script)
 
     threading.Thread(target=learn_trainer_flags, daemon=True).start()
     print(f"Training jobs UI on http://{args.host}:{args.port}/ (jobs in {os.path.abspath(args.jobs_dir)})", flush=True)

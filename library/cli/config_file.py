@@ -5,27 +5,34 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence
 
 import toml
 
+from library.cli.describe import print_description
+from library.cli.options import add_flags, flag, flag_specs
 from library.core.errors import ConfigError
 from library.core.io_utils import atomic_write_text
 
-_NOT_SAVED = {"config_file", "output_config", "check_config"}
+_NOT_SAVED = {"config_file", "output_config", "check_config", "describe_flags"}
 _SECRETS = {"wandb_api_key"}  # accepted in a config file, never written to one
 
 
+@dataclass
+class ConfigFileFlags:
+    flag_group: ClassVar[str] = "config file"
+    config_file: Optional[str] = flag(None, "TOML file of flags (any [section] layout; keys are flag names without --)")
+    output_config: bool = flag(False, "write the effective flags to --config_file and exit")
+    check_config: bool = flag(False, "check every flag, the config file and the dataset config's keys and values as "
+                                     "a run would, print 'config ok' and exit 0; a problem is the run's one-line error "
+                                     "and exit code 2. Loads no model and reads no image")
+    describe_flags: bool = flag(False, "print every flag of this script (name, type, default, choices, help, group, "
+                                       "range) and the model family's facts as JSON and exit 0; loads nothing")
+
+
 def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("config file")
-    g.add_argument("--config_file", type=str, default=None,
-                   help="TOML file of flags (any [section] layout; keys are flag names without --)")
-    g.add_argument("--output_config", action="store_true",
-                   help="write the effective flags to --config_file and exit")
-    g.add_argument("--check_config", action="store_true",
-                   help="check every flag, the config file and the dataset config's keys and values as a run would, "
-                        "print 'config ok' and exit 0; a problem is the run's one-line error and exit code 2. "
-                        "Loads no model and reads no image")
+    add_flags(parser, flag_specs(ConfigFileFlags))
 
 
 def _flatten(data: dict, path: str, out: dict, origin: dict) -> None:
@@ -66,8 +73,13 @@ def parse_with_config_file(parser: argparse.ArgumentParser, argv: Optional[Seque
     if not hasattr(parser, "original_defaults"):
         parser.original_defaults = {a.dest: a.default for a in parser._actions}
     first, _ = parser.parse_known_args(argv)
+    if getattr(first, "describe_flags", False) and hasattr(parser, "flag_specs"):
+        print_description(parser)  # before the config file and every check: it describes, it does not run
+        raise SystemExit(0)
     if first.config_file and not first.output_config:
-        parser.set_defaults(**read_config_file(first.config_file, parser))
+        values = read_config_file(first.config_file, parser)
+        check_choices(values, parser)
+        parser.set_defaults(**values)
     ns = parser.parse_args(argv)
     if ns.output_config:
         if not ns.config_file:
@@ -75,6 +87,24 @@ def parse_with_config_file(parser: argparse.ArgumentParser, argv: Optional[Seque
         write_config_file(ns, ns.config_file, parser)
         raise SystemExit(0)
     return ns
+
+
+def check_choices(values: dict[str, Any], parser: argparse.ArgumentParser) -> None:
+    """A config file's value of a flag with choices must be one of them, as on the command line (argparse checks
+    only those): one-line ConfigError naming the flag."""
+    actions = {a.dest: a for a in parser._actions}
+    for key, value in values.items():
+        action = actions[key]
+        if action.choices is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and action.type not in (None, str):
+                try:
+                    item = action.type(item)  # "225" for an int flag: argparse converts it too
+                except (TypeError, ValueError, argparse.ArgumentTypeError):
+                    pass
+            if item not in action.choices:
+                raise ConfigError(f"--{key}: expected one of {', '.join(map(str, action.choices))}, got {item!r}")
 
 
 def config_values(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -90,6 +120,11 @@ def config_values(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> di
             continue
         out[dest] = value
     return out
+
+
+def flag_values(ns: argparse.Namespace) -> dict[str, Any]:
+    """Every flag of a namespace with its value, secrets and the config-file flags left out (a state records them)."""
+    return {name: value for name, value in vars(ns).items() if name not in _NOT_SAVED and name not in _SECRETS}
 
 
 def write_config_file(ns: argparse.Namespace, path: str, parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from library.cli.config_file import (
+    flag_values,
     parse_with_config_file,
     write_config_file,
 )
@@ -24,7 +25,7 @@ from library.cli.optimizer import (
     scheduler_options_from_args,
 )
 from library.cli.options import options_from_namespace
-from library.cli.parser import build_fine_tune_parser, build_network_training_parser
+from library.cli.parser import build_parser
 from library.cli.preflight import check_output_folders
 from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
@@ -43,7 +44,7 @@ from library.train.stopping import StopHandler, StopRequested
 from library.train.trainer import InterruptedTraining, Trainer
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "urllib3", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -77,7 +78,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
                           f"{family.external_networks_unsupported}")
     # A drawn seed and implied checkpointing are what the data layer and the metadata must see.
-    recorded = {**vars(ns), "seed": training.seed, "gradient_checkpointing": gradient_checkpointing, "learning_rate": optimizer.learning_rate}
+    resolved = {"seed": training.seed, "gradient_checkpointing": gradient_checkpointing,
+                "learning_rate": optimizer.learning_rate}
+    recorded = {**vars(ns), **resolved}
     settings = RunSettings(
         model=model,
         data=data_options_from_args(ns, seed=training.seed),
@@ -96,6 +99,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
+        flags={**flag_values(ns), **resolved},
     )
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
@@ -128,9 +132,12 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
                  fine_tune: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
-    _setup_logging()
-    stop = StopHandler().install()  # from here on a signal stops cleanly, also while loading and caching
+    setup_logging()
+    stop = StopHandler()
     try:
+        # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
+        # script imported (library/core/stop_signals.py recorded it) stops here.
+        stop.install()
         return _run(family_name, description, argv, stop, fine_tune)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
@@ -171,6 +178,3 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
     print(f"saved {path}")
     return 0
 
-
-def build_parser(description: str, family=None, fine_tune: bool = False):
-    return (build_fine_tune_parser if fine_tune else build_network_training_parser)(description, family)

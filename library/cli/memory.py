@@ -4,47 +4,57 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional
 
+from library.cli.options import add_flags, at_least, flag, flag_specs
 from library.core.errors import ConfigError
+from library.families import registered_families
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class MemoryFlags:
+    """The memory flags: every training script takes them; the family decides what it supports."""
+    flag_group: ClassVar[str] = "memory"
+    fp8_base: bool = flag(False, "store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer"
+                                 " by layer; about half the weight memory of bf16")
+    fp8_base_unet: bool = flag(False, "float8 for the U-Net / DiT only; the text encoders keep the training dtype "
+                                      "(implies --fp8_base)")
+    blocks_to_swap: Optional[int] = flag(None, "keep N transformer blocks in CPU memory and stream each to the GPU "
+                                               "for its forward and backward (DiT families; FLUX.1: N//2 double and "
+                                               "2*(N-N//2) single blocks)", range=at_least(1))
+    cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
+                                                  " memory until the backward pass (DiT families; turns on "
+                                                  "--gradient_checkpointing)")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
-    g = parser.add_argument_group("memory")
-    g.add_argument("--fp8_base", action="store_true",
-                   help="store the base model's Linear/Conv2d weights as float8 (e4m3) and upcast them layer by "
-                        "layer; about half the weight memory of bf16")
-    g.add_argument("--fp8_base_unet", action="store_true",
-                   help="float8 for the U-Net / DiT only; the text encoders keep the training dtype "
-                        "(implies --fp8_base)")
-    g.add_argument("--blocks_to_swap", type=int, default=None,
-                   help="keep N transformer blocks in CPU memory and stream each to the GPU for its forward and "
-                        "backward (DiT families; FLUX.1: N//2 double and 2*(N-N//2) single blocks)")
-    g.add_argument("--cpu_offload_checkpointing", action="store_true",
-                   help="with gradient checkpointing, keep each block's saved inputs in CPU memory until the "
-                        "backward pass (DiT families; turns on --gradient_checkpointing)")
+    add_flags(parser, flag_specs(MemoryFlags))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
     """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError)."""
-    # HunyuanImage's sd-scripts flag --fp8_scaled: float8 DiT weights (here as --fp8_base_unet, without scales)
-    fp8_unet = bool(values.get("fp8_base_unet")) or bool(values.get("fp8_scaled"))
+    # A family's own sd-scripts spelling of a shared flag counts as that flag (ModelFamily.flag_aliases:
+    # HunyuanImage's --fp8_scaled is --fp8_base_unet here, without scales; Anima's --unsloth_offload_checkpointing)
+    aliased = {flag: bool(values.get(flag)) for flag in ("fp8_base_unet", "cpu_offload_checkpointing")}
+    for f in [family] if family is not None else registered_families():  # a family's flags come with its script
+        for alias, flag in getattr(f, "flag_aliases", ()):
+            aliased[flag] = aliased.get(flag, False) or bool(values.get(alias))
+    fp8_unet = aliased["fp8_base_unet"]
     swap = values.get("blocks_to_swap")
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
-    # Anima's sd-scripts flag for the same thing (library/families/anima_options.py)
-    offload = bool(values.get("cpu_offload_checkpointing")) or bool(values.get("unsloth_offload_checkpointing"))
+    offload = aliased["cpu_offload_checkpointing"]
     name = getattr(family, "name", "this model family")
     if swap is not None and family is not None and not family_supports_block_swap(family):
-        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families such as flux "
-                          "stream their transformer blocks); drop the flag")
+        swapping = ", ".join(f.name for f in registered_families() if f.supports_block_swap())
+        raise ConfigError(f"--blocks_to_swap: not supported for {name} (only DiT families stream their "
+                          f"transformer blocks: {swapping}); drop the flag")
     if swap is not None and values.get("torch_compile"):
         raise ConfigError("--torch_compile with --blocks_to_swap: swapped blocks change device every step, so their "
                           "compiled code would be re-traced every step; drop one of them")

@@ -3,47 +3,58 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
-from library.cli.fine_tune import METADATA_FLAGS, add_metadata_arguments
+from library.cli.fine_tune import MetadataFlags
+from library.cli.options import (
+    LEARNING_RATE,
+    RATE,
+    Range,
+    add_flags,
+    at_least,
+    flag,
+    flag_specs,
+    flag_values,
+    settings_from,
+)
 from library.core.errors import ConfigError
 from library.train.settings import NetworkOptions
 
 
+@dataclass
+class NetworkFlags:
+    """The --network_* / LR / metadata flags of LoRA training (sd-scripts names and defaults)."""
+    flag_group: ClassVar[str] = "network"
+    network_module: str = flag("networks.lora", "Python module of the network to train (default: networks.lora)")
+    network_dim: int = flag(4, "LoRA rank (default 4, as sd-scripts)", range=at_least(1))
+    network_alpha: float = flag(1, "LoRA alpha; the update is scaled by alpha/dim (default 1: scale 1/dim)",
+                                   range=Range(lo=0))
+    network_dropout: Optional[float] = flag(None, "dropout on the rank activations while training", range=RATE)
+    network_args: Optional[list[str]] = flag(None, "extra network arguments as key=value (e.g. conv_dim=8 "
+                                                   "conv_alpha=4)")
+    network_weights: Optional[str] = flag(None, "LoRA file to start training from")
+    dim_from_weights: bool = flag(False, "take the modules, dims and alphas from --network_weights")
+    base_weights: Optional[list[str]] = flag(None, "LoRA files merged into the base model before training")
+    base_weights_multiplier: Optional[list[float]] = flag(None, "multiplier of each --base_weights file (default 1.0 "
+                                                                "each)", range=Range())
+    network_train_unet_only: bool = flag(False, "train only the UNet LoRA")
+    network_train_text_encoder_only: bool = flag(False, "train only the text encoder LoRA")
+    unet_lr: Optional[float] = flag(None, "learning rate of the UNet LoRA", range=LEARNING_RATE)
+    text_encoder_lr: Optional[list[float]] = flag(None, "learning rate of the text encoder LoRA: one value for all, "
+                                                        "or one per text encoder (FLUX.1: CLIP-L, then T5 with "
+                                                        "train_t5xxl)", range=LEARNING_RATE)
+    scale_weight_norms: Optional[float] = flag(None, "after each step, scale down modules whose update norm exceeds "
+                                                     "this (1.0 is typical)", range=Range(lo=0, lo_open=True))
+    no_metadata: bool = flag(False, "write only the minimal metadata (base model version and network settings)")
+    training_comment: Optional[str] = flag(None, "free text stored as ss_training_comment")
+    network_multiplier: float = flag(1.0, "multiplier of the LoRA while training (default 1.0)", range=Range())
+    metadata: MetadataFlags = field(default_factory=MetadataFlags)
+
+
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the --network_* / LR / metadata flags of LoRA training to `parser`."""
-    g = parser.add_argument_group("network")
-    g.add_argument("--network_module", type=str, default="networks.lora",
-                   help="Python module of the network to train (default: networks.lora)")
-    g.add_argument("--network_dim", type=int, default=4, help="LoRA rank (default 4, as sd-scripts)")
-    g.add_argument("--network_alpha", type=float, default=1,
-                   help="LoRA alpha; the update is scaled by alpha/dim (default 1: scale 1/dim)")
-    g.add_argument("--network_dropout", type=float, default=None,
-                   help="dropout on the rank activations while training")
-    g.add_argument("--network_args", type=str, default=None, nargs="*",
-                   help="extra network arguments as key=value (e.g. conv_dim=8 conv_alpha=4)")
-    g.add_argument("--network_weights", type=str, default=None, help="LoRA file to start training from")
-    g.add_argument("--dim_from_weights", action="store_true",
-                   help="take the modules, dims and alphas from --network_weights")
-    g.add_argument("--base_weights", type=str, default=None, nargs="*",
-                   help="LoRA files merged into the base model before training")
-    g.add_argument("--base_weights_multiplier", type=float, default=None, nargs="*",
-                   help="multiplier of each --base_weights file (default 1.0 each)")
-    g.add_argument("--network_train_unet_only", action="store_true", help="train only the UNet LoRA")
-    g.add_argument("--network_train_text_encoder_only", action="store_true",
-                   help="train only the text encoder LoRA")
-    g.add_argument("--unet_lr", type=float, default=None, help="learning rate of the UNet LoRA")
-    g.add_argument("--text_encoder_lr", type=float, default=None, nargs="*",
-                   help="learning rate of the text encoder LoRA: one value for all, or one per text encoder "
-                        "(FLUX.1: CLIP-L, then T5 with train_t5xxl)")
-    g.add_argument("--scale_weight_norms", type=float, default=None,
-                   help="after each step, scale down modules whose update norm exceeds this (1.0 is typical)")
-    g.add_argument("--no_metadata", action="store_true",
-                   help="write only the minimal metadata (base model version and network settings)")
-    g.add_argument("--training_comment", type=str, default=None, help="free text stored as ss_training_comment")
-    g.add_argument("--network_multiplier", type=float, default=1.0,
-                   help="multiplier of the LoRA while training (default 1.0)")
-    add_metadata_arguments(g)
+    add_flags(parser, flag_specs(NetworkFlags))
 
 
 def network_args_to_dict(items: Optional[list[str]]) -> dict[str, str]:
@@ -58,40 +69,24 @@ def network_args_to_dict(items: Optional[list[str]]) -> dict[str, str]:
 
 
 def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
-    """Check and convert the network flags of a parsed namespace."""
-    if getattr(ns, "network_train_unet_only", False) and getattr(ns, "network_train_text_encoder_only", False):
+    """NetworkOptions; the checks are those of flag combinations (each flag's own range is declared)."""
+    if ns.network_train_unet_only and ns.network_train_text_encoder_only:
         raise ConfigError("--network_train_unet_only and --network_train_text_encoder_only: expected at most one")
-    if getattr(ns, "dim_from_weights", False) and not getattr(ns, "network_weights", None):
+    if ns.dim_from_weights and not ns.network_weights:
         raise ConfigError("--dim_from_weights: expected --network_weights to be given too")
-    base = list(getattr(ns, "base_weights", None) or [])
-    mult = list(getattr(ns, "base_weights_multiplier", None) or [])
+    base = list(ns.base_weights or [])
+    mult = list(ns.base_weights_multiplier or [])
     if mult and len(mult) != len(base):
         raise ConfigError(f"--base_weights_multiplier: expected {len(base)} values (one per --base_weights), "
                           f"got {len(mult)}")
-    if getattr(ns, "network_dim", None) is not None and ns.network_dim < 1:
-        raise ConfigError(f"--network_dim: expected an integer >= 1, got {ns.network_dim}")
-    norms = getattr(ns, "scale_weight_norms", None)
-    if norms is not None and norms <= 0:
-        raise ConfigError(f"--scale_weight_norms: expected a number > 0, got {norms}")
-    return NetworkOptions(
-        network_module=getattr(ns, "network_module", "networks.lora") or "networks.lora",
-        network_dim=getattr(ns, "network_dim", 4),
-        network_alpha=getattr(ns, "network_alpha", 1.0),
-        network_dropout=getattr(ns, "network_dropout", None),
-        network_args=network_args_to_dict(getattr(ns, "network_args", None)),
-        network_weights=getattr(ns, "network_weights", None),
-        dim_from_weights=bool(getattr(ns, "dim_from_weights", False)),
+    return settings_from(
+        NetworkOptions, ns,
+        network_module=ns.network_module or "networks.lora",  # an empty value in a config file: the default
+        network_args=network_args_to_dict(ns.network_args),
         base_weights=base,
         base_weights_multiplier=mult or [1.0] * len(base),
-        train_unet=not getattr(ns, "network_train_text_encoder_only", False),
-        train_text_encoder=not getattr(ns, "network_train_unet_only", False),
-        unet_lr=getattr(ns, "unet_lr", None),
-        text_encoder_lr=getattr(ns, "text_encoder_lr", None) or None,
-        scale_weight_norms=norms,
-        no_metadata=bool(getattr(ns, "no_metadata", False)),
-        training_comment=getattr(ns, "training_comment", None),
-        network_multiplier=getattr(ns, "network_multiplier", 1.0),
-        metadata={k: getattr(ns, k, None) for k in METADATA_FLAGS},
+        train_unet=not ns.network_train_text_encoder_only,
+        train_text_encoder=not ns.network_train_unet_only,
+        text_encoder_lr=ns.text_encoder_lr or None,
+        metadata=flag_values(ns, MetadataFlags),
     )
-
-

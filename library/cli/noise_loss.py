@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import fields
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Optional
 
 import toml
 
+from library.cli.options import Range, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.objectives.losses import HUBER_SCHEDULES, LOSS_TYPES, LossOptions
 from library.objectives.noise import PREDICTION_TYPES, TIMESTEP_SPACINGS, DDPMSchedule, NoiseOptions
@@ -28,71 +29,83 @@ SCHEDULER_KEYS: dict[str, tuple[str, tuple[type, ...]]] = {
 }
 
 
+@dataclass
+class NoiseFlags:
+    flag_group: ClassVar[str] = "noise and timesteps"
+    noise_offset: Optional[float] = flag(None, "offset noise strength (about 0.1 is common)", range=Range(lo=0))
+    noise_offset_random_strength: bool = flag(False, "draw the offset strength uniformly in [0, noise_offset] per "
+                                                     "step")
+    adaptive_noise_scale: Optional[float] = flag(None, "add this times |channel mean of the latents| to the offset "
+                                                       "(needs --noise_offset)", range=Range())
+    multires_noise_iterations: Optional[int] = flag(None, "multires (pyramid) noise levels (6-10)", range=at_least(1))
+    multires_noise_discount: float = flag(0.3, "weight decay per multires level", range=Range(0, 1, lo_open=True))
+    ip_noise_gamma: Optional[float] = flag(None, "input perturbation noise strength (about 0.1)", range=Range(lo=0))
+    ip_noise_gamma_random_strength: bool = flag(False, "draw the input perturbation strength uniformly in [0, "
+                                                       "ip_noise_gamma] per step")
+    min_timestep: Optional[int] = flag(None, "lowest training timestep (default 0)",
+                                             range=Range(0, 1000, integer=True))
+    max_timestep: Optional[int] = flag(None, "highest training timestep, exclusive (default 1000)",
+                                             range=Range(0, 1000, integer=True))
+    zero_terminal_snr: bool = flag(False, "rescale the noise schedule to zero terminal SNR (DDPM models); "
+                                          "--rescale_zero_terminal_snr is the same (diffusers' name)",
+                                   aliases=("rescale_zero_terminal_snr",))
+    timestep_bias_strategy: str = flag("none", "draw training timesteps more (or less) often in a region: earlier "
+                                               "(the first --timestep_bias_portion of 1000), later (the last "
+                                               "portion), range (--timestep_bias_begin to --timestep_bias_end) or "
+                                               "none (default)", choices=BIAS_STRATEGIES)
+    timestep_bias_multiplier: float = flag(1.0, "weight of each biased timestep against 1 elsewhere (2: drawn twice "
+                                                "as often, 0.5: half as often; default 1 = no bias)",
+                                                range=Range(lo=0, lo_open=True))
+    timestep_bias_begin: Optional[int] = flag(None, "first timestep (0-1000, inclusive) of --timestep_bias_strategy "
+                                                    "range", range=Range(0, 1000, integer=True))
+    timestep_bias_end: Optional[int] = flag(None, "end timestep (0-1000, exclusive) of --timestep_bias_strategy range",
+                                                  range=Range(0, 1000, integer=True))
+    timestep_bias_portion: float = flag(0.25, "fraction of the 1000 timesteps that earlier / later biases (default "
+                                              "0.25)", range=Range(0, 1, lo_open=True))
+
+
+@dataclass
+class NoiseSchedulerFlags:
+    flag_group: ClassVar[str] = "noise scheduler (DDPM models: SD 1.x, 2.x, SDXL)"
+    prediction_type: Optional[str] = flag(None, "what the model predicts: epsilon or v_prediction (v_prediction is "
+                                                "--v_parameterization; default: --v_parameterization's setting)",
+                                                choices=PREDICTION_TYPES)
+    timestep_spacing: Optional[str] = flag(None, "how sample images space their denoising steps (leading, trailing, "
+                                                 "linspace; default: each sampler's own). Training draws every "
+                                                 "integer timestep, so it changes sampling only",
+                                                 choices=TIMESTEP_SPACINGS)
+    noise_scheduler_overrides: Optional[str] = flag(None, "TOML file of noise-scheduler settings "
+                                                          "(num_train_timesteps, beta_start, beta_end, beta_schedule,"
+                                                          " rescale_betas_zero_snr, timestep_spacing, "
+                                                          "prediction_type) replacing SD's")
+
+
+@dataclass
+class LossFlags:
+    flag_group: ClassVar[str] = "loss"
+    loss_type: str = flag("l2", "elementwise loss: l2 (default), l1, huber, smooth_l1",
+                                choices=LOSS_TYPES)
+    huber_schedule: str = flag("snr", "how the huber/smooth_l1 threshold c changes with the timestep",
+                                      choices=HUBER_SCHEDULES)
+    huber_c: float = flag(0.1, "huber/smooth_l1 threshold (base value of the schedule)",
+                          range=Range(lo=0, lo_open=True))
+    huber_scale: float = flag(1.0, "multiplies c in the exponential and constant schedules",
+                                   range=Range(lo=0, lo_open=True))
+    min_snr_gamma: Optional[float] = flag(None, "min-SNR weighting gamma (5 is common)",
+                                          range=Range(lo=0, lo_open=True))
+    soft_min_snr_gamma: Optional[float] = flag(None, "soft min-SNR weighting gamma instead of --min_snr_gamma: weight"
+                                                     " gamma/(SNR+gamma) (v-prediction: "
+                                                     "SNR*gamma/((SNR+gamma)(SNR+1)))", range=Range(lo=0, lo_open=True))
+    scale_v_pred_loss_like_noise_pred: bool = flag(False, "v-prediction only: scale the loss like an "
+                                                          "epsilon-prediction loss")
+    v_pred_like_loss: Optional[float] = flag(None, "epsilon-prediction only: add this times a v-prediction-like loss",
+                                                   range=Range(lo=0, lo_open=True))
+    debiased_estimation_loss: bool = flag(False, "weight the loss by 1/sqrt(SNR)")
+
+
 def add_noise_loss_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the --noise_offset ... --debiased_estimation_loss flags."""
-    g = parser.add_argument_group("noise and timesteps")
-    g.add_argument("--noise_offset", type=float, default=None, help="offset noise strength (about 0.1 is common)")
-    g.add_argument("--noise_offset_random_strength", action="store_true",
-                   help="draw the offset strength uniformly in [0, noise_offset] per step")
-    g.add_argument("--adaptive_noise_scale", type=float, default=None,
-                   help="add this times |channel mean of the latents| to the offset (needs --noise_offset)")
-    g.add_argument("--multires_noise_iterations", type=int, default=None, help="multires (pyramid) noise levels (6-10)")
-    g.add_argument("--multires_noise_discount", type=float, default=0.3, help="weight decay per multires level")
-    g.add_argument("--ip_noise_gamma", type=float, default=None, help="input perturbation noise strength (about 0.1)")
-    g.add_argument("--ip_noise_gamma_random_strength", action="store_true",
-                   help="draw the input perturbation strength uniformly in [0, ip_noise_gamma] per step")
-    g.add_argument("--min_timestep", type=int, default=None, help="lowest training timestep (default 0)")
-    g.add_argument("--max_timestep", type=int, default=None, help="highest training timestep, exclusive (default 1000)")
-    g.add_argument("--zero_terminal_snr", action="store_true",
-                   help="rescale the noise schedule to zero terminal SNR (DDPM models)")
-    g.add_argument("--rescale_zero_terminal_snr", dest="zero_terminal_snr", action="store_true",
-                   help="the same as --zero_terminal_snr (diffusers' name; a --config_file key is zero_terminal_snr)")
-    g.add_argument("--timestep_bias_strategy", type=str, default="none", choices=list(BIAS_STRATEGIES),
-                   help="draw training timesteps more (or less) often in a region: earlier (the first "
-                        "--timestep_bias_portion of 1000), later (the last portion), range (--timestep_bias_begin "
-                        "to --timestep_bias_end) or none (default)")
-    g.add_argument("--timestep_bias_multiplier", type=float, default=1.0,
-                   help="weight of each biased timestep against 1 elsewhere (2: drawn twice as often, 0.5: half as "
-                        "often; default 1 = no bias)")
-    g.add_argument("--timestep_bias_begin", type=int, default=None,
-                   help="first timestep (0-1000, inclusive) of --timestep_bias_strategy range")
-    g.add_argument("--timestep_bias_end", type=int, default=None,
-                   help="end timestep (0-1000, exclusive) of --timestep_bias_strategy range")
-    g.add_argument("--timestep_bias_portion", type=float, default=0.25,
-                   help="fraction of the 1000 timesteps that earlier / later biases (default 0.25)")
-
-    g = parser.add_argument_group("noise scheduler (DDPM models: SD 1.x, 2.x, SDXL)")
-    g.add_argument("--prediction_type", type=str, default=None, choices=list(PREDICTION_TYPES),
-                   help="what the model predicts: epsilon or v_prediction (v_prediction is --v_parameterization; "
-                        "default: --v_parameterization's setting)")
-    g.add_argument("--timestep_spacing", type=str, default=None, choices=list(TIMESTEP_SPACINGS),
-                   help="how sample images space their denoising steps (leading, trailing, linspace; default: each "
-                        "sampler's own). Training draws every integer timestep, so it changes sampling only")
-    g.add_argument("--noise_scheduler_overrides", type=str, default=None,
-                   help="TOML file of noise-scheduler settings (num_train_timesteps, beta_start, beta_end, "
-                        "beta_schedule, rescale_betas_zero_snr, timestep_spacing, prediction_type) replacing SD's")
-
-    g = parser.add_argument_group("loss")
-    g.add_argument("--loss_type", type=str, default="l2", choices=list(LOSS_TYPES), help="elementwise loss: l2 (default), l1, huber, smooth_l1")
-    g.add_argument("--huber_schedule", type=str, default="snr", choices=list(HUBER_SCHEDULES),
-                   help="how the huber/smooth_l1 threshold c changes with the timestep")
-    g.add_argument("--huber_c", type=float, default=0.1, help="huber/smooth_l1 threshold (base value of the schedule)")
-    g.add_argument("--huber_scale", type=float, default=1.0, help="multiplies c in the exponential and constant schedules")
-    g.add_argument("--min_snr_gamma", type=float, default=None, help="min-SNR weighting gamma (5 is common)")
-    g.add_argument("--soft_min_snr_gamma", type=float, default=None,
-                   help="soft min-SNR weighting gamma instead of --min_snr_gamma: weight gamma/(SNR+gamma) "
-                        "(v-prediction: SNR*gamma/((SNR+gamma)(SNR+1)))")
-    g.add_argument("--scale_v_pred_loss_like_noise_pred", action="store_true",
-                   help="v-prediction only: scale the loss like an epsilon-prediction loss")
-    g.add_argument("--v_pred_like_loss", type=float, default=None,
-                   help="epsilon-prediction only: add this times a v-prediction-like loss")
-    g.add_argument("--debiased_estimation_loss", action="store_true", help="weight the loss by 1/sqrt(SNR)")
-
-
-def _positive(flag: str, value, integer: bool = False) -> None:
-    if value is not None and not value > 0:
-        kind = "an integer >= 1" if integer else "a number > 0"
-        raise ConfigError(f"{flag}: expected {kind}, got {value}")
+    add_flags(parser, flag_specs(NoiseFlags) + flag_specs(NoiseSchedulerFlags) + flag_specs(LossFlags))
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -151,8 +164,6 @@ def noise_schedule_from_args(ns: argparse.Namespace) -> Optional[DDPMSchedule]:
     values = {SCHEDULER_KEYS[k][0]: v for k, v in _overrides(ns).items() if SCHEDULER_KEYS[k][0]}
     spacing = getattr(ns, "timestep_spacing", None)
     if spacing is not None:
-        if spacing not in TIMESTEP_SPACINGS:
-            raise ConfigError(f"--timestep_spacing: expected one of {', '.join(TIMESTEP_SPACINGS)}, got {spacing!r}")
         if values.get("timestep_spacing", spacing) != spacing:
             raise ConfigError(f"--timestep_spacing {spacing} conflicts with timestep_spacing = "
                               f"{values['timestep_spacing']!r} in --noise_scheduler_overrides")
@@ -170,24 +181,25 @@ def noise_schedule_from_args(ns: argparse.Namespace) -> Optional[DDPMSchedule]:
 
 def timestep_bias_from_args(ns: argparse.Namespace, num_train_timesteps: int = MAX_TIMESTEP) -> Optional[TimestepBias]:
     """The --timestep_bias_* flags, checked; None for strategy none (the samplers draw as without the flags)."""
-    strategy = getattr(ns, "timestep_bias_strategy", None) or "none"
-    bias = TimestepBias(strategy=strategy, multiplier=getattr(ns, "timestep_bias_multiplier", 1.0),
-                        begin=getattr(ns, "timestep_bias_begin", None), end=getattr(ns, "timestep_bias_end", None),
-                        portion=getattr(ns, "timestep_bias_portion", 0.25))
+    strategy = ns.timestep_bias_strategy or "none"
+    bias = TimestepBias(strategy=strategy, multiplier=ns.timestep_bias_multiplier, begin=ns.timestep_bias_begin,
+                        end=ns.timestep_bias_end, portion=ns.timestep_bias_portion)
     if strategy == "none":
-        for flag, value, default in (("--timestep_bias_multiplier", bias.multiplier, 1.0),
-                                     ("--timestep_bias_begin", bias.begin, None),
-                                     ("--timestep_bias_end", bias.end, None),
-                                     ("--timestep_bias_portion", bias.portion, 0.25)):
-            if value != default:
-                raise ConfigError(f"{flag}: needs --timestep_bias_strategy earlier, later or range")
+        for name, default in _BIAS_DEFAULTS.items():
+            if getattr(bias, name) != default:
+                raise ConfigError(f"--timestep_bias_{name}: needs --timestep_bias_strategy earlier, later or range")
         return None
     bias.check(num_train_timesteps)
     return bias
 
 
+# The declared defaults of --timestep_bias_multiplier, _begin, _end and _portion (by TimestepBias field).
+_BIAS_DEFAULTS = {spec.name[len("timestep_bias_"):]: spec.default for spec in flag_specs(NoiseFlags)
+                  if spec.name.startswith("timestep_bias_") and spec.name != "timestep_bias_strategy"}
+
+
 def noise_options_from_args(ns: argparse.Namespace) -> NoiseOptions:
-    """NoiseOptions from the parsed flags; impossible combinations raise ConfigError."""
+    """NoiseOptions; the checks are those of flag combinations (each flag's own range is declared)."""
     schedule = noise_schedule_from_args(ns)
     max_timestep = schedule.num_train_timesteps if schedule is not None else MAX_TIMESTEP
     if ns.adaptive_noise_scale is not None and ns.noise_offset is None:
@@ -196,54 +208,17 @@ def noise_options_from_args(ns: argparse.Namespace) -> NoiseOptions:
         raise ConfigError("--noise_offset_random_strength: needs --noise_offset")
     if ns.ip_noise_gamma_random_strength and ns.ip_noise_gamma is None:
         raise ConfigError("--ip_noise_gamma_random_strength: needs --ip_noise_gamma")
-    _positive("--multires_noise_iterations", ns.multires_noise_iterations, integer=True)
-    if ns.multires_noise_discount is not None and not 0 < ns.multires_noise_discount <= 1:
-        raise ConfigError(f"--multires_noise_discount: expected a number in (0, 1], got {ns.multires_noise_discount}")
-    for flag, value in (("--noise_offset", ns.noise_offset), ("--ip_noise_gamma", ns.ip_noise_gamma)):
-        if value is not None and value < 0:
-            raise ConfigError(f"{flag}: expected a number >= 0, got {value}")
     lo, hi = ns.min_timestep, ns.max_timestep
-    for flag, value in (("--min_timestep", lo), ("--max_timestep", hi)):
+    for name, value in (("--min_timestep", lo), ("--max_timestep", hi)):  # the schedule may count fewer than 1000
         if value is not None and not 0 <= value <= max_timestep:
-            raise ConfigError(f"{flag}: expected an integer from 0 to {max_timestep}, got {value}")
+            raise ConfigError(f"{name}: expected an integer from 0 to {max_timestep}, got {value}")
     if (lo or 0) > (max_timestep if hi is None else hi):
         raise ConfigError(f"--min_timestep ({lo or 0}) is above --max_timestep ({max_timestep if hi is None else hi})")
-    return NoiseOptions(
-        noise_offset=ns.noise_offset,
-        noise_offset_random_strength=bool(ns.noise_offset_random_strength),
-        adaptive_noise_scale=ns.adaptive_noise_scale,
-        multires_noise_iterations=ns.multires_noise_iterations,
-        multires_noise_discount=ns.multires_noise_discount if ns.multires_noise_discount is not None else 0.3,
-        ip_noise_gamma=ns.ip_noise_gamma,
-        ip_noise_gamma_random_strength=bool(ns.ip_noise_gamma_random_strength),
-        min_timestep=lo,
-        max_timestep=hi,
-        timestep_bias=timestep_bias_from_args(ns, max_timestep),
-    )
+    return settings_from(NoiseOptions, ns, timestep_bias=timestep_bias_from_args(ns, max_timestep))
 
 
 def loss_options_from_args(ns: argparse.Namespace) -> LossOptions:
-    """LossOptions from the parsed flags (checks that need the model run later in check_loss_options)."""
-    if ns.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"--loss_type: expected one of {', '.join(LOSS_TYPES)}, got {ns.loss_type!r}")
-    if ns.huber_schedule not in HUBER_SCHEDULES:
-        raise ConfigError(f"--huber_schedule: expected one of {', '.join(HUBER_SCHEDULES)}, got {ns.huber_schedule!r}")
-    _positive("--huber_c", ns.huber_c)
-    _positive("--huber_scale", ns.huber_scale)
-    _positive("--min_snr_gamma", ns.min_snr_gamma)
-    _positive("--soft_min_snr_gamma", getattr(ns, "soft_min_snr_gamma", None))
-    if ns.min_snr_gamma is not None and getattr(ns, "soft_min_snr_gamma", None) is not None:
+    """LossOptions (checks that need the model run later in check_loss_options)."""
+    if ns.min_snr_gamma is not None and ns.soft_min_snr_gamma is not None:
         raise ConfigError("--soft_min_snr_gamma: replaces --min_snr_gamma; set only one of them")
-    _positive("--v_pred_like_loss", ns.v_pred_like_loss)
-    return LossOptions(
-        loss_type=ns.loss_type,
-        huber_schedule=ns.huber_schedule,
-        huber_c=ns.huber_c,
-        huber_scale=ns.huber_scale,
-        min_snr_gamma=ns.min_snr_gamma,
-        soft_min_snr_gamma=getattr(ns, "soft_min_snr_gamma", None),
-        scale_v_pred_loss_like_noise_pred=bool(ns.scale_v_pred_loss_like_noise_pred),
-        v_pred_like_loss=ns.v_pred_like_loss,
-        debiased_estimation_loss=bool(ns.debiased_estimation_loss),
-        masked_loss=bool(getattr(ns, "masked_loss", False)),
-    )
+    return settings_from(LossOptions, ns)  # masked_loss: a dataset flag, absent from a parser of these flags only

@@ -6,27 +6,40 @@ import argparse
 import dataclasses
 import difflib
 import sys
-from typing import NoReturn
+from typing import NoReturn, Optional
 
-from library.cli.config_file import add_config_file_arguments
-from library.cli.dataset import add_dataset_arguments
-from library.cli.deepspeed import add_deepspeed_arguments
-from library.cli.fine_tune import (
-    MODEL_FORMATS,
-    add_ema_arguments,
-    add_fine_tune_arguments,
-    add_t5xxl_fine_tune_arguments,
-)
-from library.cli.memory import add_memory_arguments
-from library.cli.model import add_model_arguments
-from library.cli.network import add_network_arguments
-from library.cli.noise_loss import add_noise_loss_arguments
-from library.cli.optimizer import add_optimizer_arguments
-from library.cli.options import add_option_arguments
-from library.cli.sampling import add_sampling_arguments
-from library.cli.text_cache import add_text_cache_arguments
-from library.cli.training import add_training_arguments
+from library.cli.config_file import ConfigFileFlags
+from library.cli.dataset import DatasetFlags
+from library.cli.deepspeed import DeepSpeedFlags
+from library.cli.fine_tune import MODEL_FORMATS, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
+from library.cli.memory import MemoryFlags
+from library.cli.model import ModelFlags
+from library.cli.network import NetworkFlags
+from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
+from library.cli.optimizer import OptimizerFlags, SchedulerFlags
+from library.cli.options import FlagSpec, Range, add_flags, at_least, flag_specs
+from library.cli.sampling import SamplingFlags
+from library.cli.text_cache import TextCacheFlags
+from library.cli.training import TRAINING_FLAG_GROUPS
 from library.families.base import ModelFamily
+
+# The flag groups of a training script, in --help order; the trained part (NetworkFlags or FineTuneFlags) is third.
+_BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
+_AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSchedulerFlags, LossFlags,
+                  *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SamplingFlags)
+# Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
+CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
+                    T5xxlFineTuneFlags)
+
+
+# The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
+# other flag declares its range with itself (the "range" of its field, library/cli/options.py).
+FAMILY_FLAG_RANGES: dict[str, Range] = {
+    # FLUX.1 and flow matching
+    "guidance_scale": Range(lo=0), "t5xxl_max_token_length": at_least(1), "sigmoid_scale": Range(lo=0, lo_open=True),
+    "discrete_flow_shift": Range(lo=0, lo_open=True), "logit_mean": Range(), "logit_std": Range(lo=0, lo_open=True),
+    "mode_scale": Range(),
+}
 
 
 class TrainingArgumentParser(argparse.ArgumentParser):
@@ -70,47 +83,52 @@ class TrainingArgumentParser(argparse.ArgumentParser):
         raise SystemExit(status)
 
 
-def build_network_training_parser(description: str, family=None) -> argparse.ArgumentParser:
-    """Parser with the sd-scripts flags of train_network.py; a family may add its own group."""
-    return _training_parser(description, family, add_network_arguments)
-
-
-def build_fine_tune_parser(description: str, family=None) -> argparse.ArgumentParser:
-    """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
-    parser = _training_parser(description, family, add_fine_tune_arguments)
-    if getattr(family, "fine_tune_t5xxl_encoder", None) is not None:
-        add_t5xxl_fine_tune_arguments(parser)
-    parser.set_defaults(save_model_as="safetensors")
-    for action in parser._actions:
-        if action.dest == "save_model_as":  # the family's own formats: a wrong one stops before training
-            action.choices = list(getattr(family, "save_formats", MODEL_FORMATS))
-            action.help = "format of saved models: single-file ckpt/safetensors (original layout) or a diffusers folder"
-        if action.dest in ("full_fp16", "full_bf16"):
-            action.help = action.help.replace("the network itself", "the model's weights themselves")
-    return parser
-
-
-def _training_parser(description: str, family, add_trained) -> argparse.ArgumentParser:
-    parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    add_config_file_arguments(parser)
-    add_model_arguments(parser)
-    add_dataset_arguments(parser)
-    add_trained(parser)
-    add_ema_arguments(parser)
-    add_optimizer_arguments(parser)
-    add_noise_loss_arguments(parser)
-    add_training_arguments(parser)
-    add_deepspeed_arguments(parser)
-    add_memory_arguments(parser)
-    add_sampling_arguments(parser)
+def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False) -> list[FlagSpec]:
+    """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
+    order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
+    T5-XXL fine-tuning flags."""
+    groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED)
+    specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
-        add_family_arguments(parser, family)
+        if dataclasses.fields(family.options_type):  # declared in library/families: their ranges are listed apart
+            specs += [dataclasses.replace(spec, range=FAMILY_FLAG_RANGES.get(spec.name))
+                      for spec in flag_specs(family.options_type, f"{family.name} model", declared_defaults=False)]
+        if family.supports_text_cache:
+            specs += flag_specs(TextCacheFlags)
+    if fine_tune:
+        if getattr(family, "fine_tune_t5xxl_encoder", None) is not None:
+            specs += flag_specs(T5xxlFineTuneFlags)
+        specs = [_as_fine_tune(spec, family) for spec in specs]
+    return specs
+
+
+def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
+    """A full fine-tune saves the model itself, in the family's own formats (a wrong one stops before training)."""
+    if spec.name == "save_model_as":
+        return dataclasses.replace(spec, choices=tuple(getattr(family, "save_formats", MODEL_FORMATS)),
+                                   help="format of saved models: single-file ckpt/safetensors (original layout) or a "
+                                        "diffusers folder")
+    if spec.name in ("full_fp16", "full_bf16"):
+        return dataclasses.replace(spec, help=spec.help.replace("the network itself", "the model's weights themselves"))
+    return spec
+
+
+def build_parser(description: str, family: Optional[ModelFamily] = None,
+                 fine_tune: bool = False) -> TrainingArgumentParser:
+    """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
+    parser = TrainingArgumentParser(description=description, allow_abbrev=True)
+    parser.flag_specs = training_flags(family, fine_tune)
+    parser.family = family
+    parser.fine_tune = fine_tune
+    add_flags(parser, parser.flag_specs)
     return parser
 
 
-def add_family_arguments(parser: argparse.ArgumentParser, family: ModelFamily) -> None:
-    """The flags a family declares: its options dataclass and, where it supports it, the text-encoder cache."""
-    if dataclasses.fields(family.options_type):
-        add_option_arguments(parser.add_argument_group(f"{family.name} model"), family.options_type)
-    if family.supports_text_cache:
-        add_text_cache_arguments(parser)
+def build_network_training_parser(description: str, family=None) -> TrainingArgumentParser:
+    """Parser with the sd-scripts flags of train_network.py; a family may add its own group."""
+    return build_parser(description, family)
+
+
+def build_fine_tune_parser(description: str, family=None) -> TrainingArgumentParser:
+    """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
+    return build_parser(description, family, fine_tune=True)

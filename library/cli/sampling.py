@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
+from library.cli.options import add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.sampling.prompts import load_prompts
 from library.sampling.samplers import canonical_sampler, sampler_names
@@ -14,46 +16,36 @@ from library.train.sampling_hook import SampleHook, SamplingOptions
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class SamplingFlags:
+    flag_group: ClassVar[str] = "sample images during training"
+    sample_prompts: Optional[str] = flag(None, "prompt file (.txt, .toml or .json) with inline options --n --w --h "
+                                               "--d --s --l --g --ss")
+    sample_every_n_steps: Optional[int] = flag(None, "sample every N steps", range=at_least(0, "0 = off"))
+    sample_every_n_epochs: Optional[int] = flag(None, "sample after every N epochs (may be combined with "
+                                                      "--sample_every_n_steps)", range=at_least(0, "0 = off"))
+    sample_at_first: bool = flag(False, "also sample before the first step")
+    sample_sampler: Optional[str] = flag(None, "sampler for prompts without --ss (default: the model's, ddim for SD)",
+                                               choices=sampler_names())
+    sample_batch_size: int = flag(1, "prompts with the same size, steps and scale generated together (default 1)",
+                                     range=at_least(1))
+    no_sample_grid: bool = flag(False, "do not write the contact sheet of each sampling event "
+                                       "(sample/<name>_<step>_grid.png)")
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     """Add --sample_prompts, --sample_every_n_steps/epochs, --sample_at_first, --sample_sampler, ..."""
-    g = parser.add_argument_group("sample images during training")
-    g.add_argument("--sample_prompts", type=str, default=None,
-                   help="prompt file (.txt, .toml or .json) with inline options --n --w --h --d --s --l --g --ss")
-    g.add_argument("--sample_every_n_steps", type=int, default=None, help="sample every N steps")
-    g.add_argument("--sample_every_n_epochs", type=int, default=None,
-                   help="sample after every N epochs (may be combined with --sample_every_n_steps)")
-    g.add_argument("--sample_at_first", action="store_true", help="also sample before the first step")
-    g.add_argument("--sample_sampler", type=str, default=None, choices=sampler_names(),
-                   help="sampler for prompts without --ss (default: the model's, ddim for SD)")
-    g.add_argument("--sample_batch_size", type=int, default=1,
-                   help="prompts with the same size, steps and scale generated together (default 1)")
-    g.add_argument("--no_sample_grid", action="store_true",
-                   help="do not write the contact sheet of each sampling event (sample/<name>_<step>_grid.png)")
-
-
-def _interval(ns: argparse.Namespace, name: str) -> Optional[int]:
-    value = getattr(ns, name, None)
-    if value is None or value == 0:  # GUIs write 0 for "off"
-        return None
-    if value < 0:
-        raise ConfigError(f"--{name}: expected an integer >= 1 (or 0 for off), got {value}")
-    return value
+    add_flags(parser, flag_specs(SamplingFlags))
 
 
 def sampling_options_from_args(ns: argparse.Namespace) -> SamplingOptions:
-    """The typed sampling options; ConfigError on a bad value."""
-    batch = getattr(ns, "sample_batch_size", 1)
-    if batch < 1:
-        raise ConfigError(f"--sample_batch_size: expected an integer >= 1, got {batch}")
-    sampler = getattr(ns, "sample_sampler", None)
-    return SamplingOptions(
-        sample_prompts=getattr(ns, "sample_prompts", None),
-        sample_every_n_steps=_interval(ns, "sample_every_n_steps"),
-        sample_every_n_epochs=_interval(ns, "sample_every_n_epochs"),
-        sample_at_first=bool(getattr(ns, "sample_at_first", False)),
-        sample_sampler=canonical_sampler(sampler) if sampler else None,
-        sample_batch_size=batch,
-        sample_grid=not getattr(ns, "no_sample_grid", False))
+    """The typed sampling options (each flag's own range is declared)."""
+    return settings_from(
+        SamplingOptions, ns,
+        sample_every_n_steps=ns.sample_every_n_steps or None,  # GUIs write 0 for "off"
+        sample_every_n_epochs=ns.sample_every_n_epochs or None,
+        sample_sampler=canonical_sampler(ns.sample_sampler) if ns.sample_sampler else None,
+        sample_grid=not ns.no_sample_grid)
 
 
 def sampling_hook_from_args(ns: argparse.Namespace) -> Optional[SampleHook]:

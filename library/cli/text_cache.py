@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Union
 
+from library.cli.options import add_flags, flag, flag_specs
 from library.train.settings import TextCacheOptions
+
+
+@dataclass
+class TextCacheFlags:
+    """The sd-scripts text-encoder cache flags (a family that supports the cache adds them)."""
+    flag_group: ClassVar[str] = "text encoder output cache"
+    cache_text_encoder_outputs: bool = flag(False, "encode every caption once before training and keep the outputs in"
+                                                   " memory (not with caption shuffle/dropout/warmup/wildcards or "
+                                                   "text-encoder training)")
+    cache_text_encoder_outputs_to_disk: bool = flag(False, "also write them beside each image as "
+                                                           "<stem>_te_outputs.npz (implies "
+                                                           "--cache_text_encoder_outputs)")
 
 
 def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the sd-scripts text-encoder cache flags to `parser`."""
-    g = parser.add_argument_group("text encoder output cache")
-    g.add_argument("--cache_text_encoder_outputs", action="store_true",
-                   help="encode every caption once before training and keep the outputs in memory "
-                        "(not with caption shuffle/dropout/warmup/wildcards or text-encoder training)")
-    g.add_argument("--cache_text_encoder_outputs_to_disk", action="store_true",
-                   help="also write them beside each image as <stem>_te_outputs.npz (implies "
-                        "--cache_text_encoder_outputs)")
+    add_flags(parser, flag_specs(TextCacheFlags))
 
 
 def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]]) -> TextCacheOptions:

@@ -6,11 +6,13 @@ import argparse
 import os
 import random
 import logging
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional
 
 import toml
 
 from library.cli.deepspeed import deepspeed_options_from_args
+from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.profiling import parse_step_range
@@ -23,103 +25,124 @@ SAVE_PRECISIONS = (None, "float", "fp16", "bf16")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 
+@dataclass
+class OutputFlags:
+    flag_group: ClassVar[str] = "output and saving"
+    output_dir: Optional[str] = flag(None, "folder for the LoRA files, states, config and logs")
+    output_name: Optional[str] = flag(None, "base file name of the saved LoRA (default 'last'): a name, not a path "
+                                            "(the folder is --output_dir)")
+    save_model_as: str = flag("safetensors", "file format of saved networks", choices=("safetensors", "ckpt", "pt"))
+    save_precision: Optional[str] = flag(None, "dtype of saved tensors (default: as trained)",
+                                               choices=SAVE_PRECISIONS[1:])
+    save_every_n_epochs: Optional[int] = flag(None, "save <name>-<epoch>.<ext> every N epochs", range=at_least(1))
+    save_n_epoch_ratio: Optional[int] = flag(None, "save about N times over the run", range=at_least(1))
+    save_every_n_steps: Optional[int] = flag(None, "save <name>-step<step>.<ext> every N steps", range=at_least(1))
+    save_last_n_epochs: Optional[int] = flag(None, "keep only the last N epoch files", range=at_least(1))
+    save_last_n_epochs_state: Optional[int] = flag(None, "keep only the last N epoch states (default: "
+                                                         "--save_last_n_epochs)", range=at_least(1))
+    save_last_n_steps: Optional[int] = flag(None, "keep step files from the last N steps only", range=at_least(1))
+    save_last_n_steps_state: Optional[int] = flag(None, "keep states of the last N steps only (default: "
+                                                        "--save_last_n_steps)", range=at_least(1))
+    save_state: bool = flag(False, "also save the training state with each model file")
+    save_state_on_train_end: bool = flag(False, "save <name>-state at the end even without --save_state")
+    resume: Optional[str] = flag(None, "state folder to resume from, or 'auto' for the newest state in output_dir")
+
+
+@dataclass
+class StepsFlags:
+    flag_group: ClassVar[str] = "steps and precision"
+    max_train_steps: int = flag(1600, "optimizer steps to train (sd-scripts' default 1600)", range=at_least(1))
+    max_train_epochs: Optional[int] = flag(None, "overrides --max_train_steps", range=at_least(1))
+    seed: Optional[int] = flag(None, "seed of everything random (a random one is drawn and recorded when not given)",
+                                     range=SEED)
+    gradient_accumulation_steps: int = flag(1, "batches per optimizer step", range=at_least(1))
+    mixed_precision: str = flag("no", "autocast dtype; the frozen base model is stored in it too",
+                                      choices=MIXED_PRECISIONS)
+    full_fp16: bool = flag(False, "train the network itself in fp16")
+    full_bf16: bool = flag(False, "train the network itself in bf16")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, slower")
+    xformers: bool = flag(False, "xformers attention when the package is installed (pip install xformers); otherwise "
+                                 "a warning and PyTorch SDPA")
+    sdpa: bool = flag(False, "PyTorch SDPA attention (the default)")
+    flash_attn: bool = flag(False, "FlashAttention in the denoiser through diffusers' attention backends when the "
+                                   "flash-attn package is installed (CUDA); otherwise a warning and PyTorch SDPA")
+    torch_compile: bool = flag(False, "compile the denoiser's blocks with torch.compile (regional: the first step "
+                                      "traces each block kind once; slower first step, faster steps after)")
+    dynamo_backend: str = flag("inductor", "torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; "
+                                           "default inductor)", parse=str.lower)
+    dynamo_mode: Optional[str] = flag(None, "inductor mode (default: PyTorch's)",
+                                            choices=DYNAMO_MODES)
+    dynamo_fullgraph: bool = flag(False, "torch.compile fullgraph=True (no graph breaks)")
+    dynamo_dynamic: bool = flag(False, "torch.compile dynamic=True (shapes as symbols)")
+    mem_eff_attn: bool = flag(False, "accepted for compatibility; SDPA is used (it picks a memory-efficient kernel "
+                                     "itself)")
+    lowram: bool = flag(False, "with several processes on one machine, they load the model one after another (one "
+                               "loading peak in RAM at a time)")
+    highvram: bool = flag(False, "keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; "
+                                 "by default they wait in CPU memory)")
+    cpu: bool = flag(False, "train on the CPU even when an accelerator is present")
+
+
+@dataclass
+class MultiProcessFlags:
+    flag_group: ClassVar[str] = "multi-process (accelerate launch / torchrun; docs/distributed.md)"
+    ddp_timeout: Optional[int] = flag(None, "timeout of the processes' collective operations (PyTorch's default: 30 "
+                                            "minutes for gloo, 10 for nccl)", range=at_least(1), metavar="MINUTES")
+    ddp_gradient_as_bucket_view: bool = flag(False, "DDP: gradients are views into its communication buckets (saves "
+                                                    "one gradient copy)")
+    ddp_static_graph: bool = flag(False, "DDP: the graph is the same every step (faster reduction; finds unused "
+                                         "weights itself)")
+
+
+@dataclass
+class LoggingFlags:
+    flag_group: ClassVar[str] = "logging"
+    logging_dir: Optional[str] = flag(None, "TensorBoard folder (logging is on when given)")
+    log_with: Optional[str] = flag(None, "tracker (default tensorboard when --logging_dir is given)",
+                                         choices=("tensorboard", "wandb", "all"))
+    log_prefix: Optional[str] = flag(None, "prefix of the run's log folder name")
+    log_tracker_name: Optional[str] = flag(None, "tracker name (default network_train)")
+    log_tracker_config: Optional[str] = flag(None, "TOML file of tracker settings: [wandb] (entity, tags, notes, ... "
+                                                   "for wandb.init) and [tensorboard] (SummaryWriter keyword "
+                                                   "arguments)")
+    log_config: bool = flag(False, "store the run's flags in the tracker (wandb config, TensorBoard hparams; API key "
+                                   "left out)")
+    wandb_run_name: Optional[str] = flag(None, "name of the wandb run (default: wandb's)")
+    wandb_api_key: Optional[str] = flag(None, "wandb API key (else WANDB_API_KEY or `wandb login`); never written to "
+                                              "the saved config")
+    log_every_n_steps: int = flag(1, "write scalars every N steps", range=at_least(1))
+    log_tflops: Optional[int] = flag(None, "every N steps, log the achieved model TFLOP/s (FLOPs counted once on the "
+                                           "first step) and, on a known GPU, the fraction of its bf16 peak",
+                                           range=at_least(1), metavar="N")
+
+
+@dataclass
+class DiagnosticsFlags:
+    flag_group: ClassVar[str] = "diagnostics"
+    profile_steps: bool = flag(False, "per-step timing breakdown in the log and TensorBoard: data wait, forward, "
+                                      "backward (and the all-reduce overlapped with it), optimizer, other")
+    profile_microbatches: bool = flag(False, "with the breakdown, the forward/backward time of every "
+                                             "gradient-accumulation micro-batch")
+    profiler_trace_dir: Optional[str] = flag(None, "write a torch.profiler trace of --profiler_trace_steps here "
+                                                   "(TensorBoard / Perfetto)")
+    profiler_trace_steps: str = flag("3-4", "optimizer steps the trace covers, inclusive (default 3-4: after warm-up)",
+                                            metavar="A-B")
+
+
+@dataclass
+class ValidationFlags:
+    flag_group: ClassVar[str] = "validation"
+    validate_every_n_steps: Optional[int] = flag(None, "validation loss every N steps (needs validation_split)",
+                                                       range=at_least(1))
+    validate_every_n_epochs: Optional[int] = flag(None, "validation loss every N epochs", range=at_least(1))
+    max_validation_steps: Optional[int] = flag(None, "at most N validation batches each time", range=at_least(1))
+
+
+TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags)
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("output and saving")
-    g.add_argument("--output_dir", type=str, default=None, help="folder for the LoRA files, states, config and logs")
-    g.add_argument("--output_name", type=str, default=None,
-                   help="base file name of the saved LoRA (default 'last'): a name, not a path "
-                        "(the folder is --output_dir)")
-    g.add_argument("--save_model_as", type=str, default="safetensors", choices=["safetensors", "ckpt", "pt"], help="file format of saved networks")
-    g.add_argument("--save_precision", type=str, default=None, choices=[p for p in SAVE_PRECISIONS if p], help="dtype of saved tensors (default: as trained)")
-    g.add_argument("--save_every_n_epochs", type=int, default=None, help="save <name>-<epoch>.<ext> every N epochs")
-    g.add_argument("--save_n_epoch_ratio", type=int, default=None, help="save about N times over the run")
-    g.add_argument("--save_every_n_steps", type=int, default=None, help="save <name>-step<step>.<ext> every N steps")
-    g.add_argument("--save_last_n_epochs", type=int, default=None, help="keep only the last N epoch files")
-    g.add_argument("--save_last_n_epochs_state", type=int, default=None, help="keep only the last N epoch states (default: --save_last_n_epochs)")
-    g.add_argument("--save_last_n_steps", type=int, default=None, help="keep step files from the last N steps only")
-    g.add_argument("--save_last_n_steps_state", type=int, default=None, help="keep states of the last N steps only (default: --save_last_n_steps)")
-    g.add_argument("--save_state", action="store_true", help="also save the training state with each model file")
-    g.add_argument("--save_state_on_train_end", action="store_true", help="save <name>-state at the end even without --save_state")
-    g.add_argument("--resume", type=str, default=None,
-                   help="state folder to resume from, or 'auto' for the newest state in output_dir")
-
-    g = parser.add_argument_group("steps and precision")
-    g.add_argument("--max_train_steps", type=int, default=1600, help="optimizer steps to train (sd-scripts' default 1600)")
-    g.add_argument("--max_train_epochs", type=int, default=None, help="overrides --max_train_steps")
-    g.add_argument("--seed", type=int, default=None, help="seed of everything random (a random one is drawn and recorded when not given)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="batches per optimizer step")
-    g.add_argument("--mixed_precision", type=str, default="no", choices=list(MIXED_PRECISIONS), help="autocast dtype; the frozen base model is stored in it too")
-    g.add_argument("--full_fp16", action="store_true", help="train the network itself in fp16")
-    g.add_argument("--full_bf16", action="store_true", help="train the network itself in bf16")
-    g.add_argument("--gradient_checkpointing", action="store_true", help="recompute activations in backward: less memory, slower")
-    g.add_argument("--xformers", action="store_true", help="xformers attention when the package is installed (pip install xformers); otherwise a warning and PyTorch SDPA")
-    g.add_argument("--sdpa", action="store_true", help="PyTorch SDPA attention (the default)")
-    g.add_argument("--flash_attn", action="store_true",
-                   help="FlashAttention in the denoiser through diffusers' attention backends when the flash-attn "
-                        "package is installed (CUDA); otherwise a warning and PyTorch SDPA")
-    g.add_argument("--torch_compile", action="store_true",
-                   help="compile the denoiser's blocks with torch.compile (regional: the first step traces each "
-                        "block kind once; slower first step, faster steps after)")
-    g.add_argument("--dynamo_backend", type=str.lower, default="inductor",
-                   help="torch.compile backend (inductor, aot_eager, eager, cudagraphs, ...; default inductor)")
-    g.add_argument("--dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
-                   help="inductor mode (default: PyTorch's)")
-    g.add_argument("--dynamo_fullgraph", action="store_true", help="torch.compile fullgraph=True (no graph breaks)")
-    g.add_argument("--dynamo_dynamic", action="store_true", help="torch.compile dynamic=True (shapes as symbols)")
-    g.add_argument("--mem_eff_attn", action="store_true",
-                   help="accepted for compatibility; SDPA is used (it picks a memory-efficient kernel itself)")
-    g.add_argument("--lowram", action="store_true",
-                   help="with several processes on one machine, they load the model one after another (one loading "
-                        "peak in RAM at a time)")
-    g.add_argument("--highvram", action="store_true",
-                   help="keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; by "
-                        "default they wait in CPU memory)")
-    g.add_argument("--cpu", action="store_true", help="train on the CPU even when an accelerator is present")
-
-    g = parser.add_argument_group("multi-process (accelerate launch / torchrun; docs/distributed.md)")
-    g.add_argument("--ddp_timeout", type=int, default=None, metavar="MINUTES",
-                   help="timeout of the processes' collective operations (PyTorch's default: 30 minutes for gloo, "
-                        "10 for nccl)")
-    g.add_argument("--ddp_gradient_as_bucket_view", action="store_true",
-                   help="DDP: gradients are views into its communication buckets (saves one gradient copy)")
-    g.add_argument("--ddp_static_graph", action="store_true",
-                   help="DDP: the graph is the same every step (faster reduction; finds unused weights itself)")
-
-    g = parser.add_argument_group("logging")
-    g.add_argument("--logging_dir", type=str, default=None, help="TensorBoard folder (logging is on when given)")
-    g.add_argument("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"], help="tracker (default tensorboard when --logging_dir is given)")
-    g.add_argument("--log_prefix", type=str, default=None, help="prefix of the run's log folder name")
-    g.add_argument("--log_tracker_name", type=str, default=None, help="tracker name (default network_train)")
-    g.add_argument("--log_tracker_config", type=str, default=None,
-                   help="TOML file of tracker settings: [wandb] (entity, tags, notes, ... for wandb.init) and "
-                        "[tensorboard] (SummaryWriter keyword arguments)")
-    g.add_argument("--log_config", action="store_true",
-                   help="store the run's flags in the tracker (wandb config, TensorBoard hparams; API key left out)")
-    g.add_argument("--wandb_run_name", type=str, default=None, help="name of the wandb run (default: wandb's)")
-    g.add_argument("--wandb_api_key", type=str, default=None,
-                   help="wandb API key (else WANDB_API_KEY or `wandb login`); never written to the saved config")
-    g.add_argument("--log_every_n_steps", type=int, default=1, help="write scalars every N steps")
-    g.add_argument("--log_tflops", type=int, default=None, metavar="N",
-                   help="every N steps, log the achieved model TFLOP/s (FLOPs counted once on the first step) "
-                        "and, on a known GPU, the fraction of its bf16 peak")
-
-    g = parser.add_argument_group("diagnostics")
-    g.add_argument("--profile_steps", action="store_true",
-                   help="per-step timing breakdown in the log and TensorBoard: data wait, forward, backward "
-                        "(and the all-reduce overlapped with it), optimizer, other")
-    g.add_argument("--profile_microbatches", action="store_true",
-                   help="with the breakdown, the forward/backward time of every gradient-accumulation micro-batch")
-    g.add_argument("--profiler_trace_dir", type=str, default=None,
-                   help="write a torch.profiler trace of --profiler_trace_steps here (TensorBoard / Perfetto)")
-    g.add_argument("--profiler_trace_steps", type=str, default="3-4", metavar="A-B",
-                   help="optimizer steps the trace covers, inclusive (default 3-4: after warm-up)")
-
-    g = parser.add_argument_group("validation")
-    g.add_argument("--validate_every_n_steps", type=int, default=None, help="validation loss every N steps (needs validation_split)")
-    g.add_argument("--validate_every_n_epochs", type=int, default=None, help="validation loss every N epochs")
-    g.add_argument("--max_validation_steps", type=int, default=None, help="at most N validation batches each time")
-
-
+    add_flags(parser, [spec for cls in TRAINING_FLAG_GROUPS for spec in flag_specs(cls)])
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -157,38 +180,33 @@ def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
     return data
 
 
-def _positive(ns: argparse.Namespace, name: str, allow_zero: bool = False) -> None:
-    value = getattr(ns, name, None)
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"--{name}: expected an integer >= {0 if allow_zero else 1}, got {value}")
-
-
-def check_output_name(name: Optional[str]) -> None:
-    """--output_name is a file name inside --output_dir (sd-scripts' use): no folder part, no `..`, not empty.
-    The saved files, states and `<name>_config.toml` are joined to --output_dir with it, so a path here would
-    write outside that folder."""
+def check_file_name(flag_name: str, name: Optional[str], example: str, folder_flag: str) -> None:
+    """A flag whose value is joined to a folder as one name (--output_name to --output_dir, --log_prefix and
+    --log_tracker_name to --logging_dir): no folder part, no `..`, not empty, so nothing is written outside."""
     if name is None:
         return
     problem = ("is empty" if not name.strip() else "contains a NUL character" if "\0" in name
                else "is a path" if "/" in name or "\\" in name or name in (".", "..") else None)
     if problem:
-        raise ConfigError(f"--output_name {name!r}: {problem}; expected a file name such as my_lora "
-                          "(no '/', '\\' or '..'; the folder is --output_dir)")
+        raise ConfigError(f"{flag_name} {name!r}: {problem}; expected a file name such as {example} "
+                          f"(no '/', '\\' or '..'; the folder is {folder_flag})")
 
 
-def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
-    """Translate the namespace into TrainingOptions, checking flag combinations. `gradient_checkpointing`:
-    the value other flags imply (library/cli/memory.py), else the flag."""
+def check_output_name(name: Optional[str]) -> None:
+    """--output_name is a file name inside --output_dir (sd-scripts' use); the saved files, states and
+    `<name>_config.toml` are joined to --output_dir with it."""
+    check_file_name("--output_name", name, "my_lora", "--output_dir")
+
+
+def training_options_from_args(ns: argparse.Namespace,
+                               gradient_checkpointing: Optional[bool] = None) -> TrainingOptions:
+    """TrainingOptions; the checks are those of flag combinations (each flag's own range is declared).
+    `gradient_checkpointing`: the value other flags imply (library/cli/memory.py), else the flag."""
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
     check_output_name(ns.output_name)
-    for name in ("max_train_steps", "max_train_epochs", "gradient_accumulation_steps", "save_every_n_epochs",
-                 "save_every_n_steps", "save_last_n_epochs", "save_last_n_epochs_state", "save_last_n_steps",
-                 "save_last_n_steps_state", "validate_every_n_steps", "validate_every_n_epochs",
-                 "max_validation_steps", "save_n_epoch_ratio", "log_every_n_steps", "log_tflops", "ddp_timeout"):
-        _positive(ns, name)
+    check_file_name("--log_prefix", ns.log_prefix, "run1_", "--logging_dir")
+    check_file_name("--log_tracker_name", ns.log_tracker_name, "network_train", "--logging_dir")
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
     if ns.full_fp16 and ns.mixed_precision != "fp16":
@@ -203,61 +221,25 @@ def training_options_from_args(ns: argparse.Namespace, gradient_checkpointing: O
     if log_with in ("wandb", "all") and not wandb_installed():
         raise ConfigError(WANDB_MISSING)
     if log_with not in ("wandb", "all"):
-        for flag in ("wandb_run_name", "wandb_api_key"):
-            if getattr(ns, flag, None):
-                raise ConfigError(f"--{flag}: only used with --log_with wandb or all")
+        for name, value in (("wandb_run_name", ns.wandb_run_name), ("wandb_api_key", ns.wandb_api_key)):
+            if value:
+                raise ConfigError(f"--{name}: only used with --log_with wandb or all")
     tracker_config = read_tracker_config(ns.log_tracker_config, log_with)
     if ns.log_config and not log_with:
         raise ConfigError("--log_config: no tracker is on; add --log_with (or --logging_dir)")
     run_config = ({k: v for k, v in sorted(vars(ns).items()) if k not in _SECRET_FLAGS and v is not None}
                   if ns.log_config else {})
-    return TrainingOptions(
-        output_dir=ns.output_dir,
+    return settings_from(
+        TrainingOptions, ns,
         output_name=ns.output_name or "last",
-        save_model_as=ns.save_model_as,
-        save_precision=ns.save_precision,
-        save_every_n_epochs=ns.save_every_n_epochs,
-        save_every_n_steps=ns.save_every_n_steps,
-        save_last_n_epochs=ns.save_last_n_epochs,
-        save_last_n_epochs_state=ns.save_last_n_epochs_state,
-        save_last_n_steps=ns.save_last_n_steps,
-        save_last_n_steps_state=ns.save_last_n_steps_state,
-        save_state=ns.save_state,
-        save_state_on_train_end=ns.save_state_on_train_end,
-        resume=ns.resume,
-        max_train_steps=ns.max_train_steps,
-        max_train_epochs=ns.max_train_epochs,
-        save_n_epoch_ratio=ns.save_n_epoch_ratio,
-        seed=random.randint(0, 2**32 - 1) if ns.seed is None else ns.seed,
-        gradient_accumulation_steps=ns.gradient_accumulation_steps,
-        mixed_precision=ns.mixed_precision,
-        full_fp16=ns.full_fp16,
-        full_bf16=ns.full_bf16,
+        seed=random.randint(0, MAX_SEED) if ns.seed is None else ns.seed,
         gradient_checkpointing=ns.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing,
-        cpu=ns.cpu,
-        logging_dir=ns.logging_dir,
         log_with=log_with,
-        log_prefix=ns.log_prefix,
-        log_tracker_name=ns.log_tracker_name,
         log_tracker_config=tracker_config,
-        wandb_run_name=ns.wandb_run_name,
-        wandb_api_key=ns.wandb_api_key,
         log_config=run_config,
-        log_every_n_steps=ns.log_every_n_steps,
-        log_tflops=getattr(ns, "log_tflops", None),
         compile=_compile_options(ns),
-        highvram=ns.highvram,
-        lowram=ns.lowram,
         profile_steps=ns.profile_steps or ns.profile_microbatches,
-        profile_microbatches=ns.profile_microbatches,
-        profiler_trace_dir=ns.profiler_trace_dir,
         profiler_trace_steps=_trace_steps(ns),
-        validate_every_n_steps=ns.validate_every_n_steps,
-        validate_every_n_epochs=ns.validate_every_n_epochs,
-        max_validation_steps=ns.max_validation_steps,
-        ddp_timeout=ns.ddp_timeout,
-        ddp_gradient_as_bucket_view=ns.ddp_gradient_as_bucket_view,
-        ddp_static_graph=ns.ddp_static_graph,
         deepspeed=deepspeed_options_from_args(ns),
     )
 
@@ -270,7 +252,7 @@ def _trace_steps(ns: argparse.Namespace) -> tuple[int, int]:
 
 
 def _compile_options(ns: argparse.Namespace) -> CompileOptions:
-    opts = CompileOptions(ns.torch_compile, ns.dynamo_backend, ns.dynamo_mode, ns.dynamo_fullgraph, ns.dynamo_dynamic)
+    opts = settings_from(CompileOptions, ns)
     if not opts.torch_compile:
         return opts
     backends = dynamo_backends()

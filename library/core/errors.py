@@ -37,3 +37,8 @@ def warn_once(logger: logging.Logger, message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         logger.warning(message)
+
+
+def forget_warnings() -> None:
+    """Let every `warn_once` message be logged again (as in a new process)."""
+    _warned.clear()

@@ -113,6 +113,12 @@ _FILE_HASHES_LOCK = threading.Lock()
 FILE_HASH_CACHE_NAME = "file_hashes.json"
 
 
+def forget_file_hashes() -> None:
+    """Drop the in-process cache of `cached_file_hashes` (as in a new process; the JSON cache stays)."""
+    with _FILE_HASHES_LOCK:
+        _FILE_HASHES.clear()
+
+
 def file_hash_cache_path() -> str:
     """The JSON file that remembers model-file hashes between runs (LORA_TOOLKIT_CACHE_DIR moves it)."""
     root = os.environ.get("LORA_TOOLKIT_CACHE_DIR") or os.path.join(

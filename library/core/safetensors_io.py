@@ -4,7 +4,8 @@ One entry point per file format, each atomic (temporary file beside the target, 
 through library.core.io_utils):
 
 * `write_safetensors(tensors, path, metadata, dtype, mem_eff)`: `mem_eff=False` hands a prepared copy
-  of every tensor to safetensors' `save_file`, which serialises the whole file in memory first;
+  of every tensor (cast, on the CPU: a second copy of the model in memory) to safetensors' `save_file`,
+  which writes them from that memory (through io_utils.save_safetensors_atomic's own temporary);
   `mem_eff=True` (sd-scripts' `--mem_eff_save`) writes the header, then each tensor's bytes one at a
   time (cast, moved to the CPU and dropped before the next), so at most one converted tensor exists
   besides the model. Both give the same tensors (names, dtypes, shapes, bytes).

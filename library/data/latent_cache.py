@@ -72,12 +72,17 @@ class CacheSettings:
     # file's kind, name, size and mtime. Left out of the signature when "", so caches written before
     # this field existed stay valid.
     mask_source: str = ""
+    # How the posterior sample was drawn (library/objectives/posterior.POSTERIOR_DRAW: from each image's own
+    # seed). Caches written before (drawn from the encoding process's generator, so they depended on the number
+    # of processes) have no such key and are rebuilt. Left out of the signature when "".
+    posterior: str = ""
 
     def signature(self) -> str:
         """Stable JSON text of these settings (sorted keys, tuples as lists, plain ints)."""
         data = asdict(self)
-        if not data["mask_source"]:
-            del data["mask_source"]
+        for optional in ("mask_source", "posterior"):
+            if not data[optional]:
+                del data[optional]
         for key in ("bucket_reso", "crop_ltrb", "latent_shape"):
             data[key] = [int(v) for v in data[key]]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -4,7 +4,10 @@ Images decode in DataLoader workers while the VAE encodes the previous batch.
 A batch holds only images of one bucket. Entries are kept in memory always and
 written to disk (sd-scripts file names, atomically) when asked; a disk entry
 is reused only when latent_cache.load_latent_cache finds it valid for the
-exact settings (bucket, crop, flip, alpha mask, VAE, shape), else rebuilt.
+exact settings (bucket, crop, flip, alpha mask, VAE, shape, how the posterior
+sample was drawn), else rebuilt. The encode function draws each image's
+posterior sample from that image's own seed (library/objectives/posterior.py),
+so an entry is the same whichever process encodes it, in whatever batch.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from library.data.latent_cache import (
 from library.data.loading import load_and_crop
 from library.data.mask_sources import mask_signature
 from library.data.plan import DatasetPlan
+from library.objectives.posterior import POSTERIOR_DRAW
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,8 @@ def plan_cache_jobs(data: DatasetPlan, vae_id: str, to_disk: bool) -> tuple[list
             settings = CacheSettings(bucket_reso=place.bucket, crop_ltrb=crop_ltrb_for(place.bucket, sample.size),
                                      flip_aug=sub.flip_aug, alpha_mask=sub.alpha_mask or sample.mask_path is not None,
                                      vae_id=vae_id, latent_shape=(channels, bh // f, bw // f),
-                                     mask_source=mask_signature(sample.mask_path, sub.alpha_mask))
+                                     mask_source=mask_signature(sample.mask_path, sub.alpha_mask),
+                                     posterior=POSTERIOR_DRAW)
             key = (sid, gid)
             if key in data.latents and data.latent_signatures.get(key) == settings.signature():
                 continue

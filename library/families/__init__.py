@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable, Mapping, Optional
 
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
@@ -21,49 +21,49 @@ logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFp32Warni
 
 
 def _sd() -> ModelFamily:
-    from library.families.sd import SDFamily
+    from library.families.sd.family import SDFamily
 
     return SDFamily()
 
 
 def _sdxl() -> ModelFamily:
-    from library.families.sdxl import SDXLFamily
+    from library.families.sdxl.family import SDXLFamily
 
     return SDXLFamily()
 
 
 def _flux() -> ModelFamily:
-    from library.families.flux import FluxFamily
+    from library.families.flux.family import FluxFamily
 
     return FluxFamily()
 
 
 def _chroma() -> ModelFamily:
-    from library.families.chroma import ChromaFamily
+    from library.families.chroma.family import ChromaFamily
 
     return ChromaFamily()
 
 
 def _anima() -> ModelFamily:
-    from library.families.anima import AnimaFamily
+    from library.families.anima.family import AnimaFamily
 
     return AnimaFamily()
 
 
 def _sd3() -> ModelFamily:
-    from library.families.sd3 import SD3Family
+    from library.families.sd3.family import SD3Family
 
     return SD3Family()
 
 
 def _lumina() -> ModelFamily:
-    from library.families.lumina import LuminaFamily
+    from library.families.lumina.family import LuminaFamily
 
     return LuminaFamily()
 
 
 def _hunyuan_image() -> ModelFamily:
-    from library.families.hunyuan_image import HunyuanImageFamily
+    from library.families.hunyuan_image.family import HunyuanImageFamily
 
     return HunyuanImageFamily()
 
@@ -72,6 +72,10 @@ def _hunyuan_image() -> ModelFamily:
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
                                                    "anima": _anima, "sd3": _sd3,
                                                    "lumina": _lumina, "hunyuan_image": _hunyuan_image}
+
+
+# The family of a model path that tells nothing else and of a tool given no selector (sd-scripts' default: SD 1.x/2.x).
+DEFAULT_FAMILY = "sd"
 
 
 def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
@@ -90,3 +94,22 @@ def get_family(name: str) -> ModelFamily:
     if factory is None:
         raise ConfigError(f"model family: expected one of {', '.join(family_names())}, got {name!r}")
     return factory()
+
+
+def registered_families() -> list[ModelFamily]:
+    """One instance of every registered family, in registration order (imports them all)."""
+    return [factory() for factory in _REGISTRY.values()]
+
+
+def selected_family(values: Mapping[str, Any]) -> Optional[str]:
+    """The family whose sd-scripts selector flag (`--sdxl`, `--flux`: `ModelFamily.selector_flag`) is set in
+    `values` (parsed flag values by name), or None."""
+    for family in registered_families():
+        if family.selector_flag and values.get(family.selector_flag):
+            return family.name
+    return None
+
+
+def selector_flags() -> dict[str, str]:
+    """The sd-scripts selector flags of the shared tools ("--sdxl") and the family each selects."""
+    return {f"--{family.selector_flag}": family.name for family in registered_families() if family.selector_flag}

@@ -1,6 +1,6 @@
 """The interface every model family implements; the training loop knows only this.
 
-A family module (sd.py, later sdxl.py, flux.py) owns everything model-specific:
+A family package (library/families/sd/, sdxl/, flux/, ...) owns everything model-specific:
 loading, tokenising, text encoding, the noise scheme, the model call, the LoRA
 targets and their kohya names, and the strings written into metadata.
 """
@@ -8,6 +8,7 @@ targets and their kohya names, and the strings written into metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 import os
 from typing import Any, ClassVar, Mapping, Optional
@@ -18,6 +19,7 @@ from torch import nn
 from library.core.errors import ConfigError, UserError
 from library.families import model_saving
 from library.objectives.noise import DDPMSchedule, NoiseScheme
+from library.objectives.posterior import posterior_sample
 from networks.lora_args import BlockLayout
 from networks.lora_targets import LoraTarget
 
@@ -31,6 +33,18 @@ def model_save_path(output_dir: str, stem: str, fmt: str) -> str:
     """Where a model saved as `fmt` goes: `<stem>.ckpt` / `<stem>.safetensors`, or the folder `<stem>`."""
     model_saving.check_save_format(fmt, SAVE_FORMATS)
     return os.path.join(output_dir, stem if fmt in model_saving.FOLDER_FORMATS else f"{stem}.{fmt}")
+
+
+def check_single_file_name(out: str, single_file: bool) -> None:
+    """UserError unless a --single_file preset goes to a .safetensors / .ckpt name."""
+    if single_file and not out.lower().endswith((".safetensors", ".ckpt")):
+        raise UserError(f"--out {out}: with --single_file expected a .safetensors or .ckpt file name")
+
+
+def check_folder_name(out: str, why: str) -> None:
+    """UserError when a preset written as several files is given a .safetensors name (`why` says so)."""
+    if out.lower().endswith(".safetensors"):
+        raise UserError(f"--out {out}: {why}; expected a folder name")
 
 
 class ModelLoadError(UserError):
@@ -97,6 +111,33 @@ class ModelFamily(ABC):
     """
 
     name: ClassVar[str] = ""  # "sd", "sdxl", "flux"
+    # Facts about the family's files, read by library/families/detect.py: the tensor-name prefixes only this
+    # family's single files carry, (prefix, "what the file holds") pairs for "expected X, found Y" errors, the
+    # substrings of a diffusers model_index.json `_class_name` that name it, and the order families are tried in
+    # (lowest first: the most specific markers first, SDXL before SD).
+    single_file_markers: ClassVar[tuple[str, ...]] = ()
+    contents: ClassVar[tuple[tuple[str, str], ...]] = ()
+    diffusers_class_markers: ClassVar[tuple[str, ...]] = ()
+    detect_rank: ClassVar[int] = 100
+    # The family's entry scripts by mode ("lora": its train_network script, "finetune": its full fine-tune one);
+    # a family trained through another's scripts (Chroma: FLUX.1's) names those, with the --model_type values
+    # that select it there (None: the scripts' default).
+    scripts: ClassVar[dict[str, str]] = {}
+    model_types: ClassVar[tuple[Optional[str], ...]] = ()
+    # sd-scripts' family selector flag of the shared tools (cache tools, generate: --sdxl, --flux); a family that
+    # such a flag reaches through its --model_type names the family it is a variant of.
+    selector_flag: ClassVar[Optional[str]] = None
+    variant_of: ClassVar[Optional[str]] = None
+    # What people call the parts: one label per text encoder (in encoder order) and the denoiser.
+    text_encoder_labels: ClassVar[tuple[str, ...]] = ()
+    denoiser_label: ClassVar[str] = "UNet"
+    # Its options_type fields that name a component file (FLUX.1's --clip_l / --t5xxl / --ae): the tools that
+    # load a model (generate, merge, extract, resize) take them too.
+    component_file_flags: ClassVar[tuple[str, ...]] = ()
+    # sd-scripts' family-specific spellings of a shared flag: (its flag, the shared flag it stands for).
+    flag_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # The tiny presets tools/make_tiny_model.py writes (its --family is the name after "tiny:").
+    tiny_presets: ClassVar[tuple[str, ...]] = ()
     # The dataclass of this family's own options. Its fields (with help text in their metadata; nested
     # dataclasses flattened) become the script's flags, named as the fields (library/cli/options.py).
     options_type: ClassVar[type] = NoOptions
@@ -137,6 +178,51 @@ class ModelFamily(ABC):
     fine_tune_t5xxl_encoder: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
+    @classmethod
+    def presets(cls) -> Mapping[str, Any]:
+        """The built-in presets ("tiny:sd1", "random:sd15", ...) by name."""
+        return {}
+
+    @classmethod
+    def supports_block_swap(cls) -> bool:
+        """Whether the family streams its blocks (--blocks_to_swap): it overrides `swappable_blocks`."""
+        return cls.swappable_blocks is not ModelFamily.swappable_blocks
+
+    @classmethod
+    def write_preset(cls, preset: str, out: str, *, single_file: bool = False,
+                     separate_text_encoders: bool = False) -> dict[str, str]:
+        """Write the preset `preset` (one of `tiny_presets`) to `out` as the family's files; {what: path}.
+        UserError when `out` or the layout does not suit the family."""
+        raise UserError(f"{cls.name}: no preset writer")
+
+    @classmethod
+    def preset_hint(cls, written: Mapping[str, str]) -> str:
+        """The flags that train on files `write_preset` wrote ("" when the model path alone is enough)."""
+        return ""
+
+    @classmethod
+    def facts(cls) -> dict[str, Any]:
+        """Everything the tools and the web UI need to know about the family, as JSON-able data."""
+        return {
+            "name": cls.name,
+            "scripts": dict(cls.scripts),
+            "model_types": list(cls.model_types),
+            "variant_of": cls.variant_of,
+            "selector_flag": cls.selector_flag,
+            "text_encoder_labels": list(cls.text_encoder_labels),
+            "denoiser_label": cls.denoiser_label,
+            "block_swap": cls.supports_block_swap(),
+            "component_file_flags": list(cls.component_file_flags),
+            "flag_aliases": {alias: flag for alias, flag in cls.flag_aliases},
+            "lora_network_module": cls.lora_network_module,
+            "save_formats": list(cls.save_formats),
+            "presets": list(cls.presets()),
+            "tiny_presets": list(cls.tiny_presets),
+            "single_file_markers": list(cls.single_file_markers),
+            "contents": [list(pair) for pair in cls.contents],
+            "diffusers_class_markers": list(cls.diffusers_class_markers),
+        }
+
     def options(self, components: Components) -> Any:
         """The run's options carried by `components` (the defaults when loaded without any)."""
         return components.options if components.options is not None else self.options_type()
@@ -203,12 +289,15 @@ class ModelFamily(ABC):
     # --- images ------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, vae: nn.Module, images: torch.Tensor,
-                      generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                      generator: Optional[torch.Generator | Sequence[torch.Generator]] = None) -> torch.Tensor:
         """Images in [-1, 1] (B,3,H,W) -> unscaled latents (B,C,H/8,W/8), float32.
 
-        The posterior sample draws from `generator` when given (validation needs fixed draws).
+        The posterior sample draws from `generator`; a sequence holds one generator per image
+        (library/objectives/posterior.py: the trainer passes each image's own).
         """
         dist = vae.encode(images.to(vae.device, vae.dtype)).latent_dist
+        if isinstance(generator, Sequence):
+            return posterior_sample(dist, generator)
         return dist.sample(generator=generator).float()
 
     def scale_latents(self, latents: torch.Tensor) -> torch.Tensor:

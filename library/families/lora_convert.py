@@ -22,8 +22,8 @@ from typing import Mapping, Optional
 import torch
 
 from library.core.tensors import unshared
-from library.families import anima_lora
-from library.families import hunyuan_image_layout as hunyuan_layout
+from library.families.anima import lora_comfy as anima_lora
+from library.families.hunyuan_image import layout as hunyuan_layout
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
     UnmappedPathError,
@@ -38,7 +38,7 @@ from library.families.lora_layouts import (
     sd3_kohya_modules,
     sd3_peft_targets,
 )
-from library.families.lumina_lora_names import owns_peft_paths as is_lumina_peft
+from library.families.lumina.lora_names import owns_peft_paths as is_lumina_peft
 from networks.lora_files import (
     KOHYA_SUFFIXES,
     LoraFile,

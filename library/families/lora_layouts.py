@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from library.families import flux_lora_names as flux
-from library.families import lumina_lora_names as lumina
-from library.families import sd3_lora_names as sd3
-from library.families import sdxl_lora_names as sdxl
-from library.families.ldm_layout import LayoutError
+from library.families.flux import lora_names as flux
+from library.families.lumina import lora_names as lumina
+from library.families.sd3 import lora_names as sd3
+from library.families.sdxl import lora_names as sdxl
+from library.families.common.ldm_layout import LayoutError
 
 # Identifiers with underscores in diffusers / transformers / SGM module paths, so that a kohya
 # name (every "." turned into "_") can be dotted again: the longest match wins.
@@ -178,7 +178,7 @@ def is_sd3_peft(peft_paths: Sequence[str], transformer_width: Optional[int]) -> 
     """True when a PEFT file's module paths (and the input width of its transformer attention LoRAs) are an SD3
     LoRA's: a T5 part (`text_encoder_3`) or SD3.5's `attn2`, or transformer blocks without FLUX.1's single blocks
     at a width other than FLUX.1's. (Both name their joint blocks `transformer.transformer_blocks.N`.)"""
-    if any(p.startswith("text_encoder_3.") or ".attn2." in p for p in peft_paths):
+    if any(p.startswith("text_encoder_3.") or (p.startswith("transformer.") and ".attn2." in p) for p in peft_paths):
         return True
     if any(p.startswith("transformer.single_transformer_blocks.") for p in peft_paths):
         return False

@@ -134,7 +134,7 @@ def loss_weighting(scheme: str, sigmas: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(sigmas)
 
 
-def _per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.to(like.device, like.dtype).reshape(values.shape[0], *([1] * (like.ndim - 1)))
 
 
@@ -202,7 +202,7 @@ class FlowMatchScheme:
     # --- forward process --------------------------------------------------------------
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """x_σ = (1 - σ)·x0 + σ·ε."""
-        s = _per_sample(self.sigma_of(timesteps), latents)
+        s = per_sample(self.sigma_of(timesteps), latents)
         return (1 - s) * latents + s * noise
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -216,7 +216,7 @@ class FlowMatchScheme:
             return model_output
         if kind == "additive":
             return model_output + noisy.to(model_output.dtype)
-        s = _per_sample(self.sigma_of(timesteps), model_output)
+        s = per_sample(self.sigma_of(timesteps), model_output)
         return noisy.to(model_output.dtype) - s * model_output
 
     def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor:

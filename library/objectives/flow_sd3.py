@@ -25,7 +25,7 @@ import torch
 from library.core.errors import ConfigError
 from library.objectives.flow import (
     NUM_TRAIN_TIMESTEPS,
-    _per_sample,
+    per_sample,
     density_samples,
     loss_weighting,
 )
@@ -88,7 +88,7 @@ class SD3FlowScheme:
 
     def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """x_σ = (1 - σ)·x0 + σ·ε."""
-        s = _per_sample(self.sigma_of(timesteps), latents)
+        s = per_sample(self.sigma_of(timesteps), latents)
         return (1 - s) * latents + s * noise
 
     def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class SD3FlowScheme:
 
     def prediction(self, model_output: torch.Tensor, noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         """The x0 estimate x_σ - σ·v of the model's velocity output v."""
-        s = _per_sample(self.sigma_of(timesteps), model_output)
+        s = per_sample(self.sigma_of(timesteps), model_output)
         return noisy.to(model_output.dtype) - s * model_output
 
     def loss_weights(self, timesteps: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ class BlockSwapper:
         for i, block in enumerate(self.swapped):
             tensors = self._tensors(block)
             if page_lock:
-                buffer, copies = _page_locked_copies([t.data for t in tensors])
+                buffer, copies = page_locked_copies([t.data for t in tensors])
                 self._locked.append(buffer)
             else:
                 copies = [t.data.to(self.offload_device) for t in tensors]
@@ -233,7 +233,7 @@ class BlockSwapper:
 _ALIGN = 256  # bytes; every copy starts at a multiple, so any dtype can view it
 
 
-def _page_locked_copies(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def page_locked_copies(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """CPU copies of `tensors` as views into one buffer that is page-locked at its exact size.
 
     `Tensor.pin_memory()` goes through PyTorch's caching host allocator, which rounds each

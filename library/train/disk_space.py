@@ -7,7 +7,6 @@ what is left to do is to say so in one line: the path, the space needed, the spa
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 from typing import Iterator
@@ -15,6 +14,7 @@ from typing import Iterator
 import torch
 
 from library.core.errors import UserError
+from library.core.io_utils import write_failure
 
 MiB = 2**20
 
@@ -41,19 +41,30 @@ def check_free_space(folder: str, needed: int, what: str) -> None:
                         f"{needed / MiB:.0f} MiB; free some space or choose another folder")
 
 
-class DiskFull(UserError):
+class SaveFailed(UserError):
+    """A save could not be written (an I/O error); the files saved before are intact."""
+
+
+class DiskFull(SaveFailed):
     """The disk filled up during a save; the files saved before are intact."""
 
 
 @contextlib.contextmanager
 def naming_a_full_disk(path: str, needed: int) -> Iterator[None]:
-    """Turn ENOSPC (and EDQUOT) while writing `path` into one line naming the path and the space needed."""
+    """Turn a failed write of `path` into one line: a full disk (ENOSPC / EDQUOT, however the writer reports it:
+    OSError, safetensors' SafetensorError, torch.save's RuntimeError) names the path and the space needed;
+    another write failure names its cause. The writers are atomic, so nothing was half-written."""
+    folder = os.path.dirname(os.path.abspath(path))
     try:
         yield
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as e:
+        failure = write_failure(e, folder)
+        if failure is None:
             raise
-        folder = os.path.dirname(os.path.abspath(path))
-        raise DiskFull(f"{path}: the disk is full ({free_bytes(folder) / MiB:.0f} MiB free, this save needs "
-                       f"about {needed / MiB:.0f} MiB); nothing was half-written and the files saved before "
-                       "are intact; free some space and resume with --resume auto") from None
+        disk_full, reason = failure
+        if disk_full:
+            raise DiskFull(f"{path}: the disk is full ({free_bytes(folder) / MiB:.0f} MiB free, this save needs "
+                           f"about {needed / MiB:.0f} MiB); nothing was half-written and the files saved before "
+                           "are intact; free some space and resume with --resume auto") from None
+        raise SaveFailed(f"{path}: could not be written ({reason}); nothing was half-written and the files saved "
+                         "before are intact; resume with --resume auto once it can be written") from None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Callable, Iterable, Optional
 
@@ -54,6 +55,48 @@ def load_in_turns(load: Callable[[], object], accelerator, enabled: bool):
             loaded = load()
         accelerator.wait_for_everyone()
     return loaded
+
+
+def _asked_processes(argv: list[str]) -> Optional[int]:
+    """The value of `--num_processes` / `--num-processes` in a launcher's command line, else None."""
+    for i, arg in enumerate(argv):
+        for name in ("--num_processes", "--num-processes"):
+            value = argv[i + 1] if arg == name and i + 1 < len(argv) else \
+                arg[len(name) + 1:] if arg.startswith(name + "=") else None
+            if value is not None:
+                return int(value) if value.isdigit() else None
+    return None
+
+
+def _parent_argv() -> list[str]:
+    """The launching process's command line (Linux /proc; [] elsewhere or when unreadable)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def lone_process_note(num_processes: int, environ=os.environ, launcher_argv: Optional[list[str]] = None,
+                      script: Optional[str] = None) -> Optional[str]:
+    """One line when `accelerate launch` was asked for several processes but this run has one, else None.
+
+    accelerate's simple launcher (what `--cpu` runs, or a launch without a multi-GPU setting) starts one process
+    whatever `--num_processes` says, unless MPI starts them. It exports ACCELERATE_USE_CPU (every `accelerate
+    launch` does), MASTER_ADDR / MASTER_PORT only when asked for more than one process (or machine), and no
+    WORLD_SIZE (torchrun and accelerate's multi-GPU launcher set that). N itself is not exported: it is read from
+    the launcher's command line where it can be (`launcher_argv`, default the parent process's), else written N.
+    """
+    if num_processes != 1 or "ACCELERATE_USE_CPU" not in environ or "MASTER_ADDR" not in environ \
+            or "WORLD_SIZE" in environ:
+        return None
+    asked = _asked_processes(_parent_argv() if launcher_argv is None else launcher_argv)
+    n = str(asked) if asked and asked > 1 else "N"
+    script = script or os.path.basename(sys.argv[0]) or "<script>"
+    return (f"accelerate launch was asked for {'several' if n == 'N' else n} processes but started only this one "
+            f"(its launcher starts several CPU processes only through MPI, GPU ones only with --multi_gpu): this "
+            f"run trains as 1 process; for {n}: `torchrun --nproc_per_node {n} {script} --cpu ...` (CPU) or "
+            f"`accelerate launch --multi_gpu --num_processes {n} {script} ...` (GPUs), see docs/distributed.md")
 
 
 def world_size() -> int:

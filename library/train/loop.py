@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from typing import Optional
 
@@ -22,6 +23,7 @@ from library.train.distributed import any_process
 from library.train.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.step import batch_loss, optimizer_step
+from library.train.stopping import nan_hint
 from library.train.tracking import LossWindow
 from library.train.validation import validation_loss
 
@@ -35,8 +37,9 @@ class TrainingError(UserError):
 class InterruptedTraining(Exception):
     """Raised after a signal once the state is saved; the entry script exits with 128 + signal."""
 
-    def __init__(self, signum: int, state_dir: str):
-        super().__init__(f"stopped by signal {signum}; state saved to {state_dir} (resume with --resume {state_dir})")
+    def __init__(self, signum: int, state_dir: str, why: Optional[str] = None):
+        super().__init__(f"stopped {why or f'by signal {signum}'}; state saved to {state_dir} "
+                         f"(resume with --resume {state_dir})")
         self.signum = signum
         self.state_dir = state_dir
 
@@ -160,8 +163,12 @@ class TrainingLoop:
             paths = ", ".join(batch.get("image_paths", [])[:8])
             raise TrainingError(f"step {global_step + 1}: loss is {loss.item()} (not finite); stopping. "
                                 f"Images in this batch: {paths}. The files saved so far are intact; "
-                                f"try --mixed_precision bf16 (or no, for float32), --no_half_vae, "
-                                f"or a lower learning rate")
+                                f"{self._nan_hint()}")
+
+    def _nan_hint(self) -> str:
+        t = self.t
+        return nan_hint(t.mixed_precision, t.full_fp16, t.full_bf16, self.s.no_half_vae,
+                        self.s.optimizer.max_grad_norm)
 
     def _optimizer_step(self, step: int) -> None:
         clip = self.accelerator.sync_gradients and not self.fused_backward  # fused: clipped per parameter
@@ -249,7 +256,11 @@ class TrainingLoop:
         progress = self.run_state.progress
         stem = ckpt.step_stem(self.t.output_name, progress.global_step)
         self.saver.save_state(ckpt.state_path(self.t.output_dir, stem), progress)
-        raise InterruptedTraining(self.stop.signum, ckpt.state_path(self.t.output_dir, stem))
+        if self.stop.requested:
+            signum, why = self.stop.signum, self.stop.why
+        else:  # the signal reached another process (any_process): this one stops at the same step
+            signum, why = signal.SIGTERM, "because another process was asked to stop"
+        raise InterruptedTraining(signum, ckpt.state_path(self.t.output_dir, stem), why)
 
     def _finish(self) -> str:
         progress = self.run_state.progress  # mid-epoch when --max_train_steps ended the run: resume goes on there

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any, Optional
 
 from library.core.errors import ConfigError
+from library.families import family_names, get_family, registered_families
 from library.families.base import Components, ModelFamily
 from library.train.network_setup import (
     external_state_dict,
@@ -38,13 +39,25 @@ OWN_LORA = "networks.lora"
 # sd-scripts' per-family LoRA modules; here every one of them names the project's LoRA (networks.lora),
 # so sd-scripts command lines (FLUX.1: --network_module networks.lora_flux) run unchanged. Saved files
 # record the family's own name (ModelFamily.lora_network_module), as sd-scripts' files do.
-OWN_LORA_NAMES = (OWN_LORA, "networks.lora_flux", "networks.lora_sd3", "networks.lora_lumina", "networks.lora_anima",
-                  "networks.lora_hunyuan_image")
+def own_lora_names() -> tuple[str, ...]:
+    """networks.lora and every registered family's `lora_network_module`, each once."""
+    names = [OWN_LORA]
+    for family in registered_families():
+        if family.lora_network_module not in names:
+            names.append(family.lora_network_module)
+    return tuple(names)
 
 
 def is_own_lora(name: str) -> bool:
     """Whether --network_module `name` is the project's LoRA (networks.lora or one of sd-scripts' per-family names)."""
-    return name in OWN_LORA_NAMES
+    if name == OWN_LORA:
+        return True
+    if not name.startswith(OWN_LORA + "_"):
+        return False  # LyCORIS or another package: no family is imported to say so
+    suffix = name[len(OWN_LORA) + 1:]  # sd-scripts' names end in the family's name: look there first
+    if suffix in family_names() and get_family(suffix).lora_network_module == name:
+        return True
+    return name in own_lora_names()
 
 
 def import_network_module(name: str) -> ModuleType:
@@ -152,6 +165,15 @@ class OwnLoRA(NetworkKind):
         return renamed
 
 
+class OwnLoRAVariant(OwnLoRA):
+    """networks.lora_fa (lora_down frozen), networks.dylora (rank trained a unit at a time), networks.oft and
+    networks.oft_flux (OFT, under the names sd-scripts' own models give the layers): built from the family's
+    targets like networks.lora; files record the module's own name."""
+
+    def metadata_module(self, family: ModelFamily) -> str:
+        return self.name
+
+
 class ExternalNetwork(NetworkKind):
     """Any other module with sd-scripts' create_network / create_network_from_weights."""
 
@@ -214,6 +236,8 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
+    if name in ("networks.lora_fa", "networks.dylora", "networks.oft", "networks.oft_flux"):
+        return OwnLoRAVariant(name, import_network_module(name))
     module = import_network_module(name)
     if name.split(".")[0] == "lycoris":
         return LycorisNetwork(name, module)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.core.io_utils import atomic_path
+from library.core.io_utils import atomic_path, save_safetensors_atomic
 from library.families.base import Components, ModelFamily
 from networks.lora import LoRANetwork, load_state_dict
 
@@ -196,12 +196,11 @@ def save_network(network, path: str, save_precision: Optional[str], metadata: Op
             network.save_weights(tmp, dtype, metadata)
             if name_map:
                 from safetensors import safe_open
-                from safetensors.torch import save_file
 
                 with safe_open(tmp, "pt") as f:
                     saved_metadata = f.metadata()
                     state = {k: f.get_tensor(k) for k in f.keys()}
-                save_file(_renamed(state, name_map), tmp, metadata=saved_metadata)
+                save_safetensors_atomic(_renamed(state, name_map), tmp, saved_metadata)  # tmp: no second rename
         return
     state = {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).cpu()
              for k, v in network.state_dict().items()}

@@ -58,7 +58,7 @@ def _num_processes() -> int:
         return 1
 
 
-def _timestep_range(min_timestep: Optional[int], max_timestep: Optional[int]) -> Optional[tuple[int, int]]:
+def timestep_range(min_timestep: Optional[int], max_timestep: Optional[int]) -> Optional[tuple[int, int]]:
     """modelspec.timestep_range as sd-scripts fills it: absent unless a bound is given; a missing bound is 0 / 1000."""
     if min_timestep is None and max_timestep is None:
         return None
@@ -106,7 +106,7 @@ def lora_metadata(family: ModelFamily, components: Components, settings: RunSett
         architecture=family.modelspec_architecture(c, reso[0]),
         implementation=family.modelspec_implementation(), title=s.training.output_name,
         resolution=reso, prediction_type=family.modelspec_prediction_type(c),
-        timestep_range=_timestep_range(s.noise.min_timestep, s.noise.max_timestep),
+        timestep_range=timestep_range(s.noise.min_timestep, s.noise.max_timestep),
         encoder_layer=s.text.clip_skip, date=None, is_lora=True, extra=s.network.metadata))
     return metadata
 

@@ -4,6 +4,11 @@ rotation under --save_last_n_*, and the disk space all of that needs.
 The loop tells a `RunSaver` when a step or an epoch ended; the saver knows the cadence (`SavePlan`),
 the names (`checkpoints`), what the trained result is (`Trainable.save`) and the state format
 (`state.save_state`). Only the main process writes.
+
+Nothing non-finite is written: before every save the tensors it would hold (the model file's, the EMA weights,
+a state's weights and optimizer state) are checked for NaN / inf (`first_non_finite`: one float32 sum per tensor
+on its own device, one synchronisation per device); a non-finite one stops the run (`NonFiniteWeights`) without
+writing.
 """
 
 from __future__ import annotations
@@ -11,27 +16,78 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from library.train import checkpoints as ckpt
-from library.train.distributed import gather_objects
+from library.train.distributed import any_process, gather_objects
 from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
 from library.train.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
 from library.core.errors import UserError
 from library.train.state import RunState, TrainProgress, check_shapes, check_world_size, choose_state, save_state
+from library.train.state import warn_changed_flags
 from library.train.trainables import Trainable
 
 logger = logging.getLogger(__name__)
 
 
+class NonFiniteWeights(UserError):
+    """A save was refused because a tensor it would write holds NaN or inf; the files saved before are intact."""
+
+
+def named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors inside nested dicts / lists / tuples (an optimizer's state_dict), named by their path."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from named_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from named_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """The name of the first floating-point tensor holding a NaN or inf, or None.
+
+    Each tensor is summed in float32 where it lives (a NaN or inf anywhere makes the sum non-finite; one read,
+    no temporary: 10x faster than isfinite(t).all() on the CPU); the sums of each device are stacked and read
+    with one synchronisation per device. A non-finite sum is confirmed with isfinite(t).all(), so finite values
+    whose sum overflows are not taken for a NaN. An FSDP DTensor is checked by its local piece."""
+    sums: dict[torch.device, list[torch.Tensor]] = {}
+    where: dict[torch.device, list[int]] = {}
+    checked: list[tuple[str, torch.Tensor]] = []
+    for name, t in named:
+        if not t.is_floating_point() or t.numel() == 0 or t.device.type == "meta":  # meta: nothing held here
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        t = t.detach()
+        if t.element_size() == 1:  # float8: not every op takes it
+            t = t.to(torch.float16)
+        sums.setdefault(t.device, []).append(t.sum(dtype=torch.float32))
+        where.setdefault(t.device, []).append(len(checked))
+        checked.append((name, t))
+    suspects: list[int] = []
+    for device, device_sums in sums.items():
+        finite = torch.isfinite(torch.stack(device_sums))
+        if not bool(finite.all()):
+            suspects += [where[device][i] for i in (~finite).nonzero()[:, 0].tolist()]
+    for index in sorted(suspects):
+        name, t = checked[index]
+        if not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
 class RunSaver:
     def __init__(self, t: TrainingOptions, ema_opts: EmaOptions, trainable: Trainable, components, optimizer,
                  optimizer_name: str, lr_scheduler, run_state: RunState, accelerator, ema: Optional[EMA],
-                 metadata: Callable[[int, int], dict], num_epochs: int, max_train_steps: int):
+                 metadata: Callable[[int, int], dict], num_epochs: int, max_train_steps: int, nan_hint: str = ""):
+        self.nan_hint = nan_hint  # what to try, from the run's settings (stopping.nan_hint)
         self.t, self.ema_opts, self.trainable, self.components = t, ema_opts, trainable, components
         self.optimizer, self.optimizer_name, self.lr_scheduler = optimizer, optimizer_name, lr_scheduler
         self.run_state, self.accelerator, self.ema, self.metadata = run_state, accelerator, ema, metadata
@@ -89,6 +145,9 @@ class RunSaver:
         Called on every process: under FSDP all of them swap the EMA in and gather; the main one writes."""
         path = self.trainable.file_path(self.t.output_dir, stem)
         main = self.accelerator.is_main_process
+        ema = self.ema.shadow if self.ema is not None else {}
+        self._refuse_non_finite(path, step, first_non_finite([*self.trainable.weights().items(),
+                                                              *((f"EMA {n}", t) for n, t in ema.items())]))
         metadata = self.metadata(step, epoch) if main else {}
         with naming_a_full_disk(path, self.sizes()[0]) if main else contextlib.nullcontext():
             if self.ema is not None and not self.ema_opts.save_ema_only:
@@ -103,6 +162,15 @@ class RunSaver:
             logger.info("saved %s", path)
         return path
 
+    def _refuse_non_finite(self, path: str, step: int, bad: Optional[str]) -> None:
+        """Stop every process, writing nothing, when `bad` (a tensor's name, on any process) is set."""
+        if not any_process(bad is not None, self.accelerator.device):
+            return
+        what = f"{bad} is not finite (NaN or inf)" if bad else "a tensor of another process is not finite"
+        hint = f"; {self.nan_hint}" if self.nan_hint else ""
+        raise NonFiniteWeights(f"step {step}: {what}; not saving {path}. Training diverged; the files saved so far "
+                               f"are intact{hint}")
+
     def _remove_model(self, stem: str) -> None:
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, stem))
         ckpt.remove_path(self.trainable.file_path(self.t.output_dir, f"{stem}-nonema"))
@@ -112,7 +180,11 @@ class RunSaver:
         rng_states = gather_objects(self.run_state.capture_rng())
         weights, optimizer_state = self.trainable.state_for_saving(self.optimizer)  # FSDP: gathered by all
         ema_state = self.ema.state() if self.ema is not None else None  # FSDP: gathered by all
-        if not self.accelerator.is_main_process:
+        main = self.accelerator.is_main_process
+        bad = first_non_finite([*weights.items(), *named_tensors(optimizer_state, "optimizer state"),
+                                *((f"EMA {n}", t) for n, t in (ema_state or {}).items())]) if main else None
+        self._refuse_non_finite(state_dir, progress.global_step, bad)
+        if not main:
             return
         with naming_a_full_disk(state_dir, self.sizes()[1]):
             save_state(state_dir, weights, optimizer_state, self.lr_scheduler, self.run_state,
@@ -155,6 +227,8 @@ def resume(where: Optional[str], output_dir: str, max_train_steps: int, trainabl
     check_world_size(saved, num_processes, saved.path)
     shapes = {name: torch.empty(shape, device="meta") for name, shape in trainable.full_shapes().items()}
     check_shapes(saved, shapes, trainable.shape_settings(), saved.path)
+    if process_index == 0:
+        warn_changed_flags(saved, run_state.flags, saved.path)
     if saved.progress.global_step >= max_train_steps:
         raise UserError(f"--resume {saved.path}: that run already finished ({saved.progress.global_step} of "
                         f"{max_train_steps} steps); raise --max_train_steps/--max_train_epochs to go on")

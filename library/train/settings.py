@@ -5,7 +5,7 @@ Nothing below library/cli/ sees the argparse namespace: each component takes its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional
 
 from library.data.options import DataOptions
@@ -177,4 +177,15 @@ class RunSettings:
     # The flag values sd-scripts mirrors into ss_* metadata, as the user gave them (library/core/metadata.py
     # RECORDED_FLAGS); only metadata reads them.
     recorded_flags: Mapping[str, Any] = field(default_factory=dict)
+    # Every flag's value (secrets left out): a state folder records them, and a resume names the ones that
+    # changed (library/train/state.py changed_flags).
+    flags: Mapping[str, Any] = field(default_factory=dict)
     hooks: list[Hook] = field(default_factory=list)  # e.g. sampling (library/train/sampling_hook.py)
+
+    def with_seed(self, seed: int) -> "RunSettings":
+        """These settings with another run seed everywhere it was copied: the training options, the data options,
+        the recorded ss_seed and a --from_scratch initialisation."""
+        model = replace(self.model, init_seed=seed) if self.model.from_scratch else self.model
+        return replace(self, model=model, data=replace(self.data, seed=seed),
+                       training=replace(self.training, seed=seed),
+                       recorded_flags={**self.recorded_flags, "seed": seed})

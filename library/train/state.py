@@ -4,7 +4,8 @@ A state folder holds the files sd-scripts users know (model.safetensors with the
 trained weights, optimizer.bin, scheduler.bin, random_states_0.pkl,
 train_state.json) plus what exact resumption needs: the micro-batches already
 consumed in the current epoch, the noise generator, the EMA weights when
---use_ema is on, and the flags that fix tensor shapes (checked on resume).
+--use_ema is on, and the flags that fix tensor shapes (checked on resume), and every flag of the run (a resume names
+those that changed).
 With N data-parallel processes, random_states_<rank>.pkl holds each process's
 RNGs (accelerate's names) and train_state.json records N: a state resumes only
 with the same number of processes.
@@ -64,14 +65,15 @@ class RunState:
 
     progress: TrainProgress
     noise_generator: torch.Generator
+    flags: dict[str, Any] = field(default_factory=dict)  # every flag of this run (RunSettings.flags)
 
     @classmethod
-    def start(cls, seed: int, rank: int = 0) -> "RunState":
+    def start(cls, seed: int, rank: int = 0, flags: Optional[dict[str, Any]] = None) -> "RunState":
         """Process `rank` of a data-parallel run draws its noise from its own stream (rank 0: the seed itself, so
         one process trains as before); the global RNGs are seeded alike on every process (equal initial weights)."""
         set_seed(seed)  # Python, NumPy, torch and every accelerator's RNG
         noise_seed = seed if rank == 0 else (seed + 0x9E3779B97F4A7C15 * rank) % (1 << 63)
-        return cls(TrainProgress(), torch.Generator("cpu").manual_seed(noise_seed))
+        return cls(TrainProgress(), torch.Generator("cpu").manual_seed(noise_seed), as_json(flags or {}))
 
     def advance(self, epoch: int, global_step: int, batches_done: int) -> None:
         self.progress = TrainProgress(epoch, global_step, batches_done)
@@ -107,6 +109,7 @@ class SavedState:
     ema: Optional[dict[str, torch.Tensor]] = None
     shape_settings: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1  # processes of the run that saved it
+    flags: dict[str, Any] = field(default_factory=dict)  # the flags of the run that saved it ({}: an older state)
 
 
 def rng_file(rank: int) -> str:
@@ -134,21 +137,22 @@ def save_state(state_dir: str, weights: dict[str, torch.Tensor], optimizer_state
         with open(os.path.join(tmp, TRAIN_STATE), "w", encoding="utf-8") as f:
             json.dump({"current_epoch": progress.epoch, "current_step": progress.global_step,
                        "batches_done": progress.batches_done, "format": STATE_FORMAT,
-                       "shape_settings": shape_settings or {}, "world_size": len(rng_states)}, f)
+                       "shape_settings": shape_settings or {}, "world_size": len(rng_states), "flags": run.flags},
+                      f, default=str)
 
 
 def read_progress(state_dir: str) -> TrainProgress:
     return _read_train_state(state_dir)[0]
 
 
-def _read_train_state(state_dir: str) -> tuple[TrainProgress, dict]:
+def _read_train_state(state_dir: str) -> tuple[TrainProgress, dict, dict]:
     path = os.path.join(state_dir, TRAIN_STATE)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         progress = TrainProgress(epoch=int(data["current_epoch"]), global_step=int(data["current_step"]),
                                  batches_done=int(data.get("batches_done", 0)))
-        return progress, dict(data.get("shape_settings") or {})
+        return progress, dict(data.get("shape_settings") or {}), dict(data.get("flags") or {})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DamagedState(f"{state_dir}: not a training state folder ({TRAIN_STATE}: {e})") from None
 
@@ -165,7 +169,7 @@ def read_world_size(state_dir: str) -> int:
 def read_state(state_dir: str, rank: int = 0) -> SavedState:
     """Read and parse every file of a state folder (the RNGs of process `rank`); DamagedState names the first one
     that fails."""
-    progress, shape_settings = _read_train_state(state_dir)
+    progress, shape_settings, flags = _read_train_state(state_dir)
     world_size = read_world_size(state_dir)
     for name in REQUIRED_FILES + ((rng_file(rank),) if rank < world_size else ()):
         if not os.path.isfile(os.path.join(state_dir, name)):
@@ -189,7 +193,7 @@ def read_state(state_dir: str, rank: int = 0) -> SavedState:
         scheduler=read(SCHEDULER, torch_load), rng=read(rng_file(rank if rank < world_size else 0), unpickle),
         scaler=read(SCALER, torch_load) if os.path.isfile(os.path.join(state_dir, SCALER)) else None,
         ema=read(EMA, load_file) if os.path.isfile(os.path.join(state_dir, EMA)) else None,
-        shape_settings=shape_settings, world_size=world_size)
+        shape_settings=shape_settings, world_size=world_size, flags=flags)
 
 
 def state_folders(output_dir: str) -> list[str]:
@@ -240,6 +244,57 @@ def check_shapes(saved: SavedState, weights: dict[str, torch.Tensor], shape_sett
         if tuple(saved.weights[key].shape) != tuple(tensor.shape):
             raise UserError(f"--resume {where}: {key} has shape {tuple(saved.weights[key].shape)} in the state "
                             f"but {tuple(tensor.shape)} in this run; resume with the flags it was trained with")
+
+
+# Flags that may differ on resume without a word: where the run writes and what its files are called, when it
+# saves, samples, validates and logs, what its metadata says, how many loader workers read the data. None of
+# them changes what is trained (docs/resume.md). The shape flags are refused (check_shapes), not warned about.
+RESUME_FREE_FLAGS = frozenset({
+    "resume", "output_dir", "output_name", "logging_dir", "log_prefix", "log_with", "log_tracker_name",
+    "log_tracker_config", "log_config", "log_every_n_steps", "log_tflops", "wandb_run_name", "training_comment",
+    "no_metadata", "no_sample_grid", "validate_every_n_steps", "validate_every_n_epochs", "max_validation_steps",
+    "max_data_loader_n_workers", "persistent_data_loader_workers", "profile_steps", "profile_microbatches",
+    "profiler_trace_dir", "profiler_trace_steps",
+})
+RESUME_FREE_PREFIXES = ("save_", "sample_", "metadata_")
+# Rates the saved optimizer's parameter groups and the scheduler's base rates restore over the new values.
+RESTORED_RATE_FLAGS = frozenset({"--learning_rate", "--unet_lr", "--text_encoder_lr"})
+
+
+def as_json(flags: dict[str, Any]) -> dict[str, Any]:
+    """The values as train_state.json holds them (tuples become lists, anything else not JSON a string)."""
+    return json.loads(json.dumps(flags, default=str))
+
+
+def changed_flags(saved: dict[str, Any], current: dict[str, Any], refused: set[str] = frozenset()) -> list[str]:
+    """`--name old -> new` for every flag whose value differs from the saved run's, in the order of `current`.
+    Left out: RESUME_FREE_FLAGS, the `refused` (shape) flags, and flags the saved run did not record."""
+    current = as_json(current)
+    changes = []
+    for name, value in current.items():
+        if name in refused or name in RESUME_FREE_FLAGS or name.startswith(RESUME_FREE_PREFIXES):
+            continue
+        if name in saved and saved[name] != value:
+            changes.append(f"--{name} {_shown(saved[name])} -> {_shown(value)}")
+    return changes
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(not set)"
+    if isinstance(value, list):
+        return "[" + " ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def warn_changed_flags(saved: SavedState, flags: dict[str, Any], where: str) -> list[str]:
+    """One warning line naming every flag that differs from the saved run's (the shape flags are refused before)."""
+    changes = changed_flags(saved.flags, flags, set(saved.shape_settings))
+    if changes:
+        rates = any(change.split(" ", 1)[0] in RESTORED_RATE_FLAGS for change in changes)
+        logger.warning("--resume %s: these flags differ from the saved run: %s%s", where, ", ".join(changes),
+                       " (the learning rates go on from the saved optimizer and scheduler)" if rates else "")
+    return changes
 
 
 def choose_state(where: Optional[str], output_dir: str, rank: int = 0) -> Optional[SavedState]:

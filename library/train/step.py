@@ -11,6 +11,7 @@ from library.data.te_cache import cached_conditioning
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.objectives.losses import LossOptions, training_loss
 from library.objectives.noise import NoiseOptions, make_noise, perturb_for_input
+from library.objectives.posterior import posterior_generators
 
 
 @dataclass
@@ -32,12 +33,18 @@ class StepContext:
     live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
 
 
-def batch_latents(ctx: StepContext, batch: dict, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Scaled latents of a batch: from the cache, or encoded now with the VAE (sampling from `generator`)."""
+def encode_with_vae(family: ModelFamily, vae, images: torch.Tensor) -> torch.Tensor:
+    """Unscaled latents of images in [-1, 1], each image's posterior sample drawn from its own seed
+    (library/objectives/posterior.py): what caching and training without a cache both encode with."""
+    generators = posterior_generators(images)  # from the pixels as loaded, before any cast to the VAE's dtype
+    return family.encode_images(vae, images.to(vae.device, vae.dtype), generators)
+
+
+def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
+    """Scaled latents of a batch: from the cache, or encoded now with the VAE (`encode_with_vae`)."""
     latents = batch.get("latents")
     if latents is None:
-        vae = ctx.components.vae
-        latents = ctx.family.encode_images(vae, batch["images"].to(vae.device, vae.dtype), generator)
+        latents = encode_with_vae(ctx.family, ctx.components.vae, batch["images"])
     return ctx.family.scale_latents(latents.to(ctx.device, torch.float32))
 
 
@@ -69,7 +76,7 @@ def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
 def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
-    latents = batch_latents(ctx, batch, generator)
+    latents = batch_latents(ctx, batch)
     if ctx.text_cache is not None:
         text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step

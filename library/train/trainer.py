@@ -36,6 +36,7 @@ from library.train.distributed import (
     data_parallel,
     gather_objects,
     load_in_turns,
+    lone_process_note,
     make_accelerator,
     unused_parameters_possible,
 )
@@ -64,7 +65,7 @@ from library.train.sharding import (
 )
 from library.train.saving import RunSaver, resume
 from library.train.state import RunState
-from library.train.step import StepContext
+from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
 from library.train.tracking import Tracker
@@ -143,6 +144,9 @@ class Trainer(TrainingLoop):
         with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
             self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
         n = self.accelerator.num_processes
+        if n > 1:
+            self._agree_on_seed()
+            t = self.t
         if self.zero is not None:
             logger.info("DeepSpeed: %s, %d process(es)", self.zero.describe(), n)
         elif n > 1:
@@ -152,6 +156,9 @@ class Trainer(TrainingLoop):
                                 "(parameters step inside backward, before the processes' gradients could be averaged)")
             logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
                         self.accelerator.distributed_type)
+        note = lone_process_note(n)  # `accelerate launch --cpu --num_processes 2` runs one process
+        if note:
+            logger.warning(note)
         self.device = self.accelerator.device
         self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
@@ -159,8 +166,17 @@ class Trainer(TrainingLoop):
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         self.weight_dtype = DTYPES[t.mixed_precision]
-        self.run_state = RunState.start(t.seed, self.accelerator.process_index)
+        self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _agree_on_seed(self) -> None:
+        """Every process takes rank 0's seed. Without --seed each process drew its own, and the epochs' batch plans,
+        the per-sample draws and the initial weights are functions of it: with different seeds the processes would
+        train on overlapping batches."""
+        agreed = gather_objects(self.t.seed)[0]
+        if agreed != self.t.seed:
+            self.s = self.s.with_seed(agreed)
+            self.t = self.s.training
 
     def _shard(self) -> None:
         """FSDP: a fine-tune's trained parts, or the frozen parts a LoRA hooks into with its modules inside."""
@@ -268,7 +284,7 @@ class Trainer(TrainingLoop):
                                  self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
         share = self._cache_share(gather=not d.cache_latents_to_disk)  # each process encodes its share
         cache = functools.partial(self.data.cache_latents,
-                                  lambda images: self.family.encode_images(vae, images.to(vae.device, vae.dtype)),
+                                  lambda images: encode_with_vae(self.family, vae, images),
                                   vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
                                   num_workers=d.data_loader_workers())
         cache(share=share)
@@ -384,8 +400,10 @@ class Trainer(TrainingLoop):
         """Train; returns the path of the final model or network file."""
         own_handler = self.stop is None
         if own_handler:
-            self.stop = StopHandler().install()
+            self.stop = StopHandler()
         try:
+            if own_handler:
+                self.stop.install()
             self._setup_accelerator()
             self._setup_data()
             self._setup_model()
@@ -410,7 +428,7 @@ class Trainer(TrainingLoop):
             self.accelerator.wait_for_everyone()
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
-                                  self._metadata, self.num_epochs, self.max_train_steps)
+                                  self._metadata, self.num_epochs, self.max_train_steps, self._nan_hint())
             if self.accelerator.is_main_process:
                 self.saver.check_disk_space()
                 self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)

@@ -1,0 +1,1 @@
+"""Code shared by the families, under public names; it knows no family."""

@@ -1,0 +1,135 @@
+"""Sampling pieces every flow-matching family shares: request defaults, the seeded start noise, Euler steps with
+classifier-free guidance, prompt encoding and autoencoder decoding with modules borrowed onto the device."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from library.core.errors import warn_once
+from library.families.base import Components, ModelFamily, TextConditioning
+from library.sampling.samplers import sampler_spec
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def borrowed_on(module: torch.nn.Module, device: torch.device):
+    """Run `module` on `device` for the block, then put it back where it lived.
+
+    With cached text-encoder outputs an encoder may live elsewhere (CPU); sampling borrows it.
+    """
+    home = next(module.parameters()).device
+    moved = home != torch.device(device)
+    if moved:
+        module.to(device)
+    try:
+        yield module
+    finally:
+        if moved:
+            module.to(home)
+
+
+DEFAULT_SAMPLER = "flow_euler"
+
+
+def _flow_sampler(name: Optional[str]) -> str:
+    """The request's sampler when it is a flow sampler, else flow_euler (with one warning per name).
+
+    sd-scripts ignores --sample_sampler for FLUX.1; a DDPM sampler name (say from a shared
+    prompt file) is therefore replaced rather than an error in the middle of training.
+    """
+    if not name:
+        return DEFAULT_SAMPLER
+    spec = sampler_spec(name)
+    if spec.kind == "flow":
+        return spec.name
+    warn_once(logger, f"sampler {name!r} does not apply to FLUX.1 (a flow model); using {DEFAULT_SAMPLER}")
+    return DEFAULT_SAMPLER
+
+
+def resolve_flow_request(request, size: int, steps: int, scale: float, multiple: int = 16, min_size: int = 64,
+                         **defaults):
+    """A flow model's request with its defaults filled in (`size`, `steps`, `scale`, and any other field named in
+    `defaults` that the request leaves None), the size rounded down to a multiple of `multiple` (at least
+    `min_size`), and a flow sampler."""
+    def side(value: Optional[int]) -> int:
+        value = value or size
+        return max(min_size, value - value % multiple)
+
+    others = {k: v if getattr(request, k) is None else getattr(request, k) for k, v in defaults.items()}
+    return dataclasses.replace(request, width=side(request.width), height=side(request.height),
+                               steps=request.steps or steps, scale=scale if request.scale is None else request.scale,
+                               sampler=_flow_sampler(request.sampler), **others)
+
+
+@torch.no_grad()
+def encode_prompts_flux(family: ModelFamily, components: Components, texts: list[str],
+                        device: torch.device) -> TextConditioning:
+    """The family's own tokenizing and encoding (as training), with every text encoder borrowed onto `device`
+    (FLUX.1's CLIP-L and T5, Chroma's T5, SD3's three)."""
+    tokens = family.tokenize(components, texts, None)
+    with contextlib.ExitStack() as stack:
+        for encoder in components.text_encoders:
+            stack.enter_context(borrowed_on(encoder, device))
+        return family.encode_text(components, tokens, None)
+
+
+def decode_images(family: ModelFamily, vae: torch.nn.Module, latents: torch.Tensor) -> np.ndarray:
+    """AE-normalised latents -> uint8 images (B, H, W, 3): undo (x - shift)·scale, decode, clamp."""
+    config = getattr(vae, "config", None)
+    scale = getattr(config, "scaling_factor", None) or family.ae_scale
+    shift = getattr(config, "shift_factor", None)
+    latents = latents / scale + (family.ae_shift if shift is None else shift)
+    with borrowed_on(vae, latents.device):  # with cached latents the AE waits in CPU memory
+        pixels = vae.decode(latents.to(latents.device, vae.dtype)).sample.float()
+    if not torch.isfinite(pixels).all():
+        logger.warning("generated image has NaN/inf values (fp16 overflow?); they are drawn black. Try bf16")
+        pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)
+    pixels = ((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    return (pixels * 255).round().astype(np.uint8)
+
+
+def initial_noise(family: ModelFamily, requests: list, device: torch.device) -> torch.Tensor:
+    """Each request's starting latents from its own seed (float32, so the Euler sum stays exact whatever the model
+    dtype); all requests share the first one's size."""
+    first = requests[0]
+    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in requests]
+    h, w = first.height // family.vae_scale_factor, first.width // family.vae_scale_factor
+    return torch.stack([torch.randn((family.latent_channels, h, w), generator=g) for g in generators]).to(device)
+
+
+def euler_sample(latents: torch.Tensor, sigmas: torch.Tensor, velocity: Callable[[torch.Tensor, float], torch.Tensor],
+                 scale: float, guided: bool) -> torch.Tensor:
+    """Euler steps of a flow model over `sigmas` (σ from 1 to 0). `velocity(model_in, σ)` is the model's
+    prediction; `guided`: the batch is run with its negatives after it (classifier-free guidance at `scale`)."""
+    n = latents.shape[0]
+    for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        model_in = torch.cat([latents, latents]) if guided else latents
+        v = velocity(model_in, sigma).float()
+        if guided:
+            cond, uncond = v[:n], v[n:]
+            v = uncond + scale * (cond - uncond)
+        latents = latents + (sigma_next - sigma) * v
+    return latents
+
+
+def resolve_batch(requests: list, resolve, name: str, shared: str = "size, steps, scale and sampler") -> list:
+    """The requests with the family's defaults filled in (`resolve`); ValueError naming `name` unless they can
+    run as one batch (the same batch_key: what `shared` lists)."""
+    resolved = [resolve(r) for r in requests]
+    if any(r.batch_key() != resolved[0].batch_key() for r in resolved):
+        raise ValueError(f"{name}: a batch must share {shared}")
+    return resolved
+
+
+def prompts_then_negatives(resolved: list, use_cfg: bool) -> list[str]:
+    """The texts to encode for one batch: every prompt, then (with classifier-free guidance) every negative."""
+    return [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
+
+

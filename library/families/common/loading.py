@@ -1,0 +1,310 @@
+"""Loading pieces every family shares: what a model path is (preset, diffusers folder, single file, cached hub id),
+reading a single file's tensors with a one-line error naming what it holds instead, building a module from a
+state dict, the SD-style autoencoder and CLIP tokenizers. Nothing is ever downloaded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from library.core.tensors import aligned
+from library.families.base import ModelLoadError
+from library.families.common import ldm_layout as ldm
+from library.families.common.configs import text_encoder_config, vae_config
+from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
+from library.families.detect import describe_keys
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Tokenizers of the real models, looked for only locally (single files carry none).
+_REFERENCE_TOKENIZERS = {False: ("openai/clip-vit-large-patch14", None),
+                         True: ("stabilityai/stable-diffusion-2", "tokenizer")}
+
+
+def classify_source(path: str, presets, what: str = "", folder_parts: tuple[str, ...] = (),
+                    file_suffixes: Optional[tuple[str, ...]] = None, expected: str = "",
+                    allow_hub: bool = False) -> str:
+    """What a model path is: "preset", "diffusers", "single_file" or (with allow_hub) "hub".
+
+    `what` names the family in messages ("SDXL"), `folder_parts` are the subfolders its diffusers
+    folder must have, `file_suffixes` the single-file names it takes (None: any file), `expected`
+    what a missing path should have been. Anything else is a one-line ModelLoadError naming the problem.
+    """
+    family = f"{what} " if what else ""
+    if path in presets:
+        return "preset"
+    if path.startswith(("tiny:", "random:")):
+        raise ModelLoadError(f"--pretrained_model_name_or_path: unknown {family}preset {path!r}; "
+                             f"expected one of {', '.join(presets)}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise ModelLoadError(f"{path}: not a diffusers model folder (no model_index.json)")
+        missing = [p for p in folder_parts if not os.path.isdir(os.path.join(path, p))]
+        if missing:
+            raise ModelLoadError(f"{path}: not a diffusers {family}model (no {missing[0]}/ subfolder; expected "
+                                 f"{', '.join(p + '/' for p in folder_parts)})")
+        return "diffusers"
+    if os.path.isfile(path):
+        if file_suffixes and not path.lower().endswith(file_suffixes):
+            raise ModelLoadError(f"{path}: expected a {' or '.join(file_suffixes)} {family}checkpoint or a "
+                                 "diffusers folder")
+        return "single_file"
+    if allow_hub and _HUB_ID.match(path) and not path.lower().endswith(SINGLE_FILE_SUFFIXES):
+        return "hub"
+    raise ModelLoadError(f"--pretrained_model_name_or_path: {path} does not exist" +
+                         (f" ({family}needs {expected})" if expected else ""))
+
+
+def scratch_denoiser(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """--from_scratch: a new model of `model`'s class and config, its weights drawn after torch.manual_seed(seed)
+    (the caller's RNG state is restored afterwards), in `model`'s dtype. The loaded weights are dropped."""
+    fresh = build_seeded(lambda: type(model).from_config(model.config), seed)
+    return fresh.to(dtype=model.dtype).eval()
+
+
+# --- reading files ---------------------------------------------------------------
+
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of a `.safetensors` or torch-pickled (`.ckpt`) file; ModelLoadError if unreadable."""
+    try:
+        if path.lower().endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            data: Any = load_file(path)
+        else:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any reader failure is a bad file for the user
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path}: cannot read as a .safetensors/.ckpt checkpoint ({detail[:200]})") from None
+    if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
+        data = data["state_dict"]
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a dict of tensors, found {type(data).__name__}")
+    return {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+
+
+# --- configs from shapes ------------------------------------------------------------
+
+
+def infer_vae_config(ckpt: Mapping[str, torch.Tensor], prefix: str = ldm.VAE_PREFIX) -> dict:
+    """AutoencoderKL kwargs read from the shapes of LDM VAE tensors."""
+    n_blocks = len({m[1] for k in ckpt if (m := re.match(re.escape(prefix) + r"encoder\.down\.(\d+)\.", k))})
+    layers = len({m[1] for k in ckpt if (m := re.match(re.escape(prefix) + r"encoder\.down\.0\.block\.(\d+)\.", k))})
+    channels = tuple(ckpt[f"{prefix}encoder.down.{i}.block.0.conv2.weight"].shape[0] for i in range(n_blocks))
+    return vae_config(channels, layers_per_block=layers,
+                      latent_channels=ckpt[prefix + "decoder.conv_in.weight"].shape[1])
+
+
+def infer_text_encoder_config(ckpt: Mapping[str, torch.Tensor], v2: bool, tokenizer) -> dict:
+    """CLIPTextConfig kwargs for SD1's CLIP-L or SD2's OpenCLIP-H (one layer fewer than stored)."""
+    if v2:
+        p = ldm.OPEN_CLIP_PREFIX
+        tokens, positions = ckpt[p + "token_embedding.weight"], ckpt[p + "positional_embedding"]
+        blocks = {m[1] for k in ckpt if (m := re.match(re.escape(p) + r"transformer\.resblocks\.(\d+)\.", k))}
+        layers, intermediate = len(blocks) - 1, ckpt[p + "transformer.resblocks.0.mlp.c_fc.weight"].shape[0]
+    else:
+        p = ldm.CLIP_L_PREFIX + "text_model."
+        tokens = ckpt[p + "embeddings.token_embedding.weight"]
+        positions = ckpt[p + "embeddings.position_embedding.weight"]
+        layers = len({m[1] for k in ckpt if (m := re.match(re.escape(p) + r"encoder\.layers\.(\d+)\.", k))})
+        intermediate = ckpt[p + "encoder.layers.0.mlp.fc1.weight"].shape[0]
+    return text_encoder_config(v2, hidden_size=tokens.shape[1], intermediate_size=intermediate,
+                               num_hidden_layers=layers, vocab_size=tokens.shape[0],
+                               max_position_embeddings=positions.shape[0], bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+# --- building models from state dicts ---------------------------------------------------
+
+def materialize(factory, convert) -> torch.nn.Module:
+    """Build a model without allocating weights, then adopt the converted tensors as its weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    model.load_state_dict(aligned(convert(shapes)), strict=True, assign=True)
+    return model.eval()
+
+
+def vae_from_ldm(checkpoint: Mapping[str, torch.Tensor], prefix: str):
+    """An AutoencoderKL from LDM VAE tensors found under `prefix` ("first_stage_model." or "")."""
+    from diffusers import AutoencoderKL
+
+    kwargs = infer_vae_config(checkpoint, prefix)
+    return materialize(lambda: AutoencoderKL(**kwargs),
+                        lambda s: ldm.pull(checkpoint, ldm.vae_key_map(s, prefix), s))
+
+
+def find_tokenizer(v2: bool, vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The tokenizer for a model without one: the local tiny one, or the real one from a local cache."""
+    if vocab_size == tiny_vocab_size():
+        return build_tokenizer(v2)
+    from transformers import CLIPTokenizer
+
+    repo, subfolder = _REFERENCE_TOKENIZERS[v2]
+    attempts = []
+    if tokenizer_cache_dir:
+        # sd-scripts saves it as <cache_dir>/<repo with "/" -> "_">.
+        local = os.path.join(tokenizer_cache_dir, repo.replace("/", "_"))
+        if os.path.isdir(local):
+            attempts.append((local, {}))
+    attempts.append((repo, {"local_files_only": True, **({"subfolder": subfolder} if subfolder else {})}))
+    for source, kwargs in attempts:
+        try:
+            tokenizer = CLIPTokenizer.from_pretrained(source, **kwargs)
+        except Exception:  # not cached / unreadable: try the next place
+            continue
+        # transformers 5 returns an empty tokenizer instead of failing when files are missing.
+        if len(tokenizer) == vocab_size:
+            return tokenizer
+    raise ModelLoadError(f"{path}: has no tokenizer and the {repo} tokenizer is not cached locally; "
+                             f"pass --tokenizer_cache_dir with a saved copy of it "
+                             f"(folder {repo.replace('/', '_')}) or use a diffusers folder")
+
+
+def load_folder_parts(folder: str, classes: dict, what: str, scratch: Optional[tuple[str, int]] = None) -> dict:
+    """{part: cls.from_pretrained(folder, subfolder=part)} for `classes` {part: cls}; models in eval mode.
+
+    Every subfolder is checked first, and any loading failure becomes one ModelLoadError line naming `what`.
+    `scratch` = (part, seed), --from_scratch: that part is built from its config.json with weights drawn
+    from the seed (scratch_denoiser), its weight files are not read.
+    """
+    for part in classes:
+        if not os.path.isdir(os.path.join(folder, part)):
+            raise ModelLoadError(f"{folder}: {what} diffusers folder has no {part}/ subfolder")
+
+    def load(part: str, cls):
+        if scratch and part == scratch[0]:
+            config = cls.load_config(folder, subfolder=part)
+            return build_seeded(lambda: cls.from_config(config), scratch[1])
+        return cls.from_pretrained(folder, subfolder=part)
+
+    try:
+        parts = {part: load(part, cls) for part, cls in classes.items()}
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{folder}: cannot load the {what} diffusers model "
+                             f"({str(e).strip().splitlines()[0][:200]})") from None
+    for part in parts.values():
+        if isinstance(part, torch.nn.Module):
+            part.eval()
+    return parts
+
+
+def cached_hub_folder(repo_id: str) -> str:
+    """The local snapshot of a hub model, never downloading; ModelLoadError when not cached."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        folder = None
+    if not folder or not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise ModelLoadError(f"cannot reach the Hugging Face hub for '{repo_id}': download the model and pass "
+                             "a local path (a diffusers folder or a .safetensors/.ckpt file)")
+    return folder
+
+
+def load_vae(path: str):
+    """--vae: a diffusers VAE folder (or a model folder with vae/), or a single file of VAE tensors."""
+    from diffusers import AutoencoderKL
+
+    if os.path.isdir(path):
+        sub = "vae" if os.path.isdir(os.path.join(path, "vae")) else None
+        try:
+            return AutoencoderKL.from_pretrained(path, subfolder=sub).eval()
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"--vae {path}: not a diffusers VAE folder ({str(e).splitlines()[0][:200]})") from None
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"--vae: {path} does not exist")
+    checkpoint = read_checkpoint(path)
+    for prefix in (ldm.VAE_PREFIX, ""):
+        if prefix + "encoder.conv_in.weight" in checkpoint and prefix + "decoder.conv_in.weight" in checkpoint:
+            try:
+                return vae_from_ldm(checkpoint, prefix)
+            except (ldm.LayoutError, ValueError) as e:
+                raise ModelLoadError(f"--vae {path}: VAE tensors are incomplete or mis-shaped ({e})") from None
+    sample = ", ".join(list(checkpoint)[:3]) or "no tensors"
+    raise ModelLoadError(f"--vae {path}: expected VAE keys (encoder.*, decoder.*, optionally under "
+                         f"first_stage_model.), found {sample}")
+
+
+def read_file(label: str, path: str, expected: str, holds: Callable[[list[str]], bool],
+               dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of one .safetensors file, floating ones cast to `dtype` as they are read.
+
+    `holds(keys)` checks the header first, so a file of the wrong kind stops before any
+    weight is read, with a message naming what the file holds instead.
+    """
+    from safetensors import safe_open
+
+
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{label}: {path} does not exist")
+    if not path.lower().endswith(".safetensors"):
+        raise ModelLoadError(f"{label} {path}: expected a .safetensors file")
+    try:
+        with safe_open(path, "pt") as f:
+            keys = list(f.keys())
+            if not holds(keys):
+                raise ModelLoadError(f"{label} {path}: expected {expected}, found {describe_keys(keys)}")
+            tensors = {}
+            for key in keys:
+                tensor = f.get_tensor(key)
+                # float8 stays as read until upcast_float8 can apply ComfyUI's scale_weight to it
+                if tensor.is_floating_point() and tensor.dtype not in FLOAT8_DTYPES:
+                    tensor = tensor.to(dtype)
+                tensors[key] = tensor
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any reader failure is a bad file for the user
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{label} {path}: cannot read as .safetensors ({detail[:200]})") from None
+    return upcast_float8(tensors, dtype)
+
+
+def adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Build a model without allocating weights, then take `state_dict`'s tensors as its weights."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    wanted = {k: v.shape for k, v in model.state_dict().items()}
+    missing = [k for k in wanted if k not in state_dict]
+    if missing:
+        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
+    wrong = next((k for k, s in wanted.items() if state_dict[k].shape != s), None)
+    if wrong is not None:
+        raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
+                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
+    model.load_state_dict(aligned({k: state_dict[k] for k in wanted}), strict=True, assign=True)
+    return model.eval()
+
+
+FLOAT8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                      if hasattr(torch, n))
+
+
+def upcast_float8(checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """float8 tensors as `dtype`; ComfyUI's scaled-fp8 weights are multiplied by their `scale_weight`.
+
+    Other tensors are returned as they are; the marker keys (`scaled_fp8`, `*.scale_weight`,
+    `*.scale_input`) are dropped.
+    """
+    out = {}
+    for key, tensor in checkpoint.items():
+        if key == "scaled_fp8" or key.endswith((".scale_weight", ".scale_input")):
+            continue
+        if tensor.dtype in FLOAT8_DTYPES:
+            scale = checkpoint.get(key[:-len("weight")] + "scale_weight") if key.endswith(".weight") else None
+            tensor = tensor.to(dtype) if scale is None else (tensor.float() * scale.float()).to(dtype)
+        out[key] = tensor
+    return out
+
+

@@ -1,0 +1,1 @@
+"""The FLUX.1 family: `family.py` holds its ModelFamily class; the other modules are named by role."""

@@ -1,0 +1,262 @@
+"""Load HunyuanImage 2.1 from the files users have, and write the tiny preset in the same layouts.
+
+- the DiT: one `.safetensors` in the original names (Tencent's dit/hunyuanimage2.1.safetensors, sd-scripts' and
+  ComfyUI's; ComfyUI's whole-model prefix `model.diffusion_model.` accepted);
+- --text_encoder: Qwen2.5-VL-7B as one file (`model.*` language-model keys as ComfyUI's qwen_2.5_vl_7b.safetensors;
+  `visual.*` and `lm_head` are not used) or a transformers folder;
+- --byt5: the glyph byT5 encoder (`shared.weight` + `encoder.*`, ComfyUI's byt5_small_glyphxl_fp16.safetensors);
+- --vae: the VAE in the original Encoder / Decoder names (hunyuan_image_2.1_vae_fp16.safetensors);
+- tokenizers: byT5's is built locally (bytes), Qwen2.5-VL's is the tiny one for the tiny encoder, else
+  Qwen/Qwen2.5-VL-7B-Instruct from --tokenizer_cache_dir or the local HF cache (as sd-scripts' strategy).
+
+Every configuration is read from tensor shapes; models are built on the meta device and adopt the tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import torch
+
+from library.core.safetensors_io import write_safetensors
+from library.families.hunyuan_image import layout
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.loading import adopt, read_file
+from library.families.hunyuan_image.configs import (
+    LATENT_CHANNELS,
+    PRESETS,
+    QWEN_TOKENIZER_REPO,
+    build_byt5_tokenizer,
+    build_hunyuan_image_modules,
+    build_qwen_tokenizer,
+    byt5_config,
+    qwen_config,
+    transformer_config,
+    vae_config,
+)
+from library.families.common.loading import classify_source
+from library.families.common.swap_rules import indexed_blocks_in_file
+
+_DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn_qkv\.")
+
+
+def source_kind(path: str) -> str:
+    """"preset" or "single_file" (a ModelLoadError naming the problem otherwise)."""
+    return classify_source(path, PRESETS, "HunyuanImage", file_suffixes=(".safetensors",),
+                           expected="a HunyuanImage 2.1 DiT .safetensors file or the preset tiny:hunyuan_image")
+
+
+def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
+    """HunyuanImageTransformer2DModel from an original DiT file."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    tensors = layout.strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
+                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
+    try:
+        shape = layout.infer_shape(tensors)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete HunyuanImage DiT, no tensor for {e.args[0]}") from None
+    if shape["latent_channels"] != LATENT_CHANNELS or shape["byt5_dim"] is None:
+        raise ModelLoadError(f"{label} {path}: expected the HunyuanImage 2.1 DiT ({LATENT_CHANNELS} latent channels, "
+                             f"byt5_in), found img_in input {shape['latent_channels']}"
+                             f"{'' if shape['byt5_dim'] else ' and no byt5_in'}")
+    head_dim = shape["head_dim"]
+    base = transformer_config(PRESETS["random:hunyuan_image"])
+    config = base | dict(num_attention_heads=shape["heads"], attention_head_dim=head_dim,
+                         num_layers=shape["double"], num_single_layers=shape["single"],
+                         num_refiner_layers=shape["refiner"], text_embed_dim=shape["text_dim"],
+                         text_embed_2_dim=shape["byt5_dim"], rope_axes_dim=(head_dim // 2, head_dim // 2))
+    state = layout.to_diffusers(tensors, shape["hidden"])
+    return adopt(label, path, lambda: HunyuanImageTransformer2DModel(**config), state)
+
+
+def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
+    """(Qwen2_5_VLTextModel, tokenizer) from --text_encoder: one file (`model.*` keys) or a transformers folder."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLTextModel,
+    )
+
+    label = "--text_encoder"
+    if os.path.isdir(path):
+        try:
+            whole = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{label} {path}: not a Qwen2.5-VL folder ({str(e).splitlines()[0][:200]})") from None
+        tokenizer.padding_side = "right"
+        return whole.model.language_model.eval(), tokenizer
+    raw = read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
+                     lambda keys: any(re.match(r"model\.layers\.0\.self_attn\.q_proj\.bias", k) for k in keys), dtype)
+    tensors = {k[len("model."):]: v for k, v in raw.items() if k.startswith("model.")}
+    try:
+        vocab, hidden = tensors["embed_tokens.weight"].shape
+        q, k = tensors["layers.0.self_attn.q_proj.weight"].shape[0], tensors["layers.0.self_attn.k_proj.weight"].shape[0]
+        # Qwen2.5-VL-7B: 28 heads of 128; the tiny preset: 2 heads of 16 (read as q width / 128, or 16 when small)
+        head_dim = 128 if q % 128 == 0 and k % 128 == 0 else 16
+        # multimodal RoPE sections (16, 24, 24 of 64 for the 7B); text-only input gives all three the same positions
+        half = head_dim // 2
+        mrope = (half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8)
+        config = qwen_config(hidden, tensors["layers.0.mlp.gate_proj.weight"].shape[0],
+                             len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
+                             q // head_dim, k // head_dim, vocab, mrope)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Qwen2.5-VL, no tensor for model.{e.args[0]}") from None
+    model = adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
+    return model, find_qwen_tokenizer(vocab, tokenizer_cache_dir, path)
+
+
+def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
+    from transformers import AutoTokenizer
+
+    tiny = build_qwen_tokenizer()
+    if vocab_size == len(tiny):
+        return tiny
+    sources = []
+    if tokenizer_cache_dir:
+        sources.append(os.path.join(tokenizer_cache_dir, QWEN_TOKENIZER_REPO.replace("/", "_")))
+    sources.append(QWEN_TOKENIZER_REPO)
+    for source in sources:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
+            continue
+        tokenizer.padding_side = "right"
+        return tokenizer
+    raise ModelLoadError(f"--text_encoder {path}: the {QWEN_TOKENIZER_REPO} tokenizer is not cached locally; pass "
+                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN_TOKENIZER_REPO.replace('/', '_')})")
+
+
+def load_byt5(path: str, dtype: torch.dtype):
+    """(T5EncoderModel, tokenizer) from --byt5: the glyph byT5 file (`shared.weight`, `encoder.*`)."""
+    from transformers import T5EncoderModel
+
+    label = "--byt5"
+    raw = read_file(label, path, "a byT5 text encoder (encoder.block.* keys)",
+                     lambda keys: "shared.weight" in keys and any(k.startswith("encoder.block.0.") for k in keys), dtype)
+    tensors = {k: v for k, v in raw.items() if k == "shared.weight" or k.startswith("encoder.")}
+    tensors["encoder.embed_tokens.weight"] = tensors["shared.weight"]
+    tokenizer = build_byt5_tokenizer()
+    try:
+        vocab, d_model = tensors["shared.weight"].shape
+        d_kv_total = tensors["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
+        heads = tensors["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
+        config = byt5_config(d_model, tensors["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape[0],
+                             d_kv_total // heads, heads,
+                             len({m[1] for k in tensors if (m := re.match(r"encoder\.block\.(\d+)\.", k))}), vocab)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete byT5, no tensor for {e.args[0]}") from None
+    if vocab != len(tokenizer):
+        raise ModelLoadError(f"{label} {path}: expected the glyph byT5 ({len(tokenizer)} tokens: byT5's 384 and "
+                             f"sd-scripts' colour and font tokens), found a vocabulary of {vocab}")
+    return adopt(label, path, lambda: T5EncoderModel(config), tensors), tokenizer
+
+
+def _vae_levels(tensors) -> tuple[int, int]:
+    levels = len({m[1] for k in tensors if (m := re.match(r"encoder\.down\.(\d+)\.", k))})
+    per_block = len({m[1] for k in tensors if (m := re.match(r"encoder\.down\.0\.block\.(\d+)\.", k))})
+    return levels, per_block
+
+
+def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
+    """AutoencoderKLHunyuanImage from the original VAE file (Encoder / Decoder names, no prefix)."""
+    from diffusers import AutoencoderKLHunyuanImage
+
+    raw = read_file(label, path, "the HunyuanImage 2.1 VAE (encoder.down.* keys)",
+                     lambda keys: any(k.startswith("encoder.down.0.block.0.") for k in keys), dtype)
+    tensors = {k[len("vae."):] if k.startswith("vae.") else k: v for k, v in raw.items()}
+    levels, per_block = _vae_levels(tensors)
+    channels = tuple(tensors[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] for i in range(levels))
+    if tensors["encoder.conv_out.weight"].shape[0] != 2 * LATENT_CHANNELS:
+        raise ModelLoadError(f"{label} {path}: expected a VAE with {LATENT_CHANNELS} latent channels, found "
+                             f"{tensors['encoder.conv_out.weight'].shape[0] // 2}")
+    state = layout.vae_to_diffusers(tensors, levels, per_block)
+    return adopt(label, path, lambda: AutoencoderKLHunyuanImage(**vae_config(channels, per_block)), state)
+
+
+def load_components(opts: LoadOptions, options) -> Components:
+    """Components: denoiser = HunyuanImageTransformer2DModel, text encoders = [Qwen2.5-VL text model, byT5 encoder],
+    tokenizers = [Qwen's, byT5's], vae = AutoencoderKLHunyuanImage (`options`: HunyuanImageOptions)."""
+    path = opts.pretrained_model_name_or_path
+    kind = source_kind(path)
+    if kind == "single_file":
+        check_model_source(path, options, opts.vae, need_vae=False)
+        transformer = load_dit_file(path, opts.dtype)
+        qwen, qwen_tok = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+        byt5, byt5_tok = load_byt5(options.byt5, opts.dtype)
+        vae = load_vae_file(opts.vae, opts.vae_dtype) if opts.vae else None  # the LoRA tools need no VAE
+    else:
+        parts = build_hunyuan_image_modules(path)
+        transformer, vae = parts["transformer"], parts["vae"]
+        qwen, qwen_tok, byt5, byt5_tok = parts["qwen"], parts["qwen_tokenizer"], parts["byt5"], parts["byt5_tokenizer"]
+        if options.text_encoder:
+            qwen, qwen_tok = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+        if options.byt5:
+            byt5, byt5_tok = load_byt5(options.byt5, opts.dtype)
+        if opts.vae:
+            vae = load_vae_file(opts.vae, opts.vae_dtype)
+    if opts.from_scratch:
+        from library.families.common.loading import scratch_denoiser
+
+        transformer = scratch_denoiser(transformer, opts.init_seed)
+    for module, dtype in ((transformer, opts.dtype), (qwen, opts.dtype), (byt5, opts.dtype), (vae, opts.vae_dtype)):
+        if module is not None and next(module.parameters()).dtype != dtype:
+            module.to(dtype=dtype)
+    return Components(denoiser=transformer, vae=vae, text_encoders=[qwen, byt5], tokenizers=[qwen_tok, byt5_tok],
+                      model_path=path, vae_path=opts.vae)
+
+
+def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = True) -> None:
+    """The checks of load_components that need no weights (one-line ModelLoadError)."""
+    if source_kind(path) == "single_file":
+        for flag, value in (("text_encoder", options.text_encoder), ("byt5", options.byt5),
+                            ("vae", vae if need_vae else "given")):
+            if not value:
+                raise ModelLoadError(f"--{flag}: required with a HunyuanImage DiT file ({path})")
+
+
+def block_counts(path: str) -> Optional[tuple[int, int]]:
+    """(double, single) blocks of a preset or DiT file, read without loading weights; None when it cannot tell."""
+    try:
+        if source_kind(path) == "preset":
+            return PRESETS[path].double_blocks, PRESETS[path].single_blocks
+        prefix = r"(?:model\.diffusion_model\.)?"
+        double = indexed_blocks_in_file(path, prefix + r"double_blocks\.(\d+)\.")
+        single = indexed_blocks_in_file(path, prefix + r"single_blocks\.(\d+)\.")
+        return (double, single) if double and single else None
+    except (OSError, ValueError, ModelLoadError):
+        return None
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+def byt5_file_tensors(byt5) -> dict[str, torch.Tensor]:
+    """A T5EncoderModel's tensors as the glyph byT5 file holds them (`shared.weight`, `encoder.*`, no tied copy)."""
+    return {k: v for k, v in byt5.state_dict().items() if k != "encoder.embed_tokens.weight"}
+
+
+def vae_file_tensors(vae) -> dict[str, torch.Tensor]:
+    """An AutoencoderKLHunyuanImage's tensors in the original VAE file's names."""
+    config = vae.config
+    return layout.vae_to_original(vae.state_dict(), len(config.block_out_channels), config.layers_per_block)
+
+
+def write_hunyuan_image_preset(name: str, out_dir: str) -> dict[str, str]:
+    """A preset written as the files users have: the DiT (hunyuanimage2.1-tiny.safetensors, original names),
+    qwen_2.5_vl_7b.safetensors (`model.*` keys), byt5_small_glyphxl.safetensors and the VAE (original names).
+    Returns {"dit", "text_encoder", "byt5", "vae"}."""
+    parts = build_hunyuan_image_modules(name)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"dit": os.path.join(out_dir, "hunyuanimage2.1-tiny.safetensors"),
+             "text_encoder": os.path.join(out_dir, "qwen_2.5_vl_7b.safetensors"),
+             "byt5": os.path.join(out_dir, "byt5_small_glyphxl.safetensors"),
+             "vae": os.path.join(out_dir, "hunyuan_image_2.1_vae.safetensors")}
+    write_safetensors(layout.to_original(parts["transformer"].state_dict()), paths["dit"])
+    write_safetensors({"model." + k: v for k, v in parts["qwen"].state_dict().items()}, paths["text_encoder"])
+    write_safetensors(byt5_file_tensors(parts["byt5"]), paths["byt5"])
+    write_safetensors(vae_file_tensors(parts["vae"]), paths["vae"])
+    return paths

@@ -1,0 +1,169 @@
+"""Image generation for SD 1.x / 2.x: weighted CLIP prompts, CFG, and a diffusers scheduler loop.
+
+The loop itself (`generate_ddpm`) is shared with SDXL: a family gives only how
+prompts become the conditioning its `predict` reads.
+
+A small loop rather than StableDiffusionPipeline: the prompts are encoded by our
+own chunked, weighted encoder (the one training uses), each image's start noise
+comes from its own CPU generator (same image on any device and in any batch),
+and nothing the pipeline needs besides the model (safety checker, feature
+extractor) has to exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.common.clip_text import encode_token_chunks
+from library.sampling.generate import GeneratedImage
+from library.sampling.prompt_weighting import (
+    apply_token_weights,
+    chunk_count,
+    tokens_with_weights,
+    weighted_windows,
+)
+from library.sampling.samplers import make_scheduler
+from library.families.common.flow_sampling import borrowed_on
+
+logger = logging.getLogger(__name__)
+
+# condition(texts, first_request) -> (text conditioning, batch dict) for family.predict
+Conditioner = Callable[[list, object], tuple[TextConditioning, dict]]
+
+# The scheduler settings every SD 1.x / 2.x checkpoint ships with.
+SD_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+}
+# sd-scripts' sampling defaults for SD.
+DEFAULT_SIZE = 512
+DEFAULT_STEPS = 30
+DEFAULT_SCALE = 7.5
+DEFAULT_SAMPLER = "ddim"
+SIZE_MULTIPLE = 8  # the VAE's downscale factor
+
+
+def resolve_request(request, default_size: int = DEFAULT_SIZE):
+    """The request with SD's defaults filled in (size `default_size`) and the size rounded down to a multiple of 8."""
+    def size(value: Optional[int]) -> int:
+        value = value or default_size
+        return max(SIZE_MULTIPLE * 8, value - value % SIZE_MULTIPLE)
+
+    return dataclasses.replace(
+        request, width=size(request.width), height=size(request.height),
+        steps=request.steps or DEFAULT_STEPS,
+        scale=DEFAULT_SCALE if request.scale is None else request.scale,
+        sampler=request.sampler or DEFAULT_SAMPLER)
+
+
+@torch.no_grad()
+def encode_prompts(components: Components, texts: list[str], clip_skip: Optional[int],
+                   device: torch.device) -> torch.Tensor:
+    """Weighted, chunked CLIP states (B, n*75+2, D) for texts that share one window count."""
+    tokenizer, text_encoder = components.tokenizers[0], components.text_encoders[0]
+    window = tokenizer.model_max_length
+    n_chunks = chunk_count([len(tokens_with_weights(tokenizer, t)[0]) for t in texts], window - 2)
+    ids, weights = weighted_windows(tokenizer, texts, n_chunks)
+    with borrowed_on(text_encoder, device):
+        states = encode_token_chunks(text_encoder, ids.to(device), clip_skip, window)
+    return apply_token_weights(states, weights)
+
+
+def _step_kwargs(scheduler, generators: list[torch.Generator]) -> dict:
+    # Only stochastic schedulers (ancestral, DDPM) take a generator; per-image generators keep
+    # each image independent of its batch.
+    params = inspect.signature(scheduler.step).parameters
+    kwargs = {}
+    if "generator" in params:
+        kwargs["generator"] = generators if len(generators) > 1 else generators[0]
+    if "eta" in params:
+        kwargs["eta"] = 0.0
+    return kwargs
+
+
+@torch.no_grad()
+def generate_sd(family: ModelFamily, components: Components, requests: list, clip_skip: Optional[int],
+                device: torch.device) -> list:
+    """Denoise one batch of requests that share size, steps, scale and sampler."""
+    def condition(texts: list[str], first) -> tuple[TextConditioning, dict]:
+        states = encode_prompts(components, texts, clip_skip, device)
+        return TextConditioning(tensors={"encoder_hidden_states": states}), {}
+
+    return generate_ddpm(family, components, requests, device, resolve_request, condition)
+
+
+@torch.no_grad()
+def generate_ddpm(family: ModelFamily, components: Components, requests: list, device: torch.device,
+                  resolve: Callable, condition: Conditioner, scheduler_config: Optional[dict] = None) -> list:
+    """The CFG denoising loop shared by the DDPM families (SD 1.x/2.x, SDXL).
+
+    `resolve` fills a request's defaults; `condition(texts, first_request)` encodes the
+    prompts (then the negatives when CFG is on) into the TextConditioning and batch dict
+    that `family.predict` reads, every tensor batch-first with one row per text.
+    """
+    from PIL import Image
+
+
+    resolved = [resolve(r) for r in requests]
+    first = resolved[0]
+    if any(r.batch_key() != first.batch_key() for r in resolved):
+        raise ValueError("generate_ddpm: a batch must share size, steps, scale and sampler")
+    unet, vae = components.denoiser, components.vae
+    prediction = "v_prediction" if components.v_parameterization else "epsilon"
+    schedule = getattr(components, "noise_schedule", None)  # --noise_scheduler_overrides, --timestep_spacing
+    overrides = schedule.sampler_config() if schedule is not None else {}
+    config = {**(scheduler_config or SD_SCHEDULER_CONFIG), **overrides, "prediction_type": prediction}
+    scheduler = make_scheduler(first.sampler, config, kind="ddpm")
+    scheduler.set_timesteps(first.steps, device=device)
+
+    use_cfg = first.scale > 1.0
+    texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
+    text, batch = condition(texts, first)
+    # unconditional rows first, as diffusers pipelines order them
+    order = torch.cat([torch.arange(len(resolved), len(texts)), torch.arange(len(resolved))]) if use_cfg else None
+    text = TextConditioning(tensors={k: _rows(v, order, device, unet.dtype) for k, v in text.tensors.items()})
+    batch = {k: _rows(v, order, device, unet.dtype) for k, v in batch.items()}
+
+    generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+    shape = (family.latent_channels, first.height // family.vae_scale_factor, first.width // family.vae_scale_factor)
+    latents = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+    latents = latents * scheduler.init_noise_sigma
+    step_kwargs = _step_kwargs(scheduler, generators)
+    for t in scheduler.timesteps:
+        model_in = torch.cat([latents, latents]) if use_cfg else latents
+        model_in = scheduler.scale_model_input(model_in, t)
+        pred = family.predict(components, model_in.to(unet.dtype), t, text, batch).float()
+        if use_cfg:
+            uncond, cond = pred.chunk(2)
+            pred = uncond + first.scale * (cond - uncond)
+        latents = scheduler.step(pred, t, latents, **step_kwargs).prev_sample
+
+    latents = latents / family.latents_scale + family.latents_shift
+    with borrowed_on(vae, latents.device):  # with cached latents the VAE waits in CPU memory
+        pixels = vae.decode(latents.to(latents.device, vae.dtype)).sample.float()
+    if not torch.isfinite(pixels).all():
+        logger.warning("generated image has NaN/inf values (fp16 overflow?); they are drawn black. "
+                       "Try --no_half_vae or bf16")
+        pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)
+    pixels = ((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+    images = (pixels * 255).round().astype(np.uint8)
+    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+
+
+def _rows(tensor: torch.Tensor, order: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):
+    """A conditioning tensor reordered for CFG, on the device, floats in the model's dtype."""
+    if order is not None:
+        tensor = tensor[order.to(tensor.device)]
+    return tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
