@@ -88,7 +88,7 @@ def image_files(folder: str) -> list[str]:
 def count_images(folder: str, limit: int = 1_000_000) -> int:
     """The images in `folder` and its subfolders (hidden ones and symbolic links to folders are not entered)."""
     total = 0
-    for here, dirs, files in os.walk(folder):
+    for _here, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         total += sum(1 for f in files if f.lower().endswith(IMAGE_EXTENSIONS))
         if total >= limit:

@@ -16,7 +16,6 @@ from webui.folders import config_values
 from webui.jobfiles import REPO_ROOT, JobFolder, open_for_append
 
 CONTROL_DIR = ".control"  # library.train.control.CONTROL_DIR (the UI imports no trainer code; a test compares)
-CONTROL_REQUESTS = ("sample", "save")
 # Model-file settings of config.toml that tools/generate.py takes under the same flag name.
 GENERATE_FILE_KEYS = ("ae", "byt5", "clip_g", "clip_l", "gemma2", "llm_adapter_path", "qwen3", "t5_tokenizer_path",
                       "t5xxl", "text_encoder", "vae")
