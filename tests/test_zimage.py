@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -161,7 +162,7 @@ def test_predict_is_the_negated_model_output_at_one_minus_sigma(tiny_zimage):
     torch.testing.assert_close(ours, -torch.stack(direct).squeeze(2))
 
 
-def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, tiny_zimage):
+def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, zimage_files):
     """zimage_train_network.py's run: 2 steps with networks.lora_zimage, cached text-encoder outputs and latents,
     a sample at step 2; the file has ComfyUI's names and musubi-tuner's defaults in its metadata; tools/generate.py's
     path (family.generate with the LoRA applied) makes an image."""
@@ -185,11 +186,43 @@ def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, tiny_zima
         == ("zimage", "z-image/lora", "networks.lora_zimage")
     assert (metadata["ss_timestep_sampling"], metadata["ss_discrete_flow_shift"], metadata["ss_weighting_scheme"]) \
         == ("shift", "2.0", "none")
-    # generation with the LoRA merged in, as tools/generate.py --network_weights does
-    from library.sampling.generate import GenerationRequest
-    from networks.lora import create_network_from_weights
+    # tools/generate.py on the diffusers folder with the LoRA; its multiplier changes the image
+    from PIL import Image
 
-    family = get_family("zimage")
-    network, _ = create_network_from_weights(1.0, path, tiny_zimage.vae, tiny_zimage.text_encoders,
-                                             tiny_zimage.denoiser, lora_targets=family.lora_targets(tiny_zimage))
-    assert len(network.unet_loras) == 10
+    from tools.generate import main as generate
+
+    images = []
+    for mul in ("0", "1"):
+        out = tmp_path / f"gen{mul}"
+        assert generate(["--ckpt", zimage_files["diffusers"], "--network_module", "networks.lora_zimage",
+                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
+                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
+        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
+        images.append(np.asarray(Image.open(out / name)))
+    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+
+
+def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, zimage_files, tiny_zimage):
+    """zimage_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
+    DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
+    from library.cli.entry import run_training
+    from tests.test_fine_tune import ft_args
+
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    assert run_training("zimage", "test", ft_args(data, out, preset=zimage_files["diffusers"], steps=1, extra=[
+        "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
+        "--cache_latents", "--cache_latents_to_disk"]), fine_tune=True) == 0
+    cached = sorted(n for n in os.listdir(os.path.join(data, "5_sks toy")) if n.endswith(".npz"))
+    assert len(cached) == 2 and any(n.endswith("_zimage_te.npz") for n in cached) \
+        and any(n.endswith("_zimage.npz") for n in cached), cached
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["modelspec.architecture"] == "z-image"
+    assert keys == set(load_file(zimage_files["dit"]))
+    loaded = get_family("zimage").load(LoadOptions(path, family_options=ZImageOptions(
+        qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
+    a, b = loaded.denoiser.state_dict(), tiny_zimage.denoiser.state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
