@@ -226,3 +226,35 @@ def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, zimage_
     a, b = loaded.denoiser.state_dict(), tiny_zimage.denoiser.state_dict()
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
     _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+
+
+@pytest.mark.parametrize("mode", ["lora", "finetune"])
+def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
+    """webui/templates/zimage_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
+    bitsandbytes here), passes the script's own --check_config; the LoRA template names networks.lora_zimage and
+    musubi-tuner's Z-Image defaults."""
+    import toml
+
+    from library.cli.entry import run_training
+    from webui.jobfiles import REPO_ROOT, SCRIPTS
+
+    assert SCRIPTS[("zimage", mode)] == get_family("zimage").scripts[mode]
+    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"zimage_{mode}.toml"))
+    assert (template["template"]["family"], template["template"]["mode"]) == ("zimage", mode)
+    config = template["config"]
+    assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"],
+            config["training"]["discrete_flow_shift"]) == ("shift", "none", 2.0)
+    assert ("network" in config) == (mode == "lora")
+    if mode == "lora":
+        assert config["network"]["network_module"] == "networks.lora_zimage"
+    config["model"] = {"pretrained_model_name_or_path": "tiny:zimage"}
+    config["optimizer"]["optimizer_type"] = "AdamW"
+    dataset = template["dataset"]
+    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
+    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
+    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
+    config["output"]["logging_dir"] = str(tmp_path / "logs")
+    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
+    (tmp_path / "config.toml").write_text(toml.dumps(config))
+    assert run_training("zimage", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
+                        fine_tune=mode == "finetune") == 0
