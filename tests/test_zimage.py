@@ -129,6 +129,10 @@ def test_lora_names_tiny_and_full_size_on_meta():
         assert "lora_unet_noise_refiner_1_adaLN_modulation_0" in every
         assert "lora_unet_context_refiner_0_attention_qkv" in every
         assert not any("adaLN" in n for n in every if "context_refiner" in n)
+    # Qwen3-4B (36 layers): q, k, v, o, gate, up, down per layer
+    network = create_network(1.0, 4, 4.0, None, components.text_encoders, components.denoiser,
+                             lora_targets=family.lora_targets(components))
+    assert len(network.text_encoder_loras) == 36 * 7
 
 
 def test_text_is_the_pipelines(tiny_zimage):
