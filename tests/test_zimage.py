@@ -297,3 +297,28 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
         base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
     assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zimage):
+    """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
+    keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in the original layout
+    (the fused qkv's up stacks the q, k, v slices over one down)."""
+    from tests.train_helpers import random_lora_file
+    from tools import merge_lora
+
+    family = get_family("zimage")
+    lora_path = random_lora_file(family, tiny_zimage, str(tmp_path / "lora.safetensors"))
+    out = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", zimage_files["dit"], "--qwen3", zimage_files["qwen3"], "--ae",
+                            zimage_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
+    base, got, lora = load_file(zimage_files["dit"]), load_file(out), load_file(lora_path)
+    assert got.keys() == base.keys()
+    merged = set()
+    for i in range(2):
+        for module in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+            name, key = f"lora_unet_layers_{i}_{module.replace('.', '_')}", f"layers.{i}.{module}.weight"
+            down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+            torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5,
+                                       atol=1e-6)
+            merged.add(key)
+    assert all(torch.equal(got[k], base[k]) for k in base if k not in merged)
