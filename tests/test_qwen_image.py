@@ -190,17 +190,14 @@ def test_tiny_lora_training_run_with_caches_samples_and_network_weights(tmp_path
 
 
 def test_full_fine_tune_saves_a_single_file_read_back(tmp_path, tiny_qi):
-    import subprocess
-    import sys
+    """qwen_image_train.py's run (fine_tune=True) saves one DiT file in ComfyUI's names that the single-file loader
+    reads back, with trained weights."""
+    from library.cli.entry import run_training
 
     family = get_family("qwen_image")
     data = make_dataset(str(tmp_path), n=1)
     argv = [a for a in base_args(data, str(tmp_path / "out"), "tiny:qwen_image", steps=1)
             if a not in ("--network_module", "networks.lora", "--network_dim", "4", "--network_alpha")]
-    trainer = make_trainer(argv + ["--save_model_as", "safetensors", "--learning_rate", "1e-3"], "qwen_image")
-    del trainer, subprocess, sys
-    from library.cli.entry import run_training
-
     code = run_training("qwen_image", "test", argv + ["--save_model_as", "safetensors"], fine_tune=True)
     assert code == 0
     saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
@@ -222,3 +219,20 @@ def test_bad_inputs_are_one_line(written, tmp_path):
     with pytest.raises(ModelLoadError, match=r"^--pretrained_model_name_or_path .*qwen_2\.5_vl_7b\.safetensors"):
         family.load(LoadOptions(single["text_encoder"], vae=single["vae"],
                                 family_options=QwenImageOptions(text_encoder=single["text_encoder"])))
+
+
+def test_web_ui_template_uses_the_scripts_flags():
+    """webui/templates/qwen_image_lora.toml: runs qwen_image_train_network.py, every config key is a flag of that
+    script, with musubi-tuner's documented values."""
+    from library.cli.entry import build_parser
+    from webui.jobfiles import script_for, templates
+
+    template = templates()["qwen_image_lora"]
+    assert (template["template"]["family"], template["template"]["mode"]) == ("qwen_image", "lora")
+    assert script_for("qwen_image", "lora") == "qwen_image_train_network.py"
+    parser = build_parser("test", get_family("qwen_image"))
+    dests = {a.dest for a in parser._actions}
+    keys = {k: v for section in template["config"].values() for k, v in section.items()}
+    assert sorted(set(keys) - dests) == []
+    assert (keys["network_module"], keys["timestep_sampling"], keys["discrete_flow_shift"]) == \
+        ("networks.lora_qwen_image", "shift", 2.2)

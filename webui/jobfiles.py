@@ -30,6 +30,8 @@ SCRIPTS = {
     ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
     ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
     ("hunyuan_image", "lora"): "hunyuan_image_train_network.py",  # sd-scripts has no HunyuanImage fine-tune script
+    ("qwen_image", "lora"): "qwen_image_train_network.py",
+    ("qwen_image", "finetune"): "qwen_image_train.py",
 }
 # The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).
 MODEL_TYPES = {"flux": (None, "flux"), "chroma": ("chroma",)}
