@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.qwen_image import layout
+from library.families.qwen_image import layout, lora_names
 from library.families.qwen_image.configs import build_qwen_image_modules
 from library.families.qwen_image.loading import write_qwen_image_preset
 from library.families.qwen_image.options import QwenImageOptions
@@ -115,8 +115,8 @@ def test_full_size_lora_names_on_meta():
     assert set(with_mod) - set(names) == {n for n in linears if re.search(r"_(img|txt)_mod_1$", n)}
     assert {"lora_unet_transformer_blocks_59_attn_to_out_0", "lora_unet_transformer_blocks_0_txt_mlp_net_2",
             "lora_unet_transformer_blocks_0_attn_add_q_proj"} <= set(names)
-    assert layout.dotted("transformer_blocks_59_attn_to_out_0") == "transformer_blocks.59.attn.to_out.0"
-    assert all(layout.dotted(n[len("lora_unet_"):]) in dict(c.denoiser.named_modules()) for n in with_mod)
+    assert lora_names.dotted("transformer_blocks_59_attn_to_out_0") == "transformer_blocks.59.attn.to_out.0"
+    assert all(lora_names.dotted(n[len("lora_unet_"):]) in dict(c.denoiser.named_modules()) for n in with_mod)
     assert family.block_classes == ("QwenImageTransformerBlock",)
     with pytest.raises(ConfigError, match=r"^--network_args exclude_mod: expected True or False"):
         _names(c, exclude_mod="maybe")
@@ -129,14 +129,14 @@ def test_tiny_lora_names_and_foreign_layouts_read_back(tmp_path, tiny_qi):
     assert len(_names(tiny_qi)) == 24
     original = load_file(random_lora_file(family, tiny_qi, str(tmp_path / "lora.safetensors")))
     assert len(original) == 24 * 3 and family.convert_lora_state_dict(original).keys() == original.keys()
-    comfy = layout.to_comfy_lora(original)
+    comfy = lora_names.to_comfy_lora(original)
     assert "diffusion_model.transformer_blocks.1.attn.to_out.0.lora_down.weight" in comfy
     back = family.convert_lora_state_dict(comfy)
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     peft = {}
     for key, value in original.items():
         name, _, rest = key.partition(".")
-        path = "diffusion_model." + layout.dotted(name[len("lora_unet_"):])
+        path = "diffusion_model." + lora_names.dotted(name[len("lora_unet_"):])
         alpha = float(original[f"{name}.alpha"])
         rank = original[f"{name}.lora_down.weight"].shape[0]
         if rest == "lora_down.weight":
@@ -181,7 +181,7 @@ def test_tiny_lora_training_run_with_caches_samples_and_network_weights(tmp_path
     assert (metadata["ss_network_module"], metadata["ss_timestep_sampling"], metadata["ss_discrete_flow_shift"]) \
         == ("networks.lora_qwen_image", "shift", "2.2")
     comfy = str(tmp_path / "comfy.safetensors")
-    save_file(layout.to_comfy_lora(load_file(path)), comfy)
+    save_file(lora_names.to_comfy_lora(load_file(path)), comfy)
     again = make_trainer(base_args(data, str(tmp_path / "out2"), "tiny:qwen_image", steps=1, extra=[
         "--network_module", "networks.lora_qwen_image", "--network_weights", comfy, "--cache_latents",
         "--network_train_unet_only"]), "qwen_image").run()
@@ -268,7 +268,7 @@ def test_generate_with_a_lora_equals_the_merged_file(tmp_path, written, tiny_qi)
     kohya = {k: v * 20 if k.endswith("lora_up.weight") else v for k, v in kohya.items()}
     save_file(kohya, str(tmp_path / "lora.safetensors"))
     lora = str(tmp_path / "comfy_lora.safetensors")
-    save_file(layout.to_comfy_lora(kohya), lora)
+    save_file(lora_names.to_comfy_lora(kohya), lora)
     parts = ["--text_encoder", single["text_encoder"], "--vae", single["vae"]]
     merged = str(tmp_path / "merged.safetensors")
     assert merge_lora.main(["--sd_model", single["dit"], "--text_encoder", single["text_encoder"],

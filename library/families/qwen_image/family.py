@@ -18,7 +18,7 @@ import torch
 
 from library.core.errors import ConfigError
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning, check_folder_name
-from library.families.qwen_image import layout
+from library.families.qwen_image import lora_names
 from library.families.qwen_image import text as text_rules
 from library.families.qwen_image.configs import LATENT_CHANNELS, LATENTS_MEAN, LATENTS_STD, PATCH, VAE_SCALE_FACTOR
 from library.families.qwen_image.loading import block_count, check_model_source, load_components
@@ -219,7 +219,7 @@ class QwenImageFamily(ModelFamily):
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
         """A ComfyUI- / ai-toolkit- / diffusers-named Qwen-Image LoRA renamed to kohya names; kohya and musubi-tuner
         files come back as they are."""
-        return layout.to_kohya_lora(state_dict)
+        return lora_names.to_kohya_lora(state_dict)
 
     # --- saving --------------------------------------------------------------------------------------
     # One .safetensors DiT file in ComfyUI's / Qwen's names (Qwen2.5-VL and the VAE are separate files).
