@@ -31,6 +31,8 @@ SCRIPTS = {
     ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
     ("zimage", "lora"): "zimage_train_network.py", ("zimage", "finetune"): "zimage_train.py",
     ("hunyuan_image", "lora"): "hunyuan_image_train_network.py",  # sd-scripts has no HunyuanImage fine-tune script
+    ("qwen_image", "lora"): "qwen_image_train_network.py",
+    ("qwen_image", "finetune"): "qwen_image_train.py",
 }
 # The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).
 MODEL_TYPES = {"flux": (None, "flux"), "chroma": ("chroma",)}

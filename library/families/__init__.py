@@ -74,11 +74,17 @@ def _zimage() -> ModelFamily:
     return ZImageFamily()
 
 
+def _qwen_image() -> ModelFamily:
+    from library.families.qwen_image.family import QwenImageFamily
+
+    return QwenImageFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
                                                    "anima": _anima, "sd3": _sd3,
                                                    "lumina": _lumina, "hunyuan_image": _hunyuan_image,
-                                                   "zimage": _zimage}
+                                                   "zimage": _zimage, "qwen_image": _qwen_image}
 
 
 # The family of a model path that tells nothing else and of a tool given no selector (sd-scripts' default: SD 1.x/2.x).

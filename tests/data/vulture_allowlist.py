@@ -27,6 +27,7 @@ _.get_lr                 # torch LRScheduler.get_lr, called by LRScheduler.step
 closure                  # torch Optimizer.step(closure=None) signature
 set_to_none              # torch Optimizer.zero_grad(set_to_none=True) signature
 _.row_factory            # sqlite3.Connection.row_factory
+_.prompt_template_encode_start_idx  # diffusers QwenImagePipeline attribute set for the tiny tokenizer
 model_config             # pydantic BaseModel configuration (webui/routes/models.py)
 _.log_message            # http.server handler methods of the stand-in Hub (tests/hub_standin.py)
 _.do_POST

@@ -1,0 +1,287 @@
+"""Load Qwen-Image from the files users have, and write the tiny preset in the same layouts.
+
+- a diffusers folder (Qwen/Qwen-Image: transformer/, vae/, text_encoder/ = Qwen2_5_VLForConditionalGeneration,
+  tokenizer/), as QwenImagePipeline.from_pretrained reads it;
+- ComfyUI's single files: the DiT (qwen_image_bf16.safetensors, diffusers names, `model.diffusion_model.` accepted)
+  with --text_encoder (qwen_2.5_vl_7b.safetensors: `model.*` language-model keys; `visual.*` / `lm_head` unused, or
+  a transformers folder) and --vae (the diffusers VAE file vae/diffusion_pytorch_model.safetensors, as musubi-tuner
+  takes it);
+- tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen2.5-VL-7B-Instruct's from the folder,
+  --tokenizer_cache_dir or the local HF cache.
+
+Configurations are read from tensor shapes; models are built on the meta device and adopt the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+
+from library.core.safetensors_io import write_safetensors
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.loading import adopt, classify_source, read_file
+from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.qwen_image import layout
+from library.families.qwen_image.configs import (
+    LATENT_CHANNELS,
+    PATCH,
+    PRESETS,
+    QWEN_TOKENIZER_REPO,
+    build_qwen_image_modules,
+    build_qwen_tokenizer,
+    qwen_config,
+    vae_config,
+)
+
+FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
+_DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.img_mod\.1\.weight$")
+
+
+def source_kind(path: str) -> str:
+    """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
+    return classify_source(path, PRESETS, "Qwen-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
+                           expected="a Qwen-Image DiT .safetensors file, a diffusers folder or tiny:qwen_image")
+
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """RoPE axes (frame, height, width) of a head width (not stored in the file): Qwen-Image's (16, 56, 56) for
+    128, the tiny preset's (4, 6, 6) for 16."""
+    if head_dim == 128:
+        return 16, 56, 56
+    rest = (head_dim - head_dim // 4) // 2
+    return head_dim // 4, rest, rest
+
+
+def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
+    """QwenImageTransformer2DModel from a single DiT file (Qwen's / ComfyUI's names)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    tensors = layout.strip_prefix(read_file(label, path, "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)",
+                                            lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
+    try:
+        hidden, inputs = tensors["img_in.weight"].shape
+        head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
+        config = dict(patch_size=PATCH, in_channels=inputs, out_channels=tensors["proj_out.weight"].shape[0] // 4,
+                      num_layers=len({m[1] for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k))}),
+                      attention_head_dim=head_dim, num_attention_heads=hidden // head_dim,
+                      joint_attention_dim=tensors["txt_in.weight"].shape[1], guidance_embeds=False,
+                      axes_dims_rope=rope_axes(head_dim))
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Qwen-Image DiT, no tensor for {e.args[0]}") from None
+    if inputs != LATENT_CHANNELS * PATCH * PATCH:
+        raise ModelLoadError(f"{label} {path}: expected the Qwen-Image DiT ({LATENT_CHANNELS * 4} img_in inputs), "
+                             f"found {inputs}")
+    return adopt(label, path, lambda: QwenImageTransformer2DModel(**config), tensors)
+
+
+def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
+    """(Qwen2_5_VLTextModel, tokenizer) from --text_encoder: one file (`model.*` keys) or a transformers folder."""
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextModel
+
+    label = "--text_encoder"
+    if os.path.isdir(path):
+        try:
+            whole = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{label} {path}: not a Qwen2.5-VL folder ({str(e).splitlines()[0][:200]})") from None
+        tokenizer.padding_side = "right"
+        return whole.model.language_model.eval(), tokenizer
+    raw = read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
+                    lambda keys: "model.layers.0.self_attn.q_proj.bias" in keys, dtype)
+    tensors = {k[len("model."):]: v for k, v in raw.items() if k.startswith("model.")}
+    try:
+        vocab, hidden = tensors["embed_tokens.weight"].shape
+        q, k = tensors["layers.0.self_attn.q_proj.weight"].shape[0], tensors["layers.0.self_attn.k_proj.weight"].shape[0]
+        head_dim = 128 if q % 128 == 0 and k % 128 == 0 else 16  # the 7B: 28 heads of 128; the tiny one: 16
+        half = head_dim // 2
+        mrope = (half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8)
+        config = qwen_config(hidden, tensors["layers.0.mlp.gate_proj.weight"].shape[0],
+                             len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
+                             q // head_dim, k // head_dim, vocab, mrope)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Qwen2.5-VL, no tensor for model.{e.args[0]}") from None
+    model = adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
+    return model, find_qwen_tokenizer(vocab, tokenizer_cache_dir, path)
+
+
+def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
+    from transformers import AutoTokenizer
+
+    tiny = build_qwen_tokenizer()
+    if vocab_size == len(tiny):
+        return tiny
+    sources = [os.path.join(tokenizer_cache_dir, QWEN_TOKENIZER_REPO.replace("/", "_"))] if tokenizer_cache_dir else []
+    sources.append(QWEN_TOKENIZER_REPO)
+    for source in sources:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
+            continue
+        tokenizer.padding_side = "right"
+        return tokenizer
+    raise ModelLoadError(f"--text_encoder {path}: the {QWEN_TOKENIZER_REPO} tokenizer is not cached locally; pass "
+                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN_TOKENIZER_REPO.replace('/', '_')})")
+
+
+def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
+    """AutoencoderKLQwenImage from its diffusers file (vae/diffusion_pytorch_model.safetensors)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    if os.path.isdir(path):
+        try:
+            return AutoencoderKLQwenImage.from_pretrained(path, torch_dtype=dtype).eval()
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{label} {path}: not a Qwen-Image VAE folder ({str(e).splitlines()[0][:200]})") from None
+    tensors = read_file(label, path, "the Qwen-Image VAE in diffusers' names (encoder.conv_in, decoder.up_blocks)",
+                        lambda keys: "encoder.conv_in.weight" in keys and "post_quant_conv.weight" in keys, dtype)
+    try:
+        base = tensors["encoder.conv_in.weight"].shape[0]
+        levels = len({m[1] for k in tensors if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k))})
+        res = len({m[1] for k in tensors if (m := re.match(r"decoder\.up_blocks\.0\.resnets\.(\d+)\.", k))}) - 1
+        z = tensors["post_quant_conv.weight"].shape[0]
+        mult = _vae_mult(tensors, base, res, levels)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Qwen-Image VAE, no tensor for {e.args[0]}") from None
+    if z != LATENT_CHANNELS:
+        raise ModelLoadError(f"{label} {path}: expected a VAE with {LATENT_CHANNELS} latent channels, found {z}")
+    return adopt(label, path, lambda: AutoencoderKLQwenImage(**vae_config(base, tuple(mult), res)), tensors)
+
+
+def _vae_mult(tensors, base: int, res: int, levels: int) -> list[int]:
+    """dim_mult: each encoder level's resnet output width over base_dim (diffusers lists every level's resnets and
+    its resampler in one down_blocks list)."""
+    out, index = [], 0
+    for level in range(levels):
+        out.append(tensors[f"encoder.down_blocks.{index}.conv2.weight"].shape[0] // base)
+        index += res + (1 if level < levels - 1 else 0)
+    return out
+
+
+def load_components(opts: LoadOptions, options) -> Components:
+    """Components: denoiser = QwenImageTransformer2DModel, text encoders = [Qwen2.5-VL text model],
+    tokenizers = [Qwen's], vae = AutoencoderKLQwenImage (`options`: QwenImageOptions)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+    path = opts.pretrained_model_name_or_path
+    kind = source_kind(path)
+    vae = None
+    if kind == "single_file":
+        check_model_source(path, options, opts.vae, need_vae=False)
+        transformer = load_dit_file(path, opts.dtype)
+        qwen, tokenizer = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+    elif kind == "diffusers":
+        try:
+            transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer",
+                                                                      torch_dtype=opts.dtype).eval()
+            vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=opts.vae_dtype).eval()
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path}: unreadable Qwen-Image folder ({str(e).splitlines()[0][:200]})") from None
+        qwen, tokenizer = load_qwen(options.text_encoder or os.path.join(path, "text_encoder"), opts.dtype,
+                                    opts.tokenizer_cache_dir)
+        if not options.text_encoder:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+            tokenizer.padding_side = "right"
+    else:
+        parts = build_qwen_image_modules(path)
+        transformer, vae, qwen, tokenizer = parts["transformer"], parts["vae"], parts["qwen"], parts["qwen_tokenizer"]
+        if options.text_encoder:
+            qwen, tokenizer = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+    if opts.vae:
+        vae = load_vae_file(opts.vae, opts.vae_dtype)
+    if opts.from_scratch:
+        from library.families.common.loading import scratch_denoiser
+
+        transformer = scratch_denoiser(transformer, opts.init_seed)
+    for module, dtype in ((transformer, opts.dtype), (qwen, opts.dtype), (vae, opts.vae_dtype)):
+        if module is not None and next(module.parameters()).dtype != dtype:
+            module.to(dtype=dtype)
+    return Components(denoiser=transformer, vae=vae, text_encoders=[qwen], tokenizers=[tokenizer],
+                      model_path=path, vae_path=opts.vae)
+
+
+def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = True) -> None:
+    """The checks of load_components that need no weights (one-line ModelLoadError)."""
+    if source_kind(path) == "single_file":
+        for flag, value in (("text_encoder", options.text_encoder), ("vae", vae if need_vae else "given")):
+            if not value:
+                raise ModelLoadError(f"--{flag}: required with a Qwen-Image DiT file ({path})")
+
+
+def block_count(path: str) -> Optional[int]:
+    """Blocks of a preset, folder or DiT file, read without loading weights; None when it cannot tell."""
+    try:
+        kind = source_kind(path)
+        if kind == "preset":
+            return PRESETS[path].layers
+        if kind == "diffusers":
+            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
+                return int(json.load(f)["num_layers"])
+        return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?transformer_blocks\.(\d+)\.") or None
+    except (OSError, ValueError, KeyError, ModelLoadError):
+        return None
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+def _tiny_vl_config(qwen):
+    """A Qwen2.5-VL config around `qwen`'s text config with a tiny vision tower (the folder holds the whole model)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = qwen.config.to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=qwen.config.hidden_size,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[0])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+
+
+def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[str, str]:
+    """A preset written as the files users have.
+
+    single_file: ComfyUI's split files, {"dit": qwen_image_tiny.safetensors (diffusers names),
+    "text_encoder": qwen_2.5_vl_7b.safetensors (`model.*` + `lm_head.weight`), "vae": the diffusers VAE file};
+    else a diffusers folder as Qwen/Qwen-Image ({"folder"}).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    parts = build_qwen_image_modules(name)
+    os.makedirs(out_dir, exist_ok=True)
+    if single_file:
+        paths = {"dit": os.path.join(out_dir, "qwen_image_tiny.safetensors"),
+                 "text_encoder": os.path.join(out_dir, "qwen_2.5_vl_7b.safetensors"),
+                 "vae": os.path.join(out_dir, "qwen_image_vae.safetensors")}
+        write_safetensors(parts["transformer"].state_dict(), paths["dit"])
+        qwen = {"model." + k: v for k, v in parts["qwen"].state_dict().items()}
+        qwen["lm_head.weight"] = parts["qwen"].embed_tokens.weight.detach().clone()
+        write_safetensors(qwen, paths["text_encoder"])
+        write_safetensors(parts["vae"].state_dict(), paths["vae"])
+        return paths
+    tmp = out_dir.rstrip("/") + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    parts["transformer"].save_pretrained(os.path.join(tmp, "transformer"))
+    parts["vae"].save_pretrained(os.path.join(tmp, "vae"))
+    whole = Qwen2_5_VLForConditionalGeneration(_tiny_vl_config(parts["qwen"]))
+    whole.model.language_model.load_state_dict(parts["qwen"].state_dict())
+    whole.save_pretrained(os.path.join(tmp, "text_encoder"))
+    parts["qwen_tokenizer"].save_pretrained(os.path.join(tmp, "tokenizer"))
+    FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler/scheduler_config.json
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, num_train_timesteps=1000,
+        shift=1.0, shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True,
+    ).save_pretrained(os.path.join(tmp, "scheduler"))
+    index = {"_class_name": "QwenImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+             "tokenizer": ["transformers", type(parts["qwen_tokenizer"]).__name__],
+             "transformer": ["diffusers", "QwenImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"]}
+    with open(os.path.join(tmp, "model_index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    if os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
+    os.replace(tmp, out_dir)
+    return {"folder": out_dir}
