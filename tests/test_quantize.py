@@ -178,7 +178,7 @@ def _relative_difference(a, b):
 # fp8 0.19, int4-quanto 0.35, nf4-bnb 0.44; another --seed in full precision gives 1.39, a LoRA skipped on the
 # quantized layers gives other keys, a base quantized with its scales dropped gives NaN / > 1.
 LORA_TOLERANCE = {"int8-quanto": 0.15, "int8-torchao": 0.15, "fp8-quanto": 0.4, "fp8-torchao": 0.4,
-                  "int4-quanto": 0.7, "nf4-bnb": 0.8}
+                  "int4-quanto": 0.6, "nf4-bnb": 0.65}
 
 
 @pytest.mark.parametrize("value", ["int8-quanto", "nf4-bnb"])
