@@ -15,8 +15,10 @@ Every value names its format and the library that serves it (docs/quantization.m
 No kernel here is ours: each layer is handed to its library, which stores the weight and runs the
 matmul (dequantizing or with its own kernel). Only `nn.Linear` layers are quantized (Conv2d, norms and
 embeddings keep the training dtype), and not those a model class keeps in float32
-(`_keep_in_fp32_modules`). The layers are quantized one block at a time, each block's full-precision
-weights freed before the next is quantized, so the model never holds two copies of more than one block.
+(`_keep_in_fp32_modules`). The layers are quantized one at a time in module order (block by block), each
+layer's full-precision weight dropped as its quantized layer takes its place, so the model never holds two
+copies of more than one layer. (The family loaders read the model in the training dtype first; streaming a
+file straight into quantized layers is not done yet.)
 
 A LoRA wraps the quantized layer's forward (networks/lora_module.py replaces `module.forward`), so the
 frozen quantized matmul runs first and the LoRA adds its product in the training dtype; the LoRA's file
