@@ -111,5 +111,8 @@ class LoRAModule(nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW at multiplier 1 in the original weight's layout (float32)."""
+        org = self.org_module
+        # a quantized Linear's stored weight may be packed (bitsandbytes' 4-bit: one column of bytes)
+        shape = (org.out_features, org.in_features) if isinstance(org, nn.Linear) else org.weight.shape
         return lora_math.delta_weight(self.lora_down.weight.float(), self.lora_up.weight.float(), self.alpha,
-                                      out_shape=self.org_module.weight.shape)
+                                      out_shape=shape)

@@ -82,7 +82,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
     model = load_options_from_args(ns, family_options)
-    memory = memory_options_from_args(vars(ns), family)
+    memory = memory_options_from_args(vars(ns), family, fine_tune)
     noise = noise_options_from_args(ns)
     family.check_options(family_options, model, blocks_to_swap=memory.blocks_to_swap, min_timestep=noise.min_timestep,
                          max_timestep=noise.max_timestep, zero_terminal_snr=bool(ns.zero_terminal_snr))

@@ -10,6 +10,8 @@ from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
+from library.train.quantize import CHOICES as PRECISION_CHOICES
+from library.train.quantize import NO_CHANGE, precision_unavailable
 from library.train.settings import MemoryOptions
 from library.train.speedups import SpeedOptions
 
@@ -30,6 +32,10 @@ class MemoryFlags:
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
                                                   " memory until the backward pass (DiT families; turns on "
                                                   "--gradient_checkpointing)")
+    base_model_precision: str = flag(NO_CHANGE, "store the frozen denoiser's Linear weights quantized (LoRA only): "
+                                                "int8 / fp8 / int4 by optimum-quanto, int8 / fp8 by torchao, nf4 by "
+                                                "bitsandbytes (docs/quantization.md)", choices=PRECISION_CHOICES)
+    text_encoder_precision: str = flag(NO_CHANGE, "the same for the frozen text encoders", choices=PRECISION_CHOICES)
     split_mode: bool = flag(False, "deprecated sd-scripts FLUX.1 flag: as --blocks_to_swap 18 (ignored when "
                                    "--blocks_to_swap is given)")
     double_blocks_to_swap: Optional[int] = flag(None, "deprecated sd-scripts FLUX.1 flag: --blocks_to_swap gets N "
@@ -54,8 +60,9 @@ def speed_options_from_args(values: Mapping[str, Any]) -> SpeedOptions:
                         channels_last=not values.get("no_channels_last"))
 
 
-def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
-    """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError)."""
+def memory_options_from_args(values: Mapping[str, Any], family: Any = None, fine_tune: bool = False) -> MemoryOptions:
+    """MemoryOptions from a dict of flags, checked against what `family` supports (one-line ConfigError).
+    `fine_tune`: a full fine-tune's flags (which refuse a quantized base)."""
     # A family's own sd-scripts spelling of a shared flag counts as that flag (ModelFamily.flag_aliases:
     # HunyuanImage's --fp8_scaled is --fp8_base_unet here, without scales; Anima's --unsloth_offload_checkpointing)
     aliased = {flag: bool(values.get(flag)) for flag in ("fp8_base_unet", "cpu_offload_checkpointing")}
@@ -77,9 +84,34 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
                           "compiled code would be re-traced every step; drop one of them")
     if values.get("xformers") and values.get("flash_attn"):
         raise ConfigError("--xformers and --flash_attn: choose one attention backend")
+    precisions = check_precisions(values, fine_tune, fp8=bool(values.get("fp8_base")) or fp8_unet, swap=swap)
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
                          blocks_to_swap=swap, cpu_offload_checkpointing=offload,
-                         xformers=bool(values.get("xformers")), flash_attn=bool(values.get("flash_attn")))
+                         xformers=bool(values.get("xformers")), flash_attn=bool(values.get("flash_attn")),
+                         **precisions)
+
+
+def check_precisions(values: Mapping[str, Any], fine_tune: bool, fp8: bool, swap: Optional[int]) -> dict[str, str]:
+    """--base_model_precision / --text_encoder_precision, checked before anything loads (one-line ConfigError)."""
+    out = {}
+    for name in ("base_model_precision", "text_encoder_precision"):
+        value = values.get(name) or NO_CHANGE
+        out[name] = value
+        if value == NO_CHANGE:
+            continue
+        why = precision_unavailable(value)
+        if why:
+            raise ConfigError(f"--{name} {value}: {why}")
+        if fine_tune:
+            raise ConfigError(f"--{name} {value}: a full fine-tune trains these weights, which cannot be quantized; "
+                              "use a LoRA script (*_train_network.py) or drop the flag")
+        if fp8:
+            raise ConfigError(f"--{name} with --fp8_base: choose one way to store the base (fp8-quanto or "
+                              "fp8-torchao is float8 by a library)")
+        if swap is not None and name == "base_model_precision":
+            raise ConfigError(f"--{name} {value} with --blocks_to_swap: not supported yet (the swapper copies plain "
+                              "weights, not quantized ones); drop one of them")
+    return out
 
 
 def blocks_to_swap_with_aliases(values: Mapping[str, Any]) -> Any:

@@ -14,6 +14,7 @@ from library.families.base import Components, ModelFamily
 from library.train.block_swap import BlockSwapper
 from library.train.fp8 import cast_base_to_fp8
 from library.train.offload_checkpoint import enable_gradient_checkpointing
+from library.train.quantize import NO_CHANGE, quantize_frozen
 from library.train.settings import MemoryOptions
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
         parts = [c.denoiser, *(c.text_encoders if opts.fp8_text_encoders else [])]
         count = sum(cast_base_to_fp8(m) for m in parts)
         logger.info("--fp8_base: %d layers store float8 weights", count)
+    for value, parts, flag in ((opts.base_model_precision, [c.denoiser], "base_model_precision"),
+                               (opts.text_encoder_precision, c.text_encoders, "text_encoder_precision")):
+        if value != NO_CHANGE:
+            count = sum(quantize_frozen(m, value) for m in parts)
+            logger.info("--%s %s: %d Linear layers store quantized weights", flag, value, count)
     swapper = None
     if opts.blocks_to_swap:
         blocks = family.swappable_blocks(c, opts.blocks_to_swap)

@@ -108,6 +108,8 @@ class MemoryOptions:
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
     xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
     flash_attn: bool = False  # --flash_attn: diffusers' "flash" attention backend when flash-attn is installed
+    base_model_precision: str = "no_change"  # the frozen denoiser's Linear weights, quantized (library/train/quantize.py)
+    text_encoder_precision: str = "no_change"  # the same for the frozen text encoders
 
     @property
     def fp8_text_encoders(self) -> bool:

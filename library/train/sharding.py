@@ -149,6 +149,8 @@ def fsdp_unsupported(s, fsdp: FsdpSettings) -> Optional[str]:
     if fsdp.cpu_ram_efficient_loading:
         return ("fsdp_cpu_ram_efficient_loading: not supported (the model families load whole weights on every "
                 "process; they cannot build on the meta device yet); set it false")
+    if {s.memory.base_model_precision, s.memory.text_encoder_precision} != {"no_change"}:
+        return "--base_model_precision / --text_encoder_precision: quantized weights are not sharded; use a DDP config"
     if s.memory.blocks_to_swap:
         return "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
     return None

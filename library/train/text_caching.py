@@ -42,6 +42,9 @@ def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSet
     ctx.live_encoders = trained
     model_id = cache_source_id(settings.model.pretrained_model_name_or_path, components.text_encoders[0].dtype,
                                {"fp8_base": settings.memory.fp8_text_encoders,
+                                # quantized encoders give other outputs (no key change for no_change)
+                                **({"text_encoder_precision": settings.memory.text_encoder_precision}
+                                   if settings.memory.text_encoder_precision != "no_change" else {}),
                                 **family.text_cache_values(family.options(components))})
     opts = settings.text_cache
     ctx.text_cache = build_text_cache(

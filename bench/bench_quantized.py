@@ -1,0 +1,154 @@
+"""--base_model_precision: resident size, peak host memory and LoRA step time of a quantized FLUX.1 base vs bf16.
+
+Memory: FLUX.1-dev's full-width blocks (hidden 3072, 24 heads; one double and one single block, random weights),
+built in bf16 and quantized by library/train/quantize.py as the trainer does. The resident size counts what each
+library stores (codes and scales, library/train/quantize.py resident_bytes) and is scaled on paper to the full
+depth (19 double + 38 single blocks; the embedders, about 0.5% of the model, left out). Peak host memory is the
+child process's peak RSS while building and quantizing, over its bf16 resident size (the trainer quantizes after
+the family has loaded the model in the training dtype, layer by layer: the peak is the bf16 model plus one layer).
+
+Step time: a LoRA (rank 16, every Linear of the blocks, weights in bf16) training step on the same transformer
+at a narrower width (--step_heads x 128), batch 1, 32x32 latent (256 image tokens) and 64 text tokens, median of
+--steps, as a ratio against bf16 measured in the same run. Each value runs in its own process.
+
+    python bench/bench_quantized.py [--values int8-quanto nf4-bnb ...] [--steps 3] [--step_heads 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import peak_rss_mib  # noqa: E402
+from library.train.quantize import NO_CHANGE, PRECISIONS, precision_unavailable, quantize_frozen, resident_bytes  # noqa: E402,E501
+
+FULL_DOUBLE, FULL_SINGLE = 19, 38
+
+
+def build(heads: int):
+    """FLUX.1-dev's transformer with one double and one single block, `heads` x 128 wide, in bf16."""
+    import dataclasses
+
+    from bench.bench_flux_step import build_transformer
+    from library.families.flux import configs
+
+    if heads == configs.PRESETS["random:flux-dev"].heads:
+        return build_transformer(1, 1, torch.bfloat16)
+    preset = dataclasses.replace(configs.PRESETS["random:flux-dev"], heads=heads)
+    saved = configs.PRESETS["random:flux-dev"]
+    configs.PRESETS["random:flux-dev"] = preset
+    try:
+        return build_transformer(1, 1, torch.bfloat16)
+    finally:
+        configs.PRESETS["random:flux-dev"] = saved
+
+
+def one(value: str, steps: int, step_heads: int) -> dict:
+    model = build(24)
+    double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    bf16 = {"double": resident_bytes(double), "single": resident_bytes(single)}
+    rss_bf16 = peak_rss_mib()
+    start = time.perf_counter()
+    count = quantize_frozen(model, value)
+    seconds = time.perf_counter() - start
+    sizes = {"double": resident_bytes(double), "single": resident_bytes(single)}
+    peak = peak_rss_mib()
+    del model, double, single
+    return {"value": value, "layers": count, "quantize_s": seconds, "bf16": bf16, "sizes": sizes,
+            "peak_rss_mib": peak, "rss_after_bf16_build_mib": rss_bf16, "step_s": step_time(value, steps, step_heads)}
+
+
+def step_time(value: str, steps: int, heads: int) -> float:
+    from networks.lora_module import LoRAModule
+
+    torch.manual_seed(0)
+    model = build(heads)
+    quantize_frozen(model, value)
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "transformer_blocks" in n]
+    loras = [LoRAModule(f"lora_{i}", m, lora_dim=16, alpha=16).to(torch.bfloat16) for i, (_, m) in enumerate(targets)]
+    for lora in loras:
+        lora.apply_to()
+        torch.nn.init.normal_(lora.lora_up.weight, std=1e-3)
+    params = [p for lora in loras for p in lora.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(1, 256, 64, generator=g).to(bf)
+    txt = torch.randn(1, 64, 4096, generator=g).to(bf)
+    pooled = torch.randn(1, 768, generator=g).to(bf)
+    img_ids = torch.zeros(256, 3)
+    img_ids[:, 1], img_ids[:, 2] = torch.arange(256) // 16, torch.arange(256) % 16
+    txt_ids = torch.zeros(64, 3)
+    target = torch.randn(1, 256, 64, generator=g).to(bf)
+
+    def step():
+        out = model(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled,
+                    timestep=torch.tensor([0.5], dtype=bf), img_ids=img_ids, txt_ids=txt_ids,
+                    guidance=torch.tensor([1.0], dtype=bf), return_dict=False)[0]
+        torch.nn.functional.mse_loss(out.float(), target.float()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--values", nargs="*", default=list(PRECISIONS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--step_heads", type=int, default=6, help="width of the step-time model, in 128-wide heads")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(one(a.one, a.steps, a.step_heads)))
+        return
+    results = {}
+    for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
+        why = precision_unavailable(value)
+        if why:
+            print(f"{value}: skipped ({why})")
+            continue
+        out = subprocess.run([sys.executable, __file__, "--one", value, "--steps", str(a.steps),
+                              "--step_heads", str(a.step_heads)], capture_output=True, text=True)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{value}: failed ({(out.stderr.strip().splitlines() or ['?'])[-1]})")
+            continue
+        results[value] = json.loads(line[len("RESULT "):])
+    base = results[NO_CHANGE]
+
+    def full(r):  # bytes of the 19 + 38 blocks
+        return FULL_DOUBLE * r["sizes"]["double"] + FULL_SINGLE * r["sizes"]["single"]
+
+    gib = 2 ** 30
+    print(f"FLUX.1-dev blocks (19 double + 38 single) in bf16: {full(base) / gib:.2f} GiB; "
+          f"step-time model {a.step_heads * 128} wide, {torch.get_num_threads()} thread(s)")
+    print(f"{'value':<14}{'resident':>10}{'x bf16':>8}{'target':>8}{'peak RSS / bf16':>17}{'quantize s':>12}"
+          f"{'step s':>8}{'x bf16':>8}")
+    bf16_block = base["bf16"]["double"] + base["bf16"]["single"]
+    for value, r in results.items():
+        ratio = full(r) / full(base)
+        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
+        peak = r["peak_rss_mib"] * 2 ** 20 / bf16_block
+        print(f"{value:<14}{full(r) / gib:>8.2f}Gi{ratio:>8.3f}{target:>8}{peak:>17.2f}{r['quantize_s']:>12.1f}"
+              f"{r['step_s']:>8.2f}{r['step_s'] / base['step_s']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
