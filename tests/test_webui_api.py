@@ -740,10 +740,15 @@ def test_every_path_valued_trainer_flag_is_classified_by_the_web_ui():
         "profiler_trace_steps", "resize_interpolation", "resolution", "resolution_schedule",
         "resolution_step_fractions", "sample_sampler", "save_model_as", "save_precision", "secondary_separator",
         "system_prompt", "timestep_bias_strategy", "timestep_sampling", "timestep_spacing", "training_comment",
-        "wandb_api_key", "wandb_run_name", "weighting_scheme"}
+        "wandb_api_key", "wandb_run_name", "weighting_scheme", "base_model_precision", "text_encoder_precision",
+        "console_log_level", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
+        "huggingface_repo_visibility", "huggingface_token", "metadata_is_negative_embedding", "metadata_merged_from",
+        "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype"}
     classified = set(folders.NAME_KEYS + folders.JOB_FOLDER_KEYS + folders.READ_PATH_KEYS + MANAGED_KEYS)
     text_flags = set()
-    for family in ("sd", "sdxl", "flux", "sd3", "anima", "lumina", "hunyuan_image"):
+    from library.families import family_names
+
+    for family in family_names():
         for fine_tune in (False, True):
             for a in build_parser("", get_family(family), fine_tune)._actions:
                 if a.option_strings and a.nargs != 0 and a.type in (None, str) \

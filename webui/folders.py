@@ -14,14 +14,14 @@ DATASET_PATH_KEYS = ("image_dir", "conditioning_data_dir", "metadata_file")
 # config.toml keys (in any section) by what the run does with their value. The UI's own keys (output_dir,
 # logging_dir, dataset_config, sample_prompts, config_file: jobfiles.MANAGED_KEYS) point into the job's folder.
 NAME_KEYS = ("output_name", "log_prefix", "log_tracker_name")  # joined to output_dir / logging_dir: names only
-JOB_FOLDER_KEYS = ("profiler_trace_dir",)  # folders the run writes into: inside the job's folder
+JOB_FOLDER_KEYS = ("profiler_trace_dir", "console_log_file", "debug_dataset_dir")  # what the run writes: inside the job's folder
 # Files and folders the run reads, or writes beside the user's data (latent caches, DeepSpeed's NVMe swap):
 # inside the roots or the job's folder.
 READ_PATH_KEYS = (
     "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "gemma2", "text_encoder",
     "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights", "base_weights",
     "resume", "log_tracker_config", "noise_scheduler_overrides", "train_data_dir", "reg_data_dir", "in_json",
-    "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path")
+    "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path", "metadata_thumbnail")
 MODEL_ID_KEYS = ("pretrained_model_name_or_path", "t5_tokenizer_path")  # may name a preset or a hub id instead
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the trainer's loader tells one
 
@@ -192,7 +192,8 @@ def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Opti
                 return 403, (f"{key} {value}: outside the job's folder ({job_folder}): the run writes only "
                              "there"), key
         elif kind == "read":
-            if (key == "resume" and value == "auto") or (key in MODEL_ID_KEYS and is_model_id(value)):
+            if (key == "resume" and value == "auto") or (key in MODEL_ID_KEYS and is_model_id(value)) \
+                    or (key == "metadata_thumbnail" and value.startswith("data:")):  # an image given inline
                 continue
             if roots.inside(value) is None and not within(resolved(value), job_folder):
                 return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the "
