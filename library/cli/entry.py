@@ -36,8 +36,8 @@ from library.core.metadata import RECORDED_FLAGS
 from library.data.config import resolve_datasets
 from library.families import get_family
 from library.families.base import ModelFamily
-from library.train.network_kinds import network_kind
-from library.train.optimizers import optimizer_class
+from library.train.adapters.network_kinds import network_kind
+from library.train.optim.optimizers import optimizer_class
 from library.train.settings import RunSettings
 from library.train.stopping import StopHandler, StopRequested
 from library.train.trainer import InterruptedTraining, Trainer

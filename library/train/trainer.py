@@ -29,8 +29,8 @@ from library.data.te_cache import (
 )
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
-from library.train.compile import compile_blocks
-from library.train.distributed import (
+from library.train.memory.compile import compile_blocks
+from library.train.distributed.distributed import (
     StepModule,
     StepTrace,
     data_parallel,
@@ -40,23 +40,23 @@ from library.train.distributed import (
     make_accelerator,
     unused_parameters_possible,
 )
-from library.train.deepspeed_engine import (
+from library.train.distributed.deepspeed_engine import (
     ZeroConfig,
     ZeroEngine,
     accelerate_without_deepspeed,
     launched_with_deepspeed,
 )
-from library.train.deepspeed_engine import unsupported as deepspeed_unsupported
-from library.train.ema import EMA
-from library.train.fused_backward import FusedBackwardOptimizer
+from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
+from library.train.optim.ema import EMA
+from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
-from library.train.lr_schedulers import create_scheduler, lr_log_names
-from library.train.memory_setup import apply_memory_options, park_cached_parts
-from library.train.network_kinds import merge_base_weights
-from library.train.optimizers import create_optimizer, is_schedule_free
-from library.train.profiling import Instruments
+from library.train.optim.lr_schedulers import create_scheduler, lr_log_names
+from library.train.memory.memory_setup import apply_memory_options, park_cached_parts
+from library.train.adapters.network_kinds import merge_base_weights
+from library.train.optim.optimizers import create_optimizer, is_schedule_free
+from library.train.observe.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import (
+from library.train.distributed.sharding import (
     FsdpSettings,
     broadcast_module_states,
     fsdp_unsupported,
@@ -68,8 +68,8 @@ from library.train.state import RunState
 from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
 from library.train.text_caching import build_step_text_cache
-from library.train.tracking import Tracker
-from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
+from library.train.observe.tracking import Tracker
+from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Trainer(TrainingLoop):
         self.skipped_images: set[str] = set()
         # set up by run(), in this order
         self.accelerator = self.device = self.weight_dtype = None
-        # the DeepSpeed config (ZeroConfig; library/train/deepspeed_engine.py) when the run is under DeepSpeed:
+        # the DeepSpeed config (ZeroConfig; library/train/distributed/deepspeed_engine.py) when the run is under DeepSpeed:
         # --deepspeed or an accelerate DeepSpeed config
         self.zero = None
         self.run_state: Optional[RunState] = None  # progress + every RNG: what a state folder restores
@@ -104,7 +104,7 @@ class Trainer(TrainingLoop):
         self.schedule_free = False
         self.ema: Optional[EMA] = None
         self.scheme = self.ctx = None
-        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/profiling.py)
+        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/observe/profiling.py)
         self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         self.tracker: Optional[Tracker] = None
         self.session_id = 0
@@ -323,7 +323,7 @@ class Trainer(TrainingLoop):
             self._setup_deepspeed()
         elif self.accelerator.num_processes > 1:
             # DDP wraps a StepModule (trained weights + the loss as forward), not the network, whose own forward
-            # a LoRA never calls (library/train/distributed.py); DDP broadcasts rank 0's weights at the start.
+            # a LoRA never calls (library/train/distributed/distributed.py); DDP broadcasts rank 0's weights at the start.
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
         else:
