@@ -120,8 +120,8 @@ def test_dim_from_weights_starts_from_the_files_values(tmp_path, tiny_sd1):
         "--network_weights", path, "--dim_from_weights"]))
     trainer._setup_accelerator()
     trainer._setup_data()
-    trainer._setup_model()
-    trainer._setup_trainable()
+    trainer.components, trainer.block_swapper = trainer._setup_model()
+    trainer.trainable = trainer._setup_trainable()
     saved = load_file(path)
     state = trainer.trainable.module.state_dict()
     ups = [k for k in saved if k.endswith("lora_up.weight")]
@@ -142,8 +142,8 @@ def test_lycoris_takes_one_or_two_text_encoder_rates(tmp_path, rates, expected):
     trainer = make_trainer(argv, "sdxl")
     trainer._setup_accelerator()
     trainer._setup_data()
-    trainer._setup_model()
-    trainer._setup_trainable()
+    trainer.components, trainer.block_swapper = trainer._setup_model()
+    trainer.trainable = trainer._setup_trainable()
     trainer._setup_optimizer()
     lrs = {g["lr"] for g in trainer.optimizer.param_groups}
     assert lrs == expected | {1e-4}
