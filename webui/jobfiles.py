@@ -21,7 +21,7 @@ from library.core.io_utils import atomic_write_text
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {
-    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py",
+    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py", ("sd", "dreambooth"): "train_db.py",
     ("sdxl", "lora"): "sdxl_train_network.py", ("sdxl", "finetune"): "sdxl_train.py",
     ("flux", "lora"): "flux_train_network.py", ("flux", "finetune"): "flux_train.py",
     ("sd3", "lora"): "sd3_train_network.py", ("sd3", "finetune"): "sd3_train.py",

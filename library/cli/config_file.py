@@ -16,7 +16,7 @@ from library.core.errors import ConfigError
 from library.core.io_utils import atomic_write_text
 
 _NOT_SAVED = {"config_file", "output_config", "check_config", "describe_flags"}
-_SECRETS = {"wandb_api_key"}  # accepted in a config file, never written to one
+_SECRETS = {"wandb_api_key", "huggingface_token"}  # accepted in a config file, never written to one
 
 
 @dataclass

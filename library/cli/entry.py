@@ -37,6 +37,7 @@ from library.data.config import resolve_datasets
 from library.families import get_family
 from library.families.base import ModelFamily
 from library.train.adapters.network_kinds import network_kind
+from library.train.dreambooth import StopTextEncoderTraining
 from library.train.optim.optimizers import optimizer_class
 from library.train.settings import RunSettings
 from library.train.stopping import StopHandler, StopRequested
@@ -49,6 +50,25 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def configure_console_logging(level: Optional[str], path: Optional[str], simple: bool) -> None:
+    """--console_log_level / --console_log_file / --console_log_simple (sd-scripts' names): the root logger's level,
+    a file that gets the same messages (appended; a folder that does not exist stops here), and plain messages."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"--console_log_file {path}: its folder does not exist")
+    root = logging.getLogger()
+    if level:
+        root.setLevel(level)
+    if simple:
+        for handler in root.handlers:
+            handler.setFormatter(logging.Formatter("%(message)s"))
+    if path and not any(getattr(h, "console_log_file", None) == os.path.abspath(path) for h in root.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.console_log_file = os.path.abspath(path)
+        handler.setFormatter(logging.Formatter("%(message)s" if simple else
+                                               "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
 def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
@@ -56,6 +76,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
     check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    configure_console_logging(ns.console_log_level, ns.console_log_file, ns.console_log_simple)
     note_compatibility_flags(vars(ns))
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
@@ -71,7 +92,16 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)
+    if not fine_tune and getattr(family_options, "num_last_block_to_freeze", None):
+        raise ConfigError("--num_last_block_to_freeze: a full fine-tune flag (sd3_train.py); a LoRA trains no block "
+                          "weights to freeze")
     text_cache = text_cache_options_from_args(ns)
+    if ns.weighted_captions and not family.supports_weighted_captions:
+        raise ConfigError(f"--weighted_captions: not supported for {family.name} (sd-scripts takes it for SD 1.x/2.x "
+                          "and SDXL only); drop the flag")
+    if ns.weighted_captions and text_cache.enabled:
+        raise ConfigError("--weighted_captions with --cache_text_encoder_outputs: the cache holds unweighted outputs "
+                          "(as sd-scripts refuses); drop one")
     network = unet_only_when_caching(network, text_cache.enabled, family)
     if network and network.network_module != "networks.lora" and family.external_networks_unsupported:
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
@@ -100,6 +130,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
         flags={**flag_values(ns), **resolved},
     )
+    stop_te = getattr(ns, "stop_text_encoder_training", None)  # train_db.py
+    if fine_tune and stop_te is not None and stop_te > 0:
+        settings.hooks.append(StopTextEncoderTraining(stop_te))
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
         if type(family).generate is ModelFamily.generate:
@@ -129,15 +162,16 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False) -> int:
-    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
+                 fine_tune: bool = False, dreambooth: bool = False) -> int:
+    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
+    train_db.py, a fine-tune with its DreamBooth flags). Returns the exit code."""
     setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
         # script imported (library/core/stop_signals.py recorded it) stops here.
         stop.install()
-        return _run(family_name, description, argv, stop, fine_tune)
+        return _run(family_name, description, argv, stop, fine_tune, dreambooth)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -146,9 +180,9 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool) -> int:
+         fine_tune: bool, dreambooth: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune)
+    parser = build_parser(description, family, fine_tune, dreambooth)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)
@@ -159,6 +193,9 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)
             check_output_folders(settings.training)  # before the dataset scan and the model load
+        if ns.debug_dataset:  # print the batches and stop: nothing loads, nothing trains
+            Trainer(family, settings, stop).debug_dataset()
+            return 0
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed
