@@ -16,7 +16,7 @@ from library.cli.config_file import (
 )
 from library.cli.dataset import data_options_from_args
 from library.cli.fine_tune import ema_options_from_args, fine_tune_options_from_args
-from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args
+from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args, speed_options_from_args
 from library.cli.model import load_options_from_args, text_options_from_args
 from library.cli.network import network_options_from_args
 from library.cli.noise_loss import loss_options_from_args, noise_options_from_args
@@ -33,7 +33,8 @@ from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
-from library.data.config import resolve_datasets
+from library.data.building import check_datasets
+from library.data.plan import DataFamilyInfo
 from library.families import get_family
 from library.families.base import ModelFamily
 from library.train.adapters.network_kinds import network_kind
@@ -125,6 +126,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         text=text_options_from_args(ns),
         text_cache=text_cache,
         memory=memory,
+        speed=speed_options_from_args(vars(ns)),
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
@@ -188,7 +190,8 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
         family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
-            resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)
+            # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
+            check_datasets(settings.data, DataFamilyInfo.from_family(family))
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)

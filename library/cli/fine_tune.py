@@ -10,10 +10,8 @@ from typing import ClassVar, Optional
 from library.cli.options import (
     LEARNING_RATE,
     Range,
-    add_flags,
     at_least,
     flag,
-    flag_names,
     flag_specs,
     flag_values,
     settings_from,
@@ -39,9 +37,6 @@ class MetadataFlags:
     metadata_trigger_phrase: Optional[str] = flag(None, "modelspec.trigger_phrase")
     metadata_preprocessor: Optional[str] = flag(None, "modelspec.preprocessor (the preprocessing the images need)")
     metadata_is_negative_embedding: Optional[str] = flag(None, "modelspec.is_negative_embedding")
-
-
-METADATA_FLAGS = flag_names(MetadataFlags)
 
 
 def metadata_from_args(ns) -> dict:
@@ -120,18 +115,6 @@ class EmaFlags:
                                      "<name>-nonema")
     ema_for_sampling: bool = flag(True, "sample images with the EMA weights (default true)")
     ema_for_validation: bool = flag(True, "compute the validation loss with the EMA weights (default true)")
-
-
-def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(FineTuneFlags))
-
-
-def add_t5xxl_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(T5xxlFineTuneFlags))
-
-
-def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(EmaFlags))
 
 
 def block_lrs_from_args(value, family) -> list[float]:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
-from library.cli.options import add_flags, at_least, flag, flag_specs
+from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
+from library.train.speedups import SpeedOptions
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,20 @@ class MemoryFlags:
                                                       "(plus --double_blocks_to_swap)", range=at_least(1))
 
 
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
-    add_flags(parser, flag_specs(MemoryFlags))
+@dataclass
+class SpeedFlags:
+    """Speed-ups that are on by default (they change no result beyond float rounding; docs/performance.md)."""
+    flag_group: ClassVar[str] = "speed"
+    no_auto_text_cache: bool = flag(False, "encode the captions every step even when the text encoders are frozen "
+                                           "and the captions fixed (by default each caption's outputs are kept in "
+                                           "memory the first time it is met)")
+    no_channels_last: bool = flag(False, "keep the denoiser's frozen convolution weights NCHW (by default they are "
+                                         "stored channels_last, which the convolution kernels run faster)")
+
+
+def speed_options_from_args(values: Mapping[str, Any]) -> SpeedOptions:
+    return SpeedOptions(auto_text_cache=not values.get("no_auto_text_cache"),
+                        channels_last=not values.get("no_channels_last"))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:

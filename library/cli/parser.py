@@ -12,7 +12,7 @@ from library.cli.config_file import ConfigFileFlags
 from library.cli.dataset import DatasetFlags
 from library.cli.deepspeed import DeepSpeedFlags
 from library.cli.fine_tune import MODEL_FORMATS, DreamBoothFlags, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
-from library.cli.memory import MemoryFlags
+from library.cli.memory import MemoryFlags, SpeedFlags
 from library.cli.model import ModelFlags
 from library.cli.network import NetworkFlags
 from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
@@ -26,7 +26,7 @@ from library.families.base import ModelFamily
 # The flag groups of a training script, in --help order; the trained part (NetworkFlags or FineTuneFlags) is third.
 _BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
 _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSchedulerFlags, LossFlags,
-                  *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SamplingFlags)
+                  *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
                     T5xxlFineTuneFlags, DreamBoothFlags)
@@ -127,12 +127,3 @@ def build_parser(description: str, family: Optional[ModelFamily] = None,
     add_flags(parser, parser.flag_specs)
     return parser
 
-
-def build_network_training_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of train_network.py; a family may add its own group."""
-    return build_parser(description, family)
-
-
-def build_fine_tune_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
-    return build_parser(description, family, fine_tune=True)

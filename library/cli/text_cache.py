@@ -24,11 +24,6 @@ class TextCacheFlags:
                                                         "--vae_batch_size)", range=at_least(1))
 
 
-def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the sd-scripts text-encoder cache flags to `parser`."""
-    add_flags(parser, flag_specs(TextCacheFlags))
-
-
 def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]]) -> TextCacheOptions:
     """TextCacheOptions from a namespace or a dict of flag values; absent flags mean off."""
     values = ns if isinstance(ns, Mapping) else vars(ns)

@@ -160,10 +160,6 @@ TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags
                         HubFlags)
 
 
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, [spec for cls in TRAINING_FLAG_GROUPS for spec in flag_specs(cls)])
-
-
 TRACKERS = ("tensorboard", "wandb")
 _SECRET_FLAGS = ("wandb_api_key", "huggingface_token")
 # sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.

@@ -78,11 +78,6 @@ _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "fl
 DEFAULT_FAMILY = "sd"
 
 
-def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
-    """Add a family (e.g. "sdxl", "flux") under `name`."""
-    _REGISTRY[name] = factory
-
-
 def family_names() -> list[str]:
     """Names accepted by `get_family`, sorted."""
     return sorted(_REGISTRY)

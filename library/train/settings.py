@@ -19,6 +19,7 @@ from library.train.memory.memory_setup import MemoryOptions
 from library.train.optim.ema import EmaOptions
 from library.train.optim.lr_schedulers import SchedulerOptions
 from library.train.optim.optimizers import OptimizerOptions
+from library.train.speedups import SpeedOptions
 
 
 @dataclass
@@ -150,6 +151,7 @@ class RunSettings:
     text: TextEncodingOptions = field(default_factory=TextEncodingOptions)
     text_cache: TextCacheOptions = field(default_factory=TextCacheOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False

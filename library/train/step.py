@@ -34,6 +34,7 @@ class StepContext:
     live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
     weighted_captions: bool = False  # --weighted_captions: "(word:1.2)" in captions (family.encode_weighted_captions)
     adapter_off: Optional[Callable] = None  # a LoRA run: a context in which the model predicts without it (DOP)
+    fill_text_cache: bool = False  # the automatic cache: text_cache gains a caption the first time a step meets it
 
 
 def encode_with_vae(family: ModelFamily, vae, images: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,17 @@ def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[fr
         return ctx.family.encode_text_with(ctx.components, tokens, ctx.clip_skip, encoders)
 
 
+def fill_text_cache(ctx: StepContext, captions: list[str]) -> None:
+    """Encode the captions of a batch that ctx.text_cache does not hold yet (together, as the plain step would
+    encode them) and keep each one's outputs; the automatic cache of frozen text encoders."""
+    missing = [c for c in dict.fromkeys(captions) if c not in ctx.text_cache]
+    if missing:
+        with torch.no_grad():
+            outputs = encode_captions(ctx, missing).tensors
+        for i, caption in enumerate(missing):
+            ctx.text_cache[caption] = {k: v[i].detach().cpu() for k, v in outputs.items()}  # as the explicit cache
+
+
 def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
           timesteps: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noise, timesteps, input noise) for `latents`, drawn from `generator` (timesteps: given ones kept)."""
@@ -84,6 +96,8 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch)
+    if ctx.fill_text_cache:
+        fill_text_cache(ctx, batch["captions"])
     if ctx.text_cache is not None:
         text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step

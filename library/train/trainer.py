@@ -71,7 +71,8 @@ from library.train.step_position import initial_progress
 from library.train.state import RunState
 from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
-from library.train.text_caching import build_step_text_cache
+from library.train.speedups import use_channels_last
+from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
@@ -375,6 +376,8 @@ class Trainer(TrainingLoop):
         if self.s.text_cache.enabled:
             self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
                                                               self.max_train_steps, self._cache_share())
+        else:
+            start_auto_text_cache(self.ctx, self.data, self.s, self.trained_encoders, self.max_train_steps)
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -430,6 +433,8 @@ class Trainer(TrainingLoop):
             self._setup_data()
             self.components, self.block_swapper = self._setup_model()
             self.trainable = self._setup_trainable()
+            if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
+                use_channels_last(self.components.denoiser, self.s.speed)
             if self.fsdp is not None:
                 self._shard()
             if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
