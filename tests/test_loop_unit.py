@@ -2,12 +2,14 @@
 dicts, a saver that records what it was asked to write. No family, no dataset, no files."""
 
 import contextlib
+import os
 import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from library.train.control import control_dir
 from library.train.distributed.distributed import StepTrace
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop
 from library.train.observe.profiling import Instruments
@@ -59,6 +61,9 @@ class FakeSaver:
 
     def after_epoch(self, epoch, step):
         self.calls.append(("epoch", epoch, step))
+
+    def save_model(self, stem, step, epoch):
+        self.calls.append(("model", stem, step, epoch))
 
     def save_state(self, state_dir, progress):
         self.calls.append(("state", state_dir, progress))
@@ -129,7 +134,8 @@ class Loop(TrainingLoop):
         self.schedule_free = self.fused_backward = False
         self.zero = self.block_swapper = self.ema = None
         self.device = torch.device("cpu")
-        self.accelerator = SimpleNamespace(is_local_main_process=False, num_processes=1, sync_gradients=True,
+        self.accelerator = SimpleNamespace(is_local_main_process=False, is_main_process=True, num_processes=1,
+                                           sync_gradients=True,
                                            backward=lambda loss: loss.backward(),
                                            clip_grad_norm_=torch.nn.utils.clip_grad_norm_)
         self.run_state = RunState.start(1)
@@ -220,3 +226,12 @@ def test_eval_weights_swaps_in_the_ema_only_when_asked(tmp_path):
     assert isinstance(loop.eval_weights("validation"), contextlib.nullcontext) and swapped == []
     loop.eval_weights("sampling")
     assert swapped == [1]
+
+
+def test_a_save_now_request_is_served_after_the_next_step_and_taken_once(tmp_path):
+    loop = Loop(tmp_path, per_epoch=3, epochs=1)
+    os.makedirs(control_dir(str(tmp_path)))
+    open(os.path.join(control_dir(str(tmp_path)), "save"), "w").close()
+    loop._train()
+    assert [c for c in loop.saver.calls if c[0] == "model"] == [("model", "run-step00000001", 1, 1)]
+    assert os.listdir(control_dir(str(tmp_path))) == []
