@@ -29,6 +29,7 @@ SCRIPTS = {
     # Chroma trains through the FLUX.1 scripts, told by model_type = "chroma" in config.toml (MODEL_TYPES)
     ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
     ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
+    ("zimage", "lora"): "zimage_train_network.py", ("zimage", "finetune"): "zimage_train.py",
     ("hunyuan_image", "lora"): "hunyuan_image_train_network.py",  # sd-scripts has no HunyuanImage fine-tune script
 }
 # The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).

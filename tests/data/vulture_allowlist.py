@@ -32,6 +32,7 @@ _.log_message            # http.server handler methods of the stand-in Hub (test
 _.do_POST
 do_HEAD
 _.pre_tokenizer          # tokenizers.Tokenizer parts of the tiny tokenizers
+_.chat_template          # a tokenizer's chat template (tiny Qwen3 tokenizers), read by apply_chat_template
 _.normalizer
 _.decoder
 _.post_processor
