@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from library.families.flux.family import optimizer_block, pack_latents  # noqa: E402
 from library.families.flux.configs import PRESETS, transformer_config  # noqa: E402
-from library.train.fused_backward import FusedBackwardOptimizer  # noqa: E402
+from library.train.optim.fused_backward import FusedBackwardOptimizer  # noqa: E402
 
 
 def _model(heads: int, head_dim: int):

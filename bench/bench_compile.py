@@ -4,7 +4,7 @@
 
 The trainer's LoRA step (batch_loss + backward + optimizer_step) on the denoiser (random weights; full-size
 SD 1.5 architecture by default), first eager, then with the family's blocks compiled as --torch_compile does
-(library/train/compile.py). Prints the eager step, the compiled first step (tracing + code generation) and the
+(library/train/memory/compile.py). Prints the eager step, the compiled first step (tracing + code generation) and the
 compiled steady step, and the steady-state speed-up.
 """
 
@@ -26,7 +26,7 @@ from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.compile import CompileOptions, compile_blocks  # noqa: E402
+from library.train.memory.compile import CompileOptions, compile_blocks  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 from networks import lora  # noqa: E402
 

@@ -3,7 +3,7 @@
     python bench/bench_ddp.py [--steps 40] [--warmup 5]
 
 Each process runs with one intra-op thread (OMP_NUM_THREADS=1), so 2 processes use 2 cores and the ideal
-speed-up is 2.0. Throughput comes from the per-step trace (library/train/distributed.py TRACE_ENV): images
+speed-up is 2.0. Throughput comes from the per-step trace (library/train/distributed/distributed.py TRACE_ENV): images
 trained by all processes between the end of the warm-up step and the last step, over that wall time. The same
 trace holds a hash of every process's trained weights after every step: they must be equal.
 """

@@ -3,7 +3,7 @@
     python bench/bench_deepspeed.py [--steps 20] [--warmup 4] [--stages 1,2,3]
 
 The same run measures every variant (so the ratios to DDP compare like with like on a shared machine); one intra-op
-thread per process. Throughput comes from the per-step trace (library/train/distributed.py TRACE_ENV), as in
+thread per process. Throughput comes from the per-step trace (library/train/distributed/distributed.py TRACE_ENV), as in
 bench/bench_ddp.py. A tiny model's step is milliseconds of compute, so this measures DeepSpeed's fixed per-step and
 per-module costs, not what it saves on a large model.
 """

@@ -36,10 +36,10 @@ from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.fused_backward import FusedBackwardOptimizer  # noqa: E402
+from library.train.optim.fused_backward import FusedBackwardOptimizer  # noqa: E402
 from library.train.settings import FineTuneOptions  # noqa: E402
 from library.train.step import StepContext, batch_loss  # noqa: E402
-from library.train.trainables import ModelTrainable  # noqa: E402
+from library.train.adapters.trainables import ModelTrainable  # noqa: E402
 
 PRESETS = {"sd": "random:sd15", "sdxl": "random:sdxl"}
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.sampling.prompts import SamplePrompt  # noqa: E402
-from library.train.network_apply import NetworkSpec, apply_networks  # noqa: E402
+from library.train.adapters.network_apply import NetworkSpec, apply_networks  # noqa: E402
 from tools import generate as tool  # noqa: E402
 
 

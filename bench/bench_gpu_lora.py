@@ -73,7 +73,7 @@ def main() -> None:
 
     from library.cli.config_file import parse_with_config_file
     from library.cli.entry import build_parser, settings_from_args
-    from library.train.throughput import ThroughputMeter
+    from library.train.observe.throughput import ThroughputMeter
     from library.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from library.train.profiling import StepProfiler  # noqa: E402
+from library.train.observe.profiling import StepProfiler  # noqa: E402
 
 
 def timer_cost_us(n: int = 20000) -> float:

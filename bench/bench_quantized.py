@@ -1,8 +1,8 @@
 """--base_model_precision: resident size, peak host memory and LoRA step time of a quantized FLUX.1 base vs bf16.
 
 Memory: FLUX.1-dev's full-width blocks (hidden 3072, 24 heads; one double and one single block, random weights),
-built in bf16 and quantized by library/train/quantize.py as the trainer does. The resident size counts what each
-library stores (codes and scales, library/train/quantize.py resident_bytes) and is scaled on paper to the full
+built in bf16 and quantized by library/train/memory/quantize.py as the trainer does. The resident size counts what each
+library stores (codes and scales, library/train/memory/quantize.py resident_bytes) and is scaled on paper to the full
 depth (19 double + 38 single blocks; the embedders, about 0.5% of the model, left out). Peak host memory is the
 child process's peak RSS while building and quantizing, over its bf16 resident size (the trainer quantizes after
 the family has loaded the model in the training dtype, layer by layer: the peak is the bf16 model plus one layer).
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import peak_rss_mib  # noqa: E402
-from library.train.quantize import NO_CHANGE, PRECISIONS, precision_unavailable, quantize_frozen, resident_bytes  # noqa: E402,E501
+from library.train.memory.quantize import NO_CHANGE, PRECISIONS, precision_unavailable, quantize_frozen, resident_bytes  # noqa: E402,E501
 
 FULL_DOUBLE, FULL_SINGLE = 19, 38
 

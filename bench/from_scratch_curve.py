@@ -20,7 +20,7 @@ from library.cli.config_file import parse_with_config_file  # noqa: E402
 from library.cli.entry import build_parser, settings_from_args  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.train.trainer import Trainer  # noqa: E402
-from library.train.tracking import Tracker  # noqa: E402
+from library.train.observe.tracking import Tracker  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

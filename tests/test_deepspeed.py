@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (library/train/deepspeed_engine.py) on CPU processes: DeepSpeed's CPU accelerator over gloo.
+"""DeepSpeed ZeRO (library/train/distributed/deepspeed_engine.py) on CPU processes: DeepSpeed's CPU accelerator over gloo.
 
 Two torchrun processes train tiny:sd1 (a LoRA with sd-scripts' --deepspeed flags at ZeRO-2; a full fine-tune from
 the environment an accelerate DeepSpeed config exports at ZeRO-3) and are compared with one plain process of twice
@@ -185,7 +185,7 @@ def _ds_trainer(tmp_path, *extra, family: str = "sd"):
 
 
 def test_flags_reach_the_deepspeed_config(tmp_path):
-    from library.train.deepspeed_engine import ZeroConfig
+    from library.train.distributed.deepspeed_engine import ZeroConfig
 
     trainer = _ds_trainer(tmp_path, "--deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "cpu",
                           "--offload_param_device", "cpu", "--zero3_save_16bit_model", "--mixed_precision", "bf16",
@@ -215,7 +215,7 @@ def test_flags_reach_the_deepspeed_config(tmp_path):
 
 
 def test_fp16_maps_to_deepspeed_loss_scaling(tmp_path):
-    from library.train.deepspeed_engine import ZeroConfig
+    from library.train.distributed.deepspeed_engine import ZeroConfig
 
     trainer = _ds_trainer(tmp_path, "--deepspeed", "--mixed_precision", "fp16", "--max_grad_norm", "0")
     zero = ZeroConfig(trainer.s.training.deepspeed)
@@ -226,7 +226,7 @@ def test_fp16_maps_to_deepspeed_loss_scaling(tmp_path):
 
 
 def test_an_accelerate_config_value_that_disagrees_with_the_flags_is_refused(tmp_path, monkeypatch):
-    from library.train.deepspeed_engine import ZeroConfig
+    from library.train.distributed.deepspeed_engine import ZeroConfig
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")

@@ -1,6 +1,6 @@
 """Data parallel: 2 CPU processes over gloo (torchrun) on the tiny SD1 preset, one machine and two loopback "nodes".
 
-Each process writes a per-step trace (library/train/distributed.py TRACE_ENV: its images and a sha256 of its
+Each process writes a per-step trace (library/train/distributed/distributed.py TRACE_ENV: its images and a sha256 of its
 trained weights) and, through an audit hook installed by the worker below, every path it opened for writing,
 created, renamed or removed. The tests read those back: disjoint batches, bitwise-equal weights after every
 step, files written by rank 0 only.
@@ -257,7 +257,7 @@ def test_progressive_limit_counts_batches_of_all_processes():
 def test_step_module_one_process_and_a_turn_without_images():
     import torch
 
-    from library.train.distributed import StepModule, data_parallel
+    from library.train.distributed.distributed import StepModule, data_parallel
 
     net = torch.nn.Linear(3, 2)
     net.bias.requires_grad_(False)
@@ -286,7 +286,7 @@ ACCELERATE_SIMPLE = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "
 
 
 def test_lone_process_note_names_what_accelerate_launch_was_asked():
-    from library.train.distributed import lone_process_note
+    from library.train.distributed.distributed import lone_process_note
 
     argv = ["/usr/bin/python", "/usr/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train_network.py"]
     note = lone_process_note(1, ACCELERATE_SIMPLE, argv, script="train_network.py")
@@ -313,7 +313,7 @@ def test_accelerate_launch_cpu_with_two_processes_runs_one_and_says_so(tmp_path)
     if accelerate is None:
         pytest.skip("accelerate's launcher not installed")
     probe = tmp_path / "probe.py"
-    probe.write_text("from library.train.distributed import lone_process_note\nprint(lone_process_note(1))\n")
+    probe.write_text("from library.train.distributed.distributed import lone_process_note\nprint(lone_process_note(1))\n")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     lines = {}

@@ -202,7 +202,7 @@ def test_block_lr_needs_the_familys_block_count(tmp_path, capsys):
 
 def test_from_scratch_learns_on_the_example_images(tmp_path, monkeypatch):
     """--from_scratch on tiny:sd1: the seeded random UNet's loss falls (the full curve is in docs/fine_tune.md)."""
-    from library.train.tracking import Tracker
+    from library.train.observe.tracking import Tracker
 
     losses = {}
     real_log = Tracker.log

@@ -1,4 +1,4 @@
-"""FSDP (library/train/sharding.py, sharding_fsdp1.py): 2 CPU processes over gloo (torchrun) on the tiny SD1 preset
+"""FSDP (library/train/distributed/sharding.py, sharding_fsdp1.py): 2 CPU processes over gloo (torchrun) on the tiny SD1 preset
 with the FSDP_* variables accelerate's launcher exports, against 1 process of twice the batch; and the settings
 read from those variables, refused in one line where they cannot combine.
 
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
-from library.train.sharding import FsdpSettings
+from library.train.distributed.sharding import FsdpSettings
 from tests.test_distributed import dataset, launch, needs_torchrun, read_trace, train_args
 from tests.train_helpers import assert_close_measured, make_trainer
 
@@ -155,7 +155,7 @@ def test_fsdp2_activation_checkpointing_recomputes_blocks_with_the_same_gradient
     """FSDP_ACTIVATION_CHECKPOINTING: each unit runs its forward again in backward; the gradients are those of
     the model without sharding or checkpointing, up to float rounding (FSDP's reduce-scatter and autograd's
     recompute are other computations)."""
-    from library.train.sharding import shard_parts
+    from library.train.distributed.sharding import shard_parts
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(6, 2))
@@ -187,8 +187,8 @@ def test_fsdp2_blocks_compile_after_sharding(one_process_group):
     """--torch_compile with FSDP2: the blocks are compiled after fully_shard (dynamo traces them with FSDP's
     hooks around them) and train to the gradients of the plain model. The eager backend keeps it quick; inductor
     was measured the same way (24 s on this machine, equal within 1e-6)."""
-    from library.train.compile import CompileOptions, compile_blocks
-    from library.train.sharding import shard_parts
+    from library.train.memory.compile import CompileOptions, compile_blocks
+    from library.train.distributed.sharding import shard_parts
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(6, 2))
@@ -209,7 +209,7 @@ def test_fsdp2_blocks_compile_after_sharding(one_process_group):
 
 def test_what_cannot_combine_is_refused_in_one_line(tmp_path):
     """fsdp_unsupported: one line naming the option, before anything loads."""
-    from library.train.sharding import fsdp_unsupported
+    from library.train.distributed.sharding import fsdp_unsupported
 
     data = dataset(str(tmp_path), n=2)
 
@@ -244,7 +244,7 @@ def test_a_generated_config_reaches_the_loop(tmp_path, monkeypatch, flags, expec
     (prepare_multi_gpu_env) -> FsdpSettings.from_env: every option arrives as written."""
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from library.train.sharding import fsdp_unsupported
+    from library.train.distributed.sharding import fsdp_unsupported
     from tests.test_accelerate_config import launch_args, make_accelerate_config
 
     proc, path = make_accelerate_config(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")

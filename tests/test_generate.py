@@ -13,7 +13,7 @@ from PIL import Image
 
 from library.core.errors import ConfigError
 from library.sampling.output import read_png_text
-from library.train.network_apply import NetworkSpec, network_specs
+from library.train.adapters.network_apply import NetworkSpec, network_specs
 from tools import generate as tool
 
 ARGS = ["--W", "64", "--H", "64", "--steps", "2", "--scale", "4", "--sampler", "euler_a"]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from library.sampling.generate import GenerationRequest, generate_images
 from library.sampling.output import read_png_text
-from library.train.network_apply import NetworkSpec
+from library.train.adapters.network_apply import NetworkSpec
 from tests.train_helpers import base_args, make_dataset, make_trainer
 from tools import generate as tool
 

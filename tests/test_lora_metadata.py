@@ -16,7 +16,7 @@ from library.cli.network import (
 )
 from library.core.errors import ConfigError
 from library.core import metadata as M
-from library.train.network_kinds import import_network_module
+from library.train.adapters.network_kinds import import_network_module
 from library.train.settings import NetworkOptions
 
 TINY_SD = {"a.lora_down.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "a.alpha": torch.tensor(1.0)}

@@ -426,7 +426,7 @@ def three_encoder_network(**network_args):
 
 
 def test_one_learning_rate_per_text_encoder():
-    from library.train.lr_schedulers import lr_log_names
+    from library.train.optim.lr_schedulers import lr_log_names
 
     net = three_encoder_network()
     groups, names = net.prepare_optimizer_params([1e-5, 2e-5, 3e-5], 1e-4, 1e-3)

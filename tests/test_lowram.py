@@ -3,7 +3,7 @@ turn), as sd-scripts does; with one process, or without the flag, loading is one
 
 from __future__ import annotations
 
-from library.train.distributed import load_in_turns
+from library.train.distributed.distributed import load_in_turns
 
 
 class Machine:

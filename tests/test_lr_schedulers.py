@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from library.core.errors import ConfigError
-from library.train.lr_schedulers import (
+from library.train.optim.lr_schedulers import (
     SCHEDULERS,
     SchedulerOptions,
     create_scheduler,
@@ -14,7 +14,7 @@ from library.train.lr_schedulers import (
     parse_step_rules,
     resolve_steps,
 )
-from library.train.optimizers import OptimizerOptions, create_optimizer
+from library.train.optim.optimizers import OptimizerOptions, create_optimizer
 
 # these tests step schedulers without training, which torch warns about
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.families import get_family
-from library.train.network_setup import kohya_name_map
+from library.train.adapters.network_setup import kohya_name_map
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 lycoris_kohya = pytest.importorskip("lycoris.kohya")
@@ -155,7 +155,7 @@ def test_lycoris_default_full_preset_wraps_the_time_embedding_once(tmp_path, fam
 
 def test_generation_applies_every_module_of_a_lycoris_file(tmp_path, tiny_sd1_copy):
     """tools/generate and sampling from a file: kohya-renamed keys (text_model, SGM) find their modules again."""
-    from library.train.network_apply import NetworkSpec, apply_networks
+    from library.train.adapters.network_apply import NetworkSpec, apply_networks
 
     data = make_dataset(str(tmp_path), n=1)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), steps=2, extra=[

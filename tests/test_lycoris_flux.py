@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.train.network_kinds import network_kind
-from library.train.network_setup import (
+from library.train.adapters.network_kinds import network_kind
+from library.train.adapters.network_setup import (
     external_state_dict,
     kohya_name_map,
     load_network_weights,
@@ -188,7 +188,7 @@ def test_lycoris_arguments_it_refuses_are_one_line_config_errors(tmp_path):
 
 
 def test_generation_applies_a_lycoris_flux_file_with_the_trained_output(tmp_path):
-    from library.train.network_apply import NetworkSpec, apply_networks
+    from library.train.adapters.network_apply import NetworkSpec, apply_networks
 
     trainer, path = train(tmp_path, "lokr", extra=["--network_train_unet_only"])
     family = trainer.family

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.train.network_apply import NetworkSpec, apply_networks
+from library.train.adapters.network_apply import NetworkSpec, apply_networks
 from tools.lora_models import LoadedModel, load_model, lora_layers
 
 # The six modules outside the blocks, as a full-preset SDXL file names them (kohya/SGM names; conv_in as
@@ -145,7 +145,7 @@ def test_issue6_a_module_no_layer_has_stops_generation_with_one_line(full_file, 
 
 def test_issue6_networks_lora_never_trains_the_outside_layers(tiny_sdxl):
     """The optional targets come only from a file: training with networks.lora keeps sd-scripts' modules."""
-    from library.train.network_kinds import network_kind
+    from library.train.adapters.network_kinds import network_kind
     from library.train.settings import NetworkOptions
 
     family = get_family("sdxl")

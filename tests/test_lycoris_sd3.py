@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from library.families.base import LoadOptions
-from library.train.network_kinds import network_kind
-from library.train.network_setup import external_state_dict
+from library.train.adapters.network_kinds import network_kind
+from library.train.adapters.network_setup import external_state_dict
 from library.train.settings import NetworkOptions
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

@@ -62,7 +62,7 @@ def _identity_out(layer, n):
 def measured_deltas(path, components):
     """module name -> ΔW (float32, the layer's shape) of the file hooked into `components` by LyCORIS."""
     from library.families import get_family
-    from library.train.network_apply import NetworkSpec, apply_networks
+    from library.train.adapters.network_apply import NetworkSpec, apply_networks
 
     layers = _layers(components)
     names = sorted({k.split(".")[0] for k in load_file(path)})

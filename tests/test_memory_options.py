@@ -20,9 +20,9 @@ from torch import nn
 from library.cli.memory import memory_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.families import get_family
-from library.train.block_swap import BlockSwapper
-from library.train.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
-from library.train.offload_checkpoint import offloaded_checkpoint
+from library.train.memory.block_swap import BlockSwapper
+from library.train.memory.fp8 import FP8_DTYPE, cast_base_to_fp8, fp8_layers, fp8_round_trip_
+from library.train.memory.offload_checkpoint import offloaded_checkpoint
 from tests.train_helpers import assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer
 
 FLUX_ARGS = ["--t5xxl_max_token_length", "16", "--network_train_unet_only", "--cache_text_encoder_outputs"]
@@ -254,7 +254,7 @@ def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
     """On CUDA each swapped block's weights sit in one buffer registered with cudaHostRegister (mocked here)."""
     from unittest import mock
 
-    from library.train.block_swap import page_locked_copies
+    from library.train.memory.block_swap import page_locked_copies
 
     tensors = [torch.randn(3, 5).bfloat16(), torch.randn(7), torch.tensor(2.0), torch.arange(10)]
     cudart = mock.Mock()
@@ -273,7 +273,7 @@ def test_swapped_blocks_are_page_locked_at_their_exact_size(monkeypatch):
 def test_parts_whose_outputs_are_cached_wait_in_cpu_memory():
     from types import SimpleNamespace
 
-    from library.train.memory_setup import park_cached_parts
+    from library.train.memory.memory_setup import park_cached_parts
 
     vae, te1, te2 = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
     components = SimpleNamespace(vae=vae, text_encoders=[te1, te2])

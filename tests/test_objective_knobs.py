@@ -377,7 +377,7 @@ def test_run_with_knobs_resumes_bitwise_and_records_effective_lr(tmp_path, monke
     straight = straight_trainer.run()
     monkeypatch.setattr(DDPMScheme, "sample_timesteps", original)
     assert len(seen) == steps * 2 and all(b == TimestepBias("later", 3.0) for b in seen)  # the loop passes the bias
-    scheme = straight_trainer.scheme
+    scheme = straight_trainer.ctx.scheme
     assert scheme.beta_schedule == "linear" and scheme.v_prediction and scheme.zero_terminal_snr
     assert straight_trainer.s.noise.timestep_bias == TimestepBias("later", 3.0)
     assert straight_trainer.s.optimizer.learning_rate == pytest.approx(1e-3)  # 5e-4 x 1 process x batch 1 x 2

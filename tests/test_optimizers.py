@@ -15,7 +15,7 @@ from library.cli.optimizer import (
 )
 from library.cli.ranges import check_ranges
 from library.core.errors import ConfigError
-from library.train.optimizers import (
+from library.train.optim.optimizers import (
     OptimizerOptions,
     create_optimizer,
     is_schedule_free,
@@ -152,7 +152,7 @@ def test_legacy_flags():
 @pytest.mark.skipif(not installed("prodigyopt"), reason="prodigyopt not installed")
 def test_adaptive_optimizer_warnings(caplog):
     groups = [{"params": params(), "lr": 1e-4}, {"params": params(), "lr": 1.0}]
-    with caplog.at_level(logging.WARNING, logger="library.train.optimizers"):
+    with caplog.at_level(logging.WARNING, logger="library.train.optim.optimizers"):
         _, _, descriptor = create_optimizer(groups, OptimizerOptions("Prodigy", 1e-4, {"decouple": True}))
     text = caplog.text
     assert "learning rate 0.0001 is low for an adaptive optimizer" in text

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import library.core.errors as core_errors
-from library.train import memory_setup
-from library.train.memory_setup import XFORMERS_MISSING, apply_xformers
-from library.train.network_kinds import KNOWN_PACKAGES
-from library.train.optimizers import OPTIMIZERS
+from library.train.memory import memory_setup
+from library.train.memory.memory_setup import XFORMERS_MISSING, apply_xformers
+from library.train.adapters.network_kinds import KNOWN_PACKAGES
+from library.train.optim.optimizers import OPTIMIZERS
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

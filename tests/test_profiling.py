@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from library.core.errors import ConfigError
-from library.train.profiling import StepProfiler, parse_step_range
+from library.train.observe.profiling import StepProfiler, parse_step_range
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 

@@ -1,4 +1,4 @@
-"""--base_model_precision / --text_encoder_precision (library/train/quantize.py): frozen Linear weights stored by
+"""--base_model_precision / --text_encoder_precision (library/train/memory/quantize.py): frozen Linear weights stored by
 optimum-quanto, torchao or bitsandbytes; a LoRA on them trains close to the full-precision one."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from torch import nn
 from library.cli.memory import memory_options_from_args
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.train import quantize as q
-from library.train.quantize import PRECISIONS, quantize_frozen, quantized_layers, resident_bytes
+from library.train.memory import quantize as q
+from library.train.memory.quantize import PRECISIONS, quantize_frozen, quantized_layers, resident_bytes
 from library.train.settings import MemoryOptions
-from library.train.sharding import FsdpSettings, fsdp_unsupported
+from library.train.distributed.sharding import FsdpSettings, fsdp_unsupported
 from networks.lora_module import LoRAModule
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

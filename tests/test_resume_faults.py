@@ -120,8 +120,8 @@ def test_dim_from_weights_starts_from_the_files_values(tmp_path, tiny_sd1):
         "--network_weights", path, "--dim_from_weights"]))
     trainer._setup_accelerator()
     trainer._setup_data()
-    trainer._setup_model()
-    trainer._setup_trainable()
+    trainer.components, trainer.block_swapper = trainer._setup_model()
+    trainer.trainable = trainer._setup_trainable()
     saved = load_file(path)
     state = trainer.trainable.module.state_dict()
     ups = [k for k in saved if k.endswith("lora_up.weight")]
@@ -142,8 +142,8 @@ def test_lycoris_takes_one_or_two_text_encoder_rates(tmp_path, rates, expected):
     trainer = make_trainer(argv, "sdxl")
     trainer._setup_accelerator()
     trainer._setup_data()
-    trainer._setup_model()
-    trainer._setup_trainable()
+    trainer.components, trainer.block_swapper = trainer._setup_model()
+    trainer.trainable = trainer._setup_trainable()
     trainer._setup_optimizer()
     lrs = {g["lr"] for g in trainer.optimizer.param_groups}
     assert lrs == expected | {1e-4}
@@ -241,7 +241,7 @@ def test_nan_hint_of_half_precision_runs(tmp_path, extra, hint):
 
 def test_too_little_disk_space_is_refused_before_training(tmp_path, capsys, monkeypatch):
     """Item 13: free space is checked against one save (+ state) before step 1."""
-    import library.train.disk_space as disk_space
+    import library.train.observe.disk_space as disk_space
 
     monkeypatch.setattr(disk_space, "free_bytes", lambda folder: 2**20)
     data = make_dataset(str(tmp_path), n=1)
@@ -257,7 +257,7 @@ def test_disk_full_during_a_save_is_one_line_and_earlier_files_stay(tmp_path):
     """Item 13: ENOSPC while saving names the path and the space needed; the previous save is intact."""
     import errno
 
-    from library.train.disk_space import DiskFull
+    from library.train.observe.disk_space import DiskFull
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")
@@ -345,7 +345,7 @@ def test_non_finite_tensors_are_not_saved(tmp_path, monkeypatch, where, expected
     non-finite values) and only stopped at the next loss. Now the save is refused, naming the tensor; the state
     check covers the optimizer state too (there the model file, finite, is written, the state is not)."""
     from library.train.saving import NonFiniteWeights
-    from library.train.trainables import AdapterTrainable
+    from library.train.adapters.trainables import AdapterTrainable
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")
@@ -491,7 +491,7 @@ def test_torch_save_failure_in_a_state_is_one_line(tmp_path, monkeypatch, free, 
     """torch.save (optimizer.bin) reports a full disk as RuntimeError "[enforce fail at inline_container.cc:672]
     unexpected pos ..." without its cause: with under 1 MiB left it is a full disk, otherwise a failed write."""
     from library.core import io_utils
-    from library.train.disk_space import SaveFailed
+    from library.train.observe.disk_space import SaveFailed
 
     real_save = torch.save
 
@@ -519,7 +519,7 @@ def test_other_write_error_is_one_line(tmp_path, monkeypatch):
     """Any other write failure (here EIO from the LoRA writer) is one line too, the earlier files intact."""
     import errno
 
-    from library.train.disk_space import DiskFull, SaveFailed
+    from library.train.observe.disk_space import DiskFull, SaveFailed
 
     def fault():
         def eio(tensors, filename, metadata=None):

@@ -138,7 +138,7 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
     --learning_rate_te3 (0 keeps it frozen, as sd-scripts), and the saved single file holds the trained T5."""
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
-    from library.train.trainables import fine_tune_plan
+    from library.train.adapters.trainables import fine_tune_plan
     from tests.test_fine_tune import ft_args, ft_trainer
 
     family = get_family("sd3")

@@ -136,7 +136,7 @@ def test_cli_errors_are_one_line_and_before_training(tmp_path, capsys, tiny_sd1_
 
 def test_diffusers_named_network_weights_are_converted(tmp_path, tiny_sdxl):
     from library.families import get_family
-    from library.train.network_setup import load_network_weights
+    from library.train.adapters.network_setup import load_network_weights
     from networks import lora
 
     c = tiny_sdxl

@@ -26,7 +26,7 @@ def test_regional_compile_trains_the_same_lora(tmp_path, caplog):
     build: the compiled blocks must train the LoRA the eager ones train."""
     torch._dynamo.reset()
     eager = _lora(tmp_path, "eager", [])
-    with caplog.at_level(logging.INFO, logger="library.train.compile"):
+    with caplog.at_level(logging.INFO, logger="library.train.memory.compile"):
         compiled = _lora(tmp_path, "compiled", ["--torch_compile", "--dynamo_backend", "aot_eager"])
     (line,) = [r.getMessage() for r in caplog.records if "--torch_compile" in r.getMessage()]
     # tiny:sd1: 2 down + 2 up/mid transformer blocks and the ResNet blocks, compiled one by one
@@ -63,7 +63,7 @@ def test_compile_with_block_swap_refused(tmp_path):
 def test_flash_attn_without_the_package_warns_and_uses_sdpa(tiny_sd1, caplog, monkeypatch):
     import importlib.util
 
-    from library.train import memory_setup
+    from library.train.memory import memory_setup
 
     real = importlib.util.find_spec
     monkeypatch.setattr(memory_setup.importlib.util, "find_spec",

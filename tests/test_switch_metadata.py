@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from library.core import hashes
 from library.core import metadata as M
-from library.train.network_kinds import OwnLoRA, network_kind
+from library.train.adapters.network_kinds import OwnLoRA, network_kind
 from library.train.run_metadata import timestep_range
 from tests.train_helpers import base_args, make_dataset, make_trainer
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from library.train.throughput import ThroughputMeter, bf16_peak_tflops
+from library.train.observe.throughput import ThroughputMeter, bf16_peak_tflops
 from tests.train_helpers import base_args, make_dataset, make_trainer
 
 

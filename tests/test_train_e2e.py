@@ -170,7 +170,7 @@ def test_save_cadence_and_retention_on_disk(tmp_path):
 
 
 def test_validation_loss_is_logged_at_fixed_timesteps(tmp_path, monkeypatch):
-    from library.train.tracking import Tracker
+    from library.train.observe.tracking import Tracker
 
     data = make_dataset(str(tmp_path), n=4)
     logged = []

@@ -103,7 +103,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     from library.sampling.generate import PromptOverrides
     from library.sampling.prompts import load_prompts, parse_prompt_line
     from library.sampling.samplers import canonical_sampler
-    from library.train.network_apply import network_specs
+    from library.train.adapters.network_apply import network_specs
 
     if a.sdxl and a.flux:
         raise ConfigError("--sdxl and --flux: expected at most one")
@@ -198,7 +198,7 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     """
     from library.sampling.generate import generate_images, requests_from_prompts
     from library.sampling.output import save_samples
-    from library.train.network_apply import apply_networks
+    from library.train.adapters.network_apply import apply_networks
 
     family, components, device = loaded or load_model(o)
     family.check_loaded(components, o)  # --clip_skip against the loaded text encoder

@@ -1,4 +1,4 @@
-"""sd-scripts' DeepSpeed flags (`--deepspeed`, `--zero_stage`, ...) -> DeepSpeedOptions (library/train/deepspeed_engine.py)."""
+"""sd-scripts' DeepSpeed flags (`--deepspeed`, `--zero_stage`, ...) -> DeepSpeedOptions (library/train/distributed/deepspeed_engine.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import ClassVar, Optional
 
 from library.cli.options import Range, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
-from library.train.deepspeed_engine import DeepSpeedOptions, check_options
+from library.train.distributed.deepspeed_engine import DeepSpeedOptions, check_options
 
 logger = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from library.data.building import check_datasets
 from library.data.plan import DataFamilyInfo
 from library.families import get_family
 from library.families.base import ModelFamily
+from library.train.adapters.network_kinds import network_kind
 from library.train.dreambooth import StopTextEncoderTraining
-from library.train.network_kinds import network_kind
-from library.train.optimizers import optimizer_class
+from library.train.optim.optimizers import optimizer_class
 from library.train.settings import RunSettings
 from library.train.stopping import StopHandler, StopRequested
 from library.train.trainer import InterruptedTraining, Trainer

@@ -10,8 +10,8 @@ from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
-from library.train.quantize import CHOICES as PRECISION_CHOICES
-from library.train.quantize import NO_CHANGE, precision_unavailable
+from library.train.memory.quantize import CHOICES as PRECISION_CHOICES
+from library.train.memory.quantize import NO_CHANGE, precision_unavailable
 from library.train.settings import MemoryOptions
 from library.train.speedups import SpeedOptions
 

@@ -9,13 +9,13 @@ from typing import ClassVar, Optional
 
 from library.cli.options import LEARNING_RATE, RATE, Range, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
-from library.train.lr_schedulers import (
+from library.train.optim.lr_schedulers import (
     SCHEDULERS,
     SchedulerOptions,
     parse_scheduler_args,
     resolve_steps,
 )
-from library.train.optimizers import (
+from library.train.optim.optimizers import (
     OptimizerOptions,
     parse_optimizer_args,
     resolve_optimizer_type,

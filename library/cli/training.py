@@ -15,10 +15,10 @@ from library.cli.deepspeed import deepspeed_options_from_args
 from library.cli.hub import HubFlags, hub_options_from_args
 from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
-from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
-from library.train.profiling import parse_step_range
+from library.train.memory.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
+from library.train.observe.profiling import parse_step_range
 from library.train.settings import TrainingOptions
-from library.train.tracking import WANDB_MISSING, wandb_installed
+from library.train.observe.tracking import WANDB_MISSING, wandb_installed
 
 logger = logging.getLogger(__name__)
 

@@ -168,7 +168,7 @@ class ModelFamily(ABC):
     # first also wraps modules of the second (Flux: BFL block classes -> diffusers block classes).
     lycoris_module_aliases: ClassVar[tuple[tuple[str, str], ...]] = ()
     # The denoiser's repeated block classes: the units of FSDP's TRANSFORMER_BASED_WRAP
-    # (library/cli/accelerate_config.py) and of regional compilation (--torch_compile, library/train/compile.py).
+    # (library/cli/accelerate_config.py) and of regional compilation (--torch_compile, library/train/memory/compile.py).
     block_classes: ClassVar[tuple[str, ...]] = ()
     # How many text encoders, from the first, a full fine-tune's --train_text_encoder trains (SD3: CLIP-L and
     # CLIP-G, not T5, as sd-scripts' sd3_train.py); None: all of them.

@@ -11,7 +11,7 @@ import logging
 import os
 
 from library.train import checkpoints as ckpt
-from library.train.distributed import any_process
+from library.train.distributed.distributed import any_process
 
 logger = logging.getLogger(__name__)
 

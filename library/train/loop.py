@@ -19,12 +19,12 @@ from library.core.errors import UserError
 from library.data.dataset import EpochSampler, PlannedBatches
 from library.train import checkpoints as ckpt
 from library.train.control import serve_requests
-from library.train.distributed import any_process
-from library.train.lr_schedulers import lr_logs
+from library.train.distributed.distributed import any_process
+from library.train.optim.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
 from library.train.step import batch_loss, optimizer_step
 from library.train.stopping import nan_hint
-from library.train.tracking import LossWindow
+from library.train.observe.tracking import LossWindow
 from library.train.validation import validation_loss
 
 logger = logging.getLogger("library.train.trainer")  # one logger name for the whole trainer (tests filter on it)

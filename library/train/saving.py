@@ -21,16 +21,16 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from library.train import checkpoints as ckpt
-from library.train.distributed import any_process, gather_objects
-from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
-from library.train.ema import EMA
+from library.train.distributed.distributed import any_process, gather_objects
+from library.train.observe.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.hub import HubUploader
-from library.train.network_setup import SAVE_DTYPES
+from library.train.optim.ema import EMA
+from library.train.adapters.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
 from library.core.errors import UserError
 from library.train.state import RunState, TrainProgress, check_shapes, check_world_size, choose_state, save_state
 from library.train.state import warn_changed_flags
-from library.train.trainables import Trainable
+from library.train.adapters.trainables import Trainable
 
 logger = logging.getLogger(__name__)
 

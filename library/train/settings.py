@@ -12,11 +12,13 @@ from library.data.options import DataOptions
 from library.families.base import LoadOptions
 from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
-from library.train.compile import CompileOptions
-from library.train.deepspeed_engine import DeepSpeedOptions
+from library.train.distributed.deepspeed_engine import DeepSpeedOptions
 from library.train.hub import HubOptions
-from library.train.lr_schedulers import SchedulerOptions
-from library.train.optimizers import OptimizerOptions
+from library.train.memory.compile import CompileOptions
+from library.train.memory.memory_setup import MemoryOptions
+from library.train.optim.ema import EmaOptions
+from library.train.optim.lr_schedulers import SchedulerOptions
+from library.train.optim.optimizers import OptimizerOptions
 from library.train.speedups import SpeedOptions
 
 
@@ -62,7 +64,7 @@ class TrainingOptions:
     compile: CompileOptions = field(default_factory=CompileOptions)  # --torch_compile and the --dynamo_* flags
     highvram: bool = False  # cached parts stay on the device
     lowram: bool = False  # the processes of a machine load the model one after another
-    profile_steps: bool = False  # per-step timing breakdown (library/train/profiling.py)
+    profile_steps: bool = False  # per-step timing breakdown (library/train/observe/profiling.py)
     profile_microbatches: bool = False
     profiler_trace_dir: Optional[str] = None
     profiler_trace_steps: Optional[tuple[int, int]] = None  # (first, last) optimizer step of the trace
@@ -100,23 +102,6 @@ class NetworkOptions:
 
 
 @dataclass
-class MemoryOptions:
-    """How the frozen base model is stored and placed during training."""
-    fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
-    fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
-    blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
-    cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
-    xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
-    flash_attn: bool = False  # --flash_attn: diffusers' "flash" attention backend when flash-attn is installed
-    base_model_precision: str = "no_change"  # the frozen denoiser's Linear weights, quantized (library/train/quantize.py)
-    text_encoder_precision: str = "no_change"  # the same for the frozen text encoders
-
-    @property
-    def fp8_text_encoders(self) -> bool:
-        return self.fp8_base and not self.fp8_base_unet
-
-
-@dataclass
 class TextCacheOptions:
     """Whether to encode every caption once before training, and where to keep the outputs."""
     enabled: bool = False
@@ -147,20 +132,6 @@ class FineTuneOptions:
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
-@dataclass
-class EmaOptions:
-    """An exponential moving average of the trained weights (full fine-tunes and adapters alike)."""
-    use_ema: bool = False
-    decay: float = 0.9999
-    warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t)) over the t-th update
-    update_every: int = 1
-    device: str = "cpu"  # "cpu" or "same" (the training device)
-    start_step: int = 0
-    save_ema_only: bool = True  # False: also save the trained weights as <name>-nonema
-    for_sampling: bool = True
-    for_validation: bool = True
-
-
 # A trainer hook: called as hook(trainer, event, step) at "train_start", "step", "epoch" and "train_end".
 Hook = Callable[[Any, str, int], None]
 
@@ -171,7 +142,7 @@ class RunSettings:
     model: LoadOptions  # model.family_options: the family's own options (its options_type)
     data: DataOptions
     network: Optional[NetworkOptions]  # None for a full fine-tune
-    network_kind: Any  # library.train.network_kinds.NetworkKind of --network_module (chosen once, in the CLI)
+    network_kind: Any  # library.train.adapters.network_kinds.NetworkKind of --network_module (chosen once, in the CLI)
     optimizer: OptimizerOptions
     scheduler: SchedulerOptions
     noise: NoiseOptions

@@ -27,10 +27,10 @@ from library.data.te_cache import (
     check_text_cache_allowed,
     subset_caption_settings,
 )
-from library.families.base import ModelFamily
+from library.families.base import Components, ModelFamily
 from library.objectives.losses import check_loss_options
-from library.train.compile import compile_blocks
-from library.train.distributed import (
+from library.train.memory.compile import compile_blocks
+from library.train.distributed.distributed import (
     StepModule,
     StepTrace,
     data_parallel,
@@ -40,23 +40,24 @@ from library.train.distributed import (
     make_accelerator,
     unused_parameters_possible,
 )
-from library.train.deepspeed_engine import (
+from library.train.distributed.deepspeed_engine import (
     ZeroConfig,
     ZeroEngine,
     accelerate_without_deepspeed,
     launched_with_deepspeed,
 )
-from library.train.deepspeed_engine import unsupported as deepspeed_unsupported
-from library.train.ema import EMA
-from library.train.fused_backward import FusedBackwardOptimizer
+from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
+from library.train.optim.ema import EMA
+from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
-from library.train.lr_schedulers import create_scheduler, lr_log_names
-from library.train.memory_setup import apply_memory_options, park_cached_parts
-from library.train.network_kinds import merge_base_weights
-from library.train.optimizers import create_optimizer, is_schedule_free
-from library.train.profiling import Instruments
+from library.train.optim.lr_schedulers import create_scheduler, lr_log_names
+from library.train.memory.block_swap import BlockSwapper
+from library.train.memory.memory_setup import apply_memory_options, park_cached_parts
+from library.train.adapters.network_kinds import merge_base_weights
+from library.train.optim.optimizers import create_optimizer, is_schedule_free
+from library.train.observe.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.sharding import (
+from library.train.distributed.sharding import (
     FsdpSettings,
     broadcast_module_states,
     fsdp_unsupported,
@@ -72,8 +73,8 @@ from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
-from library.train.tracking import Tracker
-from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
+from library.train.observe.tracking import Tracker
+from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Trainer(TrainingLoop):
         self.skipped_images: set[str] = set()
         # set up by run(), in this order
         self.accelerator = self.device = self.weight_dtype = None
-        # the DeepSpeed config (ZeroConfig; library/train/deepspeed_engine.py) when the run is under DeepSpeed:
+        # the DeepSpeed config (ZeroConfig; library/train/distributed/deepspeed_engine.py) when the run is under DeepSpeed:
         # --deepspeed or an accelerate DeepSpeed config
         self.zero = None
         self.run_state: Optional[RunState] = None  # progress + every RNG: what a state folder restores
@@ -107,8 +108,8 @@ class Trainer(TrainingLoop):
         self.lr_names: list[str] = []
         self.schedule_free = False
         self.ema: Optional[EMA] = None
-        self.scheme = self.ctx = None
-        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/profiling.py)
+        self.ctx: Optional[StepContext] = None  # the family, model, noise scheme and losses every step uses
+        self.instruments = Instruments(None, None, None)  # timing and FLOPs (library/train/observe/profiling.py)
         self.text_cached_encoders: frozenset[int] = frozenset()  # filled by _cache_text_outputs
         self.tracker: Optional[Tracker] = None
         self.session_id = 0
@@ -237,47 +238,48 @@ class Trainer(TrainingLoop):
         """The dtype of trained weights: float32 unless --full_bf16 / --full_fp16."""
         return torch.float16 if self.t.full_fp16 else torch.bfloat16 if self.t.full_bf16 else torch.float32
 
-    def _setup_model(self) -> None:
-        self.components = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
-        self.family.check_loaded(self.components, self.s.text)  # --clip_skip against the loaded encoders
-        c = self.components
+    def _setup_model(self) -> tuple[Components, Optional[BlockSwapper]]:
+        """The loaded model, frozen and placed under the memory options, and the block swapper (or None)."""
+        c = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
+        self.family.check_loaded(c, self.s.text)  # --clip_skip against the loaded encoders
         for m in [c.denoiser, c.vae, *c.text_encoders]:
             m.requires_grad_(False)
             m.eval()
         vae_dtype = torch.float32 if self.s.no_half_vae else self.weight_dtype
         c.vae.to(self.device, vae_dtype)
-        trained = self._fine_tune_parts()
+        trained = self._fine_tune_parts(c)
         parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
         for name, m in parts.items():  # placed by apply_memory_options: swapped blocks stay in CPU memory
             m.to(dtype=self._full_dtype() if name in trained else self.weight_dtype)
         if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
             merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
-        self.block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                                  self.t.gradient_checkpointing,
-                                                  steps_in_backward=bool(trained) and self.fused_backward)
+        block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
+                                             self.t.gradient_checkpointing,
+                                             steps_in_backward=bool(trained) and self.fused_backward)
         self.family.prepare_for_data(c, [r for ds in self.data.datasets for r in ds.resolutions])
+        return c, block_swapper
 
-    def _fine_tune_parts(self) -> dict[str, float]:
+    def _fine_tune_parts(self, components: Components) -> dict[str, float]:
         if self.s.fine_tune is None:
             return {}
-        encoders = len(self.components.text_encoders)
+        encoders = len(components.text_encoders)
         limit = self.family.fine_tune_text_encoders
         if self.s.fine_tune.train_t5xxl:
             limit = self.family.fine_tune_t5xxl_encoder + 1
         return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate,
                               encoders if limit is None else min(limit, encoders))
 
-    def _setup_trainable(self) -> None:
+    def _setup_trainable(self) -> Trainable:
+        """What trains: the model's own parts (a fine-tune) or a network hooked into it."""
         t = self.t
         if self.s.fine_tune is not None:
-            self.trainable = ModelTrainable(self.family, self.components, self._fine_tune_parts(), self.s.fine_tune,
-                                            t.save_model_as, t.save_precision, device=self.device,
-                                            gradient_checkpointing=t.gradient_checkpointing)
-        else:
-            self.trainable = AdapterTrainable(self.s.network_kind, self.family, self.components, self.s.network,
-                                              t.save_model_as, t.save_precision, fp8_base=self.s.memory.fp8_base,
-                                              full_dtype=self._full_dtype(), device=self.device,
-                                              gradient_checkpointing=t.gradient_checkpointing)
+            return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
+                                  self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,
+                                  gradient_checkpointing=t.gradient_checkpointing)
+        return AdapterTrainable(self.s.network_kind, self.family, self.components, self.s.network,
+                                t.save_model_as, t.save_precision, fp8_base=self.s.memory.fp8_base,
+                                full_dtype=self._full_dtype(), device=self.device,
+                                gradient_checkpointing=t.gradient_checkpointing)
 
     def _cache_latents(self) -> None:
         d = self.s.data
@@ -327,7 +329,7 @@ class Trainer(TrainingLoop):
             self._setup_deepspeed()
         elif self.accelerator.num_processes > 1:
             # DDP wraps a StepModule (trained weights + the loss as forward), not the network, whose own forward
-            # a LoRA never calls (library/train/distributed.py); DDP broadcasts rank 0's weights at the start.
+            # a LoRA never calls (library/train/distributed/distributed.py); DDP broadcasts rank 0's weights at the start.
             self.network = self.trainable.module
             self.optimizer = self.accelerator.prepare(self.optimizer)
         else:
@@ -381,32 +383,32 @@ class Trainer(TrainingLoop):
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
         self._setup_accelerator()
         self._setup_data()
-        self._setup_model()
+        self.components, self.block_swapper = self._setup_model()
         self._cache_latents()
 
     def cache_text_outputs_only(self) -> None:
         """Build the text-encoder output cache this run would use, then stop (tools/cache_text_encoder_outputs.py)."""
         self._setup_accelerator()
         self._setup_data()
-        self._setup_model()
-        self._setup_step_context()  # no trainable: the encoders stay frozen
+        self.components, self.block_swapper = self._setup_model()
+        self.ctx, self.instruments = self._setup_step_context()  # no trainable: the encoders stay frozen
         self._cache_text_outputs()
 
-    def _setup_step_context(self) -> None:
-        """The noise scheme and the StepContext every step (and the text cache) encodes with."""
-        self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
-        check_loss_options(self.s.loss, self.scheme)
+    def _setup_step_context(self) -> tuple[StepContext, Instruments]:
+        """The StepContext every step (and the text cache) encodes with, and the step's timing instruments."""
+        scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
+        check_loss_options(self.s.loss, scheme)
         if self.trainable is not None and not self.trainable.is_adapter and any(
                 sub.custom_attributes.get("diff_output_preservation") for sub in self.data.subsets):
             raise ConfigError("custom_attributes.diff_output_preservation: only for network (LoRA) training, where "
                               "the base model's prediction is the network at multiplier 0 (as sd-scripts)")
-        self.ctx = StepContext(
-            family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
+        ctx = StepContext(
+            family=self.family, components=self.components, scheme=scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
             autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
-        self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
+        return ctx, Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 
     def debug_dataset(self) -> int:
         """--debug_dataset: print the first epoch's batches; no model loads. Returns the number of batches."""
@@ -429,8 +431,8 @@ class Trainer(TrainingLoop):
                 self.stop.install()
             self._setup_accelerator()
             self._setup_data()
-            self._setup_model()
-            self._setup_trainable()
+            self.components, self.block_swapper = self._setup_model()
+            self.trainable = self._setup_trainable()
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)
             if self.fsdp is not None:
@@ -439,7 +441,7 @@ class Trainer(TrainingLoop):
                 compile_blocks(self.components.denoiser, self.family.block_classes, self.t.compile)
             self._cache_latents()  # shared out between the processes
             self._setup_optimizer()
-            self._setup_step_context()
+            self.ctx, self.instruments = self._setup_step_context()
             self._cache_text_outputs()  # shared out between the processes
             if not self.t.highvram:
                 park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from library.core.errors import ConfigError
 from library.families import family_names, get_family, registered_families
 from library.families.base import Components, ModelFamily
-from library.train.network_setup import (
+from library.train.adapters.network_setup import (
     external_state_dict,
     kohya_name_map,
     preset_with_aliases,

@@ -30,8 +30,8 @@ from typing import Iterator, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.train.sharding_fsdp1 import Fsdp1, leftover_owners
-from library.train.sharding_fsdp2 import Fsdp2, shard
+from library.train.distributed.sharding_fsdp1 import Fsdp1, leftover_owners
+from library.train.distributed.sharding_fsdp2 import Fsdp2, shard
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")  # 1..5

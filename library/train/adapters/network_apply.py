@@ -11,7 +11,7 @@ import torch
 
 from library.core.errors import ConfigError
 from library.families.base import Components, ModelFamily
-from library.train.network_kinds import network_kind
+from library.train.adapters.network_kinds import network_kind
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from library.train.throughput import ThroughputMeter, ThroughputReport
+from library.train.observe.throughput import ThroughputMeter, ThroughputReport
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

@@ -20,7 +20,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from library.core.errors import ConfigError
-from library.train.optimizers import (
+from library.train.optim.optimizers import (
     is_schedule_free,
     parse_literal_args,
     unwrap_optimizer,

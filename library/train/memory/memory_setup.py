@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -11,13 +12,29 @@ from torch import nn
 
 from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily
-from library.train.block_swap import BlockSwapper
-from library.train.fp8 import cast_base_to_fp8
-from library.train.offload_checkpoint import enable_gradient_checkpointing
-from library.train.quantize import NO_CHANGE, quantize_frozen
-from library.train.settings import MemoryOptions
+from library.train.memory.block_swap import BlockSwapper
+from library.train.memory.fp8 import cast_base_to_fp8
+from library.train.memory.offload_checkpoint import enable_gradient_checkpointing
+from library.train.memory.quantize import NO_CHANGE, quantize_frozen
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemoryOptions:
+    """How the frozen base model is stored and placed during training."""
+    fp8_base: bool = False  # Linear/Conv2d weights of the denoiser (and text encoders) stored as float8 e4m3
+    fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
+    blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
+    cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+    xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
+    flash_attn: bool = False  # --flash_attn: diffusers' "flash" attention backend when flash-attn is installed
+    base_model_precision: str = "no_change"  # the frozen denoiser's Linear weights, quantized (memory/quantize.py)
+    text_encoder_precision: str = "no_change"  # the same for the frozen text encoders
+
+    @property
+    def fp8_text_encoders(self) -> bool:
+        return self.fp8_base and not self.fp8_base_unet
 
 
 def move_except(model: nn.Module, device: Any, keep: list[nn.Module]) -> None:

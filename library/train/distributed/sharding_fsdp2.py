@@ -1,5 +1,5 @@
 """FSDP2 (PyTorch's `fully_shard`, per-parameter DTensor sharding): sharding a part's units and its root, and how a
-trainable sharded so gathers its weights and saves / loads a whole state. library/train/sharding.py decides what
+trainable sharded so gathers its weights and saves / loads a whole state. library/train/distributed/sharding.py decides what
 is sharded and reads the settings.
 """
 
@@ -37,7 +37,7 @@ def _torch_optimizer(optimizer):
 
 
 class Fsdp2:
-    """How a trainable sharded by `fully_shard` gathers its weights and state (library/train/trainables.py)."""
+    """How a trainable sharded by `fully_shard` gathers its weights and state (library/train/adapters/trainables.py)."""
 
     @staticmethod
     @contextlib.contextmanager

@@ -19,8 +19,8 @@ from torch import nn
 from library.core.errors import ConfigError
 from library.families.base import Components, ModelFamily
 from library.train import checkpoints as ckpt
-from library.train.network_kinds import NetworkKind, build_network, text_encoders_arg
-from library.train.network_setup import (
+from library.train.adapters.network_kinds import NetworkKind, build_network, text_encoders_arg
+from library.train.adapters.network_setup import (
     SAVE_DTYPES,
     load_network_weights,
     optimizer_groups,
@@ -36,7 +36,7 @@ class Trainable(ABC):
     """The trained weights of a run. `module` is what accelerate prepares and the optimizer steps."""
 
     module: nn.Module
-    engine = None  # a ZeroEngine (library/train/deepspeed_engine.py) holding the weights' and optimizer's partitions
+    engine = None  # a ZeroEngine (library/train/distributed/deepspeed_engine.py) holding the weights' and optimizer's partitions
     is_adapter: bool
     train_text_encoder: bool  # whether any text encoder's output depends on trained weights
     trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
@@ -81,7 +81,7 @@ class Trainable(ABC):
     def save(self, path: str, metadata: dict[str, str]) -> None:
         """Write the trained result to `path` (atomically)."""
 
-    # Set by the trainer when FSDP shards the trained weights: library/train/sharding.py's Fsdp2, or
+    # Set by the trainer when FSDP shards the trained weights: library/train/distributed/sharding.py's Fsdp2, or
     # sharding_fsdp1.py's Fsdp1 (how to gather them whole and to save / load a whole state).
     sharding: Any = None
 

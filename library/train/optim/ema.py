@@ -11,13 +11,26 @@ Under FSDP2 each process averages its own shard of every weight (the EMA is shar
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from library.train.settings import EmaOptions
+
+@dataclass
+class EmaOptions:
+    """An exponential moving average of the trained weights (full fine-tunes and adapters alike)."""
+    use_ema: bool = False
+    decay: float = 0.9999
+    warmup: bool = True  # decay_t = min(decay, (1 + t) / (10 + t)) over the t-th update
+    update_every: int = 1
+    device: str = "cpu"  # "cpu" or "same" (the training device)
+    start_step: int = 0
+    save_ema_only: bool = True  # False: also save the trained weights as <name>-nonema
+    for_sampling: bool = True
+    for_validation: bool = True
 
 
 class EMA:

@@ -7,7 +7,7 @@ and `ACCELERATE_DEEPSPEED_*`; a `deepspeed_config_file` of the user's own is rea
 the gradient accumulation, the gradient clipping (`--max_grad_norm`) and fp16 / bf16 (`--mixed_precision`); a
 value the config fixes that disagrees with the flags is refused in one line.
 
-The engine wraps the `StepModule` (the trained weights with the batch loss as forward, library/train/distributed.py)
+The engine wraps the `StepModule` (the trained weights with the batch loss as forward, library/train/distributed/distributed.py)
 and the run's own torch optimizer; the accelerator is left out of DeepSpeed mode, so the loop keeps its own
 gradient accumulation groups (`set_gradient_accumulation_boundary`), learning-rate schedule and saving, and the
 same code runs on GPUs (NCCL) and on CPU processes (gloo, DeepSpeed's CPU accelerator), where the tests run.
@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 
 from library.core.errors import ConfigError, UserError
-from library.train.distributed import gather_objects
+from library.train.distributed.distributed import gather_objects
 
 logger = logging.getLogger(__name__)
 

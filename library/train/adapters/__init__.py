@@ -1,0 +1,1 @@
+"""What trains: the network kinds (--network_module), building and applying them, and the trainable parts of a run."""

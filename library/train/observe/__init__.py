@@ -1,0 +1,1 @@
+"""Watching a run: trackers (TensorBoard, wandb), throughput, step profiling, free disk space."""

@@ -1,0 +1,1 @@
+"""How the trained weights move: optimizers, learning-rate schedules, the EMA of the weights, fused backward."""
