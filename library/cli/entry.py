@@ -33,7 +33,8 @@ from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
-from library.data.config import resolve_datasets
+from library.data.building import check_datasets
+from library.data.plan import DataFamilyInfo
 from library.families import get_family
 from library.families.base import ModelFamily
 from library.train.dreambooth import StopTextEncoderTraining
@@ -188,7 +189,8 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
         family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
-            resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)
+            # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
+            check_datasets(settings.data, DataFamilyInfo.from_family(family))
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)

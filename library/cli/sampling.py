@@ -59,8 +59,7 @@ def sampling_hook_from_args(ns: argparse.Namespace) -> Optional[SampleHook]:
         prompts = load_prompts(options.sample_prompts, check_sampler=canonical_sampler)
     except ConfigError as e:
         raise ConfigError(f"--sample_prompts: {e}") from None
-    if not options.enabled:
+    if not options.enabled:  # the hook stays: a run samples when asked (library/train/control.py)
         logger.warning("--sample_prompts given without --sample_every_n_steps, --sample_every_n_epochs or "
-                       "--sample_at_first: no samples")
-        return None
+                       "--sample_at_first: no samples unless asked during the run (the web UI's Sample now)")
     return SampleHook(options, prompts)

@@ -213,6 +213,7 @@ function renderForm() {
   }
   renderPrompts();
   updateDependencies();
+  afterRender();  // app.js: the tabs and the check's marks
 }
 
 function inputFor(f, value) {
@@ -742,23 +743,23 @@ async function saveSettings(ev) {
   if (ev) ev.preventDefault();
   clearErrors();
   readForm();
-  $("save-btn").disabled = true;
-  $("save-btn").textContent = "Checking...";
+  setBusy(true, "Saving: running every check Start makes...");
   try {
     settings = await api("PUT", `/api/jobs/${current.id}/settings`, settings);
     renderForm();
-    $("form-ok").textContent = "Saved: the trainer accepted these settings.";
+    $("form-ok").textContent = "Saved: every check Start makes passed.";
     $("form-ok").hidden = false;
     loadHistory();
     current = await api("GET", `/api/jobs/${current.id}`);
+    onSettingsSaved();
     return true;
   } catch (e) {
     const d = e.detail && typeof e.detail === "object" ? e.detail : { error: e.message, field: null };
+    onSettingsError(d.field);
     showError(d.error, d.field, d.where);
     return false;
   } finally {
-    $("save-btn").textContent = "Save settings";
-    showJob(current);
+    setBusy(false);
   }
 }
 
@@ -784,12 +785,16 @@ async function loadHistory() {
       b.addEventListener("click", () => action(async () => {
         if (!confirm(`Restore the settings saved at ${new Date(r.created * 1000).toLocaleString()}?`)) return;
         clearErrors();
+        setBusy(true, `Restoring revision ${r.id}: running every check Start makes...`);
         try {
           settings = await api("POST", `/api/jobs/${current.id}/revisions/${r.id}/restore`);
         } catch (e) {
           const d = e.detail && typeof e.detail === "object" ? e.detail : { error: e.message };
+          onSettingsError(d.field);
           showError(d.error, d.field, d.where);
           return;
+        } finally {
+          setBusy(false);
         }
         current = await api("GET", `/api/jobs/${current.id}`);
         showJob(current);
@@ -797,6 +802,7 @@ async function loadHistory() {
         $("form-ok").textContent = `Restored revision ${r.id}.`;
         $("form-ok").hidden = false;
         loadHistory();
+        onSettingsSaved();
       }));
       li.appendChild(b);
     } else li.appendChild(el("span", { class: "muted" }, "current"));
