@@ -136,15 +136,6 @@ def test_the_private_name_scan_finds_both_forms(tmp_path, monkeypatch):
 FAMILY_LITERALS_ALLOWED = ("library/families/", "tests/", "docs/", "webui/templates/")
 # Step benches each measure one family's step against its bare diffusers reference, as tests do.
 FAMILY_LITERALS_IN_BENCHES = "bench/"
-# The web UI imports no trainer code (import-linter), so it cannot ask the registry; it keeps these tables until the
-# form reads the family facts from --describe_flags. Removed when the form reads --describe_flags.
-FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS = (
-    "webui/jobfiles.py",  # SCRIPTS, MODEL_TYPES: ModelFamily.scripts / model_types
-    "webui/performance.py",  # BLOCK_SWAP_FAMILIES: ModelFamily.supports_block_swap()
-    "webui/static/form.js",  # TE_NAMES, DENOISER_NAMES: text_encoder_labels / denoiser_label; per-family fields
-)
-
-
 def _family_literals() -> set[str]:
     from library.families import get_family, family_names
 
@@ -194,15 +185,8 @@ def _family_literal_offenders(allowed: tuple[str, ...]) -> dict[str, list[str]]:
 
 def test_no_family_name_literal_outside_the_family_packages():
     """A family is named in its package; everything else asks the registry (ModelFamily facts)."""
-    offenders = _family_literal_offenders(FAMILY_LITERALS_ALLOWED + (FAMILY_LITERALS_IN_BENCHES,)
-                                          + FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS)
+    offenders = _family_literal_offenders(FAMILY_LITERALS_ALLOWED + (FAMILY_LITERALS_IN_BENCHES,))
     assert offenders == {}
-
-
-def test_the_web_ui_allow_list_is_not_stale():
-    """Each web UI file on the allow-list still names families (take it off the list once it does not)."""
-    found = _family_literal_offenders(FAMILY_LITERALS_ALLOWED + (FAMILY_LITERALS_IN_BENCHES,))
-    assert sorted(found) == sorted(FAMILY_LITERALS_WAITING_FOR_DESCRIBE_FLAGS)
 
 
 def test_the_family_literal_scan_finds_a_literal(tmp_path):

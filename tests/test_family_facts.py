@@ -1,10 +1,11 @@
-"""Each family declares its own facts (library/families/*/family.py); the registry, the tools and (until the form
-reads --describe_flags) the web UI's tables agree with them."""
+"""Each family declares its own facts (library/families/*/family.py); the registry, the tools and the web UI (which
+learns them from `python -m library.cli.describe --describe_families`) agree with them."""
 
 import json
 
 from library.families import DEFAULT_FAMILY, family_names, get_family, registered_families, selected_family
-from webui import jobfiles, performance
+from library.cli.describe import describe_families
+from webui import families as webui_families
 
 
 def test_facts_are_json_and_complete():
@@ -18,13 +19,20 @@ def test_facts_are_json_and_complete():
                                                                       "lumina", "qwen_image", "sd3", "zimage"]
 
 
-def test_the_web_ui_tables_say_what_the_families_say():
-    """webui/ cannot import the families; its tables must match their facts until it reads --describe_flags."""
-    scripts = {(f.name, mode): script for f in registered_families() for mode, script in f.scripts.items()}
-    assert jobfiles.SCRIPTS == scripts
-    assert jobfiles.MODEL_TYPES == {f.name: f.model_types for f in registered_families() if f.model_types}
-    assert sorted(performance.BLOCK_SWAP_FAMILIES) == sorted(f.name for f in registered_families()
-                                                             if f.supports_block_swap())
+def test_the_web_ui_learns_every_family_from_the_trainer():
+    """webui/ imports no trainer code: it runs --describe_families once, and what it learns is the registry's."""
+    learned = webui_families.families()
+    assert learned == {f["name"]: f for f in json.loads(json.dumps(describe_families()))["families"]}
+    assert list(learned) == [f.name for f in registered_families()]
+    assert {(name, mode): webui_families.script_for(name, mode) for name in learned for mode in learned[name]["scripts"]} \
+        == {(f.name, mode): script for f in registered_families() for mode, script in f.scripts.items()}
+    assert webui_families.block_swap_families() == ["flux", "chroma", "anima", "sd3", "lumina", "hunyuan_image", "zimage",
+                                                   "qwen_image"]
+    assert webui_families.all_scripts()[:3] == ["anima_train.py", "anima_train_network.py", "fine_tune.py"]
+    assert webui_families.model_type_refusal("flux", {"model": {"model_type": "flux"}}) is None
+    assert webui_families.model_type_refusal("chroma", {}) == (
+        'model_type: a chroma job needs model_type "chroma" (its scripts train the model it names), got blank',
+        "model_type")
 
 
 def test_selector_flags_pick_a_family_as_sd_scripts_tools_do():

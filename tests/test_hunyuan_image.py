@@ -313,7 +313,8 @@ def test_web_ui_template_uses_the_scripts_flags():
     """webui/templates/hunyuan_image_lora.toml: runs hunyuan_image_train_network.py, and every config key is a flag
     of that script (so the job's --config_file parses) with sd-scripts' documented values."""
     from library.cli.entry import build_parser
-    from webui.jobfiles import script_for, templates
+    from webui.families import script_for
+    from webui.jobfiles import templates
 
     template = templates()["hunyuan_image_lora"]
     assert (template["template"]["family"], template["template"]["mode"]) == ("hunyuan_image", "lora")

@@ -415,7 +415,7 @@ def test_performance_options_say_why_not():
         "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
         "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
-        "blocks_to_swap": "not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image); "
+        "blocks_to_swap": "not supported for sd (DiT families only: flux, chroma, anima, sd3, lumina, hunyuan_image); "
                           "no GPU on this machine",
         "cpu_offload_checkpointing": "no GPU on this machine",
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
@@ -434,7 +434,7 @@ def test_performance_options_say_why_not():
         "--dynamo_backend: only with torch compile on", "dynamo_backend")
     assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, sd3, anima, chroma, lumina, "
+        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, chroma, anima, sd3, lumina, "
          "hunyuan_image); no GPU on this machine"), "blocks_to_swap")
     for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("lumina", True),
                           ("hunyuan_image", True), ("sdxl", False)):  # as the trainer's
@@ -621,7 +621,7 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
             model["model_type"] = model_type
         r = c.put(f"/api/jobs/{chroma_id}/settings", json={**chroma, "config": {**chroma["config"], "model": model}})
         assert r.status_code == 422 and r.json()["detail"] == {
-            "error": f'model_type: a chroma job needs model_type "chroma" (the FLUX.1 scripts train the model it '
+            "error": f'model_type: a chroma job needs model_type "chroma" (its scripts train the model it '
                      f'names), got {got}', "field": "model_type"}
 
     with ThreadPoolExecutor(2) as pool:
@@ -1121,3 +1121,68 @@ def test_history_has_the_validation_loss_where_it_was_logged(tmp_path):
     assert logs.history(str(log)) == [
         {"step": 1, "loss": 1.5, "lr": 1e-3}, {"step": 2, "loss": 1.25, "lr": 1e-3, "val_loss": 1.3125},
         {"step": 3, "loss": 1.1, "lr": 5e-4, "val_loss": 1.2}]
+
+
+def test_families_and_descriptions_come_from_the_trainer(client):
+    """GET /api/families: every registered family's facts, from --describe_families; GET /api/describe/F/M: the
+    --describe_flags of the script that trains F in M, with F's own facts (chroma shares FLUX.1's scripts)."""
+    from library.families import registered_families
+
+    families = client.get("/api/families").json()
+    assert list(families) == [f.name for f in registered_families()]
+    assert families["sd3"]["text_encoder_labels"] == ["Text encoder 1 (CLIP-L)", "Text encoder 2 (CLIP-G)"]
+    assert families["anima"]["denoiser_label"] == "DiT"
+    chroma = client.get("/api/describe/chroma/lora").json()
+    assert chroma["script"] == "flux_train_network.py" and chroma["mode"] == "lora"
+    assert chroma["family"]["name"] == "chroma" and chroma["family"]["component_file_flags"] == ["t5xxl", "ae"]
+    flags = {f["name"]: f for f in chroma["flags"]}
+    assert len(flags) >= 150
+    assert flags["network_dim"]["default"] == 4 and flags["network_dim"]["range"]["text"] == "an integer >= 1"
+    assert flags["mixed_precision"]["choices"] == ["no", "fp16", "bf16"]
+    finetune = client.get("/api/describe/sdxl/finetune").json()
+    assert finetune["script"] == "sdxl_train.py" and "block_lr" in {f["name"] for f in finetune["flags"]}
+    r = client.get("/api/describe/nope/lora")
+    assert r.status_code == 404 and r.json()["detail"].startswith("family: unknown family 'nope'; one of sd, sdxl")
+    r = client.get("/api/describe/hunyuan_image/finetune")
+    assert r.status_code == 404 and r.json()["detail"] == "mode: hunyuan_image has no 'finetune' script; one of lora"
+
+
+NEW_FLAG_SCRIPT = '''
+import dataclasses, runpy, sys
+from typing import ClassVar
+sys.path.insert(0, {repo!r})
+from library.cli import parser
+from library.cli.options import at_least, flag, flag_specs
+
+@dataclasses.dataclass
+class NewFlags:
+    flag_group: ClassVar[str] = "new things"
+    new_knob: int = flag(3, "a flag the web UI has never heard of", range=at_least(1))
+
+declared = parser.training_flags
+parser.training_flags = lambda *a, **k: declared(*a, **k) + flag_specs(NewFlags)
+sys.argv[0] = {script!r}
+runpy.run_path({script!r}, run_name="__main__")
+'''
+
+
+def test_a_flag_added_to_a_flags_dataclass_is_described_without_ui_code(client, monkeypatch, tmp_path):
+    """A field of a *Flags dataclass reaches the form through --describe_flags alone: its type, default, help and
+    range are what the page draws its input from (webui/static/form.js has a layout of names, no flag table)."""
+    from webui import families as webui_families
+    from webui.jobfiles import REPO_ROOT
+
+    script = tmp_path / "train_network_plus.py"
+    script.write_text(NEW_FLAG_SCRIPT.format(repo=REPO_ROOT, script=os.path.join(REPO_ROOT, "train_network.py")))
+    known = webui_families.families()
+    monkeypatch.setattr(webui_families, "families", lambda timeout=120: {
+        **known, "sd": {**known["sd"], "scripts": {**known["sd"]["scripts"], "lora": str(script)}}})
+    described = client.get("/api/describe/sd/lora").json()
+    new = [f for f in described["flags"] if f["group"] == "new things"]
+    assert new == [{"name": "new_knob", "type": "int", "default": 3, "choices": None,
+                    "help": "a flag the web UI has never heard of", "group": "new things",
+                    "range": {"lo": 1, "hi": None, "lo_open": False, "hi_open": False, "integer": True, "note": "",
+                              "text": "an integer >= 1"},
+                    "aliases": [], "takes_value": True, "many": False}]
+    form = open(os.path.join(REPO_ROOT, "webui", "static", "form.js")).read()
+    assert "network_dim|Dim (rank)" in form and '"int"' not in form.split("const LAYOUT")[1].split("];")[0]

@@ -115,6 +115,15 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     browser.find_element(By.CSS_SELECTOR, first + ".browse-btn").click()
     wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.CSS_SELECTOR, first + ".picker").text)
 
+    # the fields are drawn from the trainer's --describe_flags: its help, range, default and choices
+    tab(browser, "Model")
+    dim = browser.find_element(By.CSS_SELECTOR, '.field[data-field="network_dim"]')
+    assert dim.find_element(By.CSS_SELECTOR, ".help").text == "LoRA rank (default 4, as sd-scripts); an integer >= 1"
+    assert dim.find_element(By.TAG_NAME, "input").get_attribute("placeholder") == "default: 4"
+    precision = Select(browser.find_element(By.ID, "f-mixed_precision"))
+    assert [o.get_attribute("value") for o in precision.options] == ["", "no", "fp16", "bf16"]
+    browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", "/tmp"), "webui_described_form.png"))
+
     # a bad value: the trainer's own one-line error, next to the field
     tab(browser, "Training")
     lr = browser.find_element(By.ID, "f-learning_rate")

@@ -16,7 +16,8 @@ from webui.checks import first_missing_input, placeholders, run_length
 from webui.folders import Roots, missing_dataset_folders, settings_path_refusal
 from webui.generation import Generations
 from webui.history import changes
-from webui.jobfiles import JobFolder, SettingsError, model_type_refusal, script_for
+from webui.families import model_type_refusal, script_for
+from webui.jobfiles import JobFolder, SettingsError
 from webui.multigpu import clean_launch, write_accelerate_config
 from webui.runner import Runner, gpu_environment, shown_command, training_command
 from webui.store import Store

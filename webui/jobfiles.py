@@ -1,6 +1,7 @@
 """A job's folder: `<jobs_dir>/<id>/` with config.toml (the trainer's --config_file), dataset.toml
 (its --dataset_config), prompts.txt (its --sample_prompts, when there are prompts), train.log, exit_code
-and output/ (the run's --output_dir). Templates per family x mode are TOML files in webui/templates/."""
+and output/ (the run's --output_dir). Templates per family x mode are TOML files in webui/templates/; the script of each is
+the family's (webui/families.py)."""
 
 from __future__ import annotations
 
@@ -20,22 +21,6 @@ from library.core.io_utils import atomic_write_text
 
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {
-    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py", ("sd", "dreambooth"): "train_db.py",
-    ("sdxl", "lora"): "sdxl_train_network.py", ("sdxl", "finetune"): "sdxl_train.py",
-    ("flux", "lora"): "flux_train_network.py", ("flux", "finetune"): "flux_train.py",
-    ("sd3", "lora"): "sd3_train_network.py", ("sd3", "finetune"): "sd3_train.py",
-    ("anima", "lora"): "anima_train_network.py", ("anima", "finetune"): "anima_train.py",
-    # Chroma trains through the FLUX.1 scripts, told by model_type = "chroma" in config.toml (MODEL_TYPES)
-    ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
-    ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
-    ("zimage", "lora"): "zimage_train_network.py", ("zimage", "finetune"): "zimage_train.py",
-    ("hunyuan_image", "lora"): "hunyuan_image_train_network.py",  # sd-scripts has no HunyuanImage fine-tune script
-    ("qwen_image", "lora"): "qwen_image_train_network.py",
-    ("qwen_image", "finetune"): "qwen_image_train.py",
-}
-# The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).
-MODEL_TYPES = {"flux": (None, "flux"), "chroma": ("chroma",)}
 # Keys the UI sets itself, pointing into the job's folder (a value given for them is replaced).
 MANAGED_KEYS = ("output_dir", "logging_dir", "dataset_config", "sample_prompts", "config_file")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
@@ -73,27 +58,6 @@ def templates() -> dict[str, dict[str, Any]]:
         data.setdefault("dataset", {})
         out[name] = data
     return out
-
-
-def script_for(family: str, mode: str) -> str:
-    return SCRIPTS[(family, mode)]
-
-
-def model_type_refusal(family: str, config: dict) -> Optional[tuple[str, str]]:
-    """(one-line error, field) when config.toml's model_type is not the job family's (a Chroma job without
-    model_type = "chroma" would train FLUX.1 with the same script), else None."""
-    allowed = MODEL_TYPES.get(family)
-    if allowed is None:
-        return None
-    section = find_key(config, "model_type")
-    value = None if section is None else (config if section == "" else config[section])["model_type"]
-    value = None if value == "" else value  # a blank field is no value
-    if value in allowed:
-        return None
-    want = " or ".join("blank" if a is None else f'"{a}"' for a in allowed)
-    got = "blank" if value is None else f'"{value}"' if isinstance(value, str) else repr(value)
-    return (f"model_type: a {family} job needs model_type {want} (the FLUX.1 scripts train the model it names), "
-            f"got {got}"), "model_type"
 
 
 def find_key(config: dict, key: str) -> Optional[str]:

@@ -15,11 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from webui.families import block_swap_families
 from webui.jobfiles import REPO_ROOT, find_key
-
-# Families whose transformer blocks can be swapped to CPU memory (the DiT families; the trainer's
-# family_supports_block_swap says the same for every family the UI has templates of: a test compares them).
-BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image", "zimage", "qwen_image")
 
 # key, label, help, section of config.toml, kind ("bool" | "int" | "memory"), [requirements]
 # requirements: "gpu", "package:<module>[:<pip name>]", "family:block_swap", "flag" (the trainer has --key),
@@ -43,7 +40,7 @@ OPTIONS = [
      "processes of a machine load the model one after another, one loading peak in RAM at a time)"),
      "training", "memory", ["gpu"]),
     ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
-     "to the GPU (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image, zimage, qwen_image)"), "memory", "int",
+     "to the GPU (DiT families only)"), "memory", "int",
      ["family:block_swap", "gpu", "flag"]),
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
      "activations in CPU memory until backward; requires gradient checkpointing (every family)"), "memory", "bool",
@@ -135,8 +132,8 @@ def availability(family: str, script: str, gpu_count: int,
                 module, _, pip_name = req[len("package:"):].partition(":")
                 if not installed(module):
                     reasons.append(f"requires {pip_name or module} (pip install {pip_name or module}): not installed")
-            elif req == "family:block_swap" and family not in BLOCK_SWAP_FAMILIES:
-                reasons.append(f"not supported for {family} (DiT families only: {', '.join(BLOCK_SWAP_FAMILIES)})")
+            elif req == "family:block_swap" and family not in block_swap_families():
+                reasons.append(f"not supported for {family} (DiT families only: {', '.join(block_swap_families())})")
             elif req == "flag":
                 missing = [f for f in (MEMORY_FLAGS if kind == "memory" else (key,)) if f not in flags]
                 if missing:

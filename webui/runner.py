@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 import toml
 
-from webui.jobfiles import REPO_ROOT, JobFolder, open_for_append, script_for
+from webui.families import script_for
+from webui.jobfiles import REPO_ROOT, JobFolder, open_for_append
 from webui.store import Store
 
 LAUNCHERS = ("python", "accelerate")

@@ -58,10 +58,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threading.Thread(target=watch, daemon=True).start()
 
     def learn_trainer_flags() -> None:  # the Performance options' first look needs each script's --describe_flags
-        from webui.jobfiles import SCRIPTS
+        from webui.families import FamiliesUnknown, all_scripts
         from webui.performance import trainer_description
 
-        for script in sorted(set(SCRIPTS.values())):
+        try:
+            scripts = all_scripts()
+        except FamiliesUnknown:
+            return  # asked again (and reported) by the first request that needs the families
+        for script in scripts:
             trainer_description(script)
 
     threading.Thread(target=learn_trainer_flags, daemon=True).start()

@@ -60,3 +60,26 @@ def print_description(parser: Any) -> None:
     """Print the description of a training parser (library/cli/parser.py build_parser) on stdout."""
     doc = describe(parser.flag_specs, getattr(parser, "family", None), parser.prog, getattr(parser, "fine_tune", False))
     print(json.dumps(doc, indent=1))
+
+
+def describe_families() -> dict[str, Any]:
+    """Every registered family's facts (the web UI learns the families, their scripts and labels from it)."""
+    from library.families import registered_families
+
+    return {"schema": SCHEMA, "families": [family_facts(family) for family in registered_families()]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m library.cli.describe --describe_families`: every registered family's facts as JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m library.cli.describe", description=main.__doc__)
+    parser.add_argument("--describe_families", action="store_true", required=True,
+                        help="print every registered family's facts (scripts, model types, labels, ...) as JSON")
+    parser.parse_args(argv)
+    print(json.dumps(describe_families(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
