@@ -139,7 +139,7 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
     from library.train.trainables import fine_tune_plan
-    from tests.test_fine_tune import ft_args, ft_trainer
+    from tests.train_helpers import ft_args, ft_trainer
 
     family = get_family("sd3")
     base = family.load(LoadOptions("tiny:sd3"))
@@ -169,7 +169,7 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
 ])
 def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error):
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", extra=flags),

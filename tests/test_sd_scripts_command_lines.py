@@ -25,7 +25,6 @@ import importlib.util
 import os
 import re
 import shlex
-import shutil
 
 import pytest
 import torch
@@ -106,27 +105,6 @@ def adapt(command: str, data_dir: str, dataset_toml: str, out_dir: str) -> tuple
     if given & DATASET and "--dataset_config" not in given:  # bucket sizes that fit the 64 px example resolution
         argv += [x for flag, value in SIZES.items() if flag not in given for x in (flag, value)]
     return family, script, argv + ["--max_train_steps", "1", "--max_data_loader_n_workers", "0"]
-
-
-EXAMPLE_IMAGES = ("blue_square", "purple_square")  # 128x128 and 192x128
-
-
-@pytest.fixture(scope="module")
-def example_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("example-data")
-    data_dir = root / "train"
-    source = os.path.join(ROOT, "examples", "data", "train")
-    for folder in os.listdir(source):
-        os.makedirs(data_dir / folder)
-        for stem in EXAMPLE_IMAGES:
-            for ext in (".png", ".txt"):
-                shutil.copy(os.path.join(source, folder, stem + ext), data_dir / folder)
-    subsets = "".join(f'[[datasets.subsets]]\nimage_dir = "{data_dir / name}"\nnum_repeats = 1\n'
-                      for name in sorted(os.listdir(data_dir)))
-    toml = root / "dataset.toml"
-    toml.write_text('[general]\ncaption_extension = ".txt"\nresolution = 64\nenable_bucket = true\n'
-                    f'min_bucket_reso = 64\nmax_bucket_reso = 128\n[[datasets]]\n{subsets}')
-    return str(data_dir), str(toml)
 
 
 @pytest.fixture
