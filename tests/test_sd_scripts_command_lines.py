@@ -1,4 +1,4 @@
-"""The sd-scripts command lines printed in docs/ run unchanged on the tiny presets (issue 11, "Done when").
+"""The sd-scripts command lines printed in docs/ run unchanged on the tiny presets.
 
 Each fenced block after the marker comment in docs/train_network.md (SD 1.5, LyCORIS LoKr and LoHa),
 docs/sdxl_train_network.md and docs/flux_train_network.md is read from the markdown here, so the docs and
@@ -142,7 +142,7 @@ def test_the_docs_print_every_expected_command_line():
 
 @pytest.mark.parametrize("where, command", COMMANDS, ids=[w for w, _ in COMMANDS])
 def test_documented_sd_scripts_command_line_runs(where, command, example_data, shared_tiny_models, tmp_path, capsys):
-    """The documented command trains one step and saves its LoRA (issue 11, "Done when")."""
+    """The documented command trains one step and saves its LoRA."""
     data_dir, dataset_toml = example_data
     out_dir = str(tmp_path / "out")
     family, script, argv = adapt(command, data_dir, dataset_toml, out_dir)
