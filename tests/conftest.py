@@ -163,21 +163,27 @@ class _SharedFiles:
 class _SessionStore:
     """The session's shared tiny models (each built by the first test that asks for it) and files on disk."""
 
-    FAMILIES = {"tiny:sd1": "sd", "tiny:sd2": "sd", "tiny:sd2-v": "sd", "tiny:sdxl": "sdxl", "tiny:flux": "flux",
-                "tiny:sd3": "sd3"}
-
     def __init__(self):
         self.models: dict[str, _SharedModel] = {}
         self.files: dict[str, _SharedFiles] = {}
         self.used: set[str] = set()  # the models the current test module used
 
+    @staticmethod
+    def is_tiny_preset(preset: str) -> bool:
+        """Whether a registered family lists `preset` among its tiny presets (the store can build it)."""
+        from library.families import registered_families
+
+        return any(preset in f.tiny_presets for f in registered_families())
+
     def model(self, preset: str, share: bool = True):
         """The shared Components of `preset`; share=False: only to copy it (not checked for changes then)."""
         if preset not in self.models:
-            from library.families import get_family
+            from library.families import registered_families
             from library.families.base import LoadOptions
 
-            self.models[preset] = _SharedModel(preset, get_family(self.FAMILIES[preset]).load(LoadOptions(preset)))
+            # The family whose facts list the preset among its tiny presets.
+            (family,) = [f for f in registered_families() if preset in f.tiny_presets]
+            self.models[preset] = _SharedModel(preset, family.load(LoadOptions(preset)))
             _freeze_long_lived()
         if share:
             self.used.add(preset)

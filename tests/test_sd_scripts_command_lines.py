@@ -116,7 +116,7 @@ def shared_tiny_models(monkeypatch, tiny_store):
 
         def load(self, opts, _original=cls.load):
             preset = opts.pretrained_model_name_or_path
-            if (preset in tiny_store.FAMILIES and preset not in building
+            if (tiny_store.is_tiny_preset(preset) and preset not in building
                     and dataclasses.replace(opts, family_options=None) == LoadOptions(preset)):
                 building.add(preset)
                 try:
