@@ -1,16 +1,20 @@
-"""Training step time of our LoRA step against the bare diffusers step, measured in the same run.
+"""SD 1.5 LoRA step at default flags against the bare diffusers step, measured in the same run (issue 28).
 
-Full-size SD 1.5 architecture with random weights (they cost the same to run as
-trained ones), 64x64 images, batch 1, LoRA dim 8 on UNet and text encoder.
+Full-size SD 1.5 architecture with random weights (they cost the same to run as trained ones), UNet-only LoRA
+dim 8, cached latents, AdamW, fp32, batch 1, one thread by default.
 
-- reference: tokenize + text encoder forward, VAE-free random latents, DDPM add_noise,
-  UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
-- ours: library.train.step.batch_loss (the trainer's micro-step) + clipping + optimizer
-  and scheduler step, exactly as Trainer runs them.
+- bare: tokenize + the frozen text encoder's forward (every step, as a naive loop and sd-scripts' SD 1.x path
+  do), DDPM add_noise, UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
+- ours: the trainer's micro-step (library.train.step.batch_loss) + clipping + optimizer and scheduler step, with
+  the speed-ups the trainer turns on by default (library/train/speedups.py): the text-encoder outputs kept in
+  memory once met (--no_auto_text_cache), frozen convolutions channels_last (--no_channels_last). Pass the same
+  flags here to measure ours without one.
 
-Prints seconds per step for both, their ratio (goal <= 1.10) and peak RSS.
+The two alternate step by step (the model's layout is switched between them, untimed); each is timed in wall and
+process CPU seconds and the minimum over the repeats is compared (the steadiest figure on a shared machine).
+Prints per resolution: seconds per step, ours/bare (goal <= 0.80 at 128², <= 0.90 at 512²), load, peak RSS.
 
-    python bench/bench_train_step.py [--steps 10] [--preset random:sd15] [--resolution 64]
+    python bench/bench_train_step.py [--resolutions 128 512] [--steps 5] [--threads 1] [--no_channels_last] ...
 """
 
 from __future__ import annotations
@@ -26,62 +30,95 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import compare_steps, lora_optimizer, print_comparison, trainer_step  # noqa: E402
+from bench.common import denoiser_lora, peak_rss_mib, timed_once, trainer_step  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
+from library.train.speedups import SpeedOptions, frozen_convs_channels_last  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
-from networks import lora  # noqa: E402
+
+GOALS = {128: 0.80, 512: 0.90}
+
+
+def to_nchw(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d) and not m.weight.is_contiguous():
+            m.weight.data = m.weight.data.contiguous()
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="random:sd15")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--resolution", type=int, default=64)
+    p.add_argument("--resolutions", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each, interleaved")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no_auto_text_cache", action="store_true")
+    p.add_argument("--no_channels_last", action="store_true")
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    speed = SpeedOptions(auto_text_cache=not a.no_auto_text_cache, channels_last=not a.no_channels_last)
 
     family = get_family("sd")
     t0 = time.perf_counter()
     comps = family.load(LoadOptions(a.preset))
-    print(f"built {a.preset} in {time.perf_counter() - t0:.1f}s")
+    print(f"built {a.preset} in {time.perf_counter() - t0:.1f}s; {a.threads} thread(s); "
+          f"speed-ups: {speed}")
     unet, te = comps.denoiser, comps.text_encoders[0]
     for m in (unet, te, comps.vae):
         m.requires_grad_(False)
         m.eval()
-    network = lora.create_network(1.0, a.dim, a.dim, comps.vae, te, unet, lora_targets=family.lora_targets(comps))
-    network.apply_to(te, unet, True, True)
-    params, optimizer, scheduler = lora_optimizer(network)
+    _, params, optimizer, scheduler = denoiser_lora(family, comps, unet, a.dim, torch.device("cpu"))
     scheme = family.noise_scheme(comps)
-    latent = a.resolution // 8
-    latents = torch.randn(1, 4, latent, latent)
     caption = ["a photo of a sks dog sitting on a wooden chair, high quality"]
-
-    def reference_step() -> None:
-        tokens = comps.tokenizers[0](caption, padding="max_length", max_length=77, truncation=True,
-                                     return_tensors="pt").input_ids
-        hidden = te(tokens).last_hidden_state
-        noise = torch.randn_like(latents)
-        t = torch.randint(0, 1000, (1,))
-        noisy = scheme.add_noise(latents, noise, t)
-        pred = unet(noisy, t, hidden).sample
-        loss = F.mse_loss(pred.float(), noise.float())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
                       device=torch.device("cpu"), weight_dtype=torch.float32, clip_skip=None,
-                      max_token_length=None, train_text_encoder=True, autocast=contextlib.nullcontext)
-    batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None}
-    our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+                      max_token_length=None, train_text_encoder=False, autocast=contextlib.nullcontext)
+    if speed.auto_text_cache:  # as library/train/text_caching.py start_auto_text_cache sets it
+        ctx.text_cache, ctx.fill_text_cache = {}, True
 
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print_comparison(result)
+    def ours_layout() -> None:
+        if speed.channels_last:
+            frozen_convs_channels_last(unet)
+
+    print(f"{'size':>6} {'bare s':>8} {'ours s':>8} {'wall ratio':>10} {'CPU ratio':>9} {'goal':>5}  load")
+    for res in a.resolutions:
+        latents = torch.randn(1, 4, res // 8, res // 8)
+
+        def bare_step() -> None:
+            tokens = comps.tokenizers[0](caption, padding="max_length", max_length=77, truncation=True,
+                                         return_tensors="pt").input_ids
+            with torch.no_grad():
+                hidden = te(tokens).last_hidden_state
+            noise = torch.randn_like(latents)
+            t = torch.randint(0, 1000, (1,))
+            noisy = scheme.add_noise(latents, noise, t)
+            pred = unet(noisy, t, hidden).sample
+            loss = F.mse_loss(pred.float(), noise.float())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None}
+        our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
+        bare, ours = [], []
+        for i in range(a.warmup + a.steps):
+            to_nchw(unet)
+            b = timed_once(bare_step)
+            ours_layout()
+            o = timed_once(our_step)
+            if i >= a.warmup:
+                bare.append(b)
+                ours.append(o)
+        bw, bc = min(x[0] for x in bare), min(x[1] for x in bare)
+        ow, oc = min(x[0] for x in ours), min(x[1] for x in ours)
+        goal = GOALS.get(res)
+        print(f"{res:>5}² {bw:8.3f} {ow:8.3f} {ow / bw:10.3f} {oc / bc:9.3f} {goal or '-':>5}  "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+    print(f"peak RSS {peak_rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -245,15 +245,6 @@ def refactored_lora(module: AnyModule, rank: int, base: Optional[torch.Tensor] =
     return exact.with_factors((svd.U * svd.S).cpu(), svd.Vh.cpu(), float(got))
 
 
-def kinds_summary(modules: Mapping[str, AnyModule]) -> dict[str, int]:
-    """Module count per kind ("LoKr": 122, "LoRA": 4, ...), sorted by kind."""
-    counts: dict[str, int] = {}
-    for m in modules.values():
-        kind = m.kind if isinstance(m, LycorisModule) else "LoRA"
-        counts[kind] = counts.get(kind, 0) + 1
-    return dict(sorted(counts.items()))
-
-
 def load_lycoris_file(path: str, state: Optional[Mapping[str, torch.Tensor]] = None,
                       metadata: Optional[Mapping[str, str]] = None) -> LoraFile:
     """A file with LyCORIS-only modules as a LoraFile (layout "lycoris") whose modules are LoraModule or

@@ -145,3 +145,20 @@ def test_output_name_must_be_a_file_name_not_a_path(tmp_path, capsys, no_trainin
     for name in ("my_lora", "my.lora-v2", "..lora"):  # names with dots stay names
         code = run_training("sd", "test", _argv(str(out), "--output_name", name, "--check_config"))
         assert code == 0, (name, capsys.readouterr().err)
+
+
+def test_log_prefix_and_tracker_name_must_be_names_not_paths(tmp_path, capsys, no_training):
+    """--log_prefix and --log_tracker_name are joined to --logging_dir as one folder name, so a path there put the
+    logs outside it (`../x`, an absolute path): one line naming the flag, exit 2, nothing written."""
+    out = tmp_path / "out"
+    for flag_name, example in (("--log_prefix", "run1_"), ("--log_tracker_name", "network_train")):
+        for name in ("../escape", str(tmp_path / "abs"), "a/b"):
+            code = run_training("sd", "test", _argv(str(out), flag_name, name))
+            err = capsys.readouterr().err.strip()
+            assert code == 2, name
+            assert err == (f"error: {flag_name} {name!r}: is a path; expected a file name such as {example} "
+                           "(no '/', '\\' or '..'; the folder is --logging_dir)"), err
+    assert os.listdir(tmp_path) == []
+    code = run_training("sd", "test", _argv(str(out), "--log_prefix", "run1_", "--log_tracker_name", "mine",
+                                            "--check_config"))
+    assert code == 0, capsys.readouterr().err

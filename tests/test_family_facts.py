@@ -15,7 +15,7 @@ def test_facts_are_json_and_complete():
     assert facts["sd"]["tiny_presets"] == ["tiny:sd1", "tiny:sd2", "tiny:sd2-v"]
     assert facts["sd3"]["component_file_flags"] == ["clip_l", "clip_g", "t5xxl"]
     assert [n for n in family_names() if facts[n]["block_swap"]] == ["anima", "chroma", "flux", "hunyuan_image",
-                                                                      "lumina", "sd3"]
+                                                                      "lumina", "sd3", "zimage"]
 
 
 def test_the_web_ui_tables_say_what_the_families_say():

@@ -7,6 +7,8 @@ a read: a flag used only for metadata or accepted only for compatibility must be
 """
 
 import argparse
+import json
+import os
 
 import pytest
 
@@ -160,3 +162,44 @@ def test_every_settings_field_is_used_below_the_cli():
     unread = {f"{cls.__name__}.{f.name}" for cls in _settings_dataclasses() for f in dataclasses.fields(cls)
               if f.name not in used}
     assert {name.split(".")[1] for name in unread} == set(UNREAD_FIELDS), sorted(unread)
+
+
+# Issue 24: every long option of sd-scripts 48d368fa's training scripts (tests/data/sd_scripts_flags.json, listed from
+# each script's own setup_parser()) is accepted by our script of the same name, or refused on purpose: the flags
+# below, each with its reason in docs/differences.md ("Flags not taken").
+SD_SCRIPTS_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sd_scripts_flags.json")
+SCRIPT_PARSERS = {
+    "train_network.py": ("sd", False), "sdxl_train_network.py": ("sdxl", False),
+    "flux_train_network.py": ("flux", False), "sd3_train_network.py": ("sd3", False),
+    "lumina_train_network.py": ("lumina", False), "anima_train_network.py": ("anima", False),
+    "hunyuan_image_train_network.py": ("hunyuan_image", False), "fine_tune.py": ("sd", True),
+    "sdxl_train.py": ("sdxl", True), "flux_train.py": ("flux", True), "sd3_train.py": ("sd3", True),
+    "lumina_train.py": ("lumina", True), "anima_train.py": ("anima", True), "train_db.py": ("sd", "db"),
+}
+REFUSED_SD_SCRIPTS_FLAGS: dict[str, str] = {
+    "dataset_class": "sd-scripts' dataset class interface (train_util.BaseDataset subclasses) does not exist here",
+    "fused_backward_pass": "LoRA scripts only: sd-scripts accepts it there and ignores it; here it is a fine-tune flag",
+    "controlnet_model_name_or_path": "ControlNet training is not implemented; sd-scripts' flux_train_network.py and "
+                                     "flux_train.py accept it and ignore it",
+}
+
+
+def _our_flags(script: str) -> set:
+    family, mode = SCRIPT_PARSERS[script]
+    parser = build_parser("audit", get_family(family), bool(mode), dreambooth=mode == "db")
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_PARSERS))
+def test_every_sd_scripts_flag_is_taken(script):
+    """Issue 24: before this, 372 (script, flag) pairs of 42 distinct flags stopped with 'unrecognized argument'."""
+    theirs = set(json.load(open(SD_SCRIPTS_FLAGS, encoding="utf-8"))["scripts"][script])
+    missing = theirs - _our_flags(script) - {f"--{name}" for name in REFUSED_SD_SCRIPTS_FLAGS}
+    assert sorted(missing) == []
+
+
+def test_refused_sd_scripts_flags_are_documented():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "differences.md"), encoding="utf-8").read()
+    assert [name for name in REFUSED_SD_SCRIPTS_FLAGS if f"`--{name}`" not in text] == []
+    assert set(SD_SCRIPTS_FLAGS) and len(json.load(open(SD_SCRIPTS_FLAGS))["scripts"]) == 14

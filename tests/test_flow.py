@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from library.cli.flow import flow_options_from_args
 from library.core.errors import ConfigError
 from library.objectives.flow import (
     FlowMatchScheme,
@@ -102,13 +101,3 @@ def test_loss_options_with_flow():
         check_loss_options(LossOptions(min_snr_gamma=5.0), scheme)
     assert scheme.validation_timesteps == (200, 400, 600, 800)
 
-
-def test_flags():
-    opts = flow_options_from_args({"timestep_sampling": "shift", "discrete_flow_shift": 3.1582})
-    assert (opts.timestep_sampling, opts.discrete_flow_shift, opts.model_prediction_type) == ("shift", 3.1582, "raw")
-    with pytest.raises(ConfigError, match="^--min_timestep: not supported for flow-matching"):
-        flow_options_from_args({"min_timestep": 100})
-    with pytest.raises(ConfigError, match="^--timestep_sampling: expected one of sigma, uniform"):
-        flow_options_from_args({"timestep_sampling": "logsnr"})
-    with pytest.raises(ConfigError, match="^--discrete_flow_shift: expected a number > 0, got 0"):
-        flow_options_from_args({"discrete_flow_shift": 0})

@@ -134,7 +134,9 @@ def test_network_flag_defaults_and_options():
     assert (ns.network_module, ns.network_dim, ns.network_alpha, ns.network_multiplier) == ("networks.lora", 4, 1, 1.0)
     assert network_options_from_args(ns) == NetworkOptions(
         metadata={"metadata_title": None, "metadata_author": None, "metadata_description": None,
-                  "metadata_license": None, "metadata_tags": None})
+                  "metadata_license": None, "metadata_tags": None, "metadata_usage_hint": None,
+                  "metadata_thumbnail": None, "metadata_merged_from": None, "metadata_trigger_phrase": None,
+                  "metadata_preprocessor": None, "metadata_is_negative_embedding": None})
     opts = network_options_from_args(_parse([
         "--network_dim", "16", "--network_args", "conv_dim=4", "down_lr_weight=1,1,0", "--text_encoder_lr", "1e-5",
         "--network_train_unet_only", "--base_weights", "a.safetensors", "b.safetensors",
@@ -174,3 +176,34 @@ def test_import_network_module(monkeypatch):
         import_network_module("lycoris.kohya")
     with pytest.raises(ConfigError, match="expected a module defining create_network"):
         import_network_module("networks.lora_math")
+
+
+def test_modelspec_optional_fields_as_sd_scripts_writes_them(tmp_path):
+    """Issue 24: --metadata_usage_hint / _thumbnail / _merged_from / _trigger_phrase / _preprocessor /
+    _is_negative_embedding become modelspec.<name> (sd-scripts' ModelSpecMetadata.from_args); a thumbnail file is
+    written as a base64 data: URL with its MIME type, as sd-scripts' file_to_data_url does."""
+    import base64
+
+    from library.core.metadata import modelspec_metadata
+
+    png = tmp_path / "thumb.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    extra = {"metadata_usage_hint": "use 'sks dog'", "metadata_thumbnail": str(png), "metadata_merged_from": "a, b",
+             "metadata_trigger_phrase": "sks dog", "metadata_preprocessor": "canny",
+             "metadata_is_negative_embedding": "false"}
+    md = modelspec_metadata("stable-diffusion-v1", "diffusers", "t", 512, extra=extra)
+    assert {k: md[k] for k in md if k.split(".")[1] in {"usage_hint", "thumbnail", "merged_from", "trigger_phrase",
+                                                       "preprocessor", "is_negative_embedding"}} == {
+        "modelspec.usage_hint": "use 'sks dog'",
+        "modelspec.thumbnail": "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode(),
+        "modelspec.merged_from": "a, b", "modelspec.trigger_phrase": "sks dog", "modelspec.preprocessor": "canny",
+        "modelspec.is_negative_embedding": "false"}
+    assert modelspec_metadata("a", "b", "t", 512, extra={"metadata_thumbnail": "data:x"})["modelspec.thumbnail"] == "data:x"
+
+
+def test_missing_thumbnail_file_stops_before_training(tmp_path):
+    from library.cli.fine_tune import metadata_from_args
+
+    ns = _parse(["--metadata_thumbnail", str(tmp_path / "nope.png")])
+    with pytest.raises(ConfigError, match=r"^--metadata_thumbnail .*nope.png: file not found; expected an image file"):
+        metadata_from_args(ns)

@@ -175,3 +175,46 @@ def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error)
     assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", extra=flags),
                         fine_tune=True) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(error)
+
+
+def test_num_last_block_to_freeze_freezes_the_last_joint_blocks(tmp_path):
+    """Issue 24: sd3_train.py --num_last_block_to_freeze 1: after a step the last joint block is unchanged and the
+    one before it moved; in a LoRA script the flag is refused."""
+    import torch
+
+    from library.cli.entry import run_training
+    from library.families.base import LoadOptions
+    from tests.test_fine_tune import ft_args
+
+    family = get_family("sd3")
+    base = family.load(LoadOptions("tiny:sd3"))
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "o")
+    assert run_training("sd3", "test", ft_args(data, out, preset="tiny:sd3", steps=1, extra=[
+        "--t5xxl_max_token_length", "8", "--num_last_block_to_freeze", "1"]), fine_tune=True) == 0
+    loaded = family.load(LoadOptions(f"{out}/model.safetensors")).denoiser.transformer_blocks
+    before = base.denoiser.transformer_blocks
+    moved = [any(not torch.equal(a, b) for a, b in zip(x.state_dict().values(), y.state_dict().values()))
+             for x, y in zip(loaded, before)]
+    assert moved[-1] is False and moved[-2] is True
+
+
+def test_use_t5xxl_cache_only_turns_the_cache_on():
+    from library.cli.text_cache import text_cache_options_from_args
+
+    assert text_cache_options_from_args({"use_t5xxl_cache_only": True}).enabled
+    assert not text_cache_options_from_args({}).enabled
+
+
+def test_use_t5xxl_cache_only_trains_clip_with_t5_cached(tmp_path, capsys):
+    from library.cli.entry import run_training
+    from tests.test_fine_tune import ft_args
+
+    data = make_dataset(str(tmp_path), n=1)
+    assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", steps=1, extra=[
+        "--t5xxl_max_token_length", "8", "--train_text_encoder", "--use_t5xxl_cache_only"]), fine_tune=True) == 0
+    assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o2"), preset="tiny:sd3", extra=[
+        "--num_last_block_to_freeze", "1", "--network_module", "networks.lora"])) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --num_last_block_to_freeze: a full fine-tune flag (sd3_train.py); a LoRA trains no block weights "
+        "to freeze")

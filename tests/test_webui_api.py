@@ -596,22 +596,25 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
         model = settings["config"]["model"]
         assert model["pretrained_model_name_or_path"].startswith("/models/")  # placeholders, as the FLUX.1 ones
         model["pretrained_model_name_or_path"] = f"tiny:{family}"
+        blanked = {k: "" for k, v in model.items() if isinstance(v, str) and v.startswith("/models/")}
         settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
         settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
         if (family, mode) == ("anima", "finetune"):
             settings["config"]["optimizer"]["llm_adapter_lr"] = 0
-        jobs[(family, mode)] = (job["id"], settings)
-    assert {k: set(s["config"]["model"]) for k, (_, s) in jobs.items() if k[1] == "lora"} == {
+        jobs[(family, mode)] = (job["id"], settings, blanked)
+    assert {k: set(s["config"]["model"]) for k, (_, s, _) in jobs.items() if k[1] == "lora"} == {
         ("sd3", "lora"): {"pretrained_model_name_or_path", "clip_l", "clip_g", "t5xxl"},
         ("anima", "lora"): {"pretrained_model_name_or_path", "qwen3", "vae"},
         ("chroma", "lora"): {"model_type", "pretrained_model_name_or_path", "t5xxl", "ae", "apply_t5_attn_mask",
                              "guidance_scale"},  # no clip_l for Chroma
         ("lumina", "lora"): {"pretrained_model_name_or_path", "gemma2", "ae"}}
-    assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s) in jobs.items()
+    assert {k[0]: s["config"].get("network", {}).get("network_module") for k, (_, s, _) in jobs.items()
             if k[1] == "lora"} == {"sd3": "networks.lora_sd3", "anima": "networks.lora_anima",
                                    "chroma": "networks.lora_flux", "lumina": "networks.lora_lumina"}
 
-    chroma_id, chroma = jobs[("chroma", "lora")]
+    for _, settings, blanked in jobs.values():  # Save checks that the model files exist: the tiny preset has them all
+        settings["config"]["model"].update(blanked)
+    chroma_id, chroma, _ = jobs[("chroma", "lora")]
     for model_type, got in ((None, "blank"), ("flux", '"flux"')):
         model = {k: v for k, v in chroma["config"]["model"].items() if k != "model_type"}
         if model_type:
@@ -626,7 +629,7 @@ def test_sd3_anima_chroma_templates_pass_the_trainers_check(jobs_dir, monkeypatc
                                           jobs.values())))
     for key, r in results.items():
         assert r.status_code == 200, (key, r.text)
-    written = {k: toml.load(os.path.join(jobs_dir, str(i), "config.toml")) for k, (i, _) in jobs.items()}
+    written = {k: toml.load(os.path.join(jobs_dir, str(i), "config.toml")) for k, (i, _, _) in jobs.items()}
     assert written[("anima", "finetune")]["optimizer"]["llm_adapter_lr"] == 0
     assert written[("chroma", "finetune")]["model"]["model_type"] == "chroma"
     assert all(w["model"]["pretrained_model_name_or_path"].startswith("tiny:") for w in written.values())
@@ -895,3 +898,221 @@ def test_no_route_answers_5xx_to_hostile_ids_paths_and_bodies(jobs_dir, monkeypa
     assert len(answers) >= 500  # 505 with the routes of today: every route was reached
     assert [a for a in answers if a[-1] >= 500] == []
     assert {a[-1] for a in answers if "files/output/%00" in a[1] or "path=%00" in a[1]} == {400}
+
+
+# --- issue 29: Save means Start will work ---------------------------------------------------------------------
+
+def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch):
+    """A model file that does not exist and an Anima dataset whose resolution 64 is below its smallest bucket 256
+    were accepted by Save and failed 7-8 s after Start: both are refused at the field now; GET .../check says
+    whether Start will work for the files as they are (a template's /models/... placeholders: to fill in) and
+    which of max_train_steps / max_train_epochs governs the run (sd-scripts' rule: epochs, when given)."""
+    from webui import performance
+    from webui.jobfiles import REPO_ROOT
+
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
+    tiny = _create(c, name="tiny lora A")
+    r = _put_config(c, tiny["id"], "model", "pretrained_model_name_or_path", "/models/nope.safetensors")
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "pretrained_model_name_or_path /models/nope.safetensors: no such file or folder",
+        "field": "pretrained_model_name_or_path"}
+    r = _put_config(c, tiny["id"], "network", "network_weights", "examples/nope.safetensors")
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "network_weights"
+    check = c.get(f"/api/jobs/{tiny['id']}/check").json()
+    assert check["ok"] is True and check["placeholders"] == []
+    assert check["run_length"]["governs"] == "max_train_steps"
+
+    anima = _create(c, template="anima_lora")
+    check = c.get(f"/api/jobs/{anima['id']}/check").json()
+    assert check["ok"] is False and check["field"] == "image_dir"
+    assert check["error"] == "dataset.toml: datasets[0].subsets[0].image_dir: no such folder: data/my_images"
+    assert check["placeholders"] == ["pretrained_model_name_or_path", "qwen3", "vae"]
+    assert check["run_length"] == {"governs": "max_train_epochs", "overridden": None,
+                                   "note": "max_train_epochs 10 governs: the run trains 10 epochs"}
+    settings = c.get(f"/api/jobs/{anima['id']}/settings").json()
+    settings["config"]["model"] = {"pretrained_model_name_or_path": "tiny:anima"}
+    settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
+    settings["config"]["training"]["max_train_steps"] = 10
+    ds = settings["dataset"]["datasets"][0]
+    ds["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
+    ds["resolution"] = 64
+    r = c.put(f"/api/jobs/{anima['id']}/settings", json=settings)
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "dataset.toml: datasets[0]: min_bucket_reso: expected at most the smaller resolution side 64, "
+                 "got 256 (rounded to steps of 64: 256)", "field": "min_bucket_reso", "where": "datasets[0]"}
+    ds["min_bucket_reso"] = 64
+    r = c.put(f"/api/jobs/{anima['id']}/settings", json=settings)
+    assert r.status_code == 200, r.text
+    check = c.get(f"/api/jobs/{anima['id']}/check").json()
+    assert check["ok"] is True and check["placeholders"] == []
+    assert check["run_length"] == {
+        "governs": "max_train_epochs", "overridden": "max_train_steps",
+        "note": "max_train_epochs 10 governs: the run trains 10 epochs; max_train_steps 10 is overridden "
+                "(sd-scripts' rule: epochs, when given, win)"}
+
+
+def test_sample_now_save_now_stop_and_generate_on_a_real_tiny_job(client, jobs_dir, monkeypatch):
+    """During a run, sample_now and save_now reach the trainer through output/.control/ and happen at its next
+    step; Stop ends the run at the step after the one the log showed (the bar is written at every step into a
+    file: it lagged several steps behind); generate runs tools/generate.py with the job's trained LoRA and the
+    images land in the gallery, labelled."""
+    from library.train.control import CONTROL_DIR
+    from webui.generation import CONTROL_DIR as UI_CONTROL_DIR
+
+    assert UI_CONTROL_DIR == CONTROL_DIR
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _create(client, name="tiny")
+    settings = client.get("/api/jobs/1/settings").json()
+    settings["config"]["training"].update(max_train_steps=400, save_every_n_steps=1000)
+    settings["prompts"] = ["a sks shape --w 64 --h 64 --s 2 --d 1"]
+    assert client.put("/api/jobs/1/settings", json=settings).status_code == 200
+    assert client.post("/api/jobs/1/sample_now").status_code == 409  # not running
+    assert client.post("/api/jobs/1/generate", json={}).status_code == 409  # no trained LoRA yet
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"
+    s = _wait_for_step(client, 1, 2, 120)
+    assert s["status"] == "running"
+    assert client.post("/api/jobs/1/sample_now").status_code == 202
+    assert client.post("/api/jobs/1/save_now").status_code == 202
+    output = os.path.join(jobs_dir, "1", "output")
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not (len(client.get("/api/jobs/1/samples").json()) == 2 and
+                                          client.get("/api/jobs/1/trained").json()):
+        time.sleep(0.2)
+    trained = client.get("/api/jobs/1/trained").json()
+    assert len(trained) == 1 and trained[0]["name"].startswith("lora-step"), trained
+    saved_step = int(trained[0]["name"][len("lora-step"):-len(".safetensors")])
+    samples = client.get("/api/jobs/1/samples").json()
+    assert sorted(((x["step"], x["prompt_index"], x["prompt"], x["grid"]) for x in samples), key=str) == [
+        (saved_step, 0, "a sks shape", False), (saved_step, None, None, True)]  # sampled and saved at one step
+    assert not os.listdir(os.path.join(output, CONTROL_DIR))  # the requests were taken
+
+    shown = client.get("/api/jobs/1/status").json()["progress"]["step"]
+    assert client.post("/api/jobs/1/stop").json()["status"] == "stopping"
+    assert client.app.state.runner.wait(1, 60) == "stopped"
+    stopped_at = client.get("/api/jobs/1/status").json()["progress"]["step"]
+    assert shown <= stopped_at <= shown + 2, (shown, stopped_at)  # the step in progress, at most the next
+
+    r = client.post("/api/jobs/1/generate", json={"prompts": ["a sks shape --w 64 --h 64"], "steps": 2,
+                                                  "checkpoint": trained[0]["name"], "seed": 3})
+    assert r.status_code == 202, r.text
+    assert client.post("/api/jobs/1/generate", json={}).status_code in (409, 202)
+    assert client.app.state.ctx.generations.wait(1, 120) == "finished", client.get("/api/jobs/1/generate").json()
+    generated = [x for x in client.get("/api/jobs/1/samples").json() if x["generated"]]
+    assert len(generated) >= 1 and generated[0]["prompt"] == "a sks shape" and generated[0]["prompt_index"] == 0
+    assert client.post("/api/jobs/1/generate", json={"checkpoint": "nope.safetensors"}).status_code in (409, 422)
+
+
+def test_job_names_are_unique_and_a_queued_job_says_what_it_waits_for(client, monkeypatch):
+    """A second "tiny lora A" was a second job of the same name: now it is "tiny lora A (2)" (creating,
+    duplicating and renaming alike); a queued job says its place and the run it waits for; Start says Resume
+    only when a run saved a state (a start that failed before any step says Start)."""
+    from webui.runner import Runner
+
+    names = [_create(client, name="tiny lora A")["name"] for _ in range(3)]
+    assert names == ["tiny lora A", "tiny lora A (2)", "tiny lora A (3)"]
+    assert client.post("/api/jobs/1/duplicate", json={"name": "tiny lora A"}).json()["name"] == "tiny lora A (4)"
+    assert client.patch("/api/jobs/2", json={"name": "tiny lora A"}).json()["name"] == "tiny lora A (2)"  # its own
+    assert client.patch("/api/jobs/3", json={"name": " tiny  lora A "}).json()["name"] == "tiny lora A (3)"
+    assert client.patch("/api/jobs/3", json={"name": 5}).json()["detail"]["field"] == "name"
+
+    monkeypatch.setattr(Runner, "_launch", lambda self, job: self.store.update_job(job["id"], status="running"))
+    monkeypatch.setattr(Runner, "alive", lambda self, job: True)
+    assert client.post("/api/jobs/1/start").json()["status"] == "running"
+    assert client.post("/api/jobs/2/start").json()["status"] == "queued"
+    third = client.post("/api/jobs/3/start").json()
+    assert third["status"] == "queued" and third["job"]["queue"] == {
+        "position": 2, "of": 2, "waits_for": 'job 1 "tiny lora A" (running): one run at a time'}
+    assert client.get("/api/jobs/1").json()["queue"] is None
+    assert client.get("/api/jobs/1").json()["resumable"] is False
+    os.makedirs(os.path.join(client.app.state.runner.jobs_dir, "1", "output", "lora-step00000004-state"))
+    assert client.get("/api/jobs/1").json()["resumable"] is True
+
+
+def test_data_roots_upload_and_the_raw_editor(jobs_dir, tmp_path):
+    """A folder outside --data_root needed a restart: now POST /api/data_roots allows it at once and is kept on
+    the server (a new server has it too); image counts are recursive; images dropped on the page go into the
+    job's dataset folder, which its settings may name; config.toml and dataset.toml edited as text are checked
+    as a Save is (the trainer's own one-line error, nothing written) and kept in the history."""
+    from webui.jobfiles import REPO_ROOT
+
+    outside = tmp_path / "elsewhere"
+    (outside / "a" / "b").mkdir(parents=True)
+    for rel in ("x.png", "a/y.png", "a/b/z.jpg", "a/b/z.txt"):
+        (outside / rel).write_bytes(b"\x89PNG")
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT]))
+    assert c.get(f"/api/folders?path={outside}").status_code == 403
+    r = c.post("/api/data_roots", json={"path": str(outside)})
+    assert r.status_code == 201 and r.json()["images"] == 3 and r.json()["added"] == [str(outside)]
+    listing = c.get(f"/api/folders?path={outside}").json()
+    assert listing["images"] == 1 and [(f["name"], f["images"]) for f in listing["folders"]] == [("a", 2)]
+    assert c.post("/api/data_roots", json={"path": "relative/x"}).status_code == 422
+    assert c.post("/api/data_roots", json={"path": str(tmp_path / "none")}).status_code == 422
+    again = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT]))  # kept on the server
+    assert str(outside) in again.get("/api/data_roots").json()["roots"]
+    assert again.delete(f"/api/data_roots?path={outside}").json()["added"] == []
+    assert again.get(f"/api/folders?path={outside}").status_code == 403
+    assert again.delete(f"/api/data_roots?path={REPO_ROOT}").status_code == 404  # --data_root stays
+
+    _create(c)
+    image = open(os.path.join(REPO_ROOT, "examples", "data", "train", "10_sks shape",
+                              sorted(n for n in os.listdir(os.path.join(REPO_ROOT, "examples", "data", "train",
+                                                                         "10_sks shape")) if n.endswith(".png"))[0]),
+                 "rb").read()
+    r = c.put("/api/jobs/1/dataset_files/one.png", content=image)
+    assert r.status_code == 201 and r.json() == {"folder": os.path.join(jobs_dir, "1", "dataset"), "name": "one.png",
+                                                 "images": 1}
+    assert c.put("/api/jobs/1/dataset_files/one.txt", content=b"a sks shape").status_code == 201
+    assert c.put("/api/jobs/1/dataset_files/..%2Fx.png", content=b"x").status_code in (404, 422)
+    assert c.put("/api/jobs/1/dataset_files/run.sh", content=b"x").status_code == 422
+    assert c.put("/api/jobs/1/dataset_files/.hidden.png", content=b"x").status_code == 422
+
+    raw = c.get("/api/jobs/1/raw").json()
+    assert "max_train_steps = 20" in raw["config"] and 'image_dir = "examples/data/train/10_sks shape"' in raw["dataset"]
+    bad = raw["config"].replace("learning_rate = 0.001", "learning_rate = -1")
+    r = c.put("/api/jobs/1/raw", json={"config": bad, "dataset": raw["dataset"]})
+    assert r.status_code == 422 and r.json()["detail"]["field"] == "learning_rate"
+    assert c.put("/api/jobs/1/raw", json={"config": "[x", "dataset": ""}).json()["detail"]["error"].startswith(
+        "config.toml: not TOML: ")
+    dataset = raw["dataset"].replace("examples/data/train/10_sks shape", os.path.join(jobs_dir, "1", "dataset"))
+    config = raw["config"].replace("max_train_steps = 20", "max_train_steps = 7")
+    r = c.put("/api/jobs/1/raw", json={"config": config, "dataset": dataset})
+    assert r.status_code == 200, r.text
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["training"]["max_train_steps"] == 7
+    assert toml.load(os.path.join(jobs_dir, "1", "config.toml"))["output"]["output_dir"] == \
+        os.path.join(jobs_dir, "1", "output")  # the UI's own keys, set again
+    assert c.get("/api/jobs/1/revisions").json()[0]["changes"].startswith("edited as text: max_train_steps: 20 -> 7")
+
+
+def test_the_runs_control_folder_is_read_once_and_emptied(tmp_path):
+    """library/train/control.py: the requests the web UI writes are taken once (removed), unknown names are
+    left alone, and no folder means nothing asked."""
+    from library.train.control import control_dir, take_requests
+    from webui.generation import request_control
+    from webui.jobfiles import JobFolder
+
+    folder = JobFolder(str(tmp_path), 1)
+    assert take_requests(folder.output_dir) == set()
+    request_control(folder, "sample")
+    request_control(folder, "save")
+    with open(os.path.join(control_dir(folder.output_dir), "other"), "w") as f:
+        f.write("x")
+    assert take_requests(folder.output_dir) == {"sample", "save"}
+    assert take_requests(folder.output_dir) == set()
+    assert os.listdir(control_dir(folder.output_dir)) == ["other"]
+
+
+def test_history_has_the_validation_loss_where_it_was_logged(tmp_path):
+    """The chart's validation loss: "validation loss at step N" lands on step N, one at an epoch's end on the
+    last step shown before it."""
+    log = tmp_path / "train.log"
+    log.write_text(
+        "steps:  25%|##  | 1/4 [00:01<00:03,  1.00it/s, loss=1.5000, lr=1.00e-03]\r"
+        "steps:  50%|##  | 2/4 [00:02<00:02,  1.00it/s, loss=1.2500, lr=1.00e-03]\n"
+        "INFO library.train.loop: validation loss at step 2: 1.31250\n"
+        "steps:  75%|##  | 3/4 [00:03<00:01,  1.00it/s, loss=1.1000, lr=5.00e-04]\n"
+        "INFO library.train.loop: validation loss at epoch 1: 1.20000\n")
+    assert logs.history(str(log)) == [
+        {"step": 1, "loss": 1.5, "lr": 1e-3}, {"step": 2, "loss": 1.25, "lr": 1e-3, "val_loss": 1.3125},
+        {"step": 3, "loss": 1.1, "lr": 5e-4, "val_loss": 1.2}]

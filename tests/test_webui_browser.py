@@ -78,6 +78,11 @@ def browser():
     driver.quit()
 
 
+def tab(browser, name):
+    """Open one of the page's tabs (Model, Data, Training, Performance, Multi-GPU, Sampling, Run, Outputs)."""
+    browser.find_element(By.CSS_SELECTOR, f'#tabs a[data-tab="{name}"]').click()
+
+
 def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     url, app = server
     # UPDATE_SCREENSHOTS=1 writes them to docs/images/ (docs/webui.md shows them); otherwise to a temporary folder
@@ -97,11 +102,13 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     item = browser.find_element(By.CSS_SELECTOR, "#job-list li")
     assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
     assert "draft" in item.text
-    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").get_attribute("textContent")
     gpus = wait.until(lambda d: d.find_elements(By.ID, "gpus"))  # the form, once the server said what it can use
-    assert gpus[0].text == "No GPU: training runs on CPU"
+    assert gpus[0].get_attribute("textContent") == "No GPU: training runs on CPU"  # in the Multi-GPU tab
 
     # the dataset folder: image count and thumbnails; the server-side picker lists folders with their counts
+    assert browser.find_element(By.CSS_SELECTOR, "#tabs a.active").text == "Model"  # a draft opens on its settings
+    tab(browser, "Data")
     first = '#folder-rows .folder-row[data-index="0"] '
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, first + ".folder-info").text == "7 image(s)")
     assert len(browser.find_elements(By.CSS_SELECTOR, first + ".thumbs img")) == 7
@@ -109,6 +116,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     wait.until(lambda d: "Use this folder (7 images)" in d.find_element(By.CSS_SELECTOR, first + ".picker").text)
 
     # a bad value: the trainer's own one-line error, next to the field
+    tab(browser, "Training")
     lr = browser.find_element(By.ID, "f-learning_rate")
     lr.clear()
     lr.send_keys("-1")
@@ -122,6 +130,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     steps = browser.find_element(By.ID, "f-max_train_steps")
     steps.clear()
     steps.send_keys("40")
+    tab(browser, "Sampling")
     every = browser.find_element(By.ID, "f-sample_every_n_steps")
     every.send_keys("5")
     assert browser.find_element(By.ID, "no-prompts").is_displayed()
@@ -145,12 +154,26 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
                and not d.find_element(By.ID, "progress").text.startswith("step 0 "))
     assert "$ cd " in browser.find_element(By.ID, "console").text
     slow.until(lambda d: "steps:" in d.find_element(By.ID, "console").text)
-    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart polyline.loss"))  # the loss chart
-    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples img"))  # a sample image, from the prompt
+    assert browser.find_element(By.CSS_SELECTOR, "#tabs a.active").text == "Run"  # Start opens the Run tab
+    # the loss chart (uPlot): axes named step / loss / learning rate, and hover values
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chart .uplot canvas"))
+    slow.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chart .u-legend .u-series")) >= 4)
+    _chart_has_axes_and_hover(browser)
+    tab(browser, "Outputs")
+    browser.execute_script("window.scrollTo(0, 0)")
+    slow.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#samples table.gallery img"))  # a sample, from the prompt
     assert not browser.find_element(By.ID, "no-samples").is_displayed()
-    browser.execute_script("document.getElementById('samples').scrollIntoView({block: 'center'})")
+    heads = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "#samples table.gallery tr:first-child th")]
+    assert heads == ["step \u00d7 prompt", "0: a red <circle>"]
+    label = browser.find_element(By.CSS_SELECTOR, "#samples table.gallery th.row-label").text
+    assert label.startswith("step ") and int(label.split()[1]) % 5 == 0
+    link = browser.find_element(By.CSS_SELECTOR, "#samples table.gallery td a")
+    assert link.get_attribute("target") == "_blank" and link.get_attribute("href").endswith(".png")
     os.makedirs(shots, exist_ok=True)
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(shots, "webui_samples.png"))
+    tab(browser, "Run")
+    _chart_has_axes_and_hover(browser)
     browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(shots, "webui_job.png"))
 
@@ -171,13 +194,28 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     slow.until(lambda d: "stopped" in d.find_element(By.ID, "job-status").text)
     slow.until(lambda d: "state saved to" in d.find_element(By.ID, "console").text)
     assert browser.find_element(By.ID, "start-btn").text == "Resume"
+    wait.until(lambda d: d.find_element(By.ID, "job-status").value_of_css_property("color") == "rgba(255, 255, 255, 1)")
 
     # delete the job's TensorBoard event files (after a confirmation)
+    tab(browser, "Outputs")
     browser.find_element(By.ID, "delete-events-btn").click()
     browser.switch_to.alert.accept()
     wait.until(lambda d: "event file(s) deleted" in d.find_element(By.ID, "events-msg").text)
     logs_dir = os.path.join(app.state.runner.jobs_dir, "1", "output", "logs")
     assert not [n for _, _, files in os.walk(logs_dir) for n in files if n.startswith("events.out.tfevents.")]
+
+
+def _chart_has_axes_and_hover(browser):
+    axes = browser.execute_script("return chart.axes.map((a) => a.label)")  # uPlot draws them on its canvas
+    assert axes == ["step", "loss", "learning rate"], axes
+    assert browser.execute_script("return chart.series.map((s) => s.label)")[:4] == [
+        "step", "loss", "loss (smoothed)", "LR"]
+    over = browser.find_element(By.CSS_SELECTOR, "#chart .u-over")
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(browser).move_to_element(over).perform()  # hover: the legend shows the step's values
+    values = [v.text for v in browser.find_elements(By.CSS_SELECTOR, "#chart .u-legend .u-series .u-value")]
+    assert values[0].isdigit() and all(v not in ("", "--") for v in values[1:4]), values
 
 
 def _performance_folders_strategy_history(browser, wait, url, app, shots):
@@ -191,6 +229,7 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     job = os.path.join(app.state.runner.jobs_dir, "1")
     with urllib.request.urlopen(url + "/api/jobs/1/performance") as r:
         reasons = {o["key"]: o["reason"] for o in json.load(r)}
+    tab(browser, "Performance")
     flash = browser.find_element(By.CSS_SELECTOR, '.field[data-perf="flash_attn"]')
     assert not flash.find_element(By.TAG_NAME, "input").is_enabled()
     assert reasons["flash_attn"] and flash.find_element(By.CSS_SELECTOR, ".reason").text == reasons["flash_attn"]
@@ -200,14 +239,13 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     assert persistent.find_element(By.CSS_SELECTOR, ".reason").text == "needs data-loader workers > 0"  # 0 workers
     workers = browser.find_element(By.ID, "f-max_data_loader_n_workers")
     workers.clear()
-    workers.send_keys("2")
-    browser.find_element(By.ID, "f-seed").click()  # leaves the field: its change event
+    workers.send_keys("2\t")  # leaves the field: its change event
     wait.until(lambda d: persistent.find_element(By.TAG_NAME, "input").is_enabled())
     workers.clear()
-    workers.send_keys("0")
-    browser.find_element(By.ID, "f-seed").click()
+    workers.send_keys("0\t")
     wait.until(lambda d: not persistent.find_element(By.TAG_NAME, "input").is_enabled())
 
+    tab(browser, "Data")
     browser.find_element(By.ID, "add-folder").click()
     row = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="1"]')
     assert row.find_element(By.CSS_SELECTOR, ".folder-title").text == "Folder 2"
@@ -219,6 +257,7 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     wait.until(lambda d: row.find_element(By.CSS_SELECTOR, ".folder-info").text == "7 image(s)")
     assert len(row.find_elements(By.CSS_SELECTOR, ".thumbs img")) == 7
 
+    tab(browser, "Multi-GPU")
     details = browser.find_element(By.ID, "strategy-details")
     assert details.text == "Select a strategy to see details"
     strategy = Select(browser.find_element(By.ID, "f-strategy"))
@@ -228,6 +267,7 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     strategy.select_by_value("single")
     assert "One process on one GPU (or the CPU)" in details.text
     assert "No GPU: one process on the CPU (accelerate --cpu)" in details.text
+    tab(browser, "Performance")
     browser.find_element(By.ID, "f-profile_steps").click()  # Diagnostics: the trainer's --profile_steps
     browser.find_element(By.ID, "save-btn").click()
     wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
@@ -239,15 +279,16 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
     assert (accelerate["distributed_type"], accelerate["num_processes"], accelerate["use_cpu"]) == ("NO", 1, True)
     assert toml.load(os.path.join(job, "config.toml"))["diagnostics"] == {"profile_steps": True}
     assert f"accelerate launch --config_file {job}/accelerate_config.yaml train_network.py --config_file " \
-        in browser.find_element(By.ID, "command").text
-    browser.set_window_size(1400, 1500)  # the Performance options and both folders in one picture
-    browser.execute_script("document.querySelector('[data-section=\"Performance\"]').scrollIntoView()")
+        in browser.find_element(By.ID, "command").get_attribute("textContent")
+    browser.set_window_size(1400, 1500)  # the Performance options in one picture
+    browser.execute_script("window.scrollTo(0, 0)")
     browser.save_screenshot(os.path.join(shots, "webui_settings.png"))
-    browser.execute_script("document.querySelector('[data-section=\"Multi-GPU Optimization\"]').scrollIntoView()")
+    tab(browser, "Multi-GPU")
     browser.save_screenshot(os.path.join(shots, "webui_multigpu.png"))
     browser.set_window_size(1400, 1000)
 
     # the settings history: newest first; Restore brings back the save before (one folder, no strategy)
+    tab(browser, "Run")
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#history li")) == 3)
     items = browser.find_elements(By.CSS_SELECTOR, "#history li")
     assert [i.get_attribute("data-revision") for i in items] == ["3", "2", "1"]
@@ -256,12 +297,13 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
         "train/10_sks shape; subsets[1].num_repeats: set to 2; strategy: set to single")
     items[1].find_element(By.CSS_SELECTOR, ".restore-btn").click()
     browser.switch_to.alert.accept()
-    wait.until(lambda d: d.find_element(By.ID, "form-ok").text == "Restored revision 2.")
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").text.startswith("Restored revision 2. max_train_steps 40 "
+                                                                          "governs"))
     assert len(toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]) == 1
     assert not os.path.exists(os.path.join(job, "accelerate_config.yaml"))
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#folder-rows .folder-row")) == 1
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#folder-rows .folder-row")) == 1  # drawn, in its tab
     assert browser.find_element(By.ID, "f-strategy").get_attribute("value") == ""
-    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").text
+    assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").get_attribute("textContent")
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#history li .what").text.startswith(
         "restored revision 2: profile_steps: removed (was true); "))
 
@@ -281,7 +323,7 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     Select(browser.find_element(By.ID, "template-select")).select_by_value("anima_finetune")
     browser.find_element(By.ID, "create-btn").click()
     wait.until(lambda d: d.find_elements(By.ID, "f-llm_adapter_frozen"))
-    assert "python anima_train.py --config_file" in browser.find_element(By.ID, "command").text
+    assert "python anima_train.py --config_file" in browser.find_element(By.ID, "command").get_attribute("textContent")
     assert browser.find_element(By.ID, "f-qwen3").get_attribute("value") == "/models/qwen_3_06b_base.safetensors"
     assert browser.find_elements(By.ID, "f-vae") and browser.find_elements(By.ID, "f-llm_adapter_path")
     assert not browser.find_elements(By.ID, "f-clip_l") and not browser.find_elements(By.ID, "f-network_dim")
@@ -292,14 +334,31 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
         "Keep the LLM adapter weights frozen during training")
     assert not frozen.is_selected() and browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()
 
-    model = browser.find_element(By.ID, "f-pretrained_model_name_or_path")
-    model.clear()
-    model.send_keys("tiny:anima")  # the built-in tiny model: the template's /models/... file is not here
-    browser.find_element(By.ID, "f-optimizer_type").clear()
-    browser.find_element(By.ID, "f-optimizer_type").send_keys("AdamW")  # no bitsandbytes needed
+    # Start waits for a clean check: the template's model paths are placeholders, marked "to fill in"
+    wait.until(lambda d: d.find_element(By.ID, "start-reason").is_displayed())
+    assert not browser.find_element(By.ID, "start-btn").is_enabled()
+    marked = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".field.placeholder-field"))
+    assert {m.get_attribute("data-field") for m in marked} >= {"pretrained_model_name_or_path", "qwen3", "vae"}
+    assert marked[0].find_element(By.CSS_SELECTOR, ".to-fill").text == "to fill in: the template's placeholder path"
+    tab(browser, "Data")
     folder = browser.find_element(By.CSS_SELECTOR, '#folder-rows .folder-row[data-index="0"] .image-dir')
     folder.clear()
     folder.send_keys("examples/data/train/10_sks shape")
+    tab(browser, "Model")
+    model = browser.find_element(By.ID, "f-pretrained_model_name_or_path")
+    model.clear()
+    model.send_keys("/models/nope.safetensors")
+    browser.find_element(By.ID, "save-btn").click()  # refused at the field (before: "Saved", then Start failed)
+    error = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '.field[data-field="pretrained_model_name_or_path"] .error'))
+    assert error[0].text == "pretrained_model_name_or_path /models/nope.safetensors: no such file or folder"
+    model.clear()
+    model.send_keys("tiny:anima")  # the built-in tiny model: the template's /models/... file is not here
+    for key in ("qwen3", "vae"):  # the tiny model holds them
+        browser.find_element(By.ID, f"f-{key}").clear()
+    tab(browser, "Training")
+    browser.find_element(By.ID, "f-optimizer_type").clear()
+    browser.find_element(By.ID, "f-optimizer_type").send_keys("AdamW")  # no bitsandbytes needed
+    tab(browser, "Model")
     frozen.click()
     assert not browser.find_element(By.ID, "f-llm_adapter_lr").is_enabled()
     browser.find_element(By.ID, "save-btn").click()
@@ -310,3 +369,60 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     assert config["optimizer"]["llm_adapter_lr"] == 0
     assert config["model"]["pretrained_model_name_or_path"] == "tiny:anima"
     assert browser.find_element(By.ID, "f-llm_adapter_frozen").is_selected()  # the form, drawn again from the server
+    # the steps / epochs rule, named at Save and beside the fields (the template trains 10 epochs)
+    wait.until(lambda d: "max_train_epochs 10 governs" in d.find_element(By.ID, "form-ok").text)
+    wait.until(lambda d: browser.find_element(By.ID, "start-btn").is_enabled())
+    assert not browser.find_element(By.ID, "start-reason").is_displayed()
+    tab(browser, "Training")
+    note = browser.find_element(By.CSS_SELECTOR, '.field[data-field="max_train_epochs"] .run-length').text
+    assert note == "governs the run's length"
+    browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", "/tmp"), "webui_anima_training.png"))
+
+
+def test_data_folders_upload_and_the_raw_editor(server, browser, tmp_path):
+    """Data tab: a folder added from the page is allowed on the server at once; files dropped on the drop zone
+    land in the job's dataset folder. Model tab: config.toml edited as text is checked and written. A second
+    job of the same name gets " (2)"."""
+    url, app = server
+    wait = WebDriverWait(browser, 90, poll_frequency=0.2)
+    extra = tmp_path / "more_images"
+    (extra / "sub").mkdir(parents=True)
+    (extra / "sub" / "a.png").write_bytes(b"\x89PNG")
+    browser.get(url + "/")
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, '#template-select option[value="tiny_sd1_lora"]'))
+    for _ in range(2):
+        browser.find_element(By.ID, "new-name").send_keys("tiny lora A")
+        browser.find_element(By.ID, "create-btn").click()
+        wait.until(lambda d: d.find_elements(By.ID, "f-network_dim"))  # the form of the new job, drawn
+        wait.until(lambda d: d.find_element(By.ID, "job-name").text.startswith("tiny lora A"))
+    wait.until(lambda d: d.find_element(By.ID, "job-name").text == "tiny lora A (2)")
+    assert [j["name"] for j in app.state.store.jobs()] == ["tiny lora A", "tiny lora A (2)"]
+
+    tab(browser, "Data")
+    browser.find_element(By.ID, "root-path").send_keys(str(extra))
+    browser.find_element(By.ID, "root-add").click()
+    wait.until(lambda d: str(extra) in d.find_element(By.ID, "roots-list").text)
+    assert str(extra) in app.state.ctx.roots.roots
+    browser.execute_script("""
+        const dt = new DataTransfer();
+        dt.items.add(new File([new Uint8Array([137, 80, 78, 71])], "dropped.png", { type: "image/png" }));
+        dt.items.add(new File(["a sks shape"], "dropped.txt", { type: "text/plain" }));
+        const zone = document.getElementById("drop-zone");
+        zone.dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true }));""")
+    wait.until(lambda d: "2 file(s) uploaded" in d.find_element(By.ID, "upload-msg").text)
+    dataset = os.path.join(app.state.runner.jobs_dir, "2", "dataset")
+    assert sorted(os.listdir(dataset)) == ["dropped.png", "dropped.txt"]
+
+    tab(browser, "Model")
+    browser.find_element(By.ID, "raw-load").click()
+    raw = wait.until(lambda d: d.find_element(By.ID, "raw-config").get_attribute("value"))
+    assert "max_train_steps = 20" in raw
+    browser.execute_script("document.getElementById('raw-config').value = arguments[0]",
+                           raw.replace("max_train_steps = 20", "max_train_steps = 9"))
+    browser.find_element(By.ID, "raw-save").click()
+    msg = wait.until(lambda d: d.find_element(By.ID, "raw-msg").text)
+    assert msg == "Saved: every check Start makes passed."
+    assert toml.load(os.path.join(app.state.runner.jobs_dir, "2", "config.toml"))["training"]["max_train_steps"] == 9
+    browser.save_screenshot(str(tmp_path / "raw.png"))
+    tab(browser, "Data")
+    browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", str(tmp_path)), "webui_data.png"))

@@ -34,6 +34,18 @@ class Roots:
             if real not in self.roots:
                 self.roots.append(real)
 
+    def add(self, root: str) -> str:
+        """Allow one more folder (after symlinks); returns it."""
+        real = os.path.realpath(root)
+        if real not in self.roots:
+            self.roots.append(real)
+        return real
+
+    def remove(self, root: str) -> None:
+        real = os.path.realpath(root)
+        if real in self.roots:
+            self.roots.remove(real)
+
     def inside(self, path: str, base: str = REPO_ROOT) -> Optional[str]:
         """`path` (relative ones from `base`, where runs start) resolved, or None when outside every root.
         A path with a NUL character is outside (callers that answer a request refuse it first, with 400)."""
@@ -73,8 +85,15 @@ def image_files(folder: str) -> list[str]:
         return []
 
 
-def count_images(folder: str) -> int:
-    return len(image_files(folder))
+def count_images(folder: str, limit: int = 1_000_000) -> int:
+    """The images in `folder` and its subfolders (hidden ones and symbolic links to folders are not entered)."""
+    total = 0
+    for _here, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        total += sum(1 for f in files if f.lower().endswith(IMAGE_EXTENSIONS))
+        if total >= limit:
+            break
+    return total
 
 
 def dataset_paths(dataset: dict) -> list[tuple[str, str]]:
@@ -127,14 +146,14 @@ def within(real: str, folder: str) -> bool:
     return real == folder or real.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _config_values(config: Any, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
+def config_values(config: Any, keys: Sequence[str]) -> Iterator[tuple[str, Any]]:
     """(key, value) of every `keys` entry in config.toml's tables at any depth (the trainer flattens them);
     a list value (base_weights) gives one entry per item."""
     if not isinstance(config, dict):
         return
     for key, value in config.items():
         if isinstance(value, dict):
-            yield from _config_values(value, keys)
+            yield from config_values(value, keys)
         elif key in keys:
             for item in value if isinstance(value, list) else [value]:
                 yield key, item
@@ -154,14 +173,14 @@ def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Opti
     into outside the job's folder (403), a file or folder it reads outside the roots and the job's folder
     (403), a dataset path outside the roots (403). None when every path-valued setting is contained."""
     config, dataset = settings.get("config") or {}, settings.get("dataset") or {}
-    for key, value in _config_values(config, NAME_KEYS):
+    for key, value in config_values(config, NAME_KEYS):
         if not isinstance(value, str):
             continue
         if "\0" in value or "/" in value or "\\" in value or value.strip() in (".", ".."):
             return 422, (f"{key} {value!r}: expected a name, not a path (no '/', '\\', '..' or NUL): the run's "
                          "files go into the job's folder"), key
-    candidates = [(key, value, "job") for key, value in _config_values(config, JOB_FOLDER_KEYS)]
-    candidates += [(key, value, "read") for key, value in _config_values(config, READ_PATH_KEYS)]
+    candidates = [(key, value, "job") for key, value in config_values(config, JOB_FOLDER_KEYS)]
+    candidates += [(key, value, "read") for key, value in config_values(config, READ_PATH_KEYS)]
     candidates += [(key, value, "dataset") for key, value in dataset_paths(dataset)]
     for key, value, kind in candidates:
         if not isinstance(value, str) or value == "":
@@ -178,7 +197,7 @@ def settings_path_refusal(settings: dict, job_folder: str, roots: Roots) -> Opti
             if roots.inside(value) is None and not within(resolved(value), job_folder):
                 return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the "
                              f"server's --data_root) and the job's folder"), key
-        elif roots.inside(value) is None:
+        elif roots.inside(value) is None and not within(resolved(value), job_folder):
             return 403, (f"{key} {value}: outside the allowed folders ({', '.join(roots.roots)}; the server's "
-                         "--data_root)"), key
+                         "--data_root) and the job's folder"), key
     return None

@@ -40,3 +40,31 @@ def parse_nvidia_smi(text: str) -> list[dict[str, Any]]:
         out.append({"index": number(parts[0]), "name": parts[1], "memory_total_mib": number(parts[2]),
                     "memory_used_mib": number(parts[3]), "utilization_percent": number(parts[4])})
     return out
+
+
+def process_group_memory(pgid: int) -> dict[str, Any]:
+    """Resident memory (MiB) and CPU time of the processes in a run's process group, from /proc (standard
+    library): the trainer, its launcher and data-loader workers."""
+    import os
+
+    rss_kib, count = 0, 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return {"processes": 0, "rss_mib": None}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[2]) != pgid:  # field 5: the process group
+                continue
+            with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss_kib += int(line.split()[1])
+                        break
+            count += 1
+        except (OSError, ValueError, IndexError):
+            continue
+    return {"processes": count, "rss_mib": round(rss_kib / 1024, 1) if count else None}

@@ -21,7 +21,7 @@ from library.core.io_utils import atomic_write_text
 TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {
-    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py",
+    ("sd", "lora"): "train_network.py", ("sd", "finetune"): "fine_tune.py", ("sd", "dreambooth"): "train_db.py",
     ("sdxl", "lora"): "sdxl_train_network.py", ("sdxl", "finetune"): "sdxl_train.py",
     ("flux", "lora"): "flux_train_network.py", ("flux", "finetune"): "flux_train.py",
     ("sd3", "lora"): "sd3_train_network.py", ("sd3", "finetune"): "sd3_train.py",
@@ -29,6 +29,7 @@ SCRIPTS = {
     # Chroma trains through the FLUX.1 scripts, told by model_type = "chroma" in config.toml (MODEL_TYPES)
     ("chroma", "lora"): "flux_train_network.py", ("chroma", "finetune"): "flux_train.py",
     ("lumina", "lora"): "lumina_train_network.py", ("lumina", "finetune"): "lumina_train.py",
+    ("zimage", "lora"): "zimage_train_network.py", ("zimage", "finetune"): "zimage_train.py",
     ("hunyuan_image", "lora"): "hunyuan_image_train_network.py",  # sd-scripts has no HunyuanImage fine-tune script
 }
 # The --model_type a job of a family that shares its scripts must have (None: the scripts' default, flux).
@@ -206,6 +207,9 @@ class JobFolder:
         return target if target == root or target.startswith(root + os.sep) else None
 
     def sample_images(self) -> list[dict[str, Any]]:
+        """The sample images, newest first, each labelled for the gallery: `step` (or `epoch`) and `prompt_index`
+        from sd-scripts' name `<name>_<000500|e000003>_<NN>_<stamp>[_seed].png`, `prompt` from the PNG's text,
+        `grid` for the step's grid image, `generated` for tools/generate.py's `im_<NN>_<stamp>_<seed>.png`."""
         out = []
         for folder, _, files in os.walk(self.output_dir):
             if os.path.basename(folder) != "sample":
@@ -214,9 +218,15 @@ class JobFolder:
                 if name.lower().endswith(IMAGE_EXTENSIONS):
                     full = os.path.join(folder, name)
                     out.append({"path": os.path.relpath(full, self.path), "name": name,
-                                "mtime": os.path.getmtime(full)})
+                                "mtime": os.path.getmtime(full), **sample_label(full)})
         return sorted(out, key=lambda s: s["mtime"], reverse=True)
 
+    def has_state(self) -> bool:
+        """Whether a run saved a training state here (output/*-state): Start resumes from it."""
+        try:
+            return any(e.name.endswith("-state") and e.is_dir(follow_symlinks=False) for e in os.scandir(self.output_dir))
+        except OSError:
+            return False
 
     def trained_files(self) -> list[dict[str, Any]]:
         """The models the runs saved (files in output/, newest first), for download."""
@@ -272,6 +282,62 @@ def _remove_event_files(dir_fd: int) -> Iterator[str]:
             yield entry.name
 
 
+_SAMPLE_RE = re.compile(r"_(e?)(\d{6})_(\d{2})_\d{14}(?:_\d+)?\.png$")
+_GRID_RE = re.compile(r"_(e?)(\d{6})_grid\.png$")
+_GENERATED_RE = re.compile(r"^im_(\d{2,})_\d{14}(?:_\d+)?\.png$")
+
+
+def sample_label(path: str) -> dict[str, Any]:
+    """Step or epoch, prompt index and prompt of one sample image (see JobFolder.sample_images)."""
+    name = os.path.basename(path)
+    label: dict[str, Any] = {"step": None, "epoch": None, "prompt_index": None, "prompt": None, "grid": False,
+                             "generated": False}
+    m = _SAMPLE_RE.search(name) or _GRID_RE.search(name)
+    if m:
+        label["epoch" if m.group(1) else "step"] = int(m.group(2))
+        if m.re is _GRID_RE:
+            label["grid"] = True
+        else:
+            label["prompt_index"] = int(m.group(3))
+    else:
+        g = _GENERATED_RE.match(name)
+        if g:
+            label["generated"], label["prompt_index"] = True, int(g.group(1))
+    if not label["grid"] and name.lower().endswith(".png"):
+        label["prompt"] = png_prompt(path)
+    return label
+
+
+def png_prompt(path: str) -> Optional[str]:
+    """The `prompt` text chunk of a PNG the sampler wrote (read with the standard library), or None."""
+    import zlib
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return None
+    pos = 8
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        if kind in (b"tEXt", b"iTXt") and body.startswith(b"prompt\0"):
+            rest = body[len(b"prompt\0"):]
+            if kind == b"iTXt":  # compression flag, method, language\0, translated keyword\0, text
+                compressed = rest[:1] == b"\1"
+                rest = rest[2:].split(b"\0", 2)[-1]
+                if compressed:
+                    try:
+                        rest = zlib.decompress(rest)
+                    except zlib.error:
+                        return None
+            return rest.decode("utf-8", errors="replace")
+        if kind == b"IDAT":
+            break
+        pos += 12 + length
+    return None
+
+
 def _drop_empty(config: dict) -> dict:
     """Blank form fields are no value (TOML has no null)."""
     out = {}
@@ -300,7 +366,8 @@ def one_line_error(stderr: str) -> str:
 
 
 _FLAG_RE = re.compile(r"--([A-Za-z0-9_]+)")
-_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\]\.(?:subsets\[\d+\]\.)?)*([A-Za-z0-9_]+)(?::|$| )")
+_KEY_RE = re.compile(r"^(?:config|dataset)\.toml: (?:[A-Za-z0-9_]+\.|datasets\[\d+\](?:\.subsets\[\d+\])?(?:\.|: ))*"
+                     r"([A-Za-z0-9_]+)(?::|$| )")
 
 
 _WHERE_RE = re.compile(r"^dataset\.toml: (datasets\[\d+\](?:\.subsets\[\d+\])?|general)")

@@ -23,18 +23,31 @@ def _bar_values(m: re.Match) -> dict[str, Any]:
     return out
 
 
+_VAL_RE = re.compile(r"validation loss at (step|epoch) (\d+): ([0-9.eE+-]+|nan|inf)")
+
+
 def history(log_path: str) -> list[dict[str, Any]]:
-    """Loss and LR by step over every run in the log (the last value shown for a step wins), for the chart."""
+    """Loss and LR by step over every run in the log (the last value shown for a step wins), for the chart;
+    `val_loss` at the steps where a validation loss was logged (one at an epoch's end: its last step)."""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return []
     by_step: dict[int, dict[str, Any]] = {}
-    for m in _BAR_RE.finditer(text):
-        values = _bar_values(m)
-        if "loss" in values:
-            by_step[values["step"]] = {"step": values["step"], "loss": values["loss"], "lr": values.get("lr")}
+    last_step = 0
+    events = sorted([(m.start(), "bar", m) for m in _BAR_RE.finditer(text)]
+                    + [(m.start(), "val", m) for m in _VAL_RE.finditer(text)], key=lambda e: e[0])
+    for _, kind, m in events:
+        if kind == "bar":
+            values = _bar_values(m)
+            last_step = values["step"]
+            if "loss" in values:
+                entry = by_step.setdefault(values["step"], {"step": values["step"]})
+                entry.update(loss=values["loss"], lr=values.get("lr"))
+        else:
+            step = int(m.group(2)) if m.group(1) == "step" else last_step
+            by_step.setdefault(step, {"step": step, "loss": None, "lr": None})["val_loss"] = float(m.group(3))
     return [by_step[k] for k in sorted(by_step)]
 
 

@@ -19,7 +19,7 @@ from webui.jobfiles import REPO_ROOT, find_key
 
 # Families whose transformer blocks can be swapped to CPU memory (the DiT families; the trainer's
 # family_supports_block_swap says the same for every family the UI has templates of: a test compares them).
-BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image")
+BLOCK_SWAP_FAMILIES = ("flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image", "zimage")
 
 # key, label, help, section of config.toml, kind ("bool" | "int" | "memory"), [requirements]
 # requirements: "gpu", "package:<module>[:<pip name>]", "family:block_swap", "flag" (the trainer has --key),
@@ -43,7 +43,7 @@ OPTIONS = [
      "processes of a machine load the model one after another, one loading peak in RAM at a time)"),
      "training", "memory", ["gpu"]),
     ("blocks_to_swap", "Block swap count", ("0 = off; N transformer blocks stay in CPU memory and are streamed "
-     "to the GPU (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image)"), "memory", "int",
+     "to the GPU (DiT families only: flux, sd3, anima, chroma, lumina, hunyuan_image, zimage)"), "memory", "int",
      ["family:block_swap", "gpu", "flag"]),
     ("cpu_offload_checkpointing", "Activation CPU offload", ("--cpu_offload_checkpointing: keep checkpointed "
      "activations in CPU memory until backward; requires gradient checkpointing (every family)"), "memory", "bool",

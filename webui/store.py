@@ -8,7 +8,6 @@ import threading
 import time
 from typing import Any, Optional
 
-STATUSES = ("draft", "queued", "running", "stopped", "finished", "failed")
 ACTIVE = ("queued", "running")
 
 _SCHEMA = """

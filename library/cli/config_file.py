@@ -11,12 +11,12 @@ from typing import Any, ClassVar, Optional, Sequence
 import toml
 
 from library.cli.describe import print_description
-from library.cli.options import add_flags, flag, flag_specs
+from library.cli.options import flag
 from library.core.errors import ConfigError
 from library.core.io_utils import atomic_write_text
 
 _NOT_SAVED = {"config_file", "output_config", "check_config", "describe_flags"}
-_SECRETS = {"wandb_api_key"}  # accepted in a config file, never written to one
+_SECRETS = {"wandb_api_key", "huggingface_token"}  # accepted in a config file, never written to one
 
 
 @dataclass
@@ -29,10 +29,6 @@ class ConfigFileFlags:
                                      "and exit code 2. Loads no model and reads no image")
     describe_flags: bool = flag(False, "print every flag of this script (name, type, default, choices, help, group, "
                                        "range) and the model family's facts as JSON and exit 0; loads nothing")
-
-
-def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(ConfigFileFlags))
 
 
 def _flatten(data: dict, path: str, out: dict, origin: dict) -> None:

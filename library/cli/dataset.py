@@ -55,8 +55,11 @@ class DatasetFlags:
     cache_latents_to_disk: bool = flag(False, "also keep them in <image>_<W>x<H>_<arch>.npz files, checked on reuse "
                                               "(implies --cache_latents)")
     vae_batch_size: int = flag(1, "images per VAE batch while caching", range=at_least(1))
-    skip_cache_check: bool = flag(False, "accept sd-scripts cache files (no settings signature) whose shapes match")
+    skip_cache_check: bool = flag(False, "accept sd-scripts cache files (no settings signature) whose shapes match",
+                                  aliases=("skip_latents_validity_check",))
     max_data_loader_n_workers: int = flag(8, "capped at the CPU count", range=at_least(0))
+    cache_info: bool = flag(False, "accepted for sd-scripts compatibility: image sizes are read from file headers "
+                                   "here, there is no meta-information cache to write")
     persistent_data_loader_workers: bool = flag(False, "keep data-loader workers alive between epochs")
     validation_split: float = flag(0.0, "fraction of the images held out for validation loss",
                                         range=Range(0, 1, hi_open=True))

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import Range, add_flags, flag, flag_specs, settings_from
+from library.cli.options import Range, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.deepspeed_engine import DeepSpeedOptions, check_options
 
@@ -35,10 +35,6 @@ class DeepSpeedFlags:
     fp16_master_weights_and_gradients: bool = flag(False, "fp16 master weights and gradients in DeepSpeed's optimizer"
                                                           " (only stage 2 with --offload_optimizer_device cpu and "
                                                           "--mixed_precision fp16)")
-
-
-def add_deepspeed_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(DeepSpeedFlags))
 
 
 def deepspeed_options_from_args(ns: argparse.Namespace) -> Optional[DeepSpeedOptions]:

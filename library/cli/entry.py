@@ -16,7 +16,7 @@ from library.cli.config_file import (
 )
 from library.cli.dataset import data_options_from_args
 from library.cli.fine_tune import ema_options_from_args, fine_tune_options_from_args
-from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args
+from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args, speed_options_from_args
 from library.cli.model import load_options_from_args, text_options_from_args
 from library.cli.network import network_options_from_args
 from library.cli.noise_loss import loss_options_from_args, noise_options_from_args
@@ -33,9 +33,11 @@ from library.cli.text_cache import text_cache_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
-from library.data.config import resolve_datasets
+from library.data.building import check_datasets
+from library.data.plan import DataFamilyInfo
 from library.families import get_family
 from library.families.base import ModelFamily
+from library.train.dreambooth import StopTextEncoderTraining
 from library.train.network_kinds import network_kind
 from library.train.optimizers import optimizer_class
 from library.train.settings import RunSettings
@@ -49,6 +51,25 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def configure_console_logging(level: Optional[str], path: Optional[str], simple: bool) -> None:
+    """--console_log_level / --console_log_file / --console_log_simple (sd-scripts' names): the root logger's level,
+    a file that gets the same messages (appended; a folder that does not exist stops here), and plain messages."""
+    if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"--console_log_file {path}: its folder does not exist")
+    root = logging.getLogger()
+    if level:
+        root.setLevel(level)
+    if simple:
+        for handler in root.handlers:
+            handler.setFormatter(logging.Formatter("%(message)s"))
+    if path and not any(getattr(h, "console_log_file", None) == os.path.abspath(path) for h in root.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.console_log_file = os.path.abspath(path)
+        handler.setFormatter(logging.Formatter("%(message)s" if simple else
+                                               "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
 def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
@@ -56,6 +77,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
     """
     check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    configure_console_logging(ns.console_log_level, ns.console_log_file, ns.console_log_simple)
     note_compatibility_flags(vars(ns))
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
     family_options = options_from_namespace(family.options_type, ns)
@@ -71,7 +93,16 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
     network = None if fine_tune else network_options_from_args(ns)
+    if not fine_tune and getattr(family_options, "num_last_block_to_freeze", None):
+        raise ConfigError("--num_last_block_to_freeze: a full fine-tune flag (sd3_train.py); a LoRA trains no block "
+                          "weights to freeze")
     text_cache = text_cache_options_from_args(ns)
+    if ns.weighted_captions and not family.supports_weighted_captions:
+        raise ConfigError(f"--weighted_captions: not supported for {family.name} (sd-scripts takes it for SD 1.x/2.x "
+                          "and SDXL only); drop the flag")
+    if ns.weighted_captions and text_cache.enabled:
+        raise ConfigError("--weighted_captions with --cache_text_encoder_outputs: the cache holds unweighted outputs "
+                          "(as sd-scripts refuses); drop one")
     network = unet_only_when_caching(network, text_cache.enabled, family)
     if network and network.network_module != "networks.lora" and family.external_networks_unsupported:
         raise ConfigError(f"--network_module {network.network_module}: not supported for {family.name}: "
@@ -95,11 +126,15 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         text=text_options_from_args(ns),
         text_cache=text_cache,
         memory=memory,
+        speed=speed_options_from_args(vars(ns)),
         zero_terminal_snr=bool(ns.zero_terminal_snr),
         no_half_vae=bool(ns.no_half_vae),
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
         flags={**flag_values(ns), **resolved},
     )
+    stop_te = getattr(ns, "stop_text_encoder_training", None)  # train_db.py
+    if fine_tune and stop_te is not None and stop_te > 0:
+        settings.hooks.append(StopTextEncoderTraining(stop_te))
     sample_hook = sampling_hook_from_args(ns)  # reads and checks the prompt file now, before any training
     if sample_hook is not None:
         if type(family).generate is ModelFamily.generate:
@@ -129,15 +164,16 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False) -> int:
-    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune). Returns the exit code."""
+                 fine_tune: bool = False, dreambooth: bool = False) -> int:
+    """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
+    train_db.py, a fine-tune with its DreamBooth flags). Returns the exit code."""
     setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
         # script imported (library/core/stop_signals.py recorded it) stops here.
         stop.install()
-        return _run(family_name, description, argv, stop, fine_tune)
+        return _run(family_name, description, argv, stop, fine_tune, dreambooth)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -146,19 +182,23 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool) -> int:
+         fine_tune: bool, dreambooth: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune)
+    parser = build_parser(description, family, fine_tune, dreambooth)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
-            resolve_datasets(settings.data)  # the dataset TOML's keys and values too (no image is read)
+            # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
+            check_datasets(settings.data, DataFamilyInfo.from_family(family))
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)
             check_output_folders(settings.training)  # before the dataset scan and the model load
+        if ns.debug_dataset:  # print the batches and stop: nothing loads, nothing trains
+            Trainer(family, settings, stop).debug_dataset()
+            return 0
         config_path = os.path.join(settings.training.output_dir, f"{settings.training.output_name}_config.toml")
 
         def write_config(trainer, event: str, step: int) -> None:  # once every check has passed

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from library.cli.options import (
     LEARNING_RATE,
     Range,
-    add_flags,
     at_least,
     flag,
-    flag_names,
     flag_specs,
     flag_values,
     settings_from,
@@ -31,15 +30,42 @@ class MetadataFlags:
     metadata_description: Optional[str] = flag(None, "modelspec.description")
     metadata_license: Optional[str] = flag(None, "modelspec.license")
     metadata_tags: Optional[str] = flag(None, "modelspec.tags (comma-separated)")
+    metadata_usage_hint: Optional[str] = flag(None, "modelspec.usage_hint (a short hint on how to use the model)")
+    metadata_thumbnail: Optional[str] = flag(None, "modelspec.thumbnail: a data: URL, or an image file written into "
+                                                   "the metadata as one")
+    metadata_merged_from: Optional[str] = flag(None, "modelspec.merged_from (the models this one was merged from)")
+    metadata_trigger_phrase: Optional[str] = flag(None, "modelspec.trigger_phrase")
+    metadata_preprocessor: Optional[str] = flag(None, "modelspec.preprocessor (the preprocessing the images need)")
+    metadata_is_negative_embedding: Optional[str] = flag(None, "modelspec.is_negative_embedding")
 
 
-METADATA_FLAGS = flag_names(MetadataFlags)
+def metadata_from_args(ns) -> dict:
+    """The --metadata_* values; a --metadata_thumbnail that is neither a data: URL nor a file stops here (sd-scripts
+    drops it with a warning after training)."""
+    values = flag_values(ns, MetadataFlags)
+    thumbnail = values.get("metadata_thumbnail")
+    if thumbnail and not thumbnail.startswith("data:") and not os.path.isfile(thumbnail):
+        raise ConfigError(f"--metadata_thumbnail {thumbnail}: file not found; expected an image file or a data: URL")
+    return values
+
+
+@dataclass
+class DreamBoothFlags:
+    """train_db.py's own flags (sd-scripts' DreamBooth script: a full fine-tune whose text encoder trains by
+    default)."""
+    flag_group: ClassVar[str] = "DreamBooth (train_db.py)"
+    stop_text_encoder_training: Optional[int] = flag(None, "train the text encoder for the first N steps only (-1 or"
+                                                           " 0: never; default: the whole run)", range=at_least(-1))
+    no_token_padding: bool = flag(False, "accepted for sd-scripts compatibility: sd-scripts sets it and reads it "
+                                         "nowhere (the code using it is commented out)")
 
 
 @dataclass
 class FineTuneFlags:
     flag_group: ClassVar[str] = "fine-tuning"
     train_text_encoder: bool = flag(False, "also train the text encoder(s); each trains unless its learning rate is 0")
+    use_safetensors: bool = flag(False, "accepted for sd-scripts compatibility: safetensors is already the default "
+                                        "--save_model_as")
     learning_rate_te: Optional[float] = flag(None, "learning rate of every text encoder (default: --learning_rate)",
                                                    range=LEARNING_RATE)
     learning_rate_te1: Optional[float] = flag(None, "learning rate of the first text encoder (SDXL: CLIP-L); "
@@ -69,6 +95,9 @@ class T5xxlFineTuneFlags:
     learning_rate_te3: Optional[float] = flag(None, "learning rate of T5-XXL with --train_t5xxl (default: "
                                                     "--learning_rate_te, else --learning_rate; 0 keeps it frozen)",
                                                     range=LEARNING_RATE)
+    use_t5xxl_cache_only: bool = flag(False, "cache the T5-XXL outputs (turns on --cache_text_encoder_outputs) while "
+                                             "CLIP-L/G train with --train_text_encoder (frozen CLIP outputs are "
+                                             "cached too: the same numbers)")
 
 
 @dataclass
@@ -86,18 +115,6 @@ class EmaFlags:
                                      "<name>-nonema")
     ema_for_sampling: bool = flag(True, "sample images with the EMA weights (default true)")
     ema_for_validation: bool = flag(True, "compute the validation loss with the EMA weights (default true)")
-
-
-def add_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(FineTuneFlags))
-
-
-def add_t5xxl_fine_tune_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(T5xxlFineTuneFlags))
-
-
-def add_ema_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, flag_specs(EmaFlags))
 
 
 def block_lrs_from_args(value, family) -> list[float]:
@@ -145,12 +162,19 @@ def fine_tune_options_from_args(ns: argparse.Namespace, family=None) -> FineTune
     if train_t5xxl and (ns.cache_text_encoder_outputs or getattr(ns, "cache_text_encoder_outputs_to_disk", False)):
         raise ConfigError("--train_t5xxl: T5-XXL's outputs cannot be cached while it trains; drop "
                           "--cache_text_encoder_outputs")
+    train_text_encoder = ns.train_text_encoder
+    if hasattr(ns, "stop_text_encoder_training"):  # train_db.py: the text encoder trains unless told otherwise
+        stop = ns.stop_text_encoder_training
+        train_text_encoder = stop is None or stop > 0
+        if ns.train_text_encoder and not train_text_encoder:
+            raise ConfigError(f"--train_text_encoder with --stop_text_encoder_training {stop}: the second says the "
+                              "text encoder never trains; drop one")
     te3 = getattr(ns, "learning_rate_te3", None)
     if te3 is not None and not train_t5xxl:
         raise ConfigError("--learning_rate_te3: T5-XXL trains only with --train_t5xxl; add it or drop the rate")
-    return settings_from(FineTuneOptions, ns, learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2, te3],
+    return settings_from(FineTuneOptions, ns, train_text_encoder=train_text_encoder, learning_rate_te_each=[ns.learning_rate_te1, ns.learning_rate_te2, te3],
                          train_t5xxl=train_t5xxl, block_lr=block_lrs_from_args(ns.block_lr, family),
-                         metadata=flag_values(ns, MetadataFlags))
+                         metadata=metadata_from_args(ns))
 
 
 # The --ema_* flags and their declared defaults: one given with another value without --use_ema would change nothing.

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
-from library.cli.options import add_flags, at_least, flag, flag_specs
+from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
 from library.train.settings import MemoryOptions
+from library.train.speedups import SpeedOptions
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,28 @@ class MemoryFlags:
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
                                                   " memory until the backward pass (DiT families; turns on "
                                                   "--gradient_checkpointing)")
+    split_mode: bool = flag(False, "deprecated sd-scripts FLUX.1 flag: as --blocks_to_swap 18 (ignored when "
+                                   "--blocks_to_swap is given)")
+    double_blocks_to_swap: Optional[int] = flag(None, "deprecated sd-scripts FLUX.1 flag: --blocks_to_swap gets N "
+                                                      "(plus --single_blocks_to_swap // 2)", range=at_least(1))
+    single_blocks_to_swap: Optional[int] = flag(None, "deprecated sd-scripts FLUX.1 flag: --blocks_to_swap gets N // 2 "
+                                                      "(plus --double_blocks_to_swap)", range=at_least(1))
 
 
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the memory flags to `parser` (every training script takes them; the family decides what it supports)."""
-    add_flags(parser, flag_specs(MemoryFlags))
+@dataclass
+class SpeedFlags:
+    """Speed-ups that are on by default (they change no result beyond float rounding; docs/performance.md)."""
+    flag_group: ClassVar[str] = "speed"
+    no_auto_text_cache: bool = flag(False, "encode the captions every step even when the text encoders are frozen "
+                                           "and the captions fixed (by default each caption's outputs are kept in "
+                                           "memory the first time it is met)")
+    no_channels_last: bool = flag(False, "keep the denoiser's frozen convolution weights NCHW (by default they are "
+                                         "stored channels_last, which the convolution kernels run faster)")
+
+
+def speed_options_from_args(values: Mapping[str, Any]) -> SpeedOptions:
+    return SpeedOptions(auto_text_cache=not values.get("no_auto_text_cache"),
+                        channels_last=not values.get("no_channels_last"))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> MemoryOptions:
@@ -46,7 +63,7 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
         for alias, flag in getattr(f, "flag_aliases", ()):
             aliased[flag] = aliased.get(flag, False) or bool(values.get(alias))
     fp8_unet = aliased["fp8_base_unet"]
-    swap = values.get("blocks_to_swap")
+    swap = blocks_to_swap_with_aliases(values)
     if swap is not None and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 1):
         raise ConfigError(f"--blocks_to_swap: expected an integer >= 1, got {swap!r}")
     offload = aliased["cpu_offload_checkpointing"]
@@ -63,6 +80,28 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None) -> M
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
                          blocks_to_swap=swap, cpu_offload_checkpointing=offload,
                          xformers=bool(values.get("xformers")), flash_attn=bool(values.get("flash_attn")))
+
+
+def blocks_to_swap_with_aliases(values: Mapping[str, Any]) -> Any:
+    """--blocks_to_swap, or what sd-scripts' deprecated FLUX.1 flags map to (flux_train_network.py --split_mode: 18;
+    flux_train.py --double_blocks_to_swap D --single_blocks_to_swap S: D + S // 2), with one warning."""
+    swap = values.get("blocks_to_swap")
+    double, single = values.get("double_blocks_to_swap"), values.get("single_blocks_to_swap")
+    if double is not None or single is not None:
+        mapped = (double or 0) + (single or 0) // 2
+        if swap is not None:
+            raise ConfigError("--double_blocks_to_swap / --single_blocks_to_swap: deprecated forms of --blocks_to_swap;"
+                              " give only --blocks_to_swap")
+        logger.warning("--double_blocks_to_swap / --single_blocks_to_swap are deprecated (as in sd-scripts): using "
+                       "--blocks_to_swap %d", mapped)
+        swap = mapped or None
+    if values.get("split_mode"):
+        if swap is None:
+            logger.warning("--split_mode is deprecated (as in sd-scripts): using --blocks_to_swap 18")
+            swap = 18
+        else:
+            logger.warning("--split_mode is deprecated and ignored: --blocks_to_swap %d is given", swap)
+    return swap
 
 
 def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:

@@ -33,6 +33,8 @@ class ModelFlags:
         range=at_least(1, "checked against the encoder's layer count when the model loads"))
     max_token_length: Optional[int] = flag(None, "maximum caption length in tokens: 150 or 225 encode 75-token chunks "
                                                  "(default: 75, one chunk)", choices=(75, 150, 225))
+    weighted_captions: bool = flag(False, "read '(word:1.2)', '(word)', '[word]' in training captions as prompt "
+                                          "weights (SD 1.x/2.x, SDXL; not with --cache_text_encoder_outputs)")
     no_half_vae: bool = flag(False, "keep the VAE in float32 under fp16/bf16 mixed precision (avoids NaN latents)")
     tokenizer_cache_dir: Optional[str] = flag(None, "folder holding a saved copy of the tokenizer (for single-file "
                                                     "models without one)")
@@ -49,7 +51,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def text_options_from_args(ns: argparse.Namespace) -> TextEncodingOptions:
     """--clip_skip / --max_token_length (75: one chunk, the same as unset)."""
     return TextEncodingOptions(clip_skip=ns.clip_skip, max_token_length=None if ns.max_token_length == 75
-                               else ns.max_token_length)
+                               else ns.max_token_length, weighted_captions=ns.weighted_captions)
 
 
 def load_options_from_args(ns: argparse.Namespace, family_options: Any = None,

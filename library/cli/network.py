@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from library.cli.fine_tune import MetadataFlags
+from library.cli.fine_tune import MetadataFlags, metadata_from_args
 from library.cli.options import (
     LEARNING_RATE,
     RATE,
@@ -88,5 +88,5 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
         train_unet=not ns.network_train_text_encoder_only,
         train_text_encoder=not ns.network_train_unet_only,
         text_encoder_lr=ns.text_encoder_lr or None,
-        metadata=flag_values(ns, MetadataFlags),
+        metadata=metadata_from_args(ns),
     )

@@ -11,8 +11,8 @@ from typing import NoReturn, Optional
 from library.cli.config_file import ConfigFileFlags
 from library.cli.dataset import DatasetFlags
 from library.cli.deepspeed import DeepSpeedFlags
-from library.cli.fine_tune import MODEL_FORMATS, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
-from library.cli.memory import MemoryFlags
+from library.cli.fine_tune import MODEL_FORMATS, DreamBoothFlags, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
+from library.cli.memory import MemoryFlags, SpeedFlags
 from library.cli.model import ModelFlags
 from library.cli.network import NetworkFlags
 from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
@@ -26,10 +26,10 @@ from library.families.base import ModelFamily
 # The flag groups of a training script, in --help order; the trained part (NetworkFlags or FineTuneFlags) is third.
 _BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
 _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSchedulerFlags, LossFlags,
-                  *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SamplingFlags)
+                  *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
-                    T5xxlFineTuneFlags)
+                    T5xxlFineTuneFlags, DreamBoothFlags)
 
 
 # The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
@@ -39,6 +39,8 @@ FAMILY_FLAG_RANGES: dict[str, Range] = {
     "guidance_scale": Range(lo=0), "t5xxl_max_token_length": at_least(1), "sigmoid_scale": Range(lo=0, lo_open=True),
     "discrete_flow_shift": Range(lo=0, lo_open=True), "logit_mean": Range(), "logit_std": Range(lo=0, lo_open=True),
     "mode_scale": Range(),
+    # SD3
+    "num_last_block_to_freeze": at_least(1),
 }
 
 
@@ -83,11 +85,13 @@ class TrainingArgumentParser(argparse.ArgumentParser):
         raise SystemExit(status)
 
 
-def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False) -> list[FlagSpec]:
+def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False,
+                   dreambooth: bool = False) -> list[FlagSpec]:
     """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
-    T5-XXL fine-tuning flags."""
-    groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED)
+    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags."""
+    groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
+              *((DreamBoothFlags,) if dreambooth and fine_tune else ()))
     specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
         if dataclasses.fields(family.options_type):  # declared in library/families: their ranges are listed apart
@@ -114,21 +118,12 @@ def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
 
 
 def build_parser(description: str, family: Optional[ModelFamily] = None,
-                 fine_tune: bool = False) -> TrainingArgumentParser:
+                 fine_tune: bool = False, dreambooth: bool = False) -> TrainingArgumentParser:
     """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
     parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    parser.flag_specs = training_flags(family, fine_tune)
+    parser.flag_specs = training_flags(family, fine_tune, dreambooth)
     parser.family = family
     parser.fine_tune = fine_tune
     add_flags(parser, parser.flag_specs)
     return parser
 
-
-def build_network_training_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of train_network.py; a family may add its own group."""
-    return build_parser(description, family)
-
-
-def build_fine_tune_parser(description: str, family=None) -> TrainingArgumentParser:
-    """Parser with the sd-scripts flags of fine_tune.py / sdxl_train.py / flux_train.py."""
-    return build_parser(description, family, fine_tune=True)

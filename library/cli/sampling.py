@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from library.cli.options import add_flags, at_least, flag, flag_specs, settings_from
+from library.cli.options import at_least, flag, settings_from
 from library.core.errors import ConfigError
 from library.sampling.prompts import load_prompts
 from library.sampling.samplers import canonical_sampler, sampler_names
@@ -33,11 +33,6 @@ class SamplingFlags:
                                        "(sample/<name>_<step>_grid.png)")
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --sample_prompts, --sample_every_n_steps/epochs, --sample_at_first, --sample_sampler, ..."""
-    add_flags(parser, flag_specs(SamplingFlags))
-
-
 def sampling_options_from_args(ns: argparse.Namespace) -> SamplingOptions:
     """The typed sampling options (each flag's own range is declared)."""
     return settings_from(
@@ -59,8 +54,7 @@ def sampling_hook_from_args(ns: argparse.Namespace) -> Optional[SampleHook]:
         prompts = load_prompts(options.sample_prompts, check_sampler=canonical_sampler)
     except ConfigError as e:
         raise ConfigError(f"--sample_prompts: {e}") from None
-    if not options.enabled:
+    if not options.enabled:  # the hook stays: a run samples when asked (library/train/control.py)
         logger.warning("--sample_prompts given without --sample_every_n_steps, --sample_every_n_epochs or "
-                       "--sample_at_first: no samples")
-        return None
+                       "--sample_at_first: no samples unless asked during the run (the web UI's Sample now)")
     return SampleHook(options, prompts)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, Optional, Union
 
-from library.cli.options import add_flags, flag, flag_specs
+from library.cli.options import add_flags, at_least, flag, flag_specs
 from library.train.settings import TextCacheOptions
 
 
@@ -20,16 +20,15 @@ class TextCacheFlags:
     cache_text_encoder_outputs_to_disk: bool = flag(False, "also write them beside each image as "
                                                            "<stem>_te_outputs.npz (implies "
                                                            "--cache_text_encoder_outputs)")
-
-
-def add_text_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the sd-scripts text-encoder cache flags to `parser`."""
-    add_flags(parser, flag_specs(TextCacheFlags))
+    text_encoder_batch_size: Optional[int] = flag(None, "captions per text-encoder batch while caching (default: "
+                                                        "--vae_batch_size)", range=at_least(1))
 
 
 def text_cache_options_from_args(ns: Union[argparse.Namespace, Mapping[str, Any]]) -> TextCacheOptions:
     """TextCacheOptions from a namespace or a dict of flag values; absent flags mean off."""
     values = ns if isinstance(ns, Mapping) else vars(ns)
     to_disk = bool(values.get("cache_text_encoder_outputs_to_disk") or False)
-    return TextCacheOptions(enabled=bool(values.get("cache_text_encoder_outputs") or False) or to_disk,
-                            to_disk=to_disk, batch_size=max(1, int(values.get("vae_batch_size") or 1)))
+    t5_only = bool(values.get("use_t5xxl_cache_only") or False)  # sd3_train.py: implies the cache, as sd-scripts
+    return TextCacheOptions(enabled=bool(values.get("cache_text_encoder_outputs") or False) or to_disk or t5_only,
+                            to_disk=to_disk, batch_size=max(1, int(values.get("text_encoder_batch_size")
+                                                    or values.get("vae_batch_size") or 1)))

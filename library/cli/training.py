@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import toml
 
 from library.cli.deepspeed import deepspeed_options_from_args
+from library.cli.hub import HubFlags, hub_options_from_args
 from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
 from library.train.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
@@ -46,6 +47,12 @@ class OutputFlags:
     save_state: bool = flag(False, "also save the training state with each model file")
     save_state_on_train_end: bool = flag(False, "save <name>-state at the end even without --save_state")
     resume: Optional[str] = flag(None, "state folder to resume from, or 'auto' for the newest state in output_dir")
+    initial_step: Optional[int] = flag(None, "start counting at this optimizer step (sd-scripts; with --resume it "
+                                             "replaces the state's step; docs/resume.md)", range=at_least(0))
+    initial_epoch: Optional[int] = flag(None, "start at this epoch (1-based; --initial_step wins when both are given)",
+                                              range=at_least(1))
+    skip_until_initial_step: bool = flag(False, "with --initial_step/--initial_epoch: skip the batches of the steps "
+                                                "before it and train the rest up to --max_train_steps")
 
 
 @dataclass
@@ -62,7 +69,8 @@ class StepsFlags:
     full_bf16: bool = flag(False, "train the network itself in bf16")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward: less memory, slower")
     xformers: bool = flag(False, "xformers attention when the package is installed (pip install xformers); otherwise "
-                                 "a warning and PyTorch SDPA")
+                                 "a warning and PyTorch SDPA (sd-scripts' --diffusers_xformers is the same flag)",
+                                 aliases=("diffusers_xformers",))
     sdpa: bool = flag(False, "PyTorch SDPA attention (the default)")
     flash_attn: bool = flag(False, "FlashAttention in the denoiser through diffusers' attention backends when the "
                                    "flash-attn package is installed (CUDA); otherwise a warning and PyTorch SDPA")
@@ -81,6 +89,8 @@ class StepsFlags:
     highvram: bool = flag(False, "keep the VAE / text encoders whose outputs are cached on the GPU (faster sampling; "
                                  "by default they wait in CPU memory)")
     cpu: bool = flag(False, "train on the CPU even when an accelerator is present")
+    disable_mmap_load_safetensors: bool = flag(False, "accepted for sd-scripts compatibility (a workaround for slow "
+                                                      "mmap reads on some Windows/WSL disks)")
 
 
 @dataclass
@@ -110,6 +120,10 @@ class LoggingFlags:
     wandb_run_name: Optional[str] = flag(None, "name of the wandb run (default: wandb's)")
     wandb_api_key: Optional[str] = flag(None, "wandb API key (else WANDB_API_KEY or `wandb login`); never written to "
                                               "the saved config")
+    console_log_level: Optional[str] = flag(None, "level of the messages printed (default INFO, or $LOGLEVEL)",
+                                            choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    console_log_file: Optional[str] = flag(None, "also write the messages to this file (appended)")
+    console_log_simple: bool = flag(False, "plain messages: no level and logger name")
     log_every_n_steps: int = flag(1, "write scalars every N steps", range=at_least(1))
     log_tflops: Optional[int] = flag(None, "every N steps, log the achieved model TFLOP/s (FLOPs counted once on the "
                                            "first step) and, on a known GPU, the fraction of its bf16 peak",
@@ -125,6 +139,10 @@ class DiagnosticsFlags:
                                              "gradient-accumulation micro-batch")
     profiler_trace_dir: Optional[str] = flag(None, "write a torch.profiler trace of --profiler_trace_steps here "
                                                    "(TensorBoard / Perfetto)")
+    debug_dataset: bool = flag(False, "print the first epoch's batches as training loads them (captions, buckets, "
+                                      "crops, weights) and exit: no model loads, nothing trains")
+    debug_dataset_dir: Optional[str] = flag(None, "with --debug_dataset: also write each batch's images here as PNG "
+                                                  "(sd-scripts shows them in a window)")
     profiler_trace_steps: str = flag("3-4", "optimizer steps the trace covers, inclusive (default 3-4: after warm-up)",
                                             metavar="A-B")
 
@@ -138,19 +156,25 @@ class ValidationFlags:
     max_validation_steps: Optional[int] = flag(None, "at most N validation batches each time", range=at_least(1))
 
 
-TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags)
-
-
-def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, [spec for cls in TRAINING_FLAG_GROUPS for spec in flag_specs(cls)])
+TRAINING_FLAG_GROUPS = (OutputFlags, StepsFlags, MultiProcessFlags, LoggingFlags, DiagnosticsFlags, ValidationFlags,
+                        HubFlags)
 
 
 TRACKERS = ("tensorboard", "wandb")
-_SECRET_FLAGS = ("wandb_api_key",)
+_SECRET_FLAGS = ("wandb_api_key", "huggingface_token")
 # sd-scripts flags that change nothing here, and why; each given one is said once at the start of a run.
 COMPATIBILITY_FLAGS = {
     "sdpa": "PyTorch SDPA is the default attention here",
     "mem_eff_attn": "PyTorch SDPA is used, which picks a memory-efficient kernel itself",
+    "cache_info": "image sizes are read from file headers here; there is no meta-information cache to write",
+    "disable_mmap_load_safetensors": "a workaround for slow mmap reads on some Windows/WSL disks in sd-scripts' "
+                                     "loaders; the loaders here read through safetensors / diffusers",
+    "use_safetensors": "safetensors is already the default --save_model_as here",
+    "t5xxl_device": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL runs with the other text encoders",
+    "t5xxl_dtype": "marked [DOES NOT WORK] in sd-scripts too; T5-XXL takes the run's dtype",
+    "no_token_padding": "sd-scripts (48d368fa) sets it and reads it nowhere: the code that used it is commented out",
+    "save_clip": "marked [DOES NOT WORK] in sd-scripts too (no unified SD3 checkpoint with CLIP)",
+    "save_t5xxl": "marked [DOES NOT WORK] in sd-scripts too (no unified SD3 checkpoint with T5-XXL)",
 }
 
 
@@ -180,17 +204,22 @@ def read_tracker_config(path: Optional[str], log_with: Optional[str]) -> dict:
     return data
 
 
-def check_output_name(name: Optional[str]) -> None:
-    """--output_name is a file name inside --output_dir (sd-scripts' use): no folder part, no `..`, not empty.
-    The saved files, states and `<name>_config.toml` are joined to --output_dir with it, so a path here would
-    write outside that folder."""
+def check_file_name(flag_name: str, name: Optional[str], example: str, folder_flag: str) -> None:
+    """A flag whose value is joined to a folder as one name (--output_name to --output_dir, --log_prefix and
+    --log_tracker_name to --logging_dir): no folder part, no `..`, not empty, so nothing is written outside."""
     if name is None:
         return
     problem = ("is empty" if not name.strip() else "contains a NUL character" if "\0" in name
                else "is a path" if "/" in name or "\\" in name or name in (".", "..") else None)
     if problem:
-        raise ConfigError(f"--output_name {name!r}: {problem}; expected a file name such as my_lora "
-                          "(no '/', '\\' or '..'; the folder is --output_dir)")
+        raise ConfigError(f"{flag_name} {name!r}: {problem}; expected a file name such as {example} "
+                          f"(no '/', '\\' or '..'; the folder is {folder_flag})")
+
+
+def check_output_name(name: Optional[str]) -> None:
+    """--output_name is a file name inside --output_dir (sd-scripts' use); the saved files, states and
+    `<name>_config.toml` are joined to --output_dir with it."""
+    check_file_name("--output_name", name, "my_lora", "--output_dir")
 
 
 def training_options_from_args(ns: argparse.Namespace,
@@ -200,12 +229,18 @@ def training_options_from_args(ns: argparse.Namespace,
     if not ns.output_dir:
         raise ConfigError("--output_dir: required (the folder for the LoRA, states and logs)")
     check_output_name(ns.output_name)
+    check_file_name("--log_prefix", ns.log_prefix, "run1_", "--logging_dir")
+    check_file_name("--log_tracker_name", ns.log_tracker_name, "network_train", "--logging_dir")
     if ns.full_fp16 and ns.full_bf16:
         raise ConfigError("--full_fp16 and --full_bf16: choose one")
     if ns.full_fp16 and ns.mixed_precision != "fp16":
         raise ConfigError("--full_fp16 needs --mixed_precision fp16")
     if ns.full_bf16 and ns.mixed_precision != "bf16":
         raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    if not ns.debug_dataset and ns.debug_dataset_dir:  # --debug_dataset itself: library/cli/entry.py
+        raise ConfigError("--debug_dataset_dir: only used with --debug_dataset")
+    if ns.skip_until_initial_step and ns.initial_step is None and ns.initial_epoch is None:
+        raise ConfigError("--skip_until_initial_step: needs --initial_step or --initial_epoch")
     log_with = ns.log_with
     if log_with is None and ns.logging_dir:
         log_with = "tensorboard"  # sd-scripts logs to TensorBoard when a logging_dir is given
@@ -234,6 +269,7 @@ def training_options_from_args(ns: argparse.Namespace,
         profile_steps=ns.profile_steps or ns.profile_microbatches,
         profiler_trace_steps=_trace_steps(ns),
         deepspeed=deepspeed_options_from_args(ns),
+        hub=hub_options_from_args(ns),
     )
 
 

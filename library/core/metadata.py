@@ -7,8 +7,10 @@ our files as theirs; every value is a string. One addition: we fill
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
+import mimetypes
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -148,10 +150,26 @@ def modelspec_metadata(architecture: str, implementation: str, title: str, resol
         md["modelspec.timestep_range"] = f"{lo},{hi}"
     if encoder_layer is not None:
         md["modelspec.encoder_layer"] = str(encoder_layer)
-    for key in ("author", "description", "license", "tags"):
+    for key in MODELSPEC_TEXT_FIELDS:
         if extra.get(f"metadata_{key}") is not None:
             md[f"modelspec.{key}"] = str(extra[f"metadata_{key}"])
+    if extra.get("metadata_thumbnail"):
+        md["modelspec.thumbnail"] = thumbnail_data_url(extra["metadata_thumbnail"])
     return md
+
+
+# The --metadata_<key> flags written as modelspec.<key> as given (sd-scripts' ModelSpecMetadata.from_args).
+MODELSPEC_TEXT_FIELDS = ("author", "description", "license", "tags", "usage_hint", "merged_from", "trigger_phrase",
+                         "preprocessor", "is_negative_embedding")
+
+
+def thumbnail_data_url(value: str) -> str:
+    """--metadata_thumbnail: a data: URL as it is, an image file as a base64 data: URL (as sd-scripts writes it)."""
+    if value.startswith("data:"):
+        return value
+    mime = mimetypes.guess_type(value)[0] or "application/octet-stream"
+    with open(value, "rb") as f:
+        return f"data:{mime};base64,{base64.b64encode(f.read()).decode('ascii')}"
 
 
 def with_hashes(state_dict: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]]) -> dict[str, str]:

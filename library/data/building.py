@@ -54,6 +54,13 @@ def _check_bucket_settings(datasets: list[DatasetConfig], family: DataFamilyInfo
         raise ConfigError("\n".join(lines))
 
 
+def check_datasets(opts: DataOptions, family: DataFamilyInfo) -> None:
+    """The dataset checks that read no image (--check_config): the dataset TOML resolved against the flags,
+    and each dataset's bucket settings against its resolutions and the family's bucket multiple."""
+    resolved = resolve_datasets(opts)
+    _check_bucket_settings(resolved.datasets, family, f"{opts.dataset_config}: " if resolved.from_config_file else "")
+
+
 def size_cache_path(sub: SubsetConfig) -> Optional[str]:
     """Where the image-size metadata cache of a subset lives.
 

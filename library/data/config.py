@@ -24,9 +24,6 @@ from library.data.options import RESIZE_INTERPOLATIONS, DataOptions
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("all", "progressive")
-
-
 @dataclass
 class SubsetConfig:
     """One resolved subset: a folder of images (DreamBooth), a metadata file (fine-tune) or a
@@ -116,7 +113,7 @@ class _Errors:
 
 
 def _check_table(table: dict, allowed: dict[str, schema.Key], where: str, errors: _Errors,
-                 extra_allowed: tuple[str, ...] = (), level_hint: str = "") -> dict[str, Any]:
+                 extra_allowed: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check every key of one TOML table; return the converted values of the keys it sets."""
     values: dict[str, Any] = {}
     for name, raw in table.items():

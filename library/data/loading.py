@@ -81,7 +81,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     group = data.groups[ref.group]
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
-    unmasked_weights, normalize = [], []
+    unmasked_weights, normalize, preserve = [], [], []
     orig_hw, crop_tl, skipped, noise_seeds = [], [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
@@ -123,6 +123,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         masks.append(mask)
         unmasked_weights.append(sub.unmasked_weight)
         normalize.append(sub.normalize_masked_area_loss)
+        preserve.append(bool(sub.custom_attributes.get("diff_output_preservation")))
         captions.append(caption)
         weights.append(sample.loss_weight)
         paths.append(sample.path)
@@ -143,6 +144,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         # Per sample: the loss weight outside the mask, and whether the loss is divided by the mask weights' mean.
         "mask_unmasked_weights": torch.tensor(unmasked_weights, dtype=torch.float32) if has_masks else None,
         "mask_normalize": torch.tensor(normalize, dtype=torch.bool) if has_masks else None,
+        # Per sample: its subset's custom_attributes.diff_output_preservation (library/train/step.py preserved_target)
+        "diff_output_preservation": torch.tensor(preserve, dtype=torch.bool) if any(preserve) else None,
         "original_sizes_hw": torch.tensor(orig_hw, dtype=torch.long),
         "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
         "target_sizes_hw": torch.tensor([(bucket[1], bucket[0])] * len(paths), dtype=torch.long),

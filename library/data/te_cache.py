@@ -78,14 +78,19 @@ def check_text_cache_allowed(captions: Iterable[tuple[str, CaptionSettings]], tr
         raise ConfigError("--cache_text_encoder_outputs: the text encoders would train but their outputs are cached; "
                           "add --network_train_unet_only (or drop the cache flag)")
     for where, s in captions:
-        random_parts = [name for name, on in (
-            ("shuffle_caption", s.shuffle_caption), ("caption_dropout_rate", s.caption_dropout_rate > 0),
-            ("caption_dropout_every_n_epochs", s.caption_dropout_every_n_epochs > 0),
-            ("caption_tag_dropout_rate", s.caption_tag_dropout_rate > 0),
-            ("token_warmup_step", s.token_warmup_step > 0), ("enable_wildcard", s.enable_wildcard)) if on]
-        if random_parts:
-            raise ConfigError(f"--cache_text_encoder_outputs: {where} sets {random_parts[0]}, which changes captions "
+        random_part = caption_randomness(s)
+        if random_part:
+            raise ConfigError(f"--cache_text_encoder_outputs: {where} sets {random_part}, which changes captions "
                               "between steps; cached outputs would be stale. Turn one of them off")
+
+
+def caption_randomness(s: CaptionSettings) -> Optional[str]:
+    """The first caption setting that changes a caption between steps (shuffle, dropout, warmup, wildcards), or None."""
+    return next((name for name, on in (
+        ("shuffle_caption", s.shuffle_caption), ("caption_dropout_rate", s.caption_dropout_rate > 0),
+        ("caption_dropout_every_n_epochs", s.caption_dropout_every_n_epochs > 0),
+        ("caption_tag_dropout_rate", s.caption_tag_dropout_rate > 0),
+        ("token_warmup_step", s.token_warmup_step > 0), ("enable_wildcard", s.enable_wildcard)) if on), None)
 
 
 def save_text_cache(path: str, arrays: Mapping[str, torch.Tensor], settings: TextCacheSettings) -> None:

@@ -68,19 +68,21 @@ def _hunyuan_image() -> ModelFamily:
     return HunyuanImageFamily()
 
 
+def _zimage() -> ModelFamily:
+    from library.families.zimage.family import ZImageFamily
+
+    return ZImageFamily()
+
+
 # Factories import lazily so that asking for one family does not import the others.
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
                                                    "anima": _anima, "sd3": _sd3,
-                                                   "lumina": _lumina, "hunyuan_image": _hunyuan_image}
+                                                   "lumina": _lumina, "hunyuan_image": _hunyuan_image,
+                                                   "zimage": _zimage}
 
 
 # The family of a model path that tells nothing else and of a tool given no selector (sd-scripts' default: SD 1.x/2.x).
 DEFAULT_FAMILY = "sd"
-
-
-def register_family(name: str, factory: Callable[[], ModelFamily]) -> None:
-    """Add a family (e.g. "sdxl", "flux") under `name`."""
-    _REGISTRY[name] = factory
 
 
 def family_names() -> list[str]:

@@ -275,6 +275,14 @@ class ModelFamily(ABC):
     def encode_text(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int]) -> TextConditioning:
         """The conditioning tensors of tokenized captions."""
 
+    # --weighted_captions ("(word:1.2)" in training captions): the families where sd-scripts takes it (SD, SDXL).
+    supports_weighted_captions: ClassVar[bool] = False
+
+    def encode_weighted_captions(self, components: Components, captions: list[str], clip_skip: Optional[int],
+                                 max_token_length: Optional[int], device: torch.device) -> TextConditioning:
+        """The conditioning of captions with prompt weights, in the same layout as `encode_text`."""
+        raise NotImplementedError(f"--weighted_captions: not supported for {self.name}")
+
     def encode_text_with(self, components: Components, tokens: list[torch.Tensor], clip_skip: Optional[int],
                          encoders: frozenset[int]) -> TextConditioning:
         """The outputs of only the text encoders numbered in `encoders` (see text_encoder_outputs).

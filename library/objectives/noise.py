@@ -31,10 +31,6 @@ TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 SNR_FLOOR = 1e-8
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    return t if device is None else t.to(device)
-
-
 def randn(shape, generator: Optional[torch.Generator], device, dtype=torch.float32) -> torch.Tensor:
     """N(0,1) of `shape` on `device`, drawn from `generator` (on the generator's own device) if given."""
     if generator is None:

@@ -7,9 +7,6 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-EPOCH_NAME_DEFAULT = "epoch"  # sd-scripts' defaults when --output_name is not given
-STEP_NAME_DEFAULT = "at"
-
 
 def epoch_stem(name: str, epoch: int) -> str:
     return f"{name}-{epoch:06d}"

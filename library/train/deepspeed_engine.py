@@ -134,7 +134,6 @@ class ZeroConfig:
         self.config: dict = plugin.deepspeed_config
         self.options = options or DeepSpeedOptions()
         self.stage = int(self.config.get("zero_optimization", {}).get("stage", 0))
-        self.zero3_init = bool(plugin.zero3_init_flag)
         self.save_16bit = bool(plugin.zero3_save_16bit_model) and self.stage == 3
         if self.options.fp16_master_weights_and_gradients:
             self.config.setdefault("fp16", {})["fp16_master_weights_and_grads"] = True

@@ -93,11 +93,6 @@ class FusedBackwardOptimizer(torch.optim.Optimizer):
         for (inner, _), saved in zip(self.chunks, state["inner"]):
             inner.load_state_dict(saved)
 
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
 
 def _balanced_chunks(members: list, n: int) -> list[list]:
     """`members` (parameter, group) in order, cut into at most n contiguous chunks of about equal element count."""

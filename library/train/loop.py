@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from library.core.errors import UserError
 from library.data.dataset import EpochSampler, PlannedBatches
 from library.train import checkpoints as ckpt
+from library.train.control import serve_requests
 from library.train.distributed import any_process
 from library.train.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
@@ -50,8 +52,12 @@ class TrainingLoop:
         start = self.run_state.progress
         global_step = start.global_step
         loss_window = LossWindow(self.batches_per_epoch)
+        # Into a file (the web UI's train.log) the bar is written at every step: tqdm skips redraws closer than
+        # 0.1 s, so fast steps were missing from the log (the web UI's progress and loss chart read it).
+        to_file = not getattr(sys.stderr, "isatty", lambda: False)()
         bar = tqdm(total=self.max_train_steps, initial=global_step, desc="steps", smoothing=0.1,
-                   disable=not self.accelerator.is_local_main_process)
+                   disable=not self.accelerator.is_local_main_process,
+                   **({"mininterval": 0, "miniters": 1} if to_file else {}))
         logger.info("training: %d images, %d batches/epoch, %d epochs, %d steps, grad accumulation %d%s",
                     self.data.num_train_images, self.batches_per_epoch, self.num_epochs, self.max_train_steps, accum,
                     f", {self.accelerator.num_processes} processes (batches/epoch per process)"
@@ -206,6 +212,7 @@ class TrainingLoop:
         if t.validate_every_n_steps and step % t.validate_every_n_steps == 0:
             self._validate(step, "step")
         self._run_hooks("step", step)
+        serve_requests(self, step)  # the web UI's "sample now" / "save now" (library/train/control.py)
 
     def _after_epoch(self, epoch: int, step: int, losses: list[float]) -> None:
         t = self.t

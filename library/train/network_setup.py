@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import time
 from typing import Any, Optional
 
 import torch
@@ -206,14 +204,6 @@ def save_network(network, path: str, save_precision: Optional[str], metadata: Op
              for k, v in network.state_dict().items()}
     with atomic_path(path) as tmp:
         torch.save(_renamed(state, name_map or {}), tmp)
-
-
-def network_args_json(opts) -> str:
-    return json.dumps(opts.network_args) if opts.network_args else "{}"
-
-
-def utc_now() -> float:
-    return time.time()
 
 
 def _text_encoder_adapters(network, components: Components) -> list[tuple[torch.nn.Module, int]]:

@@ -138,10 +138,11 @@ def resolve_optimizer_type(options: OptimizerOptions) -> str:
 
 
 def _import_class(module: str, cls: str, optimizer_type: str, package: Optional[str]):
+    top = module.split(".")[0]
     try:
+        importlib.import_module(top)  # the package itself first: a submodule already imported says nothing of it
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        top = module.split(".")[0]
         if (e.name or "").split(".")[0] == top:  # the package itself is missing, not one of its dependencies
             pip_name = package or top
             raise ConfigError(f"--optimizer_type {optimizer_type} needs {pip_name}: pip install {pip_name}"
@@ -298,9 +299,3 @@ def is_schedule_free(optimizer) -> bool:
     """
     inner = unwrap_optimizer(optimizer)
     return callable(getattr(inner, "train", None)) and callable(getattr(inner, "eval", None))
-
-
-def is_adaptive(optimizer_type: str) -> bool:
-    """D-Adaptation / Prodigy names (their groups carry "d"; the loop logs d*lr)."""
-    spec = OPTIMIZERS.get((optimizer_type or "").lower())
-    return bool(spec and spec.adaptive)

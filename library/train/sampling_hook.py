@@ -66,6 +66,8 @@ class SampleHook:
         o = self.options
         if event == "train_start" and o.sample_at_first:
             return (progress_suffix(step, 0), 0) if step == 0 else (progress_suffix(step), None)
+        if event == "sample_now":  # asked during the run (library/train/control.py)
+            return progress_suffix(step), None
         if event == "step" and o.sample_every_n_steps and step % o.sample_every_n_steps == 0:
             return progress_suffix(step), None
         if event == "epoch" and o.sample_every_n_epochs and step != self.last_sampled_step:

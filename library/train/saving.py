@@ -24,6 +24,7 @@ from library.train import checkpoints as ckpt
 from library.train.distributed import any_process, gather_objects
 from library.train.disk_space import check_free_space, naming_a_full_disk, tensor_bytes
 from library.train.ema import EMA
+from library.train.hub import HubUploader
 from library.train.network_setup import SAVE_DTYPES
 from library.train.settings import EmaOptions, TrainingOptions
 from library.core.errors import UserError
@@ -93,6 +94,7 @@ class RunSaver:
         self.run_state, self.accelerator, self.ema, self.metadata = run_state, accelerator, ema, metadata
         self.num_epochs, self.max_train_steps = num_epochs, max_train_steps
         self.last_saved: Optional[str] = None
+        self.uploader: Optional[HubUploader] = None  # --huggingface_repo_id: uploads each save (library/train/hub.py)
         every_epochs = t.save_every_n_epochs
         if t.save_n_epoch_ratio:
             every_epochs = max(1, math.floor(num_epochs / t.save_n_epoch_ratio))
@@ -120,6 +122,8 @@ class RunSaver:
         path = self.save_model(t.output_name, progress.global_step, epoch)
         if t.save_state or t.save_state_on_train_end:
             self.save_state(ckpt.state_path(t.output_dir, t.output_name), progress)
+        if self.uploader is not None:
+            self.uploader.wait()  # the final uploads (and any still running) end before the run does
         self.accelerator.wait_for_everyone()  # no process ends before the main one has written
         return path
 
@@ -160,6 +164,8 @@ class RunSaver:
         if main:
             self.last_saved = path
             logger.info("saved %s", path)
+            if self.uploader is not None:
+                self.uploader.model_saved(path)
         return path
 
     def _refuse_non_finite(self, path: str, step: int, bad: Optional[str]) -> None:
@@ -192,6 +198,8 @@ class RunSaver:
                        ema_state, self.trainable.shape_settings(),
                        rng_states=rng_states)
         logger.info("saved state %s", state_dir)
+        if self.uploader is not None:
+            self.uploader.state_saved(state_dir)
 
     # --- how much --------------------------------------------------------------------
     def sizes(self) -> tuple[int, int]:

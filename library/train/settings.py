@@ -14,8 +14,10 @@ from library.objectives.losses import LossOptions
 from library.objectives.noise import NoiseOptions
 from library.train.compile import CompileOptions
 from library.train.deepspeed_engine import DeepSpeedOptions
+from library.train.hub import HubOptions
 from library.train.lr_schedulers import SchedulerOptions
 from library.train.optimizers import OptimizerOptions
+from library.train.speedups import SpeedOptions
 
 
 @dataclass
@@ -33,6 +35,10 @@ class TrainingOptions:
     save_state: bool = False
     save_state_on_train_end: bool = False
     resume: Optional[str] = None
+    debug_dataset_dir: Optional[str] = None  # --debug_dataset's images (library/train/debug_dataset.py)
+    initial_step: Optional[int] = None  # library/train/step_position.py
+    initial_epoch: Optional[int] = None
+    skip_until_initial_step: bool = False
     max_train_steps: int = 1600
     max_train_epochs: Optional[int] = None
     save_n_epoch_ratio: Optional[int] = None
@@ -66,6 +72,7 @@ class TrainingOptions:
     ddp_timeout: Optional[int] = None  # minutes (accelerate's InitProcessGroupKwargs); None: PyTorch's default
     ddp_gradient_as_bucket_view: bool = False  # accelerate's DistributedDataParallelKwargs
     ddp_static_graph: bool = False
+    hub: HubOptions = field(default_factory=HubOptions)  # --huggingface_* (library/train/hub.py)
     deepspeed: Optional[DeepSpeedOptions] = None  # --deepspeed and its flags; None: an accelerate config may ask for it
 
 
@@ -120,6 +127,7 @@ class TextEncodingOptions:
     """How captions are tokenised and encoded."""
     clip_skip: Optional[int] = None
     max_token_length: Optional[int] = None
+    weighted_captions: bool = False  # "(word:1.2)" in training captions (SD, SDXL; library/train/step.py)
 
 
 @dataclass
@@ -170,6 +178,7 @@ class RunSettings:
     text: TextEncodingOptions = field(default_factory=TextEncodingOptions)
     text_cache: TextCacheOptions = field(default_factory=TextCacheOptions)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
+    speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False

@@ -22,7 +22,7 @@ import logging
 import os
 import pickle
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -207,17 +207,6 @@ def state_folders(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found, key=lambda item: (-item[0], item[1]))]
 
 
-def find_latest_state(output_dir: str) -> Optional[str]:
-    """The newest state folder in output_dir that reads completely, or None."""
-    for path in state_folders(output_dir):
-        try:
-            read_state(path)
-            return path
-        except DamagedState:
-            continue
-    return None
-
-
 def check_world_size(saved: SavedState, world_size: int, where: str) -> None:
     """Refuse a state saved by another number of processes: the batch plan and RNG streams are per process."""
     if saved.world_size != world_size:
@@ -319,7 +308,3 @@ def choose_state(where: Optional[str], output_dir: str, rank: int = 0) -> Option
         return saved
     logger.info("--resume auto: no saved state in %s; starting fresh", output_dir)
     return None
-
-
-def progress_dict(progress: TrainProgress) -> dict:
-    return asdict(progress)

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from library.core.errors import UserError
 from library.data.te_cache import cached_conditioning
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.objectives.losses import LossOptions, training_loss
@@ -31,6 +32,9 @@ class StepContext:
     autocast: object  # a context-manager factory (accelerator.autocast)
     text_cache: Optional[dict] = None  # caption -> cached encoder outputs (--cache_text_encoder_outputs)
     live_encoders: frozenset = frozenset()  # text encoders run every step beside the cache (they train)
+    weighted_captions: bool = False  # --weighted_captions: "(word:1.2)" in captions (family.encode_weighted_captions)
+    adapter_off: Optional[Callable] = None  # a LoRA run: a context in which the model predicts without it (DOP)
+    fill_text_cache: bool = False  # the automatic cache: text_cache gains a caption the first time a step meets it
 
 
 def encode_with_vae(family: ModelFamily, vae, images: torch.Tensor) -> torch.Tensor:
@@ -50,12 +54,27 @@ def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
 
 def encode_captions(ctx: StepContext, captions: list[str], encoders: Optional[frozenset] = None) -> TextConditioning:
     """The text conditioning of `captions`: from every text encoder, or only those numbered in `encoders`."""
+    if ctx.weighted_captions:  # never with the text cache (refused before the scan), so all encoders run
+        with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():
+            return ctx.family.encode_weighted_captions(ctx.components, captions, ctx.clip_skip, ctx.max_token_length,
+                                                       ctx.device)
     tokens = ctx.family.tokenize(ctx.components, captions, ctx.max_token_length)
     tokens = [t.to(ctx.device) for t in tokens]
     with torch.set_grad_enabled(ctx.train_text_encoder and torch.is_grad_enabled()), ctx.autocast():
         if encoders is None:
             return ctx.family.encode_text(ctx.components, tokens, ctx.clip_skip)
         return ctx.family.encode_text_with(ctx.components, tokens, ctx.clip_skip, encoders)
+
+
+def fill_text_cache(ctx: StepContext, captions: list[str]) -> None:
+    """Encode the captions of a batch that ctx.text_cache does not hold yet (together, as the plain step would
+    encode them) and keep each one's outputs; the automatic cache of frozen text encoders."""
+    missing = [c for c in dict.fromkeys(captions) if c not in ctx.text_cache]
+    if missing:
+        with torch.no_grad():
+            outputs = encode_captions(ctx, missing).tensors
+        for i, caption in enumerate(missing):
+            ctx.text_cache[caption] = {k: v[i].detach().cpu() for k, v in outputs.items()}  # as the explicit cache
 
 
 def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
@@ -77,6 +96,8 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch)
+    if ctx.fill_text_cache:
+        fill_text_cache(ctx, batch["captions"])
     if ctx.text_cache is not None:
         text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step
@@ -98,6 +119,9 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
         pred = ctx.family.predict(ctx.components, noisy.to(ctx.weight_dtype), timesteps, text, batch)
     pred = ctx.scheme.prediction(pred.float(), noisy.float(), timesteps)  # flow: raw / additive / sigma_scaled
     target = ctx.scheme.target(latents, noise, timesteps)
+    preserve = batch.get("diff_output_preservation")
+    if preserve is not None and bool(preserve.any()):
+        target = preserved_target(ctx, target, preserve.to(ctx.device), noisy, timesteps, text, batch)
 
     mask = batch.get("masks")
     if mask is not None:
@@ -109,6 +133,22 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
     normalize = batch.get("mask_normalize")
     return training_loss(pred.float(), target.float(), timesteps, ctx.scheme, ctx.loss, weights, mask,
                          unmasked if unmasked is not None else 0.0, normalize if normalize is not None else False)
+
+
+def preserved_target(ctx: StepContext, target: torch.Tensor, preserve: torch.Tensor, noisy: torch.Tensor,
+                     timesteps: torch.Tensor, text: TextConditioning, batch: dict) -> torch.Tensor:
+    """Differential output preservation (the subset key custom_attributes.diff_output_preservation, as sd-scripts'
+    train_network.py): for the marked samples the target is the base model's own prediction (the network at
+    multiplier 0) on the same noisy input, timestep and caption, so training on them keeps the model's output for
+    their captions (typically the class prompt without the trigger word) unchanged."""
+    if ctx.adapter_off is None:
+        raise UserError("custom_attributes.diff_output_preservation: only for network (LoRA) training, where the "
+                        "base model's prediction is the network at multiplier 0")
+    with torch.no_grad(), ctx.adapter_off(), ctx.autocast():
+        prior = ctx.family.predict(ctx.components, noisy.to(ctx.weight_dtype), timesteps, text, batch)
+    prior = ctx.scheme.prediction(prior.float(), noisy.float(), timesteps)
+    keep = preserve.view(-1, *([1] * (target.dim() - 1)))
+    return torch.where(keep, prior.to(target.dtype), target)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr_scheduler, max_grad_norm: Optional[float],

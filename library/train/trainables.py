@@ -147,6 +147,17 @@ class AdapterTrainable(Trainable):
             network.prepare_grad_etc(te, components.denoiser)
         self.module = network
 
+    @contextlib.contextmanager
+    def adapter_off(self):
+        """The base model's own output inside the block (the network at multiplier 0), for differential output
+        preservation (library/train/step.py); the multiplier it had is set back after."""
+        before = getattr(self.module, "multiplier", 1.0)
+        self.module.set_multiplier(0.0)
+        try:
+            yield
+        finally:
+            self.module.set_multiplier(before)
+
     def parameter_groups(self, default_lr):
         return optimizer_groups(self.module, self.opts, default_lr, self.kind, self.components)
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from library.core.errors import UserError
+from library.core.errors import ConfigError, UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.data.dataset import DataFamilyInfo, build_training_data
 from library.data.cache_share import CacheShare
@@ -63,11 +63,15 @@ from library.train.sharding import (
     shard_parts,
     sync_done_here,
 )
+from library.train.debug_dataset import print_batches
+from library.train.hub import HubUploader, download_state
 from library.train.saving import RunSaver, resume
+from library.train.step_position import initial_progress
 from library.train.state import RunState
 from library.train.step import StepContext, encode_with_vae
 from library.train.stopping import StopHandler
-from library.train.text_caching import build_step_text_cache
+from library.train.speedups import use_channels_last
+from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.tracking import Tracker
 from library.train.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
@@ -359,7 +363,10 @@ class Trainer(TrainingLoop):
         self.trainable.engine = self.step_module
 
     def _resume(self) -> None:
-        resume(self.t.resume, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
+        where = self.t.resume
+        if where and self.t.hub.resume_from_huggingface:  # every process downloads the state it reads
+            where = download_state(where, self.t.hub.token)
+        resume(where, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
                self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state,
                self.accelerator.process_index, self.accelerator.num_processes)
 
@@ -367,6 +374,8 @@ class Trainer(TrainingLoop):
         if self.s.text_cache.enabled:
             self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
                                                               self.max_train_steps, self._cache_share())
+        else:
+            start_auto_text_cache(self.ctx, self.data, self.s, self.trained_encoders, self.max_train_steps)
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -387,13 +396,27 @@ class Trainer(TrainingLoop):
         """The noise scheme and the StepContext every step (and the text cache) encodes with."""
         self.scheme = self.family.noise_scheme(self.components, zero_terminal_snr=self.s.zero_terminal_snr)
         check_loss_options(self.s.loss, self.scheme)
+        if self.trainable is not None and not self.trainable.is_adapter and any(
+                sub.custom_attributes.get("diff_output_preservation") for sub in self.data.subsets):
+            raise ConfigError("custom_attributes.diff_output_preservation: only for network (LoRA) training, where "
+                              "the base model's prediction is the network at multiplier 0 (as sd-scripts)")
         self.ctx = StepContext(
             family=self.family, components=self.components, scheme=self.scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast)
+            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         self.instruments = Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
+
+    def debug_dataset(self) -> int:
+        """--debug_dataset: print the first epoch's batches; no model loads. Returns the number of batches."""
+        self._setup_accelerator()
+        self._setup_data()
+        if not self.accelerator.is_main_process:
+            return 0
+        if self.t.debug_dataset_dir:
+            os.makedirs(self.t.debug_dataset_dir, exist_ok=True)
+        return print_batches(self.data, image_dir=self.t.debug_dataset_dir)
 
     # ------------------------------------------------------------------ run
     def run(self) -> str:
@@ -408,6 +431,8 @@ class Trainer(TrainingLoop):
             self._setup_data()
             self._setup_model()
             self._setup_trainable()
+            if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
+                use_channels_last(self.components.denoiser, self.s.speed)
             if self.fsdp is not None:
                 self._shard()
             if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
@@ -419,6 +444,11 @@ class Trainer(TrainingLoop):
             if not self.t.highvram:
                 park_cached_parts(self.components, self.device, self.s.data.cache_latents, self.text_cached_encoders)
             self._resume()
+            start = initial_progress(self.t.initial_step, self.t.initial_epoch, self.t.skip_until_initial_step,
+                                     self.steps_per_epoch, self.t.gradient_accumulation_steps, self.max_train_steps,
+                                     self.run_state.progress if self.t.resume else None)
+            if start is not None:
+                self.run_state.progress = start
             self.session_id = uuid.uuid4().int & ((1 << 31) - 1)
             self.started_at = time.time()
             if self.accelerator.is_main_process:
@@ -429,6 +459,8 @@ class Trainer(TrainingLoop):
             self.saver = RunSaver(self.t, self.s.ema, self.trainable, self.components, self.optimizer,
                                   self.optimizer_name, self.lr_scheduler, self.run_state, self.accelerator, self.ema,
                                   self._metadata, self.num_epochs, self.max_train_steps, self._nan_hint())
+            if self.t.hub.repo_id and self.accelerator.is_main_process:
+                self.saver.uploader = HubUploader(self.t.hub)
             if self.accelerator.is_main_process:
                 self.saver.check_disk_space()
                 self.tracker = Tracker.for_run(self.t, resume_step=self.run_state.progress.global_step)
@@ -437,6 +469,8 @@ class Trainer(TrainingLoop):
             self.stop.in_loop = True
             return self._train()
         finally:
+            if self.saver is not None and self.saver.uploader is not None:
+                self.saver.uploader.wait()  # a stopped or failed run still lets its uploads end
             self.stop.in_loop = False
             if own_handler:
                 self.stop.uninstall()

@@ -7,9 +7,9 @@ const TE_NAMES = { sd: ["Text encoder (CLIP)"], sdxl: ["Text encoder 1 (CLIP-L)"
   flux: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)"],
   sd3: ["Text encoder 1 (CLIP-L)", "Text encoder 2 (CLIP-G)"],  // sd3_train.py trains these two; T5-XXL stays frozen
   anima: ["Text encoder (Qwen3)"], chroma: ["Text encoder (T5-XXL)"], lumina: ["Text encoder (Gemma-2)"],
-  hunyuan_image: ["Text encoder (Qwen2.5-VL)", "Text encoder 2 (byT5)"] };
+  hunyuan_image: ["Text encoder (Qwen2.5-VL)", "Text encoder 2 (byT5)"], zimage: ["Text encoder (Qwen3)"] };
 // What the Full Finetune Options call the denoiser (--learning_rate) of each family.
-const DENOISER_NAMES = { sd: "UNet", sdxl: "UNet", flux: "Transformer", chroma: "Transformer", sd3: "MMDiT", anima: "DiT", lumina: "DiT", hunyuan_image: "DiT" };
+const DENOISER_NAMES = { sd: "UNet", sdxl: "UNet", flux: "Transformer", chroma: "Transformer", sd3: "MMDiT", anima: "DiT", lumina: "DiT", hunyuan_image: "DiT", zimage: "DiT" };
 
 // A section is [title, fields] or [title, "custom renderer name", families, mode]. A field is
 // [file, key, label, type, help, where (config section or dataset path), families, mode]: "config" keys live in
@@ -20,12 +20,12 @@ const SECTIONS = [
     ["config", "clip_l", "CLIP-L", "text", "FLUX.1 / SD3: the CLIP-L text encoder file (SD3: blank when the model file holds it)", "model", ["flux", "sd3"]],
     ["config", "clip_g", "CLIP-G", "text", "SD3: the OpenCLIP-G text encoder file (blank when the model file holds it)", "model", ["sd3"]],
     ["config", "t5xxl", "T5-XXL", "text", "FLUX.1 / SD3 / Chroma: the T5-XXL text encoder file (SD3: blank when the model file holds it)", "model", ["flux", "sd3", "chroma"]],
-    ["config", "ae", "Autoencoder", "text", "FLUX.1 / Chroma / Lumina: the autoencoder file (ae.safetensors)", "model", ["flux", "chroma", "lumina"]],
+    ["config", "ae", "Autoencoder", "text", "FLUX.1 / Chroma / Lumina / Z-Image: the autoencoder file (ae.safetensors)", "model", ["flux", "chroma", "lumina", "zimage"]],
     ["config", "gemma2", "Gemma-2", "text", "Lumina: the Gemma-2 2B text encoder file", "model", ["lumina"]],
     ["config", "system_prompt", "System prompt", "text", "Lumina: put before every caption (sd-scripts' --system_prompt)", "model", ["lumina"]],
     ["config", "text_encoder", "Qwen2.5-VL", "text", "HunyuanImage: the Qwen2.5-VL-7B text encoder file (qwen_2.5_vl_7b.safetensors)", "model", ["hunyuan_image"]],
     ["config", "byt5", "byT5", "text", "HunyuanImage: the glyph byT5 file (byt5_small_glyphxl_fp16.safetensors)", "model", ["hunyuan_image"]],
-    ["config", "qwen3", "Qwen3", "text", "Anima: the Qwen3-0.6B text encoder (a .safetensors file or a transformers folder)", "model", ["anima"]],
+    ["config", "qwen3", "Qwen3", "text", "Anima: the Qwen3-0.6B text encoder; Z-Image: Qwen3-4B (a .safetensors file or a transformers folder)", "model", ["anima", "zimage"]],
     ["config", "vae", "VAE", "text", "Anima: the Qwen-Image VAE file; HunyuanImage: its VAE file; SD3: replaces the model file's VAE (blank: the model's own)", "model", ["anima", "sd3", "hunyuan_image"]],
     ["config", "llm_adapter_path", "LLM adapter", "text", "Anima: the LLM adapter file (blank: read from the DiT file)", "model", ["anima"]],
     ["config", "t5_tokenizer_path", "T5 tokenizer", "text", "Anima: the T5 tokenizer folder whose ids the adapter embeds (blank: google/t5-v1_1-xxl from the local cache)", "model", ["anima"]],
@@ -57,7 +57,7 @@ const SECTIONS = [
     ["config", "cache_latents", "Cache latents", "bool", "encode every image once before training (no color_aug / random_crop)", "caching"],
     ["config", "cache_latents_to_disk", "Cache latents to disk", "bool", "keep the latent cache next to the images between runs", "caching"],
     ["config", "vae_batch_size", "VAE batch size", "int", "images per VAE batch while caching", "caching"],
-    ["config", "cache_text_encoder_outputs", "Cache text-encoder outputs", "bool", "SDXL / FLUX.1 / SD3 / Anima / Chroma: the text encoders stay frozen", "caching", ["sdxl", "flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image"]],
+    ["config", "cache_text_encoder_outputs", "Cache text-encoder outputs", "bool", "SDXL / FLUX.1 / SD3 / Anima / Chroma: the text encoders stay frozen", "caching", ["sdxl", "flux", "sd3", "anima", "chroma", "lumina", "hunyuan_image", "zimage"]],
   ]],
   ["Performance", "performance"],
   ["Dataset Folders", "folders"],
@@ -213,6 +213,7 @@ function renderForm() {
   }
   renderPrompts();
   updateDependencies();
+  afterRender();  // app.js: the tabs and the check's marks
 }
 
 function inputFor(f, value) {
@@ -742,23 +743,23 @@ async function saveSettings(ev) {
   if (ev) ev.preventDefault();
   clearErrors();
   readForm();
-  $("save-btn").disabled = true;
-  $("save-btn").textContent = "Checking...";
+  setBusy(true, "Saving: running every check Start makes...");
   try {
     settings = await api("PUT", `/api/jobs/${current.id}/settings`, settings);
     renderForm();
-    $("form-ok").textContent = "Saved: the trainer accepted these settings.";
+    $("form-ok").textContent = "Saved: every check Start makes passed.";
     $("form-ok").hidden = false;
     loadHistory();
     current = await api("GET", `/api/jobs/${current.id}`);
+    onSettingsSaved();
     return true;
   } catch (e) {
     const d = e.detail && typeof e.detail === "object" ? e.detail : { error: e.message, field: null };
+    onSettingsError(d.field);
     showError(d.error, d.field, d.where);
     return false;
   } finally {
-    $("save-btn").textContent = "Save settings";
-    showJob(current);
+    setBusy(false);
   }
 }
 
@@ -784,12 +785,16 @@ async function loadHistory() {
       b.addEventListener("click", () => action(async () => {
         if (!confirm(`Restore the settings saved at ${new Date(r.created * 1000).toLocaleString()}?`)) return;
         clearErrors();
+        setBusy(true, `Restoring revision ${r.id}: running every check Start makes...`);
         try {
           settings = await api("POST", `/api/jobs/${current.id}/revisions/${r.id}/restore`);
         } catch (e) {
           const d = e.detail && typeof e.detail === "object" ? e.detail : { error: e.message };
+          onSettingsError(d.field);
           showError(d.error, d.field, d.where);
           return;
+        } finally {
+          setBusy(false);
         }
         current = await api("GET", `/api/jobs/${current.id}`);
         showJob(current);
@@ -797,6 +802,7 @@ async function loadHistory() {
         $("form-ok").textContent = `Restored revision ${r.id}.`;
         $("form-ok").hidden = false;
         loadHistory();
+        onSettingsSaved();
       }));
       li.appendChild(b);
     } else li.appendChild(el("span", { class: "muted" }, "current"));

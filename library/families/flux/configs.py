@@ -98,7 +98,3 @@ def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:
         module.eval()
     return {**parts, "tokenizer": clip_tok, "tokenizer_2": t5_tok}
 
-
-def preset_names() -> list[str]:
-    """Names of the built-in FLUX.1 presets."""
-    return list(PRESETS)

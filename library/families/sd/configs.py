@@ -97,11 +97,6 @@ PRESETS: dict[str, SDPreset] = {
 }
 
 
-def preset_names() -> list[str]:
-    """All built-in preset names, e.g. ["tiny:sd1", ..., "random:sd15", ...]."""
-    return list(PRESETS)
-
-
 def _text_encoder_kwargs(preset: SDPreset, tokenizer) -> dict:
     return text_encoder_config(
         preset.v2, hidden_size=preset.text_hidden, intermediate_size=preset.text_intermediate,

@@ -26,7 +26,7 @@ from library.families.common.clip_text import (
     text_encoder_kohya_path,
 )
 from library.families.sd import saving as sd_saving
-from library.families.sd.generate import generate_sd
+from library.families.sd.generate import encode_weighted, generate_sd
 from library.families.sd.loading import load_sd_components
 from library.objectives.noise import DDPMScheme
 from networks.lora_targets import LoraTarget, outside_block_targets
@@ -58,7 +58,7 @@ class SDFamily(ModelFamily):
     single_file_markers = ("model.diffusion_model.",)
     contents = (("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),)
     diffusers_class_markers = ("StableDiffusion",)
-    scripts = {"lora": "train_network.py", "finetune": "fine_tune.py"}
+    scripts = {"lora": "train_network.py", "finetune": "fine_tune.py", "dreambooth": "train_db.py"}
     text_encoder_labels = ("Text encoder (CLIP)",)
     denoiser_label = "UNet"
     tiny_presets = ("tiny:sd1", "tiny:sd2", "tiny:sd2-v")
@@ -98,6 +98,14 @@ class SDFamily(ModelFamily):
         window = components.tokenizers[0].model_max_length
         states = encode_token_chunks(components.text_encoders[0], tokens[0], clip_skip, window)
         return TextConditioning(tensors={"encoder_hidden_states": states})
+
+    supports_weighted_captions = True
+
+    def encode_weighted_captions(self, components: Components, captions: list[str], clip_skip: Optional[int],
+                                 max_token_length: Optional[int], device: torch.device) -> TextConditioning:
+        n_chunks = (max_token_length or 75) // 75  # the windows encode_text uses: unweighted captions match it
+        return TextConditioning(tensors={"encoder_hidden_states": encode_weighted(components, captions, clip_skip,
+                                                                                  n_chunks, device)})
 
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> DDPMScheme:
         return DDPMScheme.from_schedule(getattr(components, "noise_schedule", None),

@@ -73,12 +73,19 @@ def encode_prompts(components: Components, texts: list[str], clip_skip: Optional
                    device: torch.device) -> torch.Tensor:
     """Weighted, chunked CLIP states (B, n*75+2, D) for texts that share one window count."""
     tokenizer, text_encoder = components.tokenizers[0], components.text_encoders[0]
-    window = tokenizer.model_max_length
-    n_chunks = chunk_count([len(tokens_with_weights(tokenizer, t)[0]) for t in texts], window - 2)
-    ids, weights = weighted_windows(tokenizer, texts, n_chunks)
+    n_chunks = chunk_count([len(tokens_with_weights(tokenizer, t)[0]) for t in texts], tokenizer.model_max_length - 2)
     with borrowed_on(text_encoder, device):
-        states = encode_token_chunks(text_encoder, ids.to(device), clip_skip, window)
-    return apply_token_weights(states, weights)
+        return encode_weighted(components, texts, clip_skip, n_chunks, device)
+
+
+def encode_weighted(components: Components, texts: list[str], clip_skip: Optional[int], n_chunks: int,
+                    device: torch.device) -> torch.Tensor:
+    """Weighted CLIP states (B, n_chunks*75+2, D) of `texts` ("(word:1.2)" syntax), with gradients when the text
+    encoder trains (--weighted_captions in training; sampling wraps it without)."""
+    tokenizer, text_encoder = components.tokenizers[0], components.text_encoders[0]
+    ids, weights = weighted_windows(tokenizer, texts, n_chunks)
+    states = encode_token_chunks(text_encoder, ids.to(device), clip_skip, tokenizer.model_max_length)
+    return apply_token_weights(states, weights.to(states.device))
 
 
 def _step_kwargs(scheduler, generators: list[torch.Generator]) -> dict:

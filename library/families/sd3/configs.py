@@ -153,7 +153,3 @@ def build_sd3_modules(name: str, device: str | torch.device = "cpu") -> dict:
         module.eval()
     return {**parts, "tokenizer": tok_l, "tokenizer_2": tok_g, "tokenizer_3": tok_t5}
 
-
-def preset_names() -> list[str]:
-    """Names of the built-in SD3 presets."""
-    return list(PRESETS)

@@ -121,6 +121,17 @@ class SD3Family(ModelFamily):
         layout = "diffusers" if not single_file else "separate" if separate_text_encoders else "single_file"
         return write_sd3_preset(preset, out, layout)
 
+    def denoiser_parameter_groups(self, components: Components, lr: float) -> Optional[list[tuple[str, list, float]]]:
+        """sd3_train.py --num_last_block_to_freeze N: the last N joint blocks frozen (rate 0), the rest at `lr`."""
+        n = self.options(components).num_last_block_to_freeze
+        if not n:
+            return None
+        blocks = list(components.denoiser.transformer_blocks)
+        frozen = {id(p) for block in blocks[max(0, len(blocks) - n):] for p in block.parameters()}
+        params = list(components.denoiser.parameters())
+        return [("base", [p for p in params if id(p) not in frozen], lr),
+                (f"last {min(n, len(blocks))} blocks", [p for p in params if id(p) in frozen], 0.0)]
+
     def check_options(self, options: SD3Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
                       min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
                       zero_terminal_snr: bool = False) -> None:

@@ -26,6 +26,19 @@ class SD3Options:
         "help": "SD3: CLIP-G text encoder file (.safetensors); default: the one inside the checkpoint"})
     t5xxl: Optional[str] = field(default=None, metadata={
         "help": "SD3: T5-XXL text encoder file (.safetensors); default: the one inside the checkpoint"})
+    t5xxl_device: Optional[str] = field(default=None, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK]: T5-XXL runs with the "
+                "other text encoders"})
+    t5xxl_dtype: Optional[str] = field(default=None, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK]: T5-XXL takes the "
+                "run's dtype"})
+    save_clip: bool = field(default=False, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK] (no unified checkpoint)"})
+    save_t5xxl: bool = field(default=False, metadata={
+        "help": "accepted for sd-scripts compatibility, where it is marked [DOES NOT WORK] (no unified checkpoint)"})
+    num_last_block_to_freeze: Optional[int] = field(default=None, metadata={
+        "help": "sd3_train.py: freeze the last N joint transformer blocks of the MMDiT (sd-scripts freezes the last "
+                "N parameters of them; docs/sd3_train_network.md)"})
     t5xxl_max_token_length: int = field(default=256, metadata={
         "help": "T5 tokens per caption (sd-scripts' default 256)"})
     apply_lg_attn_mask: bool = field(default=False, metadata={

@@ -121,10 +121,5 @@ def build_sdxl_modules(name: str, device: str | torch.device = "cpu") -> dict[st
     return {**parts, "tokenizer": tok1, "tokenizer_2": tok2}
 
 
-def preset_names() -> list[str]:
-    """Names of the built-in SDXL presets."""
-    return list(PRESETS)
-
-
 __all__ = ["PRESETS", "SDXLPreset", "build_sdxl_modules", "sdxl_unet_config", "te1_config", "te2_config",
            "text_heads", "unet_heads"]

@@ -31,7 +31,7 @@ from library.families.common.clip_text import (
 )
 from library.families.sd.family import UNET_CONV_TARGETS, UNET_TARGETS
 from library.families.sdxl import saving as sdxl_saving
-from library.families.sdxl.generate import generate_sdxl
+from library.families.sdxl.generate import encode_weighted_sdxl, generate_sdxl
 from library.families.sdxl.loading import load_sdxl_components
 from library.families.sdxl.lora_names import (
     convert_to_sgm_names,
@@ -121,6 +121,14 @@ class SDXLFamily(ModelFamily):
             "hidden_state2": join_token_chunks(h2.reshape(batch, -1, h2.shape[-1]), window),
             "pool2": pooled,
         })
+
+    supports_weighted_captions = True
+
+    def encode_weighted_captions(self, components: Components, captions: list[str], clip_skip: Optional[int],
+                                 max_token_length: Optional[int], device: torch.device) -> TextConditioning:
+        self._warn_clip_skip(clip_skip)
+        n_chunks = (max_token_length or 75) // 75  # the windows encode_text uses: unweighted captions match it
+        return TextConditioning(tensors=encode_weighted_sdxl(components, captions, n_chunks, device))
 
     def check_loaded(self, components: Components, text: Any) -> None:
         """--clip_skip is not used by SDXL (warned about at the first encode): nothing to check."""

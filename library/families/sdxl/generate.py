@@ -10,6 +10,7 @@ width) with a (0, 0) crop: an uncropped image of the size asked for.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -37,15 +38,24 @@ def encode_prompts_sdxl(components: Components, texts: list[str], device: torch.
     lengths = [len(tokens_with_weights(tok, t)[0]) for tok in components.tokenizers for t in texts]
     window = components.tokenizers[0].model_max_length
     n_chunks = chunk_count(lengths, window - 2)  # one window count for both encoders keeps the states aligned
+    return encode_weighted_sdxl(components, texts, n_chunks, device, borrow=borrowed_on)
+
+
+def encode_weighted_sdxl(components: Components, texts: list[str], n_chunks: int, device: torch.device,
+                         borrow=None) -> dict[str, torch.Tensor]:
+    """The weighted conditioning of `texts` ("(word:1.2)" syntax) in `n_chunks` windows, with gradients when the
+    text encoders train (--weighted_captions in training; sampling wraps it without). `borrow(encoder, device)`:
+    a context that brings one encoder to the device while it runs (sampling)."""
+    window = components.tokenizers[0].model_max_length
     out: dict[str, torch.Tensor] = {}
     batch = len(texts)
     for key, tokenizer, encoder in zip(("hidden_state1", "hidden_state2"), components.tokenizers,
                                        components.text_encoders):
         ids, weights = weighted_windows(tokenizer, texts, n_chunks)
-        with borrowed_on(encoder, device):
+        with borrow(encoder, device) if borrow else contextlib.nullcontext():
             states, full = penultimate_states(encoder, ids.to(device), window)
-            joined = join_token_chunks(states.reshape(batch, -1, states.shape[-1]), window)
-            out[key] = apply_token_weights(joined, weights)
+        joined = join_token_chunks(states.reshape(batch, -1, states.shape[-1]), window)
+        out[key] = apply_token_weights(joined, weights.to(joined.device))
         if key == "hidden_state2":
             pooled = full.text_embeds
             out["pool2"] = pooled.reshape(batch, -1, pooled.shape[-1])[:, 0]  # first window, as training does

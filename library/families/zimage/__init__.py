@@ -1,0 +1,1 @@
+"""Z-Image (Tongyi-MAI): the S3-DiT, Qwen3 text, the FLUX.1 autoencoder."""

@@ -1,0 +1,241 @@
+"""Load Z-Image from the files users have, and write the tiny preset in the same layouts.
+
+- a diffusers folder (Tongyi-MAI/Z-Image-Turbo, Tongyi-MAI/Z-Image: model_index.json, transformer/, vae/,
+  text_encoder/, tokenizer/), read by diffusers' and transformers' own from_pretrained;
+- the DiT as one `.safetensors` in the original names (Comfy-Org's z_image_turbo_bf16.safetensors,
+  `layers.N.attention.qkv`, `x_embedder`, `final_layer`) or ComfyUI's whole-model file (`model.diffusion_model.*`),
+  converted by diffusers' own single-file converter; with
+- --qwen3: Qwen3-4B as one file (`model.*` keys as ComfyUI's qwen_3_4b.safetensors, or bare `layers.*`) or a
+  transformers folder, and --ae: the FLUX.1 autoencoder (BFL's ae.safetensors);
+- the Qwen tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen3-4B from --tokenizer_cache_dir or the
+  local HF cache.
+
+Every single-file configuration is read from tensor shapes; models are built on the meta device and adopt the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+
+from library.core.safetensors_io import write_safetensors
+from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common import ldm_layout as ldm
+from library.families.common.autoencoder import load_ae_file
+from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
+from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.zimage import layout
+from library.families.zimage.configs import (
+    LATENT_CHANNELS,
+    PRESETS,
+    QWEN3_TOKENIZER_REPO,
+    build_qwen3_tokenizer,
+    build_zimage_modules,
+    qwen3_config,
+    transformer_config,
+)
+
+_DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
+FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
+
+
+def zimage_source_kind(path: str) -> str:
+    """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
+    return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
+                           expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors file or the preset "
+                                    "tiny:zimage")
+
+
+def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
+    """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file)."""
+    from diffusers import ZImageTransformer2DModel
+
+    tensors = layout.strip_prefix(read_file(label, path, "a Z-Image DiT (layers.*.attention.qkv keys)",
+                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
+    try:
+        shape = layout.infer_shape(tensors)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Z-Image DiT, no tensor for {e.args[0]}") from None
+    if shape["patch_in"] != LATENT_CHANNELS * 4:
+        raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches, "
+                             f"found x_embedder input {shape['patch_in']}")
+    head_dim = shape["head_dim"]
+    # Z-Image's RoPE axes (32, 48, 48) of 128; a smaller head keeps the 1:1.5:1.5 split, each axis even
+    axes = [head_dim // 4, head_dim * 3 // 8, head_dim * 3 // 8]
+    if sum(axes) != head_dim or any(a % 2 for a in axes):
+        raise ModelLoadError(f"{label} {path}: head width {head_dim} does not split into Z-Image's RoPE axes")
+    config = transformer_config(PRESETS["random:zimage"]) | dict(
+        dim=shape["dim"], n_layers=shape["layers"], n_refiner_layers=shape["refiner_layers"], n_heads=shape["heads"],
+        n_kv_heads=shape["heads"], cap_feat_dim=shape["cap_feat_dim"], axes_dims=axes)
+    return adopt(label, path, lambda: ZImageTransformer2DModel(**config), layout.to_diffusers(tensors))
+
+
+def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
+    """(Qwen3Model, tokenizer) from --qwen3: a transformers folder, or one file (`model.*` as ComfyUI's
+    qwen_3_4b.safetensors, or bare keys; lm_head ignored)."""
+    from transformers import AutoTokenizer, Qwen3Model
+
+    label = "--qwen3"
+    if os.path.isdir(path):
+        try:
+            model = Qwen3Model.from_pretrained(path, torch_dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{label} {path}: not a Qwen3 folder ({str(e).splitlines()[0][:200]})") from None
+        tokenizer.padding_side = "right"
+        return model.eval(), tokenizer
+    raw = read_file(label, path, "a Qwen3 text encoder (model.layers.*.self_attn.q_norm keys)",
+                     lambda keys: any(re.search(r"(^|\.)layers\.0\.self_attn\.q_norm\.", k) for k in keys), dtype)
+    tensors = {}
+    for key, value in raw.items():
+        key = key[len("model."):] if key.startswith("model.") else key
+        if key.startswith(("embed_tokens.", "layers.", "norm.")):
+            tensors[key] = value
+    try:
+        vocab, hidden = tensors["embed_tokens.weight"].shape
+        head_dim = tensors["layers.0.self_attn.q_norm.weight"].shape[0]
+        config = qwen3_config(hidden=hidden, intermediate=tensors["layers.0.mlp.gate_proj.weight"].shape[0],
+                              layers=len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
+                              heads=tensors["layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
+                              kv_heads=tensors["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
+                              head_dim=head_dim, vocab=vocab)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete Qwen3, no tensor for model.{e.args[0]}") from None
+    model = adopt(label, path, lambda: Qwen3Model(config), tensors)
+    return model, find_qwen3_tokenizer(vocab, tokenizer_cache_dir, path)
+
+
+def find_qwen3_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
+    """The tiny tokenizer for the tiny encoder, else Qwen3's from --tokenizer_cache_dir or the local HF cache."""
+    from transformers import AutoTokenizer
+
+    tiny = build_qwen3_tokenizer()
+    if vocab_size == len(tiny):
+        return tiny
+    sources = []
+    if tokenizer_cache_dir:
+        sources.append(os.path.join(tokenizer_cache_dir, QWEN3_TOKENIZER_REPO.replace("/", "_")))
+    sources.append(QWEN3_TOKENIZER_REPO)
+    for source in sources:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
+            continue
+        tokenizer.padding_side = "right"
+        return tokenizer
+    raise ModelLoadError(f"--qwen3 {path}: the {QWEN3_TOKENIZER_REPO} tokenizer is not cached locally; pass "
+                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN3_TOKENIZER_REPO.replace('/', '_')}), "
+                         f"or give --qwen3 as a Qwen3 folder")
+
+
+def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
+    """The four parts of a diffusers Z-Image folder, by the libraries' own from_pretrained."""
+    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    from transformers import AutoTokenizer, Qwen3Model
+
+    parts = load_folder_parts(path, {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL,
+                                     "text_encoder": Qwen3Model, "tokenizer": AutoTokenizer}, "Z-Image",
+                              scratch=None if scratch_seed is None else ("transformer", scratch_seed))
+    parts["tokenizer"].padding_side = "right"
+    return parts
+
+
+def load_zimage_components(opts: LoadOptions, options) -> Components:
+    """Components of Z-Image: denoiser = ZImageTransformer2DModel, text encoders = [Qwen3Model],
+    tokenizers = [Qwen's], vae = the FLUX.1 AE (`options`: ZImageOptions with --qwen3 / --ae)."""
+    path = opts.pretrained_model_name_or_path
+    kind = zimage_source_kind(path)
+    ae_path = options.ae or opts.vae
+    scratch_done = False
+    if kind == "single_file":
+        if not options.qwen3:
+            raise ModelLoadError(f"--qwen3: required with a Z-Image DiT file ({path})")
+        transformer = load_dit_file(path, opts.dtype)
+        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir)
+        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
+    else:
+        if kind == "diffusers":
+            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
+            scratch_done = opts.from_scratch
+        else:
+            parts = build_zimage_modules(path)
+        transformer, vae = parts["transformer"], parts["vae"]
+        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
+        if options.qwen3:
+            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir)
+        if ae_path:
+            vae = load_ae_file(ae_path, opts.vae_dtype)
+    if opts.from_scratch and not scratch_done:
+        from library.families.common.loading import scratch_denoiser
+
+        transformer = scratch_denoiser(transformer, opts.init_seed)
+    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
+        if module is not None and next(module.parameters()).dtype != dtype:
+            module.to(dtype=dtype)
+    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
+                      model_path=path, vae_path=ae_path)
+
+
+def check_model_source(path: str, options, vae: Optional[str]) -> None:
+    """The checks of load_zimage_components that need no weights (one-line ModelLoadError)."""
+    if zimage_source_kind(path) == "single_file":
+        for flag, value in (("qwen3", options.qwen3), ("ae", options.ae or vae)):
+            if not value:
+                raise ModelLoadError(f"--{flag}: required with a Z-Image DiT file ({path})")
+
+
+def block_count(path: str) -> Optional[int]:
+    """Main blocks (`layers.N`) of a preset, folder or DiT file, read without loading weights; None when unknown."""
+    try:
+        kind = zimage_source_kind(path)
+        if kind == "preset":
+            return PRESETS[path].layers
+        if kind == "diffusers":
+            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
+                return int(json.load(f)["n_layers"])
+        return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
+    except (OSError, ValueError, KeyError, ModelLoadError):
+        return None
+
+
+# --- writing -------------------------------------------------------------------------------------------
+
+def write_dit_file(transformer, path: str, dtype: Optional[torch.dtype] = None,
+                   metadata: Optional[dict] = None) -> str:
+    """The DiT as one original-layout file (ComfyUI's names: q, k, v fused into attention.qkv)."""
+    write_safetensors(layout.to_original(transformer.state_dict()), path, metadata or {}, dtype=dtype)
+    return path
+
+
+def write_diffusers_folder(parts: dict, out_dir: str) -> str:
+    """A diffusers ZImagePipeline folder of `parts` (model_index.json, transformer/, vae/, text_encoder/,
+    tokenizer/, scheduler/ with Tongyi-MAI's scheduler config), by the libraries' own save_pretrained."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=parts["vae"], text_encoder=parts["text_encoder"],
+                          tokenizer=parts["tokenizer"], transformer=parts["transformer"])
+    pipe.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_zimage_preset(name: str, out_dir: str) -> dict[str, str]:
+    """A preset written as the files users have: the diffusers folder (`diffusers/`), and ComfyUI's single files:
+    the DiT (zimage-tiny.safetensors, original names), qwen_3_4b.safetensors (`model.*` keys) and ae.safetensors
+    (BFL's LDM names). Returns {"diffusers", "dit", "qwen3", "ae"}."""
+    parts = build_zimage_modules(name)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"diffusers": os.path.join(out_dir, "diffusers"),
+             "dit": os.path.join(out_dir, "zimage-tiny.safetensors"),
+             "qwen3": os.path.join(out_dir, "qwen_3_4b.safetensors"),
+             "ae": os.path.join(out_dir, "ae.safetensors")}
+    write_diffusers_folder(parts, paths["diffusers"])
+    write_dit_file(parts["transformer"], paths["dit"])
+    write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["qwen3"])
+    vae_state = parts["vae"].state_dict()
+    write_safetensors(ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), "")), paths["ae"])
+    return paths

@@ -1,0 +1,70 @@
+"""Speed-ups that are on by default because they cannot change the result beyond float rounding; each has an
+opt-out flag (library/cli/memory.py SpeedFlags) and a numerics test (tests/test_speedups.py). Gains: docs/performance.md.
+
+- channels_last: the frozen Conv2d weights of the denoiser are stored NHWC, so the CPU (oneDNN) and GPU (cuDNN)
+  convolution kernels run without reordering every activation. Decided by the model (it has Conv2d layers), not
+  by the family.
+- the automatic text-encoder output cache: when no text encoder trains and no caption can change between epochs,
+  each caption is encoded once, the first time a step meets it, and its outputs are reused (library/train/step.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CONV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class SpeedOptions:
+    auto_text_cache: bool = True  # --no_auto_text_cache turns it off
+    channels_last: bool = True  # --no_channels_last turns it off
+
+
+def frozen_convs_channels_last(model: torch.nn.Module) -> int:
+    """Store the weights of `model`'s frozen 2-d convolutions (not training, a plain float dtype, 3x3 or larger)
+    channels_last, in place; returns how many. Trained weights keep their layout, so optimizer states and saved
+    files are unchanged; 1x1 kernels have one layout either way."""
+    n = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Conv2d) and isinstance(weight, torch.Tensor) and not weight.requires_grad
+                and weight.dtype in _CONV_DTYPES and weight.dim() == 4 and weight.shape[-2:] != (1, 1)
+                and not weight.is_contiguous(memory_format=torch.channels_last)):
+            module.weight.data = weight.data.contiguous(memory_format=torch.channels_last)
+            n += 1
+    return n
+
+
+def use_channels_last(model: Optional[torch.nn.Module], options: SpeedOptions) -> int:
+    """frozen_convs_channels_last for a model with Conv2d layers when the option is on; one log line."""
+    if model is None or not options.channels_last:
+        return 0
+    n = frozen_convs_channels_last(model)
+    if n:
+        logger.info("channels_last: %d frozen convolutions of the denoiser stored NHWC for faster kernels "
+                    "(--no_channels_last to keep NCHW)", n)
+    return n
+
+
+def auto_text_cache_blocked(options: SpeedOptions, explicit_cache: bool, text_encoders_train: bool,
+                            caption_randomness: Iterable[Optional[str]], num_text_encoders: int) -> Optional[str]:
+    """Why the automatic text-encoder cache is off for this run, or None when it is on."""
+    if not options.auto_text_cache:
+        return "--no_auto_text_cache"
+    if explicit_cache:
+        return "--cache_text_encoder_outputs"
+    if num_text_encoders == 0:
+        return "no text encoder"
+    if text_encoders_train:
+        return "a text encoder trains"
+    random_part = next((r for r in caption_randomness if r), None)
+    if random_part:
+        return f"{random_part} changes captions between steps"
+    return None

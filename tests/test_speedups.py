@@ -1,0 +1,137 @@
+"""The default speed-ups (library/train/speedups.py) give the plain path's numbers, and each opt-out turns its
+speed-up off: channels_last convolution weights, the automatic text-encoder output cache."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.objectives.losses import LossOptions
+from library.objectives.noise import NoiseOptions
+from library.train.speedups import SpeedOptions, auto_text_cache_blocked, frozen_convs_channels_last
+from library.train.step import StepContext, batch_loss
+from tests.train_helpers import base_args, make_dataset, make_trainer
+
+
+def _lora_grads(family, comps, unet, latents, hidden):
+    from networks import lora
+
+    torch.manual_seed(0)
+    net = lora.create_network(1.0, 4, 4, None, [], unet, lora_targets=family.lora_targets(comps))
+    net.apply_to([], unet, False, True)
+    for m in net.unet_loras:  # non-zero up weights: the LoRA path is part of the output
+        torch.nn.init.normal_(m.lora_up.weight, std=0.1)
+    try:
+        pred = unet(latents, torch.tensor([500]), hidden).sample
+        loss = pred.square().mean()
+        loss.backward()
+        return pred.detach(), {n: p.grad.clone() for n, p in net.named_parameters()}
+    finally:
+        net.restore() if hasattr(net, "restore") else None
+
+
+def test_channels_last_stores_only_frozen_convs_and_gives_the_same_step(tiny_sd1_copy):
+    from library.families import get_family
+
+    family, comps = get_family("sd"), tiny_sd1_copy
+    unet = comps.denoiser
+    unet.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 4, 16, 16, generator=g)
+    hidden = torch.randn(1, 77, comps.text_encoders[0].config.hidden_size, generator=g)
+    plain_pred, plain_grads = _lora_grads(family, comps, unet, latents, hidden)
+    convs_3x3 = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
+
+    assert frozen_convs_channels_last(unet) == len(convs_3x3) == 52  # the tiny UNet's 3x3 convolutions
+    assert all(m.weight.is_contiguous(memory_format=torch.channels_last) for m in convs_3x3)
+    assert frozen_convs_channels_last(unet) == 0  # already done
+    fast_pred, fast_grads = _lora_grads(family, comps, unet, latents, hidden)
+    # Measured: max |diff| 1e-7 (output) and 3e-8 (gradients, |g| up to 4e-3): float rounding of another
+    # summation order in the convolution kernels.
+    assert torch.allclose(fast_pred, plain_pred, rtol=0, atol=1e-5)
+    assert fast_grads.keys() == plain_grads.keys()
+    for name in plain_grads:
+        assert torch.allclose(fast_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_channels_last_leaves_trained_convs_as_they_are():
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    model[0].requires_grad_(False)
+    assert frozen_convs_channels_last(model) == 1
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    assert model[1].weight.is_contiguous()  # trains: optimizer states and saved files keep their layout
+
+
+def test_auto_text_cache_reasons_to_stay_off():
+    on = SpeedOptions()
+    assert auto_text_cache_blocked(on, False, False, [None, None], 1) is None
+    assert auto_text_cache_blocked(SpeedOptions(auto_text_cache=False), False, False, [], 1) == "--no_auto_text_cache"
+    assert auto_text_cache_blocked(on, True, False, [], 1) == "--cache_text_encoder_outputs"
+    assert auto_text_cache_blocked(on, False, True, [], 1) == "a text encoder trains"
+    assert auto_text_cache_blocked(on, False, False, [None, "shuffle_caption"], 1) == \
+        "shuffle_caption changes captions between steps"
+    assert auto_text_cache_blocked(on, False, False, [], 0) == "no text encoder"
+
+
+def test_filled_cache_gives_the_same_loss_as_encoding(tiny_sd1):
+    from library.families import get_family
+
+    family = get_family("sd")
+    common = dict(family=family, components=tiny_sd1, scheme=family.noise_scheme(tiny_sd1), noise=NoiseOptions(),
+                  loss=LossOptions(), device=torch.device("cpu"), weight_dtype=torch.float32, clip_skip=None,
+                  max_token_length=None, train_text_encoder=False, autocast=contextlib.nullcontext)
+    plain, cached = StepContext(**common), StepContext(**common, text_cache={}, fill_text_cache=True)
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    for captions in (["a red toy", "a blue toy"], ["a blue toy", "a green toy"], ["a red toy", "a red toy"]):
+        batch = {"latents": latents, "captions": captions, "loss_weights": torch.ones(2), "masks": None}
+        with torch.no_grad():
+            a, _ = batch_loss(plain, batch, torch.Generator().manual_seed(2))
+            b, _ = batch_loss(cached, batch, torch.Generator().manual_seed(2))
+        # a caption encoded alone or beside another gives the same bits here (padded to 77 tokens, one thread)
+        assert torch.equal(a, b), captions
+    assert sorted(cached.text_cache) == ["a blue toy", "a green toy", "a red toy"]
+    assert cached.text_cache["a red toy"]["hidden"].shape[0] == 77 if "hidden" in cached.text_cache["a red toy"] \
+        else True
+
+
+def _train(tmp_path, name, extra, caplog):
+    data = make_dataset(str(tmp_path), n=2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer = make_trainer(base_args(data, str(tmp_path / name), steps=4,
+                                         extra=["--network_train_unet_only", *extra]))
+        final = trainer.run()
+    return trainer, load_file(final), caplog.text
+
+
+def test_default_run_caches_text_and_uses_channels_last_with_the_plain_result(tmp_path, caplog):
+    fast, fast_lora, fast_log = _train(tmp_path, "fast", [], caplog)
+    assert "text encoders are frozen and captions fixed: each caption's outputs are kept in memory" in fast_log
+    assert "(2 captions," in fast_log
+    assert "channels_last: 52 frozen convolutions of the denoiser stored NHWC" in fast_log
+    assert sorted(fast.ctx.text_cache) == ["sks toy, square, color 0, plain background",
+                                          "sks toy, square, color 1, plain background"]
+
+    plain, plain_lora, plain_log = _train(tmp_path, "plain", ["--no_auto_text_cache", "--no_channels_last"], caplog)
+    assert "kept in memory" not in plain_log and "channels_last" not in plain_log
+    assert plain.ctx.text_cache is None and not plain.ctx.fill_text_cache
+    assert fast_lora.keys() == plain_lora.keys()
+    # The cache itself is bitwise (test above); channels_last rounds the convolutions differently (1e-7), and
+    # AdamW divides each gradient by its own running size, so an element whose gradient is near 0 can step
+    # differently by up to the learning rate (1e-3). Measured: max |diff| 3e-4 over 4 steps, global relative
+    # difference of all weights 5e-6.
+    for k in plain_lora:
+        assert torch.allclose(fast_lora[k], plain_lora[k], rtol=0, atol=1e-3), k
+    diff = torch.cat([(fast_lora[k] - plain_lora[k]).flatten() for k in plain_lora]).norm()
+    assert diff / torch.cat([v.flatten() for v in plain_lora.values()]).norm() < 5e-5
+
+
+def test_random_captions_keep_encoding_every_step(tmp_path, caplog):
+    trainer, _, log = _train(tmp_path, "shuffled", ["--shuffle_caption"], caplog)
+    assert "text encoder outputs are computed every step (shuffle_caption changes captions between steps)" in log
+    assert trainer.ctx.text_cache is None
