@@ -37,7 +37,7 @@ PRESETS = [(family.name, preset) for family in registered_families() for preset 
 LORA_MODULE_COUNTS = {
     "tiny:sd1": (72, 192), "tiny:sd2": (138, 192), "tiny:sd2-v": (138, 192), "tiny:sdxl": (264, 722),
     "tiny:flux": (72, 29), "tiny:chroma": (0, 22), "tiny:anima": (196, 30), "tiny:sd3": (264, 29),
-    "tiny:lumina": (182, 42), "tiny:hunyuan_image": (0, 32),
+    "tiny:lumina": (182, 42), "tiny:hunyuan_image": (0, 32), "tiny:zimage": (21, 10),
 }
 
 # The flags a LoRA run on each family's tiny preset needs besides train_helpers.base_args: short token
@@ -49,6 +49,7 @@ RUN_FLAGS = {
     "anima": ["--qwen3_max_token_length", "16", "--t5_max_token_length", "16"],
     "sd3": ["--t5xxl_max_token_length", "8"],
     "lumina": ["--gemma2_max_token_length", "16"],
+    "zimage": ["--qwen3_max_token_length", "16"],
 }
 
 
@@ -100,9 +101,18 @@ def _write_single_file(family, preset: str, root: str) -> dict[str, str]:
 
 
 def _load_options(family, written: dict[str, str]) -> LoadOptions:
-    """The LoadOptions the family's training script builds from the flags `preset_hint` gives for these files."""
-    hint = shlex.split(family.preset_hint(written))
-    hint = hint[next((i for i, t in enumerate(hint) if t.startswith("--")), len(hint)):]  # drop a script name
+    """The LoadOptions the family's training script builds from the flags `preset_hint` gives for these files:
+    its single-file alternative where it offers several ("--pretrained_model_name_or_path <folder>  (or <file>
+    --qwen3 ...)"), without a leading script name."""
+    def flags(alternative: str) -> list[str]:
+        tokens = [t for t in shlex.split(alternative.strip(" )")) if not t.endswith(".py")]  # no script name
+        if tokens and not tokens[0].startswith("--"):  # "(or <model file> --qwen3 ...)": the model path alone
+            tokens = ["--pretrained_model_name_or_path", *tokens]
+        return tokens
+
+    alternatives = [flags(a) for a in family.preset_hint(written).split("(or ")]
+    hint = next((a for a in alternatives if "--pretrained_model_name_or_path" in a
+                 and a[a.index("--pretrained_model_name_or_path") + 1].endswith(".safetensors")), alternatives[0])
     if "--pretrained_model_name_or_path" not in hint:
         (model_path,) = written.values()
         hint = ["--pretrained_model_name_or_path", model_path, *hint]

@@ -184,7 +184,7 @@ def test_num_last_block_to_freeze_freezes_the_last_joint_blocks(tmp_path):
 
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     family = get_family("sd3")
     base = family.load(LoadOptions("tiny:sd3"))
@@ -208,7 +208,7 @@ def test_use_t5xxl_cache_only_turns_the_cache_on():
 
 def test_use_t5xxl_cache_only_trains_clip_with_t5_cached(tmp_path, capsys):
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", steps=1, extra=[
