@@ -42,7 +42,7 @@ SCRIPTS = _scripts()
 
 
 def test_the_scripts_are_found():
-    assert len(SCRIPTS) == 14  # train_db.py (issue 24) is the 14th
+    assert len(SCRIPTS) == 14  # train_db.py is the 14th
     assert ("train_network.py", "sd", False) in SCRIPTS and ("flux_train.py", "flux", True) in SCRIPTS
 
 

@@ -164,7 +164,7 @@ def test_every_settings_field_is_used_below_the_cli():
     assert {name.split(".")[1] for name in unread} == set(UNREAD_FIELDS), sorted(unread)
 
 
-# Issue 24: every long option of sd-scripts 48d368fa's training scripts (tests/data/sd_scripts_flags.json, listed from
+# Every long option of sd-scripts 48d368fa's training scripts (tests/data/sd_scripts_flags.json, listed from
 # each script's own setup_parser()) is accepted by our script of the same name, or refused on purpose: the flags
 # below, each with its reason in docs/differences.md ("Flags not taken").
 SD_SCRIPTS_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sd_scripts_flags.json")
@@ -192,7 +192,8 @@ def _our_flags(script: str) -> set:
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_PARSERS))
 def test_every_sd_scripts_flag_is_taken(script):
-    """Issue 24: before this, 372 (script, flag) pairs of 42 distinct flags stopped with 'unrecognized argument'."""
+    """Every sd-scripts flag of the script is taken or refused on purpose, none is an 'unrecognized argument'
+    (372 (script, flag) pairs of 42 distinct flags were)."""
     theirs = set(json.load(open(SD_SCRIPTS_FLAGS, encoding="utf-8"))["scripts"][script])
     missing = theirs - _our_flags(script) - {f"--{name}" for name in REFUSED_SD_SCRIPTS_FLAGS}
     assert sorted(missing) == []

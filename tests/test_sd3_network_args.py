@@ -178,7 +178,7 @@ def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error)
 
 
 def test_num_last_block_to_freeze_freezes_the_last_joint_blocks(tmp_path):
-    """Issue 24: sd3_train.py --num_last_block_to_freeze 1: after a step the last joint block is unchanged and the
+    """sd3_train.py --num_last_block_to_freeze 1: after a step the last joint block is unchanged and the
     one before it moved; in a LoRA script the flag is refused."""
     import torch
 

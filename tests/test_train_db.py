@@ -1,4 +1,4 @@
-"""Issue 24: train_db.py, sd-scripts' DreamBooth script: a full SD 1.x/2.x fine-tune whose text encoder trains by
+"""train_db.py, sd-scripts' DreamBooth script: a full SD 1.x/2.x fine-tune whose text encoder trains by
 default, --stop_text_encoder_training N freezing it after step N."""
 
 import os
