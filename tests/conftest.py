@@ -29,6 +29,7 @@ import copy
 import gc
 import os
 import re
+import shutil
 import tempfile
 import zlib
 
@@ -162,21 +163,27 @@ class _SharedFiles:
 class _SessionStore:
     """The session's shared tiny models (each built by the first test that asks for it) and files on disk."""
 
-    FAMILIES = {"tiny:sd1": "sd", "tiny:sd2": "sd", "tiny:sd2-v": "sd", "tiny:sdxl": "sdxl", "tiny:flux": "flux",
-                "tiny:sd3": "sd3"}
-
     def __init__(self):
         self.models: dict[str, _SharedModel] = {}
         self.files: dict[str, _SharedFiles] = {}
         self.used: set[str] = set()  # the models the current test module used
 
+    @staticmethod
+    def is_tiny_preset(preset: str) -> bool:
+        """Whether a registered family lists `preset` among its tiny presets (the store can build it)."""
+        from library.families import registered_families
+
+        return any(preset in f.tiny_presets for f in registered_families())
+
     def model(self, preset: str, share: bool = True):
         """The shared Components of `preset`; share=False: only to copy it (not checked for changes then)."""
         if preset not in self.models:
-            from library.families import get_family
+            from library.families import registered_families
             from library.families.base import LoadOptions
 
-            self.models[preset] = _SharedModel(preset, get_family(self.FAMILIES[preset]).load(LoadOptions(preset)))
+            # The family whose facts list the preset among its tiny presets.
+            (family,) = [f for f in registered_families() if preset in f.tiny_presets]
+            self.models[preset] = _SharedModel(preset, family.load(LoadOptions(preset)))
             _freeze_long_lived()
         if share:
             self.used.add(preset)
@@ -377,3 +384,46 @@ def tiny_flux_folder(tiny_store, tmp_path_factory) -> str:
         return path
 
     return tiny_store.written("tiny:flux folder", tmp_path_factory, write)
+
+
+# --- data and files several test modules share ------------------------------------------------------------------
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_IMAGES = ("blue_square", "purple_square")  # 128x128 and 192x128
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory):
+    """Two of examples/data's images per folder, copied (--cache_latents_to_disk writes beside them) at 64 px:
+    (the train folder, a dataset.toml of the same images)."""
+    root = tmp_path_factory.mktemp("example-data")
+    data_dir = root / "train"
+    source = os.path.join(_ROOT, "examples", "data", "train")
+    for folder in os.listdir(source):
+        os.makedirs(data_dir / folder)
+        for stem in EXAMPLE_IMAGES:
+            for ext in (".png", ".txt"):
+                shutil.copy(os.path.join(source, folder, stem + ext), data_dir / folder)
+    subsets = "".join(f'[[datasets.subsets]]\nimage_dir = "{data_dir / name}"\nnum_repeats = 1\n'
+                      for name in sorted(os.listdir(data_dir)))
+    toml = root / "dataset.toml"
+    toml.write_text('[general]\ncaption_extension = ".txt"\nresolution = 64\nenable_bucket = true\n'
+                    f'min_bucket_reso = 64\nmax_bucket_reso = 128\n[[datasets]]\n{subsets}')
+    return str(data_dir), str(toml)
+
+
+@pytest.fixture(scope="module")
+def hi_files(tmp_path_factory):
+    """tiny:hunyuan_image as tools/make_tiny_model.py writes it: {"dit", "text_encoder", "byt5", "vae"}."""
+    from library.families.hunyuan_image.loading import write_hunyuan_image_preset
+
+    return write_hunyuan_image_preset("tiny:hunyuan_image", str(tmp_path_factory.mktemp("hunyuan-files")))
+
+
+@pytest.fixture(scope="module")
+def tiny_hi():
+    """tiny:hunyuan_image loaded once per module (a module's own: a test may not change it)."""
+    from library.families import get_family
+    from library.families.base import LoadOptions
+
+    return get_family("hunyuan_image").load(LoadOptions("tiny:hunyuan_image"))

@@ -3,36 +3,15 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
 import yaml
 
+from tests.distributed_helpers import launch_args, make_accelerate_config
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TOOL = os.path.join(REPO, "tools", "make_accelerate_config.py")
-
-
-def make_accelerate_config(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, str]:
-    out = str(tmp_path / "accelerate.yaml")
-    proc = subprocess.run([sys.executable, TOOL, *flags, "--output", out], capture_output=True, text=True, cwd=REPO)
-    return proc, out
-
-
-def launch_args(path: str):
-    """The launch arguments `accelerate launch --config_file path train.py` works with (as launch_command)."""
-    from accelerate.commands.launch import (
-        _validate_launch_command,
-        launch_command_parser,
-    )
-
-    args = launch_command_parser().parse_args(["--config_file", path, "train.py"])
-    args, defaults, _ = _validate_launch_command(args)
-    if args.use_deepspeed:
-        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)
-    return args
 
 
 def _fsdp_plugin(path: str):

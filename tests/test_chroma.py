@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from library.cli.entry import run_training
 from library.families import get_family
-from library.families.base import Components, LoadOptions
+from library.families.base import Components
 from library.families.chroma.family import joint_attention_mask
 from library.families.chroma.model import (
     build_chroma_modules,
@@ -77,19 +77,6 @@ def test_full_size_single_file_layout_is_what_diffusers_reads_on_meta():
     assert all(theirs[k].shape == ours[k].shape for k in ours)
 
 
-def test_tiny_chroma_single_file_loads_back_equal(tmp_path):
-    family = get_family("chroma")
-    c = family.load(LoadOptions("tiny:chroma"))
-    path = str(tmp_path / "chroma-tiny.safetensors")
-    family.save_model(c, path, "safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-    assert len(keys) == 2 * 20 + 3 * 6 + 4 + 2 * 5 + 6
-    loaded = load_chroma_transformer(path)
-    want, got = c.denoiser.state_dict(), loaded.state_dict()
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-
-
 def test_joint_attention_mask_keeps_one_padding_token():
     mask = joint_attention_mask(torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]), 2)
     assert mask.tolist() == [[True, True, True, True, False, False, True, True], [True] * 8]
@@ -139,7 +126,7 @@ def test_chroma_flags_refused_with_one_line(tmp_path, capsys, flags, error):
 def test_full_fine_tune_saves_the_single_file_it_loads_back(tmp_path):
     """flux_train.py --model_type chroma (here with --blockwise_fused_optimizers): the saved file loads back
     equal to the trained transformer."""
-    from tests.test_fine_tune import ft_args, ft_trainer
+    from tests.train_helpers import ft_args, ft_trainer
 
     data = make_dataset(str(tmp_path), n=1)
     trainer = ft_trainer(ft_args(data, str(tmp_path / "out"), "tiny:chroma", steps=1, extra=CHROMA_FLAGS + [

@@ -1,5 +1,5 @@
-"""Command-line checks before any work: writable output folders (issue 11 item 12) and the parser's
-abbreviations, one-line errors and suggestions (issue 11 item 23)."""
+"""Command-line checks before any work: writable output folders and the parser's
+abbreviations, one-line errors and suggestions."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _bad_dirs(tmp_path) -> list[tuple[str, str, str]]:
 
 
 def test_unwritable_output_dir_is_one_line_before_anything_loads(tmp_path, capsys, no_training):
-    """Item 12: --output_dir that is a file, under a file or under /proc: one line naming flag and path, exit 2,
+    """--output_dir that is a file, under a file or under /proc: one line naming flag and path, exit 2,
     before the dataset scan and the model load (the trainer is never run)."""
     for path, why, case in _bad_dirs(tmp_path):
         code = run_training("sd", "test", _argv(path))
@@ -54,7 +54,7 @@ def test_unwritable_output_dir_is_one_line_before_anything_loads(tmp_path, capsy
 
 
 def test_unwritable_logging_dir_is_one_line(tmp_path, capsys, no_training):
-    """Item 12: the same check for --logging_dir; the probe file is removed from a good --output_dir."""
+    """The same check for --logging_dir; the probe file is removed from a good --output_dir."""
     out = tmp_path / "out"
     code = run_training("sd", "test", _argv(str(out), "--logging_dir", "/proc/lora-logs"))
     err = capsys.readouterr().err.strip()
@@ -63,7 +63,7 @@ def test_unwritable_logging_dir_is_one_line(tmp_path, capsys, no_training):
 
 
 def test_writable_output_dir_check_leaves_nothing_behind(tmp_path):
-    """Item 12: a missing --output_dir passes (created, probed, removed again); an existing one keeps no probe."""
+    """A missing --output_dir passes (created, probed, removed again); an existing one keeps no probe."""
     from library.cli.preflight import check_writable_dir
 
     check_writable_dir("--output_dir", str(tmp_path / "new" / "deeper"))
@@ -78,13 +78,13 @@ def _parser():
 
 
 def test_unambiguous_abbreviations_are_accepted_as_in_sd_scripts(tmp_path):
-    """Item 23: argparse's default allow_abbrev, which sd-scripts users' scripts rely on."""
+    """argparse's default allow_abbrev, which sd-scripts users' scripts rely on."""
     ns = parse_with_config_file(_parser(), ["--network_di", "16", "--learning_r", "2e-4", "--output_dir", "x"])
     assert ns.network_dim == 16 and ns.learning_rate == 2e-4
 
 
 def test_misspelt_flag_is_one_line_with_the_closest_name(capsys):
-    """Item 23: one line, the suggestion, exit 2, no usage dump."""
+    """One line, the suggestion, exit 2, no usage dump."""
     with pytest.raises(SystemExit) as e:
         parse_with_config_file(_parser(), ["--network_alpah", "4", "--output_dir", "x"])
     err = capsys.readouterr().err
@@ -93,7 +93,7 @@ def test_misspelt_flag_is_one_line_with_the_closest_name(capsys):
 
 
 def test_unknown_flags_and_ambiguous_abbreviation_messages(capsys):
-    """Item 23: several unknown flags in one line; no suggestion when nothing is close; an ambiguous
+    """Several unknown flags in one line; no suggestion when nothing is close; an ambiguous
     abbreviation is one line too."""
     with pytest.raises(SystemExit):
         parse_with_config_file(_parser(), ["--lerning_rate=1", "--qqqzzy"])
@@ -106,7 +106,7 @@ def test_unknown_flags_and_ambiguous_abbreviation_messages(capsys):
 
 
 def test_misspelt_flag_from_the_command_line_subprocess():
-    """Item 23: the real script: exit code 2 and exactly one line on stderr."""
+    """The real script: exit code 2 and exactly one line on stderr."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_network.py"), "--network_alpah", "4"],
                           capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
@@ -117,7 +117,7 @@ def test_misspelt_flag_from_the_command_line_subprocess():
 
 
 def test_unknown_config_file_keys_are_all_reported(tmp_path, capsys):
-    """Item 23: every unknown --config_file key, one line each with a suggestion (sd-scripts ignores them)."""
+    """Every unknown --config_file key, one line each with a suggestion (sd-scripts ignores them)."""
     cfg = tmp_path / "c.toml"
     cfg.write_text("[network]\nnetwork_alpah = 4\nnetwork_dimm = 8\n")
     code = run_training("sd", "test", ["--config_file", str(cfg)])
@@ -129,7 +129,7 @@ def test_unknown_config_file_keys_are_all_reported(tmp_path, capsys):
 
 
 def test_output_name_must_be_a_file_name_not_a_path(tmp_path, capsys, no_training):
-    """Issue 22: --output_name is joined to --output_dir for the model, its states and <name>_config.toml, so a
+    """--output_name is joined to --output_dir for the model, its states and <name>_config.toml, so a
     path there wrote outside the folder (`../../../outside/pwn` three levels up). A folder part, `..`, an absolute
     path, an empty name or a NUL is one line naming the flag, exit 2, before anything loads; nothing is written."""
     out = tmp_path / "a" / "b" / "out"

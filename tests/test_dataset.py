@@ -114,7 +114,7 @@ def test_validation_split_in_the_dataset(tmp_path):
 
 
 def test_bad_data_report_lists_every_problem(tmp_path, caplog):
-    """Unusable image files are skipped and named in one warning (issue 11 item 21); the other problems
+    """Unusable image files are skipped and named in one warning; the other problems
     stop the run, all listed."""
     train = folder(tmp_path, "train/2_x", [(64, 64)] * 2, caption="x")
     with open(os.path.join(train, "corrupt.png"), "wb") as f:

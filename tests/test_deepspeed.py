@@ -2,7 +2,7 @@
 
 Two torchrun processes train tiny:sd1 (a LoRA with sd-scripts' --deepspeed flags at ZeRO-2; a full fine-tune from
 the environment an accelerate DeepSpeed config exports at ZeRO-3) and are compared with one plain process of twice
-the batch; the helpers of tests/test_distributed.py record each process's writes and per-step weight hashes.
+the batch; the helpers of tests/distributed_helpers.py record each process's writes and per-step weight hashes.
 The rest checks what reaches DeepSpeed's config and what is refused, in this process.
 """
 
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from library.core.errors import ConfigError, UserError
-from tests import test_distributed as td
-from tests.test_distributed import TORCHRUN, dataset, launch, read_trace, train_args
+from tests import distributed_helpers as td
+from tests.distributed_helpers import TORCHRUN, dataset, launch, read_trace, train_args
 from tests.train_helpers import make_trainer
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed not installed (DS_BUILD_OPS=0 pip install deepspeed)")
@@ -27,7 +27,7 @@ CPU_ENV = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed's CPU accelerator (it would pic
 SGD = ["--optimizer_type", "SGDNesterov", "--learning_rate", "0.5"]  # Adam magnifies float rounding (docs/distributed.md)
 
 
-# The worker of tests/test_distributed.py, running several trainings one after the other in the same two processes
+# The worker of tests/distributed_helpers.py, running several trainings one after the other in the same two processes
 # (one start-up instead of one per training): the arguments are parts separated by "--then"; a part may begin with
 # "--script <file>" and "--env <JSON object of variables>" (set for that part only); part i writes its trace to $SDTRAIN_DISTRIBUTED_TRACE
 # for i = 0, then to <that>2, <that>3, ...
@@ -77,7 +77,7 @@ def _zero3_env(tmp: str) -> dict[str, str]:
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
     from library.cli.accelerate_config import LaunchSettings, write
-    from tests.test_accelerate_config import launch_args
+    from tests.distributed_helpers import launch_args
 
     config = os.path.join(tmp, "zero3.yaml")
     write(LaunchSettings(strategy="deepspeed", num_processes=2, zero_stage=3, mode="finetune"), config)
@@ -266,7 +266,7 @@ def test_what_does_not_combine_with_deepspeed_is_refused_before_loading(tmp_path
 
 
 def test_a_deepspeed_accelerate_launch_with_fused_backward_is_refused(tmp_path, monkeypatch):
-    from tests.test_distributed import dataset as make_data
+    from tests.distributed_helpers import dataset as make_data
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # what accelerate launch exports for a DeepSpeed config
     data = make_data(str(tmp_path), n=2)

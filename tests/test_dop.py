@@ -1,4 +1,4 @@
-"""Issue 24: differential output preservation. A subset with custom_attributes.diff_output_preservation = true
+"""Differential output preservation. A subset with custom_attributes.diff_output_preservation = true
 (sd-scripts' train_network.py) trains towards the base model's own prediction (the LoRA at multiplier 0) on its
 captions, typically the class prompt without the trigger word."""
 

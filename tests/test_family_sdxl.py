@@ -91,7 +91,7 @@ def test_lora_counts_full_size_on_meta_and_tiny(tiny):
     assert _counts(family, full) == [722, 72, 192]
     assert _counts(family, full, conv=True) == [788, 72, 192]
     assert _counts(family, _components(tiny), conv=True) == [788, 72, 192]  # tiny keeps the topology
-    # issue 11 item 6: conv_in, conv_out, and time_embed + label_emb (2 Linears each), for files that have them
+    # conv_in, conv_out, and time_embed + label_emb (2 Linears each), for files that have them
     assert _counts(family, full, conv=True, optional=True) == [1, 1, 4]
 
 

@@ -8,27 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.cli.config_file import parse_with_config_file
-from library.cli.entry import build_parser, run_training, settings_from_args
+from library.cli.entry import run_training
 from library.families import get_family
 from library.families.base import LoadOptions
-from library.train.trainer import InterruptedTraining, Trainer
-from tests.train_helpers import assert_close_measured, base_args, make_dataset, make_trainer
-
-
-def ft_args(data: str, out: str, preset: str = "tiny:sd1", steps: int = 2, extra=()) -> list[str]:
-    argv = base_args(data, out, preset=preset, steps=steps)
-    for flag, n in (("--network_module", 1), ("--network_dim", 1), ("--network_alpha", 1)):
-        i = argv.index(flag)
-        del argv[i:i + 1 + n]
-    argv[argv.index("--output_name") + 1] = "model"
-    return argv + ["--learning_rate", "1e-3", "--optimizer_type", "SGDNesterov", *extra]
-
-
-def ft_trainer(argv: list[str], family_name: str = "sd") -> Trainer:
-    family = get_family(family_name)
-    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), argv)
-    return Trainer(family, settings_from_args(ns, family, fine_tune=True))
+from library.train.trainer import InterruptedTraining
+from tests.train_helpers import assert_close_measured, base_args, ft_args, ft_trainer, make_dataset, make_trainer
 
 
 def _state(module) -> dict[str, torch.Tensor]:

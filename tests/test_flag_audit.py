@@ -1,4 +1,4 @@
-"""Issue 11 item 10: every flag of every training parser is read when the run's settings are built.
+"""Every flag of every training parser is read when the run's settings are built.
 
 The namespace is wrapped so that each attribute read (and each key read through vars()) is recorded; the
 settings are built once with the defaults and once with each on/off flag turned on (a flag read only when
@@ -85,7 +85,7 @@ def unread_flags(family_name: str, fine_tune: bool, parser=None) -> set:
 
 @pytest.mark.parametrize("family,fine_tune", PARSERS)
 def test_every_training_flag_is_read(family, fine_tune):
-    """Issue 11 item 10: no flag of sd/sdxl/flux train_network or fine-tune is accepted and then ignored, except
+    """No flag of sd/sdxl/flux train_network or fine-tune is accepted and then ignored, except
     those listed here with their reason (and the list holds no flag that is in fact read)."""
     parser = build_parser("audit", get_family(family), fine_tune)
     allowed = {**PARSER_ONLY, **METADATA_ONLY, **COMPATIBILITY_ONLY}
@@ -95,14 +95,14 @@ def test_every_training_flag_is_read(family, fine_tune):
 
 
 def test_audit_finds_an_ignored_flag():
-    """Issue 11 item 10: the audit itself: a flag nothing reads is reported."""
+    """The audit itself: a flag nothing reads is reported."""
     parser = build_parser("audit", get_family("sd"))
     parser.add_argument("--never_read", type=int, default=3)
     assert "never_read" in unread_flags("sd", False, parser)
 
 
 def test_ema_flags_without_use_ema_are_refused(tmp_path, capsys):
-    """Issue 11 item 10: --ema_decay & co. without --use_ema changed nothing; now one line, exit 2."""
+    """--ema_decay & co. without --use_ema (they would change nothing): one line, exit 2."""
     from library.cli.entry import run_training
 
     argv = ["--pretrained_model_name_or_path", "tiny:sd1", "--output_dir", str(tmp_path / "o"),
@@ -140,7 +140,7 @@ def _settings_dataclasses():
 
 
 def test_every_settings_field_is_used_below_the_cli():
-    """Issue 11 item 10: a flag read into the settings can still be dropped there (--persistent_data_loader_workers
+    """A flag read into the settings can still be dropped there (--persistent_data_loader_workers
     was): every field of RunSettings' dataclasses (and of the families' options) is read as an attribute, or
     named as a string, somewhere in library/ or networks/ outside library/cli."""
     import ast
@@ -164,7 +164,7 @@ def test_every_settings_field_is_used_below_the_cli():
     assert {name.split(".")[1] for name in unread} == set(UNREAD_FIELDS), sorted(unread)
 
 
-# Issue 24: every long option of sd-scripts 48d368fa's training scripts (tests/data/sd_scripts_flags.json, listed from
+# Every long option of sd-scripts 48d368fa's training scripts (tests/data/sd_scripts_flags.json, listed from
 # each script's own setup_parser()) is accepted by our script of the same name, or refused on purpose: the flags
 # below, each with its reason in docs/differences.md ("Flags not taken").
 SD_SCRIPTS_FLAGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sd_scripts_flags.json")
@@ -192,7 +192,8 @@ def _our_flags(script: str) -> set:
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_PARSERS))
 def test_every_sd_scripts_flag_is_taken(script):
-    """Issue 24: before this, 372 (script, flag) pairs of 42 distinct flags stopped with 'unrecognized argument'."""
+    """Every sd-scripts flag of the script is taken or refused on purpose, none is an 'unrecognized argument'
+    (372 (script, flag) pairs of 42 distinct flags were)."""
     theirs = set(json.load(open(SD_SCRIPTS_FLAGS, encoding="utf-8"))["scripts"][script])
     missing = theirs - _our_flags(script) - {f"--{name}" for name in REFUSED_SD_SCRIPTS_FLAGS}
     assert sorted(missing) == []

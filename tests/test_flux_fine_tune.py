@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from library.cli.entry import run_training
-from tests.test_fine_tune import ft_args, ft_trainer
+from tests.train_helpers import ft_args, ft_trainer
 from tests.train_helpers import assert_close_measured, make_dataset
 
 # AdamW without clipping: per-parameter clipping (the fused modes) and the global norm would differ.

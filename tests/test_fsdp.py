@@ -2,7 +2,7 @@
 with the FSDP_* variables accelerate's launcher exports, against 1 process of twice the batch; and the settings
 read from those variables, refused in one line where they cannot combine.
 
-The launches, traces and write audits are those of tests/test_distributed.py.
+The launches, traces and write audits are those of tests/distributed_helpers.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.train.distributed.sharding import FsdpSettings
-from tests.test_distributed import dataset, launch, needs_torchrun, read_trace, train_args
+from tests.distributed_helpers import dataset, launch, needs_torchrun, read_trace, train_args
 from tests.train_helpers import assert_close_measured, make_trainer
 
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
@@ -245,7 +245,7 @@ def test_a_generated_config_reaches_the_loop(tmp_path, monkeypatch, flags, expec
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     from library.train.distributed.sharding import fsdp_unsupported
-    from tests.test_accelerate_config import launch_args, make_accelerate_config
+    from tests.distributed_helpers import launch_args, make_accelerate_config
 
     proc, path = make_accelerate_config(tmp_path, *flags, "--num_processes", "2", "--family", "sd", "--mode", "lora")
     assert proc.returncode == 0, proc.stderr

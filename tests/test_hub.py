@@ -1,4 +1,4 @@
-"""Issue 24: the Hugging Face Hub flags, against a stand-in Hub on 127.0.0.1 (tests/hub_standin.py) reached
+"""The Hugging Face Hub flags, against a stand-in Hub on 127.0.0.1 (tests/hub_standin.py) reached
 through $HF_ENDPOINT. Exercised: create_repo, upload_file / upload_folder as inline ("regular") commits, a refused
 commit, and snapshot_download of a state folder for --resume_from_huggingface. Not exercised: LFS / Xet transfers
 of large files, authentication (the stand-in accepts any token), the real Hub's rate limits."""

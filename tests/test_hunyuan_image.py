@@ -22,22 +22,10 @@ from library.families.base import (
     ModelLoadError,
 )
 from library.families.hunyuan_image.configs import build_hunyuan_image_modules
-from library.families.hunyuan_image.loading import write_hunyuan_image_preset
 from library.families.hunyuan_image.options import HunyuanImageOptions
 from networks.lora import create_network
-from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
                                  random_lora_file)
-
-
-@pytest.fixture(scope="module")
-def hi_files(tmp_path_factory):
-    return write_hunyuan_image_preset("tiny:hunyuan_image", str(tmp_path_factory.mktemp("hunyuan-files")))
-
-
-@pytest.fixture(scope="module")
-def tiny_hi():
-    return get_family("hunyuan_image").load(LoadOptions("tiny:hunyuan_image"))
 
 
 def _options(files) -> HunyuanImageOptions:

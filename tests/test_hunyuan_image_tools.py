@@ -10,7 +10,6 @@ from PIL import Image
 from safetensors import safe_open
 
 from library.families import get_family
-from tests.test_hunyuan_image import hi_files, tiny_hi  # noqa: F401 - the module's tiny files and model
 from tests.train_helpers import random_lora_file
 from tools import generate as tool
 

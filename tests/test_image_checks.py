@@ -1,5 +1,5 @@
 """Every image is decode-checked during the dataset scan; unusable ones (truncated, too small, too elongated,
-broken symbolic links) are skipped and named in one warning before training (issue 11 item 21)."""
+broken symbolic links) are skipped and named in one warning before training."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _skip_warnings(caplog) -> list[str]:
 
 
 def test_truncated_tiny_and_elongated_images_are_skipped_and_named_once(tmp_path, caplog, cache_dir):
-    """Item 21: a truncated PNG (header fine), a 1x1 image and a 20000x10 image are skipped at the scan, each
+    """A truncated PNG (header fine), a 1x1 image and a 20000x10 image are skipped at the scan, each
     named with its reason in one warning, and kept on the data object for the final report."""
     train = tmp_path / "train" / "3_x"
     good = [png(train / f"good{i}.png") for i in range(2)]
@@ -89,7 +89,7 @@ def test_truncated_tiny_and_elongated_images_are_skipped_and_named_once(tmp_path
 
 
 def test_aspect_limit_alone_and_both_limits_off_as_sd_scripts(tmp_path, cache_dir):
-    """Item 21: a wide image with enough pixels is skipped for its aspect ratio alone; min_image_side = 0 and
+    """A wide image with enough pixels is skipped for its aspect ratio alone; min_image_side = 0 and
     max_aspect_ratio = 0 restore sd-scripts' behaviour (everything that decodes trains)."""
     train = tmp_path / "train" / "1_x"
     png(train / "a.png")
@@ -102,7 +102,7 @@ def test_aspect_limit_alone_and_both_limits_off_as_sd_scripts(tmp_path, cache_di
 
 
 def test_min_side_is_capped_by_the_smallest_resolution(tmp_path, cache_dir):
-    """Item 21: min_image_side (default 64) never exceeds the training resolution: a 48 px image trains at
+    """min_image_side (default 64) never exceeds the training resolution: a 48 px image trains at
     resolution 48, and --min_image_side raises the limit."""
     train = tmp_path / "train" / "1_x"
     small = png(train / "small.png", (48, 48))
@@ -115,7 +115,7 @@ def test_min_side_is_capped_by_the_smallest_resolution(tmp_path, cache_dir):
 
 
 def test_symlink_loop_and_dangling_links_are_named(tmp_path, caplog, cache_dir):
-    """Item 21: image links that loop or point nowhere, and an N_name folder link that points nowhere, are
+    """Image links that loop or point nowhere, and an N_name folder link that points nowhere, are
     named in the skip warning instead of disappearing."""
     root = tmp_path / "train"
     train = root / "2_x"
@@ -135,7 +135,7 @@ def test_symlink_loop_and_dangling_links_are_named(tmp_path, caplog, cache_dir):
 
 
 def test_decode_result_is_cached_by_path_mtime_and_size(tmp_path, monkeypatch):
-    """Item 21: a second scan decodes nothing (the truncated file's problem comes from the cache); the scan
+    """A second scan decodes nothing (the truncated file's problem comes from the cache); the scan
     runs on a thread pool."""
     paths = [truncated_png(tmp_path / "t.png"), png(tmp_path / "g.png")]
     cache = str(tmp_path / "sizes.json")
@@ -151,7 +151,7 @@ def test_decode_result_is_cached_by_path_mtime_and_size(tmp_path, monkeypatch):
 
 
 def test_limits_are_dataset_toml_keys_checked_like_the_others(tmp_path, cache_dir):
-    """Item 21: min_image_side / max_aspect_ratio in [general] or [[datasets]], with a one-line error for a bad value."""
+    """min_image_side / max_aspect_ratio in [general] or [[datasets]], with a one-line error for a bad value."""
     train = tmp_path / "img"
     png(train / "a.png")
     wide = png(train / "wide.png", (640, 64))
@@ -167,7 +167,7 @@ def test_limits_are_dataset_toml_keys_checked_like_the_others(tmp_path, cache_di
 
 
 def test_skipped_images_are_named_before_step_one(tmp_path, caplog, cache_dir):
-    """Item 21: in a real run the skip warning comes before the model loads and before the first step."""
+    """In a real run the skip warning comes before the model loads and before the first step."""
     from tests.train_helpers import base_args, make_dataset, make_trainer
 
     data_dir = make_dataset(str(tmp_path), n=1)

@@ -67,7 +67,7 @@ def test_warm_scan_opens_no_file_and_a_changed_file_is_rescanned(folder, tmp_pat
     first = scan_image_sizes(paths, cache, progress=False)
 
     data = json.load(open(cache))
-    assert data["version"] == image_scan.CACHE_VERSION == 2  # 2: entries are decode-checked (issue 11 item 21)
+    assert data["version"] == image_scan.CACHE_VERSION == 2  # 2: entries are decode-checked
     entry = data["entries"][os.path.abspath(folder["rot6.jpg"])]
     assert (entry["width"], entry["height"]) == (20, 40)
     assert data["entries"][os.path.abspath(folder["empty.png"])]["problem"] == "empty file (0 bytes)"

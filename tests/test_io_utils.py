@@ -31,8 +31,8 @@ def umask():
 
 
 @pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
-def test_issue20_files_and_folders_respect_the_umask(tmp_path, umask, mask, file_mode, dir_mode):
-    """Issue 11 item 20: files were written 0600 and folders 0700 whatever the umask."""
+def test_files_and_folders_respect_the_umask(tmp_path, umask, mask, file_mode, dir_mode):
+    """Files and folders get the modes the umask leaves (not 0600 / 0700 whatever the umask)."""
     umask(mask)
     f = tmp_path / "a.safetensors"
     save_safetensors_atomic({"x": torch.zeros(2)}, str(f))
@@ -55,8 +55,8 @@ def test_issue20_files_and_folders_respect_the_umask(tmp_path, umask, mask, file
     assert sorted(os.listdir(tmp_path)) == ["a.safetensors", "b.txt", "run-state"]
 
 
-def test_issue19_temporary_names_do_not_nest(tmp_path):
-    """Issue 11 item 19: a writer handed an outer writer's temporary (save_weights inside save_network's
+def test_temporary_names_do_not_nest(tmp_path):
+    """A writer handed an outer writer's temporary (save_weights inside save_network's
     atomic_path) wrapped it again: .x.tmp-…safetensors.tmp-….safetensors."""
     final = tmp_path / "cat.safetensors"
     seen = []
@@ -79,8 +79,8 @@ def _dead_pid():
     return p.pid
 
 
-def test_issue19_stale_temporaries_of_this_run_are_removed(tmp_path):
-    """Issue 11 item 19: temporaries left by a kill during save stayed forever (incl. nested legacy names)."""
+def test_stale_temporaries_of_this_run_are_removed(tmp_path):
+    """Temporaries a kill during save left (nested legacy names included) are removed by the next run."""
     dead = _dead_pid()
     stale = [
         f".cat.safetensors.{dead}-0123abcd.tmp.safetensors",            # a model file
@@ -121,7 +121,7 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-# --- issue 22, item 4: temporaries a SIGKILL leaves, and failed writes -----------------------------------------
+# --- temporaries a SIGKILL leaves, and failed writes -----------------------------------------
 
 def _partial_safetensors(path, metadata, cut=100):
     """The first bytes of a safetensors file with `metadata`, as a kill while writing its tensors leaves it."""
@@ -131,7 +131,7 @@ def _partial_safetensors(path, metadata, cut=100):
     path.write_bytes(data[: len(data) - cut])
 
 
-def test_issue22_config_temporary_is_removed(tmp_path):
+def test_config_temporary_is_removed(tmp_path):
     """A SIGKILL while <name>_config.toml is written left .lora_config.toml.<pid>-<r>.tmp.toml forever
     (_belongs_to wanted `lora.` or `lora-`)."""
     dead = _dead_pid()
@@ -145,7 +145,7 @@ def test_issue22_config_temporary_is_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(keep)
 
 
-def test_issue22_safetensors_own_temporaries_of_this_output_are_removed(tmp_path):
+def test_safetensors_own_temporaries_of_this_output_are_removed(tmp_path):
     """A SIGKILL inside safetensors' save_file left its .tmpXXXXXX (a whole model) in the output folder, which
     nothing removed. Those whose header names this output (LoRA: ss_output_name; fine-tune: the modelspec title
     "<name> (step N)") are removed; others, and ones too short to tell, stay."""
@@ -180,7 +180,7 @@ save_safetensors_atomic({"x": torch.zeros(4)}, sys.argv[1], {"ss_output_name": "
 """
 
 
-def test_issue22_a_kill_inside_save_file_leaves_only_our_temporary(tmp_path):
+def test_a_kill_inside_save_file_leaves_only_our_temporary(tmp_path):
     """save_file's own temporary now lies inside our named temporary folder, which clean_stale_temporaries
     removes after the kill; before, it lay in the output folder under a name nothing recognised."""
     out = tmp_path / "out"
@@ -199,7 +199,7 @@ def test_issue22_a_kill_inside_save_file_leaves_only_our_temporary(tmp_path):
     assert os.listdir(out) == ["lora-000001.safetensors"]
 
 
-def test_issue22_writer_failures_become_one_line_and_leave_nothing(tmp_path, monkeypatch):
+def test_writer_failures_become_one_line_and_leave_nothing(tmp_path, monkeypatch):
     """safetensors reports a full disk as SafetensorError("... I/O error: No space left on device (os error 28)");
     atomic writers turn it (and OSError) into WriteFailed, one line naming the final path, temporary removed."""
     import safetensors.torch
@@ -239,7 +239,7 @@ def test_issue22_writer_failures_become_one_line_and_leave_nothing(tmp_path, mon
     assert (tmp_path / "a.safetensors").read_bytes() == b"earlier"
 
 
-def test_issue22_other_exceptions_pass_through(tmp_path):
+def test_other_exceptions_pass_through(tmp_path):
     """Only writers' failures become WriteFailed: a bug stays a bug (its traceback), a signal a signal."""
     for exc in (ValueError("bug"), RuntimeError("CUDA error: an illegal memory access"), KeyboardInterrupt()):
         with pytest.raises(type(exc)):

@@ -163,7 +163,7 @@ def _full_size_flux_kohya(rank=2):
 
 
 def test_convert_full_size_flux_lora_to_diffusers_saves(tmp_path):
-    """Issue 11 item 8: a real-size FLUX.1 LoRA (fused qkv split into q/k/v sharing one lora_A) converts to the
+    """A real-size FLUX.1 LoRA (fused qkv split into q/k/v sharing one lora_A) converts to the
     diffusers layout and is written: no 'Some tensors share memory' from safetensors."""
     from safetensors.torch import load_file, save_file
 

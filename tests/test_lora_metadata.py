@@ -179,7 +179,7 @@ def test_import_network_module(monkeypatch):
 
 
 def test_modelspec_optional_fields_as_sd_scripts_writes_them(tmp_path):
-    """Issue 24: --metadata_usage_hint / _thumbnail / _merged_from / _trigger_phrase / _preprocessor /
+    """--metadata_usage_hint / _thumbnail / _merged_from / _trigger_phrase / _preprocessor /
     _is_negative_embedding become modelspec.<name> (sd-scripts' ModelSpecMetadata.from_args); a thumbnail file is
     written as a base64 data: URL with its MIME type, as sd-scripts' file_to_data_url does."""
     import base64

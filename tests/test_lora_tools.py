@@ -74,7 +74,7 @@ def test_resize_tool_dynamic_updates_metadata_and_hashes(tmp_path, capsys):
 
 
 def test_resize_fixed_keeps_delta_of_kept_rank(tmp_path):
-    """Also issue 11 item 5: the resized alpha is written "4.0", as sd-scripts' resize_lora writes it (was "4")."""
+    """The resized alpha is written "4.0", as sd-scripts' resize_lora writes it (was "4")."""
     modules = _modules()
     src = _write(tmp_path / "in.safetensors", modules)
     out = str(tmp_path / "out.safetensors")
@@ -318,7 +318,7 @@ def test_flux_fused_modules_extract_the_stacked_difference(tiny_flux, tiny_flux_
 
 
 def test_merge_lora_into_sdxl_file_without_model_family(tmp_path, tiny_sdxl, tiny_sdxl_file):
-    """Issue 11 item 7: merge_lora.py --sd_model <SDXL single file> without --model_family merges with the family
+    """merge_lora.py --sd_model <SDXL single file> without --model_family merges with the family
     the file shows (it used to detect SDXL, then refuse it as an SD 1.x/2.x checkpoint)."""
     from tools.lora_models import LoadedModel, load_model, lora_layers
 

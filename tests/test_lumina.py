@@ -23,7 +23,6 @@ from library.families.lumina.configs import (
 from library.families.lumina.loading import write_lumina_preset
 from library.families.lumina.options import LuminaOptions
 from networks.lora import create_network
-from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
                                  random_lora_file)
 
@@ -228,17 +227,14 @@ def test_tiny_lumina_lora_training_run(tmp_path):
             metadata["ss_model_prediction_type"]) == ("shift", "6.0", "raw")
 
 
-def test_generation_makes_images(tiny_lumina):
+def test_sampler_sigmas_are_shifted_by_six():
+    """Lumina's sampler σ: 1 to 0, each shifted by 6 (sd-scripts' default); images: tests/test_family_contract.py."""
     from library.families.lumina.generate import lumina_sigmas
     from library.objectives.flow import shift_sigmas
-    from library.sampling.generate import GenerationRequest
 
     sigmas = lumina_sigmas(4, 6.0)
     assert sigmas[0] == 1.0 and sigmas[-1] == 0.0
     torch.testing.assert_close(sigmas[2], shift_sigmas(torch.tensor(0.5, dtype=torch.float64), 6.0).float())
-    images = get_family("lumina").generate(tiny_lumina, [GenerationRequest("a cat", seed=1, width=64, height=64,
-                                                                           steps=2, scale=2.0)])
-    assert images[0].image.size == (64, 64)
 
 
 def test_nextdit_shift_is_uniform_then_shifted_by_image_size():
@@ -286,7 +282,7 @@ def test_full_fine_tune_saves_an_original_dit_file_that_loads_back(tmp_path, lum
     import os
 
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")

@@ -1,4 +1,4 @@
-"""Optional packages: setup.py extras, exact install hints, and --xformers applied or reported (issue 11 item 24)."""
+"""Optional packages: setup.py extras, exact install hints, and --xformers applied or reported."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _bare(requirement: str) -> str:
 
 
 def test_every_optional_package_is_an_extra_named_by_its_hint():
-    """Item 24: each package an install hint names is in the setup.py extra that hint names
+    """Each package an install hint names is in the setup.py extra that hint names
     (optimizers -> [optim], network modules -> [<top package>])."""
     extras = _extras()
     optim = {_bare(r) for r in extras["optim"]}
@@ -55,7 +55,7 @@ def fresh_warnings(monkeypatch):
 
 
 def test_xformers_without_the_package_warns_once_and_trains(tmp_path, caplog, monkeypatch, fresh_warnings):
-    """Item 24: --xformers without xformers installed: one warning that SDPA is used, and the run trains
+    """--xformers without xformers installed: one warning that SDPA is used, and the run trains
     (it used to be refused as a ConfigError, after having been silently ignored)."""
     monkeypatch.setattr(memory_setup, "xformers_installed", lambda: False)
     data = make_dataset(str(tmp_path), n=1)
@@ -78,7 +78,7 @@ class _Attn(torch.nn.Module):
 
 
 def test_xformers_is_applied_to_denoiser_and_vae_when_installed(monkeypatch, caplog, fresh_warnings):
-    """Item 24: with xformers installed, diffusers' enable_xformers_memory_efficient_attention is called on the
+    """With xformers installed, diffusers' enable_xformers_memory_efficient_attention is called on the
     denoiser and the VAE; a model that cannot use it keeps SDPA with one warning naming it."""
     monkeypatch.setattr(memory_setup, "xformers_installed", lambda: True)
     denoiser, vae = _Attn(), _Attn(fail=True)

@@ -1,4 +1,4 @@
-"""Issue 11 item 11: numeric flags are range-checked before anything loads, and --clip_skip against the loaded
+"""Numeric flags are range-checked before anything loads, and --clip_skip against the loaded
 text encoder before step 1; each bad value is one line on stderr and exit code 2."""
 
 import glob
@@ -33,7 +33,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("family,flag,value", BAD_VALUES, ids=[f"{f}{v}" for _, f, v in BAD_VALUES])
 def test_numeric_flag_out_of_range_is_one_line_exit_2(tmp_path, capsys, family, flag, value):
-    """Issue 11 item 11: a numeric flag outside its range stops the run before anything loads: exit 2, one line
+    """A numeric flag outside its range stops the run before anything loads: exit 2, one line
     naming the flag, the value and the expected range."""
     out = str(tmp_path / "out")
     argv = ["--pretrained_model_name_or_path", f"tiny:{'sd1' if family == 'sd' else family}", "--output_dir", out,
@@ -47,7 +47,7 @@ def test_numeric_flag_out_of_range_is_one_line_exit_2(tmp_path, capsys, family, 
 
 
 def test_defaults_and_usual_values_pass(tmp_path):
-    """Issue 11 item 11: the range table accepts every default and the usual values."""
+    """The range table accepts every default and the usual values."""
     from library.cli.config_file import parse_with_config_file
     from library.cli.entry import build_parser
     from library.cli.ranges import check_ranges
@@ -62,8 +62,8 @@ def test_defaults_and_usual_values_pass(tmp_path):
 
 
 def test_clip_skip_beyond_the_encoder_stops_before_step_one(tmp_path, capsys, tiny_sd1):
-    """Issue 11 item 11: --clip_skip 50 passed validation and crashed with IndexError at the first step; now it
-    is checked against the loaded text encoder (ModelFamily.check_loaded) before any step."""
+    """--clip_skip is checked against the loaded text encoder (ModelFamily.check_loaded) before any step: 50 on a
+    12-layer encoder is one line, not an IndexError at the first step."""
     family = get_family("sd")
     layers = tiny_sd1.text_encoders[0].config.num_hidden_layers
     family.check_loaded(tiny_sd1, TextEncodingOptions(clip_skip=layers))
@@ -79,7 +79,7 @@ def test_clip_skip_beyond_the_encoder_stops_before_step_one(tmp_path, capsys, ti
 
 
 def test_every_numeric_flag_has_a_range():
-    """Issue 11 item 11: each int/float flag of every training parser (sd/sdxl/flux, LoRA and fine-tune) has an
+    """Each int/float flag of every training parser (sd/sdxl/flux, LoRA and fine-tune) has an
     entry in library/cli/ranges.py RANGES (a new numeric flag without one fails here)."""
     from library.cli.entry import build_parser
     from library.cli.ranges import RANGES
@@ -94,7 +94,7 @@ def test_every_numeric_flag_has_a_range():
 
 
 def test_generate_refuses_clip_skip_beyond_the_encoder(tmp_path, capsys):
-    """Issue 11 item 11: tools/generate.py checks --clip_skip against the loaded text encoder too (one line)."""
+    """tools/generate.py checks --clip_skip against the loaded text encoder too (one line)."""
     from tools import generate
 
     rc = generate.main(["--ckpt", "tiny:sd1", "--outdir", str(tmp_path), "--prompt", "a cat", "--steps", "1",

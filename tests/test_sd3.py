@@ -28,7 +28,6 @@ from library.families.sd3.pos_embed import ScaledPositions
 from library.families.sd3.saving import write_sd3_preset
 from library.objectives.flow_sd3 import SD3FlowOptions
 from networks.lora import create_network
-from tests.test_sd_scripts_command_lines import example_data  # noqa: F401 - the shared example-data fixture
 from tests.train_helpers import base_args, make_dataset, make_trainer, random_lora_file
 
 
@@ -224,7 +223,7 @@ def test_tiny_sd3_lora_training_run(tmp_path):
 
 def test_full_fine_tune_saves_a_single_file_that_loads_back(tmp_path):
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")

@@ -139,7 +139,7 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
     from library.train.adapters.trainables import fine_tune_plan
-    from tests.test_fine_tune import ft_args, ft_trainer
+    from tests.train_helpers import ft_args, ft_trainer
 
     family = get_family("sd3")
     base = family.load(LoadOptions("tiny:sd3"))
@@ -169,7 +169,7 @@ def test_fine_tune_trains_t5xxl_with_train_t5xxl(tmp_path):
 ])
 def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error):
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", extra=flags),
@@ -178,13 +178,13 @@ def test_train_t5xxl_flags_refused_with_one_line(tmp_path, capsys, flags, error)
 
 
 def test_num_last_block_to_freeze_freezes_the_last_joint_blocks(tmp_path):
-    """Issue 24: sd3_train.py --num_last_block_to_freeze 1: after a step the last joint block is unchanged and the
+    """sd3_train.py --num_last_block_to_freeze 1: after a step the last joint block is unchanged and the
     one before it moved; in a LoRA script the flag is refused."""
     import torch
 
     from library.cli.entry import run_training
     from library.families.base import LoadOptions
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     family = get_family("sd3")
     base = family.load(LoadOptions("tiny:sd3"))
@@ -208,7 +208,7 @@ def test_use_t5xxl_cache_only_turns_the_cache_on():
 
 def test_use_t5xxl_cache_only_trains_clip_with_t5_cached(tmp_path, capsys):
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     assert run_training("sd3", "test", ft_args(data, str(tmp_path / "o"), preset="tiny:sd3", steps=1, extra=[

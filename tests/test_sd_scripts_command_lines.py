@@ -1,4 +1,4 @@
-"""The sd-scripts command lines printed in docs/ run unchanged on the tiny presets (issue 11, "Done when").
+"""The sd-scripts command lines printed in docs/ run unchanged on the tiny presets.
 
 Each fenced block after the marker comment in docs/train_network.md (SD 1.5, LyCORIS LoKr and LoHa),
 docs/sdxl_train_network.md and docs/flux_train_network.md is read from the markdown here, so the docs and
@@ -25,7 +25,6 @@ import importlib.util
 import os
 import re
 import shlex
-import shutil
 
 import pytest
 import torch
@@ -108,27 +107,6 @@ def adapt(command: str, data_dir: str, dataset_toml: str, out_dir: str) -> tuple
     return family, script, argv + ["--max_train_steps", "1", "--max_data_loader_n_workers", "0"]
 
 
-EXAMPLE_IMAGES = ("blue_square", "purple_square")  # 128x128 and 192x128
-
-
-@pytest.fixture(scope="module")
-def example_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("example-data")
-    data_dir = root / "train"
-    source = os.path.join(ROOT, "examples", "data", "train")
-    for folder in os.listdir(source):
-        os.makedirs(data_dir / folder)
-        for stem in EXAMPLE_IMAGES:
-            for ext in (".png", ".txt"):
-                shutil.copy(os.path.join(source, folder, stem + ext), data_dir / folder)
-    subsets = "".join(f'[[datasets.subsets]]\nimage_dir = "{data_dir / name}"\nnum_repeats = 1\n'
-                      for name in sorted(os.listdir(data_dir)))
-    toml = root / "dataset.toml"
-    toml.write_text('[general]\ncaption_extension = ".txt"\nresolution = 64\nenable_bucket = true\n'
-                    f'min_bucket_reso = 64\nmax_bucket_reso = 128\n[[datasets]]\n{subsets}')
-    return str(data_dir), str(toml)
-
-
 @pytest.fixture
 def shared_tiny_models(monkeypatch, tiny_store):
     """family.load of a plain tiny preset returns a private copy of the session's shared model."""
@@ -138,7 +116,7 @@ def shared_tiny_models(monkeypatch, tiny_store):
 
         def load(self, opts, _original=cls.load):
             preset = opts.pretrained_model_name_or_path
-            if (preset in tiny_store.FAMILIES and preset not in building
+            if (tiny_store.is_tiny_preset(preset) and preset not in building
                     and dataclasses.replace(opts, family_options=None) == LoadOptions(preset)):
                 building.add(preset)
                 try:
@@ -164,7 +142,7 @@ def test_the_docs_print_every_expected_command_line():
 
 @pytest.mark.parametrize("where, command", COMMANDS, ids=[w for w, _ in COMMANDS])
 def test_documented_sd_scripts_command_line_runs(where, command, example_data, shared_tiny_models, tmp_path, capsys):
-    """The documented command trains one step and saves its LoRA (issue 11, "Done when")."""
+    """The documented command trains one step and saves its LoRA."""
     data_dir, dataset_toml = example_data
     out_dir = str(tmp_path / "out")
     family, script, argv = adapt(command, data_dir, dataset_toml, out_dir)

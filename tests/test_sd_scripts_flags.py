@@ -1,4 +1,4 @@
-"""Issue 24: sd-scripts flags that were 'unrecognized arguments' and now act: deprecated FLUX.1 block-swap aliases,
+"""sd-scripts flags that act here as there (none is an 'unrecognized argument'): deprecated FLUX.1 block-swap aliases,
 --text_encoder_batch_size, --console_log_*."""
 
 import contextlib

@@ -154,7 +154,7 @@ def test_diffusers_named_network_weights_are_converted(tmp_path, tiny_sdxl):
 
 
 def test_cache_text_encoder_outputs_trains_unet_only_by_default(tmp_path, caplog):
-    """Issue 11 item 7: the README's SDXL command (--cache_text_encoder_outputs, no --network_train_unet_only)
+    """The README's SDXL command (--cache_text_encoder_outputs, no --network_train_unet_only)
     is accepted: the UNet trains alone, said once; with --text_encoder_lr the cache is still refused."""
     import logging
 

@@ -23,8 +23,8 @@ def _count_encodes(trainer, monkeypatch) -> list:
     return encoded
 
 
-def test_issue18_cache_latents_to_disk_alone_implies_cache_latents(tmp_path):
-    """Issue 11 item 18: --cache_latents_to_disk without --cache_latents cached nothing (sd-scripts implies it)."""
+def test_cache_latents_to_disk_alone_implies_cache_latents(tmp_path):
+    """--cache_latents_to_disk alone caches the latents: sd-scripts implies --cache_latents from it."""
     data = make_dataset(str(tmp_path), n=2)
     args = base_args(data, str(tmp_path / "out"), steps=1, extra=["--cache_latents_to_disk"])
     trainer = make_trainer(args)
@@ -33,9 +33,9 @@ def test_issue18_cache_latents_to_disk_alone_implies_cache_latents(tmp_path):
     assert _npz(data) == ["img0_0064x0064_sd.npz", "img1_0128x0064_sd.npz"]
 
 
-def test_issue17_changed_vae_at_the_same_path_rebuilds_the_latent_cache(tmp_path, monkeypatch, tiny_sd1):
-    """Issue 11 item 17: the latent cache was keyed on `path|dtype`, so a replaced VAE at the same path
-    reused stale latents. Now: same path + different weights -> rebuilt; same weights -> reused."""
+def test_changed_vae_at_the_same_path_rebuilds_the_latent_cache(tmp_path, monkeypatch, tiny_sd1):
+    """The latent cache is keyed on the VAE's weights, not its path: a VAE replaced at the same path (different
+    weights) rebuilds it; the same weights reuse it."""
     vae_dir = str(tmp_path / "vae")
     vae = copy.deepcopy(tiny_sd1.vae)
     vae.save_pretrained(vae_dir)
@@ -59,8 +59,8 @@ def test_issue17_changed_vae_at_the_same_path_rebuilds_the_latent_cache(tmp_path
     assert cache_run() == []
 
 
-def test_issue17_cache_source_id_follows_the_weights_not_the_path(tiny_sd1):
-    """Issue 11 item 17: in-memory presets and files alike are named by their weights' content hash."""
+def test_cache_source_id_follows_the_weights_not_the_path(tiny_sd1):
+    """In-memory presets and files alike are named by their weights' content hash."""
     vae = tiny_sd1.vae
     a = cache_source_id("tiny:sd1", vae.dtype, {}, weights=vae)
     b = cache_source_id("/somewhere/else.safetensors", vae.dtype, {}, weights=copy.deepcopy(vae))

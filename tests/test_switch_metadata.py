@@ -1,5 +1,5 @@
 """What a LoRA trained here says about itself, key by key against what sd-scripts writes for the same run,
-and which --network_module names sd-scripts users type (issue 11 items 4 and 5)."""
+and which --network_module names sd-scripts users type."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def _train(tmp_path, preset, extra, family="sd", bucket=True, sizes=((64, 64),))
     return _saved_metadata(make_trainer(args, family).run())
 
 
-def test_issue5_folder_mode_without_buckets_writes_sd_scripts_keys(tmp_path, tiny_sd1_file):
-    """Issue 11 item 5: key by key against sd-scripts for a folder-mode run without bucketing, on a model file:
+def test_folder_mode_without_buckets_writes_sd_scripts_keys(tmp_path, tiny_sd1_file):
+    """Key by key against sd-scripts for a folder-mode run without bucketing, on a model file:
     no "None,None" timestep range, ss_total_batch_size and the model hashes written, no bucket keys."""
     md = _train(tmp_path, tiny_sd1_file, ["--gradient_accumulation_steps", "2", "--train_batch_size", "3"],
                 bucket=False)
@@ -92,8 +92,8 @@ def test_issue5_folder_mode_without_buckets_writes_sd_scripts_keys(tmp_path, tin
     assert md["ss_network_module"] == "networks.lora" and md["ss_network_alpha"] == "4.0"
 
 
-def test_issue5_dataset_config_with_buckets_and_timesteps(tmp_path):
-    """Issue 11 item 5: with --dataset_config, sd-scripts writes ss_datasets and no flat keys (no top-level
+def test_dataset_config_with_buckets_and_timesteps(tmp_path):
+    """With --dataset_config, sd-scripts writes ss_datasets and no flat keys (no top-level
     ss_bucket_info, no ss_total_batch_size); a preset has no file to hash; a set timestep bound is written."""
     make_dataset(str(tmp_path), n=2)
     config = tmp_path / "d.toml"
@@ -123,8 +123,8 @@ num_repeats = 2
     assert ds["enable_bucket"] is True and ds["min_bucket_reso"] == 64 and ds["bucket_info"]["buckets"]
 
 
-def test_issue5_bucket_keys_in_folder_mode_only_with_bucketing(tmp_path):
-    """Issue 11 item 5: with bucketing on, folder mode writes the three bucket keys (and off: see above);
+def test_bucket_keys_in_folder_mode_only_with_bucketing(tmp_path):
+    """With bucketing on, folder mode writes the three bucket keys (and off: see above);
     in ss_datasets, bucketing off gives nulls, as sd-scripts."""
     from library.data.dataset import build_training_data
     from library.data.options import DataOptions
@@ -150,16 +150,16 @@ def test_issue5_bucket_keys_in_folder_mode_only_with_bucketing(tmp_path):
     assert "ss_bucket_info" not in md
 
 
-def test_issue5_timestep_range_is_never_none_none():
-    """Issue 11 item 5: modelspec.timestep_range was written as the literal "None,None"."""
+def test_timestep_range_is_never_none_none():
+    """modelspec.timestep_range is left out without a timestep range, never the literal "None,None"."""
     assert timestep_range(None, None) is None
     assert timestep_range(100, None) == (100, 1000) and timestep_range(None, 500) == (0, 500)
     md = M.modelspec_metadata("stable-diffusion-v1", "diffusers", "x", 512, timestep_range=(None, None))
     assert "modelspec.timestep_range" not in md
 
 
-def test_issue5_model_hashes_are_cached_by_path_mtime_and_size(tmp_path, monkeypatch):
-    """Issue 11 item 5: a multi-GB checkpoint must not be re-read for its hashes at every save or run."""
+def test_model_hashes_are_cached_by_path_mtime_and_size(tmp_path, monkeypatch):
+    """Model hashes are cached by path, mtime and size: a multi-GB checkpoint is not re-read at every save or run."""
     monkeypatch.setenv("LORA_TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "model.safetensors"
     blob = os.urandom(0x120000)
@@ -182,15 +182,16 @@ def test_issue5_model_hashes_are_cached_by_path_mtime_and_size(tmp_path, monkeyp
 
 @pytest.mark.parametrize("name", ["networks.lora", "networks.lora_flux", "networks.lora_sd3",
                                   "networks.lora_lumina", "networks.lora_anima"])
-def test_issue4_sd_scripts_lora_module_names_are_the_own_lora(name):
-    """Issue 11 item 4: `--network_module networks.lora_flux` (sd-scripts' FLUX.1 command line) was refused."""
+def test_sd_scripts_lora_module_names_are_the_own_lora(name):
+    """sd-scripts' LoRA module names (`--network_module networks.lora_flux`, its FLUX.1 command line) select the
+    project's own LoRA."""
     kind = network_kind(name)
     assert isinstance(kind, OwnLoRA) and kind.module.__name__ == "networks.lora"
 
 
-def test_issue4_flux_lora_files_say_networks_lora_flux(tmp_path):
-    """Issue 11 item 4: FLUX.1 files said ss_network_module networks.lora; sd-scripts' say networks.lora_flux.
-    Also key by key against sd-scripts' flux_train_network.py (issue 11 item 5)."""
+def test_flux_lora_files_say_networks_lora_flux(tmp_path):
+    """FLUX.1 LoRA files say ss_network_module networks.lora_flux, as sd-scripts' do.
+    Also key by key against sd-scripts' flux_train_network.py."""
     md = _train(tmp_path, "tiny:flux", ["--network_module", "networks.lora_flux", "--t5xxl_max_token_length", "16",
                                         "--network_train_unet_only", "--bucket_reso_steps", "32"], family="flux")
     assert md["ss_network_module"] == "networks.lora_flux"
@@ -199,7 +200,7 @@ def test_issue4_flux_lora_files_say_networks_lora_flux(tmp_path):
     assert md["ss_model_type"] == "flux"
 
 
-def test_issue4_sd_files_say_networks_lora_whatever_alias_was_given(tmp_path):
-    """Issue 11 item 4: the value is the family's (ModelFamily.lora_network_module), not the alias typed."""
+def test_sd_files_say_networks_lora_whatever_alias_was_given(tmp_path):
+    """The value is the family's (ModelFamily.lora_network_module), not the alias typed."""
     md = _train(tmp_path, "tiny:sd1", ["--network_module", "networks.lora_flux"])
     assert md["ss_network_module"] == "networks.lora"

@@ -1,4 +1,4 @@
-"""Issue 11 item 10: --log_with wandb logs (offline here) the same scalars as TensorBoard, with sd-scripts'
+"""--log_with wandb logs (offline here) the same scalars as TensorBoard, with sd-scripts'
 --wandb_run_name, --wandb_api_key and --log_tracker_config."""
 
 import glob
@@ -46,7 +46,7 @@ def _tensorboard_tags(log_dir):
 
 
 def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monkeypatch, capsys):
-    """Issue 11 item 10: --log_with all: wandb (WANDB_MODE=offline) gets every scalar TensorBoard gets, under the
+    """--log_with all: wandb (WANDB_MODE=offline) gets every scalar TensorBoard gets, under the
     same names, in a run named by --wandb_run_name with --log_tracker_config's [wandb] settings; the API key
     is used and never written to the saved config."""
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -54,7 +54,7 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     os.makedirs(tmp_path / "wb")
-    (tmp_path / "trackers.toml").write_text('[wandb]\ntags = ["issue11"]\nnotes = "flag audit"\n')
+    (tmp_path / "trackers.toml").write_text('[wandb]\ntags = ["nightly"]\nnotes = "flag audit"\n')
     data = make_dataset(str(tmp_path), n=2)
     out, logs = str(tmp_path / "out"), str(tmp_path / "logs")
     argv = base_args(data, out, steps=3, extra=[
@@ -67,7 +67,7 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     assert len(runs) == 1
     records = _wandb_records(runs[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-    assert (run.display_name, run.project, list(run.tags), run.notes) == ("myrun", "proj", ["issue11"], "flag audit")
+    assert (run.display_name, run.project, list(run.tags), run.notes) == ("myrun", "proj", ["nightly"], "flag audit")
     config = {i.key: i.value_json for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
     config.update({i.key: i.value_json for i in run.config.update})
     assert json.loads(config["learning_rate"]) == 1e-3 and json.loads(config["network_dim"]) == 4  # --log_config
@@ -89,7 +89,7 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     (["--log_with", "wandb", "--log_tracker_config", "missing.toml"], "--log_tracker_config missing.toml: file not found"),
 ])
 def test_tracker_flags_refused_before_anything_loads(tmp_path, capsys, monkeypatch, extra, message):
-    """Issue 11 item 10: a tracker that cannot run is one line before the scan (it used to warn and log nothing)."""
+    """A tracker that cannot run stops the run with one line before the scan, instead of logging nothing."""
     from library.cli import training
 
     if "needs the wandb package" in message:

@@ -1,4 +1,4 @@
-"""Issue 24: train_db.py, sd-scripts' DreamBooth script: a full SD 1.x/2.x fine-tune whose text encoder trains by
+"""train_db.py, sd-scripts' DreamBooth script: a full SD 1.x/2.x fine-tune whose text encoder trains by
 default, --stop_text_encoder_training N freezing it after step N."""
 
 import os
@@ -13,7 +13,7 @@ from library.cli.entry import build_parser, settings_from_args
 from library.families import get_family
 from library.families.base import LoadOptions
 from library.train.trainer import Trainer
-from tests.test_fine_tune import ft_args
+from tests.train_helpers import ft_args
 from tests.train_helpers import make_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from library.core.errors import ConfigError
 from library.families import get_family
-from library.families.base import LoadOptions, ModelLoadError, TextConditioning
+from library.families.base import LoadOptions, ModelLoadError
 from library.families.zimage import layout
 from library.families.zimage.configs import CHAT_TEMPLATE, PRESETS, build_zimage_modules, transformer_config
 from library.families.zimage.loading import write_zimage_preset
@@ -210,7 +210,7 @@ def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, zimage_
     """zimage_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
     DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
     from library.cli.entry import run_training
-    from tests.test_fine_tune import ft_args
+    from tests.train_helpers import ft_args
 
     data = make_dataset(str(tmp_path), n=1)
     out = str(tmp_path / "out")

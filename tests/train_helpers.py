@@ -49,6 +49,23 @@ def make_trainer(argv: list[str], family_name: str = "sd") -> Trainer:
     return Trainer(family, settings_from_args(ns, family))
 
 
+def ft_args(data: str, out: str, preset: str = "tiny:sd1", steps: int = 2, extra=()) -> list[str]:
+    """base_args for a full fine-tune script: no network flags, output `model`, SGDNesterov at 1e-3."""
+    argv = base_args(data, out, preset=preset, steps=steps)
+    for flag, n in (("--network_module", 1), ("--network_dim", 1), ("--network_alpha", 1)):
+        i = argv.index(flag)
+        del argv[i:i + 1 + n]
+    argv[argv.index("--output_name") + 1] = "model"
+    return argv + ["--learning_rate", "1e-3", "--optimizer_type", "SGDNesterov", *extra]
+
+
+def ft_trainer(argv: list[str], family_name: str = "sd") -> Trainer:
+    """An in-process trainer of the family's full fine-tune script."""
+    family = get_family(family_name)
+    ns = parse_with_config_file(build_parser("test", family, fine_tune=True), argv)
+    return Trainer(family, settings_from_args(ns, family, fine_tune=True))
+
+
 def random_lora_file(family, components, path: str, seed: int = 0) -> str:
     """A networks.lora file on every text-encoder and denoiser target with random (non-zero) up weights."""
     import torch
