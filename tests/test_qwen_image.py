@@ -225,7 +225,8 @@ def test_web_ui_template_uses_the_scripts_flags():
     """webui/templates/qwen_image_lora.toml: runs qwen_image_train_network.py, every config key is a flag of that
     script, with musubi-tuner's documented values."""
     from library.cli.entry import build_parser
-    from webui.jobfiles import script_for, templates
+    from webui.families import script_for
+    from webui.jobfiles import templates
 
     template = templates()["qwen_image_lora"]
     assert (template["template"]["family"], template["template"]["mode"]) == ("qwen_image", "lora")

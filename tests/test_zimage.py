@@ -240,9 +240,10 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     import toml
 
     from library.cli.entry import run_training
-    from webui.jobfiles import REPO_ROOT, SCRIPTS
+    from webui.families import script_for
+    from webui.jobfiles import REPO_ROOT
 
-    assert SCRIPTS[("zimage", mode)] == get_family("zimage").scripts[mode]
+    assert script_for("zimage", mode) == get_family("zimage").scripts[mode]
     template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"zimage_{mode}.toml"))
     assert (template["template"]["family"], template["template"]["mode"]) == ("zimage", mode)
     config = template["config"]

@@ -60,3 +60,21 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
 LATENT_CHANNELS = 16
 
 
+def ae_scale_and_shift(vae) -> tuple[float, float]:
+    """(scaling_factor, shift_factor) of a FLUX.1-style 16-channel autoencoder, from its config, else FLUX.1's."""
+    config = getattr(vae, "config", None)
+    scale = getattr(config, "scaling_factor", None) or AE_SCALING_FACTOR
+    shift = getattr(config, "shift_factor", None)
+    return scale, AE_SHIFT_FACTOR if shift is None else shift
+
+
+def normalize_ae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Raw autoencoder latents -> the model's latent space: (x - shift) · scale."""
+    scale, shift = ae_scale_and_shift(vae)
+    return (latents - shift) * scale
+
+
+def denormalize_ae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of normalize_ae_latents, before decoding."""
+    scale, shift = ae_scale_and_shift(vae)
+    return latents / scale + shift

@@ -17,7 +17,10 @@ import torch
 
 from library.core.errors import ConfigError
 from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning, check_folder_name
-from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.common.autoencoder import (AE_SCALING_FACTOR, AE_SHIFT_FACTOR, denormalize_ae_latents,
+                                                 normalize_ae_latents)
+from library.families.common.llm_text import TEXT_KEYS as LLM_TEXT_KEYS
+from library.families.common.llm_text import second_to_last_states
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.families.zimage import layout
 from library.families.zimage.configs import CHAT_TEMPLATE, LATENT_CHANNELS
@@ -68,7 +71,7 @@ class ZImageFamily(ModelFamily):
     bucket_reso_multiple = 16  # 8x AE, 2x2 patches
     supports_text_cache = True
     text_cache_suffix = "_zimage_te.npz"
-    TEXT_KEYS = ("hidden_state", "input_ids", "attention_mask")
+    TEXT_KEYS = LLM_TEXT_KEYS
 
     # --- options -------------------------------------------------------------------------------------
     @classmethod
@@ -134,10 +137,7 @@ class ZImageFamily(ModelFamily):
     def encode_text(self, components: Components, tokens: list[torch.Tensor],
                     clip_skip: Optional[int]) -> TextConditioning:
         """Qwen3's second-to-last hidden states, the ids and the mask (as diffusers' ZImagePipeline)."""
-        encoder = components.text_encoders[0]
-        ids, mask = (t.to(encoder.device) for t in tokens)
-        states = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
-        return TextConditioning(dict(zip(self.TEXT_KEYS, (states, ids, mask))))
+        return second_to_last_states(components.text_encoders[0], tokens)
 
     def check_loaded(self, components: Components, text: Any) -> None:
         if getattr(text, "clip_skip", None) is not None:
@@ -147,17 +147,10 @@ class ZImageFamily(ModelFamily):
     @torch.no_grad()
     def encode_images(self, vae, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Images in [-1, 1] -> FLUX.1 AE latents (x - shift) · scale, float32 (B, 16, H/8, W/8)."""
-        latents = super().encode_images(vae, images, generator)
-        config = getattr(vae, "config", None)
-        scale = getattr(config, "scaling_factor", None) or AE_SCALING_FACTOR
-        shift = getattr(config, "shift_factor", None)
-        return (latents - (AE_SHIFT_FACTOR if shift is None else shift)) * scale
+        return normalize_ae_latents(vae, super().encode_images(vae, images, generator))
 
     def denormalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        config = getattr(vae, "config", None)
-        scale = getattr(config, "scaling_factor", None) or AE_SCALING_FACTOR
-        shift = getattr(config, "shift_factor", None)
-        return latents / scale + (AE_SHIFT_FACTOR if shift is None else shift)
+        return denormalize_ae_latents(vae, latents)
 
     # --- denoising -----------------------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:
