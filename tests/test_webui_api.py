@@ -289,7 +289,8 @@ def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, job
     _create(client, name="tiny")
     folder = os.path.join(jobs_dir, "1")
     config = toml.load(os.path.join(folder, "config.toml"))
-    config["training"].update(max_train_steps=4, save_every_n_steps=100)
+    # 12 steps: a tiny step takes ~0.1 s, so a 4-step run could end before the Stop below arrived (seen under load)
+    config["training"].update(max_train_steps=12, save_every_n_steps=100)
     with open(os.path.join(folder, "config.toml"), "w") as f:  # as a hand edit: the checked PUT is tested above
         toml.dump(config, f)
     _create(client, name="second")
@@ -308,7 +309,7 @@ def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, job
     assert client.app.state.runner.wait(1, 60) == "stopped"
     s = client.get("/api/jobs/1/status").json()
     assert s["exit_code"] == 130 and s["runs"][0]["status"] == "stopped"
-    assert s["progress"]["step"] < 4
+    assert s["progress"]["step"] < 12
     states = [n for n in os.listdir(os.path.join(folder, "output")) if n.endswith("-state")]
     assert states, os.listdir(os.path.join(folder, "output"))  # Ctrl+C saved a state
 
@@ -318,7 +319,7 @@ def test_tiny_job_trains_stops_resumes_and_survives_a_server_restart(client, job
     assert restarted.app.state.runner.wait(1, 150) == "finished", open(os.path.join(folder, "train.log")).read()[-3000:]
     s = restarted.get("/api/jobs/1/status").json()
     assert s["exit_code"] == 0 and [r["status"] for r in s["runs"]] == ["stopped", "finished"]
-    assert s["progress"]["step"] == 4 and s["progress"]["total"] == 4
+    assert s["progress"]["step"] == 12 and s["progress"]["total"] == 12
     log = restarted.get("/api/jobs/1/log").text
     assert "--resume auto: newest intact state is" in log and f"saved {folder}/output/lora.safetensors" in log
     assert log.count("$ cd ") == 2  # the command of each run
@@ -407,6 +408,7 @@ def test_performance_options_say_why_not():
     flags = frozenset({"persistent_data_loader_workers", "gradient_checkpointing", "highvram", "lowram",
                        "blocks_to_swap", "cpu_offload_checkpointing"})
     none = availability("sd", "train_network.py", 0, installed=lambda m: m == "torch", flags=flags)
+    dit = "flux, chroma, anima, sd3, lumina, hunyuan_image, zimage, qwen_image"  # the registry's order
     assert {o["key"]: o["reason"] for o in none} == {
         "persistent_data_loader_workers": None, "gradient_checkpointing": None,
         "flash_attn": "no GPU on this machine; requires flash-attn (pip install flash-attn): not installed; "
@@ -415,8 +417,7 @@ def test_performance_options_say_why_not():
         "dynamo_backend": "the trainer (train_network.py) has no --dynamo_backend flag yet",
         "dynamo_mode": "the trainer (train_network.py) has no --dynamo_mode flag yet",
         "memory": "no GPU on this machine",
-        "blocks_to_swap": "not supported for sd (DiT families only: flux, chroma, anima, sd3, lumina, hunyuan_image); "
-                          "no GPU on this machine",
+        "blocks_to_swap": f"not supported for sd (DiT families only: {dit}); no GPU on this machine",
         "cpu_offload_checkpointing": "no GPU on this machine",
         "profile_steps": "the trainer (train_network.py) has no --profile_steps flag yet",
         "profile_microbatches": "the trainer (train_network.py) has no --profile_microbatches flag yet"}
@@ -434,8 +435,8 @@ def test_performance_options_say_why_not():
         "--dynamo_backend: only with torch compile on", "dynamo_backend")
     assert refusal({"training": {"dynamo_backend": "aot_eager", "torch_compile": True}}, flux) is None
     assert refusal({"memory": {"blocks_to_swap": 8}}, none) == (
-        ("--blocks_to_swap: not available: not supported for sd (DiT families only: flux, chroma, anima, sd3, lumina, "
-         "hunyuan_image); no GPU on this machine"), "blocks_to_swap")
+        f"--blocks_to_swap: not available: not supported for sd (DiT families only: {dit}); no GPU on this machine",
+        "blocks_to_swap")
     for family, swaps in (("sd3", True), ("anima", True), ("chroma", True), ("lumina", True),
                           ("hunyuan_image", True), ("sdxl", False)):  # as the trainer's
         options = availability(family, "x.py", 1, installed=lambda m: True, flags=flags)  # family_supports_block_swap
