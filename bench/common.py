@@ -106,3 +106,74 @@ def cached_text_step(family, comps, device, dtype, text_cache: dict, batch: dict
                       loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
                       train_text_encoder=False, autocast=contextlib.nullcontext, text_cache=text_cache)
     return trainer_step(ctx, batch, params, optimizer, scheduler)
+
+
+CAPTION = "a photo of a sks dog sitting on a wooden chair, high quality"
+
+
+def one_caption_batch(latents: torch.Tensor) -> dict:
+    """The batch both steps train on: `latents` (1, C, h, w) with CAPTION, unweighted, no masks."""
+    return {"latents": latents, "captions": [CAPTION], "loss_weights": torch.ones(1), "masks": None}
+
+
+def add_step_arguments(p, steps: int, resolution: int, resolution_help: str | None = None) -> None:
+    """The options every denoiser step bench shares: --steps, --warmup, --resolution, --dim (LoRA rank),
+    --device, --dtype (bf16 or fp32 base weights)."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--resolution", type=int, default=resolution, help=resolution_help)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="base weights (fp32: CPUs without bf16)")
+
+
+def seeded_dtype_device(a) -> tuple[torch.dtype, torch.device]:
+    """Seeds torch with 0 and returns (--dtype, --device) of the parsed arguments."""
+    torch.manual_seed(0)
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype], torch.device(a.device)
+
+
+def frozen_in_dtype(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+    """factory()'s model built with seed 0 directly in `dtype` (no fp32 copy first), in eval mode, frozen."""
+    from library.families.common.tiny import build_seeded
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_seeded(factory, 0)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def built(what: str, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """build()'s model, after printing how long it took and the peak RSS so far."""
+    t0 = time.perf_counter()
+    model = build()
+    print(f"built {what} in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
+    return model
+
+
+def bare_flow_step(latents: torch.Tensor, device, dtype: torch.dtype, optimizer,
+                   loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> Callable[[], None]:
+    """The bare reference step of a rectified-flow model: σ uniform, x_σ = (1 - σ)·x0 + σ·ε by hand in `dtype`,
+    loss(x_σ, σ, ε, x0) (the model's forward and its MSE), backward, optimizer step, zero_grad."""
+
+    def step() -> None:
+        x0 = latents.to(device)
+        noise = torch.randn_like(x0)
+        sigma = torch.rand(1, device=device)
+        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+        loss(noisy, sigma, noise, x0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str) -> None:
+    """compare_steps over --steps / --warmup, then `setup` (what was measured) and print_comparison's lines."""
+    result = compare_steps(reference, ours, a.steps, a.warmup)
+    print(setup)
+    print_comparison(result)
