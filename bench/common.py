@@ -116,31 +116,34 @@ def one_caption_batch(latents: torch.Tensor) -> dict:
     return {"latents": latents, "captions": [CAPTION], "loss_weights": torch.ones(1), "masks": None}
 
 
-def add_step_arguments(p, steps: int, resolution: int, resolution_help: str | None = None) -> None:
+def add_step_arguments(p, steps: int, resolution: int, resolution_help: str | None = None,
+                       dtype_option: bool = True) -> None:
     """The options every denoiser step bench shares: --steps, --warmup, --resolution, --dim (LoRA rank),
-    --device, --dtype (bf16 or fp32 base weights)."""
+    --device and, with `dtype_option`, --dtype (bf16 or fp32 base weights; bf16 without it)."""
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--resolution", type=int, default=resolution, help=resolution_help)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="base weights (fp32: CPUs without bf16)")
+    if dtype_option:
+        p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                       help="base weights (fp32: CPUs without bf16)")
 
 
 def seeded_dtype_device(a) -> tuple[torch.dtype, torch.device]:
-    """Seeds torch with 0 and returns (--dtype, --device) of the parsed arguments."""
+    """Seeds torch with 0 and returns (--dtype, bf16 where there is none, --device) of the parsed arguments."""
     torch.manual_seed(0)
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype], torch.device(a.device)
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[getattr(a, "dtype", "bf16")], torch.device(a.device)
 
 
-def frozen_in_dtype(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
-    """factory()'s model built with seed 0 directly in `dtype` (no fp32 copy first), in eval mode, frozen."""
+def frozen_in_dtype(factory: Callable[[], torch.nn.Module], dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """factory()'s model built with `seed` directly in `dtype` (no fp32 copy first), in eval mode, frozen."""
     from library.families.common.tiny import build_seeded
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = build_seeded(factory, 0)
+        model = build_seeded(factory, seed)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
@@ -154,16 +157,25 @@ def built(what: str, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     return model
 
 
+def uniform_sigma(device) -> torch.Tensor:
+    return torch.rand(1, device=device)
+
+
+def logit_normal_sigma(device) -> torch.Tensor:
+    """σ = sigmoid(n), n standard normal (sd-scripts' "sigmoid" timestep sampling, SD3's logit_normal weighting)."""
+    return torch.sigmoid(torch.randn(1, device=device))
+
+
 def bare_flow_step(latents: torch.Tensor, device, dtype: torch.dtype, optimizer,
-                   loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-                   ) -> Callable[[], None]:
-    """The bare reference step of a rectified-flow model: σ uniform, x_σ = (1 - σ)·x0 + σ·ε by hand in `dtype`,
-    loss(x_σ, σ, ε, x0) (the model's forward and its MSE), backward, optimizer step, zero_grad."""
+                   loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                   draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma) -> Callable[[], None]:
+    """The bare reference step of a rectified-flow model: σ = draw_sigma(device), x_σ = (1 - σ)·x0 + σ·ε by hand
+    in `dtype`, loss(x_σ, σ, ε, x0) (the model's forward and its MSE), backward, optimizer step, zero_grad."""
 
     def step() -> None:
         x0 = latents.to(device)
         noise = torch.randn_like(x0)
-        sigma = torch.rand(1, device=device)
+        sigma = draw_sigma(device)
         noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
         loss(noisy, sigma, noise, x0).backward()
         optimizer.step()
