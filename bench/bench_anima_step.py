@@ -30,17 +30,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_steps,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
     logit_normal_sigma,
-    one_caption_batch,
-    print_comparison,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
@@ -51,7 +46,6 @@ from library.families.anima.configs import (  # noqa: E402
     transformer_config,
 )
 from library.families.anima.options import AnimaFlowOptions, AnimaOptions  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE  # noqa: E402
 
 
@@ -78,8 +72,7 @@ def main() -> None:
                            flow=AnimaFlowOptions(timestep_sampling="sigmoid"))
     dit = built(f"Anima DiT with {a.blocks} blocks + the 6-block LLM adapter ({a.dtype})",
                 lambda: build_dit(a.blocks, dtype).to(device))
-    comps = Components(dit, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, dit, a.dim, device)
+    comps, lora = lora_components(family, dit, options, a.dim, device)
 
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
@@ -96,14 +89,10 @@ def main() -> None:
                               return_dict=False)[0].squeeze(2)
         return F.mse_loss(out.float(), (noise - x0).float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss, logit_normal_sigma)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
 
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print(f"LoRA modules: {len(network.unet_loras)} DiT; {a.resolution}x{a.resolution} "
-          f"({latent * latent // 4} image + {a.tokens} text tokens), batch 1, {a.dtype}, {device}")
-    print_comparison(result)
+    result = compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                                f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens} text "
+                                f"tokens), batch 1, {a.dtype}, {device}", draw_sigma=logit_normal_sigma, lora_on="DiT")
     (ow, _), (rw, _) = result["ours"], result["reference"]
     print(f"Anima goal: ours/reference <= 1.05 wall; {'met' if ow / rw <= 1.05 else 'NOT met'}")
 

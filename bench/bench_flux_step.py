@@ -33,20 +33,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_and_print,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
     logit_normal_sigma,
-    one_caption_batch,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.chroma.family import joint_attention_mask  # noqa: E402
 from library.families.chroma.configs import PRESETS as CHROMA_PRESETS  # noqa: E402
 from library.families.chroma.model import (
@@ -90,8 +85,7 @@ def main() -> None:
     transformer = built(f"{'Chroma1-HD' if chroma else 'FLUX.1-dev'} transformer with {a.double} double / "
                         f"{a.single} single blocks (bf16)",
                         lambda: build_transformer(a.double, a.single, dtype, a.model_type).to(device))
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
@@ -112,12 +106,9 @@ def main() -> None:
                               guidance=torch.ones(1, device=device, dtype=dtype))[0]
         return F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss, logit_normal_sigma)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
-    compare_and_print(reference_step, our_step, a,
-                      f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-                      f"({latent * latent // 4} image + {a.t5_tokens} text tokens), batch 1, bf16, {device}")
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.t5_tokens} text tokens), "
+                       f"batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
 
 
 if __name__ == "__main__":

@@ -30,19 +30,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_and_print,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
-    one_caption_batch,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.hunyuan_image.configs import (  # noqa: E402
     LATENT_CHANNELS,
     PRESETS,
@@ -76,8 +71,7 @@ def main() -> None:
     options = HunyuanImageOptions(flow=HunyuanImageFlowOptions(timestep_sampling="uniform"))
     transformer = built(f"the full-width HunyuanImage DiT with {a.double} double + {a.single} single blocks "
                         f"({a.dtype})", lambda: build_transformer(a.double, a.single, dtype).to(device))
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     pr = PRESETS["random:hunyuan_image"]
     latent = a.resolution // 32
@@ -98,12 +92,9 @@ def main() -> None:
                           encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
         return F.mse_loss(out.float(), (noise - x0).float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
-    compare_and_print(reference_step, our_step, a,
-                      f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-                      f"({latent * latent} image + {a.text_tokens} + 1 text tokens), batch 1, {a.dtype}, {device}")
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent} image + {a.text_tokens} + 1 text tokens), "
+                       f"batch 1, {a.dtype}, {device}")
 
 
 if __name__ == "__main__":

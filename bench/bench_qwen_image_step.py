@@ -30,19 +30,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_and_print,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
-    one_caption_batch,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.qwen_image.configs import LATENT_CHANNELS, PRESETS, transformer_config  # noqa: E402
 from library.families.qwen_image.family import pack  # noqa: E402
 from library.families.qwen_image.options import QwenImageFlowOptions, QwenImageOptions  # noqa: E402
@@ -69,8 +64,7 @@ def main() -> None:
     options = QwenImageOptions(flow=QwenImageFlowOptions(timestep_sampling="uniform"))
     transformer = built(f"the full-width Qwen-Image DiT with {a.blocks} blocks ({a.dtype})",
                         lambda: build_transformer(a.blocks, dtype).to(device))
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     pr = PRESETS["random:qwen_image"]
     latent = a.resolution // 8
@@ -87,14 +81,11 @@ def main() -> None:
                           encoder_hidden_states_mask=context_mask, img_shapes=shapes, return_dict=False)[0]
         return F.mse_loss(out.float(), pack(noise - x0).float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    compare_and_print(reference_step, our_step, a,
-                      f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-                      f"({(latent // 2) ** 2} image + {a.text_tokens} text tokens), batch 1, {a.dtype}, {device}")
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({(latent // 2) ** 2} image + {a.text_tokens} text tokens), "
+                       f"batch 1, {a.dtype}, {device}")
     if device.type == "cuda":
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB")
 

@@ -29,21 +29,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_and_print,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
     logit_normal_sigma,
-    one_caption_batch,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
 from library.families.sd3 import layout as sai  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.sd3.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.sd3.options import SD3Options  # noqa: E402
 from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
@@ -71,8 +66,7 @@ def main() -> None:
     options = SD3Options(t5xxl_max_token_length=a.t5_tokens, flow=SD3FlowOptions(weighting_scheme="logit_normal"))
     transformer = built(f"the {a.preset} MMDiT with {a.blocks} joint blocks (bf16)",
                         lambda: build_transformer(a.preset, a.blocks, dtype).to(device))
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     pr = PRESETS[a.preset]
     latent = a.resolution // 8
@@ -90,12 +84,9 @@ def main() -> None:
                           timestep=(sigma * 1000).to(dtype), return_dict=False)[0]
         return F.mse_loss(noisy.float() - sigma * out.float(), x0.float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss, logit_normal_sigma)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
-    compare_and_print(reference_step, our_step, a,
-                      f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-                      f"({latent * latent // 4} image + {77 + a.t5_tokens} text tokens), batch 1, bf16, {device}")
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {77 + a.t5_tokens} text "
+                       f"tokens), batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
 
 
 if __name__ == "__main__":

@@ -30,19 +30,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    CAPTION,
     add_step_arguments,
-    bare_flow_step,
     built,
-    cached_text_step,
-    compare_and_print,
-    denoiser_lora,
+    compare_lora_steps,
     frozen_in_dtype,
-    one_caption_batch,
+    llm_caption_text,
+    lora_components,
     seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.zimage.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.zimage.options import ZImageFlowOptions, ZImageOptions  # noqa: E402
 
@@ -68,28 +64,21 @@ def main() -> None:
     options = ZImageOptions(flow=ZImageFlowOptions(timestep_sampling="uniform", discrete_flow_shift=1.0))
     transformer = built(f"random:zimage's DiT with {a.blocks} main layers ({a.dtype})",
                         lambda: build_transformer(a.blocks, dtype).to(device))
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     hidden = PRESETS["random:zimage"].qwen_hidden
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
-    mask = torch.zeros(a.tokens, dtype=torch.long)
-    mask[: a.tokens // 4] = 1  # a caption of a quarter of the padded length
-    text = {"hidden_state": torch.randn(a.tokens, hidden), "input_ids": torch.zeros(a.tokens, dtype=torch.long),
-            "attention_mask": mask}
-    caption_states = text["hidden_state"][mask.bool()].to(device, dtype)
+    text = llm_caption_text(a.tokens, hidden)
+    caption_states = text["hidden_state"][text["attention_mask"].bool()].to(device, dtype)
 
     def loss(noisy, sigma, noise, x0):
         out = transformer([noisy[0].unsqueeze(1)], (1 - sigma).to(dtype), [caption_states], return_dict=False)[0]
         return F.mse_loss(-out[0].squeeze(1).float()[None], (noise - x0).float())
 
-    reference_step = bare_flow_step(latents, device, dtype, optimizer, loss)
-    our_step = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                                optimizer, scheduler)
-    compare_and_print(reference_step, our_step, a,
-                      f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-                      f"({latent * latent // 4} image + {a.tokens // 4} text tokens), batch 1, {a.dtype}, {device}")
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens // 4} text tokens), "
+                       f"batch 1, {a.dtype}, {device}")
 
 
 if __name__ == "__main__":

@@ -184,8 +184,40 @@ def bare_flow_step(latents: torch.Tensor, device, dtype: torch.dtype, optimizer,
     return step
 
 
-def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str) -> None:
+def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str
+                      ) -> dict[str, tuple[float, float]]:
     """compare_steps over --steps / --warmup, then `setup` (what was measured) and print_comparison's lines."""
     result = compare_steps(reference, ours, a.steps, a.warmup)
     print(setup)
     print_comparison(result)
+    return result
+
+
+def lora_components(family, denoiser, options, dim: int, device):
+    """(Components of the denoiser alone with `options`, denoiser_lora's (network, params, optimizer, scheduler))."""
+    from library.families.base import Components
+
+    comps = Components(denoiser, vae=None, text_encoders=[], tokenizers=[], options=options)
+    return comps, denoiser_lora(family, comps, denoiser, dim, device)
+
+
+def compare_lora_steps(family, comps, lora: tuple, latents: torch.Tensor, text: dict, loss, a, dtype, device,
+                       setup: str, draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma,
+                       lora_on: str = "transformer") -> dict[str, tuple[float, float]]:
+    """bare_flow_step(loss) against the trainer's step (cached_text_step with CAPTION's `text` on
+    one_caption_batch(latents)), both training `lora`, then compare_and_print with "LoRA modules: N `lora_on`;
+    `setup`"; returns compare_steps' medians."""
+    network, params, optimizer, scheduler = lora
+    reference = bare_flow_step(latents, device, dtype, optimizer, loss, draw_sigma)
+    ours = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
+                            optimizer, scheduler)
+    return compare_and_print(reference, ours, a, f"LoRA modules: {len(network.unet_loras)} {lora_on}; {setup}")
+
+
+def llm_caption_text(tokens: int, hidden: int) -> dict:
+    """A cached LLM text output of `tokens` padded tokens (random second-to-last hidden states, zero ids), a quarter
+    of them the caption's (as most are), as the Z-Image and Lumina caches hold it."""
+    mask = torch.zeros(tokens, dtype=torch.long)
+    mask[: tokens // 4] = 1
+    return {"hidden_state": torch.randn(tokens, hidden), "input_ids": torch.zeros(tokens, dtype=torch.long),
+            "attention_mask": mask}
