@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,11 +30,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    cached_text_step,
-    compare_steps,
-    denoiser_lora,
-    peak_rss_mib,
-    print_comparison,
+    add_step_arguments,
+    built,
+    compare_lora_steps,
+    frozen_in_dtype,
+    logit_normal_sigma,
+    lora_components,
+    seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
 from library.families.anima.configs import (  # noqa: E402
@@ -45,9 +46,7 @@ from library.families.anima.configs import (  # noqa: E402
     transformer_config,
 )
 from library.families.anima.options import AnimaFlowOptions, AnimaOptions  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE  # noqa: E402
-from library.families.common.tiny import build_seeded  # noqa: E402
 
 
 def build_dit(blocks: int, dtype: torch.dtype) -> AnimaDiT:
@@ -55,71 +54,45 @@ def build_dit(blocks: int, dtype: torch.dtype) -> AnimaDiT:
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 
     preset = dataclasses.replace(PRESETS["random:anima"], blocks=blocks)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        transformer = build_seeded(lambda: CosmosTransformer3DModel(**transformer_config(preset)), 0)
-        adapter = build_seeded(lambda: AnimaTextConditioner(**adapter_config(preset, T5_REAL_VOCAB_SIZE)), 1)
-    finally:
-        torch.set_default_dtype(previous)
+    transformer = frozen_in_dtype(lambda: CosmosTransformer3DModel(**transformer_config(preset)), dtype)
+    adapter = frozen_in_dtype(lambda: AnimaTextConditioner(**adapter_config(preset, T5_REAL_VOCAB_SIZE)), dtype, seed=1)
     return AnimaDiT(transformer, adapter).eval().requires_grad_(False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--blocks", type=int, default=2, help="DiT blocks (Anima: 28)")
     p.add_argument("--tokens", type=int, default=64, help="Qwen3 and T5 tokens per caption (default 512 in training)")
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                   help="base weights and compute (fp32 on a CPU without fast bf16 matmuls)")
+    add_step_arguments(p, steps=4, resolution=64)
     a = p.parse_args()
-    torch.manual_seed(0)
-    dtype, device = (torch.bfloat16 if a.dtype == "bf16" else torch.float32), torch.device(a.device)
+    dtype, device = seeded_dtype_device(a)
 
     family = get_family("anima")
     options = AnimaOptions(qwen3_max_token_length=a.tokens, t5_max_token_length=a.tokens,
                            flow=AnimaFlowOptions(timestep_sampling="sigmoid"))
-    t0 = time.perf_counter()
-    dit = build_dit(a.blocks, dtype).to(device)
-    print(f"built Anima DiT with {a.blocks} blocks + the 6-block LLM adapter ({a.dtype}) in "
-          f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
-    comps = Components(dit, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, dit, a.dim, device)
+    dit = built(f"Anima DiT with {a.blocks} blocks + the 6-block LLM adapter ({a.dtype})",
+                lambda: build_dit(a.blocks, dtype).to(device))
+    comps, lora = lora_components(family, dit, options, a.dim, device)
 
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
-    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
     ones = torch.ones(a.tokens, dtype=torch.long)
     text = {"prompt_embeds": torch.randn(a.tokens, 1024), "attn_mask": ones,
             "t5_input_ids": torch.randint(0, 32000, (a.tokens,)), "t5_attn_mask": ones}
-    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
 
-    def reference_step() -> None:
-        x0 = latents.to(device)
-        noise = torch.randn_like(x0)
-        sigma = torch.sigmoid(torch.randn(1, device=device))
-        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+    def loss(noisy, sigma, noise, x0):
         context = dit.llm_adapter(text["prompt_embeds"][None].to(device, dtype), text["t5_input_ids"][None].to(device),
                                   target_attention_mask=text["t5_attn_mask"][None].to(device),
                                   source_attention_mask=text["attn_mask"][None].to(device))
         out = dit.transformer(hidden_states=noisy.unsqueeze(2), timestep=sigma.to(dtype), encoder_hidden_states=context,
                               condition_mask=torch.zeros(1, 1, 1, latent, latent, device=device, dtype=dtype),
                               return_dict=False)[0].squeeze(2)
-        F.mse_loss(out.float(), (noise - x0).float()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return F.mse_loss(out.float(), (noise - x0).float())
 
-    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
-                                scheduler)
 
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print(f"LoRA modules: {len(network.unet_loras)} DiT; {a.resolution}x{a.resolution} "
-          f"({latent * latent // 4} image + {a.tokens} text tokens), batch 1, {a.dtype}, {device}")
-    print_comparison(result)
+    result = compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                                f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens} text "
+                                f"tokens), batch 1, {a.dtype}, {device}", draw_sigma=logit_normal_sigma, lora_on="DiT")
     (ow, _), (rw, _) = result["ours"], result["reference"]
     print(f"Anima goal: ours/reference <= 1.05 wall; {'met' if ow / rw <= 1.05 else 'NOT met'}")
 

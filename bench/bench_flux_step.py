@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,14 +33,15 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    cached_text_step,
-    compare_steps,
-    denoiser_lora,
-    peak_rss_mib,
-    print_comparison,
+    add_step_arguments,
+    built,
+    compare_lora_steps,
+    frozen_in_dtype,
+    logit_normal_sigma,
+    lora_components,
+    seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.chroma.family import joint_attention_mask  # noqa: E402
 from library.families.chroma.configs import PRESETS as CHROMA_PRESETS  # noqa: E402
 from library.families.chroma.model import (
@@ -50,7 +50,6 @@ from library.families.chroma.model import (
 from library.families.flux.family import image_ids, pack_latents, unpack_latents  # noqa: E402
 from library.families.flux.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.flux.options import FluxOptions  # noqa: E402
-from library.families.common.tiny import build_seeded  # noqa: E402
 from library.objectives.flow import FlowOptions  # noqa: E402
 
 
@@ -65,56 +64,37 @@ def build_transformer(double: int, single: int, dtype: torch.dtype, model_type: 
     else:
         preset = dataclasses.replace(PRESETS["random:flux-dev"], double_blocks=double, single_blocks=single)
         build = lambda: FluxTransformer2DModel(**transformer_config(preset))  # noqa: E731
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = build_seeded(build, 0)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    return frozen_in_dtype(build, dtype)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_type", choices=["flux", "chroma"], default="flux")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--double", type=int, default=1, help="double blocks (FLUX.1: 19)")
     p.add_argument("--single", type=int, default=2, help="single blocks (FLUX.1: 38)")
     p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (dev default 512)")
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--device", default="cpu")
+    add_step_arguments(p, steps=4, resolution=64, dtype_option=False)
     a = p.parse_args()
-    torch.manual_seed(0)
-    dtype, device = torch.bfloat16, torch.device(a.device)
+    dtype, device = seeded_dtype_device(a)
 
     chroma = a.model_type == "chroma"
     family = get_family(a.model_type)
     options = FluxOptions(guidance_scale=0.0 if chroma else 1.0, t5xxl_max_token_length=a.t5_tokens,
                           flow=FlowOptions(timestep_sampling="sigmoid"), model_type=a.model_type,
                           apply_t5_attn_mask=chroma)
-    t0 = time.perf_counter()
-    transformer = build_transformer(a.double, a.single, dtype, a.model_type).to(device)
-    print(f"built {'Chroma1-HD' if chroma else 'FLUX.1-dev'} transformer with {a.double} double / {a.single} single blocks (bf16) in "
-          f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    transformer = built(f"{'Chroma1-HD' if chroma else 'FLUX.1-dev'} transformer with {a.double} double / "
+                        f"{a.single} single blocks (bf16)",
+                        lambda: build_transformer(a.double, a.single, dtype, a.model_type).to(device))
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
-    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
     text = {"l_pooled": torch.randn(768), "t5_out": torch.randn(a.t5_tokens, 4096),
             "txt_ids": torch.zeros(a.t5_tokens, 3), "t5_attn_mask": torch.ones(a.t5_tokens)}
     if chroma:  # a caption of a quarter of the padded length, the rest masked out
         text["t5_attn_mask"][a.t5_tokens // 4:] = 0
-    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
 
-    def reference_step() -> None:
-        x0 = latents.to(device)
-        noise = torch.randn_like(x0)
-        sigma = torch.sigmoid(torch.randn(1, device=device))
-        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+    def loss(noisy, sigma, noise, x0):
         common = dict(hidden_states=pack_latents(noisy), encoder_hidden_states=text["t5_out"][None].to(device, dtype),
                       timestep=sigma.to(dtype), img_ids=image_ids(latent, latent, device, dtype),
                       txt_ids=text["txt_ids"].to(device, dtype), return_dict=False)
@@ -124,17 +104,11 @@ def main() -> None:
         else:
             out = transformer(**common, pooled_projections=text["l_pooled"][None].to(device, dtype),
                               guidance=torch.ones(1, device=device, dtype=dtype))[0]
-        F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float())
 
-    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
-                                scheduler)
-
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-          f"({latent * latent // 4} image + {a.t5_tokens} text tokens), batch 1, bf16, {device}")
-    print_comparison(result)
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.t5_tokens} text tokens), "
+                       f"batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,14 +30,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    cached_text_step,
-    compare_steps,
-    denoiser_lora,
-    peak_rss_mib,
-    print_comparison,
+    add_step_arguments,
+    built,
+    compare_lora_steps,
+    frozen_in_dtype,
+    lora_components,
+    seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.hunyuan_image.configs import (  # noqa: E402
     LATENT_CHANNELS,
     PRESETS,
@@ -49,7 +48,6 @@ from library.families.hunyuan_image.options import (  # noqa: E402
     HunyuanImageOptions,
 )
 from library.families.hunyuan_image.text import BYT5_MAX_TOKENS, QWEN_MAX_TOKENS  # noqa: E402
-from library.families.common.tiny import build_seeded  # noqa: E402
 
 
 def build_transformer(double: int, single: int, dtype: torch.dtype):
@@ -57,73 +55,46 @@ def build_transformer(double: int, single: int, dtype: torch.dtype):
     from diffusers import HunyuanImageTransformer2DModel
 
     p = dataclasses.replace(PRESETS["random:hunyuan_image"], double_blocks=double, single_blocks=single)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = build_seeded(lambda: HunyuanImageTransformer2DModel(**transformer_config(p)), 0)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    return frozen_in_dtype(lambda: HunyuanImageTransformer2DModel(**transformer_config(p)), dtype)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--double", type=int, default=1, help="double-stream blocks (the 2.1 model: 20)")
     p.add_argument("--single", type=int, default=1, help="single-stream blocks (the 2.1 model: 40)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--text_tokens", type=int, default=64, help="valid Qwen2.5-VL tokens of the caption")
-    p.add_argument("--resolution", type=int, default=256, help="image side (the VAE is 32x down, 1x1 patches)")
-    p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="base weights (fp32: CPUs without bf16)")
+    add_step_arguments(p, steps=3, resolution=256, resolution_help="image side (the VAE is 32x down, 1x1 patches)")
     a = p.parse_args()
-    torch.manual_seed(0)
-    dtype, device = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype], torch.device(a.device)
+    dtype, device = seeded_dtype_device(a)
 
     family = get_family("hunyuan_image")
     options = HunyuanImageOptions(flow=HunyuanImageFlowOptions(timestep_sampling="uniform"))
-    t0 = time.perf_counter()
-    transformer = build_transformer(a.double, a.single, dtype).to(device)
-    print(f"built the full-width HunyuanImage DiT with {a.double} double + {a.single} single blocks ({a.dtype}) in "
-          f"{time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    transformer = built(f"the full-width HunyuanImage DiT with {a.double} double + {a.single} single blocks "
+                        f"({a.dtype})", lambda: build_transformer(a.double, a.single, dtype).to(device))
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     pr = PRESETS["random:hunyuan_image"]
     latent = a.resolution // 32
     latents = torch.randn(1, LATENT_CHANNELS, latent, latent)
-    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
     vlm = torch.randn(a.text_tokens, pr.qwen_hidden)
     text = {"vlm_embed": F.pad(vlm, (0, 0, 0, QWEN_MAX_TOKENS - a.text_tokens)),
             "vlm_mask": F.pad(torch.ones(a.text_tokens, dtype=torch.long), (0, QWEN_MAX_TOKENS - a.text_tokens)),
             "byt5_embed": torch.zeros(BYT5_MAX_TOKENS, pr.byt5_d_model),
             "byt5_mask": torch.zeros(BYT5_MAX_TOKENS, dtype=torch.long), "ocr_mask": torch.tensor(False)}
-    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
     context = vlm[None].to(device, dtype)
     context_mask = torch.ones(1, a.text_tokens, dtype=torch.long, device=device)
     glyphs = torch.zeros(1, 1, pr.byt5_d_model, device=device, dtype=dtype)
     glyph_mask = torch.zeros(1, 1, dtype=torch.long, device=device)
 
-    def reference_step() -> None:
-        x0 = latents.to(device)
-        noise = torch.randn_like(x0)
-        sigma = torch.rand(1, device=device)
-        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+    def loss(noisy, sigma, noise, x0):
         out = transformer(hidden_states=noisy, timestep=(sigma * 1000).floor().to(dtype), encoder_hidden_states=context,
                           encoder_attention_mask=context_mask, encoder_hidden_states_2=glyphs,
                           encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
-        F.mse_loss(out.float(), (noise - x0).float()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return F.mse_loss(out.float(), (noise - x0).float())
 
-    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
-                                scheduler)
-
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-          f"({latent * latent} image + {a.text_tokens} + 1 text tokens), batch 1, {a.dtype}, {device}")
-    print_comparison(result)
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent} image + {a.text_tokens} + 1 text tokens), "
+                       f"batch 1, {a.dtype}, {device}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,18 +29,18 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import (  # noqa: E402
-    cached_text_step,
-    compare_steps,
-    denoiser_lora,
-    peak_rss_mib,
-    print_comparison,
+    add_step_arguments,
+    built,
+    compare_lora_steps,
+    frozen_in_dtype,
+    logit_normal_sigma,
+    lora_components,
+    seeded_dtype_device,
 )
 from library.families import get_family  # noqa: E402
 from library.families.sd3 import layout as sai  # noqa: E402
-from library.families.base import Components  # noqa: E402
 from library.families.sd3.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.sd3.options import SD3Options  # noqa: E402
-from library.families.common.tiny import build_seeded  # noqa: E402
 from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
 
 
@@ -51,69 +50,43 @@ def build_transformer(preset: str, blocks: int, dtype: torch.dtype):
 
     p = PRESETS[preset]
     p = dataclasses.replace(p, layers=blocks, dual_attention_layers=tuple(i for i in p.dual_attention_layers if i < blocks))
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = build_seeded(lambda: SD3Transformer2DModel(**transformer_config(p)), 0)
-    finally:
-        torch.set_default_dtype(previous)
-    return sai.to_sai_order(model.eval().requires_grad_(False))
+    return sai.to_sai_order(frozen_in_dtype(lambda: SD3Transformer2DModel(**transformer_config(p)), dtype))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="random:sd3-medium", choices=[n for n in PRESETS if n.startswith("random:")])
     p.add_argument("--blocks", type=int, default=2, help="joint blocks (SD3 medium: 24, SD3.5 large: 38)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (sd-scripts' default 256)")
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--dim", type=int, default=8)
-    p.add_argument("--device", default="cpu")
+    add_step_arguments(p, steps=4, resolution=64, dtype_option=False)
     a = p.parse_args()
-    torch.manual_seed(0)
-    dtype, device = torch.bfloat16, torch.device(a.device)
+    dtype, device = seeded_dtype_device(a)
 
     family = get_family("sd3")
     options = SD3Options(t5xxl_max_token_length=a.t5_tokens, flow=SD3FlowOptions(weighting_scheme="logit_normal"))
-    t0 = time.perf_counter()
-    transformer = build_transformer(a.preset, a.blocks, dtype).to(device)
-    print(f"built the {a.preset} MMDiT with {a.blocks} joint blocks (bf16) in {time.perf_counter() - t0:.1f}s, "
-          f"peak RSS {peak_rss_mib():.0f} MiB")
-    comps = Components(transformer, vae=None, text_encoders=[], tokenizers=[], options=options)
-    network, params, optimizer, scheduler = denoiser_lora(family, comps, transformer, a.dim, device)
+    transformer = built(f"the {a.preset} MMDiT with {a.blocks} joint blocks (bf16)",
+                        lambda: build_transformer(a.preset, a.blocks, dtype).to(device))
+    comps, lora = lora_components(family, transformer, options, a.dim, device)
 
     pr = PRESETS[a.preset]
     latent = a.resolution // 8
     latents = torch.randn(1, 16, latent, latent)
-    caption = "a photo of a sks dog sitting on a wooden chair, high quality"
     text = {"l_out": torch.randn(77, pr.clip_l_hidden), "l_pooled": torch.randn(pr.clip_l_hidden),
             "clip_l_attn_mask": torch.ones(77), "g_out": torch.randn(77, pr.clip_g_hidden),
             "g_pooled": torch.randn(pr.clip_g_hidden), "clip_g_attn_mask": torch.ones(77),
             "t5_out": torch.randn(a.t5_tokens, pr.t5_d_model), "t5_attn_mask": torch.ones(a.t5_tokens)}
-    batch = {"latents": latents, "captions": [caption], "loss_weights": torch.ones(1), "masks": None}
     lg = torch.cat([text["l_out"], text["g_out"]], dim=-1)
     context = torch.cat([F.pad(lg, (0, pr.t5_d_model - lg.shape[-1])), text["t5_out"]])[None].to(device, dtype)
     pooled = torch.cat([text["l_pooled"], text["g_pooled"]])[None].to(device, dtype)
 
-    def reference_step() -> None:
-        x0 = latents.to(device)
-        noise = torch.randn_like(x0)
-        sigma = torch.sigmoid(torch.randn(1, device=device))
-        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+    def loss(noisy, sigma, noise, x0):
         out = transformer(hidden_states=noisy, encoder_hidden_states=context, pooled_projections=pooled,
                           timestep=(sigma * 1000).to(dtype), return_dict=False)[0]
-        F.mse_loss(noisy.float() - sigma * out.float(), x0.float()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        return F.mse_loss(noisy.float() - sigma * out.float(), x0.float())
 
-    our_step = cached_text_step(family, comps, device, dtype, {caption: text}, batch, params, optimizer,
-                                scheduler)
-
-    result = compare_steps(reference_step, our_step, a.steps, a.warmup)
-    print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} "
-          f"({latent * latent // 4} image + {77 + a.t5_tokens} text tokens), batch 1, bf16, {device}")
-    print_comparison(result)
+    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
+                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {77 + a.t5_tokens} text "
+                       f"tokens), batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,118 @@ def cached_text_step(family, comps, device, dtype, text_cache: dict, batch: dict
                       loss=LossOptions(), device=device, weight_dtype=dtype, clip_skip=None, max_token_length=None,
                       train_text_encoder=False, autocast=contextlib.nullcontext, text_cache=text_cache)
     return trainer_step(ctx, batch, params, optimizer, scheduler)
+
+
+CAPTION = "a photo of a sks dog sitting on a wooden chair, high quality"
+
+
+def one_caption_batch(latents: torch.Tensor) -> dict:
+    """The batch both steps train on: `latents` (1, C, h, w) with CAPTION, unweighted, no masks."""
+    return {"latents": latents, "captions": [CAPTION], "loss_weights": torch.ones(1), "masks": None}
+
+
+def add_step_arguments(p, steps: int, resolution: int, resolution_help: str | None = None,
+                       dtype_option: bool = True) -> None:
+    """The options every denoiser step bench shares: --steps, --warmup, --resolution, --dim (LoRA rank),
+    --device and, with `dtype_option`, --dtype (bf16 or fp32 base weights; bf16 without it)."""
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--resolution", type=int, default=resolution, help=resolution_help)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    if dtype_option:
+        p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                       help="base weights (fp32: CPUs without bf16)")
+
+
+def seeded_dtype_device(a) -> tuple[torch.dtype, torch.device]:
+    """Seeds torch with 0 and returns (--dtype, bf16 where there is none, --device) of the parsed arguments."""
+    torch.manual_seed(0)
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[getattr(a, "dtype", "bf16")], torch.device(a.device)
+
+
+def frozen_in_dtype(factory: Callable[[], torch.nn.Module], dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """factory()'s model built with `seed` directly in `dtype` (no fp32 copy first), in eval mode, frozen."""
+    from library.families.common.tiny import build_seeded
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = build_seeded(factory, seed)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def built(what: str, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """build()'s model, after printing how long it took and the peak RSS so far."""
+    t0 = time.perf_counter()
+    model = build()
+    print(f"built {what} in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_mib():.0f} MiB")
+    return model
+
+
+def uniform_sigma(device) -> torch.Tensor:
+    return torch.rand(1, device=device)
+
+
+def logit_normal_sigma(device) -> torch.Tensor:
+    """σ = sigmoid(n), n standard normal (sd-scripts' "sigmoid" timestep sampling, SD3's logit_normal weighting)."""
+    return torch.sigmoid(torch.randn(1, device=device))
+
+
+def bare_flow_step(latents: torch.Tensor, device, dtype: torch.dtype, optimizer,
+                   loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                   draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma) -> Callable[[], None]:
+    """The bare reference step of a rectified-flow model: σ = draw_sigma(device), x_σ = (1 - σ)·x0 + σ·ε by hand
+    in `dtype`, loss(x_σ, σ, ε, x0) (the model's forward and its MSE), backward, optimizer step, zero_grad."""
+
+    def step() -> None:
+        x0 = latents.to(device)
+        noise = torch.randn_like(x0)
+        sigma = draw_sigma(device)
+        noisy = ((1 - sigma) * x0 + sigma * noise).to(dtype)
+        loss(noisy, sigma, noise, x0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str
+                      ) -> dict[str, tuple[float, float]]:
+    """compare_steps over --steps / --warmup, then `setup` (what was measured) and print_comparison's lines."""
+    result = compare_steps(reference, ours, a.steps, a.warmup)
+    print(setup)
+    print_comparison(result)
+    return result
+
+
+def lora_components(family, denoiser, options, dim: int, device):
+    """(Components of the denoiser alone with `options`, denoiser_lora's (network, params, optimizer, scheduler))."""
+    from library.families.base import Components
+
+    comps = Components(denoiser, vae=None, text_encoders=[], tokenizers=[], options=options)
+    return comps, denoiser_lora(family, comps, denoiser, dim, device)
+
+
+def compare_lora_steps(family, comps, lora: tuple, latents: torch.Tensor, text: dict, loss, a, dtype, device,
+                       setup: str, draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma,
+                       lora_on: str = "transformer") -> dict[str, tuple[float, float]]:
+    """bare_flow_step(loss) against the trainer's step (cached_text_step with CAPTION's `text` on
+    one_caption_batch(latents)), both training `lora`, then compare_and_print with "LoRA modules: N `lora_on`;
+    `setup`"; returns compare_steps' medians."""
+    network, params, optimizer, scheduler = lora
+    reference = bare_flow_step(latents, device, dtype, optimizer, loss, draw_sigma)
+    ours = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
+                            optimizer, scheduler)
+    return compare_and_print(reference, ours, a, f"LoRA modules: {len(network.unet_loras)} {lora_on}; {setup}")
+
+
+def llm_caption_text(tokens: int, hidden: int) -> dict:
+    """A cached LLM text output of `tokens` padded tokens (random second-to-last hidden states, zero ids), a quarter
+    of them the caption's (as most are), as the Z-Image and Lumina caches hold it."""
+    mask = torch.zeros(tokens, dtype=torch.long)
+    mask[: tokens // 4] = 1
+    return {"hidden_state": torch.randn(tokens, hidden), "input_ids": torch.zeros(tokens, dtype=torch.long),
+            "attention_mask": mask}
