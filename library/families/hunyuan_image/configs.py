@@ -16,15 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.qwen_vl import QWEN_REAL_VOCAB_SIZE, build_qwen_tokenizer, qwen_config
+from library.families.common.tiny import build_seeded
 
 LATENT_CHANNELS = 64
 VAE_SCALE_FACTOR = 32
 LATENT_SCALING_FACTOR = 0.75289  # sd-scripts' hunyuan_image_vae.LATENT_SCALING_FACTOR
 PRESET_SEED = 20250909
-QWEN_TOKENIZER_REPO = "Qwen/Qwen2.5-VL-7B-Instruct"  # the tokenizer sd-scripts' strategy uses
-QWEN_REAL_VOCAB_SIZE = 152064
-QWEN_PAD, QWEN_IM_START, QWEN_IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BYT5_REAL_VOCAB_SIZE = 384  # google/byt5-small before the glyph tokens
 # The glyph byT5's extra tokens, in sd-scripts' order (Glyph-SDXL-v2): 138 colours, then the fonts of each language
 # numbered from 0.
@@ -89,19 +87,6 @@ def vae_config(channels: tuple[int, ...], layers_per_block: int) -> dict:
                 scaling_factor=LATENT_SCALING_FACTOR)
 
 
-def qwen_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
-                mrope_section: tuple[int, int, int]):
-    """transformers' Qwen2.5-VL text config (the language model sd-scripts loads) at the given sizes."""
-    from transformers import Qwen2_5_VLTextConfig
-
-    return Qwen2_5_VLTextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
-                                rope_scaling={"type": "default", "mrope_section": list(mrope_section)},
-                                rope_theta=1000000.0, use_cache=False, bos_token_id=None, eos_token_id=None,
-                                pad_token_id=None)
-
-
 def byt5_config(d_model: int, d_ff: int, d_kv: int, heads: int, layers: int, vocab: int):
     """transformers.T5Config of byt5-small's shape (gated GELU) at the given sizes."""
     from transformers import T5Config
@@ -125,24 +110,6 @@ def build_byt5_tokenizer():
 
     tokenizer = ByT5Tokenizer()
     tokenizer.add_tokens(glyph_tokens(), special_tokens=True)
-    return tokenizer
-
-
-def build_qwen_tokenizer():
-    """A small local tokenizer in Qwen2.5's shape: byte-level BPE, no BOS, <|endoftext|> pads, the chat markers
-    <|im_start|> / <|im_end|> as single tokens, right padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab, merges = tiny_vocab_and_merges()
-    tokens = {t: i for i, t in enumerate(t for t in vocab if not t.endswith("</w>") and not t.startswith("<|"))}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=QWEN_IM_END, pad_token=QWEN_PAD,
-                                        additional_special_tokens=[QWEN_IM_START], model_max_length=131072)
-    tokenizer.padding_side = "right"
     return tokenizer
 
 

@@ -23,16 +23,14 @@ import torch
 from library.core.safetensors_io import write_safetensors
 from library.families.hunyuan_image import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.qwen_vl import load_qwen_vl
 from library.families.common.loading import adopt, read_file
 from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     PRESETS,
-    QWEN_TOKENIZER_REPO,
     build_byt5_tokenizer,
     build_hunyuan_image_modules,
-    build_qwen_tokenizer,
     byt5_config,
-    qwen_config,
     transformer_config,
     vae_config,
 )
@@ -70,65 +68,6 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
                          text_embed_2_dim=shape["byt5_dim"], rope_axes_dim=(head_dim // 2, head_dim // 2))
     state = layout.to_diffusers(tensors, shape["hidden"])
     return adopt(label, path, lambda: HunyuanImageTransformer2DModel(**config), state)
-
-
-def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
-    """(Qwen2_5_VLTextModel, tokenizer) from --text_encoder: one file (`model.*` keys) or a transformers folder."""
-    from transformers import (
-        AutoTokenizer,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLTextModel,
-    )
-
-    label = "--text_encoder"
-    if os.path.isdir(path):
-        try:
-            whole = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{label} {path}: not a Qwen2.5-VL folder ({str(e).splitlines()[0][:200]})") from None
-        tokenizer.padding_side = "right"
-        return whole.model.language_model.eval(), tokenizer
-    raw = read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
-                     lambda keys: any(re.match(r"model\.layers\.0\.self_attn\.q_proj\.bias", k) for k in keys), dtype)
-    tensors = {k[len("model."):]: v for k, v in raw.items() if k.startswith("model.")}
-    try:
-        vocab, hidden = tensors["embed_tokens.weight"].shape
-        q, k = tensors["layers.0.self_attn.q_proj.weight"].shape[0], tensors["layers.0.self_attn.k_proj.weight"].shape[0]
-        # Qwen2.5-VL-7B: 28 heads of 128; the tiny preset: 2 heads of 16 (read as q width / 128, or 16 when small)
-        head_dim = 128 if q % 128 == 0 and k % 128 == 0 else 16
-        # multimodal RoPE sections (16, 24, 24 of 64 for the 7B); text-only input gives all three the same positions
-        half = head_dim // 2
-        mrope = (half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8)
-        config = qwen_config(hidden, tensors["layers.0.mlp.gate_proj.weight"].shape[0],
-                             len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
-                             q // head_dim, k // head_dim, vocab, mrope)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Qwen2.5-VL, no tensor for model.{e.args[0]}") from None
-    model = adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
-    return model, find_qwen_tokenizer(vocab, tokenizer_cache_dir, path)
-
-
-def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
-    """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
-    tiny = build_qwen_tokenizer()
-    if vocab_size == len(tiny):
-        return tiny
-    sources = []
-    if tokenizer_cache_dir:
-        sources.append(os.path.join(tokenizer_cache_dir, QWEN_TOKENIZER_REPO.replace("/", "_")))
-    sources.append(QWEN_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
-        tokenizer.padding_side = "right"
-        return tokenizer
-    raise ModelLoadError(f"--text_encoder {path}: the {QWEN_TOKENIZER_REPO} tokenizer is not cached locally; pass "
-                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN_TOKENIZER_REPO.replace('/', '_')})")
 
 
 def load_byt5(path: str, dtype: torch.dtype):
@@ -186,7 +125,7 @@ def load_components(opts: LoadOptions, options) -> Components:
     if kind == "single_file":
         check_model_source(path, options, opts.vae, need_vae=False)
         transformer = load_dit_file(path, opts.dtype)
-        qwen, qwen_tok = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+        qwen, qwen_tok = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
         byt5, byt5_tok = load_byt5(options.byt5, opts.dtype)
         vae = load_vae_file(opts.vae, opts.vae_dtype) if opts.vae else None  # the LoRA tools need no VAE
     else:
@@ -194,7 +133,7 @@ def load_components(opts: LoadOptions, options) -> Components:
         transformer, vae = parts["transformer"], parts["vae"]
         qwen, qwen_tok, byt5, byt5_tok = parts["qwen"], parts["qwen_tokenizer"], parts["byt5"], parts["byt5_tokenizer"]
         if options.text_encoder:
-            qwen, qwen_tok = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+            qwen, qwen_tok = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
         if options.byt5:
             byt5, byt5_tok = load_byt5(options.byt5, opts.dtype)
         if opts.vae:

@@ -13,15 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.qwen_vl import QWEN_REAL_VOCAB_SIZE, build_qwen_tokenizer, qwen_config
+from library.families.common.tiny import build_seeded
 
 LATENT_CHANNELS = 16
 VAE_SCALE_FACTOR = 8
 PATCH = 2  # latents are packed in 2x2 patches: sizes are multiples of 16 pixels
 PRESET_SEED = 20250804
-QWEN_TOKENIZER_REPO = "Qwen/Qwen2.5-VL-7B-Instruct"
-QWEN_REAL_VOCAB_SIZE = 152064
-QWEN_PAD, QWEN_IM_START, QWEN_IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # diffusers' AutoencoderKLQwenImage defaults (Qwen/Qwen-Image vae/config.json)
 LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
@@ -76,37 +74,6 @@ def vae_config(base_dim: int, dim_mult: tuple[int, ...], res_blocks: int) -> dic
     return dict(base_dim=base_dim, z_dim=LATENT_CHANNELS, dim_mult=list(dim_mult), num_res_blocks=res_blocks,
                 attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0,
                 latents_mean=list(LATENTS_MEAN), latents_std=list(LATENTS_STD))
-
-
-def qwen_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int,
-                mrope_section: tuple[int, int, int]):
-    """transformers' Qwen2.5-VL text config (the language model the pipeline reads) at the given sizes."""
-    from transformers import Qwen2_5_VLTextConfig
-
-    return Qwen2_5_VLTextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
-                                rope_scaling={"type": "default", "mrope_section": list(mrope_section)},
-                                rope_theta=1000000.0, use_cache=False, bos_token_id=None, eos_token_id=None,
-                                pad_token_id=None)
-
-
-def build_qwen_tokenizer():
-    """A small local tokenizer in Qwen2.5's shape: byte-level BPE, no BOS, <|endoftext|> pads, the chat markers
-    <|im_start|> / <|im_end|> as single tokens, right padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab, merges = tiny_vocab_and_merges()
-    tokens = {t: i for i, t in enumerate(t for t in vocab if not t.endswith("</w>") and not t.startswith("<|"))}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=QWEN_IM_END, pad_token=QWEN_PAD,
-                                        additional_special_tokens=[QWEN_IM_START], model_max_length=131072)
-    tokenizer.padding_side = "right"
-    return tokenizer
 
 
 def build_qwen_image_modules(name: str, device: str | torch.device = "cpu") -> dict:

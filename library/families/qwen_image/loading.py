@@ -23,6 +23,7 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.qwen_vl import load_qwen_vl
 from library.families.common.loading import adopt, classify_source, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.qwen_image import layout
@@ -30,10 +31,7 @@ from library.families.qwen_image.configs import (
     LATENT_CHANNELS,
     PATCH,
     PRESETS,
-    QWEN_TOKENIZER_REPO,
     build_qwen_image_modules,
-    build_qwen_tokenizer,
-    qwen_config,
     vae_config,
 )
 
@@ -76,57 +74,6 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
         raise ModelLoadError(f"{label} {path}: expected the Qwen-Image DiT ({LATENT_CHANNELS * 4} img_in inputs), "
                              f"found {inputs}")
     return adopt(label, path, lambda: QwenImageTransformer2DModel(**config), tensors)
-
-
-def load_qwen(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
-    """(Qwen2_5_VLTextModel, tokenizer) from --text_encoder: one file (`model.*` keys) or a transformers folder."""
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextModel
-
-    label = "--text_encoder"
-    if os.path.isdir(path):
-        try:
-            whole = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, torch_dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{label} {path}: not a Qwen2.5-VL folder ({str(e).splitlines()[0][:200]})") from None
-        tokenizer.padding_side = "right"
-        return whole.model.language_model.eval(), tokenizer
-    raw = read_file(label, path, "a Qwen2.5-VL text encoder (model.layers.* keys)",
-                    lambda keys: "model.layers.0.self_attn.q_proj.bias" in keys, dtype)
-    tensors = {k[len("model."):]: v for k, v in raw.items() if k.startswith("model.")}
-    try:
-        vocab, hidden = tensors["embed_tokens.weight"].shape
-        q, k = tensors["layers.0.self_attn.q_proj.weight"].shape[0], tensors["layers.0.self_attn.k_proj.weight"].shape[0]
-        head_dim = 128 if q % 128 == 0 and k % 128 == 0 else 16  # the 7B: 28 heads of 128; the tiny one: 16
-        half = head_dim // 2
-        mrope = (half // 4, 3 * half // 8, half - half // 4 - 3 * half // 8)
-        config = qwen_config(hidden, tensors["layers.0.mlp.gate_proj.weight"].shape[0],
-                             len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
-                             q // head_dim, k // head_dim, vocab, mrope)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Qwen2.5-VL, no tensor for model.{e.args[0]}") from None
-    model = adopt(label, path, lambda: Qwen2_5_VLTextModel(config), tensors)
-    return model, find_qwen_tokenizer(vocab, tokenizer_cache_dir, path)
-
-
-def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
-    """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
-    tiny = build_qwen_tokenizer()
-    if vocab_size == len(tiny):
-        return tiny
-    sources = [os.path.join(tokenizer_cache_dir, QWEN_TOKENIZER_REPO.replace("/", "_"))] if tokenizer_cache_dir else []
-    sources.append(QWEN_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
-        tokenizer.padding_side = "right"
-        return tokenizer
-    raise ModelLoadError(f"--text_encoder {path}: the {QWEN_TOKENIZER_REPO} tokenizer is not cached locally; pass "
-                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN_TOKENIZER_REPO.replace('/', '_')})")
 
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
@@ -174,7 +121,7 @@ def load_components(opts: LoadOptions, options) -> Components:
     if kind == "single_file":
         check_model_source(path, options, opts.vae, need_vae=False)
         transformer = load_dit_file(path, opts.dtype)
-        qwen, tokenizer = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+        qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
     elif kind == "diffusers":
         try:
             transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer",
@@ -182,7 +129,7 @@ def load_components(opts: LoadOptions, options) -> Components:
             vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=opts.vae_dtype).eval()
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{path}: unreadable Qwen-Image folder ({str(e).splitlines()[0][:200]})") from None
-        qwen, tokenizer = load_qwen(options.text_encoder or os.path.join(path, "text_encoder"), opts.dtype,
+        qwen, tokenizer = load_qwen_vl(options.text_encoder or os.path.join(path, "text_encoder"), opts.dtype,
                                     opts.tokenizer_cache_dir)
         if not options.text_encoder:
             from transformers import AutoTokenizer
@@ -193,7 +140,7 @@ def load_components(opts: LoadOptions, options) -> Components:
         parts = build_qwen_image_modules(path)
         transformer, vae, qwen, tokenizer = parts["transformer"], parts["vae"], parts["qwen"], parts["qwen_tokenizer"]
         if options.text_encoder:
-            qwen, tokenizer = load_qwen(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+            qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
     if opts.vae:
         vae = load_vae_file(opts.vae, opts.vae_dtype)
     if opts.from_scratch:
