@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 
@@ -63,9 +64,18 @@ def test_log_with_all_writes_wandb_offline_with_tensorboard_names(tmp_path, monk
     assert run_training("sd", "t", argv) == 0, capsys.readouterr().err
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # set from --wandb_api_key during the run
 
-    runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    # wandb's offline writer (its own service process) may still be flushing the log after finish() returns on a
+    # loaded machine (seen in CI: the file without its run record yet), so wait for the run record a while
+    deadline, records = time.monotonic() + 60, []
+    while True:
+        runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+        assert len(runs) <= 1
+        records = _wandb_records(runs[0]) if runs else []
+        kinds = {r.WhichOneof("record_type") for r in records}
+        if {"run", "history", "exit"} <= kinds or time.monotonic() > deadline:  # "exit": finish() was written
+            break
+        time.sleep(0.5)
     assert len(runs) == 1
-    records = _wandb_records(runs[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.display_name, run.project, list(run.tags), run.notes) == ("myrun", "proj", ["nightly"], "flag audit")
     config = {i.key: i.value_json for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
