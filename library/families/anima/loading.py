@@ -34,7 +34,7 @@ from library.families.anima.configs import (
 )
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.t5 import find_t5_tokenizer
-from library.families.common.loading import adopt, read_file
+from library.families.common.loading import adopt, cached_tokenizer, read_file
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
 
@@ -140,22 +140,13 @@ def _padded(tokenizer):
 
 def find_qwen3_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
     """The tiny tokenizer for the tiny encoder, else Qwen3's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
     tiny = build_qwen3_tokenizer()
     if vocab_size == len(tiny):
         return tiny
-    sources = []
-    if tokenizer_cache_dir:
-        sources.append(os.path.join(tokenizer_cache_dir, QWEN3_TOKENIZER_REPO.replace("/", "_")))
-    sources.append(QWEN3_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
-        if 0 < len(tokenizer) <= vocab_size:  # Qwen3's embedding is padded past its vocabulary
-            return _padded(tokenizer)
+    # Qwen3's embedding is padded past its vocabulary
+    tokenizer = cached_tokenizer(QWEN3_TOKENIZER_REPO, tokenizer_cache_dir, lambda t: 0 < len(t) <= vocab_size)
+    if tokenizer is not None:
+        return _padded(tokenizer)
     raise ModelLoadError(f"--qwen3 {path}: the {QWEN3_TOKENIZER_REPO} tokenizer is not cached locally; pass "
                          f"--tokenizer_cache_dir with a saved copy (folder {QWEN3_TOKENIZER_REPO.replace('/', '_')}), "
                          f"or give --qwen3 as a Qwen3 folder")

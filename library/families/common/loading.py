@@ -308,3 +308,17 @@ def upcast_float8(checkpoint: Mapping[str, torch.Tensor], dtype: torch.dtype = t
     return out
 
 
+def cached_tokenizer(repo: str, tokenizer_cache_dir: Optional[str], accept: Callable[[Any], bool] = lambda t: True):
+    """`repo`'s tokenizer from --tokenizer_cache_dir (its folder `<owner>_<name>`) or the local Hugging Face cache,
+    the first that loads and that `accept` takes; None when neither has it (nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    sources = [os.path.join(tokenizer_cache_dir, repo.replace("/", "_"))] if tokenizer_cache_dir else []
+    for source in sources + [repo]:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
+            continue
+        if accept(tokenizer):
+            return tokenizer
+    return None

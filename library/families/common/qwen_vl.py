@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from library.families.base import ModelLoadError
-from library.families.common.loading import adopt, read_file
+from library.families.common.loading import adopt, cached_tokenizer, read_file
 from library.families.common.tiny import tiny_vocab_and_merges
 
 QWEN_TOKENIZER_REPO = "Qwen/Qwen2.5-VL-7B-Instruct"  # the tokenizer sd-scripts' strategy uses
@@ -86,18 +86,11 @@ def load_qwen_vl(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[st
 
 def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
     """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
     tiny = build_qwen_tokenizer()
     if vocab_size == len(tiny):
         return tiny
-    sources = [os.path.join(tokenizer_cache_dir, QWEN_TOKENIZER_REPO.replace("/", "_"))] if tokenizer_cache_dir else []
-    sources.append(QWEN_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
+    tokenizer = cached_tokenizer(QWEN_TOKENIZER_REPO, tokenizer_cache_dir)
+    if tokenizer is not None:
         tokenizer.padding_side = "right"
         return tokenizer
     raise ModelLoadError(f"--text_encoder {path}: the {QWEN_TOKENIZER_REPO} tokenizer is not cached locally; pass "

@@ -24,7 +24,7 @@ from library.families.common import ldm_layout as ldm
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.autoencoder import load_ae_file
-from library.families.common.loading import adopt, read_file
+from library.families.common.loading import adopt, cached_tokenizer, read_file
 from library.families.common.loading import classify_source
 from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
@@ -118,20 +118,11 @@ def load_gemma2(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str
 
 def find_gemma2_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
     """The tiny tokenizer for the tiny encoder, else Gemma-2's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
     tiny = build_gemma2_tokenizer()
     if vocab_size == len(tiny):
         return tiny
-    sources = []
-    if tokenizer_cache_dir:
-        sources.append(os.path.join(tokenizer_cache_dir, GEMMA2_TOKENIZER_REPO.replace("/", "_")))
-    sources.append(GEMMA2_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
+    tokenizer = cached_tokenizer(GEMMA2_TOKENIZER_REPO, tokenizer_cache_dir)
+    if tokenizer is not None:
         tokenizer.padding_side = "right"
         return tokenizer
     raise ModelLoadError(f"--gemma2 {path}: the {GEMMA2_TOKENIZER_REPO} tokenizer is not cached locally; pass "

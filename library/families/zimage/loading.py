@@ -26,7 +26,7 @@ from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common import ldm_layout as ldm
 from library.families.common.autoencoder import load_ae_file
-from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
+from library.families.common.loading import adopt, cached_tokenizer, classify_source, load_folder_parts, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
 from library.families.zimage.configs import (
@@ -111,20 +111,11 @@ def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str]
 
 def find_qwen3_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
     """The tiny tokenizer for the tiny encoder, else Qwen3's from --tokenizer_cache_dir or the local HF cache."""
-    from transformers import AutoTokenizer
-
     tiny = build_qwen3_tokenizer()
     if vocab_size == len(tiny):
         return tiny
-    sources = []
-    if tokenizer_cache_dir:
-        sources.append(os.path.join(tokenizer_cache_dir, QWEN3_TOKENIZER_REPO.replace("/", "_")))
-    sources.append(QWEN3_TOKENIZER_REPO)
-    for source in sources:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        except Exception:  # noqa: BLE001 - not cached / unreadable: try the next place
-            continue
+    tokenizer = cached_tokenizer(QWEN3_TOKENIZER_REPO, tokenizer_cache_dir)
+    if tokenizer is not None:
         tokenizer.padding_side = "right"
         return tokenizer
     raise ModelLoadError(f"--qwen3 {path}: the {QWEN3_TOKENIZER_REPO} tokenizer is not cached locally; pass "
