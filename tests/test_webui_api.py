@@ -990,8 +990,12 @@ def test_sample_now_save_now_stop_and_generate_on_a_real_tiny_job(client, jobs_d
     assert len(trained) == 1 and trained[0]["name"].startswith("lora-step"), trained
     saved_step = int(trained[0]["name"][len("lora-step"):-len(".safetensors")])
     samples = client.get("/api/jobs/1/samples").json()
+    sample_step = samples[0]["step"]
     assert sorted(((x["step"], x["prompt_index"], x["prompt"], x["grid"]) for x in samples), key=str) == [
-        (saved_step, 0, "a sks shape", False), (saved_step, None, None, True)]  # sampled and saved at one step
+        (sample_step, 0, "a sks shape", False), (sample_step, None, None, True)]
+    # the two requests are two files the run takes at its next step each: the same step, or the next one when a
+    # step boundary fell between the two POSTs (a tiny step takes ~0.1 s; seen in a full run)
+    assert 0 <= abs(saved_step - sample_step) <= 1, (saved_step, sample_step)
     assert not os.listdir(os.path.join(output, CONTROL_DIR))  # the requests were taken
 
     shown = client.get("/api/jobs/1/status").json()["progress"]["step"]
