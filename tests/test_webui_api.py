@@ -174,7 +174,9 @@ def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
 
 def test_tensorboard_launch_and_stop(client, jobs_dir):
     _create(client)
-    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None}
+    logdir = os.path.join(os.path.realpath(jobs_dir), "1", "output", "logs")
+    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None,
+                                                          "logdir": logdir, "command": f"tensorboard --logdir {logdir}"}
     tb = client.post("/api/jobs/1/tensorboard").json()
     try:
         assert tb["running"] and tb["url"].startswith("http://127.0.0.1:")
@@ -183,6 +185,43 @@ def test_tensorboard_launch_and_stop(client, jobs_dir):
     finally:
         assert client.delete("/api/jobs/1/tensorboard").json()["status"] == "Not running"
     assert not os.path.exists(f"/proc/{tb['pid']}") or open(f"/proc/{tb['pid']}/stat").read().split()[2] == "Z"
+
+
+def test_open_folder_only_for_a_browser_on_the_same_machine(jobs_dir, tmp_path, monkeypatch):
+    """Job Maintenance's "Open folder": the server hands the job's folder to the desktop's opener (xdg-open here, a
+    stand-in that records its argument) for a request from a loopback address; from another machine, without a
+    desktop session or without an opener it answers 409 with the reason and runs nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "opened.txt"
+    opener = bin_dir / "xdg-open"
+    opener.write_text(f"#!/bin/sh\nprintf '%s' \"$1\" > {record}\n")
+    opener.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("DISPLAY", ":0")
+    local = TestClient(create_app(jobs_dir), client=("127.0.0.1", 50000))
+    _create(local)
+    r = local.post("/api/jobs/1/open_folder")
+    assert r.status_code == 200
+    folder = os.path.join(os.path.realpath(jobs_dir), "1")
+    assert r.json() == {"opened": folder}
+    for _ in range(100):
+        if record.exists() and record.read_text():
+            break
+        time.sleep(0.05)
+    assert record.read_text() == folder
+    record.unlink()
+    remote = TestClient(create_app(jobs_dir), client=("192.168.1.7", 50000))
+    r = remote.post("/api/jobs/1/open_folder")
+    assert r.status_code == 409 and "only from a browser on the same machine" in r.json()["detail"]
+    monkeypatch.delenv("DISPLAY")
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    r = local.post("/api/jobs/1/open_folder")
+    assert r.status_code == 409 and r.json()["detail"] == \
+        "the server has no desktop session (DISPLAY / WAYLAND_DISPLAY are not set)"
+    assert local.post("/api/jobs/9/open_folder").status_code == 404
+    time.sleep(0.2)
+    assert not record.exists()
 
 
 def test_folder_picker_and_dataset_paths_stay_inside_the_roots(jobs_dir, tmp_path):
@@ -744,7 +783,8 @@ def test_every_path_valued_trainer_flag_is_classified_by_the_web_ui():
         "wandb_api_key", "wandb_run_name", "weighting_scheme", "base_model_precision", "text_encoder_precision",
         "console_log_level", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
         "huggingface_repo_visibility", "huggingface_token", "metadata_is_negative_embedding", "metadata_merged_from",
-        "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype"}
+        "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype",
+        "ddp_backend"}
     classified = set(folders.NAME_KEYS + folders.JOB_FOLDER_KEYS + folders.READ_PATH_KEYS + MANAGED_KEYS)
     text_flags = set()
     from library.families import family_names
@@ -926,6 +966,12 @@ def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch
         "field": "pretrained_model_name_or_path"}
     r = _put_config(c, tiny["id"], "network", "network_weights", "examples/nope.safetensors")
     assert r.status_code == 422 and r.json()["detail"]["field"] == "network_weights"
+    # the Multi-GPU backend choice: NCCL on a machine without CUDA is refused at its field, Gloo is taken
+    r = _put_config(c, tiny["id"], "distributed", "ddp_backend", "nccl")
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "--ddp_backend nccl: needs CUDA GPUs (none found); use gloo (or auto)", "field": "ddp_backend",
+        "where": None}
+    assert _put_config(c, tiny["id"], "distributed", "ddp_backend", "gloo").status_code == 200
     check = c.get(f"/api/jobs/{tiny['id']}/check").json()
     assert check["ok"] is True and check["placeholders"] == []
     assert check["run_length"]["governs"] == "max_train_steps"

@@ -147,7 +147,7 @@ class Trainer(TrainingLoop):
                 raise UserError(f"DeepSpeed ({self.zero.describe()}): {why}")
         fsdp = FsdpSettings.from_env() if self.zero is None else None  # read first: a bad FSDP_* value stops here
         with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
-            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
+            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_backend)
         n = self.accelerator.num_processes
         if n > 1:
             self._agree_on_seed()

@@ -324,6 +324,8 @@ function showTensorBoard(tb) {
   if (tb.url) $("tb-link").href = tb.url;
   $("tb-start").disabled = tb.running;
   $("tb-stop").disabled = !tb.running;
+  $("tb-logdir").textContent = tb.logdir || "";
+  $("tb-command").textContent = tb.command || "";
 }
 async function loadTensorBoard() {
   if (current) showTensorBoard(await api("GET", `/api/jobs/${current.id}/tensorboard`));
@@ -537,6 +539,12 @@ function init() {
     const r = await api("DELETE", `/api/jobs/${current.id}/tensorboard_events?confirm=yes`);
     $("events-msg").textContent = `${r.deleted} event file(s) deleted`;
   }));
+  $("open-folder-btn").addEventListener("click", async () => {
+    try {
+      const r = await api("POST", `/api/jobs/${current.id}/open_folder`);
+      $("open-folder-msg").textContent = `opened ${r.opened}`;
+    } catch (e) { $("open-folder-msg").textContent = e.message; }  // e.g. the browser is on another machine
+  });
   $("tb-start").addEventListener("click", () => action(async () => {
     showTensorBoard(await api("POST", `/api/jobs/${current.id}/tensorboard`));
   }));
