@@ -1237,3 +1237,50 @@ def test_a_flag_added_to_a_flags_dataclass_is_described_without_ui_code(client, 
                     "aliases": [], "takes_value": True, "many": False}]
     form = open(os.path.join(REPO_ROOT, "webui", "static", "form.js")).read()
     assert "network_dim|Dim (rank)" in form and '"int"' not in form.split("const LAYOUT")[1].split("];")[0]
+
+
+# --- issue 29: captioning from the page ------------------------------------------------------------------------
+
+from tests.test_finetune_tools import tiny_wd14  # noqa: E402,F401  (the fixture: a tiny ONNX WD14 tagger)
+
+
+def test_captioning_from_the_page_writes_the_tags_of_the_toolkits_tagger(jobs_dir, tmp_path, tiny_wd14):  # noqa: F811
+    """POST /api/captioning runs finetune/tag_images_by_wd14_tagger.py (the tiny tagger at 0.6: red -> red_hair, ^_^;
+    blue -> blue_sky, some_char) on a folder inside the data roots; GET follows it to the caption files. A folder
+    outside the roots is 403, a missing model 422 at its field, a wrong captioner 422; an existing caption is left
+    alone unless overwrite is asked."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    pics = data / "pics"
+    pics.mkdir(parents=True)
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(pics / "red.png")
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(pics / "blue.png")
+    (pics / "blue.txt").write_text("mine\n")
+    c = TestClient(create_app(jobs_dir, data_roots=[str(data), tiny_wd14]))
+    assert [k["name"] for k in c.get("/api/captioners").json()] == ["wd14", "blip", "git"]
+    body = {"folder": str(pics), "captioner": "wd14", "model": tiny_wd14, "threshold": 0.6}
+    r = c.post("/api/captioning", json=body)
+    assert r.status_code == 202, r.text
+    task = r.json()
+    assert task["status"] == "running" and task["extension"] == ".txt" and task["images"] == 2
+    assert "--skip_existing" in task["command"] and task["command"][1].endswith("tag_images_by_wd14_tagger.py")
+    assert c.app.state.ctx.captioning.wait(task["id"], 120) == "finished", c.get(f"/api/captioning/{task['id']}").json()
+    done = c.get(f"/api/captioning/{task['id']}").json()
+    assert done["captions"] == 2 and done["exit_code"] == 0
+    assert (pics / "red.txt").read_text() == "red_hair, ^_^\n"
+    assert (pics / "blue.txt").read_text() == "mine\n"  # skipped: it had a caption
+    r = c.post("/api/captioning", json={**body, "overwrite": True})
+    assert c.app.state.ctx.captioning.wait(r.json()["id"], 120) == "finished"
+    assert (pics / "blue.txt").read_text() == "blue_sky, some_char\n"
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    r = c.post("/api/captioning", json={**body, "folder": str(outside)})
+    assert r.status_code == 403 and r.json()["detail"]["field"] == "folder"
+    r = c.post("/api/captioning", json={**body, "model": str(data / "nope")})
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": f"model {data / 'nope'}: no such file or folder on the server", "field": "model"}
+    assert c.post("/api/captioning", json={**body, "captioner": "llava"}).status_code == 422
+    assert c.post("/api/captioning", json={**body, "caption_extension": "../x"}).status_code == 422
+    assert c.get("/api/captioning/99").status_code == 404

@@ -18,10 +18,13 @@ OPENERS = {"darwin": "open"}  # everything else but Windows: xdg-open
 
 
 def is_loopback(host: Optional[str]) -> bool:
+    """Whether `host` (an address, or "localhost") is this machine's loopback (the server's bind check too)."""
+    if host == "localhost":
+        return True
     try:
         return host is not None and ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        return False
 
 
 def opener_problem(client_host: Optional[str], platform: str = sys.platform, environ=os.environ) -> Optional[str]:
