@@ -59,7 +59,7 @@ def caption_command(captioner: str, folder: str, model: str, extension: Optional
 def count_captions(folder: str, extension: str, recursive: bool) -> int:
     """Caption files with `extension` in `folder` (and its subfolders with `recursive`)."""
     total = 0
-    for here, dirs, files in os.walk(folder):
+    for _here, dirs, files in os.walk(folder):
         dirs[:] = [d for d in dirs if not d.startswith(".")] if recursive else []
         total += sum(1 for f in files if f.endswith(extension))
     return total
