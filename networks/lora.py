@@ -107,7 +107,10 @@ class LoRANetwork(nn.Module):
             self.add_module(lora.lora_name, lora)
         logger.info("LoRA modules: %d text encoder, %d unet", len(self.text_encoder_loras), len(self.unet_loras))
         ggpo_args = getattr(rules, "ggpo", None)  # (sigma, beta): the family's rules with ggpo_sigma / ggpo_beta
-        self.ggpo = ggpo_args is not None and modules_dim is None
+        self.ggpo = ggpo_args is not None  # also on a network shaped by a file (--dim_from_weights): train-only
+        if modules_dim is not None and getattr(rules, "split_qkv", False):
+            logger.warning("split_qkv: the modules come from a file (--dim_from_weights), which holds each fused "
+                           "layer as one LoRA; they train as such, not split")
         if self.ggpo:
             count = ggpo.attach(self.text_encoder_loras + self.unet_loras, *ggpo_args)
             logger.info("LoRA-GGPO training sigma: %g beta: %g (%d modules)", *ggpo_args, count)

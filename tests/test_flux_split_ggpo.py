@@ -167,3 +167,16 @@ def test_ggpo_run_differs_and_saves_the_same_keys(tmp_path):
     assert all(ggpo[k].shape == plain[k].shape and ggpo[k].dtype == plain[k].dtype for k in plain)
     differing = [k for k in plain if not torch.equal(plain[k], ggpo[k])]
     assert len(differing) > len(plain) // 2
+
+
+def test_ggpo_and_split_with_a_file_shaped_network(tiny_flux, caplog):
+    """--dim_from_weights: GGPO still attaches (train-only); split_qkv warns that the file's fused modules train
+    unsplit."""
+    c = tiny_flux
+    sd = _net(c).state_dict()
+    net, _ = create_network_from_weights(1.0, None, None, c.text_encoders, c.denoiser, weights_sd=sd,
+                                         lora_targets=get_family("flux").lora_targets(c), ggpo_sigma="0.1",
+                                         ggpo_beta="0.1", split_qkv="True")
+    assert net.ggpo and all(lora.ggpo is not None for lora in net.unet_loras)
+    assert not any(getattr(lora, "split", False) for lora in net.unet_loras)
+    assert "split_qkv: the modules come from a file" in caplog.text
