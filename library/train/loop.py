@@ -181,7 +181,8 @@ class TrainingLoop:
                 self.step_module.step(self.lr_scheduler)
             else:
                 optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                               getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_))
+                               getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_),
+                               before_step=self.trainable.before_optimizer_step if clip else None)
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)
