@@ -256,7 +256,15 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
             train_part, val_part = split_for_validation(good, sub.validation_split, seed_for_split)
             train += [(add_sample(img, size, di, si, sub, sub.num_repeats), sub.num_repeats) for img, size in train_part]
             val += [(add_sample(img, size, di, si, sub, 1, is_val=True), 1) for img, size in val_part]
-        control_counts = sorted({len(s.control_paths) for s, _ in train + val} | {len(i.control_paths) for i, *_ in reg_found})
+        # (an image of a control_directory subset without controls is a problem of its own, named above)
+        control_counts = sorted({len(s.control_paths) for s, _ in train + val if s.control_paths or
+                                 not subsets[s.subset].control_directory}
+                                | {len(i.control_paths) for i, _, _, sub in reg_found if i.control_paths or
+                                   not sub.control_directory})
+        if control_counts and control_counts[-1] > family.max_control_images:
+            takes = f"at most {family.max_control_images}" if family.max_control_images else "none"
+            problems.append(f"{source}{ds.where}: {control_counts[-1]} control image(s) per image (control_directory), "
+                            f"but this model takes {takes}" + (f"; {family.control_hint}" if family.control_hint else ""))
         if len(control_counts) > 1:  # a batch stacks its samples' controls (library/data/control_images.py)
             problems.append(f"{source}{ds.where}: every image of a dataset needs the same number of control images "
                             f"(control_directory); found {control_counts}")

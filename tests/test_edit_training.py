@@ -1,0 +1,123 @@
+"""Edit / reference-image training: control_directory datasets, FLUX.1 Kontext (issue 25)."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from library.core.errors import DataError
+from library.data.control_images import find_controls
+from library.families.flux import family as flux_family
+from tests.train_helpers import assert_close_measured, base_args, make_trainer
+
+
+def make_edit_dataset(root: str, n: int = 2, controls: int = 1) -> str:
+    """`root/edit.toml`: a subset of n target images (64x64) and .txt captions in root/target, their control
+    images (96x64, another size than the target) in root/control; returns the TOML's path."""
+    target, control = os.path.join(root, "target"), os.path.join(root, "control")
+    os.makedirs(target, exist_ok=True)
+    os.makedirs(control, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(os.path.join(target, f"img{i}.png"))
+        with open(os.path.join(target, f"img{i}.txt"), "w") as f:
+            f.write(f"make it red {i}")
+        names = [f"img{i}.png"] if controls == 1 else [f"img{i}_{k}.png" for k in range(controls)]
+        for name in names:
+            Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)).save(os.path.join(control, name))
+    toml = os.path.join(root, "edit.toml")
+    with open(toml, "w") as f:
+        f.write(f'[general]\ncaption_extension = ".txt"\n[[datasets]]\nresolution = 64\nbatch_size = 1\n'
+                f'[[datasets.subsets]]\nimage_dir = "{target}"\ncontrol_directory = "{control}"\nnum_repeats = 1\n')
+    return toml
+
+
+def kontext_args(toml: str, out: str, steps: int = 2, extra=()) -> list[str]:
+    argv = base_args("unused", out, "tiny:flux_kontext", steps=steps, extra=[
+        "--model_type", "kontext", "--t5xxl_max_token_length", "16", "--network_module", "networks.lora_flux",
+        "--guidance_scale", "1.0", *extra])
+    i = argv.index("--train_data_dir")
+    del argv[i:i + 2]
+    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
+        i = argv.index(flag)
+        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
+    return argv + ["--dataset_config", toml]
+
+
+def test_find_controls_one_or_numbered(tmp_path):
+    for name in ("a.png", "b_0.png", "b_1.jpg", "b_3.png", "c_1.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    d = str(tmp_path)
+    assert find_controls("/x/a.webp", d) == (os.path.join(d, "a.png"),)
+    assert find_controls("/x/b.png", d) == (os.path.join(d, "b_0.png"), os.path.join(d, "b_1.jpg"))  # stops at a gap
+    assert find_controls("/x/c.png", d) == ()  # numbering starts at 0
+
+
+def test_kontext_trains_a_lora_with_the_control_tokens(tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    seen = []
+    original = flux_family.kontext_tokens
+
+    def spy(latents, controls):
+        seen.append([tuple(c.shape) for c in controls])
+        return original(latents, controls)
+
+    monkeypatch.setattr(flux_family, "kontext_tokens", spy)
+    toml = make_edit_dataset(str(tmp_path))
+    path = make_trainer(kontext_args(toml, str(tmp_path / "out")), "flux").run()
+    # every training step's call had one control, at the target's latent size (64 px / 8)
+    assert seen[:2] == [[(1, 16, 8, 8)], [(1, 16, 8, 8)]]
+    with safe_open(path, "pt") as f:
+        up = f.get_tensor("lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight")
+        assert f.metadata()["ss_model_type"] == "kontext"
+    assert up.abs().sum() > 0
+
+
+def test_a_missing_control_image_is_named_before_step_1(tmp_path):
+    toml = make_edit_dataset(str(tmp_path))
+    os.remove(tmp_path / "control" / "img1.png")
+    with pytest.raises(DataError) as e:
+        make_trainer(kontext_args(toml, str(tmp_path / "out")), "flux").run()
+    assert str(e.value) == (f"{tmp_path / 'target' / 'img1.png'}: no control image img1.png (or img1_0.png, "
+                            f"img1_1.png, ...) in {tmp_path / 'control'}")
+    assert not os.path.exists(tmp_path / "out" / "lora.safetensors")
+
+
+def test_an_unreadable_control_image_skips_its_target(tmp_path, caplog):
+    toml = make_edit_dataset(str(tmp_path), n=3)
+    with open(tmp_path / "control" / "img2.png", "wb") as f:
+        f.write(b"not a png")
+    caplog.set_level(logging.WARNING)
+    make_trainer(kontext_args(toml, str(tmp_path / "out"), steps=1), "flux").run()
+    assert f"{tmp_path / 'target' / 'img2.png'}: its control image {tmp_path / 'control' / 'img2.png'} cannot be used" \
+        in caplog.text
+
+
+def test_control_images_without_kontext_are_refused(tmp_path):
+    toml = make_edit_dataset(str(tmp_path))
+    argv = kontext_args(toml, str(tmp_path / "out"))
+    argv[argv.index("--model_type") + 1] = "flux"
+    with pytest.raises(DataError) as e:
+        make_trainer(argv, "flux").run()
+    assert str(e.value) == (f"{toml}: datasets[0]: 1 control image(s) per image (control_directory), but this model "
+                            "takes none; FLUX.1 takes control images with --model_type kontext")
+
+
+def test_latent_cache_holds_the_controls_and_a_changed_control_rebuilds_it(tmp_path, caplog):
+    toml = make_edit_dataset(str(tmp_path))
+    make_trainer(kontext_args(toml, str(tmp_path / "out"), steps=1, extra=["--cache_latents_to_disk"]), "flux").run()
+    files = sorted(n for n in os.listdir(tmp_path / "target") if n.endswith(".npz"))
+    assert files == ["img0_0064x0064_flux.npz", "img1_0064x0064_flux.npz"]
+    with np.load(tmp_path / "target" / files[0]) as f:
+        assert sorted(f.files) == ["cache_settings_8x8", "control_latents_0_8x8", "crop_ltrb_8x8", "latents_8x8",
+                                   "original_size_8x8"]
+        assert f["control_latents_0_8x8"].shape == (16, 8, 8)
+        assert not np.array_equal(f["control_latents_0_8x8"], f["latents_8x8"])
+    Image.new("RGB", (96, 64), (200, 10, 10)).save(tmp_path / "control" / "img1.png")
+    caplog.set_level(logging.INFO)
+    make_trainer(kontext_args(toml, str(tmp_path / "out2"), steps=1, extra=["--cache_latents_to_disk"]), "flux").run()
+    assert "1 latent cache files are stale" in caplog.text
