@@ -121,3 +121,45 @@ def test_latent_cache_holds_the_controls_and_a_changed_control_rebuilds_it(tmp_p
     caplog.set_level(logging.INFO)
     make_trainer(kontext_args(toml, str(tmp_path / "out2"), steps=1, extra=["--cache_latents_to_disk"]), "flux").run()
     assert "1 latent cache files are stale" in caplog.text
+
+
+def test_kontext_step_equals_flux_kontext_pipeline(tiny_flux_copy):
+    """One denoising step of diffusers' FluxKontextPipeline on tiny:flux (Kontext [dev] has FLUX.1 dev's weights'
+    layout) against the family's predict given the same noisy target, reference latents and text."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+
+    from library.families import get_family
+    from library.families.base import TextConditioning
+    from library.families.flux.family import unpack_latents
+    from library.families.flux.options import FluxOptions
+
+    c = tiny_flux_copy
+    pipe = FluxKontextPipeline(FlowMatchEulerDiscreteScheduler(), c.vae, c.text_encoders[0], c.tokenizers[0],
+                               c.text_encoders[1], c.tokenizers[1], c.denoiser)
+    calls = []
+
+    def record(module, args, kwargs, output):
+        calls.append(({k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}, output[0].detach().clone()))
+
+    handle = c.denoiser.register_forward_hook(record, with_kwargs=True)
+    try:
+        reference = Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+        pipe(image=reference, prompt="make it red", height=64, width=64, num_inference_steps=1,
+             guidance_scale=2.5, max_sequence_length=16, output_type="latent", _auto_resize=False, max_area=64 * 64,
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    (inputs, expected), = calls
+    tokens = inputs["hidden_states"]
+    assert tokens.shape[1] == 2 * 16  # the 8x8 target latents and the 8x8 reference's, 2x2-packed
+    noisy, control = unpack_latents(tokens[:, :16], 8, 8), unpack_latents(tokens[:, 16:], 8, 8)
+    _, ids = flux_family.kontext_tokens(noisy, [control])
+    assert torch.equal(ids, inputs["img_ids"])  # first id 1 for the reference tokens, as the pipeline's
+    family = get_family("flux")
+    c.options = FluxOptions(model_type="kontext", t5xxl_max_token_length=16)
+    text = TextConditioning({"t5_out": inputs["encoder_hidden_states"], "l_pooled": inputs["pooled_projections"],
+                             "txt_ids": inputs["txt_ids"][None]})
+    ours = family.predict(c, noisy, inputs["timestep"] * 1000, text,
+                          {"guidance": inputs["guidance"], "scaled_control_latents": [control]})
+    # measured 0 (the same ops in the same order on the same tensors); the tolerance allows another kernel order
+    assert_close_measured(ours, unpack_latents(expected[:, :16], 8, 8), 1e-5, "Kontext step vs FluxKontextPipeline")
