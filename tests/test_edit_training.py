@@ -163,3 +163,47 @@ def test_kontext_step_equals_flux_kontext_pipeline(tiny_flux_copy):
                           {"guidance": inputs["guidance"], "scaled_control_latents": [control]})
     # measured 0 (the same ops in the same order on the same tensors); the tolerance allows another kernel order
     assert_close_measured(ours, unpack_latents(expected[:, :16], 8, 8), 1e-5, "Kontext step vs FluxKontextPipeline")
+
+
+def test_generate_makes_an_image_with_a_kontext_lora_and_control_image(tmp_path):
+    from tools import generate as tool
+
+    toml = make_edit_dataset(str(tmp_path))
+    lora = make_trainer(kontext_args(toml, str(tmp_path / "out")), "flux").run()
+    reference, other = str(tmp_path / "control" / "img0.png"), str(tmp_path / "control" / "img1.png")
+
+    def generate(outdir, *extra):
+        argv = ["--ckpt", "tiny:flux_kontext", "--flux", "--outdir", str(tmp_path / outdir), "--prompt",
+                "make it red --w 64 --h 64 --s 2 --d 1", "--network_module", "networks.lora_flux",
+                "--network_weights", lora, *extra]
+        paths = tool.run(tool.options_from_args(tool.build_parser().parse_args(argv)))
+        assert len(paths) == 1
+        return np.asarray(Image.open(paths[0]).convert("RGB"))
+
+    with_reference = generate("a", "--control_image", reference)
+    assert with_reference.shape == (64, 64, 3)
+    assert np.array_equal(with_reference, generate("b", "--control_image", reference))  # the same seed and image
+    assert not np.array_equal(with_reference, generate("c", "--control_image", other))  # the reference is used
+    assert not np.array_equal(with_reference, generate("d"))
+    from library.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--control_image /nowhere.png: file not found$"):
+        tool.options_from_args(tool.build_parser().parse_args(
+            ["--ckpt", "tiny:flux_kontext", "--outdir", str(tmp_path), "--prompt", "x", "--control_image",
+             "/nowhere.png"]))
+
+
+def test_prompt_files_take_control_images(tmp_path):
+    from library.core.errors import ConfigError
+    from library.sampling.prompts import load_prompts, parse_prompt_line
+
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    Image.new("RGB", (8, 8)).save(a)
+    Image.new("RGB", (8, 8)).save(b)
+    assert parse_prompt_line(f"make it red --ci {a} --ci {b} --w 64", "p.txt:1").control_images == (str(a), str(b))
+    with pytest.raises(ConfigError, match=r"^p.txt:2: --ci /nowhere.png: file not found$"):
+        parse_prompt_line("x --ci /nowhere.png", "p.txt:2")
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'[prompt]\n[[prompt.subset]]\nprompt = "x"\ncontrol_image = ["{a}"]\n'
+                    f'[[prompt.subset]]\nprompt = "y"\ncontrol_image = "{b}"\n')
+    assert [p.control_images for p in load_prompts(str(toml))] == [(str(a),), (str(b),)]
