@@ -207,3 +207,26 @@ def test_prompt_files_take_control_images(tmp_path):
     toml.write_text(f'[prompt]\n[[prompt.subset]]\nprompt = "x"\ncontrol_image = ["{a}"]\n'
                     f'[[prompt.subset]]\nprompt = "y"\ncontrol_image = "{b}"\n')
     assert [p.control_images for p in load_prompts(str(toml))] == [(str(a),), (str(b),)]
+
+
+def test_flux_train_kontext_full_fine_tune_saves_a_file_the_loader_reads(tmp_path):
+    from library.families import get_family
+    from library.families.base import LoadOptions
+    from library.families.flux.options import FluxOptions
+    from tests.train_helpers import ft_trainer
+
+    toml = make_edit_dataset(str(tmp_path))
+    argv = kontext_args(toml, str(tmp_path / "out"), extra=["--optimizer_type", "SGDNesterov"])
+    for flag in ("--network_module", "--network_module", "--network_dim", "--network_alpha"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    argv[argv.index("--output_name") + 1] = "model"
+    path = ft_trainer(argv, "flux").run()
+    parts = get_family("flux").write_preset("tiny:flux_kontext", str(tmp_path / "parts"), single_file=True)
+    loaded = get_family("flux").load(LoadOptions(path, family_options=FluxOptions(
+        model_type="kontext", clip_l=parts["clip_l"], t5xxl=parts["t5xxl"], ae=parts["ae"])))
+    base = get_family("flux").load(LoadOptions(parts["transformer"], family_options=FluxOptions(
+        model_type="kontext", clip_l=parts["clip_l"], t5xxl=parts["t5xxl"], ae=parts["ae"])))
+    trained, before = loaded.denoiser.state_dict(), base.denoiser.state_dict()
+    assert trained.keys() == before.keys()
+    assert any(not torch.equal(trained[k], before[k]) for k in trained)  # the fine-tune changed the weights
