@@ -230,3 +230,35 @@ def test_flux_train_kontext_full_fine_tune_saves_a_file_the_loader_reads(tmp_pat
     trained, before = loaded.denoiser.state_dict(), base.denoiser.state_dict()
     assert trained.keys() == before.keys()
     assert any(not torch.equal(trained[k], before[k]) for k in trained)  # the fine-tune changed the weights
+
+
+def test_kontext_template_trains_with_the_tiny_model(tmp_path):
+    """webui/templates/flux_kontext_lora.toml: its settings (model files swapped for the tiny preset, the example
+    folders for an edit dataset) train 1 step through flux_train_network.py's entry."""
+    import toml as toml_lib
+
+    from library.cli.entry import run_training
+
+    template = toml_lib.load(os.path.join(os.path.dirname(__file__), "..", "webui", "templates",
+                                          "flux_kontext_lora.toml"))
+    assert template["config"]["model"]["model_type"] == "kontext"
+    make_edit_dataset(str(tmp_path))
+    dataset = template["dataset"]
+    subset = dataset["datasets"][0]["subsets"][0]
+    assert set(subset) == {"image_dir", "control_directory", "num_repeats"}
+    subset.update(image_dir=str(tmp_path / "target"), control_directory=str(tmp_path / "control"))
+    dataset["datasets"][0].update(resolution=64, min_bucket_reso=64, max_bucket_reso=128)
+    with open(tmp_path / "dataset.toml", "w") as f:
+        toml_lib.dump(dataset, f)
+    config = template["config"]
+    config["model"] = {"model_type": "kontext", "pretrained_model_name_or_path": "tiny:flux_kontext",
+                       "guidance_scale": config["model"]["guidance_scale"], "t5xxl_max_token_length": 16}
+    config["optimizer"]["optimizer_type"] = "AdamW"
+    config["training"].update(max_train_steps=1, mixed_precision="no", dataset_config=str(tmp_path / "dataset.toml"),
+                              output_dir=str(tmp_path / "out"), max_data_loader_n_workers=0)
+    config["output"]["log_with"] = None
+    config["output"] = {k: v for k, v in config["output"].items() if v is not None}
+    with open(tmp_path / "config.toml", "w") as f:
+        toml_lib.dump(config, f)
+    assert run_training("flux", "test", ["--config_file", str(tmp_path / "config.toml")]) == 0
+    assert os.path.isfile(tmp_path / "out" / "my_kontext_lora.safetensors")
