@@ -262,3 +262,94 @@ def test_kontext_template_trains_with_the_tiny_model(tmp_path):
         toml_lib.dump(config, f)
     assert run_training("flux", "test", ["--config_file", str(tmp_path / "config.toml")]) == 0
     assert os.path.isfile(tmp_path / "out" / "my_kontext_lora.safetensors")
+
+
+# --- tools/convert_lora.py: Z-Image is not Lumina, Qwen-Image --to diffusers (issue 25's leftovers) -------------
+
+def _random_lora(family_name: str, preset: str, path: str, metadata: dict) -> str:
+    from safetensors.torch import load_file, save_file
+
+    from library.families import get_family
+    from library.families.base import LoadOptions
+    from tests.train_helpers import random_lora_file
+
+    family = get_family(family_name)
+    random_lora_file(family, family.load(LoadOptions(preset)), path)
+    save_file(load_file(path), path, metadata)
+    return path
+
+
+def _convert(src: str, dst: str, to: str, *extra) -> dict:
+    from safetensors.torch import load_file
+
+    from tools import convert_lora
+
+    convert_lora.run(["--src_path", src, "--dst_path", dst, "--to", to, *extra])
+    return load_file(dst)
+
+
+def _adapted_layers(pipeline_class, family_name: str, preset: str, path: str, caplog) -> list[str]:
+    """The transformer modules a diffusers pipeline's load_lora_weights puts the file's LoRA on; fails on any
+    warning diffusers logs while loading (unexpected or missing keys)."""
+    from library.families import get_family
+    from library.families.base import LoadOptions
+
+    transformer = get_family(family_name).load(LoadOptions(preset)).denoiser
+    diffusers_logger = logging.getLogger("diffusers")
+    diffusers_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="diffusers"):
+            pipeline_class.load_lora_into_transformer(pipeline_class.lora_state_dict(path), transformer=transformer,
+                                                      adapter_name="x")
+    finally:
+        diffusers_logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.name.startswith("diffusers")], caplog.text
+    return sorted(n for n, m in transformer.named_modules() if "x" in getattr(m, "lora_A", {}))
+
+
+def test_convert_lora_tells_zimage_from_lumina_and_writes_zimage_diffusers_keys(tmp_path, caplog):
+    from diffusers import ZImagePipeline
+    from safetensors.torch import load_file
+
+    src = _random_lora("zimage", "tiny:zimage", str(tmp_path / "zi.safetensors"), {"ss_base_model_version": "zimage"})
+    kohya = load_file(src)
+    comfy = _convert(src, str(tmp_path / "comfy.safetensors"), "comfy")
+    assert comfy.keys() == kohya.keys()  # Qwen3's lora_te_ names stay; no Lumina gemma2_2b names
+    peft = _convert(src, str(tmp_path / "peft.safetensors"), "diffusers")
+    assert sorted(k for k in peft if k.startswith("transformer.layers.0."))[:4] == [
+        "transformer.layers.0.attention.to_k.lora_A.weight", "transformer.layers.0.attention.to_k.lora_B.weight",
+        "transformer.layers.0.attention.to_out.0.lora_A.weight", "transformer.layers.0.attention.to_out.0.lora_B.weight"]
+    # ΔW of the fused qkv's k rows: B_k A_k equals the kohya delta's middle third (alpha baked in)
+    name = "lora_unet_layers_1_attention_qkv"
+    delta = kohya[f"{name}.lora_up.weight"] @ kohya[f"{name}.lora_down.weight"] \
+        * (kohya[f"{name}.alpha"] / kohya[f"{name}.lora_down.weight"].shape[0])
+    k_rows = delta.chunk(3)[1]
+    got = peft["transformer.layers.1.attention.to_k.lora_B.weight"] @ peft["transformer.layers.1.attention.to_k.lora_A.weight"]
+    assert_close_measured(got, k_rows, 1e-6, "Z-Image k delta (diffusers vs kohya)")  # measured 0 (the same products)
+    layers = _adapted_layers(ZImagePipeline, "zimage", "tiny:zimage", str(tmp_path / "peft.safetensors"), caplog)
+    assert len(layers) == 14 and layers[:3] == ["layers.0.attention.to_k", "layers.0.attention.to_out.0",
+                                                "layers.0.attention.to_q"]
+    # a file without metadata: --family zimage says what the names cannot
+    bare = _random_lora("zimage", "tiny:zimage", str(tmp_path / "bare.safetensors"), {})
+    assert _convert(bare, str(tmp_path / "bare_peft.safetensors"), "diffusers", "--family", "zimage").keys() \
+        == peft.keys()
+
+
+def test_convert_lora_qwen_image_to_diffusers_loads_with_no_unexpected_keys(tmp_path, caplog):
+    from diffusers import QwenImagePipeline
+    from safetensors.torch import load_file
+
+    src = _random_lora("qwen_image", "tiny:qwen_image", str(tmp_path / "qi.safetensors"),
+                       {"ss_base_model_version": "qwen_image"})
+    kohya = load_file(src)
+    peft = _convert(src, str(tmp_path / "peft.safetensors"), "diffusers")
+    assert len(peft) == 2 * 24 and all(k.startswith("transformer.transformer_blocks.") for k in peft)
+    name = "lora_unet_transformer_blocks_1_attn_add_k_proj"
+    delta = kohya[f"{name}.lora_up.weight"] @ kohya[f"{name}.lora_down.weight"] \
+        * (kohya[f"{name}.alpha"] / kohya[f"{name}.lora_down.weight"].shape[0])
+    got = peft["transformer.transformer_blocks.1.attn.add_k_proj.lora_B.weight"] \
+        @ peft["transformer.transformer_blocks.1.attn.add_k_proj.lora_A.weight"]
+    assert_close_measured(got, delta, 1e-6, "Qwen-Image delta (diffusers vs kohya)")  # measured 0 (the same products)
+    layers = _adapted_layers(QwenImagePipeline, "qwen_image", "tiny:qwen_image", str(tmp_path / "peft.safetensors"),
+                             caplog)
+    assert len(layers) == 24 and layers[0] == "transformer_blocks.0.attn.add_k_proj"
