@@ -353,3 +353,12 @@ def test_convert_lora_qwen_image_to_diffusers_loads_with_no_unexpected_keys(tmp_
     layers = _adapted_layers(QwenImagePipeline, "qwen_image", "tiny:qwen_image", str(tmp_path / "peft.safetensors"),
                              caplog)
     assert len(layers) == 24 and layers[0] == "transformer_blocks.0.attn.add_k_proj"
+
+
+def test_webui_checks_control_directory_like_the_other_dataset_folders(tmp_path):
+    """The web UI keeps every dataset path inside its roots and names missing folders: control_directory too."""
+    from webui.folders import dataset_paths, missing_dataset_folders
+
+    dataset = {"datasets": [{"subsets": [{"image_dir": str(tmp_path), "control_directory": "/nowhere/controls"}]}]}
+    assert dataset_paths(dataset) == [("image_dir", str(tmp_path)), ("control_directory", "/nowhere/controls")]
+    assert missing_dataset_folders(dataset) == [("control_directory", "/nowhere/controls", "datasets[0].subsets[0]")]
