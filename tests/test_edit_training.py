@@ -362,3 +362,31 @@ def test_webui_checks_control_directory_like_the_other_dataset_folders(tmp_path)
     dataset = {"datasets": [{"subsets": [{"image_dir": str(tmp_path), "control_directory": "/nowhere/controls"}]}]}
     assert dataset_paths(dataset) == [("image_dir", str(tmp_path)), ("control_directory", "/nowhere/controls")]
     assert missing_dataset_folders(dataset) == [("control_directory", "/nowhere/controls", "datasets[0].subsets[0]")]
+
+
+def test_sampling_during_kontext_training_uses_the_prompts_control_image(tmp_path):
+    import glob
+
+    toml = make_edit_dataset(str(tmp_path))
+    prompts = tmp_path / "prompts.txt"
+    # the same prompt and seed with two different control images: the samples differ only by the reference
+    prompts.write_text(f"make it red --w 64 --h 64 --s 2 --d 5 --ci {tmp_path / 'control' / 'img0.png'}\n"
+                       f"make it red --w 64 --h 64 --s 2 --d 5 --ci {tmp_path / 'control' / 'img1.png'}\n")
+    make_trainer(kontext_args(toml, str(tmp_path / "out"), steps=1, extra=[
+        "--sample_prompts", str(prompts), "--sample_at_first"]), "flux").run()
+    paths = sorted(glob.glob(str(tmp_path / "out" / "sample" / "lora_e000000_0*.png")))
+    assert len(paths) == 2
+    first, second = (np.asarray(Image.open(p).convert("RGB")) for p in paths)
+    assert first.shape == (64, 64, 3) and not np.array_equal(first, second)
+
+
+def test_latent_cache_with_flip_aug_holds_the_flipped_controls(tmp_path):
+    toml = make_edit_dataset(str(tmp_path))
+    with open(toml) as f:
+        text = f.read()
+    with open(toml, "w") as f:
+        f.write(text.replace("num_repeats = 1\n", "num_repeats = 1\nflip_aug = true\n"))
+    make_trainer(kontext_args(toml, str(tmp_path / "out"), steps=2, extra=["--cache_latents_to_disk"]), "flux").run()
+    with np.load(tmp_path / "target" / "img0_0064x0064_flux.npz") as f:
+        assert {"control_latents_0_8x8", "control_latents_flipped_0_8x8", "latents_flipped_8x8"} <= set(f.files)
+        assert not np.array_equal(f["control_latents_0_8x8"], f["control_latents_flipped_0_8x8"])
