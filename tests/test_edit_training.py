@@ -187,6 +187,10 @@ def test_generate_makes_an_image_with_a_kontext_lora_and_control_image(tmp_path)
     assert not np.array_equal(with_reference, generate("d"))
     from library.core.errors import ConfigError
 
+    with pytest.raises(ConfigError, match=r"^--control_image / --ci: sd models take no control images \(edit models "
+                                          r"do: FLUX.1 Kontext\)$"):
+        tool.run(tool.options_from_args(tool.build_parser().parse_args(
+            ["--ckpt", "tiny:sd1", "--outdir", str(tmp_path / "sd"), "--prompt", "x", "--control_image", reference])))
     with pytest.raises(ConfigError, match=r"^--control_image /nowhere.png: file not found$"):
         tool.options_from_args(tool.build_parser().parse_args(
             ["--ckpt", "tiny:flux_kontext", "--outdir", str(tmp_path), "--prompt", "x", "--control_image",

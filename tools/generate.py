@@ -206,6 +206,9 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
 
     family, components, device = loaded or load_model(o)
     family.check_loaded(components, o)  # --clip_skip against the loaded text encoder
+    if not family.control_hint and (o.overrides and o.overrides.control_images or any(p.control_images for p in o.prompts)):
+        raise ConfigError(f"--control_image / --ci: {family.name} models take no control images (edit models do: "
+                          "FLUX.1 Kontext)")
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
