@@ -394,3 +394,41 @@ def test_latent_cache_with_flip_aug_holds_the_flipped_controls(tmp_path):
     with np.load(tmp_path / "target" / "img0_0064x0064_flux.npz") as f:
         assert {"control_latents_0_8x8", "control_latents_flipped_0_8x8", "latents_flipped_8x8"} <= set(f.files)
         assert not np.array_equal(f["control_latents_0_8x8"], f["control_latents_flipped_0_8x8"])
+
+
+def test_qwen_image_step_with_reference_latents_equals_qwen_image_edit_plus_pipeline(tmp_path):
+    """The DiT side of Qwen-Image-Edit: given the pipeline's own text embeddings (the Qwen2.5-VL encoding with the
+    image input is not done yet), one denoising step of QwenImageEditPlusPipeline equals the family's predict with
+    the reference latents (a 64x48 reference, which the pipeline resizes to about 1024² pixels, beside a 64x64
+    target: its own img_shapes entry)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+
+    from library.families import get_family
+    from library.families.base import LoadOptions, TextConditioning
+    from library.families.qwen_image.family import unpack
+
+    family = get_family("qwen_image")
+    c = family.load(LoadOptions("tiny:qwen_image"))
+    pipe = QwenImageEditPlusPipeline(FlowMatchEulerDiscreteScheduler(), c.vae, None, None, None, c.denoiser)
+    calls = []
+    handle = c.denoiser.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append((kwargs, out[0].detach().clone())), with_kwargs=True)
+    embeds = torch.randn(1, 7, c.denoiser.config.joint_attention_dim, generator=torch.Generator().manual_seed(3))
+    try:
+        reference = Image.fromarray(np.random.default_rng(2).integers(0, 255, (48, 64, 3), dtype=np.uint8))
+        pipe(image=[reference], prompt_embeds=embeds, prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long),
+             height=64, width=64, num_inference_steps=1, output_type="latent", true_cfg_scale=1.0,
+             generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    (inputs, expected), = calls
+    shapes = inputs["img_shapes"][0]
+    assert shapes == [(1, 4, 4), (1, 56, 74)]  # the 64x48 reference resized by calculate_dimensions: 1184x896
+    tokens, (_, rh, rw) = inputs["hidden_states"], shapes[1]
+    noisy, control = unpack(tokens[:, :16], 8, 8), unpack(tokens[:, 16:], 2 * rh, 2 * rw)
+    assert torch.equal(inputs["encoder_hidden_states"], embeds)
+    # the pipeline drops an all-ones mask (passes None); the family's text always carries one
+    text = TextConditioning({"prompt_embeds": embeds, "prompt_mask": torch.ones(1, 7, dtype=torch.long)})
+    ours = family.predict(c, noisy, inputs["timestep"] * 1000, text, {"scaled_control_latents": [control]})
+    # measured 0 (the same ops in the same order on the same tensors)
+    assert_close_measured(ours, unpack(expected[:, :16], 8, 8), 1e-5, "Qwen-Image step with a reference vs the pipeline")
