@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.families.lora_convert import LAYOUTS  # noqa: E402
+from library.families.lora_convert import FAMILY_VERSIONS, LAYOUTS  # noqa: E402
 from library.core.errors import ConfigError  # noqa: E402
 from library.core.io_utils import clean_stale_temporaries_of  # noqa: E402
 
@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=list(LAYOUTS), help="layout to write")
     p.add_argument("--save_precision", choices=["float", "fp16", "bf16"], default=None,
                    help="dtype of the saved tensors (default: that of the input)")
+    p.add_argument("--family", choices=sorted(FAMILY_VERSIONS), default=None,
+                   help="the model family of a Lumina 2 or Z-Image LoRA whose metadata does not say (both have the "
+                        "same module names); recorded as ss_base_model_version")
     p.add_argument("--new_rank", type=int, default=None,
                    help="a LyCORIS file (LoHa, LoKr, ...) for --to diffusers / ai-toolkit: re-factor each module to "
                         "a plain LoRA of this rank first (those layouts have no LyCORIS modules)")
@@ -42,6 +45,8 @@ def run(argv=None) -> None:
 
     dtype = parse_precision(args.save_precision)
     state, metadata = read_state_dict(args.src_path)
+    if args.family is not None:
+        metadata = {**metadata, "ss_base_model_version": FAMILY_VERSIONS[args.family]}
     if state and is_lycoris_state(state):
         out, source_layout, metadata = _lycoris(args, state, metadata)
     else:

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampler", default=None, choices=sampler_names(),
                    help="sampler (default ddim; FLUX.1 flow_euler)")
     g.add_argument("--batch_size", type=int, default=1, help="images denoised together")
+    g.add_argument("--control_image", nargs="+", default=[], metavar="PATH",
+                   help="the control image(s): an edit model's reference image(s) (FLUX.1 Kontext), for every prompt "
+                        "without its own --ci")
     g.add_argument("--grid", action="store_true", help="also write a contact sheet of all images")
     return p
 
@@ -122,9 +125,10 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             load_prompts(a.from_file, check_sampler=canonical_sampler)
     except ConfigError as e:
         raise ConfigError(f"--from_file: {e}" if a.from_file else str(e)) from None
-    for path in a.network_weights:
-        if not os.path.isfile(path):  # now, not after the model has loaded
-            raise ConfigError(f"--network_weights {path}: file not found")
+    for flag, paths in (("--network_weights", a.network_weights), ("--control_image", a.control_image)):
+        for path in paths:
+            if not os.path.isfile(path):  # now, not after the model has loaded
+                raise ConfigError(f"{flag} {path}: file not found")
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=_family(a),
@@ -134,7 +138,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
                                a.network_weights, a.network_mul), merge=a.merge,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
-                                  sampler=a.sampler))
+                                  sampler=a.sampler, control_images=tuple(a.control_image)))
 
 
 def _default_module(path: str) -> str:
@@ -202,6 +206,9 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
 
     family, components, device = loaded or load_model(o)
     family.check_loaded(components, o)  # --clip_skip against the loaded text encoder
+    if not family.control_hint and (o.overrides and o.overrides.control_images or any(p.control_images for p in o.prompts)):
+        raise ConfigError(f"--control_image / --ci: {family.name} models take no control images (edit models do: "
+                          "FLUX.1 Kontext)")
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)

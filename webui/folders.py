@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from webui.jobfiles import IMAGE_EXTENSIONS, REPO_ROOT
 
-DATASET_PATH_KEYS = ("image_dir", "conditioning_data_dir", "metadata_file")
+DATASET_PATH_KEYS = ("image_dir", "conditioning_data_dir", "control_directory", "metadata_file")
 # config.toml keys (in any section) by what the run does with their value. The UI's own keys (output_dir,
 # logging_dir, dataset_config, sample_prompts, config_file: jobfiles.MANAGED_KEYS) point into the job's folder.
 NAME_KEYS = ("output_name", "log_prefix", "log_tracker_name")  # joined to output_dir / logging_dir: names only

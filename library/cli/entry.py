@@ -191,7 +191,7 @@ def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop
         settings = settings_from_args(ns, family, fine_tune)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
             # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
-            check_datasets(settings.data, DataFamilyInfo.from_family(family))
+            check_datasets(settings.data, DataFamilyInfo.from_family(family, settings.model.family_options))
             print("config ok")
             return 0
         if os.environ.get("RANK", "0") == "0":  # only the main process writes (RANK: set by torchrun / accelerate)

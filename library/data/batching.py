@@ -31,6 +31,7 @@ class Sample:
     loss_weight: float = 1.0
     mask_path: Optional[str] = None
     train_resolution: Optional[Size] = None  # the bucket a fine-tune metadata file fixed for it
+    control_paths: tuple[str, ...] = ()  # edit training: its control image(s) (library/data/control_images.py)
 
 
 @dataclass

@@ -104,7 +104,8 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
     """(image, size) of every image (and mask) that decodes and is within the dataset's size limits; the
     others go to `skipped` with the reason."""
     cache = size_cache_path(sub)
-    paths = [i.path for i in images] + [i.mask_path for i in images if i.mask_path]
+    paths = ([i.path for i in images] + [i.mask_path for i in images if i.mask_path]
+             + [c for i in images for c in i.control_paths])
     scan = scan_image_sizes(paths, cache, progress=True)
     skipped.update(scan.problems)
     good = []
@@ -113,6 +114,10 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
             continue
         if image.mask_path and image.mask_path not in scan.sizes:
             skipped[image.path] = f"its mask {image.mask_path} cannot be used ({scan.problems.get(image.mask_path)})"
+            continue
+        bad_control = next((c for c in image.control_paths if c not in scan.sizes), None)
+        if bad_control:
+            skipped[image.path] = f"its control image {bad_control} cannot be used ({scan.problems.get(bad_control)})"
             continue
         why = size_problem(scan.sizes[image.path], ds)
         if why:
@@ -222,7 +227,7 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
         s = Sample(id=len(samples), path=img.path, caption=img.caption, dataset=di, subset=si, size=size,
                    num_repeats=repeats, is_reg=sub.is_reg, is_validation=is_val,
                    loss_weight=opts.prior_loss_weight if sub.is_reg else 1.0, mask_path=img.mask_path,
-                   train_resolution=img.train_resolution)
+                   train_resolution=img.train_resolution, control_paths=img.control_paths)
         samples.append(s)
         return s
 
@@ -251,6 +256,18 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
             train_part, val_part = split_for_validation(good, sub.validation_split, seed_for_split)
             train += [(add_sample(img, size, di, si, sub, sub.num_repeats), sub.num_repeats) for img, size in train_part]
             val += [(add_sample(img, size, di, si, sub, 1, is_val=True), 1) for img, size in val_part]
+        # (an image of a control_directory subset without controls is a problem of its own, named above)
+        control_counts = sorted({len(s.control_paths) for s, _ in train + val if s.control_paths or
+                                 not subsets[s.subset].control_directory}
+                                | {len(i.control_paths) for i, _, _, sub in reg_found if i.control_paths or
+                                   not sub.control_directory})
+        if control_counts and control_counts[-1] > family.max_control_images:
+            takes = f"at most {family.max_control_images}" if family.max_control_images else "none"
+            problems.append(f"{source}{ds.where}: {control_counts[-1]} control image(s) per image (control_directory), "
+                            f"but this model takes {takes}" + (f"; {family.control_hint}" if family.control_hint else ""))
+        if len(control_counts) > 1:  # a batch stacks its samples' controls (library/data/control_images.py)
+            problems.append(f"{source}{ds.where}: every image of a dataset needs the same number of control images "
+                            f"(control_directory); found {control_counts}")
         n_train = sum(r for _, r in train)
         reg_repeats = balance_reg_repeats(n_train, [sub.num_repeats for _, _, _, sub in reg_found])
         reg = [(add_sample(img, size, di, si, sub, r), r) for (img, size, si, sub), r in zip(reg_found, reg_repeats) if r > 0]

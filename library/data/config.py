@@ -43,6 +43,7 @@ class SubsetConfig:
     cache_info: bool = False
     alpha_mask: bool = False
     conditioning_data_dir: Optional[str] = None
+    control_directory: Optional[str] = None  # edit training: each image's control image(s), same stem
     masked_loss: bool = False  # use the masks: conditioning_data_dir > <stem>-masklabel.png > alpha channel
     unmasked_probability: float = 0.0
     unmasked_weight: float = 0.0
@@ -175,7 +176,7 @@ def _build_subset(where: str, kind: str, layers: list[dict[str, Any]], errors: _
         dataset_name=get("dataset_name"), image_column=get("image_column"), caption_column=get("caption_column"),
         dataset_split=get("dataset_split"), masked_loss=get("masked_loss"),
         unmasked_probability=get("unmasked_probability"), unmasked_weight=get("unmasked_weight"),
-        normalize_masked_area_loss=get("normalize_masked_area_loss"),
+        normalize_masked_area_loss=get("normalize_masked_area_loss"), control_directory=get("control_directory"),
     )
     if kind == "finetune" and sub.is_reg:
         errors.add(f"{where}.is_reg", "only DreamBooth subsets (image_dir without metadata_file) can be regularization images")
@@ -292,7 +293,7 @@ def resolve_from_toml(path: str, opts: DataOptions) -> ResolvedConfig:
                                    "or dataset_name (a datasets folder or file)")
                 continue
             if kind == "datasets":
-                for other in ("image_dir", "metadata_file", "conditioning_data_dir"):
+                for other in ("image_dir", "metadata_file", "conditioning_data_dir", "control_directory"):
                     if other in sub_values:
                         errors.add(f"{swhere}.{other}", "not used with dataset_name (the images come from the dataset)")
             subsets.append(_build_subset(swhere, kind, layers, errors))

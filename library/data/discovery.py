@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from library.data.config import SubsetConfig
+from library.data.control_images import attach_controls
 from library.data.finetune_metadata import read_metadata_entries, resolve_image
 from library.data.folders import REPEAT_FOLDER, broken_links, list_images
 from library.data.images import IMAGE_EXTENSIONS
@@ -28,6 +29,7 @@ class DiscoveredImage:
     mask_path: Optional[str] = None
     # A fine-tune metadata entry's "train_resolution" (width, height): the bucket prepare_buckets_latents chose.
     train_resolution: Optional[tuple[int, int]] = None
+    control_paths: tuple[str, ...] = ()  # edit training: control_directory's images of this one (control_images.py)
 
 
 @dataclass
@@ -167,5 +169,7 @@ def discover_finetune(sub: SubsetConfig) -> SubsetImages:
 
 
 def discover_subset(sub: SubsetConfig) -> SubsetImages:
-    """Images, raw captions and masks of one subset."""
-    return discover_finetune(sub) if sub.kind == "finetune" else discover_dreambooth(sub)
+    """Images, raw captions, masks and control images of one subset."""
+    result = discover_finetune(sub) if sub.kind == "finetune" else discover_dreambooth(sub)
+    attach_controls(sub, result)
+    return result

@@ -76,11 +76,17 @@ class CacheSettings:
     # seed). Caches written before (drawn from the encoding process's generator, so they depended on the number
     # of processes) have no such key and are rebuilt. Left out of the signature when "".
     posterior: str = ""
+    # Edit training: the control images' names, sizes and mtimes (library/data/control_images.control_signature);
+    # their latents are stored as `control_latents_<i>` (and `control_latents_flipped_<i>`). "" without controls.
+    control_source: str = ""
+
+    def controls(self) -> int:
+        return len(self.control_source.split("|")) if self.control_source else 0
 
     def signature(self) -> str:
         """Stable JSON text of these settings (sorted keys, tuples as lists, plain ints)."""
         data = asdict(self)
-        for optional in ("mask_source", "posterior"):
+        for optional in ("mask_source", "posterior", "control_source"):
             if not data[optional]:
                 del data[optional]
         for key in ("bucket_reso", "crop_ltrb", "latent_shape"):
@@ -97,6 +103,8 @@ class LatentCacheEntry:
     crop_ltrb: tuple[int, int, int, int]
     latents_flipped: Optional[np.ndarray] = None
     alpha_mask: Optional[np.ndarray] = None
+    control_latents: tuple = ()  # edit training: one (C, h, w) array per control image
+    control_latents_flipped: tuple = ()
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -115,6 +123,8 @@ def save_latent_cache(
     latents_flipped: Optional[Union[np.ndarray, Any]] = None,
     alpha_mask: Optional[Union[np.ndarray, Any]] = None,
     key_suffix: str = "",
+    control_latents: tuple = (),
+    control_latents_flipped: tuple = (),
 ) -> None:
     """Write one latent cache .npz atomically (temporary name, then rename).
 
@@ -130,6 +140,10 @@ def save_latent_cache(
         arrays["latents_flipped"] = _to_numpy(latents_flipped)
     if alpha_mask is not None:
         arrays["alpha_mask"] = _to_numpy(alpha_mask)
+    for i, control in enumerate(control_latents):
+        arrays[f"control_latents_{i}"] = _to_numpy(control)
+    for i, control in enumerate(control_latents_flipped):
+        arrays[f"control_latents_flipped_{i}"] = _to_numpy(control)
     arrays = {key + key_suffix: value for key, value in arrays.items()}
     if key_suffix:
         arrays = {**_other_resolutions(path, key_suffix), **arrays}
@@ -154,6 +168,8 @@ def _shapes_fit(data: Any, expected: CacheSettings, sfx: str) -> bool:
     """True when the arrays the run needs are present, finite and of the expected shapes."""
     shape = tuple(expected.latent_shape)
     needed = ["latents"] + (["latents_flipped"] if expected.flip_aug else [])
+    for i in range(expected.controls()):  # a control has the target's bucket, so its latents have the same shape
+        needed += [f"control_latents_{i}"] + ([f"control_latents_flipped_{i}"] if expected.flip_aug else [])
     for key in (k + sfx for k in needed):
         if key not in data.files or tuple(data[key].shape) != shape or not np.isfinite(data[key]).all():
             return False
@@ -206,6 +222,10 @@ def load_latent_cache(
                     np.asarray(data["latents_flipped" + sfx], dtype=np.float32) if expected.flip_aug else None
                 ),
                 alpha_mask=np.asarray(data["alpha_mask" + sfx], dtype=np.float32) if expected.alpha_mask else None,
+                control_latents=tuple(np.asarray(data[f"control_latents_{i}{sfx}"], dtype=np.float32)
+                                      for i in range(expected.controls())),
+                control_latents_flipped=tuple(np.asarray(data[f"control_latents_flipped_{i}{sfx}"], dtype=np.float32)
+                                              for i in range(expected.controls() if expected.flip_aug else 0)),
             )
     except Exception:  # any damage (truncated zip, bad header, wrong dtype) just means "rebuild it"
         return None

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from library.data.batching import Placement
 from library.data.cache_share import CacheShare
+from library.data.control_images import control_signature, load_control
 from library.data.images import ImageDecodeError, crop_ltrb_for, to_tensor
 from library.data.latent_cache import (
     CacheSettings,
@@ -70,7 +71,7 @@ def plan_cache_jobs(data: DatasetPlan, vae_id: str, to_disk: bool) -> tuple[list
                                      flip_aug=sub.flip_aug, alpha_mask=sub.alpha_mask or sample.mask_path is not None,
                                      vae_id=vae_id, latent_shape=(channels, bh // f, bw // f),
                                      mask_source=mask_signature(sample.mask_path, sub.alpha_mask),
-                                     posterior=POSTERIOR_DRAW)
+                                     posterior=POSTERIOR_DRAW, control_source=control_signature(sample.control_paths))
             key = (sid, gid)
             if key in data.latents and data.latent_signatures.get(key) == settings.signature():
                 continue
@@ -111,13 +112,15 @@ class _DecodeBatches(torch.utils.data.Dataset):
         return len(self.batches)
 
     def __getitem__(self, i: int) -> dict:
-        ok, images, alphas, crops, failed = [], [], [], [], []
+        ok, images, alphas, crops, failed, controls = [], [], [], [], [], []
         for j, job in enumerate(self.batches[i]):
             sample = self.data.samples[job.sample]
             sub = self.data.subsets[sample.subset]
             try:
                 loaded = load_and_crop(sample, sub, job.placement, self.data.bucketing(self.data.groups[job.group]),
                                        random.Random(0), augment=False)
+                controls.append([to_tensor(load_control(c, job.placement.bucket, False, sub.resize_interpolation))
+                                 for c in sample.control_paths])
             except ImageDecodeError as e:
                 failed.append((sample.path, str(e)))
                 continue
@@ -125,8 +128,10 @@ class _DecodeBatches(torch.utils.data.Dataset):
             images.append(to_tensor(loaded.image))
             alphas.append(loaded.mask)  # any mask source; stored under sd-scripts' alpha_mask key
             crops.append(loaded.crop_ltrb)
+        # controls: one (B, 3, H, W) batch per control index (every image of a subset has as many)
+        stacked = [torch.stack(c) for c in zip(*controls)] if controls and controls[0] else []
         return {"batch": i, "ok": ok, "images": torch.stack(images) if images else None,
-                "alphas": alphas, "crops": crops, "failed": failed}
+                "alphas": alphas, "crops": crops, "failed": failed, "controls": stacked}
 
 
 def _check_shape(latents: torch.Tensor, n: int, expected: tuple[int, int, int]) -> None:
@@ -178,15 +183,22 @@ def _encode_jobs(data: DatasetPlan, jobs: list[CacheJob], stale: int, encode: Ca
             if done[0].settings.flip_aug:
                 flipped = encode(torch.flip(item["images"], dims=[3])).detach().float().cpu()
                 _check_shape(flipped, len(done), expected)
+            controls = [encode(c).detach().float().cpu() for c in item["controls"]]
+            controls_flipped = [encode(torch.flip(c, dims=[3])).detach().float().cpu() for c in item["controls"]] \
+                if done[0].settings.flip_aug else []
         for k, job in enumerate(done):
             alpha = item["alphas"][k]
             entry = LatentCacheEntry(latents=latents[k].clone(), original_size=data.samples[job.sample].size,
                                      crop_ltrb=tuple(item["crops"][k]),
                                      latents_flipped=flipped[k].clone() if flipped is not None else None,
-                                     alpha_mask=np.asarray(alpha, dtype=np.float32) if alpha is not None else None)
+                                     alpha_mask=np.asarray(alpha, dtype=np.float32) if alpha is not None else None,
+                                     control_latents=tuple(c[k].clone() for c in controls),
+                                     control_latents_flipped=tuple(c[k].clone() for c in controls_flipped))
             data.latents[(job.sample, job.group)] = entry
             data.latent_signatures[(job.sample, job.group)] = job.settings.signature()
             if job.disk_path:
                 save_latent_cache(job.disk_path, entry.latents, entry.original_size, entry.crop_ltrb, job.settings,
-                                  entry.latents_flipped, entry.alpha_mask, key_suffix=job.key_suffix)
+                                  entry.latents_flipped, entry.alpha_mask, key_suffix=job.key_suffix,
+                                  control_latents=entry.control_latents,
+                                  control_latents_flipped=entry.control_latents_flipped)
     logger.info("cached latents of %d images%s", len(jobs), f" ({stale} rebuilt)" if stale else "")

@@ -13,6 +13,7 @@ import torch
 from library.data.batching import BatchRef, Placement, Sample, sample_noise_seed, sample_rng
 from library.data.captions import process_caption
 from library.data.config import SubsetConfig
+from library.data.control_images import load_control
 from library.data.images import (
     ImageDecodeError,
     color_augment,
@@ -82,7 +83,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
     unmasked_weights, normalize, preserve = [], [], []
-    orig_hw, crop_tl, skipped, noise_seeds = [], [], [], []
+    orig_hw, crop_tl, skipped, noise_seeds, controls = [], [], [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
         sample = data.samples[sid]
@@ -106,6 +107,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
                     mask = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, False).mask
                 if mask is not None and flip:
                     mask = np.ascontiguousarray(mask[:, ::-1])
+                control = list(entry.control_latents_flipped if flip else entry.control_latents)
             else:
                 loaded = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, augment)
                 image, mask, crop = loaded.image, loaded.mask, loaded.crop_ltrb
@@ -113,6 +115,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
                     image = flip_horizontal(image)
                     mask = np.ascontiguousarray(mask[:, ::-1]) if mask is not None else None
                     crop = flip_crop_ltrb(crop, bw)
+                control = [to_tensor(load_control(c, group.placements[sid].bucket, flip, sub.resize_interpolation))
+                           for c in sample.control_paths]
                 images.append(to_tensor(image))
         except ImageDecodeError as e:
             warn_once(sample.path, str(e))
@@ -121,6 +125,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         if mask is not None and augment and draw_unmasked(sub, rng):
             mask = np.ones_like(mask)  # this step trains the whole image (unmasked_probability)
         masks.append(mask)
+        controls.append(control)
         unmasked_weights.append(sub.unmasked_weight)
         normalize.append(sub.normalize_masked_area_loss)
         preserve.append(bool(sub.custom_attributes.get("diff_output_preservation")))
@@ -153,4 +158,14 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         # Training batches: each sample's noise and timestep seed (library/train/step.py); validation draws its own.
         "noise_seeds": None if ref.validation else noise_seeds,
         "skipped_images": skipped,
+        # Edit training (control_directory): one (B, 3, H, W) pixel batch per control index, or with cached latents
+        # one (B, C, h, w) latent batch each (`control_latents`); the step encodes pixels (library/train/step.py).
+        **_control_batch(controls, use_latents),
     }
+
+
+def _control_batch(controls: list[list], use_latents: bool) -> dict:
+    if not controls or not controls[0]:
+        return {}
+    stacked = [torch.stack([torch.as_tensor(c[i]) for c in controls]).float() for i in range(len(controls[0]))]
+    return {"control_latents": stacked} if use_latents else {"control_images": stacked}

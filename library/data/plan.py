@@ -35,12 +35,16 @@ class DataFamilyInfo:
     # sd-scripts' newer caches (Flux) suffix every key with the latent size, `latents_<h>x<w>`, so one
     # file holds an image at several resolutions; None keeps the plain SD/SDXL keys.
     latent_cache_key_stride: Optional[int] = None
+    # Edit training: how many control images (control_directory) each image may have; 0: the model takes none.
+    max_control_images: int = 0
+    control_hint: str = ""  # what takes control images in this family (named when a dataset has them and 0 here)
 
     @classmethod
-    def from_family(cls, family) -> "DataFamilyInfo":
-        """From a library.families ModelFamily (its class attributes of the same names)."""
+    def from_family(cls, family, options=None) -> "DataFamilyInfo":
+        """From a library.families ModelFamily (its class attributes of the same names) and the run's family
+        options (what decides the number of control images)."""
         return cls(family.bucket_reso_multiple, family.latent_cache_arch, family.vae_scale_factor, family.latent_channels,
-                   family.latent_cache_key_stride)
+                   family.latent_cache_key_stride, family.max_control_images(options), family.control_hint)
 
 
 @dataclass

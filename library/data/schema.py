@@ -253,6 +253,8 @@ _KEYS = [
     Key("dataset_name", _nonempty_str, None, SUBSET_ONLY),
     Key("is_reg", _bool, False, SUBSET_ONLY),
     Key("conditioning_data_dir", _nonempty_str, None, SUBSET_ONLY, "conditioning_data_dir"),
+    # musubi-tuner's key: each image's control (reference) image(s) for edit training (library/data/control_images.py)
+    Key("control_directory", _nonempty_str, None, SUBSET_ONLY),
 ]
 
 ALL_KEYS: dict[str, Key] = {k.name: k for k in _KEYS}

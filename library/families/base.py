@@ -237,6 +237,14 @@ class ModelFamily(ABC):
                       zero_terminal_snr: bool = False) -> None:
         """Check this family's options against the rest of the run before anything loads (one-line ConfigError)."""
 
+    # Edit training: what in this family takes control images (named when a dataset has them but the run does not).
+    control_hint: ClassVar[str] = ""
+
+    def max_control_images(self, options: Any) -> int:
+        """How many control images (the subset key control_directory) each training image may have with these
+        options; 0: none (the model takes no reference images)."""
+        return 0
+
     def latent_cache_values(self, options: Any) -> dict[str, Any]:
         """The options that change what the VAE outputs (part of the latent-cache validity key)."""
         return {}

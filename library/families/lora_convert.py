@@ -29,15 +29,19 @@ from library.families.lora_layouts import (
     UnmappedPathError,
     dotted,
     is_lumina_file,
+    is_qwen_image_file,
     is_sd3_file,
     is_sd3_peft,
     kohya_modules,
     lumina_kohya_modules,
     lumina_peft_targets,
     peft_targets,
+    qwen_image_peft_targets,
     sd3_kohya_modules,
     sd3_peft_targets,
+    zimage_peft_targets,
 )
+from library.families.zimage import lora_names as zimage_names
 from library.families.lumina.lora_names import owns_peft_paths as is_lumina_peft
 from networks.lora_files import (
     KOHYA_SUFFIXES,
@@ -100,15 +104,45 @@ def _split_fused(m: LoraModule, dims: list[int]) -> list[tuple[torch.Tensor, tor
     return [(down, b) for b in torch.split(up, dims, dim=0)]
 
 
-def to_diffusers(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split)."""
+# tools/convert_lora.py --family: the ss_base_model_version each family's files carry (sd-scripts' lumina2; ours and
+# musubi-tuner's zimage), for a file whose metadata does not say which of the two NextDiT families it is
+FAMILY_VERSIONS = {"lumina": "lumina2", "zimage": "zimage"}
+
+
+def nextdit_family(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> str:
+    """"zimage" or "lumina" for a LoRA with NextDiT block names (both families have them): the metadata
+    (ss_base_model_version zimage / lumina2, modelspec.architecture z-image... / lumina...), else a layer only one
+    has (Z-Image's adaLN_modulation_0, Lumina's adaLN_modulation_1), else Lumina (tools/convert_lora.py --family
+    zimage says otherwise)."""
+    metadata = metadata or {}
+    version = metadata.get("ss_base_model_version", "")
+    architecture = metadata.get("modelspec.architecture", "").lower()
+    if version == "zimage" or architecture.startswith("z-image"):
+        return "zimage"
+    if version == "lumina2" or architecture.startswith("lumina"):
+        return "lumina"
+    layers = {zimage_names.block_layer(k.partition(".")[0]) for k in state}
+    return "zimage" if zimage_names.ZIMAGE_ONLY_LAYER in layers and zimage_names.LUMINA_ONLY_LAYER not in layers \
+        else "lumina"
+
+
+def to_diffusers(state: Mapping[str, torch.Tensor], source: str,
+                 metadata: Optional[Mapping[str, str]] = None) -> dict[str, torch.Tensor]:
+    """Kohya state dict to the diffusers/PEFT layout, alpha baked in (Flux: fused layers split); `metadata` tells a
+    Z-Image file from a Lumina one (nextdit_family)."""
     modules = group_modules(state, source)
-    lumina = is_lumina_file(list(modules))  # Lumina's Gemma-2 names (lora_te_layers_N_) look like Anima's Qwen3 ones
-    if not lumina and anima_lora.is_anima(state):
+    nextdit = nextdit_family(state, metadata) if is_lumina_file(list(modules)) else None
+    # Lumina's Gemma-2 and Z-Image's Qwen3 names (lora_te_layers_N_) look like Anima's Qwen3 ones
+    if nextdit is None and anima_lora.is_anima(state):
         raise UnsupportedLoraError(f"{source}: an Anima LoRA; diffusers reads Anima LoRAs only in ComfyUI's "
                                    f"diffusion_model.* layout: use --to comfy")
     out: dict[str, torch.Tensor] = {}
-    lookup = lumina_peft_targets if lumina else sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
+    if nextdit is not None:
+        lookup = zimage_peft_targets if nextdit == "zimage" else lumina_peft_targets
+    elif is_qwen_image_file(list(modules)):
+        lookup = qwen_image_peft_targets  # QwenImagePipeline.load_lora_weights: `transformer.` keys only
+    else:
+        lookup = sd3_peft_targets if is_sd3_file(list(modules)) else peft_targets
     for name, m in modules.items():
         target = lookup(name)
         if target is None:
@@ -246,7 +280,9 @@ def is_lumina_lora(state: Mapping[str, torch.Tensor], metadata: Optional[Mapping
     """Whether a kohya LoRA is Lumina 2's: its metadata says so (ss_base_model_version lumina2, sd-scripts' value)
     or its DiT names are NextDiT's (a Gemma-2-only file without metadata reads as Anima's Qwen3: the same names)."""
     version = (metadata or {}).get("ss_base_model_version")
-    return version == "lumina2" or is_lumina_file([k.partition(".")[0] for k in state])
+    if version == "lumina2":
+        return True
+    return is_lumina_file([k.partition(".")[0] for k in state]) and nextdit_family(state, metadata) == "lumina"
 
 
 def lumina_to_comfy(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -292,6 +328,8 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
             return hunyuan_layout.comfy_lora_state(kohya)
         if is_lumina_lora(kohya, metadata):  # before Anima's: Gemma-2's names look like Qwen3's
             return lumina_to_comfy(kohya)
+        if is_lumina_file([k.partition(".")[0] for k in kohya]):  # Z-Image (nextdit_family): its DiT's kohya names
+            return kohya  # are the original module paths, which ComfyUI maps as they are; Qwen3's stay lora_te_
         if not anima_lora.is_anima(kohya):
             if is_chroma_lora(kohya, metadata):
                 return chroma_to_comfy(kohya)
@@ -302,7 +340,7 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
                                        f"{next(iter(kohya))!r}); SD, SDXL, FLUX.1 and SD3 files load in ComfyUI as "
                                        f"they are")
         return anima_lora.to_comfy(kohya)
-    return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source)
+    return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source, metadata)
 
 
 def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:

@@ -11,13 +11,16 @@ library/families/lora_convert.py only does the tensor math.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from library.families.flux import lora_names as flux
 from library.families.lumina import lora_names as lumina
+from library.families.qwen_image import lora_names as qwen_image
 from library.families.sd3 import lora_names as sd3
 from library.families.sdxl import lora_names as sdxl
+from library.families.zimage import lora_names as zimage
 from library.families.common.ldm_layout import LayoutError
 
 # Identifiers with underscores in diffusers / transformers / SGM module paths, so that a kohya
@@ -138,6 +141,35 @@ def sd3_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
 def is_lumina_file(kohya_names: Sequence[str]) -> bool:
     """True when kohya module names are a Lumina LoRA's (joint / refiner blocks; its lora_te is Gemma-2)."""
     return any(lumina.is_lumina_kohya_name(n) for n in kohya_names)
+
+
+def zimage_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
+    """The PEFT modules (ZImagePipeline parts) of one Z-Image kohya module name (Qwen3: `text_encoder.`); None when
+    unknown."""
+    head, _, rest = kohya_name.partition("_")[2].partition("_")
+    if head == "te":
+        return KohyaModule(kohya_name, (f"text_encoder.{dotted(rest)}",))
+    paths = zimage.diffusers_paths(rest) if head == "unet" else None
+    if paths is None:
+        return None
+    return KohyaModule(kohya_name, tuple(f"transformer.{p}" for p in paths), (1,) * len(paths))
+
+
+_QWEN_IMAGE_BLOCK = re.compile(r"^lora_unet_transformer_blocks_\d+_(img_mod|txt_mod|img_mlp|txt_mlp|attn_add_[qkv]_proj|"
+                               r"attn_to_add_out)")
+
+
+def is_qwen_image_file(kohya_names: Sequence[str]) -> bool:
+    """True when kohya module names are a Qwen-Image LoRA's (musubi-tuner's networks.lora_qwen_image: diffusers
+    paths of QwenImageTransformer2DModel, which no other family's kohya names use)."""
+    return any(_QWEN_IMAGE_BLOCK.match(n) for n in kohya_names)
+
+
+def qwen_image_peft_targets(kohya_name: str) -> Optional[KohyaModule]:
+    """The PEFT module (QwenImagePipeline's `transformer.`) of one Qwen-Image kohya name; None when unknown."""
+    if not kohya_name.startswith(qwen_image.LORA_PREFIX):
+        return None
+    return KohyaModule(kohya_name, (f"transformer.{qwen_image.dotted(kohya_name[len(qwen_image.LORA_PREFIX):])}",))
 
 
 def lumina_peft_targets(kohya_name: str) -> Optional[KohyaModule]:

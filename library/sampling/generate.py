@@ -40,10 +40,11 @@ class GenerationRequest:
     sampler: Optional[str] = None
     index: int = 0  # NN in the file name: the prompt's position (training) or the image's (tool)
     seed_given: bool = False  # the user chose the seed: it goes into the file name, as in sd-scripts
+    control_images: tuple[str, ...] = ()  # edit models (FLUX.1 Kontext): the reference image file(s)
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising batch."""
-        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler)
+        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.control_images)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class PromptOverrides:
     guidance: Optional[float] = None
     sampler: Optional[str] = None
     negative_prompt: Optional[str] = None
+    control_images: tuple[str, ...] = ()  # tools/generate.py --control_image: for prompts without their own --ci
 
 
 def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: int = 1,
@@ -99,7 +101,8 @@ def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: in
                 width=p.width or o.width, height=p.height or o.height, steps=p.steps or o.steps,
                 scale=p.scale if p.scale is not None else o.scale,
                 guidance=p.guidance if p.guidance is not None else o.guidance,
-                sampler=sampler, index=k if number_images else p.index, seed_given=given))
+                sampler=sampler, index=k if number_images else p.index, seed_given=given,
+                control_images=tuple(p.control_images or o.control_images)))
     return out
 
 

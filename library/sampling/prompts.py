@@ -1,7 +1,8 @@
 """Sample prompt files: .txt (one prompt a line), .toml ([prompt] defaults + [[prompt.subset]]) and .json.
 
 The formats and the inline options (` --n`, `--w`, `--h`, `--d`, `--s`, `--l`,
-`--g`, `--ss`) are those of sd-scripts. Unlike sd-scripts, an unknown option or
+`--g`, `--ss`) are those of sd-scripts; `--ci PATH` (one per control image of an edit model) is
+musubi-tuner's. Unlike sd-scripts, an unknown option or
 a bad number is an error naming the file and line, raised when the file is read
 (before training starts), not a message lost in the log of a long run.
 """
@@ -32,6 +33,7 @@ class SamplePrompt:
     scale: Optional[float] = None  # classifier-free guidance (CFG) scale
     guidance: Optional[float] = None  # Flux's distilled guidance (--g)
     sampler: Optional[str] = None
+    control_images: tuple[str, ...] = ()  # edit models' reference image(s) (--ci, repeatable; musubi-tuner's name)
     index: int = 0  # position in the file: the NN of the sample file name
     ignored: dict[str, Any] = field(default_factory=dict)  # sd-scripts options we accept but do not use
 
@@ -50,6 +52,7 @@ INLINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "l": ("scale", float, "a number (CFG scale)"),
     "g": ("guidance", float, "a number (guidance)"),
     "ss": ("sampler", _text, "a sampler name"),
+    "ci": ("control_images", _text, "a control image file"),  # repeatable: one --ci per image
 }
 # sd-scripts options for ControlNet, CFG truncation, CFG renormalisation and flow shift:
 # accepted so an existing file keeps working, reported as unused.
@@ -66,6 +69,7 @@ DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "scale": ("scale", float, "a number"),
     "guidance_scale": ("guidance", float, "a number"),
     "sample_sampler": ("sampler", str, "a string"),
+    "control_image": ("control_images", str, "a file name or a list of them"),
 }
 IGNORED_KEYS = ("controlnet_image", "cfg_trunc_ratio", "renorm_cfg", "flow_shift", "enum")
 POSITIVE_FIELDS = ("width", "height", "steps")
@@ -88,6 +92,9 @@ def parse_prompt_line(line: str, where: str, index: int = 0) -> SamplePrompt:
         attr, convert, expected = INLINE_OPTIONS[name]
         if not value and attr != "negative_prompt":
             raise ConfigError(f"{where}: --{name}: expected {expected}, got nothing")
+        if attr == "control_images":
+            prompt.control_images += (value,)
+            continue
         try:
             setattr(prompt, attr, convert(value))
         except ValueError:
@@ -109,6 +116,12 @@ def prompt_from_dict(entry: dict, where: str, index: int = 0) -> SamplePrompt:
         if key not in DICT_KEYS:
             raise ConfigError(f"{where}: unknown key {key!r}; expected one of {', '.join(DICT_KEYS)}")
         attr, convert, expected = DICT_KEYS[key]
+        if attr == "control_images":
+            names = [value] if isinstance(value, str) else value
+            if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"{where}: {key}: expected {expected}, got {value!r}")
+            prompt.control_images = tuple(names)
+            continue
         ok = isinstance(value, str) if convert is str else (
             isinstance(value, (int, float)) and not isinstance(value, bool)
             and (convert is float or float(value).is_integer()))
@@ -128,6 +141,9 @@ def _check_ranges(prompt: SamplePrompt, where: str, inline: bool) -> None:
         value = getattr(prompt, attr)
         if value is not None and value < 1:
             raise ConfigError(f"{where}: {names[attr]}: expected an integer >= 1, got {value}")
+    for path in prompt.control_images:  # named now, not when the sample is due
+        if not os.path.isfile(path):
+            raise ConfigError(f"{where}: {'--ci' if inline else 'control_image'} {path}: file not found")
     if prompt.scale is not None and prompt.scale < 0:
         raise ConfigError(f"{where}: {'--l' if inline else 'scale'}: expected a number >= 0, got {prompt.scale}")
 

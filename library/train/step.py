@@ -45,10 +45,16 @@ def encode_with_vae(family: ModelFamily, vae, images: torch.Tensor) -> torch.Ten
 
 
 def batch_latents(ctx: StepContext, batch: dict) -> torch.Tensor:
-    """Scaled latents of a batch: from the cache, or encoded now with the VAE (`encode_with_vae`)."""
+    """Scaled latents of a batch: from the cache, or encoded now with the VAE (`encode_with_vae`). Edit training:
+    the control images' latents likewise, scaled, go to batch["scaled_control_latents"] (the family's predict)."""
     latents = batch.get("latents")
     if latents is None:
         latents = encode_with_vae(ctx.family, ctx.components.vae, batch["images"])
+    controls = batch.get("control_latents")
+    if controls is None and batch.get("control_images"):
+        controls = [encode_with_vae(ctx.family, ctx.components.vae, c) for c in batch["control_images"]]
+    if controls:
+        batch["scaled_control_latents"] = [ctx.family.scale_latents(c.to(ctx.device, torch.float32)) for c in controls]
     return ctx.family.scale_latents(latents.to(ctx.device, torch.float32))
 
 

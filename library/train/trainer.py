@@ -211,7 +211,7 @@ class Trainer(TrainingLoop):
                         ", activation checkpointing" if self.fsdp.activation_checkpointing else "")
 
     def _setup_data(self) -> None:
-        info = DataFamilyInfo.from_family(self.family)
+        info = DataFamilyInfo.from_family(self.family, self.s.model.family_options)
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
         n = self.accelerator.num_processes

@@ -80,6 +80,23 @@ def encode_prompts_flux(family: ModelFamily, components: Components, texts: list
         return family.encode_text(components, tokens, None)
 
 
+@torch.no_grad()
+def encode_control_images(family: ModelFamily, vae: torch.nn.Module, paths, width: int, height: int,
+                          device: torch.device) -> list[torch.Tensor]:
+    """Edit models' reference images for generation: each file resized to cover (width, height) and centre-cropped
+    to it (as training resizes a control image to its target's bucket), encoded and scaled: one (1, C, h, w) each."""
+    from PIL import Image, ImageOps
+
+    out = []
+    for path in paths:
+        with Image.open(path) as image:
+            image = ImageOps.fit(ImageOps.exif_transpose(image).convert("RGB"), (width, height), Image.LANCZOS)
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)[None]
+        latents = family.encode_images(vae, pixels.to(device, vae.dtype), torch.Generator("cpu").manual_seed(0))
+        out.append(family.scale_latents(latents.float()))
+    return out
+
+
 def decode_images(family: ModelFamily, vae: torch.nn.Module, latents: torch.Tensor) -> np.ndarray:
     """AE-normalised latents -> uint8 images (B, H, W, 3): undo (x - shift)·scale, decode, clamp."""
     config = getattr(vae, "config", None)

@@ -52,6 +52,9 @@ _FULL = dict(double_blocks=19, single_blocks=38, heads=24, head_dim=128, axes_di
              t5_d_ff=10240, t5_heads=64, t5_d_kv=64, clip_vocab=REAL_VOCAB_SIZE, t5_vocab=T5_REAL_VOCAB_SIZE)
 PRESETS: dict[str, FluxPreset] = {
     "tiny:flux": FluxPreset("tiny:flux", 2, 3, 2, 16, (4, 6, 6), True, (32, 32, 64, 64), 32, 64, 32, 64, 2, 16),
+    # FLUX.1 Kontext [dev] has FLUX.1 dev's topology: the reference image is extra tokens, not extra weights.
+    "tiny:flux_kontext": FluxPreset("tiny:flux_kontext", 2, 3, 2, 16, (4, 6, 6), True, (32, 32, 64, 64), 32, 64, 32,
+                                    64, 2, 16),
     "random:flux-dev": FluxPreset("random:flux-dev", guidance_embeds=True, **_FULL),
     "random:flux-schnell": FluxPreset("random:flux-schnell", guidance_embeds=False, **_FULL),
 }

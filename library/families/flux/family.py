@@ -78,6 +78,23 @@ def image_ids(height: int, width: int, device=None, dtype=torch.float32) -> torc
     return ids.reshape(-1, 3)
 
 
+def kontext_tokens(latents: torch.Tensor, controls: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.1 Kontext's sequence: the packed target latents, then each control image's packed latents with its own
+    position ids (first id 1 for the first control, as FluxKontextPipeline; 2, 3, ... for more); (tokens, ids).
+    Without controls: plain FLUX.1's tokens and ids."""
+    b, _, h, w = latents.shape
+    dtype, device = latents.dtype, latents.device
+    tokens, ids = [pack_latents(latents)], [image_ids(h, w, device, dtype)]
+    for i, control in enumerate(controls):
+        control = control.to(device, dtype)
+        ch, cw = control.shape[-2:]
+        tokens.append(pack_latents(control))
+        control_ids = image_ids(ch, cw, device, dtype)
+        control_ids[:, 0] = i + 1
+        ids.append(control_ids)
+    return torch.cat(tokens, dim=1), torch.cat(ids, dim=0)
+
+
 def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     """(double, single) blocks that --blocks_to_swap N swaps: N//2 and 2·(N − N//2), as sd-scripts;
     a one-line ConfigError when the model has fewer."""
@@ -119,12 +136,12 @@ class FluxFamily(ModelFamily):
                 ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"))
     diffusers_class_markers = ("Flux",)
     scripts = {"lora": "flux_train_network.py", "finetune": "flux_train.py"}
-    model_types = (None, "flux")  # the --model_type values of its scripts that select it
+    model_types = (None, "flux", "kontext")  # the --model_type values of its scripts that select it
     selector_flag = "flux"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)")
     denoiser_label = "Transformer"
     component_file_flags = COMPONENT_FILE_FLAGS
-    tiny_presets = ("tiny:flux",)
+    tiny_presets = ("tiny:flux", "tiny:flux_kontext")
     lora_network_module = "networks.lora_flux"  # what sd-scripts' flux_train_network.py files say
     latent_cache_arch = "_flux"
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
@@ -176,6 +193,12 @@ class FluxFamily(ModelFamily):
             counts = block_counts(path) if blocks_to_swap else None
             if counts:
                 swap_split(blocks_to_swap, *counts)
+
+    control_hint = "FLUX.1 takes control images with --model_type kontext"
+
+    def max_control_images(self, options: Optional[FluxOptions]) -> int:
+        """FLUX.1 Kontext: 1, as FluxKontextPipeline takes (kontext_tokens would number more 2, 3, ...)."""
+        return 1 if options is not None and options.model_type == "kontext" else 0
 
     def latent_cache_values(self, options: FluxOptions) -> dict[str, Any]:
         return {"ae": options.ae}
@@ -280,18 +303,19 @@ class FluxFamily(ModelFamily):
             given = batch.get("guidance")
             guidance = given.to(device, dtype) if given is not None else \
                 torch.full((b,), options.guidance_scale, device=device, dtype=dtype)
+        tokens, ids = kontext_tokens(noisy_latents, batch.get("scaled_control_latents") or [])
         kwargs = None
         if options.apply_t5_attn_mask:
             # One boolean mask over the joint [text, image] sequence; image tokens always attend.
             mask = torch.cat([t["t5_attn_mask"].to(device).bool(),
-                              torch.ones(b, (h // 2) * (w // 2), dtype=torch.bool, device=device)], dim=1)
+                              torch.ones(b, tokens.shape[1], dtype=torch.bool, device=device)], dim=1)
             kwargs = {"attention_mask": mask[:, None, None, :]}
-        out = model(hidden_states=pack_latents(noisy_latents), encoder_hidden_states=t5_out,
+        out = model(hidden_states=tokens, encoder_hidden_states=t5_out,
                     pooled_projections=t["l_pooled"].to(device, dtype),
                     timestep=(timesteps.float() / 1000).to(device, dtype),
-                    img_ids=image_ids(h, w, device, dtype), txt_ids=t["txt_ids"][0].to(device, dtype),
+                    img_ids=ids, txt_ids=t["txt_ids"][0].to(device, dtype),
                     guidance=guidance, joint_attention_kwargs=kwargs, return_dict=False)[0]
-        return unpack_latents(out, h, w)
+        return unpack_latents(out[:, :(h // 2) * (w // 2)], h, w)  # the loss sees the target's tokens only
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,

@@ -22,7 +22,7 @@ import torch
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.objectives.flow import flux_shift_mu, time_shift
 from library.sampling.generate import GeneratedImage
-from library.families.common.flow_sampling import decode_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
+from library.families.common.flow_sampling import decode_images, encode_control_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +69,12 @@ def generate_flux(family: ModelFamily, components: Components, requests: list, d
     latents = initial_noise(family, resolved, device)
     h, w = latents.shape[-2:]
     sigmas = flux_sigmas(first.steps, (h // 2) * (w // 2), shift=bool(model.config.guidance_embeds))
+    # FLUX.1 Kontext: the reference image(s), at the output's size, as extra tokens (family.kontext_tokens)
+    controls = encode_control_images(family, components.vae, first.control_images, first.width, first.height, device)
 
     def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
         timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)  # predict's unit: σ·1000
+        batch["scaled_control_latents"] = [c.expand(model_in.shape[0], -1, -1, -1) for c in controls]
         return family.predict(components, model_in.to(model.dtype), timesteps, text, batch)
 
     latents = euler_sample(latents, sigmas, velocity, first.scale, use_cfg)

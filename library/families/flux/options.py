@@ -34,8 +34,9 @@ class FluxOptions:
     ae: Optional[str] = field(default=None, metadata={
         "help": "FLUX.1: autoencoder file (ae.safetensors) for a BFL single-file transformer"})
     model_type: str = field(default="flux", metadata={
-        "choices": ("flux", "chroma"),
-        "help": "flux (FLUX.1 dev / schnell) or chroma (Chroma: T5 only, no CLIP-L; needs --apply_t5_attn_mask and "
+        "choices": ("flux", "kontext", "chroma"),
+        "help": "flux (FLUX.1 dev / schnell), kontext (FLUX.1 Kontext: edit training with control_directory images) "
+                "or chroma (Chroma: T5 only, no CLIP-L; needs --apply_t5_attn_mask and "
                 "--guidance_scale 0)"})
     flow: FlowOptions = field(default_factory=FlowOptions)
 

@@ -189,15 +189,21 @@ class QwenImageFamily(ModelFamily):
 
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
-        """The DiT's velocity (B,16,h,w) at t = σ (timesteps / 1000), text trimmed to the batch's longest caption."""
+        """The DiT's velocity (B,16,h,w) at t = σ (timesteps / 1000), text trimmed to the batch's longest caption.
+        Reference latents (batch["scaled_control_latents"], Qwen-Image-Edit's) are packed after the target's, each
+        with its own entry in img_shapes, as QwenImageEditPlusPipeline calls the DiT; only the target's tokens are
+        returned."""
         model = components.denoiser
         device, dtype = noisy_latents.device, noisy_latents.dtype
         b, _, h, w = noisy_latents.shape
         states, mask = text_rules.trimmed(text.tensors)
-        out = model(hidden_states=pack(noisy_latents), timestep=(timesteps.float() / 1000).to(device, dtype),
+        controls = [c.to(device, dtype) for c in batch.get("scaled_control_latents") or []]
+        tokens = torch.cat([pack(noisy_latents), *(pack(c) for c in controls)], dim=1)
+        shapes = [(1, h // 2, w // 2), *((1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls)]
+        out = model(hidden_states=tokens, timestep=(timesteps.float() / 1000).to(device, dtype),
                     encoder_hidden_states=states.to(device, dtype), encoder_hidden_states_mask=mask.to(device),
-                    img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
-        return unpack(out, h, w)
+                    img_shapes=[shapes] * b, return_dict=False)[0]
+        return unpack(out[:, :(h // 2) * (w // 2)], h, w)
 
     # --- generation ----------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
