@@ -118,6 +118,17 @@ class TextEncodingOptions:
 
 
 @dataclass
+class TextualInversionOptions:
+    """train_textual_inversion.py / sdxl_train_textual_inversion.py: the new token and how it starts."""
+    token_string: str
+    init_word: Optional[str] = None
+    num_vectors_per_token: int = 1
+    use_object_template: bool = False
+    use_style_template: bool = False
+    weights: Optional[str] = None  # an embedding file to continue from
+
+
+@dataclass
 class FineTuneOptions:
     """A full fine-tune (fine_tune.py, sdxl_train.py, flux_train.py): the model's own weights train."""
     train_text_encoder: bool = False
@@ -153,6 +164,7 @@ class RunSettings:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
+    textual_inversion: Optional[TextualInversionOptions] = None  # set: train new token embeddings only
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False
     no_half_vae: bool = False

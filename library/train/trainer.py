@@ -74,6 +74,7 @@ from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
+from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,9 @@ class Trainer(TrainingLoop):
         if note:
             logger.warning(note)
         self.device = self.accelerator.device
+        if self.s.textual_inversion is not None and (self.zero is not None or (fsdp is not None and n > 1)):
+            raise UserError("textual inversion: not under FSDP or DeepSpeed (a few vectors train; plain data "
+                            "parallel, as sd-scripts runs it)")
         self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
             why = fsdp_unsupported(self.s, self.fsdp)
@@ -219,6 +223,8 @@ class Trainer(TrainingLoop):
         else:
             self.max_train_steps = self.t.max_train_steps
         self.data.plan(self.max_train_steps, accum)
+        if self.s.textual_inversion is not None:  # the token spelled out in captions, or templates instead of them
+            self.data.caption_replacements, self.data.caption_templates = caption_rules(self.s.textual_inversion)
         self.num_epochs = self.data.num_epochs()
         if self.s.text_cache.enabled:  # refused before any model loads when captions are random
             train_te = self.s.fine_tune.train_text_encoder if self.s.fine_tune else self.s.network.train_text_encoder
@@ -272,6 +278,9 @@ class Trainer(TrainingLoop):
     def _setup_trainable(self) -> Trainable:
         """What trains: the model's own parts (a fine-tune) or a network hooked into it."""
         t = self.t
+        if self.s.textual_inversion is not None:
+            return TextualInversionTrainable(self.family, self.components, self.s.textual_inversion, t.save_model_as,
+                                             t.save_precision, device=self.device, full_dtype=self._full_dtype())
         if self.s.fine_tune is not None:
             return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
                                   self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,
