@@ -88,6 +88,7 @@ class NetworkOptions:
     network_args: dict[str, str] = field(default_factory=dict)
     network_weights: Optional[str] = None
     dim_from_weights: bool = False
+    embeddings: list[str] = field(default_factory=list)  # textual-inversion files whose tokens captions may use
     base_weights: list[str] = field(default_factory=list)
     base_weights_multiplier: list[float] = field(default_factory=list)
     train_unet: bool = True

@@ -74,7 +74,7 @@ from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
-from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules
+from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules, load_embeddings
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,8 @@ class Trainer(TrainingLoop):
         self.step_module: Optional[torch.nn.Module] = None
         self.trace: Optional[StepTrace] = None
         self.step_logs: dict[str, float] = {}
+        # (token, its vectors spelled out) of multi-vector textual-inversion tokens: sample prompts spell them out
+        self.prompt_replacements: tuple[tuple[str, str], ...] = ()
 
     @property
     def noise_generator(self) -> torch.Generator:
@@ -248,6 +250,9 @@ class Trainer(TrainingLoop):
         """The loaded model, frozen and placed under the memory options, and the block swapper (or None)."""
         c = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
         self.family.check_loaded(c, self.s.text)  # --clip_skip against the loaded encoders
+        if self.s.network is not None and self.s.network.embeddings:  # tokens of frozen embeddings in captions
+            self.prompt_replacements = load_embeddings(self.family, c, self.s.network.embeddings)
+            self.data.caption_replacements = self.prompt_replacements
         for m in [c.denoiser, c.vae, *c.text_encoders]:
             m.requires_grad_(False)
             m.eval()
@@ -442,6 +447,7 @@ class Trainer(TrainingLoop):
             self._setup_data()
             self.components, self.block_swapper = self._setup_model()
             self.trainable = self._setup_trainable()
+            self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)
             if self.fsdp is not None:

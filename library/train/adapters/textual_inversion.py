@@ -24,6 +24,7 @@ from library.families.common.embeddings import (
     init_word_ids,
     input_embedding,
     install_rows,
+    load_embedding_into,
     read_embedding_file,
     token_strings,
     write_embedding_file,
@@ -141,3 +142,21 @@ class TextualInversionTrainable(Trainable):
 
     def save(self, path, metadata):
         write_embedding_file(path, self.embeddings(), metadata)
+
+
+def load_embeddings(family: ModelFamily, components: Components, paths: list[str]) -> tuple[tuple[str, str], ...]:
+    """--embeddings (LoRA training): add each embedding file to the loaded model under its file stem, frozen, so
+    that its token works in captions and sample prompts. Returns the (token, its vectors spelled out) pairs of
+    multi-vector tokens, for the captions and prompts."""
+    keys = family.textual_inversion_keys
+    if not keys:
+        raise ConfigError(f"--embeddings: textual-inversion embeddings are not available for {family.name}")
+    n = len(keys)
+    components.tokenizers[:n] = [copy.deepcopy(t) for t in components.tokenizers[:n]]  # see TextualInversionTrainable
+    out = []
+    for path in paths:
+        token, strings = load_embedding_into(components.tokenizers[:n], components.text_encoders[:n], keys, path)
+        logger.info("embedding %s loaded as the token %s (%d vector(s))", path, token, len(strings))
+        if len(strings) > 1:
+            out.append((token, " ".join(strings)))
+    return tuple(out)
