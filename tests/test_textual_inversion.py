@@ -217,3 +217,33 @@ def test_lora_training_and_generate_use_embeddings(tmp_path):
                           "a mytok --w 64 --h 64 --s 1 --d 1", "--textual_inversion_embeddings",
                           str(tmp_path / "mytok.safetensors")]) == 0
     assert len(os.listdir(tmp_path / "gen")) == 1
+
+
+def test_web_ui_templates_pass_the_scripts_check(tmp_path, monkeypatch):
+    """The web UI learns the scripts from the families' facts: a job from each textual-inversion template runs its
+    script, and with the tiny model and the example images saving passes that script's own --check_config."""
+    from fastapi.testclient import TestClient
+
+    from webui import performance
+    from webui.app import create_app
+    from webui.jobfiles import REPO_ROOT
+
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    jobs_dir = str(tmp_path / "jobs")
+    c = TestClient(create_app(jobs_dir, find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
+    for family, script in (("sd", "train_textual_inversion.py"), ("sdxl", "sdxl_train_textual_inversion.py")):
+        r = c.post("/api/jobs", json={"template": f"{family}_textual_inversion"})
+        assert r.status_code == 201, r.text
+        job = r.json()
+        assert (job["family"], job["script"]) == (family, script)
+        settings = c.get(f"/api/jobs/{job['id']}/settings").json()
+        assert settings["config"]["textual_inversion"]["token_string"] == "mychar4"
+        settings["config"]["model"]["pretrained_model_name_or_path"] = "tiny:sd1" if family == "sd" else "tiny:sdxl"
+        settings["config"]["textual_inversion"]["init_word"] = "a"
+        settings["dataset"]["datasets"][0]["subsets"][0]["image_dir"] = "examples/data/train/10_sks shape"
+        r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)
+        assert r.status_code == 200, r.text
+        settings["config"]["textual_inversion"]["token_string"] = ""  # the script's own one-line refusal
+        r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)
+        assert r.status_code == 422 and "--token_string: required" in r.text, r.text
