@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
                    help="merge the networks into the weights first (same images, faster)")
     g.add_argument("--textual_inversion_embeddings", nargs="*", default=[], metavar="FILE",
-                   help="textual-inversion embeddings (SD 1.x/2.x, SDXL; .safetensors, A1111 .pt): each file's stem "
-                        "is a token prompts can use")
+                   help="textual-inversion embeddings (SD 1.x/2.x, SDXL; .safetensors, A1111 .pt): each one's token "
+                        "(the token_string it records, else its file name) can be used in prompts")
     g = p.add_argument_group("images")
     g.add_argument("--outdir", required=True, help="folder for the images")
     g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")

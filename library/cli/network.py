@@ -37,8 +37,9 @@ class NetworkFlags:
     network_weights: Optional[str] = flag(None, "LoRA file to start training from")
     dim_from_weights: bool = flag(False, "take the modules, dims and alphas from --network_weights")
     embeddings: Optional[list[str]] = flag(None, "textual-inversion embedding files (SD 1.x/2.x, SDXL) loaded "
-                                                 "frozen before training: each file's stem is a token captions and "
-                                                 "sample prompts can use")
+                                                 "frozen before training: each one's token (the token_string it "
+                                                 "records, else its file name) can be used in captions and sample "
+                                                 "prompts")
     base_weights: Optional[list[str]] = flag(None, "LoRA files merged into the base model before training")
     base_weights_multiplier: Optional[list[float]] = flag(None, "multiplier of each --base_weights file (default 1.0 "
                                                                 "each)", range=Range())

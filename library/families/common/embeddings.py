@@ -130,11 +130,22 @@ def write_embedding_file(path: str, tensors: dict[str, torch.Tensor], metadata: 
         torch.save(tensors, tmp)
 
 
+def recorded_token(path: str) -> Optional[str]:
+    """The token a file written here records (ss_token_string), so that a step's file keeps the trained token."""
+    if not path.endswith(".safetensors"):
+        return None
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return (f.metadata() or {}).get("ss_token_string") or None
+
+
 def load_embedding_into(tokenizers: list, text_encoders: list[nn.Module], keys: Sequence[str], path: str,
                         token: Optional[str] = None) -> tuple[str, list[str]]:
-    """Add the embedding file at `path` to a loaded model under `token` (default: the file's stem, as A1111):
+    """Add the embedding file at `path` to a loaded model under `token` (default: the token the file records, else
+    its stem, as A1111):
     (token, its vector names). A prompt then writes the token; `expand_prompt` spells out its vectors."""
-    token = token or os.path.splitext(os.path.basename(path))[0]
+    token = token or recorded_token(path) or os.path.splitext(os.path.basename(path))[0]
     vectors = embeddings_for(read_embedding_file(path), keys, path)
     counts = {v.shape[0] for v in vectors if v is not None}
     if len(counts) != 1:

@@ -145,9 +145,9 @@ class TextualInversionTrainable(Trainable):
 
 
 def load_embeddings(family: ModelFamily, components: Components, paths: list[str]) -> tuple[tuple[str, str], ...]:
-    """--embeddings (LoRA training): add each embedding file to the loaded model under its file stem, frozen, so
-    that its token works in captions and sample prompts. Returns the (token, its vectors spelled out) pairs of
-    multi-vector tokens, for the captions and prompts."""
+    """--embeddings (LoRA training) and tools/generate.py: add each embedding file to the loaded model, frozen, under
+    its token (the one it records, else its file name), so that the token works in captions and prompts. Returns
+    the (token, its vectors spelled out) pairs of multi-vector tokens, for the captions and prompts."""
     keys = family.textual_inversion_keys
     if not keys:
         raise ConfigError(f"--embeddings: textual-inversion embeddings are not available for {family.name}")
