@@ -247,3 +247,19 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, monkeypatch):
         settings["config"]["textual_inversion"]["token_string"] = ""  # the script's own one-line refusal
         r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)
         assert r.status_code == 422 and "--token_string: required" in r.text, r.text
+
+
+def test_sd_scripts_textual_inversion_flags_are_taken():
+    """sd-scripts 48d368fa's train_textual_inversion.py parser: train_db.py's shared groups (less DreamBooth's own
+    flags, the saving flags it does not add and --dataset_class, refused everywhere) plus its own flags."""
+    import json
+
+    theirs = set(json.load(open(os.path.join(ROOT, "tests", "data", "sd_scripts_flags.json")))["scripts"]["train_db.py"])
+    theirs -= {"--dataset_class", "--fused_backward_pass", "--learning_rate_te", "--no_token_padding",
+               "--stop_text_encoder_training", "--use_safetensors"}
+    theirs |= {"--save_model_as", "--weights", "--num_vectors_per_token", "--token_string", "--init_word",
+               "--use_object_template", "--use_style_template", "--no_half_vae"}
+    for family in ("sd", "sdxl"):
+        parser = build_parser("x", get_family(family), textual_inversion=True)
+        ours = {o for a in parser._actions for o in a.option_strings}
+        assert sorted(theirs - ours) == []

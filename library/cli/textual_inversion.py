@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
+from library.cli.fine_tune import MetadataFlags, metadata_from_args
 from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.train.settings import TextualInversionOptions
@@ -29,6 +30,7 @@ class TextualInversionFlags:
     weights: Optional[str] = flag(None, "embedding file to continue from (.safetensors as written here or by "
                                         "sd-scripts; A1111 .pt; diffusers .bin); its vector count must be "
                                         "--num_vectors_per_token")
+    metadata: MetadataFlags = field(default_factory=MetadataFlags)  # modelspec.* (sd-scripts takes them here too)
 
 
 def textual_inversion_options_from_args(ns: argparse.Namespace) -> TextualInversionOptions:
@@ -47,4 +49,5 @@ def textual_inversion_options_from_args(ns: argparse.Namespace) -> TextualInvers
     return TextualInversionOptions(token_string=token, init_word=ns.init_word,
                                    num_vectors_per_token=ns.num_vectors_per_token,
                                    use_object_template=bool(ns.use_object_template),
-                                   use_style_template=bool(ns.use_style_template), weights=ns.weights)
+                                   use_style_template=bool(ns.use_style_template), weights=ns.weights,
+                                   metadata=metadata_from_args(ns))

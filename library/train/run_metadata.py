@@ -137,7 +137,7 @@ def embedding_metadata(family: ModelFamily, components: Components, settings: Ru
         implementation=family.modelspec_implementation(), title=s.training.output_name, resolution=reso,
         prediction_type=family.modelspec_prediction_type(c),
         timestep_range=timestep_range(s.noise.min_timestep, s.noise.max_timestep),
-        encoder_layer=s.text.clip_skip, date=None, is_lora=False)
+        encoder_layer=s.text.clip_skip, date=None, is_lora=False, extra=s.textual_inversion.metadata)
     ti = s.textual_inversion
     metadata.update({"ss_token_string": ti.token_string, "ss_num_vectors_per_token": str(ti.num_vectors_per_token),
                      "ss_init_word": ti.init_word or "", "ss_steps": str(facts.steps), "ss_epoch": str(facts.epoch)})

@@ -127,6 +127,7 @@ class TextualInversionOptions:
     use_object_template: bool = False
     use_style_template: bool = False
     weights: Optional[str] = None  # an embedding file to continue from
+    metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
 @dataclass
