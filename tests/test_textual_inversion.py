@@ -263,3 +263,25 @@ def test_sd_scripts_textual_inversion_flags_are_taken():
         parser = build_parser("x", get_family(family), textual_inversion=True)
         ours = {o for a in parser._actions for o in a.option_strings}
         assert sorted(theirs - ours) == []
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--use_object_template"], "object"), (["--use_style_template"], "style"), ([], "captions"),
+])
+def test_captions_templates_and_spelled_out_token(tmp_path, capsys, extra, expected):
+    from library.train.adapters.textual_inversion import OBJECT_TEMPLATES, STYLE_TEMPLATES
+
+    root = tmp_path / "data"
+    data = make_dataset(str(root), n=2)
+    for name in os.listdir(os.path.join(data, "5_sks toy")):
+        if name.endswith(".txt"):
+            (root / "train" / "5_sks toy" / name).write_text("mytok, square")
+    ti_trainer(ti_args(data, str(tmp_path / "out"), extra=extra)).debug_dataset()
+    captions = [line.split("caption: ", 1)[1] for line in capsys.readouterr().out.splitlines() if "caption: " in line]
+    assert len(captions) == 10  # 2 images x 5 repeats
+    if expected == "captions":
+        assert set(captions) == {"mytok mytok1, square"}
+    else:
+        templates = OBJECT_TEMPLATES if expected == "object" else STYLE_TEMPLATES
+        allowed = {t.format("mytok mytok1") for t in templates}
+        assert set(captions) <= allowed and len(set(captions)) > 1  # drawn per sample
