@@ -285,3 +285,21 @@ def test_captions_templates_and_spelled_out_token(tmp_path, capsys, extra, expec
         templates = OBJECT_TEMPLATES if expected == "object" else STYLE_TEMPLATES
         allowed = {t.format("mytok mytok1") for t in templates}
         assert set(captions) <= allowed and len(set(captions)) > 1  # drawn per sample
+
+
+def test_generate_loads_an_sdxl_embedding(tmp_path):
+    from tools.generate import build_parser as generate_parser
+    from tools.generate import load_model, options_from_args, run
+
+    g = torch.Generator().manual_seed(0)
+    emb = {"clip_l": torch.randn(2, 32, generator=g), "clip_g": torch.randn(2, 64, generator=g)}
+    save_file(emb, str(tmp_path / "emb.safetensors"), metadata={"ss_token_string": "mytok"})
+    o = options_from_args(generate_parser().parse_args([
+        "--ckpt", "tiny:sdxl", "--sdxl", "--outdir", str(tmp_path / "gen"), "--prompt", "a mytok --w 64 --h 64 --s 1",
+        "--textual_inversion_embeddings", str(tmp_path / "emb.safetensors")]))
+    family, components, device = loaded = load_model(o)
+    assert len(run(o, loaded)) == 1
+    for i, key in enumerate(("clip_l", "clip_g")):  # the recorded token, in both encoders
+        ids = components.tokenizers[i].convert_tokens_to_ids(["mytok", "mytok1"])
+        rows = components.text_encoders[i].get_input_embeddings()(torch.tensor([ids]))[0]
+        assert torch.equal(rows, emb[key])
