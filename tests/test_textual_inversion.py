@@ -303,3 +303,16 @@ def test_generate_loads_an_sdxl_embedding(tmp_path):
         ids = components.tokenizers[i].convert_tokens_to_ids(["mytok", "mytok1"])
         rows = components.text_encoders[i].get_input_embeddings()(torch.tensor([ids]))[0]
         assert torch.equal(rows, emb[key])
+
+
+def test_web_ui_generation_of_a_textual_inversion_job(tmp_path):
+    """The Generate tab of a textual-inversion job: the base model with the chosen embedding."""
+    from webui.generation import generate_command
+    from webui.jobfiles import JobFolder
+
+    folder = JobFolder(str(tmp_path), 1)
+    config = {"model": {"pretrained_model_name_or_path": "tiny:sd1"}, "textual_inversion": {"token_string": "t"}}
+    argv = generate_command(folder, "textual_inversion", config, "p.txt", "out/t.safetensors", None, None, None, None)
+    assert argv[2:6] == ["--ckpt", "tiny:sd1", "--textual_inversion_embeddings", "out/t.safetensors"]
+    argv = generate_command(folder, "textual_inversion", config, "p.txt", None, None, None, None, None)
+    assert argv[2:4] == ["--ckpt", "tiny:sd1"] and "--textual_inversion_embeddings" not in argv
