@@ -21,7 +21,7 @@ from torch import nn
 
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import save_lora_state_dict
-from networks import lora_math
+from networks import ggpo, lora_math
 from networks.lora_args import (
     SD_BLOCK_LAYOUT,
     BlockLayout,
@@ -106,6 +106,14 @@ class LoRANetwork(nn.Module):
         for lora in self.text_encoder_loras + self.unet_loras:
             self.add_module(lora.lora_name, lora)
         logger.info("LoRA modules: %d text encoder, %d unet", len(self.text_encoder_loras), len(self.unet_loras))
+        ggpo_args = getattr(rules, "ggpo", None)  # (sigma, beta): the family's rules with ggpo_sigma / ggpo_beta
+        self.ggpo = ggpo_args is not None  # also on a network shaped by a file (--dim_from_weights): train-only
+        if modules_dim is not None and getattr(rules, "split_qkv", False):
+            logger.warning("split_qkv: the modules come from a file (--dim_from_weights), which holds each fused "
+                           "layer as one LoRA; they train as such, not split")
+        if self.ggpo:
+            count = ggpo.attach(self.text_encoder_loras + self.unet_loras, *ggpo_args)
+            logger.info("LoRA-GGPO training sigma: %g beta: %g (%d modules)", *ggpo_args, count)
         if rules is not None and rules.verbose:
             for lora in self.text_encoder_loras + self.unet_loras:
                 logger.info("  %-60s dim %d, alpha %g", lora.lora_name, lora.lora_dim, float(lora.alpha))
@@ -307,6 +315,32 @@ class LoRANetwork(nn.Module):
 
     def enable_gradient_checkpointing(self) -> None:
         pass  # LoRA modules hold no activations of their own worth checkpointing
+
+    def update_grad_norms(self) -> None:
+        """LoRA-GGPO: each module's ΔW gradient row norms (after clipping, before the optimizer step)."""
+        for lora in self._ggpo_loras():
+            lora.ggpo.update_grad_norms(lora)
+
+    def update_norms(self) -> None:
+        """LoRA-GGPO: each module's combined weight row norms (after update_grad_norms)."""
+        for lora in self._ggpo_loras():
+            lora.ggpo.update_norms(lora)
+
+    def ggpo_logs(self) -> dict[str, float]:
+        """Mean ΔW, gradient and combined row norms over the GGPO modules (sd-scripts' progress-bar values)."""
+        states = [lora.ggpo for lora in self._ggpo_loras() if lora.ggpo.active()]
+        if not states:
+            return {}
+        def mean(norms: list[torch.Tensor]) -> float:
+            return float(torch.stack([n.mean() for n in norms]).mean())
+        return {"ggpo/mean_weight_norm": mean([s.weight_norms for s in states]),
+                "ggpo/mean_grad_norm": mean([s.grad_norms for s in states]),
+                "ggpo/mean_combined_norm": mean([s.combined_weight_norms for s in states])}
+
+    def _ggpo_loras(self) -> list[nn.Module]:
+        if not self.ggpo or not self.training:
+            return []
+        return [lora for lora in self.text_encoder_loras + self.unet_loras if lora.ggpo is not None]
 
     @torch.no_grad()
     def apply_max_norm_regularization(self, max_norm_value: float, device: Any) -> tuple[int, float, float]:

@@ -137,7 +137,10 @@ class FusedLoRAModule(nn.Module):
         if self.split:  # its own rank block only: the rest of the row is never read, so never trained
             rank = self.lora_dim // len(self._orgs)
             lx, up = lx[..., index * rank:(index + 1) * rank], up[:, index * rank:(index + 1) * rank]
-        return org_out + (F.linear(lx, up) * (self.multiplier * scale)).to(org_out.dtype)
+        out = org_out + (F.linear(lx, up) * (self.multiplier * scale)).to(org_out.dtype)
+        if self.training and self.ggpo is not None and self.ggpo.active():
+            out = out + self.ggpo.perturbation(x, out.dtype, start, start + self.out_sizes[index])
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fused update alone: (up @ down)(x) · multiplier · scale, all slices concatenated."""

@@ -30,6 +30,7 @@ def init_lora_parameters(module: nn.Module, lora_dim: int, alpha: Any, multiplie
     module.dropout = dropout
     module.rank_dropout = rank_dropout
     module.module_dropout = module_dropout
+    module.ggpo = None  # networks/ggpo.py state, set by the network with ggpo_sigma / ggpo_beta (training only)
 
 
 class LoRAModule(nn.Module):
@@ -107,7 +108,10 @@ class LoRAModule(nn.Module):
             lx = lx * mask.to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
         lx = self.lora_up(lx)
-        return org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+        out = org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+        if self.training and self.ggpo is not None and self.ggpo.active():
+            out = out + self.ggpo.perturbation(x, out.dtype)
+        return out
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW at multiplier 1 in the original weight's layout (float32)."""

@@ -217,8 +217,12 @@ def test_t5_without_training_text_encoders_warns(tiny, caplog):
     ({"network_reg_dims": "attn(=4"}, "--network_args network_reg_dims: 'attn(' is not a regular expression"),
     ({"network_reg_lrs": "attn=fast"}, "--network_args network_reg_lrs: expected a number >= 0, got 'fast'"),
     ({"train_t5xxl": "maybe"}, "--network_args train_t5xxl: expected True or False, got 'maybe'"),
-    ({"split_qkv": "True"}, "--network_args split_qkv: not supported: "),
-    ({"ggpo_sigma": "0.03"}, "--network_args ggpo_sigma: not supported: "),
+    ({"split_qkv": "maybe"}, "--network_args split_qkv: expected True or False, got 'maybe'"),
+    ({"ggpo_sigma": "0.03"}, "--network_args ggpo_sigma: LoRA-GGPO needs ggpo_beta too"),
+    ({"ggpo_beta": "0.01"}, "--network_args ggpo_beta: LoRA-GGPO needs ggpo_sigma too"),
+    ({"ggpo_sigma": "x", "ggpo_beta": "0.01"}, "--network_args ggpo_sigma: expected a finite number >= 0, got 'x'"),
+    ({"ggpo_sigma": "0.03", "ggpo_beta": "-1"}, "--network_args ggpo_beta: expected a finite number >= 0, got '-1'"),
+    ({"ggpo_sigma": "nan", "ggpo_beta": "0.01"}, "--network_args ggpo_sigma: expected a finite number >= 0, got 'nan'"),
     ({"img_atn_dim": "4"}, "--network_args img_atn_dim: unknown argument for networks.lora with this model"),
 ])
 def test_bad_values_are_one_line_errors(tiny, args, message):

@@ -19,6 +19,7 @@ from library.core.errors import UserError
 from library.data.dataset import EpochSampler, PlannedBatches
 from library.train import checkpoints as ckpt
 from library.train.control import serve_requests
+from library.train.distributed.context_parallel import loss_scale
 from library.train.distributed.distributed import any_process
 from library.train.optim.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, embedding_metadata, lora_metadata, model_metadata
@@ -146,7 +147,10 @@ class TrainingLoop:
                 return 0.0
             self._check_finite(loss, batch, global_step)
             with phase("backward"):
-                self._backward(loss / self.t.gradient_accumulation_steps, sync)
+                # × the context-parallel size: each process's gradients cover its share of the tokens, and DDP
+                # averages over every process (library/train/distributed/context_parallel.py)
+                self._backward(loss / self.t.gradient_accumulation_steps * loss_scale(self.t.context_parallel_size),
+                               sync)
             self.instruments.micro_done()
         if self.block_swapper is not None:
             self.block_swapper.release()
@@ -177,7 +181,8 @@ class TrainingLoop:
                 self.step_module.step(self.lr_scheduler)
             else:
                 optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
-                               getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_))
+                               getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_),
+                               before_step=self.trainable.before_optimizer_step if clip else None)
         self.step_logs = self.trainable.after_optimizer_step(self.device)
         if self.ema is not None:
             self.ema.step(step)

@@ -152,7 +152,8 @@ def preserved_target(ctx: StepContext, target: torch.Tensor, preserve: torch.Ten
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr_scheduler, max_grad_norm: Optional[float],
-                   clip_grad_norm: Callable = torch.nn.utils.clip_grad_norm_) -> None:
+                   clip_grad_norm: Callable = torch.nn.utils.clip_grad_norm_,
+                   before_step: Optional[Callable[[], None]] = None) -> None:
     """One optimizer step after the gradients are in: clip (when `max_grad_norm`), step, schedule, zero.
 
     The trainer passes accelerate's clip_grad_norm_ (and no norm while gradients still accumulate);
@@ -161,6 +162,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, lr_scheduler, max_grad_norm
     if max_grad_norm:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         clip_grad_norm(params, max_grad_norm)
+    if before_step is not None:  # reads the final (clipped) gradients: LoRA-GGPO's norms
+        before_step()
     optimizer.step()
     lr_scheduler.step()
     optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,10 @@
 - `train_blocks=all|single|double` and `train_double_block_indices` /
   `train_single_block_indices` ("0,3-5", "all", "none");
 - `network_reg_dims` / `network_reg_lrs` (`regex=value,...`, first match wins);
-- `train_t5xxl=True`: LoRAs on T5-XXL too (`lora_te3_`); `verbose=True`.
+- `train_t5xxl=True`: LoRAs on T5-XXL too (`lora_te3_`); `verbose=True`;
+- `split_qkv=True`: q, k, v (and linear1's MLP input) each get their own LoRA, saved as one fused module of
+  n times the rank with a block-diagonal `lora_up` (networks/lora_fused.py);
+- `ggpo_sigma` / `ggpo_beta`: LoRA-GGPO (networks/ggpo.py), training only.
 
 The order in which they decide a module's dim follows sd-scripts: `train_blocks`
 drops a block kind outright; then a `network_reg_dims` match; then the per-type
@@ -16,6 +19,7 @@ dim (or the in_dims value), and a block left out by the index lists gets none.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -49,15 +53,10 @@ TYPE_DIMS: dict[str, tuple[str, ...]] = {
 # The five in_dims values, in order, and the BFL layer groups outside the blocks they set.
 IN_DIM_GROUPS = ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")
 TRAIN_BLOCKS = ("all", "single", "double")
-# sd-scripts arguments that would train something networks.lora cannot save in the same layout.
-UNSUPPORTED = {
-    "split_qkv": "networks.lora trains the fused qkv / linear1 with one shared lora_down (the saved layout); "
-                 "drop split_qkv",
-    "ggpo_sigma": "LoRA-GGPO is not implemented; drop ggpo_sigma / ggpo_beta",
-    "ggpo_beta": "LoRA-GGPO is not implemented; drop ggpo_sigma / ggpo_beta",
-}
 KEYS = (*TYPE_DIMS, "in_dims", "train_blocks", "train_double_block_indices", "train_single_block_indices",
-        "network_reg_dims", "network_reg_lrs", "train_t5xxl", "verbose", *UNSUPPORTED)
+        "network_reg_dims", "network_reg_lrs", "train_t5xxl", "verbose", "split_qkv", "ggpo_sigma", "ggpo_beta")
+# sd-scripts' split_qkv: the fused layers that train one LoRA per projection (q, k, v; linear1 also the MLP input).
+_SPLIT_NAME = re.compile(r"^lora_unet_(double_blocks_\d+_(img|txt)_attn_qkv|single_blocks_\d+_linear1)$")
 
 _BLOCK_NAME = re.compile(r"^lora_unet_(double|single)_blocks_(\d+)_")
 _IN_NAME = re.compile(r"^lora_unet_(" + "|".join(IN_DIM_GROUPS) + r")(?:_|$)")
@@ -77,6 +76,12 @@ class FluxModuleRules:
     reg_lrs: RegexValues = field(default_factory=RegexValues)
     train_t5xxl: bool = False
     verbose: bool = False
+    split_qkv: bool = False
+    ggpo: Optional[tuple[float, float]] = None  # (sigma, beta): LoRA-GGPO (networks/ggpo.py)
+
+    def split(self, name: str) -> bool:
+        """With split_qkv, every double block's img/txt `qkv` and every single block's `linear1`."""
+        return self.split_qkv and _SPLIT_NAME.match(name) is not None
 
     def enables(self, key: str) -> bool:
         if key == "train_t5xxl":
@@ -120,10 +125,9 @@ class FluxNetworkArgs:
 
     def parse(self, raw: Mapping[str, str]) -> FluxModuleRules:
         """Check and convert the FLUX.1 keys of `--network_args` (string values)."""
-        for key, why in UNSUPPORTED.items():
-            if key in raw and (key != "split_qkv" or parse_bool(key, raw[key])):
-                raise ConfigError(f"--network_args {key}: not supported: {why}")
         rules = FluxModuleRules()
+        rules.split_qkv = parse_bool("split_qkv", raw.get("split_qkv"))
+        rules.ggpo = _ggpo(raw)
         for key in TYPE_DIMS:
             if raw.get(key) is not None:
                 rules.type_dims[key] = parse_number(key, raw[key], int, "an integer >= 0 (0: no module)")
@@ -182,3 +186,21 @@ def _in_dims(text: str) -> list[int]:
     return dim_list("in_dims", text, "[img,time,vector,guidance,txt]", len(IN_DIM_GROUPS))
 
 
+
+
+def _ggpo(raw: Mapping[str, str]) -> Optional[tuple[float, float]]:
+    """(sigma, beta) when both ggpo_sigma and ggpo_beta are given (finite numbers >= 0); None when neither."""
+    given = [key for key in ("ggpo_sigma", "ggpo_beta") if raw.get(key) is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        other = "ggpo_beta" if given[0] == "ggpo_sigma" else "ggpo_sigma"
+        raise ConfigError(f"--network_args {given[0]}: LoRA-GGPO needs {other} too (e.g. ggpo_sigma=0.03 "
+                          f"ggpo_beta=0.01)")
+    values = []
+    for key in ("ggpo_sigma", "ggpo_beta"):
+        value = parse_number(key, raw[key], float, "a finite number >= 0")
+        if not math.isfinite(value):
+            raise ConfigError(f"--network_args {key}: expected a finite number >= 0, got {raw[key].strip()!r}")
+        values.append(value)
+    return values[0], values[1]

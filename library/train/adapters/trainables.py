@@ -116,6 +116,9 @@ class Trainable(ABC):
     def on_epoch_start(self) -> None:
         """Called before each epoch's first batch."""
 
+    def before_optimizer_step(self) -> None:
+        """Called once the step's gradients are final (clipped), just before the optimizer step."""
+
     def after_optimizer_step(self, device: torch.device) -> dict[str, float]:
         """Called after each optimizer step; returns values to log."""
         return {}
@@ -176,9 +179,14 @@ class AdapterTrainable(Trainable):
         if hasattr(self.module, "on_epoch_start"):
             self.module.on_epoch_start(text_encoders_arg(self.components), self.components.denoiser)
 
+    def before_optimizer_step(self):
+        if getattr(self.module, "ggpo", False):  # LoRA-GGPO, in sd-scripts' order: gradient norms, then weight norms
+            self.module.update_grad_norms()
+            self.module.update_norms()
+
     def after_optimizer_step(self, device):
         if not self.opts.scale_weight_norms:
-            return {}
+            return dict(self.module.ggpo_logs()) if getattr(self.module, "ggpo", False) else {}
         keys_scaled, mean_norm, max_norm = self.module.apply_max_norm_regularization(self.opts.scale_weight_norms,
                                                                                      device)
         return {"max_norm/keys_scaled": keys_scaled, "max_norm/average_key_norm": mean_norm,
