@@ -316,3 +316,21 @@ def test_web_ui_generation_of_a_textual_inversion_job(tmp_path):
     assert argv[2:6] == ["--ckpt", "tiny:sd1", "--textual_inversion_embeddings", "out/t.safetensors"]
     argv = generate_command(folder, "textual_inversion", config, "p.txt", None, None, None, None, None)
     assert argv[2:4] == ["--ckpt", "tiny:sd1"] and "--textual_inversion_embeddings" not in argv
+
+
+def test_diffusers_loads_our_sdxl_embedding(tmp_path):
+    """diffusers' documented SDXL way: clip_l into text_encoder, clip_g into text_encoder_2."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from library.families.sdxl.saving import write_sdxl_preset
+
+    data = make_dataset(str(tmp_path / "data"), n=1)
+    saved = load_file(ti_trainer(ti_args(data, str(tmp_path / "out"), preset="tiny:sdxl"), "sdxl").run())
+    write_sdxl_preset("tiny:sdxl", str(tmp_path / "pipe"), single_file=False)
+    pipe = StableDiffusionXLPipeline.from_pretrained(str(tmp_path / "pipe"))
+    pairs = ((pipe.tokenizer, pipe.text_encoder, "clip_l"), (pipe.tokenizer_2, pipe.text_encoder_2, "clip_g"))
+    for tokenizer, encoder, key in pairs:
+        pipe.load_textual_inversion(saved[key], token=["mytok", "mytok1"], text_encoder=encoder, tokenizer=tokenizer)
+    for tokenizer, encoder, key in pairs:
+        rows = encoder.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids(["mytok", "mytok1"])]
+        assert torch.equal(rows, saved[key].to(rows.dtype))
