@@ -97,15 +97,16 @@ def test_every_script_describes_each_argparse_flag_exactly_once(script, family, 
     string argparse knows is described once (as a name or an alias); the family and mode are the script's."""
     monkeypatch.setattr(sys, "argv", [script])
     monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("the trainer was built"))
+    ti = "textual_inversion" in script  # its entry script passes textual_inversion=True
     with pytest.raises(SystemExit) as e:
-        run_training(family, "describe", ["--describe_flags"], fine_tune=fine_tune)
+        run_training(family, "describe", ["--describe_flags"], fine_tune=fine_tune, textual_inversion=ti)
     assert e.value.code == 0
     doc = json.loads(capsys.readouterr().out)
     _check_schema(doc)
-    mode = "fine_tune" if fine_tune else "lora"
+    mode = "textual_inversion" if ti else "fine_tune" if fine_tune else "lora"
     assert (doc["script"], doc["family"]["name"], doc["mode"]) == (script, family, mode)
     described = [f"--{n}" for f in doc["flags"] for n in (f["name"], *f["aliases"])]
-    parser = build_parser("describe", get_family(family), fine_tune)
+    parser = build_parser("describe", get_family(family), fine_tune, textual_inversion=ti)
     known = [o for a in parser._actions if a.dest != "help" for o in a.option_strings]
     assert len(described) == len(set(described))  # none twice
     assert sorted(described) == sorted(known)

@@ -27,3 +27,15 @@ def test_flag_tables_are_the_declarations(page, fine_tune):
         text = f.read()
     tables = text.split(BEGIN, 1)[1].split(END, 1)[0]
     assert tables.strip() == tables_for("sd", fine_tune).strip()
+
+
+def test_textual_inversion_page_has_its_flags_and_tables():
+    """docs/textual_inversion.md: the flags its scripts add (the others are train_network.md's), as declared."""
+    with open("docs/textual_inversion.md", encoding="utf-8") as f:
+        text = f.read()
+    documented = set(re.findall(r"`(--[a-z0-9_]+)", text))
+    lora = build_parser("", get_family("sd"))
+    ti = build_parser("", get_family("sd"), textual_inversion=True)
+    own = {o for a in ti._actions for o in a.option_strings} - {o for a in lora._actions for o in a.option_strings}
+    assert own and sorted(own - documented) == []
+    assert text.split(BEGIN, 1)[1].split(END, 1)[0].strip() == tables_for("sd", False, True).strip()

@@ -12,6 +12,7 @@ settings in the PNG text.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from library.cli.flux import add_component_file_arguments, component_files  # noqa: E402
 from library.cli.options import options_from_values  # noqa: E402
 from library.core.errors import ConfigError, run_tool  # noqa: E402
+from library.families.common.embeddings import expand_prompt  # noqa: E402
 from library.families import DEFAULT_FAMILY, get_family, selected_family  # noqa: E402
 from library.families.detect import detect_family  # noqa: E402
 from library.sampling.samplers import sampler_names  # noqa: E402
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--network_mul", nargs="*", type=float, default=[], help="multiplier of each network (default 1)")
     g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
                    help="merge the networks into the weights first (same images, faster)")
+    g.add_argument("--textual_inversion_embeddings", nargs="*", default=[], metavar="FILE",
+                   help="textual-inversion embeddings (SD 1.x/2.x, SDXL; .safetensors, A1111 .pt): each one's token "
+                        "(the token_string it records, else its file name) can be used in prompts")
     g = p.add_argument_group("images")
     g.add_argument("--outdir", required=True, help="folder for the images")
     g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")
@@ -94,6 +99,7 @@ class GenerateOptions:
     device: Optional[str] = None
     networks: list = field(default_factory=list)  # NetworkSpec
     merge: bool = False
+    embeddings: list = field(default_factory=list)  # --textual_inversion_embeddings
     images_per_prompt: int = 1
     seed: Optional[int] = None
     overrides: object = None  # PromptOverrides
@@ -125,7 +131,8 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             load_prompts(a.from_file, check_sampler=canonical_sampler)
     except ConfigError as e:
         raise ConfigError(f"--from_file: {e}" if a.from_file else str(e)) from None
-    for flag, paths in (("--network_weights", a.network_weights), ("--control_image", a.control_image)):
+    for flag, paths in (("--network_weights", a.network_weights), ("--control_image", a.control_image),
+                        ("--textual_inversion_embeddings", a.textual_inversion_embeddings)):
         for path in paths:
             if not os.path.isfile(path):  # now, not after the model has loaded
                 raise ConfigError(f"{flag} {path}: file not found")
@@ -136,6 +143,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
                                a.network_weights, a.network_mul), merge=a.merge,
+        embeddings=list(a.textual_inversion_embeddings),
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
                                   sampler=a.sampler, control_images=tuple(a.control_image)))
@@ -194,6 +202,13 @@ def load_model(o: GenerateOptions):
     return family, components, device
 
 
+def _load_embeddings(family, components, paths: list) -> tuple:
+    """--textual_inversion_embeddings into the loaded model; (token, its vectors spelled out) of multi-vector ones."""
+    from library.train.adapters.textual_inversion import load_embeddings
+
+    return load_embeddings(family, components, paths) if paths else ()
+
+
 def run(o: GenerateOptions, loaded=None) -> list[str]:
     """Generate every image of `o`; returns the written paths.
 
@@ -209,9 +224,14 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     if not family.control_hint and (o.overrides and o.overrides.control_images or any(p.control_images for p in o.prompts)):
         raise ConfigError(f"--control_image / --ci: {family.name} models take no control images (edit models do: "
                           "FLUX.1 Kontext)")
+    spelled = _load_embeddings(family, components, o.embeddings)
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
+        if spelled:  # a multi-vector token written in a prompt stands for all its vectors
+            requests = [dataclasses.replace(r, prompt=expand_prompt(r.prompt, spelled),
+                                            negative_prompt=expand_prompt(r.negative_prompt, spelled))
+                        for r in requests]
         generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
                                     batch_size=o.batch_size, progress=True)
     finally:

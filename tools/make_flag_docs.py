@@ -3,6 +3,7 @@
     python tools/make_flag_docs.py --family sd                       # train_network.py's flags, as Markdown
     python tools/make_flag_docs.py --family sd --fine_tune           # fine_tune.py's flags (docs/fine_tune.md)
     python tools/make_flag_docs.py --family sd --write docs/train_network.md   # replace the page's tables
+    python tools/make_flag_docs.py --textual_inversion --write docs/textual_inversion.md  # its own flags only
 
 --write replaces what stands between the page's `<!-- flag tables -->` and `<!-- end of flag tables -->` lines
 (tests/test_docs.py checks that the pages hold exactly what this prints).
@@ -42,7 +43,12 @@ def flag_tables(description: dict) -> str:
     return "\n".join(out)
 
 
-def tables_for(family: str, fine_tune: bool) -> str:
+def tables_for(family: str, fine_tune: bool, textual_inversion: bool = False) -> str:
+    """The tables of a script's flags; textual inversion: only its own group (the others are train_network.md's,
+    less the network's)."""
+    if textual_inversion:
+        specs = [s for s in training_flags(get_family(family), textual_inversion=True) if s.group == "textual inversion"]
+        return flag_tables(describe(specs, mode="textual_inversion"))
     return flag_tables(describe(training_flags(get_family(family), fine_tune), fine_tune=fine_tune))
 
 
@@ -59,9 +65,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--family", default=DEFAULT_FAMILY)
     p.add_argument("--fine_tune", action="store_true", help="the fine-tune script's flags")
+    p.add_argument("--textual_inversion", action="store_true",
+                   help="the textual-inversion scripts' own flags (docs/textual_inversion.md)")
     p.add_argument("--write", metavar="PAGE", help="replace the flag tables of this Markdown page")
     a = p.parse_args()
-    tables = tables_for(a.family, a.fine_tune)
+    tables = tables_for(a.family, a.fine_tune, a.textual_inversion)
     if not a.write:
         print(tables)
         return

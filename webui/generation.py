@@ -37,13 +37,15 @@ def _first(config: dict, key: str) -> Any:
 
 def generate_command(folder: JobFolder, mode: str, config: dict, prompts_path: str, checkpoint: Optional[str],
                      steps: Optional[int], width: Optional[int], height: Optional[int], seed: Optional[int]) -> list[str]:
-    """The tools/generate.py command: a LoRA job's base model with `checkpoint` as its network (a fine-tune
-    job: `checkpoint` is the model), the job's other model files, the prompt file, into output/sample/."""
+    """The tools/generate.py command: a LoRA job's base model with `checkpoint` as its network (a textual-inversion
+    job: as its embedding; a fine-tune job: `checkpoint` is the model), the job's other model files, the prompt file, into output/sample/."""
     base = _first(config, "pretrained_model_name_or_path")
     argv = [sys.executable, os.path.join("tools", "generate.py")]
     if mode == "lora":
         argv += ["--ckpt", str(base), "--network_module", str(_first(config, "network_module") or "networks.lora"),
                  "--network_weights", checkpoint]
+    elif mode == "textual_inversion":  # the base model with the embedding; prompts write its token
+        argv += ["--ckpt", str(base)] + (["--textual_inversion_embeddings", checkpoint] if checkpoint else [])
     else:
         argv += ["--ckpt", checkpoint or str(base)]
     for key in GENERATE_FILE_KEYS:

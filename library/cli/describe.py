@@ -49,16 +49,18 @@ def family_facts(family: Any) -> dict[str, Any]:
 
 
 def describe(specs: Sequence[FlagSpec], family: Any = None, script: Optional[str] = None,
-             fine_tune: bool = False) -> dict[str, Any]:
-    """The JSON document --describe_flags prints."""
+             fine_tune: bool = False, mode: Optional[str] = None) -> dict[str, Any]:
+    """The JSON document --describe_flags prints (`mode`: "lora", "fine_tune" or "textual_inversion"; default from
+    `fine_tune`)."""
     groups = list(dict.fromkeys(spec.group for spec in specs))
-    return {"schema": SCHEMA, "script": script, "mode": "fine_tune" if fine_tune else "lora",
+    return {"schema": SCHEMA, "script": script, "mode": mode or ("fine_tune" if fine_tune else "lora"),
             "family": family_facts(family), "groups": groups, "flags": [flag_description(s) for s in specs]}
 
 
 def print_description(parser: Any) -> None:
     """Print the description of a training parser (library/cli/parser.py build_parser) on stdout."""
-    doc = describe(parser.flag_specs, getattr(parser, "family", None), parser.prog, getattr(parser, "fine_tune", False))
+    doc = describe(parser.flag_specs, getattr(parser, "family", None), parser.prog, getattr(parser, "fine_tune", False),
+                   getattr(parser, "mode", None))
     print(json.dumps(doc, indent=1))
 
 

@@ -30,6 +30,7 @@ from library.cli.preflight import check_output_folders
 from library.cli.ranges import check_ranges, check_resolution_steps
 from library.cli.sampling import sampling_hook_from_args
 from library.cli.text_cache import text_cache_options_from_args
+from library.cli.textual_inversion import textual_inversion_options_from_args
 from library.cli.training import note_compatibility_flags, training_options_from_args
 from library.core.errors import ConfigError, UserError
 from library.core.metadata import RECORDED_FLAGS
@@ -70,13 +71,22 @@ def configure_console_logging(level: Optional[str], path: Optional[str], simple:
         root.addHandler(handler)
 
 
-def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False) -> RunSettings:
+def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False,
+                       textual_inversion: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
     Every flag is checked here, before the dataset scan and before any model loads; the namespace
-    itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's.
+    itself goes no further than this function. `fine_tune`: the namespace is a fine-tune script's;
+    `textual_inversion`: a textual-inversion script's.
     """
     check_ranges(vars(ns))  # every numeric flag, before anything else reads it
+    ti = None
+    if textual_inversion:
+        if not family.textual_inversion_keys:
+            raise ConfigError(f"textual inversion: not available for {family.name}")
+        ti = textual_inversion_options_from_args(ns)
+        if not ns.output_name:  # sd-scripts names the embedding after the token
+            ns.output_name = ti.token_string
     configure_console_logging(ns.console_log_level, ns.console_log_file, ns.console_log_simple)
     note_compatibility_flags(vars(ns))
     check_resolution_steps(ns.resolution, ns.enable_bucket, family.bucket_reso_multiple)
@@ -92,7 +102,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         model = dataclasses.replace(model, init_seed=training.seed)
     optimizer = optimizer_options_from_args(ns)
     optimizer_class(optimizer)  # a missing optimizer package is reported before data and model load
-    network = None if fine_tune else network_options_from_args(ns)
+    network = None if fine_tune or textual_inversion else network_options_from_args(ns)
     if not fine_tune and getattr(family_options, "num_last_block_to_freeze", None):
         raise ConfigError("--num_last_block_to_freeze: a full fine-tune flag (sd3_train.py); a LoRA trains no block "
                           "weights to freeze")
@@ -117,6 +127,7 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         network=network,
         network_kind=network_kind(network.network_module) if network else None,
         fine_tune=fine_tune_options_from_args(ns, family) if fine_tune else None,
+        textual_inversion=ti,
         ema=ema_options_from_args(ns),
         optimizer=optimizer,
         scheduler=scheduler_options_from_args(ns),
@@ -164,16 +175,17 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False, dreambooth: bool = False) -> int:
+                 fine_tune: bool = False, dreambooth: bool = False, textual_inversion: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
-    train_db.py, a fine-tune with its DreamBooth flags). Returns the exit code."""
+    train_db.py, a fine-tune with its DreamBooth flags; `textual_inversion`: train_textual_inversion.py, new token
+    embeddings). Returns the exit code."""
     setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
         # script imported (library/core/stop_signals.py recorded it) stops here.
         stop.install()
-        return _run(family_name, description, argv, stop, fine_tune, dreambooth)
+        return _run(family_name, description, argv, stop, fine_tune, dreambooth, textual_inversion)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -182,13 +194,13 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool, dreambooth: bool = False) -> int:
+         fine_tune: bool, dreambooth: bool = False, textual_inversion: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune, dreambooth)
+    parser = build_parser(description, family, fine_tune, dreambooth, textual_inversion)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)
-        settings = settings_from_args(ns, family, fine_tune)
+        settings = settings_from_args(ns, family, fine_tune, textual_inversion)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
             # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
             check_datasets(settings.data, DataFamilyInfo.from_family(family, settings.model.family_options))

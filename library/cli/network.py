@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -35,6 +36,10 @@ class NetworkFlags:
                                                    "conv_alpha=4)")
     network_weights: Optional[str] = flag(None, "LoRA file to start training from")
     dim_from_weights: bool = flag(False, "take the modules, dims and alphas from --network_weights")
+    embeddings: Optional[list[str]] = flag(None, "textual-inversion embedding files (SD 1.x/2.x, SDXL) loaded "
+                                                 "frozen before training: each one's token (the token_string it "
+                                                 "records, else its file name) can be used in captions and sample "
+                                                 "prompts")
     base_weights: Optional[list[str]] = flag(None, "LoRA files merged into the base model before training")
     base_weights_multiplier: Optional[list[float]] = flag(None, "multiplier of each --base_weights file (default 1.0 "
                                                                 "each)", range=Range())
@@ -74,6 +79,9 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
         raise ConfigError("--network_train_unet_only and --network_train_text_encoder_only: expected at most one")
     if ns.dim_from_weights and not ns.network_weights:
         raise ConfigError("--dim_from_weights: expected --network_weights to be given too")
+    for path in ns.embeddings or []:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--embeddings {path}: no such embedding file")
     base = list(ns.base_weights or [])
     mult = list(ns.base_weights_multiplier or [])
     if mult and len(mult) != len(base):
@@ -89,4 +97,5 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
         train_text_encoder=not ns.network_train_unet_only,
         text_encoder_lr=ns.text_encoder_lr or None,
         metadata=metadata_from_args(ns),
+        embeddings=list(ns.embeddings or []),
     )

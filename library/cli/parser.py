@@ -20,6 +20,7 @@ from library.cli.optimizer import OptimizerFlags, SchedulerFlags
 from library.cli.options import FlagSpec, Range, add_flags, at_least, flag_specs
 from library.cli.sampling import SamplingFlags
 from library.cli.text_cache import TextCacheFlags
+from library.cli.textual_inversion import TextualInversionFlags
 from library.cli.training import TRAINING_FLAG_GROUPS
 from library.families.base import ModelFamily
 
@@ -29,7 +30,7 @@ _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSch
                   *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
-                    T5xxlFineTuneFlags, DreamBoothFlags)
+                    T5xxlFineTuneFlags, DreamBoothFlags, TextualInversionFlags)
 
 
 # The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
@@ -86,10 +87,19 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False,
-                   dreambooth: bool = False) -> list[FlagSpec]:
+                   dreambooth: bool = False, textual_inversion: bool = False) -> list[FlagSpec]:
     """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
-    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags."""
+    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags.
+    `textual_inversion` (train_textual_inversion.py): its flags in place of the network's, no text-encoder cache
+    (the encoders' outputs depend on the trained vectors)."""
+    if textual_inversion:
+        groups = (*_BEFORE_TRAINED, TextualInversionFlags, *_AFTER_TRAINED)
+        specs = [spec for cls in groups for spec in flag_specs(cls)]
+        if family is not None and dataclasses.fields(family.options_type):
+            specs += [dataclasses.replace(spec, range=FAMILY_FLAG_RANGES.get(spec.name))
+                      for spec in flag_specs(family.options_type, f"{family.name} model", declared_defaults=False)]
+        return [_as_textual_inversion(spec) for spec in specs]
     groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
               *((DreamBoothFlags,) if dreambooth and fine_tune else ()))
     specs = [spec for cls in groups for spec in flag_specs(cls)]
@@ -106,6 +116,17 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
     return specs
 
 
+def _as_textual_inversion(spec: FlagSpec) -> FlagSpec:
+    """An embedding is saved as one small file (sd-scripts' formats); it is named after the token by default."""
+    if spec.name == "save_model_as":
+        return dataclasses.replace(spec, choices=("safetensors", "pt", "ckpt"),
+                                   help="format of saved embeddings: safetensors, or pt / ckpt (torch.save of the same "
+                                        "dict)")
+    if spec.name == "output_name":
+        return dataclasses.replace(spec, help="base file name of the saved embedding (default: --token_string)")
+    return spec
+
+
 def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
     """A full fine-tune saves the model itself, in the family's own formats (a wrong one stops before training)."""
     if spec.name == "save_model_as":
@@ -118,12 +139,14 @@ def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
 
 
 def build_parser(description: str, family: Optional[ModelFamily] = None,
-                 fine_tune: bool = False, dreambooth: bool = False) -> TrainingArgumentParser:
+                 fine_tune: bool = False, dreambooth: bool = False,
+                 textual_inversion: bool = False) -> TrainingArgumentParser:
     """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
     parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    parser.flag_specs = training_flags(family, fine_tune, dreambooth)
+    parser.flag_specs = training_flags(family, fine_tune, dreambooth, textual_inversion)
     parser.family = family
     parser.fine_tune = fine_tune
+    parser.mode = "textual_inversion" if textual_inversion else "fine_tune" if fine_tune else "lora"
     add_flags(parser, parser.flag_specs)
     return parser
 

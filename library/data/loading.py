@@ -94,7 +94,10 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         rng = sample_rng(data.seed, ref.epoch, ref.index, ref.offset + pos, ref.validation)
         settings = sub.captions if augment else sub.captions.without_randomness()
         # The caption and the flip decision are drawn first, so they are the same with or without cached latents.
-        caption = process_caption(sample.caption, settings, rng, ref.epoch, ref.step, data.max_train_steps)
+        caption = process_caption(sample.caption, settings, rng, ref.epoch, ref.step, data.max_train_steps,
+                                  data.caption_replacements)
+        if data.caption_templates:  # textual inversion's --use_object_template / --use_style_template
+            caption = rng.choice(data.caption_templates)
         flip = augment and sub.flip_aug and rng.random() < 0.5
         bw = group.placements[sid].bucket[0]
         try:

@@ -71,6 +71,10 @@ class DatasetPlan:
     latents: dict[tuple[int, int], LatentCacheEntry] = field(default_factory=dict)  # (sample id, group id)
     latent_signatures: dict[tuple[int, int], str] = field(default_factory=dict)  # CacheSettings of each entry
     bad_paths: set[str] = field(default_factory=set)  # failed to decode during caching
+    # Textual inversion (set by the trainer): (from, to) pairs applied to every training caption last, and templates
+    # that replace the captions (one drawn per sample) when not empty.
+    caption_replacements: tuple[tuple[str, str], ...] = ()
+    caption_templates: tuple[str, ...] = ()
     # Image files the scan left out, with why (unreadable, too small, too elongated, broken links); logged once
     # before training and kept for the end-of-run report.
     skipped_images: dict[str, str] = field(default_factory=dict)

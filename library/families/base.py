@@ -290,6 +290,9 @@ class ModelFamily(ABC):
 
     # --weighted_captions ("(word:1.2)" in training captions): the families where sd-scripts takes it (SD, SDXL).
     supports_weighted_captions: ClassVar[bool] = False
+    # Textual inversion (library/families/common/embeddings.py): the embedding file's key of each text encoder, in
+    # the encoders' order (sd-scripts' names); empty: the family has no textual-inversion script.
+    textual_inversion_keys: ClassVar[tuple[str, ...]] = ()
 
     def encode_weighted_captions(self, components: Components, captions: list[str], clip_skip: Optional[int],
                                  max_token_length: Optional[int], device: torch.device) -> TextConditioning:

@@ -22,7 +22,7 @@ from library.train.control import serve_requests
 from library.train.distributed.context_parallel import loss_scale
 from library.train.distributed.distributed import any_process
 from library.train.optim.lr_schedulers import lr_logs
-from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
+from library.train.run_metadata import RunFacts, embedding_metadata, lora_metadata, model_metadata
 from library.train.step import batch_loss, optimizer_step
 from library.train.stopping import nan_hint
 from library.train.observe.tracking import LossWindow
@@ -254,6 +254,8 @@ class TrainingLoop:
         facts = RunFacts(self.session_id, self.started_at, step, epoch, self.num_epochs, self.max_train_steps,
                          self.batches_per_epoch, self.t.seed, self.optimizer_descr.ss_optimizer)
         build = lora_metadata if self.trainable.is_adapter else model_metadata
+        if self.s.textual_inversion is not None:
+            build = embedding_metadata
         return build(self.family, self.components, self.s, self.data, facts)
 
     def _stop(self) -> str:

@@ -123,3 +123,22 @@ def model_metadata(family: ModelFamily, components: Components, settings: RunSet
         prediction_type="v" if c.v_parameterization else "epsilon",
         timestep_range=None if timestep_range == (None, None) else timestep_range,
         encoder_layer=s.text.clip_skip, date=None, is_lora=False, extra=s.fine_tune.metadata)
+
+
+def embedding_metadata(family: ModelFamily, components: Components, settings: RunSettings, data: TrainingData,
+                       facts: RunFacts) -> dict[str, str]:
+    """The modelspec.* keys of a textual-inversion embedding, as sd-scripts writes them (architecture suffixed
+    /textual-inversion), and (ours, sd-scripts writes no ss_* keys here) the token, its vector count, the init word,
+    the step and the epoch."""
+    s, c = settings, components
+    reso = data.resolution_for_metadata() or (512, 512)
+    metadata = modelspec_metadata(
+        architecture=family.modelspec_architecture(c, reso[0]) + "/textual-inversion",
+        implementation=family.modelspec_implementation(), title=s.training.output_name, resolution=reso,
+        prediction_type=family.modelspec_prediction_type(c),
+        timestep_range=timestep_range(s.noise.min_timestep, s.noise.max_timestep),
+        encoder_layer=s.text.clip_skip, date=None, is_lora=False, extra=s.textual_inversion.metadata)
+    ti = s.textual_inversion
+    metadata.update({"ss_token_string": ti.token_string, "ss_num_vectors_per_token": str(ti.num_vectors_per_token),
+                     "ss_init_word": ti.init_word or "", "ss_steps": str(facts.steps), "ss_epoch": str(facts.epoch)})
+    return metadata

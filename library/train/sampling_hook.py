@@ -14,6 +14,7 @@ bitwise the same LoRA as one without.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -25,6 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from library.families.common.embeddings import expand_prompt
 from library.sampling.generate import (
     PromptOverrides,
     generate_images,
@@ -110,6 +112,11 @@ class SampleHook:
             # Seeds of prompts without --d come from their own generator, never the training RNG.
             overrides = PromptOverrides(sampler=self.options.sample_sampler)
             requests = requests_from_prompts(self.prompts, overrides=overrides, rng=random.Random())
+            spelled = getattr(trainer, "prompt_replacements", ())  # multi-vector textual-inversion tokens
+            if spelled:
+                requests = [dataclasses.replace(r, prompt=expand_prompt(r.prompt, spelled),
+                                                negative_prompt=expand_prompt(r.negative_prompt, spelled))
+                            for r in requests]
             logger.info("sampling %d image(s) at step %d", len(requests), step)
             with trainer.accelerator.autocast(), trainer.eval_weights("sampling"):
                 generated = generate_images(trainer.family, trainer.components, requests,

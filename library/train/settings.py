@@ -90,6 +90,7 @@ class NetworkOptions:
     network_args: dict[str, str] = field(default_factory=dict)
     network_weights: Optional[str] = None
     dim_from_weights: bool = False
+    embeddings: list[str] = field(default_factory=list)  # textual-inversion files whose tokens captions may use
     base_weights: list[str] = field(default_factory=list)
     base_weights_multiplier: list[float] = field(default_factory=list)
     train_unet: bool = True
@@ -117,6 +118,18 @@ class TextEncodingOptions:
     clip_skip: Optional[int] = None
     max_token_length: Optional[int] = None
     weighted_captions: bool = False  # "(word:1.2)" in training captions (SD, SDXL; library/train/step.py)
+
+
+@dataclass
+class TextualInversionOptions:
+    """train_textual_inversion.py / sdxl_train_textual_inversion.py: the new token and how it starts."""
+    token_string: str
+    init_word: Optional[str] = None
+    num_vectors_per_token: int = 1
+    use_object_template: bool = False
+    use_style_template: bool = False
+    weights: Optional[str] = None  # an embedding file to continue from
+    metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
 @dataclass
@@ -155,6 +168,7 @@ class RunSettings:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
+    textual_inversion: Optional[TextualInversionOptions] = None  # set: train new token embeddings only
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False
     no_half_vae: bool = False

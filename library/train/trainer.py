@@ -75,6 +75,7 @@ from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
+from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules, load_embeddings
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,8 @@ class Trainer(TrainingLoop):
         self.step_module: Optional[torch.nn.Module] = None
         self.trace: Optional[StepTrace] = None
         self.step_logs: dict[str, float] = {}
+        # (token, its vectors spelled out) of multi-vector textual-inversion tokens: sample prompts spell them out
+        self.prompt_replacements: tuple[tuple[str, str], ...] = ()
 
     @property
     def noise_generator(self) -> torch.Generator:
@@ -166,6 +169,9 @@ class Trainer(TrainingLoop):
         if note:
             logger.warning(note)
         self.device = self.accelerator.device
+        if self.s.textual_inversion is not None and (self.zero is not None or (fsdp is not None and n > 1)):
+            raise UserError("textual inversion: not under FSDP or DeepSpeed (a few vectors train; plain data "
+                            "parallel, as sd-scripts runs it)")
         self.fsdp = fsdp if n > 1 else None
         if self.fsdp is not None:
             why = fsdp_unsupported(self.s, self.fsdp)
@@ -229,6 +235,8 @@ class Trainer(TrainingLoop):
         else:
             self.max_train_steps = self.t.max_train_steps
         self.data.plan(self.max_train_steps, accum)
+        if self.s.textual_inversion is not None:  # the token spelled out in captions, or templates instead of them
+            self.data.caption_replacements, self.data.caption_templates = caption_rules(self.s.textual_inversion)
         self.num_epochs = self.data.num_epochs()
         if self.s.text_cache.enabled:  # refused before any model loads when captions are random
             train_te = self.s.fine_tune.train_text_encoder if self.s.fine_tune else self.s.network.train_text_encoder
@@ -252,6 +260,9 @@ class Trainer(TrainingLoop):
         """The loaded model, frozen and placed under the memory options, and the block swapper (or None)."""
         c = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
         self.family.check_loaded(c, self.s.text)  # --clip_skip against the loaded encoders
+        if self.s.network is not None and self.s.network.embeddings:  # tokens of frozen embeddings in captions
+            self.prompt_replacements = load_embeddings(self.family, c, self.s.network.embeddings)
+            self.data.caption_replacements = self.prompt_replacements
         for m in [c.denoiser, c.vae, *c.text_encoders]:
             m.requires_grad_(False)
             m.eval()
@@ -282,6 +293,9 @@ class Trainer(TrainingLoop):
     def _setup_trainable(self) -> Trainable:
         """What trains: the model's own parts (a fine-tune) or a network hooked into it."""
         t = self.t
+        if self.s.textual_inversion is not None:
+            return TextualInversionTrainable(self.family, self.components, self.s.textual_inversion, t.save_model_as,
+                                             t.save_precision, device=self.device, full_dtype=self._full_dtype())
         if self.s.fine_tune is not None:
             return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
                                   self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,
@@ -445,6 +459,7 @@ class Trainer(TrainingLoop):
             if self.t.context_parallel_size > 1:
                 apply_context_parallel(self.components.denoiser, self.t.context_parallel_size, self.device)
             self.trainable = self._setup_trainable()
+            self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)
             if self.fsdp is not None:

@@ -101,7 +101,7 @@ function showJob(job) {
   $("job-name").textContent = job.name;
   const st = $("job-status");
   st.textContent = job.status; st.className = "status " + job.status;
-  $("job-kind").textContent = `${job.family} · ${job.mode === "lora" ? "LoRA" : "Full Finetune"} · ${job.script}`;
+  $("job-kind").textContent = `${job.family} · ${{lora: "LoRA", textual_inversion: "Textual Inversion"}[job.mode] || "Full Finetune"} · ${job.script}`;
   $("command").textContent = job.command;
   $("job-folder").textContent = job.folder;
   const active = job.status === "running" || job.status === "queued";

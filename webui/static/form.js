@@ -27,6 +27,8 @@ const LAYOUT = [
   ["LoRA Configuration", "network", ["network_module", "network_dim|Dim (rank)", "network_alpha|Alpha", "network_dropout|Dropout",
     "network_args", "network_train_unet_only|Freeze text encoders", "network_weights|Initialise from LoRA"]],
   ["Full Finetune Options", "finetune", "finetune"],
+  ["Textual Inversion", "textual_inversion", ["token_string|Token", "init_word|Initial word(s)",
+    "num_vectors_per_token|Vectors", "use_object_template", "use_style_template", "weights|Continue from embedding"]],
   ["Resume", "training", ["resume|Auto-resume", "save_state"]],
   ["Sampling", "sampling", ["sample_every_n_steps", "sample_every_n_epochs", "sample_sampler|Sampler"]],
   ["Diagnostics", "diagnostics"],

@@ -58,7 +58,9 @@ class SDFamily(ModelFamily):
     single_file_markers = ("model.diffusion_model.",)
     contents = (("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),)
     diffusers_class_markers = ("StableDiffusion",)
-    scripts = {"lora": "train_network.py", "finetune": "fine_tune.py", "dreambooth": "train_db.py"}
+    scripts = {"lora": "train_network.py", "finetune": "fine_tune.py", "dreambooth": "train_db.py",
+               "textual_inversion": "train_textual_inversion.py"}
+    textual_inversion_keys = ("emb_params",)
     text_encoder_labels = ("Text encoder (CLIP)",)
     denoiser_label = "UNet"
     tiny_presets = ("tiny:sd1", "tiny:sd2", "tiny:sd2-v")

@@ -67,7 +67,9 @@ class SDXLFamily(ModelFamily):
     single_file_markers = ("conditioner.embedders.",)
     contents = (("conditioner.embedders.", "an SDXL checkpoint"),)
     diffusers_class_markers = ("XL",)
-    scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py"}
+    scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py",
+               "textual_inversion": "sdxl_train_textual_inversion.py"}
+    textual_inversion_keys = ("clip_l", "clip_g")
     selector_flag = "sdxl"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (OpenCLIP-G)")
     denoiser_label = "UNet"
