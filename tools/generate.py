@@ -71,7 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampler (default ddim; FLUX.1 flow_euler)")
     g.add_argument("--batch_size", type=int, default=1, help="images denoised together")
     g.add_argument("--grid", action="store_true", help="also write a contact sheet of all images")
+    add_image_input_arguments(p)
     return p
+
+
+def add_image_input_arguments(p: argparse.ArgumentParser) -> None:
+    """gen_img's img2img / inpainting / regional prompts / highres fix flags (docs/gen_img.md)."""
+    g = p.add_argument_group("img2img, inpainting, regions, highres fix (SD 1.x/2.x, SDXL)")
+    g.add_argument("--image_path", default=None, help="img2img source: an image, or a folder whose images are used in "
+                                                      "turn (resized to --W/--H when given, else their own size)")
+    g.add_argument("--strength", type=float, default=None,
+                   help="img2img: fraction of the steps run on the noised image, 0..1 (default 0.8)")
+    g.add_argument("--mask_path", default=None,
+                   help="inpainting mask (white = repaint) of the same size as the image; with a prompt `a AND b` "
+                        "the regions of the sub-prompts (channel R, G, B)")
+    g.add_argument("--highres_fix_scale", type=float, default=None,
+                   help="highres fix: generate first at this fraction of --W/--H (e.g. 0.5), then upscale and "
+                        "denoise again at full size")
+    g.add_argument("--highres_fix_steps", type=int, default=28, help="highres fix: steps of the first stage")
+    g.add_argument("--highres_fix_strength", type=float, default=None,
+                   help="highres fix: img2img strength of the first stage (default: --strength)")
 
 
 @dataclass
@@ -96,6 +115,12 @@ class GenerateOptions:
     overrides: object = None  # PromptOverrides
     batch_size: int = 1
     grid: bool = False
+    images: list = field(default_factory=list)  # PIL images of --image_path
+    strength: Optional[float] = None
+    masks: list = field(default_factory=list)  # PIL images of --mask_path
+    highres_fix_scale: Optional[float] = None
+    highres_fix_steps: int = 28
+    highres_fix_strength: Optional[float] = None
 
 
 def options_from_args(a: argparse.Namespace) -> GenerateOptions:
@@ -125,9 +150,12 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     for path in a.network_weights:
         if not os.path.isfile(path):  # now, not after the model has loaded
             raise ConfigError(f"--network_weights {path}: file not found")
+    family = _family(a)
+    images, masks = _image_inputs(a, family, prompts)
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
-        family=_family(a),
+        family=family, images=images, strength=a.strength, masks=masks, highres_fix_scale=a.highres_fix_scale,
+        highres_fix_steps=a.highres_fix_steps, highres_fix_strength=a.highres_fix_strength,
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
@@ -135,6 +163,77 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
                                   sampler=a.sampler))
+
+
+def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[list, list]:
+    """The --image_path / --mask_path images, checked with --strength and the highres fix flags before any model
+    loads; ConfigError on anything wrong."""
+    from library.sampling.img2img import AND, check_strength, image_files, open_image
+
+    check_strength(a.strength, "--strength")
+    check_strength(a.highres_fix_strength, "--highres_fix_strength")
+    if a.highres_fix_scale is not None and not 0 < a.highres_fix_scale <= 1:
+        raise ConfigError(f"--highres_fix_scale: expected a number in (0, 1] (the first stage's fraction of the "
+                          f"size), got {a.highres_fix_scale}")
+    if a.highres_fix_steps < 1:
+        raise ConfigError(f"--highres_fix_steps: expected an integer >= 1, got {a.highres_fix_steps}")
+    regional = any(AND in p.prompt for p in prompts)
+    used = [f for f, on in (("--image_path", a.image_path), ("--mask_path", a.mask_path),
+                            ("--highres_fix_scale", a.highres_fix_scale is not None),
+                            ("a prompt with AND", regional)) if on]
+    if used and not getattr(get_family(family), "image_inputs", False):
+        raise ConfigError(f"{used[0]}: implemented for SD 1.x/2.x and SDXL only, not for {family} models")
+    if a.strength is not None and a.image_path is None and a.highres_fix_scale is None:
+        raise ConfigError("--strength: expected --image_path (img2img) or --highres_fix_scale with it")
+    images = [open_image(p, "--image_path", "RGB") for p in image_files(a.image_path, "--image_path")] \
+        if a.image_path else []
+    paths = image_files(a.mask_path, "--mask_path") if a.mask_path else []
+    masks = [open_image(p, "--mask_path", "RGB") for p in paths]
+    if masks and not images and not regional:
+        raise ConfigError("--mask_path: expected --image_path (inpainting) or a prompt with AND (regions)")
+    if masks and images:
+        if len(masks) not in (1, len(images)):
+            raise ConfigError(f"--mask_path: expected 1 mask or one per image ({len(images)}), got {len(masks)}")
+        for i, image in enumerate(images):
+            mask = masks[i % len(masks)]
+            if mask.size != image.size:
+                raise ConfigError(f"--mask_path {paths[i % len(masks)]}: expected the size of its image "
+                                  f"{image.size[0]}x{image.size[1]}, got {mask.size[0]}x{mask.size[1]}")
+    if regional and masks and a.network_weights:
+        raise ConfigError("--mask_path with AND and --network_weights: sd-scripts' regional LoRA (one network a "
+                          "region) is not implemented; regions apply to the sub-prompts only")
+    return images, masks
+
+
+def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
+    """Give each request its ImageInput: the k-th request gets image k and mask k (cycling), a prompt `a AND b`
+    its regions (the mask's channels, or the whole image each)."""
+    import torch as _torch
+
+    from library.sampling.img2img import AND, DEFAULT_STRENGTH, ImageInput, image_tensor, mask_tensor, region_tensor
+
+    strength = DEFAULT_STRENGTH if o.strength is None else o.strength
+    for k, r in enumerate(requests):
+        image = o.images[k % len(o.images)] if o.images else None
+        mask = o.masks[k % len(o.masks)] if o.masks else None
+        if image is not None:
+            width, height = r.width or image.size[0], r.height or image.size[1]
+            r.width, r.height = width - width % 8, height - height % 8
+        regions = None
+        count = len(r.prompt.split(AND))
+        if count > 1:
+            if mask is not None:
+                regions = region_tensor(mask, count, *mask.size)
+            else:
+                regions = _torch.ones(count, 8, 8)  # no mask: the sub-prompts share every pixel
+            mask = None
+        if image is None and regions is None:
+            continue
+        r.image_input = ImageInput(
+            image=image_tensor(image, r.width, r.height) if image is not None else None,
+            strength=strength if image is not None else 1.0,
+            mask=mask_tensor(mask.convert("L"), r.width, r.height) if mask is not None else None,
+            regions=regions)
 
 
 def _default_module(path: str) -> str:
@@ -205,13 +304,108 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
-        generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
-                                    batch_size=o.batch_size, progress=True)
+        attach_image_inputs(o, requests)
+        if o.highres_fix_scale is not None:
+            from library.sampling.img2img import DEFAULT_STRENGTH, generate_highres
+
+            generated = generate_highres(
+                family, components, requests, scale=o.highres_fix_scale, steps_1st=o.highres_fix_steps,
+                strength_1st=o.highres_fix_strength if o.highres_fix_strength is not None else o.strength,
+                strength_2nd=DEFAULT_STRENGTH if o.strength is None else o.strength,
+                default_size=family.default_image_size, clip_skip=o.clip_skip, device=device,
+                batch_size=o.batch_size, progress=True)
+        else:
+            generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
+                                        batch_size=o.batch_size, progress=True)
     finally:
         applied.remove()
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
     extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
     return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)
+
+
+# sd-scripts gen_img.py flags accepted with nothing to do here (docs/gen_img.md).
+GEN_IMG_ACCEPTED = {
+    "--xformers": "attention runs in PyTorch SDPA",
+    "--sdpa": "attention runs in PyTorch SDPA",
+    "--diffusers_xformers": "attention runs in PyTorch SDPA",
+    "--no_half_vae": "the VAE always runs in float32",
+}
+# sd-scripts gen_img.py flags accepted by the parser but refused when used: not implemented (docs/gen_img.md).
+GEN_IMG_REFUSED = {
+    "--highres_fix_latents_upscaling": "the highres fix upscales the image (LANCZOS), not the latents",
+    "--highres_fix_upscaler": "upscaler modules are not supported; the highres fix upscales with LANCZOS",
+    "--highres_fix_upscaler_args": "upscaler modules are not supported",
+    "--highres_fix_save_1st": "the first stage's images are not saved",
+    "--network_regional_mask_max_color_codes": "regions come from the mask's R, G, B channels",
+    "--network_args": "networks are built from their files",
+    "--network_pre_calc": "use --network_merge",
+    "--textual_inversion_embeddings": "textual inversion embeddings are not supported by this generator yet",
+    "--interactive": "no interactive mode",
+    "--n_iter": "use --images_per_prompt",
+    "--negative_scale": "one CFG scale for the negative prompt",
+    "--max_embeddings_multiples": "prompts of any length are split into 75-token windows",
+}
+GEN_IMG_HARMLESS = {"--n_iter": 1}  # sd-scripts' default: nothing to refuse
+_FLAG_ARGS = {"--highres_fix_upscaler": str, "--highres_fix_upscaler_args": str, "--network_args": "*",
+              "--network_regional_mask_max_color_codes": int, "--textual_inversion_embeddings": "*",
+              "--n_iter": int, "--negative_scale": float, "--max_embeddings_multiples": int}
+
+
+def build_gen_img_parser(sdxl: bool = False) -> argparse.ArgumentParser:
+    """gen_img.py / sdxl_gen_img.py: this generator's flags with sd-scripts' gen_img defaults (--steps 50,
+    --outdir outputs) and its other flags accepted (no-op) or refused when used."""
+    p = build_parser()
+    p.description = "sd-scripts' " + ("sdxl_gen_img.py" if sdxl else "gen_img.py") + ": " + p.description
+    p.set_defaults(steps=50, outdir="outputs")
+    for action in p._actions:
+        if "--outdir" in action.option_strings:
+            action.required = False
+    known = {s for action in p._actions for s in action.option_strings}
+    g = p.add_argument_group("sd-scripts gen_img flags accepted with nothing to do")
+    for flag, why in GEN_IMG_ACCEPTED.items():
+        if flag not in known:
+            g.add_argument(flag, action="store_true", help=f"accepted: {why}")
+    g = p.add_argument_group("sd-scripts gen_img flags refused when used (not implemented)")
+    for flag, why in GEN_IMG_REFUSED.items():
+        if flag in known:  # implemented by the generator (another branch may add it)
+            continue
+        kind = _FLAG_ARGS.get(flag)
+        if kind is None:
+            g.add_argument(flag, action="store_true", help=f"refused: {why}")
+        elif kind == "*":
+            g.add_argument(flag, nargs="*", default=None, help=f"refused: {why}")
+        else:
+            g.add_argument(flag, type=kind, default=None, help=f"refused: {why}")
+    return p
+
+
+def check_gen_img_refused(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ConfigError for the first refused gen_img flag that was used."""
+    for action in parser._actions:
+        flag = next((s for s in action.option_strings if s in GEN_IMG_REFUSED), None)
+        if flag is not None and action.help and action.help.startswith("refused") and \
+                getattr(args, action.dest) not in (None, False, GEN_IMG_HARMLESS.get(flag)):
+            raise ConfigError(f"{flag}: not implemented ({GEN_IMG_REFUSED[flag]}); see docs/gen_img.md")
+
+
+def gen_img_main(argv: Optional[list[str]] = None, sdxl: bool = False) -> int:
+    """gen_img.py (SD 1.x/2.x, SDXL with --sdxl) and sdxl_gen_img.py (SDXL): this generator under sd-scripts'
+    flags."""
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if sdxl and "--sdxl" not in argv:
+        argv.append("--sdxl")
+    parser = build_gen_img_parser(sdxl)
+    args = parser.parse_args(argv)
+
+    def body() -> None:
+        check_gen_img_refused(args, parser)
+        start = time.time()
+        paths = run(options_from_args(args))
+        print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
+
+    return run_tool(body)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

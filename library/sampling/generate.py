@@ -40,10 +40,12 @@ class GenerationRequest:
     sampler: Optional[str] = None
     index: int = 0  # NN in the file name: the prompt's position (training) or the image's (tool)
     seed_given: bool = False  # the user chose the seed: it goes into the file name, as in sd-scripts
+    image_input: Any = None  # library.sampling.img2img.ImageInput: img2img / inpainting / regional prompts
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising batch."""
-        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler)
+        key = (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler)
+        return key if self.image_input is None else key + (self.image_input.batch_key(),)
 
 
 @dataclass
