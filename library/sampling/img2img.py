@@ -125,22 +125,17 @@ def _fit(tensor: torch.Tensor, height: int, width: int, mode: str) -> torch.Tens
     return F.interpolate(tensor, size=(height, width), mode=mode, align_corners=False)
 
 
-def start_latents(family, components, scheduler, inputs: Sequence[ImageInput], seeds: Sequence[int],
-                  noise: torch.Tensor, steps: int):
+def start_latents(scheduler, inputs: Sequence[ImageInput], encode, noise: torch.Tensor, steps: int,
+                  vae_scale_factor: int):
     """(latents, timesteps, init_latents): where the loop starts for img2img, and the image's latents (None without
-    an image). `noise` is the seeds' start noise (unscaled)."""
+    an image). `noise` is the seeds' start noise (unscaled); `encode(pixels)` gives the scaled latents of (B, 3, H, W)
+    images in [-1, 1]."""
     first = inputs[0]
     if first is None or first.image is None:
         return noise * scheduler.init_noise_sigma, scheduler.timesteps, None
-    from library.families.common.flow_sampling import borrowed_on
-
-    height, width = noise.shape[-2] * family.vae_scale_factor, noise.shape[-1] * family.vae_scale_factor
+    height, width = noise.shape[-2] * vae_scale_factor, noise.shape[-1] * vae_scale_factor
     pixels = torch.stack([_fit(i.image[None].float(), height, width, "bilinear")[0] for i in inputs])
-    vae = components.vae
-    generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]  # the posterior sample's own
-    with borrowed_on(vae, noise.device):
-        init = family.scale_latents(family.encode_images(vae, pixels.to(noise.device), generator=generators))
-    init = init.to(noise.device, noise.dtype)
+    init = encode(pixels).to(noise.device, noise.dtype)
     init_steps = min(int(steps * first.strength), steps)
     t_start = (steps - init_steps) * scheduler.order
     timesteps = scheduler.timesteps[t_start:]

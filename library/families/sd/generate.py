@@ -161,8 +161,13 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
     generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
     shape = (family.latent_channels, first.height // family.vae_scale_factor, first.width // family.vae_scale_factor)
     noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
-    latents, timesteps, init = start_latents(family, components, scheduler, inputs, [r.seed for r in resolved],
-                                             noise, first.steps)
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:  # img2img: each image's posterior sample from its own seed
+        posterior = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+        with borrowed_on(vae, device):
+            return family.scale_latents(family.encode_images(vae, pixels.to(device), generator=posterior))
+
+    latents, timesteps, init = start_latents(scheduler, inputs, encode, noise, first.steps, family.vae_scale_factor)
     mask = latent_masks(inputs, shape[1:], device)
     weights = region_weights(inputs, shape[1:], device)
     step_kwargs = _step_kwargs(scheduler, generators)

@@ -1,0 +1,210 @@
+"""gen_img.py / sdxl_gen_img.py on the tiny SD 1.x and SDXL models: img2img, inpainting, regional prompts (AND),
+the highres fix, and sd-scripts' gen_img flags mapped onto tools/generate.py."""
+
+from __future__ import annotations
+
+import glob
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from library.core.errors import ConfigError
+from library.sampling.generate import GenerationRequest, generate_images
+from library.sampling.img2img import ImageInput, generate_highres, image_tensor, region_tensor
+from tools import generate as tool
+
+PRESETS = {"sd1": ["--ckpt", "tiny:sd1"], "sdxl": ["--ckpt", "tiny:sdxl", "--sdxl"]}
+ARGS = ["--W", "64", "--H", "64", "--steps", "4", "--scale", "4", "--sampler", "ddim", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def loaded(request):
+    args = tool.build_parser().parse_args([*PRESETS[request.param], "--outdir", "unused", "--prompt", "x"])
+    return tool.load_model(tool.options_from_args(args))
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A 64x64 RGB image with structure (gradients and a square), its repaint mask (right half white), and an RGB
+    region mask (left half red, right half green)."""
+    folder = tmp_path_factory.mktemp("gen_img")
+    y, x = np.mgrid[0:64, 0:64]
+    rgb = np.stack([x * 4, y * 4, np.full_like(x, 128)], axis=-1).astype(np.uint8)
+    rgb[20:44, 20:44] = (250, 30, 30)
+    Image.fromarray(rgb).save(folder / "in.png")
+    (folder / "images").mkdir()
+    for name in ("a.png", "b.jpg"):  # a folder of images is used in turn
+        Image.fromarray(rgb).save(folder / "images" / name)
+    mask = np.zeros((64, 64), np.uint8)
+    mask[:, 32:] = 255
+    Image.fromarray(mask).save(folder / "mask.png")
+    regions = np.zeros((64, 64, 3), np.uint8)
+    regions[:, :32, 0] = 255
+    regions[:, 32:, 1] = 255
+    Image.fromarray(regions).save(folder / "regions.png")
+    Image.fromarray(np.zeros((32, 32), np.uint8)).save(folder / "small_mask.png")
+    return folder
+
+
+def request(prompt="a red cat", seed=7, steps=4, image_input=None, **kw):
+    return GenerationRequest(prompt, "blurry", seed=seed, width=64, height=64, steps=steps, scale=4.0,
+                             sampler=kw.pop("sampler", "ddim"), image_input=image_input, **kw)
+
+
+def pixels(generated) -> np.ndarray:
+    return np.stack([np.asarray(g.image.convert("RGB")) for g in generated]).astype(np.int16)
+
+
+def source_input(source, strength, mask=False) -> ImageInput:
+    image = image_tensor(Image.open(source / "in.png").convert("RGB"), 64, 64)
+    m = torch.from_numpy(np.asarray(Image.open(source / "mask.png"), np.float32) / 255) if mask else None
+    return ImageInput(image=image, strength=strength, mask=m)
+
+
+def run(loaded, requests, **kw):
+    family, components, device = loaded
+    return generate_images(family, components, requests, device=device, **kw)
+
+
+@pytest.mark.parametrize("sampler", ["ddim", "euler_a"])
+def test_strength_one_is_txt2img_with_the_same_seed(loaded, source, sampler):
+    txt = pixels(run(loaded, [request(sampler=sampler)]))
+    img = pixels(run(loaded, [request(sampler=sampler, image_input=source_input(source, 1.0))]))
+    assert np.array_equal(txt, img)
+    half = pixels(run(loaded, [request(sampler=sampler, image_input=source_input(source, 0.5))]))
+    assert np.abs(half - txt).mean() > 5  # the image matters below strength 1
+
+
+def test_strength_zero_is_the_decode_of_the_image_latents(loaded, source):
+    family, c, device = loaded
+    out = pixels(run(loaded, [request(image_input=source_input(source, 0.0))]))
+    image = image_tensor(Image.open(source / "in.png").convert("RGB"), 64, 64)[None]
+    with torch.no_grad():
+        latents = family.scale_latents(family.encode_images(c.vae, image, generator=[torch.Generator().manual_seed(7)]))
+        decoded = c.vae.decode(latents / family.latents_scale + family.latents_shift).sample.float()
+    expected = (((decoded + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.int16)
+    assert np.array_equal(out, expected)
+
+
+def test_inpainting_keeps_the_unmasked_region(loaded, source, monkeypatch):
+    """The kept half's latents are the image's latents exactly (the last blend puts them back). In pixels the tiny
+    VAE decoder's mid-block attention spreads the repainted half over the whole image, so pixels are compared with a
+    measured bound: kept half mean |diff| to the image's decode 25.4 (SD) / 29.0 (SDXL) of 255 against 36.6 / 36.6
+    with no mask."""
+    family, c, _ = loaded
+    decoded = []
+    decode = c.vae.decode
+    monkeypatch.setattr(c.vae, "decode", lambda latents, *a, **k: decoded.append(latents.clone()) or
+                        decode(latents, *a, **k))
+    kept = pixels(run(loaded, [request(image_input=source_input(source, 0.0))]))  # the image's own decode
+    painted = pixels(run(loaded, [request(image_input=source_input(source, 1.0, mask=True))]))
+    plain = pixels(run(loaded, [request(image_input=source_input(source, 1.0))]))
+    image_latents, painted_latents, plain_latents = decoded
+    assert torch.equal(painted_latents[..., :4], image_latents[..., :4])  # mask 0 on latent columns 0-3
+    assert (painted_latents[..., 4:] - image_latents[..., 4:]).abs().mean() > 0.1
+    assert (plain_latents[..., :4] - image_latents[..., :4]).abs().mean() > 0.1
+    left, right = np.s_[:, :, :24], np.s_[:, :, 40:]  # away from the mask's edge
+    assert np.abs(painted[left] - kept[left]).mean() < 0.8 * np.abs(plain[left] - kept[left]).mean()
+    assert np.abs(painted[left] - kept[left]).mean() < 30
+    assert np.abs(painted[right] - kept[right]).mean() > 30
+
+
+def test_and_with_two_regions_differs_from_each_prompt_alone(loaded, source):
+    mask = Image.open(source / "regions.png")
+    both = ImageInput(regions=region_tensor(mask, 2, 64, 64))
+    a, b = "a red cat", "a blue dog on grass"
+    combined = pixels(run(loaded, [request(f"{a} AND {b}", image_input=both)]))
+    alone_a = pixels(run(loaded, [request(a)]))
+    alone_b = pixels(run(loaded, [request(b)]))
+    assert np.abs(combined - alone_a).mean() > 1 and np.abs(combined - alone_b).mean() > 1
+    # a region covering the whole image is that sub-prompt alone (up to batched text encoding)
+    only_a = ImageInput(regions=torch.stack([torch.ones(64, 64), torch.zeros(64, 64)]))
+    whole_a = pixels(run(loaded, [request(f"{a} AND {b}", image_input=only_a)]))
+    assert np.abs(whole_a - alone_a).max() <= 1
+
+
+def test_highres_fix_makes_the_full_size_from_a_smaller_first_stage(loaded):
+    family, c, device = loaded
+    r = request(steps=3)
+    r.width = r.height = 128
+    out = generate_highres(family, c, [r], scale=0.5, steps_1st=2, strength_1st=None, strength_2nd=0.7,
+                           default_size=family.default_image_size, device=device)
+    assert out[0].image.size == (128, 128) and out[0].request.seed == 7
+    assert (out[0].request.width, out[0].request.height, out[0].request.steps) == (128, 128, 3)
+    plain = run(loaded, [r])
+    assert np.abs(pixels(out) - pixels(plain)).mean() > 1
+
+
+def gen_img(preset, tmp_path, name, *extra):
+    out = tmp_path / name
+    code = tool.gen_img_main([*PRESETS[preset], "--outdir", str(out), "--prompt", "a red cat --n blurry --d 11",
+                              *ARGS, *extra])
+    return code, sorted(glob.glob(str(out / "*.png")))
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_mode_writes_an_image_of_the_right_size(preset, tmp_path, source):
+    cases = {
+        "img2img": ["--image_path", str(source / "in.png"), "--strength", "0.6"],
+        "inpaint": ["--image_path", str(source / "images"), "--mask_path", str(source / "mask.png")],  # a folder of images
+        "highres": ["--highres_fix_scale", "0.5", "--highres_fix_steps", "2", "--W", "128", "--H", "96"],
+    }
+    for name, extra in cases.items():
+        code, paths = gen_img(preset, tmp_path, name, *extra)
+        assert code == 0, name
+        size = (128, 96) if name == "highres" else (64, 64)
+        assert [Image.open(p).size for p in paths] == [size], name
+
+
+def test_gen_img_equals_generate_for_the_same_settings(tmp_path):
+    code, ours = gen_img("sd1", tmp_path, "gen_img", "--xformers", "--sdpa", "--no_half_vae")
+    assert code == 0
+    assert tool.main([*PRESETS["sd1"], "--outdir", str(tmp_path / "generate"), "--prompt",
+                      "a red cat --n blurry --d 11", *ARGS]) == 0
+    theirs = sorted(glob.glob(str(tmp_path / "generate" / "*.png")))
+    assert np.array_equal(np.asarray(Image.open(ours[0])), np.asarray(Image.open(theirs[0])))
+
+
+def test_gen_img_defaults_and_sdxl_entry():
+    p = tool.build_gen_img_parser(sdxl=True)
+    a = p.parse_args(["--ckpt", "m", "--prompt", "x"])
+    assert (a.steps, a.outdir, a.highres_fix_steps, a.strength, a.xformers) == (50, "outputs", 28, None, False)
+    b = tool.build_parser().parse_args(["--ckpt", "m", "--prompt", "x", "--outdir", "o"])
+    assert b.steps is None  # generate.py keeps the family's default (30)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--strength", "1.5", "--image_path", "{src}/in.png"], "--strength: expected a number in 0..1, got 1.5"),
+    (["--image_path", "{src}/missing.png"], "--image_path {src}/missing.png: no such file or folder"),
+    (["--image_path", "{src}/in.png", "--mask_path", "{src}/small_mask.png"],
+     "--mask_path {src}/small_mask.png: expected the size of its image 64x64, got 32x32"),
+    (["--mask_path", "{src}/mask.png"], "--mask_path: expected --image_path (inpainting) or a prompt with AND"),
+    (["--strength", "0.5"], "--strength: expected --image_path (img2img) or --highres_fix_scale with it"),
+    (["--highres_fix_scale", "2"], "--highres_fix_scale: expected a number in (0, 1]"),
+    (["--highres_fix_latents_upscaling"], "--highres_fix_latents_upscaling: not implemented"),
+    (["--textual_inversion_embeddings", "x.pt"], "--textual_inversion_embeddings: not implemented"),
+    (["--n_iter", "2"], "--n_iter: not implemented (use --images_per_prompt)"),
+])
+def test_bad_input_is_one_line_before_any_model_loads(extra, message, source, tmp_path, capsys):
+    extra = [e.replace("{src}", str(source)) for e in extra]
+    # the model does not exist: an error about it would mean the input was checked too late
+    code = tool.gen_img_main(["--ckpt", str(tmp_path / "no_model.safetensors"), "--outdir", str(tmp_path / "o"),
+                              "--prompt", "x", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + message.replace("{src}", str(source)))
+
+
+def test_n_iter_one_is_accepted():
+    p = tool.build_gen_img_parser()
+    tool.check_gen_img_refused(p.parse_args(["--ckpt", "m", "--prompt", "x", "--n_iter", "1"]), p)
+    with pytest.raises(ConfigError, match="--network_pre_calc: not implemented"):
+        tool.check_gen_img_refused(p.parse_args(["--ckpt", "m", "--prompt", "x", "--network_pre_calc"]), p)
+
+
+def test_img2img_is_refused_for_families_without_it(tmp_path, capsys, source):
+    code = tool.gen_img_main(["--ckpt", "tiny:flux", "--flux", "--outdir", str(tmp_path), "--prompt", "x",
+                              "--image_path", str(source / "in.png")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--image_path: implemented for SD 1.x/2.x and SDXL only" in err
