@@ -208,3 +208,39 @@ def test_img2img_is_refused_for_families_without_it(tmp_path, capsys, source):
                               "--image_path", str(source / "in.png")])
     err = capsys.readouterr().err
     assert code == 2 and "--image_path: implemented for SD 1.x/2.x and SDXL only" in err
+
+
+def test_prompt_am_sets_the_network_multipliers(tmp_path, source):
+    """` --am 0` equals no network; ` --am 1` equals --network_mul 1; the run's --network_mul applies elsewhere."""
+    from tests.train_helpers import random_lora_file
+
+    args = tool.build_parser().parse_args(["--ckpt", "tiny:sd1", "--outdir", "unused", "--prompt", "x"])
+    loaded = tool.load_model(tool.options_from_args(args))
+    family, c, _ = loaded
+    lora = random_lora_file(family, c, str(tmp_path / "toy.safetensors"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat --d 3 --am 0\na red cat --d 3\na red cat --d 3 --am 1\n")
+
+    def generate(name, mul, from_file=True, net=True):
+        a = tool.build_parser().parse_args(["--ckpt", "tiny:sd1", "--outdir", str(tmp_path / name), *ARGS,
+                                            *(["--from_file", str(prompts)] if from_file else
+                                              ["--prompt", "a red cat --d 3"]),
+                                            *(["--network_weights", lora, "--network_mul", str(mul)] if net else [])])
+        return [np.asarray(Image.open(p)) for p in sorted(tool.run(tool.options_from_args(a), loaded))]
+
+    am0, half, am1 = generate("am", 0.5)
+    base, = generate("base", 0, from_file=False, net=False)
+    full, = generate("full", 1.0, from_file=False)
+    hooked_half, = generate("half", 0.5, from_file=False)
+    assert np.array_equal(am0, base) and np.array_equal(am1, full) and np.array_equal(half, hooked_half)
+    assert not np.array_equal(full, base)
+
+
+@pytest.mark.parametrize("am, message", [
+    ("x", "expected comma-separated numbers"), ("1,2", "expected at most 1 values"),
+])
+def test_bad_am_is_one_line(am, message, tmp_path):
+    a = tool.build_parser().parse_args(["--ckpt", "tiny:sd1", "--outdir", "o", "--prompt", f"cat --am {am}",
+                                        "--network_weights", __file__])
+    with pytest.raises(ConfigError, match=message):
+        tool.options_from_args(a)

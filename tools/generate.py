@@ -144,7 +144,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         raise ConfigError("--fp16 and --bf16: expected at most one")
     try:
         prompts = [parse_prompt_line(a.prompt, "--prompt")] if a.prompt else \
-            load_prompts(a.from_file, check_sampler=canonical_sampler)
+            load_prompts(a.from_file, check_sampler=canonical_sampler, used=("am",))
     except ConfigError as e:
         raise ConfigError(f"--from_file: {e}" if a.from_file else str(e)) from None
     for path in a.network_weights:
@@ -152,6 +152,8 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             raise ConfigError(f"--network_weights {path}: file not found")
     family = _family(a)
     images, masks = _image_inputs(a, family, prompts)
+    for p in prompts:
+        prompt_multipliers(p, len(a.network_weights), a.merge)  # --am: checked now
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=family, images=images, strength=a.strength, masks=masks, highres_fix_scale=a.highres_fix_scale,
@@ -203,6 +205,26 @@ def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[li
         raise ConfigError("--mask_path with AND and --network_weights: sd-scripts' regional LoRA (one network a "
                           "region) is not implemented; regions apply to the sub-prompts only")
     return images, masks
+
+
+def prompt_multipliers(p, networks: int, merge: bool) -> Optional[tuple]:
+    """A prompt's ` --am 0.5,1.0`: one multiplier per network, the last repeated for the rest (sd-scripts'
+    gen_img); None without --am. ConfigError for a bad value, more values than networks, or --network_merge."""
+    value = p.ignored.get("am")
+    if value is None:
+        return None
+    where = f"prompt {p.prompt!r}: --am {value}"
+    try:
+        muls = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise ConfigError(f"{where}: expected comma-separated numbers (one multiplier per network)") from None
+    if not networks:
+        raise ConfigError(f"{where}: expected --network_weights (a multiplier per network)")
+    if len(muls) > networks:
+        raise ConfigError(f"{where}: expected at most {networks} values (one per --network_weights)")
+    if merge:
+        raise ConfigError(f"{where}: per-prompt multipliers need hooked networks; drop --network_merge")
+    return tuple(muls + [muls[-1]] * (networks - len(muls)))
 
 
 def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
@@ -295,7 +317,7 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     `loaded` reuses a (family, components, device) from load_model; with `o.merge` the
     networks are merged into those weights for good.
     """
-    from library.sampling.generate import generate_images, requests_from_prompts
+    from library.sampling.generate import requests_from_prompts
     from library.sampling.output import save_samples
     from library.train.adapters.network_apply import apply_networks
 
@@ -305,18 +327,13 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
         attach_image_inputs(o, requests)
-        if o.highres_fix_scale is not None:
-            from library.sampling.img2img import DEFAULT_STRENGTH, generate_highres
-
-            generated = generate_highres(
-                family, components, requests, scale=o.highres_fix_scale, steps_1st=o.highres_fix_steps,
-                strength_1st=o.highres_fix_strength if o.highres_fix_strength is not None else o.strength,
-                strength_2nd=DEFAULT_STRENGTH if o.strength is None else o.strength,
-                default_size=family.default_image_size, clip_skip=o.clip_skip, device=device,
-                batch_size=o.batch_size, progress=True)
-        else:
-            generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
-                                        batch_size=o.batch_size, progress=True)
+        per_image = [prompt_multipliers(p, len(o.networks), o.merge) for p in o.prompts
+                     for _ in range(o.images_per_prompt)]
+        generated = []
+        for muls, group in _multiplier_groups(per_image, requests):
+            for network, mul in zip(applied.networks, muls or [n.multiplier for n in o.networks]):
+                network.set_multiplier(mul)  # a prompt's --am, else --network_mul
+            generated += _generate(o, family, components, device, group)
     finally:
         applied.remove()
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
@@ -406,6 +423,34 @@ def gen_img_main(argv: Optional[list[str]] = None, sdxl: bool = False) -> int:
         print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
 
     return run_tool(body)
+
+
+def _multiplier_groups(per_image: list, requests: list) -> list:
+    """Consecutive requests that share their networks' multipliers: [(multipliers or None, requests)]."""
+    groups: list = []
+    for muls, r in zip(per_image, requests):
+        if groups and groups[-1][0] == muls:
+            groups[-1][1].append(r)
+        else:
+            groups.append((muls, [r]))
+    return groups
+
+
+def _generate(o: GenerateOptions, family, components, device, requests: list) -> list:
+    """txt2img / img2img / inpainting / regions, with the highres fix when asked."""
+    from library.sampling.generate import generate_images
+
+    if o.highres_fix_scale is None:
+        return generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
+                               batch_size=o.batch_size, progress=True)
+    from library.sampling.img2img import DEFAULT_STRENGTH, generate_highres
+
+    return generate_highres(
+        family, components, requests, scale=o.highres_fix_scale, steps_1st=o.highres_fix_steps,
+        strength_1st=o.highres_fix_strength if o.highres_fix_strength is not None else o.strength,
+        strength_2nd=DEFAULT_STRENGTH if o.strength is None else o.strength,
+        default_size=family.default_image_size, clip_skip=o.clip_skip, device=device,
+        batch_size=o.batch_size, progress=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
