@@ -4,6 +4,7 @@ the highres fix, and sd-scripts' gen_img flags mapped onto tools/generate.py."""
 from __future__ import annotations
 
 import glob
+import re
 
 import numpy as np
 import pytest
@@ -244,3 +245,35 @@ def test_bad_am_is_one_line(am, message, tmp_path):
                                         "--network_weights", __file__])
     with pytest.raises(ConfigError, match=message):
         tool.options_from_args(a)
+
+
+# Every long option of sd-scripts 48d368fa's gen_img.py and sdxl_gen_img.py (setup_parser), without the dashes.
+SD_SCRIPTS_GEN_IMG_FLAGS = """
+    H W batch_size bf16 ckpt clip_skip clip_vision_strength control_net_lllite_models control_net_models
+    control_net_multipliers control_net_preps control_net_ratios crop_left crop_top ddim_eta diffusers_xformers
+    ds_depth_1 ds_depth_2 ds_ratio ds_timesteps_1 ds_timesteps_2 emb_normalize_mode
+    force_scheduler_zero_steps_offset fp16 from_file from_module gradual_latent_every_n_steps
+    gradual_latent_ratio gradual_latent_ratio_step gradual_latent_s_noise gradual_latent_timesteps
+    gradual_latent_unsharp_params guide_image_path highres_fix_disable_control_net highres_fix_latents_upscaling
+    highres_fix_save_1st highres_fix_scale highres_fix_steps highres_fix_strength highres_fix_upscaler
+    highres_fix_upscaler_args image_path images_per_prompt interactive iter_same_seed mask_path
+    max_embeddings_multiples n_iter negative_scale network_args network_merge network_merge_n_models
+    network_module network_mul network_pre_calc network_regional_mask_max_color_codes network_show_meta
+    network_weights no_half_vae no_preview noise_offset_prob noise_offset_range opt_channels_last
+    original_height original_height_negative original_width original_width_negative outdir prompt
+    prompter_module_args pyramid_noise_discount_range pyramid_noise_prob replace_clip_l14_336 sampler scale sdpa
+    sdxl seed sequential_file_name shuffle_prompts steps strength textual_inversion_embeddings
+    tokenizer_cache_dir use_original_file_name v1 v2 v_parameterization vae vae_batch_size vae_slices xformers
+    zero_terminal_snr
+""".split()
+
+
+@pytest.mark.parametrize("sdxl", [False, True])
+def test_every_sd_scripts_gen_img_flag_is_taken(sdxl):
+    """Each flag is implemented, accepted with nothing to do, or refused with one line when used (docs/gen_img.md)."""
+    p = tool.build_gen_img_parser(sdxl)
+    ours = {s for a in p._actions for s in a.option_strings}
+    assert sorted("--" + f for f in SD_SCRIPTS_GEN_IMG_FLAGS if "--" + f not in ours) == []
+    with open("docs/gen_img.md", encoding="utf-8") as f:
+        documented = set(re.findall(r"`(--[a-z0-9_A-Z]+)", f.read()))
+    assert sorted("--" + f for f in SD_SCRIPTS_GEN_IMG_FLAGS if "--" + f not in documented) == []
