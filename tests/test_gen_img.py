@@ -208,10 +208,60 @@ def test_n_iter_one_is_accepted():
 
 
 def test_img2img_is_refused_for_families_without_it(tmp_path, capsys, source):
-    code = tool.gen_img_main(["--ckpt", "tiny:flux", "--flux", "--outdir", str(tmp_path), "--prompt", "x",
-                              "--image_path", str(source / "in.png")])
+    code = tool.main(["--ckpt", "tiny:sd3", "--outdir", str(tmp_path), "--prompt", "x",
+                      "--image_path", str(source / "in.png")])
     err = capsys.readouterr().err
-    assert code == 2 and "--image_path: implemented for SD 1.x/2.x and SDXL only" in err
+    assert code == 2 and "--image_path: implemented for SD 1.x/2.x, SDXL and FLUX.1 only, not for sd3 models" in err
+    # AND is part of the prompt where a family has no regional prompts: no split, no error
+    a = tool.build_parser().parse_args(["--ckpt", "tiny:flux", "--flux", "--outdir", "o", "--prompt", "a AND b"])
+    assert tool.options_from_args(a).regions is False
+
+
+@pytest.fixture(scope="module")
+def flux():
+    args = tool.build_parser().parse_args(["--ckpt", "tiny:flux", "--flux", "--outdir", "unused", "--prompt", "x"])
+    return tool.load_model(tool.options_from_args(args))
+
+
+def flux_request(image_input=None, sampler="flow_euler"):
+    return GenerationRequest("a red cat", "", seed=5, width=64, height=64, steps=4, scale=1.0, guidance=3.5,
+                             sampler=sampler, image_input=image_input)
+
+
+def test_flux_img2img_and_inpainting(flux, source, monkeypatch):
+    """Flow img2img: strength 1 is txt2img bitwise, strength 0 the decode of the image's latents, inpainting keeps
+    the unmasked latents exactly."""
+    family, c, device = flux
+    decoded = []
+    decode = c.vae.decode
+    monkeypatch.setattr(c.vae, "decode", lambda latents, *a, **k: decoded.append(latents.clone()) or
+                        decode(latents, *a, **k))
+    txt = pixels(run(flux, [flux_request()]))
+    one = pixels(run(flux, [flux_request(source_input(source, 1.0))]))
+    assert np.array_equal(txt, one)
+    zero = pixels(run(flux, [flux_request(source_input(source, 0.0))]))
+    half = pixels(run(flux, [flux_request(source_input(source, 0.5))]))
+    assert np.abs(half - txt).mean() > 1 and np.abs(half - zero).mean() > 1
+    image = image_tensor(Image.open(source / "in.png").convert("RGB"), 64, 64)[None]
+    expected = family.encode_images(c.vae, image, generator=[torch.Generator().manual_seed(5)])
+    painted = pixels(run(flux, [flux_request(source_input(source, 1.0, mask=True))]))
+    image_latents, painted_latents = decoded[2], decoded[4]  # the strength-0 and the inpainting decodes
+    from library.families.common.flow_sampling import decode_images
+
+    assert np.array_equal(zero, decode_images(family, c.vae, expected).astype(np.int16))
+    assert torch.equal(painted_latents[..., :4], image_latents[..., :4])
+    assert (painted_latents[..., 4:] - image_latents[..., 4:]).abs().mean() > 0.1
+    assert painted.shape == txt.shape == (1, 64, 64, 3)
+
+
+def test_flux_gen_img_modes_write_images(tmp_path, source):
+    for name, extra in {"img2img": ["--image_path", str(source / "in.png"), "--strength", "0.5"],
+                        "highres": ["--highres_fix_scale", "0.5", "--highres_fix_steps", "2", "--W", "128"]}.items():
+        out = tmp_path / name
+        assert tool.main(["--ckpt", "tiny:flux", "--flux", "--outdir", str(out), "--prompt", "a cat --d 1",
+                          "--steps", "3", "--device", "cpu", "--H", "64", *extra]) == 0
+        assert [Image.open(p).size for p in glob.glob(str(out / "*.png"))] == \
+            [(128, 64) if name == "highres" else (64, 64)]
 
 
 def test_prompt_am_sets_the_network_multipliers(tmp_path, source):

@@ -118,6 +118,7 @@ class GenerateOptions:
     images: list = field(default_factory=list)  # PIL images of --image_path
     strength: Optional[float] = None
     masks: list = field(default_factory=list)  # PIL images of --mask_path
+    regions: bool = False  # ` AND ` splits prompts into regional sub-prompts (the family has them)
     highres_fix_scale: Optional[float] = None
     highres_fix_steps: int = 28
     highres_fix_strength: Optional[float] = None
@@ -152,11 +153,12 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             raise ConfigError(f"--network_weights {path}: file not found")
     family = _family(a)
     images, masks = _image_inputs(a, family, prompts)
+    regions = "regions" in getattr(get_family(family), "image_inputs", ())
     for p in prompts:
         prompt_multipliers(p, len(a.network_weights), a.merge)  # --am: checked now
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
-        family=family, images=images, strength=a.strength, masks=masks, highres_fix_scale=a.highres_fix_scale,
+        family=family, images=images, strength=a.strength, masks=masks, regions=regions, highres_fix_scale=a.highres_fix_scale,
         highres_fix_steps=a.highres_fix_steps, highres_fix_strength=a.highres_fix_strength,
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
@@ -179,12 +181,15 @@ def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[li
                           f"size), got {a.highres_fix_scale}")
     if a.highres_fix_steps < 1:
         raise ConfigError(f"--highres_fix_steps: expected an integer >= 1, got {a.highres_fix_steps}")
-    regional = any(AND in p.prompt for p in prompts)
-    used = [f for f, on in (("--image_path", a.image_path), ("--mask_path", a.mask_path),
-                            ("--highres_fix_scale", a.highres_fix_scale is not None),
-                            ("a prompt with AND", regional)) if on]
-    if used and not getattr(get_family(family), "image_inputs", False):
-        raise ConfigError(f"{used[0]}: implemented for SD 1.x/2.x and SDXL only, not for {family} models")
+    modes = tuple(getattr(get_family(family), "image_inputs", ()))
+    # ` AND ` splits a prompt where the family has regional prompts; elsewhere it is part of the prompt
+    regional = "regions" in modes and any(AND in p.prompt for p in prompts)
+    used = [(f, mode) for f, mode, on in (
+        ("--image_path", "img2img", a.image_path), ("--mask_path", "inpaint", a.mask_path and not regional),
+        ("--highres_fix_scale", "highres", a.highres_fix_scale is not None)) if on]
+    for flag, mode in used:
+        if mode not in modes:
+            raise ConfigError(f"{flag}: implemented for SD 1.x/2.x, SDXL and FLUX.1 only, not for {family} models")
     if a.strength is not None and a.image_path is None and a.highres_fix_scale is None:
         raise ConfigError("--strength: expected --image_path (img2img) or --highres_fix_scale with it")
     images = [open_image(p, "--image_path", "RGB") for p in image_files(a.image_path, "--image_path")] \
@@ -242,7 +247,7 @@ def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
             width, height = r.width or image.size[0], r.height or image.size[1]
             r.width, r.height = width - width % 8, height - height % 8
         regions = None
-        count = len(r.prompt.split(AND))
+        count = len(r.prompt.split(AND)) if o.regions else 1
         if count > 1:
             if mask is not None:
                 regions = region_tensor(mask, count, *mask.size)

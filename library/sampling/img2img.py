@@ -184,6 +184,35 @@ def blend_known(scheduler, latents: torch.Tensor, init: torch.Tensor, noise: tor
     return mask * latents + (1 - mask) * known
 
 
+# --- flow-matching families (FLUX.1: library/families/flux/generate.py) ------------------------------------------
+
+def flow_start(inputs: Sequence[ImageInput], encode, noise: torch.Tensor, sigmas: torch.Tensor,
+               vae_scale_factor: int):
+    """(latents, sigmas, init_latents) of a rectified-flow img2img: the last `int(steps * strength)` Euler steps,
+    from x = (1 - σ) · image + σ · noise at their first σ (strength 1: the noise alone, as txt2img; 0: no step, the
+    image's latents). Without an image: (noise, sigmas, None). `encode(pixels)` gives the model's latents."""
+    first = inputs[0]
+    if first is None or first.image is None:
+        return noise, sigmas, None
+    height, width = noise.shape[-2] * vae_scale_factor, noise.shape[-1] * vae_scale_factor
+    pixels = torch.stack([_fit(i.image[None].float(), height, width, "bilinear")[0] for i in inputs])
+    init = encode(pixels).to(noise.device, noise.dtype)
+    steps = len(sigmas) - 1
+    sigmas = sigmas[steps - min(int(steps * first.strength), steps):]
+    if len(sigmas) == 1:
+        return init, sigmas, init
+    if first.strength >= 1.0:
+        return noise, sigmas, init
+    sigma = float(sigmas[0])
+    return (1 - sigma) * init + sigma * noise, sigmas, init
+
+
+def flow_blend(latents: torch.Tensor, init: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor,
+               sigma: float) -> torch.Tensor:
+    """Inpainting for a flow model: the kept region (mask 0) replaced by the image's latents at noise level σ."""
+    return mask * latents + (1 - mask) * ((1 - sigma) * init + sigma * noise)
+
+
 # --- highres fix ---------------------------------------------------------------------------------------------------
 
 def first_stage_size(value: int, scale: float) -> int:
