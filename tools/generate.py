@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_image_input_arguments(p: argparse.ArgumentParser) -> None:
     """gen_img's img2img / inpainting / regional prompts / highres fix flags (docs/gen_img.md)."""
-    g = p.add_argument_group("img2img, inpainting, regions, highres fix (SD 1.x/2.x, SDXL)")
+    g = p.add_argument_group("img2img, inpainting, highres fix (SD 1.x/2.x, SDXL, FLUX.1), regions (SD, SDXL)")
     g.add_argument("--image_path", default=None, help="img2img source: an image, or a folder whose images are used in "
                                                       "turn (resized to --W/--H when given, else their own size)")
     g.add_argument("--strength", type=float, default=None,
