@@ -196,8 +196,9 @@ def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[li
         if a.image_path else []
     paths = image_files(a.mask_path, "--mask_path") if a.mask_path else []
     masks = [open_image(p, "--mask_path", "RGB") for p in paths]
-    if masks and not images and not regional:
-        raise ConfigError("--mask_path: expected --image_path (inpainting) or a prompt with AND (regions)")
+    if masks and not images and not (regional and all(AND in p.prompt for p in prompts)):
+        raise ConfigError("--mask_path: expected --image_path (inpainting) or a prompt with AND (regions)"
+                          + (" for every prompt" if regional else ""))
     if masks and images:
         if len(masks) not in (1, len(images)):
             raise ConfigError(f"--mask_path: expected 1 mask or one per image ({len(images)}), got {len(masks)}")
@@ -235,8 +236,6 @@ def prompt_multipliers(p, networks: int, merge: bool) -> Optional[tuple]:
 def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
     """Give each request its ImageInput: the k-th request gets image k and mask k (cycling), a prompt `a AND b`
     its regions (the mask's channels, or the whole image each)."""
-    import torch as _torch
-
     from library.sampling.img2img import AND, DEFAULT_STRENGTH, ImageInput, image_tensor, mask_tensor, region_tensor
 
     strength = DEFAULT_STRENGTH if o.strength is None else o.strength
@@ -252,7 +251,7 @@ def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
             if mask is not None:
                 regions = region_tensor(mask, count, *mask.size)
             else:
-                regions = _torch.ones(count, 8, 8)  # no mask: the sub-prompts share every pixel
+                regions = torch.ones(count, 8, 8)  # no mask: the sub-prompts share every pixel
             mask = None
         if image is None and regions is None:
             continue
