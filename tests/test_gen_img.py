@@ -69,7 +69,7 @@ def run(loaded, requests, **kw):
     return generate_images(family, components, requests, device=device, **kw)
 
 
-@pytest.mark.parametrize("sampler", ["ddim", "euler_a"])
+@pytest.mark.parametrize("sampler", ["ddim", "euler_a", "heun", "dpmsolver++", "pndm"])
 def test_strength_one_is_txt2img_with_the_same_seed(loaded, source, sampler):
     txt = pixels(run(loaded, [request(sampler=sampler)]))
     img = pixels(run(loaded, [request(sampler=sampler, image_input=source_input(source, 1.0))]))
