@@ -74,6 +74,33 @@ def test_epoch_batches_are_deterministic_pure_and_reshuffled(tmp_path):
     assert fresh.load_batch(e1[3])["captions"] == data.load_batch(e1[3])["captions"]
 
 
+def test_keep_bucket_order_keeps_each_buckets_dataset_order_and_shuffles_the_batches(tmp_path):
+    """--keep_bucket_order (the web UI's "keep order within buckets"): the batches of a bucket hold its samples in
+    dataset order (file names sorted, repeats after each other as planned), epoch after epoch; the order in which
+    the batches are drawn is still shuffled per epoch. Off, the samples inside a bucket are reshuffled."""
+    folder(tmp_path, "train/2_sks", [(64, 64)] * 6 + [(128, 64)] * 4, caption="sks")
+
+    def bucket_orders(data, epoch):
+        refs = data.epoch_batches(epoch, 0)
+        order = {}
+        for ref in sorted(refs, key=lambda r: (r.bucket, r.samples)):
+            order.setdefault(ref.bucket, []).extend(ref.samples)
+        return order, [r.bucket for r in refs]
+
+    kept = build_training_data(opts(tmp_path / "train", train_batch_size=2, resolution="128", keep_bucket_order=True),
+                               FAMILY)
+    kept.plan(100, 1)
+    planned = {b: list(ids) for b, ids in kept.groups[0].buckets.items()}
+    assert sorted(planned) == [(128, 64), (128, 128)]
+    for epoch in (1, 2, 3):
+        order, _ = bucket_orders(kept, epoch)
+        assert order == planned
+    assert len({tuple(bucket_orders(kept, e)[1]) for e in (1, 2, 3, 4)}) > 1  # batch order still shuffled
+    shuffled = build_training_data(opts(tmp_path / "train", train_batch_size=2, resolution="128"), FAMILY)
+    shuffled.plan(100, 1)
+    assert any(bucket_orders(shuffled, e)[0] != planned for e in (1, 2, 3))
+
+
 def test_multi_resolution_trains_every_resolution(tmp_path):
     folder(tmp_path, "train/1_x", [(128, 128)] * 3, caption="x")
     data = build_training_data(opts(tmp_path / "train", resolution="64;128", max_bucket_reso=256), FAMILY)

@@ -92,7 +92,7 @@ def test_two_loopback_nodes_one_process_each(tmp_path):
     tmp = str(tmp_path)
     data = dataset(tmp)
     argv = train_args(data, os.path.join(tmp, "out"), os.path.join(tmp, "logs"), steps=5,
-                      extra=["--ddp_timeout", "2", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
+                      extra=["--ddp_timeout", "2", "--ddp_backend", "gloo", "--ddp_static_graph", "--ddp_gradient_as_bucket_view",
                              "--profile_steps", "--cache_latents"])  # in memory: shared by gathering
     seed = argv.index("--seed")
     del argv[seed:seed + 2]
@@ -173,6 +173,34 @@ def test_ddp_timeout_reaches_accelerate(tmp_path):
     trainer._setup_accelerator()
     acc = trainer.accelerator
     assert acc.init_handler is not None and acc.init_handler.timeout.total_seconds() == 7 * 60
+
+
+def test_ddp_backend_reaches_accelerate_and_nccl_is_refused_where_it_cannot_run(tmp_path):
+    from library.train.distributed.distributed import ddp_backend_problem, resolved_ddp_backend
+
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1,
+                                      extra=["--ddp_backend", "gloo", "--ddp_timeout", "3"]))
+    trainer._setup_accelerator()
+    handler = trainer.accelerator.init_handler
+    assert handler.backend == "gloo" and handler.timeout.total_seconds() == 3 * 60
+    # auto: accelerate chooses (nccl on CUDA, gloo on CPU), except Windows with CUDA, where it must be gloo
+    assert resolved_ddp_backend("auto", cpu=False, cuda=True, platform="linux") is None
+    assert resolved_ddp_backend("auto", cpu=False, cuda=True, platform="win32") == "gloo"
+    assert resolved_ddp_backend("auto", cpu=True, cuda=True, platform="win32") is None
+    assert resolved_ddp_backend("nccl", cpu=False, cuda=True, platform="linux") == "nccl"
+    assert ddp_backend_problem("nccl", cpu=False, cuda=True, platform="linux") is None
+    assert ddp_backend_problem("gloo", cpu=True, cuda=False, platform="win32") is None
+    assert ddp_backend_problem("nccl", cpu=False, cuda=False, platform="linux") == \
+        "--ddp_backend nccl: needs CUDA GPUs (none found); use gloo (or auto)"
+    assert ddp_backend_problem("nccl", cpu=True, cuda=True, platform="linux") == \
+        "--ddp_backend nccl: needs CUDA GPUs (--cpu is given); use gloo (or auto)"
+    assert "not available on Windows" in ddp_backend_problem("nccl", cpu=False, cuda=True, platform="win32")
+    from library.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--ddp_backend nccl: needs CUDA GPUs"):
+        make_trainer(train_args(data, str(tmp_path / "out2"), str(tmp_path / "logs2"), steps=1,
+                                extra=["--ddp_backend", "nccl"]))
 
 
 ACCELERATE_SIMPLE = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

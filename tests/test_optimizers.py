@@ -125,6 +125,40 @@ def test_unknown_optimizer_arg_names_the_key():
         create_optimizer(params(), OptimizerOptions("AdamW", optimizer_args={"decouple": True}))
 
 
+def test_decoupled_weight_decay_switch():
+    """--decoupled_weight_decay (the web UI's "decoupled weight decay"): Adam's own switch turns on, and one step of
+    Adam with it equals one step of AdamW with the same decay (the same rule); an explicit optimizer arg wins;
+    AdamW stays as it is; an optimizer without the switch is refused in one line."""
+    def one_step(options):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4))
+        opt, _, descriptor = create_optimizer([w], options)
+        w.grad = torch.full_like(w, 0.5)
+        opt.step()
+        return w.detach().clone(), opt, descriptor
+
+    decay = {"weight_decay": 0.1}
+    adam, opt, descriptor = one_step(OptimizerOptions("torch.optim.Adam", 1e-2, dict(decay), decoupled_weight_decay=True))
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    assert "decoupled_weight_decay=True" in descriptor.ss_optimizer
+    adamw, _, _ = one_step(OptimizerOptions("AdamW", 1e-2, dict(decay)))
+    coupled, _, _ = one_step(OptimizerOptions("torch.optim.Adam", 1e-2, dict(decay)))
+    assert torch.allclose(adam, adamw, rtol=0, atol=1e-7)  # same rule; measured difference 0 here
+    assert not torch.allclose(adam, coupled, rtol=0, atol=1e-4)  # L2 in the gradient is another rule
+    _, opt, _ = one_step(OptimizerOptions("torch.optim.Adam", 1e-2, {**decay, "decoupled_weight_decay": False},
+                                          decoupled_weight_decay=True))
+    assert opt.param_groups[0]["decoupled_weight_decay"] is False
+    kept, _, descriptor = one_step(OptimizerOptions("AdamW", 1e-2, dict(decay), decoupled_weight_decay=True))
+    assert torch.equal(kept, adamw) and descriptor.kwargs == decay
+    if installed("prodigyopt"):
+        _, opt, _ = one_step(OptimizerOptions("prodigy", 1.0, {}, decoupled_weight_decay=True))
+        assert opt.param_groups[0]["decouple"] is True
+    with pytest.raises(ConfigError, match=r"^--decoupled_weight_decay: SGD has no decoupled weight decay switch"):
+        create_optimizer(params(), OptimizerOptions("SGDNesterov", 1e-2, {}, decoupled_weight_decay=True))
+    ns = argparse.ArgumentParser()
+    add_optimizer_arguments(ns)
+    assert optimizer_options_from_args(ns.parse_args(["--decoupled_weight_decay"])).decoupled_weight_decay is True
+
+
 def test_group_lrs_are_kept():
     groups = [{"params": params(), "lr": 1e-4}, {"params": params()}]
     opt, _, _ = create_optimizer(groups, OptimizerOptions("AdamW", 5e-5))

@@ -174,7 +174,9 @@ def test_samples_files_and_traversal(client, jobs_dir, tmp_path):
 
 def test_tensorboard_launch_and_stop(client, jobs_dir):
     _create(client)
-    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None}
+    logdir = os.path.join(os.path.realpath(jobs_dir), "1", "output", "logs")
+    assert client.get("/api/jobs/1/tensorboard").json() == {"running": False, "status": "Not running", "url": None,
+                                                          "logdir": logdir, "command": f"tensorboard --logdir {logdir}"}
     tb = client.post("/api/jobs/1/tensorboard").json()
     try:
         assert tb["running"] and tb["url"].startswith("http://127.0.0.1:")
@@ -183,6 +185,43 @@ def test_tensorboard_launch_and_stop(client, jobs_dir):
     finally:
         assert client.delete("/api/jobs/1/tensorboard").json()["status"] == "Not running"
     assert not os.path.exists(f"/proc/{tb['pid']}") or open(f"/proc/{tb['pid']}/stat").read().split()[2] == "Z"
+
+
+def test_open_folder_only_for_a_browser_on_the_same_machine(jobs_dir, tmp_path, monkeypatch):
+    """Job Maintenance's "Open folder": the server hands the job's folder to the desktop's opener (xdg-open here, a
+    stand-in that records its argument) for a request from a loopback address; from another machine, without a
+    desktop session or without an opener it answers 409 with the reason and runs nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "opened.txt"
+    opener = bin_dir / "xdg-open"
+    opener.write_text(f"#!/bin/sh\nprintf '%s' \"$1\" > {record}\n")
+    opener.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("DISPLAY", ":0")
+    local = TestClient(create_app(jobs_dir), client=("127.0.0.1", 50000))
+    _create(local)
+    r = local.post("/api/jobs/1/open_folder")
+    assert r.status_code == 200
+    folder = os.path.join(os.path.realpath(jobs_dir), "1")
+    assert r.json() == {"opened": folder}
+    for _ in range(100):
+        if record.exists() and record.read_text():
+            break
+        time.sleep(0.05)
+    assert record.read_text() == folder
+    record.unlink()
+    remote = TestClient(create_app(jobs_dir), client=("192.168.1.7", 50000))
+    r = remote.post("/api/jobs/1/open_folder")
+    assert r.status_code == 409 and "only from a browser on the same machine" in r.json()["detail"]
+    monkeypatch.delenv("DISPLAY")
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    r = local.post("/api/jobs/1/open_folder")
+    assert r.status_code == 409 and r.json()["detail"] == \
+        "the server has no desktop session (DISPLAY / WAYLAND_DISPLAY are not set)"
+    assert local.post("/api/jobs/9/open_folder").status_code == 404
+    time.sleep(0.2)
+    assert not record.exists()
 
 
 def test_folder_picker_and_dataset_paths_stay_inside_the_roots(jobs_dir, tmp_path):
@@ -744,7 +783,8 @@ def test_every_path_valued_trainer_flag_is_classified_by_the_web_ui():
         "wandb_api_key", "wandb_run_name", "weighting_scheme", "base_model_precision", "text_encoder_precision",
         "console_log_level", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
         "huggingface_repo_visibility", "huggingface_token", "metadata_is_negative_embedding", "metadata_merged_from",
-        "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype"}
+        "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype",
+        "ddp_backend"}
     classified = set(folders.NAME_KEYS + folders.JOB_FOLDER_KEYS + folders.READ_PATH_KEYS + MANAGED_KEYS)
     text_flags = set()
     from library.families import family_names
@@ -926,6 +966,12 @@ def test_save_refuses_what_start_would_refuse_at_the_field(jobs_dir, monkeypatch
         "field": "pretrained_model_name_or_path"}
     r = _put_config(c, tiny["id"], "network", "network_weights", "examples/nope.safetensors")
     assert r.status_code == 422 and r.json()["detail"]["field"] == "network_weights"
+    # the Multi-GPU backend choice: NCCL on a machine without CUDA is refused at its field, Gloo is taken
+    r = _put_config(c, tiny["id"], "distributed", "ddp_backend", "nccl")
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": "--ddp_backend nccl: needs CUDA GPUs (none found); use gloo (or auto)", "field": "ddp_backend",
+        "where": None}
+    assert _put_config(c, tiny["id"], "distributed", "ddp_backend", "gloo").status_code == 200
     check = c.get(f"/api/jobs/{tiny['id']}/check").json()
     assert check["ok"] is True and check["placeholders"] == []
     assert check["run_length"]["governs"] == "max_train_steps"
@@ -1191,3 +1237,50 @@ def test_a_flag_added_to_a_flags_dataclass_is_described_without_ui_code(client, 
                     "aliases": [], "takes_value": True, "many": False}]
     form = open(os.path.join(REPO_ROOT, "webui", "static", "form.js")).read()
     assert "network_dim|Dim (rank)" in form and '"int"' not in form.split("const LAYOUT")[1].split("];")[0]
+
+
+# --- issue 29: captioning from the page ------------------------------------------------------------------------
+
+from tests.test_finetune_tools import tiny_wd14  # noqa: E402,F401  (the fixture: a tiny ONNX WD14 tagger)
+
+
+def test_captioning_from_the_page_writes_the_tags_of_the_toolkits_tagger(jobs_dir, tmp_path, tiny_wd14):  # noqa: F811
+    """POST /api/captioning runs finetune/tag_images_by_wd14_tagger.py (the tiny tagger at 0.6: red -> red_hair, ^_^;
+    blue -> blue_sky, some_char) on a folder inside the data roots; GET follows it to the caption files. A folder
+    outside the roots is 403, a missing model 422 at its field, a wrong captioner 422; an existing caption is left
+    alone unless overwrite is asked."""
+    from PIL import Image
+
+    data = tmp_path / "data"
+    pics = data / "pics"
+    pics.mkdir(parents=True)
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(pics / "red.png")
+    Image.new("RGB", (64, 64), (0, 0, 255)).save(pics / "blue.png")
+    (pics / "blue.txt").write_text("mine\n")
+    c = TestClient(create_app(jobs_dir, data_roots=[str(data), tiny_wd14]))
+    assert [k["name"] for k in c.get("/api/captioners").json()] == ["wd14", "blip", "git"]
+    body = {"folder": str(pics), "captioner": "wd14", "model": tiny_wd14, "threshold": 0.6}
+    r = c.post("/api/captioning", json=body)
+    assert r.status_code == 202, r.text
+    task = r.json()
+    assert task["status"] == "running" and task["extension"] == ".txt" and task["images"] == 2
+    assert "--skip_existing" in task["command"] and task["command"][1].endswith("tag_images_by_wd14_tagger.py")
+    assert c.app.state.ctx.captioning.wait(task["id"], 120) == "finished", c.get(f"/api/captioning/{task['id']}").json()
+    done = c.get(f"/api/captioning/{task['id']}").json()
+    assert done["captions"] == 2 and done["exit_code"] == 0
+    assert (pics / "red.txt").read_text() == "red_hair, ^_^\n"
+    assert (pics / "blue.txt").read_text() == "mine\n"  # skipped: it had a caption
+    r = c.post("/api/captioning", json={**body, "overwrite": True})
+    assert c.app.state.ctx.captioning.wait(r.json()["id"], 120) == "finished"
+    assert (pics / "blue.txt").read_text() == "blue_sky, some_char\n"
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    r = c.post("/api/captioning", json={**body, "folder": str(outside)})
+    assert r.status_code == 403 and r.json()["detail"]["field"] == "folder"
+    r = c.post("/api/captioning", json={**body, "model": str(data / "nope")})
+    assert r.status_code == 422 and r.json()["detail"] == {
+        "error": f"model {data / 'nope'}: no such file or folder on the server", "field": "model"}
+    assert c.post("/api/captioning", json={**body, "captioner": "llava"}).status_code == 422
+    assert c.post("/api/captioning", json={**body, "caption_extension": "../x"}).status_code == 422
+    assert c.get("/api/captioning/99").status_code == 404

@@ -78,6 +78,9 @@ def browser():
     driver.quit()
 
 
+from tests.test_finetune_tools import tiny_wd14  # noqa: E402,F401  (the fixture: a tiny ONNX WD14 tagger)
+
+
 def tab(browser, name):
     """Open one of the page's tabs (Model, Data, Training, Performance, Multi-GPU, Sampling, Run, Outputs)."""
     browser.find_element(By.CSS_SELECTOR, f'#tabs a[data-tab="{name}"]').click()
@@ -388,10 +391,11 @@ def test_anima_finetune_keeps_the_llm_adapter_frozen(server, browser, monkeypatc
     browser.save_screenshot(os.path.join(os.environ.get("WEBUI_SHOTS", "/tmp"), "webui_anima_training.png"))
 
 
-def test_data_folders_upload_and_the_raw_editor(server, browser, tmp_path):
+def test_data_folders_upload_and_the_raw_editor(server, browser, tmp_path, tiny_wd14):  # noqa: F811
     """Data tab: a folder added from the page is allowed on the server at once; files dropped on the drop zone
-    land in the job's dataset folder. Model tab: config.toml edited as text is checked and written. A second
-    job of the same name gets " (2)"."""
+    land in the job's dataset folder; Caption images runs the toolkit's WD14 tagger (a tiny ONNX one) on a folder
+    and the tags are written beside the images. Model tab: config.toml edited as text is checked and written. A
+    second job of the same name gets " (2)"."""
     url, app = server
     wait = WebDriverWait(browser, 90, poll_frequency=0.2)
     extra = tmp_path / "more_images"
@@ -421,6 +425,21 @@ def test_data_folders_upload_and_the_raw_editor(server, browser, tmp_path):
     wait.until(lambda d: "2 file(s) uploaded" in d.find_element(By.ID, "upload-msg").text)
     dataset = os.path.join(app.state.runner.jobs_dir, "2", "dataset")
     assert sorted(os.listdir(dataset)) == ["dropped.png", "dropped.txt"]
+
+    from PIL import Image
+
+    pics = extra / "pics"
+    pics.mkdir()
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(pics / "red.png")
+    app.state.ctx.roots.add(tiny_wd14)
+    browser.find_element(By.ID, "cap-folder").send_keys(str(pics))
+    Select(browser.find_element(By.ID, "cap-captioner")).select_by_value("wd14")
+    browser.find_element(By.ID, "cap-model").send_keys(tiny_wd14)
+    browser.find_element(By.ID, "cap-start").click()
+    WebDriverWait(browser, 150, poll_frequency=0.3).until(
+        lambda d: d.find_element(By.ID, "cap-msg").text.startswith("finished"))
+    assert browser.find_element(By.ID, "cap-msg").text == f"finished: 1 of 1 image(s) have a .txt file ({pics})"
+    assert (pics / "red.txt").read_text() == "red_hair, smile, ^_^, hatsune_miku_(vocaloid)\n"  # threshold 0.35
 
     tab(browser, "Model")
     browser.find_element(By.ID, "raw-load").click()

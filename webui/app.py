@@ -18,11 +18,11 @@ from webui.context import WebContext
 from webui.folders import Roots
 from webui.hardware import gpus
 from webui.jobfiles import REPO_ROOT
-from webui.routes import datasets, describe, files, folders, generate, jobs, runs, settings, tensorboard
+from webui.routes import captioning, datasets, describe, files, folders, generate, jobs, runs, settings, tensorboard
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 TOKEN_COOKIE = "webui_token"
-ROUTERS = (jobs.router, settings.router, runs.router, generate.router, files.router, tensorboard.router,
+ROUTERS = (captioning.router, jobs.router, settings.router, runs.router, generate.router, files.router, tensorboard.router,
            folders.router, datasets.router, describe.router)
 
 

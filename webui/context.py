@@ -56,6 +56,8 @@ class WebContext:
         self.runner = Runner(self.store, jobs_dir, stop_timeout=stop_timeout)
         self.boards = TensorBoards()
         self.generations = Generations()
+        self.captioning = Generations()  # captioners on folders (webui/routes/captioning.py)
+        self.caption_tasks: dict[int, dict[str, Any]] = {}  # id -> folder, extension, recursive
         self._checked: dict[int, tuple[Any, dict[str, Any]]] = {}  # job id -> (what was checked, the answer)
 
     def folder(self, job_id: int) -> JobFolder:

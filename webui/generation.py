@@ -58,8 +58,8 @@ def generate_command(folder: JobFolder, mode: str, config: dict, prompts_path: s
 
 
 class Generations:
-    """At most one generation per job at a time; its state (running / finished / failed, the command, the
-    last lines of its log) for GET .../generate."""
+    """Background tool runs (test generation per job; captioning per folder): at most one per key at a time; its
+    state (running / finished / failed, the command, the last lines of its log) for the page to poll."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -69,9 +69,9 @@ class Generations:
         with self._lock:
             return dict(self._state.get(job_id) or {"status": "idle"})
 
-    def start(self, job_id: int, folder: JobFolder, argv: list[str]) -> Optional[dict[str, Any]]:
-        """Start it in the background; None when one is already running for the job."""
-        log_path = os.path.join(folder.path, "generate.log")
+    def start(self, job_id, log_path: str, argv: list[str]) -> Optional[dict[str, Any]]:
+        """Start `argv` in the background, its output appended to `log_path`; None when one is already running
+        for the key (a job id, or a captioned folder)."""
         with self._lock:
             if (self._state.get(job_id) or {}).get("status") == "running":
                 return None

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 import threading
 from typing import Optional, Sequence
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from webui.desktop import is_loopback
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,8 @@ class DatasetFlags:
     max_bucket_reso: int = flag(1024, "largest bucket side (with --enable_bucket)", range=at_least(1))
     bucket_reso_steps: int = flag(64, "bucket side step; a multiple of 64 for SD 1.x/2.x", range=at_least(1))
     bucket_no_upscale: bool = flag(False, "never enlarge an image to fill a bucket")
+    keep_bucket_order: bool = flag(False, "keep each bucket's images in dataset order (file names sorted) instead of "
+                                          "shuffling them every epoch; the order of the batches is still shuffled")
     caption_extension: str = flag(".caption", "caption file extension (default .caption; most datasets use .txt)",
                                               aliases=("caption_extention",))
     shuffle_caption: bool = flag(False, "shuffle the caption's tags (after the kept ones) every time")

@@ -39,6 +39,9 @@ class OptimizerFlags:
                                      range=Range(lo=0, note="0 = no clipping"))
     use_8bit_adam: bool = flag(False, "legacy: same as --optimizer_type AdamW8bit")
     use_lion_optimizer: bool = flag(False, "legacy: same as --optimizer_type Lion")
+    decoupled_weight_decay: bool = flag(False, "apply weight decay to the weights apart from the gradient (AdamW's "
+                                               "rule) through the optimizer's own switch: Adam's "
+                                               "decoupled_weight_decay, Prodigy's / D-Adaptation's decouple")
 
 
 @dataclass

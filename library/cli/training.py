@@ -15,6 +15,7 @@ from library.cli.deepspeed import deepspeed_options_from_args
 from library.cli.hub import HubFlags, hub_options_from_args
 from library.cli.options import MAX_SEED, SEED, add_flags, at_least, flag, flag_specs, settings_from
 from library.core.errors import ConfigError
+from library.train.distributed.distributed import DDP_BACKENDS, ddp_backend_problem
 from library.train.memory.compile import DYNAMO_MODES, CompileOptions, dynamo_backends
 from library.train.observe.profiling import parse_step_range
 from library.train.settings import TrainingOptions
@@ -102,6 +103,12 @@ class MultiProcessFlags:
                                                     "one gradient copy)")
     ddp_static_graph: bool = flag(False, "DDP: the graph is the same every step (faster reduction; finds unused "
                                          "weights itself)")
+    context_parallel_size: int = flag(1, "split each sample's tokens over N processes (context parallelism, Ulysses, "
+                                         "through the denoiser's diffusers plan: FLUX.1); N processes train one "
+                                         "batch, world size / N batches train side by side", range=at_least(1),
+                                      aliases=("cp_size",))
+    ddp_backend: str = flag("auto", "the processes' communication backend: auto (nccl on CUDA GPUs, gloo on CPUs and "
+                                    "on Windows), nccl, or gloo", choices=DDP_BACKENDS)
 
 
 @dataclass
@@ -237,6 +244,7 @@ def training_options_from_args(ns: argparse.Namespace,
         raise ConfigError("--full_fp16 needs --mixed_precision fp16")
     if ns.full_bf16 and ns.mixed_precision != "bf16":
         raise ConfigError("--full_bf16 needs --mixed_precision bf16")
+    check_ddp_backend(ns.ddp_backend, ns.cpu)
     if not ns.debug_dataset and ns.debug_dataset_dir:  # --debug_dataset itself: library/cli/entry.py
         raise ConfigError("--debug_dataset_dir: only used with --debug_dataset")
     if ns.skip_until_initial_step and ns.initial_step is None and ns.initial_epoch is None:
@@ -271,6 +279,16 @@ def training_options_from_args(ns: argparse.Namespace,
         deepspeed=deepspeed_options_from_args(ns),
         hub=hub_options_from_args(ns),
     )
+
+
+def check_ddp_backend(backend: str, cpu: bool) -> None:
+    """--ddp_backend nccl on a machine without CUDA (or on Windows, or with --cpu) is refused before any work."""
+    if backend == "nccl":
+        import torch
+
+        problem = ddp_backend_problem(backend, cpu, torch.cuda.is_available())
+        if problem:
+            raise ConfigError(problem)
 
 
 def _trace_steps(ns: argparse.Namespace) -> tuple[int, int]:

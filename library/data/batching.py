@@ -179,8 +179,11 @@ def active_groups(groups: list[Group], resolution_ids: list[int], schedule: Reso
 
 
 def plan_epoch(groups: list[Group], group_ids: list[int], seed: int, epoch: int, start_step: int,
-               grad_accum: int, limit: Optional[int], rank: int = 0, world_size: int = 1) -> list[BatchRef]:
+               grad_accum: int, limit: Optional[int], rank: int = 0, world_size: int = 1,
+               keep_bucket_order: bool = False) -> list[BatchRef]:
     """The batches of one epoch: buckets shuffled, batches formed, then the batch order shuffled (seed + epoch).
+    With `keep_bucket_order` (--keep_bucket_order) each bucket keeps its dataset order; only the batch order is
+    shuffled.
 
     With `world_size` processes the batches are formed of batch_size x N samples of one bucket (the batch of one
     micro-step of all processes), the same on every process (a function of seed and epoch only), and process
@@ -192,7 +195,8 @@ def plan_epoch(groups: list[Group], group_ids: list[int], seed: int, epoch: int,
     """
     world_size = max(1, world_size)
     rng = random.Random(seed + epoch)
-    planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], rng, world_size)]
+    inside = None if keep_bucket_order else rng
+    planned = [(gid, bucket, ids) for gid in group_ids for bucket, ids in chunk_group(groups[gid], inside, world_size)]
     rng.shuffle(planned)
     if world_size > 1:
         planned = [p for p in planned if len(p[2]) >= world_size]

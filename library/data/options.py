@@ -25,6 +25,7 @@ class DataOptions:
     max_bucket_reso: int = 1024
     bucket_reso_steps: int = 64
     bucket_no_upscale: bool = False
+    keep_bucket_order: bool = False  # extension: no shuffle inside a bucket (plan_epoch)
     caption_extension: str = ".caption"
     shuffle_caption: bool = False
     caption_separator: str = ","

@@ -106,7 +106,8 @@ class DatasetPlan:
         boundary = self.schedule.next_boundary(start_step)
         limit = (boundary - start_step) * self.gradient_accumulation_steps if boundary is not None else None
         return plan_epoch(self.groups, self._active(start_step), self.seed, epoch, start_step,
-                          self.gradient_accumulation_steps, limit, self.rank, self.world_size)
+                          self.gradient_accumulation_steps, limit, self.rank, self.world_size,
+                          self.opts.keep_bucket_order)
 
     def num_epochs(self) -> int:
         """Epochs needed to reach max_train_steps (after plan()); constant-length epochs unless progressive."""

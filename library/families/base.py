@@ -176,6 +176,10 @@ class ModelFamily(ABC):
     # The text encoder that a full fine-tune trains only with --train_t5xxl (SD3: 2, T5-XXL, as sd-scripts'
     # sd3_train.py, with its rate --learning_rate_te3); None: the family's fine-tune has no --train_t5xxl.
     fine_tune_t5xxl_encoder: ClassVar[Optional[int]] = None
+    # --context_parallel_size: the pixels per image token side when the denoiser is a diffusers model with a
+    # context-parallel plan (`_cp_plan`) and a fixed text length (FLUX.1: 16, 8x VAE x 2x2 patches), so every
+    # bucket's tokens can be checked against the split before training; None: no context parallelism.
+    context_parallel_token_pixels: ClassVar[Optional[int]] = None
 
     # --- options ---------------------------------------------------------------
     @classmethod
@@ -212,6 +216,7 @@ class ModelFamily(ABC):
             "text_encoder_labels": list(cls.text_encoder_labels),
             "denoiser_label": cls.denoiser_label,
             "block_swap": cls.supports_block_swap(),
+            "context_parallel": cls.context_parallel_token_pixels is not None,
             "component_file_flags": list(cls.component_file_flags),
             "flag_aliases": {alias: flag for alias, flag in cls.flag_aliases},
             "lora_network_module": cls.lora_network_module,

@@ -19,6 +19,7 @@ from library.core.errors import UserError
 from library.data.dataset import EpochSampler, PlannedBatches
 from library.train import checkpoints as ckpt
 from library.train.control import serve_requests
+from library.train.distributed.context_parallel import loss_scale
 from library.train.distributed.distributed import any_process
 from library.train.optim.lr_schedulers import lr_logs
 from library.train.run_metadata import RunFacts, lora_metadata, model_metadata
@@ -146,7 +147,10 @@ class TrainingLoop:
                 return 0.0
             self._check_finite(loss, batch, global_step)
             with phase("backward"):
-                self._backward(loss / self.t.gradient_accumulation_steps, sync)
+                # × the context-parallel size: each process's gradients cover its share of the tokens, and DDP
+                # averages over every process (library/train/distributed/context_parallel.py)
+                self._backward(loss / self.t.gradient_accumulation_steps * loss_scale(self.t.context_parallel_size),
+                               sync)
             self.instruments.micro_done()
         if self.block_swapper is not None:
             self.block_swapper.release()

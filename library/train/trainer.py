@@ -47,6 +47,7 @@ from library.train.distributed.deepspeed_engine import (
     launched_with_deepspeed,
 )
 from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
+from library.train.distributed.context_parallel import apply_context_parallel, check_context_parallel, data_rank
 from library.train.optim.ema import EMA
 from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
@@ -147,7 +148,7 @@ class Trainer(TrainingLoop):
                 raise UserError(f"DeepSpeed ({self.zero.describe()}): {why}")
         fsdp = FsdpSettings.from_env() if self.zero is None else None  # read first: a bad FSDP_* value stops here
         with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
-            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout)
+            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_backend)
         n = self.accelerator.num_processes
         if n > 1:
             self._agree_on_seed()
@@ -170,9 +171,16 @@ class Trainer(TrainingLoop):
             why = fsdp_unsupported(self.s, self.fsdp)
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
+        check_context_parallel(t.context_parallel_size, self.family, n, **self._context_parallel_run())
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)
+
+    def _context_parallel_run(self) -> dict:
+        """What of the run --context_parallel_size cannot go with (context_parallel_problem's keywords)."""
+        return dict(fsdp=self.fsdp is not None, deepspeed=self.zero is not None, compile=self.t.compile.torch_compile,
+                    blocks_to_swap=self.s.memory.blocks_to_swap or 0,
+                    t5_attention_mask=bool(getattr(self.s.model.family_options, "apply_t5_attn_mask", False)))
 
     def _agree_on_seed(self) -> None:
         """Every process takes rank 0's seed. Without --seed each process drew its own, and the epochs' batch plans,
@@ -207,7 +215,9 @@ class Trainer(TrainingLoop):
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
         n = self.accelerator.num_processes
-        self.data.shard(self.accelerator.process_index, n)
+        self.data.shard(*data_rank(self.accelerator.process_index, n, self.t.context_parallel_size))
+        check_context_parallel(self.t.context_parallel_size, self.family, n,
+                               [b for g in self.data.groups for b in g.buckets], **self._context_parallel_run())
         self.batches_per_epoch = self.data.batches_per_epoch()  # this process's share
         if self.batches_per_epoch == 0:
             raise UserError(f"{n} processes but only {self._all_batches()} "
@@ -227,12 +237,12 @@ class Trainer(TrainingLoop):
 
     def _all_batches(self) -> int:
         """Batches of a whole epoch, over every process."""
-        n = self.data.world_size
+        share = self.data.rank, self.data.world_size
         self.data.shard(0, 1)
         try:
             return self.data.batches_per_epoch()
         finally:
-            self.data.shard(self.accelerator.process_index, n)
+            self.data.shard(*share)
 
     def _full_dtype(self) -> torch.dtype:
         """The dtype of trained weights: float32 unless --full_bf16 / --full_fp16."""
@@ -432,6 +442,8 @@ class Trainer(TrainingLoop):
             self._setup_accelerator()
             self._setup_data()
             self.components, self.block_swapper = self._setup_model()
+            if self.t.context_parallel_size > 1:
+                apply_context_parallel(self.components.denoiser, self.t.context_parallel_size, self.device)
             self.trainable = self._setup_trainable()
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)

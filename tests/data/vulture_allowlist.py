@@ -106,3 +106,7 @@ pytestmark
 fastapi                  # pytest.importorskip result
 base_pool
 base_hidden
+
+# diffusers' hooks read these from the model (library/train/distributed/context_parallel.py resolves the CPU mesh)
+_parallel_config
+_resolve_parallel_config

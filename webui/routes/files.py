@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response
 
 from webui.context import Ctx, JobId, clean_path_param
+from webui.desktop import open_folder, opener_problem
 from webui.jobfiles import PlantedLink
 
 router = APIRouter()
@@ -47,3 +48,16 @@ def delete_events(ctx: Ctx, job_id: JobId, confirm: str = Query("")) -> dict[str
         return {"deleted": ctx.folder(job_id).delete_event_files()}
     except PlantedLink as e:
         raise HTTPException(409, str(e)) from None
+
+
+@router.post("/api/jobs/{job_id}/open_folder")
+def open_job_folder(ctx: Ctx, job_id: JobId, request: Request) -> dict[str, Any]:
+    """Open the job's folder in the file manager of the server's desktop (browser and server on one machine);
+    409 with the reason when that cannot be done here."""
+    ctx.job_or_404(job_id)
+    problem = opener_problem(request.client.host if request.client else None)
+    if problem:
+        raise HTTPException(409, problem)
+    folder = ctx.own_folder(job_id).path
+    open_folder(folder)
+    return {"opened": folder}

@@ -76,7 +76,7 @@ def generate(ctx: Ctx, job_id: JobId, body: Optional[Generate] = Body(None)) -> 
     atomic_write_text(prompts_path, "\n".join(prompts) + "\n")
     argv = generate_command(folder, job["mode"], settings["config"], prompts_path, checkpoint, body.steps,
                             body.width, body.height, body.seed)
-    state = ctx.generations.start(job_id, folder, argv)
+    state = ctx.generations.start(job_id, os.path.join(folder.path, "generate.log"), argv)
     if state is None:
         raise HTTPException(409, "a generation of this job is running: wait for it")
     return state

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,3 +53,14 @@ class DataRoot(_Body):
 class RawSettings(_Body):
     config: str  # config.toml as text (the UI's own keys are set again on write)
     dataset: str  # dataset.toml as text
+
+
+class Caption(_Body):
+    folder: str  # inside the data roots, or a job's folder
+    captioner: Literal["wd14", "blip", "git"]
+    model: str  # local model folder (see webui/captioning.py)
+    caption_extension: Optional[str] = Field(None, pattern=r"^\.[A-Za-z0-9_]{1,16}$")
+    recursive: bool = False
+    overwrite: bool = False
+    threshold: Optional[float] = Field(None, gt=0, lt=1)
+    batch_size: Optional[int] = Field(None, ge=1, le=256)

@@ -324,6 +324,8 @@ function showTensorBoard(tb) {
   if (tb.url) $("tb-link").href = tb.url;
   $("tb-start").disabled = tb.running;
   $("tb-stop").disabled = !tb.running;
+  $("tb-logdir").textContent = tb.logdir || "";
+  $("tb-command").textContent = tb.command || "";
 }
 async function loadTensorBoard() {
   if (current) showTensorBoard(await api("GET", `/api/jobs/${current.id}/tensorboard`));
@@ -439,6 +441,35 @@ async function loadRoots() {
     ul.appendChild(li);
   }
   if (current) $("upload-folder").textContent = current.folder + "/dataset";
+  if (!$("cap-folder").value) $("cap-folder").placeholder = firstDatasetFolder() || "a dataset folder";
+  loadCaptioners();
+}
+async function loadCaptioners() {
+  const sel = $("cap-captioner");
+  if (sel.options.length) return;
+  for (const c of await api("GET", "/api/captioners")) {
+    sel.appendChild(el("option", { value: c.name }, `${c.label}, ${c.extension}`));
+  }
+}
+function firstDatasetFolder() {
+  const subs = ((settings && settings.dataset && settings.dataset.datasets) || [])[0];
+  const sub = subs && subs.subsets && subs.subsets[0];
+  return (sub && sub.image_dir) || "";
+}
+async function startCaptioning() {
+  const body = { folder: $("cap-folder").value.trim() || firstDatasetFolder(), captioner: $("cap-captioner").value,
+    model: $("cap-model").value.trim(), recursive: $("cap-recursive").checked, overwrite: $("cap-overwrite").checked };
+  if ($("cap-ext").value.trim()) body.caption_extension = $("cap-ext").value.trim();
+  let task;
+  try { task = await api("POST", "/api/captioning", body); } catch (e) { $("cap-msg").textContent = e.message; return; }
+  const show = (t) => { $("cap-msg").textContent = `${t.status}: ${t.captions} of ${t.images} image(s) have a ${t.extension} file (${t.folder})`; };
+  show(task);
+  while (task.status === "running") {
+    await new Promise((ok) => setTimeout(ok, 1000));
+    task = await api("GET", `/api/captioning/${task.id}`);
+    show(task);
+  }
+  if (task.status === "failed") $("cap-msg").textContent += ` (${(task.log_tail || "").trim().split("\n").pop()})`;
 }
 async function uploadFiles(files) {
   let last = null;
@@ -494,6 +525,7 @@ function init() {
   zone.addEventListener("dragover", (ev) => { ev.preventDefault(); zone.classList.add("over"); });
   zone.addEventListener("dragleave", () => zone.classList.remove("over"));
   zone.addEventListener("drop", (ev) => { ev.preventDefault(); zone.classList.remove("over"); action(() => uploadFiles([...ev.dataTransfer.files])); });
+  $("cap-start").addEventListener("click", () => action(startCaptioning));
   $("raw-load").addEventListener("click", () => action(loadRaw));
   $("raw-save").addEventListener("click", () => action(saveRaw));
   $("sample-now-btn").addEventListener("click", () => action(async () => {
@@ -537,6 +569,12 @@ function init() {
     const r = await api("DELETE", `/api/jobs/${current.id}/tensorboard_events?confirm=yes`);
     $("events-msg").textContent = `${r.deleted} event file(s) deleted`;
   }));
+  $("open-folder-btn").addEventListener("click", async () => {
+    try {
+      const r = await api("POST", `/api/jobs/${current.id}/open_folder`);
+      $("open-folder-msg").textContent = `opened ${r.opened}`;
+    } catch (e) { $("open-folder-msg").textContent = e.message; }  // e.g. the browser is on another machine
+  });
   $("tb-start").addEventListener("click", () => action(async () => {
     showTensorBoard(await api("POST", `/api/jobs/${current.id}/tensorboard`));
   }));

@@ -29,15 +29,13 @@ from library.families.anima.options import COMPONENT_FILE_FLAGS, LR_GROUPS, Anim
 from library.families.base import (
     Components,
     LoadOptions,
-    ModelFamily,
     TextConditioning,
     check_folder_name,
 )
+from library.families.common.flow_dit import FlowDiTFamily
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.objectives.flow import (
     FlowMatchScheme,
-    check_flow_compatible,
-    check_no_ddpm_schedule,
     loss_weighting,
 )
 from networks.lora_targets import LoraTarget, iter_target_paths, kohya_module_name
@@ -62,10 +60,16 @@ class AnimaFlowScheme(FlowMatchScheme):
         return loss_weighting(self.options.weighting_scheme, self.sigma_of(timesteps))
 
 
-class AnimaFamily(ModelFamily):
+class AnimaFamily(FlowDiTFamily):
     """Anima (circlestone-labs/Anima) and other Cosmos-Predict2 DiTs with the LLM adapter."""
 
     name = "anima"
+    display_name = "Anima"
+    # what sd-scripts' AnimaNetworkTrainer.update_metadata records
+    metadata_flow_keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
+                          "sigmoid_scale", "discrete_flow_shift")
+    ignored_flags_note = ("memory options of sd-scripts' own Anima code; diffusers' models here use PyTorch SDPA and "
+                          "encode whole images, so they change nothing")
     # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
     # families are tried in detect_rank order, lowest first (the most specific markers first).
     detect_rank = 30
@@ -119,40 +123,22 @@ class AnimaFamily(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['dit']} --qwen3 {written['qwen3']} "
                 f"--vae {written['vae']}")
 
-    def check_options(self, options: AnimaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Anima", "--timestep_sampling and --discrete_flow_shift")
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if blocks:
-                check_last_blocks_swap(blocks_to_swap, blocks)
-        ignored = options.ignored_flags()
-        if ignored:
-            logger.warning("%s: memory options of sd-scripts' own Anima code; diffusers' models here use PyTorch "
-                           "SDPA and encode whole images, so they change nothing", ", ".join(ignored))
+    def check_model_files(self, path: str, options: AnimaOptions, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        blocks = block_count(path) if blocks_to_swap else None
+        if blocks:
+            check_last_blocks_swap(blocks_to_swap, blocks)
 
     def text_cache_values(self, options: AnimaOptions) -> dict[str, Any]:
         return {"qwen3": options.qwen3, "t5_tokenizer_path": options.t5_tokenizer_path,
                 "qwen3_max_token_length": options.qwen3_max_token_length,
                 "t5_max_token_length": options.t5_max_token_length}
 
-    def metadata_values(self, options: AnimaOptions) -> dict[str, Any]:
-        flow = options.flow  # what sd-scripts' AnimaNetworkTrainer.update_metadata records
-        return {"weighting_scheme": flow.weighting_scheme, "logit_mean": flow.logit_mean,
-                "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
-                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "discrete_flow_shift": flow.discrete_flow_shift}
-
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: AnimaOptions) -> Components:
         """The preset tiny:anima / random:anima, or an original DiT file with --qwen3 and --vae."""
-        options = opts.family_options if opts.family_options is not None else AnimaOptions()
-        components = load_anima_components(opts, options)
-        components.options = options
-        return components
+        return load_anima_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],

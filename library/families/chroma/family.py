@@ -69,6 +69,7 @@ class ChromaFamily(FluxFamily):
     options_type = FluxOptions  # the flags of flux_train_network.py, with --model_type chroma
     text_encoder_outputs = (("t5_out", "txt_ids", "t5_attn_mask"),)
     text_cache_suffix = "_chroma_te.npz"
+    context_parallel_token_pixels = None  # diffusers' ChromaTransformer2DModel has no context-parallel plan
     block_classes = CHROMA_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles one by one
     lycoris_module_aliases = (("DoubleStreamBlock", "ChromaTransformerBlock"),
                               ("SingleStreamBlock", "ChromaSingleTransformerBlock"))

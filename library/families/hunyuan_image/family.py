@@ -18,10 +18,10 @@ from library.core.errors import ConfigError
 from library.families.base import (
     Components,
     LoadOptions,
-    ModelFamily,
     TextConditioning,
     check_folder_name,
 )
+from library.families.common.flow_dit import FlowDiTFamily
 from library.families.hunyuan_image import layout
 from library.families.hunyuan_image import text as text_rules
 from library.families.hunyuan_image.configs import (
@@ -41,8 +41,6 @@ from library.families.hunyuan_image.options import (
 )
 from library.objectives.flow import (
     FlowMatchScheme,
-    check_flow_compatible,
-    check_no_ddpm_schedule,
 )
 from networks.lora_targets import LoraTarget
 
@@ -64,10 +62,15 @@ def swap_split(num_swap: int, double: int, single: int) -> tuple[int, int]:
     return num_swap // 2, 2 * (num_swap - num_swap // 2)
 
 
-class HunyuanImageFamily(ModelFamily):
+class HunyuanImageFamily(FlowDiTFamily):
     """HunyuanImage 2.1 (tencent/HunyuanImage-2.1)."""
 
     name = "hunyuan_image"
+    display_name = "HunyuanImage"
+    # what sd-scripts' HunyuanImageNetworkTrainer.update_metadata records
+    metadata_flow_keys = ("logit_mean", "logit_std", "mode_scale", "timestep_sampling", "sigmoid_scale",
+                          "model_prediction_type", "discrete_flow_shift")
+    ignored_flags_note = "switches of sd-scripts' own HunyuanImage code that change nothing with diffusers' models here"
     # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
     # families are tried in detect_rank order, lowest first (the most specific markers first).
     detect_rank = 10
@@ -117,37 +120,18 @@ class HunyuanImageFamily(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['dit']} --text_encoder {written['text_encoder']} "
                 f"--byt5 {written['byt5']} --vae {written['vae']}")
 
-    def check_options(self, options: HunyuanImageOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "HunyuanImage",
-                               "--timestep_sampling and --discrete_flow_shift")
-        options.check()
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            counts = block_counts(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if counts:
-                swap_split(blocks_to_swap, *counts)
-        ignored = options.ignored_flags()
-        if ignored:
-            logger.warning("%s: switches of sd-scripts' own HunyuanImage code that change nothing with diffusers' "
-                           "models here", ", ".join(ignored))
-
-    def metadata_values(self, options: HunyuanImageOptions) -> dict[str, Any]:
-        flow = options.flow  # what sd-scripts' HunyuanImageNetworkTrainer.update_metadata records
-        return {"logit_mean": flow.logit_mean, "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
-                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "model_prediction_type": flow.model_prediction_type, "discrete_flow_shift": flow.discrete_flow_shift}
+    def check_model_files(self, path: str, options: HunyuanImageOptions, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        counts = block_counts(path) if blocks_to_swap else None
+        if counts:
+            swap_split(blocks_to_swap, *counts)
 
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: HunyuanImageOptions) -> Components:
         """The preset tiny:hunyuan_image / random:hunyuan_image, or an original DiT file with --text_encoder, --byt5
         and --vae."""
-        options = opts.family_options if opts.family_options is not None else HunyuanImageOptions()
-        components = load_components(opts, options)
-        components.options = options
-        return components
+        return load_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],

@@ -19,11 +19,10 @@ from library.core.errors import ConfigError
 from library.families.base import (
     Components,
     LoadOptions,
-    ModelFamily,
     TextConditioning,
     check_folder_name,
 )
-from library.families.common.autoencoder import denormalize_ae_latents, normalize_ae_latents
+from library.families.common.flow_dit import FlowDiTFamily, FluxAELatents
 from library.families.common.llm_text import TEXT_KEYS as LLM_TEXT_KEYS
 from library.families.common.llm_text import second_to_last_states
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
@@ -39,8 +38,6 @@ from library.families.lumina.network_args import LuminaNetworkArgs, embedder_tar
 from library.families.lumina.options import COMPONENT_FILE_FLAGS, LuminaOptions
 from library.objectives.flow import (
     FlowMatchScheme,
-    check_flow_compatible,
-    check_no_ddpm_schedule,
     flux_shift_mu,
     time_shift,
 )
@@ -90,10 +87,16 @@ class LuminaFlowScheme(FlowMatchScheme):
         return time_shift(flux_shift_mu((h // 2) * (w // 2)), sigmas)
 
 
-class LuminaFamily(ModelFamily):
+class LuminaFamily(FluxAELatents, FlowDiTFamily):
     """Lumina Image 2.0 (Alpha-VLLM/Lumina-Image-2.0)."""
 
     name = "lumina"
+    display_name = "Lumina"
+    # what sd-scripts' LuminaNetworkTrainer.update_metadata records
+    metadata_flow_keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
+                          "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")
+    ignored_flags_note = ("attention backends of sd-scripts' own NextDiT; diffusers' model here uses PyTorch SDPA, so "
+                          "they change nothing")
     # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
     # families are tried in detect_rank order, lowest first (the most specific markers first).
     detect_rank = 20
@@ -142,41 +145,21 @@ class LuminaFamily(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['dit']} --gemma2 {written['gemma2']} "
                 f"--ae {written['ae']}")
 
-    def check_options(self, options: LuminaOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Lumina", "--timestep_sampling and --discrete_flow_shift")
-        options.check()
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if blocks:
-                check_last_blocks_swap(blocks_to_swap, blocks)
-        ignored = options.ignored_flags()
-        if ignored:
-            logger.warning("%s: attention backends of sd-scripts' own NextDiT; diffusers' model here uses PyTorch "
-                           "SDPA, so they change nothing", ", ".join(ignored))
+    def check_model_files(self, path: str, options: LuminaOptions, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        blocks = block_count(path) if blocks_to_swap else None
+        if blocks:
+            check_last_blocks_swap(blocks_to_swap, blocks)
 
     def text_cache_values(self, options: LuminaOptions) -> dict[str, Any]:
         return {"gemma2": options.gemma2, "gemma2_max_token_length": options.max_tokens,
                 "system_prompt": options.system_prompt}
 
-    def metadata_values(self, options: LuminaOptions) -> dict[str, Any]:
-        flow = options.flow  # what sd-scripts' LuminaNetworkTrainer.update_metadata records
-        return {"weighting_scheme": flow.weighting_scheme, "logit_mean": flow.logit_mean,
-                "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
-                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "model_prediction_type": flow.model_prediction_type,
-                "discrete_flow_shift": flow.discrete_flow_shift}
-
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: LuminaOptions) -> Components:
         """The preset tiny:lumina / random:lumina2, or an original DiT file with --gemma2 and --ae."""
-        options = opts.family_options if opts.family_options is not None else LuminaOptions()
-        components = load_lumina_components(opts, options)
-        components.options = options
-        return components
+        return load_lumina_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize_plain(self, components: Components, texts: list[str]) -> list[torch.Tensor]:
@@ -200,15 +183,6 @@ class LuminaFamily(ModelFamily):
     def check_loaded(self, components: Components, text: Any) -> None:
         if getattr(text, "clip_skip", None) is not None:
             raise ConfigError("--clip_skip: Lumina uses Gemma-2's second-to-last hidden states; drop --clip_skip")
-
-    # --- images --------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_images(self, vae, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Images in [-1, 1] -> FLUX.1 AE latents (x - shift) · scale, float32 (B, 16, H/8, W/8)."""
-        return normalize_ae_latents(vae, super().encode_images(vae, images, generator))
-
-    def denormalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        return denormalize_ae_latents(vae, latents)
 
     # --- denoising -----------------------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:

@@ -16,9 +16,9 @@ from typing import Any, Mapping, Optional
 import torch
 
 from library.core.errors import ConfigError
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning, check_folder_name
-from library.families.common.autoencoder import (AE_SCALING_FACTOR, AE_SHIFT_FACTOR, denormalize_ae_latents,
-                                                 normalize_ae_latents)
+from library.families.base import Components, LoadOptions, TextConditioning, check_folder_name
+from library.families.common.autoencoder import AE_SCALING_FACTOR, AE_SHIFT_FACTOR
+from library.families.common.flow_dit import FlowDiTFamily, FluxAELatents
 from library.families.common.llm_text import TEXT_KEYS as LLM_TEXT_KEYS
 from library.families.common.llm_text import second_to_last_states
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
@@ -28,7 +28,7 @@ from library.families.zimage.generate import generate_zimage
 from library.families.zimage.loading import block_count, check_model_source, load_zimage_components
 from library.families.zimage.network_args import ZImageNetworkArgs
 from library.families.zimage.options import COMPONENT_FILE_FLAGS, ZImageOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, check_no_ddpm_schedule
+from library.objectives.flow import FlowMatchScheme
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,13 @@ TRANSFORMER_TARGETS = ("ZImageTransformerBlock",)
 QWEN3_TARGETS = ("Qwen3Attention", "Qwen3MLP")
 
 
-class ZImageFamily(ModelFamily):
+class ZImageFamily(FluxAELatents, FlowDiTFamily):
     """Z-Image (Tongyi-MAI/Z-Image-Turbo, Tongyi-MAI/Z-Image)."""
 
     name = "zimage"
+    display_name = "Z-Image"
+    metadata_flow_keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
+                          "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")
     # Before Lumina (both have `layers.0.attention.qkv`): only Z-Image's blocks have `adaLN_modulation.0` (one Linear,
     # no SiLU in front) and `cap_pad_token`.
     detect_rank = 19
@@ -93,37 +96,20 @@ class ZImageFamily(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['diffusers']}  (or {written['dit']} --qwen3 "
                 f"{written['qwen3']} --ae {written['ae']})")
 
-    def check_options(self, options: ZImageOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Z-Image",
-                               "--timestep_sampling and --discrete_flow_shift")
-        options.check()
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            blocks = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if blocks:
-                check_last_blocks_swap(blocks_to_swap, blocks)
+    def check_model_files(self, path: str, options: ZImageOptions, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        blocks = block_count(path) if blocks_to_swap else None
+        if blocks:
+            check_last_blocks_swap(blocks_to_swap, blocks)
 
     def text_cache_values(self, options: ZImageOptions) -> dict[str, Any]:
         return {"qwen3": options.qwen3, "qwen3_max_token_length": options.max_tokens}
 
-    def metadata_values(self, options: ZImageOptions) -> dict[str, Any]:
-        flow = options.flow
-        return {"weighting_scheme": flow.weighting_scheme, "logit_mean": flow.logit_mean,
-                "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
-                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "model_prediction_type": flow.model_prediction_type,
-                "discrete_flow_shift": flow.discrete_flow_shift}
-
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: ZImageOptions) -> Components:
         """The preset tiny:zimage / random:zimage, a diffusers folder, or an original DiT file with --qwen3 and --ae."""
-        options = opts.family_options if opts.family_options is not None else ZImageOptions()
-        components = load_zimage_components(opts, options)
-        components.options = options
-        return components
+        return load_zimage_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
@@ -142,15 +128,6 @@ class ZImageFamily(ModelFamily):
     def check_loaded(self, components: Components, text: Any) -> None:
         if getattr(text, "clip_skip", None) is not None:
             raise ConfigError("--clip_skip: Z-Image uses Qwen3's second-to-last hidden states; drop --clip_skip")
-
-    # --- images --------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_images(self, vae, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Images in [-1, 1] -> FLUX.1 AE latents (x - shift) · scale, float32 (B, 16, H/8, W/8)."""
-        return normalize_ae_latents(vae, super().encode_images(vae, images, generator))
-
-    def denormalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        return denormalize_ae_latents(vae, latents)
 
     # --- denoising -----------------------------------------------------------------------------------
     def noise_scheme(self, components: Components, zero_terminal_snr: bool = False) -> FlowMatchScheme:

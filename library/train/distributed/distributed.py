@@ -28,15 +28,45 @@ import torch.distributed as dist
 TRACE_ENV = "SDTRAIN_DISTRIBUTED_TRACE"
 
 
-def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int] = None):
-    """accelerate's Accelerator, with --ddp_timeout (minutes) as its process group's timeout. The DDP options
-    apply where the loop wraps its StepModule (`data_parallel`)."""
+DDP_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def ddp_backend_problem(backend: str, cpu: bool, cuda: bool, platform: str = sys.platform) -> Optional[str]:
+    """Why --ddp_backend `backend` cannot run here (None when it can). nccl needs CUDA GPUs and is not built
+    for Windows; gloo runs everywhere (CPU tensors; on GPUs the collectives go through host memory)."""
+    if backend != "nccl":
+        return None
+    if platform.startswith("win"):
+        return "--ddp_backend nccl: NCCL is not available on Windows; use gloo (or auto)"
+    if cpu or not cuda:
+        return "--ddp_backend nccl: needs CUDA GPUs" + (" (--cpu is given)" if cpu else " (none found)") + \
+            "; use gloo (or auto)"
+    return None
+
+
+def resolved_ddp_backend(backend: str, cpu: bool, cuda: bool, platform: str = sys.platform) -> Optional[str]:
+    """The backend to ask torch.distributed for: None lets accelerate choose (auto: nccl on CUDA, gloo on CPU),
+    except on Windows, where auto means gloo (PyTorch has no NCCL there)."""
+    if backend == "auto":
+        return "gloo" if platform.startswith("win") and cuda and not cpu else None
+    return backend
+
+
+def make_accelerator(mixed_precision: str, cpu: bool, ddp_timeout: Optional[int] = None, ddp_backend: str = "auto"):
+    """accelerate's Accelerator, with --ddp_timeout (minutes) as its process group's timeout and --ddp_backend's
+    choice of backend. The DDP options apply where the loop wraps its StepModule (`data_parallel`)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(minutes=ddp_timeout))] if ddp_timeout else []
+    backend = resolved_ddp_backend(ddp_backend, cpu, torch.cuda.is_available())
+    group: dict = {}
+    if ddp_timeout:
+        group["timeout"] = timedelta(minutes=ddp_timeout)
+    if backend is not None:
+        group["backend"] = backend
+    handlers = [InitProcessGroupKwargs(**group)] if group else []
     return Accelerator(mixed_precision=mixed_precision, cpu=cpu, kwargs_handlers=handlers)
 
 
