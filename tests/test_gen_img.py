@@ -151,11 +151,13 @@ def test_every_mode_writes_an_image_of_the_right_size(preset, tmp_path, source):
         "img2img": ["--image_path", str(source / "in.png"), "--strength", "0.6"],
         "inpaint": ["--image_path", str(source / "images"), "--mask_path", str(source / "mask.png")],  # a folder of images
         "highres": ["--highres_fix_scale", "0.5", "--highres_fix_steps", "2", "--W", "128", "--H", "96"],
+        "highres_latents": ["--highres_fix_scale", "0.5", "--highres_fix_steps", "2", "--W", "128", "--H", "96",
+                            "--highres_fix_latents_upscaling"],
     }
     for name, extra in cases.items():
         code, paths = gen_img(preset, tmp_path, name, *extra)
         assert code == 0, name
-        size = (128, 96) if name == "highres" else (64, 64)
+        size = (128, 96) if name.startswith("highres") else (64, 64)
         assert [Image.open(p).size for p in paths] == [size], name
 
 
@@ -184,7 +186,8 @@ def test_gen_img_defaults_and_sdxl_entry():
     (["--mask_path", "{src}/mask.png"], "--mask_path: expected --image_path (inpainting) or a prompt with AND"),
     (["--strength", "0.5"], "--strength: expected --image_path (img2img) or --highres_fix_scale with it"),
     (["--highres_fix_scale", "2"], "--highres_fix_scale: expected a number in (0, 1]"),
-    (["--highres_fix_latents_upscaling"], "--highres_fix_latents_upscaling: not implemented"),
+    (["--highres_fix_save_1st"], "--highres_fix_save_1st: not implemented"),
+    (["--highres_fix_latents_upscaling"], "--highres_fix_latents_upscaling: expected --highres_fix_scale with it"),
     (["--textual_inversion_embeddings", "x.pt"], "--textual_inversion_embeddings: not implemented"),
     (["--n_iter", "2"], "--n_iter: not implemented (use --images_per_prompt)"),
 ])
@@ -330,3 +333,28 @@ def test_every_sd_scripts_gen_img_flag_is_taken(sdxl):
     with open("docs/gen_img.md", encoding="utf-8") as f:
         documented = set(re.findall(r"`(--[a-z0-9_A-Z]+)", f.read()))
     assert sorted("--" + f for f in SD_SCRIPTS_GEN_IMG_FLAGS if "--" + f not in documented) == []
+
+
+def test_highres_fix_latents_upscaling_starts_from_the_upscaled_latents(loaded):
+    """Strength 0 in the second stage: the image is the decode of the first stage's latents, bicubic-upscaled."""
+    family, c, device = loaded
+    r = request(steps=3)
+    r.width = r.height = 128
+    kw = dict(scale=0.5, steps_1st=2, strength_1st=None, default_size=family.default_image_size, device=device)
+    out = generate_highres(family, c, [r], strength_2nd=0.0, upscale_latents=True, **kw)
+    small = run(loaded, [request(steps=2, seed=7)])  # the first stage: 64x64, its own seed
+    up = torch.nn.functional.interpolate(small[0].latents[None], size=(16, 16), mode="bicubic", align_corners=False)
+    with torch.no_grad():
+        decoded = c.vae.decode(up / family.latents_scale + family.latents_shift).sample.float()
+    expected = (((decoded + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.int16)
+    assert out[0].image.size == (128, 128)
+    assert np.abs(pixels(out) - expected).max() <= 1  # the scale round trip x / s * s of the latents
+    via_image = generate_highres(family, c, [r], strength_2nd=0.0, **kw)
+    assert np.abs(pixels(via_image) - pixels(out)).mean() > 1
+
+
+def test_latents_upscaling_is_refused_for_flux(tmp_path, capsys):
+    code = tool.main(["--ckpt", "tiny:flux", "--flux", "--outdir", str(tmp_path), "--prompt", "x",
+                      "--highres_fix_scale", "0.5", "--highres_fix_latents_upscaling"])
+    assert code == 2 and "--highres_fix_latents_upscaling: implemented for SD 1.x/2.x and SDXL only, not for flux" \
+        in capsys.readouterr().err

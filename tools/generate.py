@@ -91,6 +91,9 @@ def add_image_input_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--highres_fix_steps", type=int, default=28, help="highres fix: steps of the first stage")
     g.add_argument("--highres_fix_strength", type=float, default=None,
                    help="highres fix: img2img strength of the first stage (default: --strength)")
+    g.add_argument("--highres_fix_latents_upscaling", action="store_true",
+                   help="highres fix: upscale the first stage's latents (bicubic) instead of its image (LANCZOS); "
+                        "SD 1.x/2.x and SDXL")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class GenerateOptions:
     highres_fix_scale: Optional[float] = None
     highres_fix_steps: int = 28
     highres_fix_strength: Optional[float] = None
+    highres_fix_latents_upscaling: bool = False
 
 
 def options_from_args(a: argparse.Namespace) -> GenerateOptions:
@@ -160,6 +164,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=family, images=images, strength=a.strength, masks=masks, regions=regions, highres_fix_scale=a.highres_fix_scale,
         highres_fix_steps=a.highres_fix_steps, highres_fix_strength=a.highres_fix_strength,
+        highres_fix_latents_upscaling=a.highres_fix_latents_upscaling,
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
@@ -190,6 +195,11 @@ def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[li
     for flag, mode in used:
         if mode not in modes:
             raise ConfigError(f"{flag}: implemented for SD 1.x/2.x, SDXL and FLUX.1 only, not for {family} models")
+    if a.highres_fix_latents_upscaling and a.highres_fix_scale is None:
+        raise ConfigError("--highres_fix_latents_upscaling: expected --highres_fix_scale with it")
+    if a.highres_fix_latents_upscaling and "highres_latents" not in modes:
+        raise ConfigError(f"--highres_fix_latents_upscaling: implemented for SD 1.x/2.x and SDXL only, not for "
+                          f"{family} models")
     if a.strength is not None and a.image_path is None and a.highres_fix_scale is None:
         raise ConfigError("--strength: expected --image_path (img2img) or --highres_fix_scale with it")
     images = [open_image(p, "--image_path", "RGB") for p in image_files(a.image_path, "--image_path")] \
@@ -360,7 +370,6 @@ GEN_IMG_ACCEPTED = {
 }
 # sd-scripts gen_img.py flags accepted by the parser but refused when used: not implemented (docs/gen_img.md).
 GEN_IMG_REFUSED = {
-    "--highres_fix_latents_upscaling": "the highres fix upscales the image (LANCZOS), not the latents",
     "--highres_fix_upscaler": "upscaler modules are not supported; the highres fix upscales with LANCZOS",
     "--highres_fix_upscaler_args": "upscaler modules are not supported",
     "--highres_fix_save_1st": "the first stage's images are not saved",
@@ -410,7 +419,7 @@ GEN_IMG_REFUSED = {
     "--gradual_latent_s_noise": "no Gradual Latent", "--gradual_latent_unsharp_params": "no Gradual Latent",
 }
 # sd-scripts store_true flags among the refused ones; every other refused flag takes values (any number, any text).
-_GEN_IMG_SWITCHES = {"--highres_fix_latents_upscaling", "--highres_fix_save_1st", "--highres_fix_disable_control_net",
+_GEN_IMG_SWITCHES = {"--highres_fix_save_1st", "--highres_fix_disable_control_net",
                      "--network_pre_calc", "--network_show_meta", "--interactive", "--iter_same_seed",
                      "--shuffle_prompts", "--sequential_file_name", "--use_original_file_name",
                      "--replace_clip_l14_336", "--force_scheduler_zero_steps_offset", "--zero_terminal_snr"}
@@ -505,8 +514,8 @@ def _generate(o: GenerateOptions, family, components, device, requests: list) ->
         family, components, requests, scale=o.highres_fix_scale, steps_1st=o.highres_fix_steps,
         strength_1st=o.highres_fix_strength if o.highres_fix_strength is not None else o.strength,
         strength_2nd=DEFAULT_STRENGTH if o.strength is None else o.strength,
-        default_size=family.default_image_size, clip_skip=o.clip_skip, device=device,
-        batch_size=o.batch_size, progress=True)
+        default_size=family.default_image_size, upscale_latents=o.highres_fix_latents_upscaling,
+        clip_skip=o.clip_skip, device=device, batch_size=o.batch_size, progress=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -54,6 +54,7 @@ class GeneratedImage:
 
     image: Any  # PIL.Image.Image
     request: GenerationRequest
+    latents: Any = None  # the final scaled latents (C, h, w) on the CPU where the family keeps them (highres fix)
 
 
 @dataclass

@@ -41,12 +41,14 @@ class ImageInput:
     """What a request starts from or keeps: tensors at the request's pixel size (resized by the loop if not)."""
 
     image: Optional[torch.Tensor] = None  # (3, H, W) in [-1, 1]: img2img / inpainting source
+    latents: Optional[torch.Tensor] = None  # (C, h, w) scaled latents instead of an image (highres fix, latents)
     strength: float = 1.0  # fraction of the steps run on the noised image (1: txt2img noise)
     mask: Optional[torch.Tensor] = None  # (H, W) in [0, 1], 1 = repaint
     regions: Optional[torch.Tensor] = None  # (K, H, W) >= 0: one weight map a sub-prompt
 
     def batch_key(self) -> tuple:
-        return (self.image is not None, self.strength, self.mask is not None,
+        return (self.image is not None or self.latents is not None, self.latents is not None, self.strength,
+                self.mask is not None,
                 None if self.regions is None else self.regions.shape[0])
 
 
@@ -114,6 +116,18 @@ def check_strength(value: Optional[float], flag: str) -> None:
         raise ConfigError(f"{flag}: expected a number in 0..1, got {value}")
 
 
+def _init_latents(inputs: Sequence[ImageInput], encode, noise: torch.Tensor, vae_scale_factor: int) -> torch.Tensor:
+    """The start latents of img2img at the noise's size: given latents resized (bicubic, as sd-scripts'
+    --highres_fix_latents_upscaling), else the images resized (bilinear) and encoded."""
+    height, width = noise.shape[-2:]
+    if inputs[0].latents is not None:
+        return torch.stack([_fit(i.latents[None].float(), height, width, "bicubic")[0]
+                            for i in inputs]).to(noise.device, noise.dtype)
+    size = (height * vae_scale_factor, width * vae_scale_factor)
+    pixels = torch.stack([_fit(i.image[None].float(), *size, "bilinear")[0] for i in inputs])
+    return encode(pixels).to(noise.device, noise.dtype)
+
+
 # --- the denoising loop's side (library/families/sd/generate.py) -------------------------------------------------
 
 def _fit(tensor: torch.Tensor, height: int, width: int, mode: str) -> torch.Tensor:
@@ -131,11 +145,9 @@ def start_latents(scheduler, inputs: Sequence[ImageInput], encode, noise: torch.
     an image). `noise` is the seeds' start noise (unscaled); `encode(pixels)` gives the scaled latents of (B, 3, H, W)
     images in [-1, 1]."""
     first = inputs[0]
-    if first is None or first.image is None:
+    if first is None or (first.image is None and first.latents is None):
         return noise * scheduler.init_noise_sigma, scheduler.timesteps, None
-    height, width = noise.shape[-2] * vae_scale_factor, noise.shape[-1] * vae_scale_factor
-    pixels = torch.stack([_fit(i.image[None].float(), height, width, "bilinear")[0] for i in inputs])
-    init = encode(pixels).to(noise.device, noise.dtype)
+    init = _init_latents(inputs, encode, noise, vae_scale_factor)
     init_steps = min(int(steps * first.strength), steps)
     t_start = (steps - init_steps) * scheduler.order
     timesteps = scheduler.timesteps[t_start:]
@@ -192,11 +204,9 @@ def flow_start(inputs: Sequence[ImageInput], encode, noise: torch.Tensor, sigmas
     from x = (1 - σ) · image + σ · noise at their first σ (strength 1: the noise alone, as txt2img; 0: no step, the
     image's latents). Without an image: (noise, sigmas, None). `encode(pixels)` gives the model's latents."""
     first = inputs[0]
-    if first is None or first.image is None:
+    if first is None or (first.image is None and first.latents is None):
         return noise, sigmas, None
-    height, width = noise.shape[-2] * vae_scale_factor, noise.shape[-1] * vae_scale_factor
-    pixels = torch.stack([_fit(i.image[None].float(), height, width, "bilinear")[0] for i in inputs])
-    init = encode(pixels).to(noise.device, noise.dtype)
+    init = _init_latents(inputs, encode, noise, vae_scale_factor)
     steps = len(sigmas) - 1
     sigmas = sigmas[steps - min(int(steps * first.strength), steps):]
     if len(sigmas) == 1:
@@ -223,11 +233,14 @@ def first_stage_size(value: int, scale: float) -> int:
 
 @torch.no_grad()
 def generate_highres(family, components, requests: list, *, scale: float, steps_1st: int,
-                     strength_1st: Optional[float], strength_2nd: float, default_size: int, **kwargs) -> list:
+                     strength_1st: Optional[float], strength_2nd: float, default_size: int,
+                     upscale_latents: bool = False, **kwargs) -> list:
     """sd-scripts' highres fix: each request generated at `scale` times its size with `steps_1st` steps (img2img
     requests with `strength_1st`, else their own strength), upscaled with LANCZOS to the full size and denoised
     again with the request's steps as img2img (`strength_2nd`) from seed + 1; the inpainting mask is not used in
-    the second stage (sd-scripts drops it there). The results carry the requests as given."""
+    the second stage (sd-scripts drops it there). `upscale_latents`: the first stage's latents are upscaled
+    (bicubic) instead of its image (sd-scripts' --highres_fix_latents_upscaling). The results carry the requests
+    as given."""
     from library.sampling.generate import generate_images
 
     first: list = []
@@ -245,9 +258,12 @@ def generate_highres(family, components, requests: list, *, scale: float, steps_
         width, height = width - width % 8, height - height % 8
         inp = getattr(r, "image_input", None)
         regions = inp.regions if inp is not None else None
-        image = image_tensor(g.image.convert("RGB"), width, height)
+        if upscale_latents:
+            start = {"latents": g.latents}
+        else:
+            start = {"image": image_tensor(g.image.convert("RGB"), width, height)}
         second.append(dataclasses.replace(r, width=width, height=height, seed=r.seed + 1, image_input=ImageInput(
-            image=image, strength=strength_2nd, regions=regions)))
+            strength=strength_2nd, regions=regions, **start)))
     stage2 = generate_images(family, components, second, **kwargs)
     for r, g in zip(requests, stage2):
         g.request = dataclasses.replace(g.request, seed=r.seed)  # the file name and metadata keep the asked seed

@@ -195,7 +195,9 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
         pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)
     pixels = ((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
     images = (pixels * 255).round().astype(np.uint8)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    final = (latents - family.latents_shift) * family.latents_scale  # back to the denoiser's scale
+    return [GeneratedImage(Image.fromarray(img), r, latents=x.float().cpu()) for img, r, x in
+            zip(images, resolved, final)]
 
 
 def _rows(tensor: torch.Tensor, order: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):
