@@ -41,10 +41,12 @@ class GenerationRequest:
     index: int = 0  # NN in the file name: the prompt's position (training) or the image's (tool)
     seed_given: bool = False  # the user chose the seed: it goes into the file name, as in sd-scripts
     control_images: tuple[str, ...] = ()  # edit models (FLUX.1 Kontext): the reference image file(s)
+    image_input: Any = None  # library.sampling.img2img.ImageInput: img2img / inpainting / regional prompts
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising batch."""
-        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.control_images)
+        key = (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.control_images)
+        return key if self.image_input is None else key + (self.image_input.batch_key(),)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class GeneratedImage:
 
     image: Any  # PIL.Image.Image
     request: GenerationRequest
+    latents: Any = None  # the final scaled latents (C, h, w) on the CPU where the family keeps them (highres fix)
 
 
 @dataclass

@@ -54,9 +54,10 @@ INLINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "ss": ("sampler", _text, "a sampler name"),
     "ci": ("control_images", _text, "a control image file"),  # repeatable: one --ci per image
 }
-# sd-scripts options for ControlNet, CFG truncation, CFG renormalisation and flow shift:
-# accepted so an existing file keeps working, reported as unused.
-IGNORED_INLINE = ("cn", "ctr", "rcfg", "fs")
+# sd-scripts options for ControlNet, CFG truncation, CFG renormalisation and flow shift, and gen_img's per-prompt
+# network multipliers (--am, used by tools/generate.py): accepted so an existing file keeps working, reported as
+# unused where nothing reads them.
+IGNORED_INLINE = ("cn", "ctr", "rcfg", "fs", "am")
 
 # Keys of a .toml / .json prompt entry -> SamplePrompt field (sd-scripts' names).
 DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
@@ -148,11 +149,13 @@ def _check_ranges(prompt: SamplePrompt, where: str, inline: bool) -> None:
         raise ConfigError(f"{where}: {'--l' if inline else 'scale'}: expected a number >= 0, got {prompt.scale}")
 
 
-def load_prompts(path: str, check_sampler: Optional[Callable[[str], Any]] = None) -> list[SamplePrompt]:
+def load_prompts(path: str, check_sampler: Optional[Callable[[str], Any]] = None,
+                 used: tuple[str, ...] = ()) -> list[SamplePrompt]:
     """Read a prompt file (.txt, .toml or .json) into SamplePrompts, numbered in file order.
 
     `check_sampler(name)` (e.g. samplers.canonical_sampler) validates each `--ss` /
-    `sample_sampler` so a typo is reported now, with its line.
+    `sample_sampler` so a typo is reported now, with its line. `used`: options of
+    IGNORED_INLINE that the caller reads from `SamplePrompt.ignored` (not reported as unused).
     """
     if not os.path.isfile(path):
         raise ConfigError(f"{path}: file not found")
@@ -175,8 +178,9 @@ def load_prompts(path: str, check_sampler: Optional[Callable[[str], Any]] = None
                 check_sampler(prompt.sampler)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
-        if prompt.ignored:
-            logger.warning("%s: options not supported here and ignored: %s", where, ", ".join(prompt.ignored))
+        unused = [k for k in prompt.ignored if k not in used]
+        if unused:
+            logger.warning("%s: options not supported here and ignored: %s", where, ", ".join(unused))
         prompts.append(prompt)
     if not prompts:
         raise ConfigError(f"{path}: no prompts in the file")

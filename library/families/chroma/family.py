@@ -50,6 +50,8 @@ CHROMA_T5_DEFAULT_TOKENS = 512  # sd-scripts: 512 unless schnell, and Chroma is 
 class ChromaFamily(FluxFamily):
     """Chroma (diffusers ChromaTransformer2DModel + T5-XXL + the FLUX.1 AE), trained with rectified flow."""
 
+    image_inputs = ()  # its own sampling loop: no img2img / inpainting / highres fix yet
+
     name = "chroma"
     # Which single files are this family's: key prefixes only its checkpoints carry (library/families/detect.py);
     # families are tried in detect_rank order, lowest first (the most specific markers first).

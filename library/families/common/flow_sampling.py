@@ -122,9 +122,11 @@ def initial_noise(family: ModelFamily, requests: list, device: torch.device) -> 
 
 
 def euler_sample(latents: torch.Tensor, sigmas: torch.Tensor, velocity: Callable[[torch.Tensor, float], torch.Tensor],
-                 scale: float, guided: bool) -> torch.Tensor:
+                 scale: float, guided: bool,
+                 after_step: Optional[Callable[[torch.Tensor, float], torch.Tensor]] = None) -> torch.Tensor:
     """Euler steps of a flow model over `sigmas` (σ from 1 to 0). `velocity(model_in, σ)` is the model's
-    prediction; `guided`: the batch is run with its negatives after it (classifier-free guidance at `scale`)."""
+    prediction; `guided`: the batch is run with its negatives after it (classifier-free guidance at `scale`).
+    `after_step(latents, σ_next)`: what the latents become after each step (inpainting's blend)."""
     n = latents.shape[0]
     for sigma, sigma_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
         model_in = torch.cat([latents, latents]) if guided else latents
@@ -133,6 +135,8 @@ def euler_sample(latents: torch.Tensor, sigmas: torch.Tensor, velocity: Callable
             cond, uncond = v[:n], v[n:]
             v = uncond + scale * (cond - uncond)
         latents = latents + (sigma_next - sigma) * v
+        if after_step is not None:
+            latents = after_step(latents, sigma_next)
     return latents
 
 

@@ -147,6 +147,9 @@ class FluxFamily(ModelFamily):
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     context_parallel_token_pixels = 16  # diffusers' FluxTransformer2DModel._cp_plan; 512 (or 256) T5 tokens
     latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
+    # gen_img's img2img / inpainting / highres fix (library/sampling/img2img.py); no regional prompts
+    image_inputs = ("img2img", "inpaint", "highres")
+    default_image_size = 512  # a request's size when neither prompt nor flag sets one
     latent_channels = LATENT_CHANNELS
     vae_scale_factor = 8
     # encode_images already returns the AE-normalised latents (what sd-scripts' `_flux.npz` caches hold),

@@ -22,7 +22,8 @@ import torch
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.objectives.flow import flux_shift_mu, time_shift
 from library.sampling.generate import GeneratedImage
-from library.families.common.flow_sampling import decode_images, encode_control_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
+from library.sampling.img2img import flow_blend, flow_start, latent_masks
+from library.families.common.flow_sampling import borrowed_on, decode_images, encode_control_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,19 @@ def generate_flux(family: ModelFamily, components: Components, requests: list, d
         batch["scaled_control_latents"] = [c.expand(model_in.shape[0], -1, -1, -1) for c in controls]
         return family.predict(components, model_in.to(model.dtype), timesteps, text, batch)
 
-    latents = euler_sample(latents, sigmas, velocity, first.scale, use_cfg)
+    # img2img / inpainting (gen_img's --image_path, --strength, --mask_path: library/sampling/img2img.py)
+    inputs = [getattr(r, "image_input", None) for r in resolved]
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:  # each image's posterior sample from its own seed
+        posterior = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+        with borrowed_on(components.vae, device):
+            return family.encode_images(components.vae, pixels.to(device), generator=posterior)
+
+    noise = latents
+    latents, sigmas, init = flow_start(inputs, encode, noise, sigmas, family.vae_scale_factor)
+    mask = latent_masks(inputs, (h, w), device)
+    blend = None if mask is None else (lambda x, sigma: flow_blend(x, init, noise, mask, sigma))
+    latents = euler_sample(latents, sigmas, velocity, first.scale, use_cfg, after_step=blend)
 
     images = decode_images(family, components.vae, latents)
     return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

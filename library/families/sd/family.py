@@ -66,6 +66,9 @@ class SDFamily(ModelFamily):
     tiny_presets = ("tiny:sd1", "tiny:sd2", "tiny:sd2-v")
     latent_cache_arch = "_sd"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+    # gen_img's img2img / inpainting / regional prompts / highres fix (library/sampling/img2img.py)
+    image_inputs = ("img2img", "inpaint", "regions", "highres", "highres_latents")
+    default_image_size = 512  # a request's size when neither prompt nor flag sets one
     latent_channels = 4
     vae_scale_factor = 8
     latents_scale = 0.18215

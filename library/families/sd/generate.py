@@ -23,6 +23,14 @@ import torch
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.families.common.clip_text import encode_token_chunks
 from library.sampling.generate import GeneratedImage
+from library.sampling.img2img import (
+    blend_known,
+    combine_regions,
+    latent_masks,
+    region_weights,
+    start_latents,
+    sub_prompts,
+)
 from library.sampling.prompt_weighting import (
     apply_token_weights,
     chunk_count,
@@ -136,26 +144,47 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
     scheduler.set_timesteps(first.steps, device=device)
 
     use_cfg = first.scale > 1.0
-    texts = [r.prompt for r in resolved] + ([r.negative_prompt for r in resolved] if use_cfg else [])
+    inputs = [getattr(r, "image_input", None) for r in resolved]  # img2img / inpainting / regions (img2img.py)
+    regional = inputs[0] is not None and inputs[0].regions is not None
+    subs = [sub_prompts(r.prompt) if regional else [r.prompt] for r in resolved]
+    count = len(subs[0])
+    if any(len(s) != count for s in subs) or (regional and inputs[0].regions.shape[0] != count):
+        raise ValueError("generate_ddpm: every prompt of a batch needs as many sub-prompts (AND) as regions")
+    cond_texts = [t for s in subs for t in s]  # request-major, sub-prompt-minor
+    texts = cond_texts + ([r.negative_prompt for r in resolved] if use_cfg else [])
     text, batch = condition(texts, first)
     # unconditional rows first, as diffusers pipelines order them
-    order = torch.cat([torch.arange(len(resolved), len(texts)), torch.arange(len(resolved))]) if use_cfg else None
+    order = torch.cat([torch.arange(len(cond_texts), len(texts)), torch.arange(len(cond_texts))]) if use_cfg else None
     text = TextConditioning(tensors={k: _rows(v, order, device, unet.dtype) for k, v in text.tensors.items()})
     batch = {k: _rows(v, order, device, unet.dtype) for k, v in batch.items()}
 
     generators = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
     shape = (family.latent_channels, first.height // family.vae_scale_factor, first.width // family.vae_scale_factor)
-    latents = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
-    latents = latents * scheduler.init_noise_sigma
+    noise = torch.stack([torch.randn(shape, generator=g) for g in generators]).to(device)
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:  # img2img: each image's posterior sample from its own seed
+        posterior = [torch.Generator("cpu").manual_seed(r.seed) for r in resolved]
+        with borrowed_on(vae, device):
+            return family.scale_latents(family.encode_images(vae, pixels.to(device), generator=posterior))
+
+    latents, timesteps, init = start_latents(scheduler, inputs, encode, noise, first.steps, family.vae_scale_factor)
+    mask = latent_masks(inputs, shape[1:], device)
+    weights = region_weights(inputs, shape[1:], device)
     step_kwargs = _step_kwargs(scheduler, generators)
-    for t in scheduler.timesteps:
-        model_in = torch.cat([latents, latents]) if use_cfg else latents
+    for i, t in enumerate(timesteps):
+        cond_in = latents.repeat_interleave(count, dim=0) if count > 1 else latents
+        model_in = torch.cat([latents, cond_in]) if use_cfg else cond_in
         model_in = scheduler.scale_model_input(model_in, t)
         pred = family.predict(components, model_in.to(unet.dtype), t, text, batch).float()
         if use_cfg:
-            uncond, cond = pred.chunk(2)
-            pred = uncond + first.scale * (cond - uncond)
+            uncond, cond = pred[:len(resolved)], pred[len(resolved):]
+            pred = uncond + first.scale * (combine_regions(cond, weights, count) - uncond)
+        else:
+            pred = combine_regions(pred, weights, count)
         latents = scheduler.step(pred, t, latents, **step_kwargs).prev_sample
+        if mask is not None:
+            latents = blend_known(scheduler, latents, init, noise, mask, timesteps[i + 1] if i + 1 < len(timesteps)
+                                  else None)
 
     latents = latents / family.latents_scale + family.latents_shift
     with borrowed_on(vae, latents.device):  # with cached latents the VAE waits in CPU memory
@@ -166,7 +195,9 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
         pixels = torch.nan_to_num(pixels, nan=-1.0, posinf=1.0, neginf=-1.0)
     pixels = ((pixels + 1) / 2).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
     images = (pixels * 255).round().astype(np.uint8)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    final = (latents - family.latents_shift) * family.latents_scale  # back to the denoiser's scale
+    return [GeneratedImage(Image.fromarray(img), r, latents=x.float().cpu()) for img, r, x in
+            zip(images, resolved, final)]
 
 
 def _rows(tensor: torch.Tensor, order: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):

@@ -76,6 +76,9 @@ class SDXLFamily(ModelFamily):
     tiny_presets = ("tiny:sdxl",)
     latent_cache_arch = "_sdxl"
     block_classes = ("BasicTransformerBlock", "ResnetBlock2D")
+    # gen_img's img2img / inpainting / regional prompts / highres fix (library/sampling/img2img.py)
+    image_inputs = ("img2img", "inpaint", "regions", "highres", "highres_latents")
+    default_image_size = 1024  # a request's size when neither prompt nor flag sets one
     latent_channels = 4
     vae_scale_factor = 8
     latents_scale = 0.13025
