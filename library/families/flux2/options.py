@@ -53,6 +53,6 @@ class Flux2Options:
         """One-line ConfigError naming the flag of a value out of range."""
         value = self.qwen3_max_token_length
         if value is not None and not (isinstance(value, int) and 16 <= value <= MAX_TOKENS):
-            raise ConfigError(f"--qwen3_max_token_length: expected an integer from 16 to {MAX_TOKENS} (the chat "
-                              f"template takes 14 tokens), got {value!r}")
+            raise ConfigError(f"--qwen3_max_token_length: expected an integer from 16 to {MAX_TOKENS}, "
+                              f"got {value!r}")
         self.flow.check()
