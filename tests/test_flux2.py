@@ -292,3 +292,35 @@ def test_block_swap_bounds_and_blocks(tiny_flux2):
         family.swappable_blocks(tiny_flux2, 1)
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 19: expected 1\.\.18"):
         family.check_options(Flux2Options(), LoadOptions("random:flux2"), blocks_to_swap=19)
+
+
+@pytest.mark.parametrize("mode", ["lora", "finetune"])
+def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
+    """webui/templates/flux2_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
+    bitsandbytes here), passes the script's own --check_config; the templates name networks.lora_flux2 and the
+    FLUX.2 flow defaults."""
+    import toml
+
+    from library.cli.entry import run_training
+    from webui.families import script_for
+    from webui.jobfiles import REPO_ROOT
+
+    assert script_for("flux2", mode) == get_family("flux2").scripts[mode]
+    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"flux2_{mode}.toml"))
+    assert (template["template"]["family"], template["template"]["mode"]) == ("flux2", mode)
+    config = template["config"]
+    assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"]) == ("flux_shift", "none")
+    assert ("network" in config) == (mode == "lora")
+    if mode == "lora":
+        assert config["network"]["network_module"] == "networks.lora_flux2"
+    config["model"] = {"pretrained_model_name_or_path": "tiny:flux2"}
+    config["optimizer"]["optimizer_type"] = "AdamW"
+    dataset = template["dataset"]
+    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
+    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
+    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
+    config["output"]["logging_dir"] = str(tmp_path / "logs")
+    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
+    (tmp_path / "config.toml").write_text(toml.dumps(config))
+    assert run_training("flux2", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
+                        fine_tune=mode == "finetune") == 0
