@@ -324,3 +324,56 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     (tmp_path / "config.toml").write_text(toml.dumps(config))
     assert run_training("flux2", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
                         fine_tune=mode == "finetune") == 0
+
+
+def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
+    """A LoRA in ai-toolkit's names (`diffusion_model.<BFL path>.lora_A` / `lora_B`, no alpha) and in diffusers' split
+    names (diffusers' own kohya FLUX.2 converter: `transformer.transformer_blocks.0.attn.to_q.lora_A`, scale folded
+    in) become kohya files through the family's converter (what --network_weights applies) that predict what the
+    kohya file predicts (measured difference below 1e-6; 1e-5 allowed: the scale is folded in another order); a
+    kohya / musubi-tuner file comes back unchanged."""
+    from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
+
+    from library.core.safetensors_io import write_safetensors
+    from library.families.flux2.lora_names import to_kohya_lora
+    from networks.lora import create_network_from_weights
+    from tests.train_helpers import random_lora_file
+
+    family = get_family("flux2")
+    c = family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=16)))
+    kohya_path = random_lora_file(family, c, str(tmp_path / "kohya.safetensors"))
+    kohya = {k: v for k, v in load_file(kohya_path).items() if k.startswith("lora_unet_")}
+    assert to_kohya_lora(kohya).keys() == kohya.keys()
+    ai_toolkit = {}
+    for key, value in kohya.items():
+        name, _, suffix = key.partition(".")
+        if suffix == "alpha":
+            continue
+        rank = kohya[f"{name}.lora_down.weight"].shape[0]
+        scale = float(kohya[f"{name}.alpha"]) / rank
+        path = {"lora_unet_" + layout.original_path(p).replace(".", "_"): layout.original_path(p)
+                for p, _ in c.denoiser.named_modules()}[name]
+        ai_toolkit[f"diffusion_model.{path}." + ("lora_A.weight" if "down" in suffix else "lora_B.weight")] = \
+            value * (scale if "up" in suffix else 1.0)
+    split = _convert_kohya_flux2_lora_to_diffusers(dict(kohya))
+    assert any(k.startswith("transformer.transformer_blocks.0.attn.to_q.") for k in split)
+    text = family.encode_text(c, family.tokenize(c, ["a cat"], None), None)
+    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(4))
+
+    def predict_with(state) -> torch.Tensor:
+        model = family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=16)))
+        path = str(tmp_path / "converted.safetensors")
+        write_safetensors(family.convert_lora_state_dict(state), path)
+        network, _ = create_network_from_weights(1.0, path, model.vae, model.text_encoders, model.denoiser,
+                                                 lora_targets=family.lora_targets(model))
+        network.apply_to(model.text_encoders, model.denoiser, apply_text_encoder=False, apply_unet=True)
+        network.load_weights(path)
+        with torch.no_grad():
+            return family.predict(model, x, torch.tensor([500.0]), text, {})
+
+    expected = predict_with(kohya)
+    with torch.no_grad():
+        base = family.predict(c, x, torch.tensor([500.0]), text, {})
+    assert (expected - base).abs().max() > 1e-2
+    for state in (ai_toolkit, split):
+        torch.testing.assert_close(predict_with(state), expected, rtol=0, atol=1e-5)

@@ -250,6 +250,13 @@ class Flux2Family(ModelFamily):
             targets.append(LoraTarget("lora_te", components.text_encoders[0], QWEN3_TARGETS, is_text_encoder=True))
         return targets
 
+    def convert_lora_state_dict(self, state_dict: dict) -> dict:
+        """An ai-toolkit- / ComfyUI- / diffusers-named FLUX.2 LoRA renamed to kohya names; kohya and musubi-tuner
+        files come back as they are."""
+        from library.families.flux2.lora_names import to_kohya_lora
+
+        return to_kohya_lora(state_dict)
+
     # --- saving --------------------------------------------------------------------------------------
     # One .safetensors DiT file in BFL's (ComfyUI) names; Qwen3 and the AE unchanged.
     save_formats = ("safetensors",)
