@@ -329,7 +329,7 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
 def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
     """A LoRA in ai-toolkit's names (`diffusion_model.<BFL path>.lora_A` / `lora_B`, no alpha) and in diffusers' split
     names (diffusers' own kohya FLUX.2 converter: `transformer.transformer_blocks.0.attn.to_q.lora_A`, scale folded
-    in) become kohya files through the family's converter (what --network_weights applies) that predict what the
+    in, and with alpha = 2 x rank) become kohya files through the family's converter (what --network_weights applies) that predict what the
     kohya file predicts (measured difference below 1e-6; 1e-5 allowed: the scale is folded in another order); a
     kohya / musubi-tuner file comes back unchanged."""
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
@@ -357,6 +357,10 @@ def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
             value * (scale if "up" in suffix else 1.0)
     split = _convert_kohya_flux2_lora_to_diffusers(dict(kohya))
     assert any(k.startswith("transformer.transformer_blocks.0.attn.to_q.") for k in split)
+    # the same with an alpha of 2 x rank per module (scale 2), its ups halved: each part's scale must be applied
+    split_alpha = {k: v / 2 if ".lora_B." in k else v for k, v in split.items()}
+    split_alpha.update({k.replace(".lora_A.weight", ".alpha"): torch.tensor(2.0 * v.shape[0])
+                        for k, v in split.items() if k.endswith(".lora_A.weight")})
     text = family.encode_text(c, family.tokenize(c, ["a cat"], None), None)
     x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(4))
 
@@ -375,5 +379,5 @@ def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
     with torch.no_grad():
         base = family.predict(c, x, torch.tensor([500.0]), text, {})
     assert (expected - base).abs().max() > 1e-2
-    for state in (ai_toolkit, split):
+    for state in (ai_toolkit, split, split_alpha):
         torch.testing.assert_close(predict_with(state), expected, rtol=0, atol=1e-5)
