@@ -169,16 +169,19 @@ def test_text_and_sampling_are_the_pipelines(flux2_files, tiny_flux2):
         ours = family.denormalize_latents(c.vae, latents)
     torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
-    # encode_images normalises by the batch norm of the 2x2 patches: the pipeline's _encode_vae_image, unpatchified
+    # encode_images normalises by the batch norm of the 2x2 patches: the pipeline's _encode_vae_image (which takes
+    # the posterior's mode), unpatchified; training draws from the posterior with the generator
     image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(2)) * 2 - 1
     with torch.no_grad():
-        raw = c.vae.encode(image).latent_dist.mode()
         expected = pipe._encode_vae_image(image, None)
-        mean, std = c.vae.bn.running_mean, c.vae.bn.running_var
-        assert expected.shape == (1, 128, 4, 4) and mean.shape == std.shape == (128,)
-        ours = patchify(family.denormalize_latents(c.vae, torch.zeros(1, 32, 8, 8)))
-    torch.testing.assert_close(ours[0, :, 0, 0], mean, rtol=0, atol=1e-6)
-    assert raw.shape == (1, 32, 8, 8)
+        dist = c.vae.encode(image).latent_dist
+        mode = family.normalize_latents(c.vae, dist.mode())
+        drawn = family.encode_images(c.vae, image, torch.Generator().manual_seed(5))
+        sample = family.normalize_latents(c.vae, dist.sample(generator=torch.Generator().manual_seed(5)))
+    assert expected.shape == (1, 128, 4, 4) and mode.shape == (1, 32, 8, 8)
+    torch.testing.assert_close(patchify(mode), expected, rtol=0, atol=0)
+    torch.testing.assert_close(drawn, sample, rtol=0, atol=0)
+    torch.testing.assert_close(family.denormalize_latents(c.vae, mode), dist.mode(), rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_flux2_lora_training_run_samples_and_generates(tmp_path, flux2_files):

@@ -186,7 +186,10 @@ class Flux2Family(ModelFamily):
 
         The pipeline encodes with the posterior's mode (argmax) for reference images; training draws from the
         posterior as every family here does."""
-        latents = super().encode_images(vae, images, generator)
+        return self.normalize_latents(vae, super().encode_images(vae, images, generator))
+
+    def normalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Raw AE latents (B, 32, h, w) -> (patchify(x) - bn mean) / bn std, unpatchified."""
         mean, std = bn_stats(vae, latents.device, latents.dtype)
         return unpatchify((patchify(latents) - mean) / std)
 
