@@ -124,10 +124,10 @@ def test_option_errors_are_one_line(flux2_files):
 
 
 def test_lora_names_tiny_and_full_size_on_meta():
-    """Golden counts: 8 ComfyUI modules per double block (q, k, v fused per stream), 2 per single block: tiny 2 + 2
-    blocks = 20, klein 4B 5 + 20 = 80, klein 9B 8 + 24 = 112; Qwen3 (36 layers): 7 per layer."""
+    """Golden counts: 8 ComfyUI modules per double block (q, k, v fused per stream), 2 per single block: tiny 2 + 3
+    blocks = 22, klein 4B 5 + 20 = 80, klein 9B 8 + 24 = 112; Qwen3 (36 layers): 7 per layer."""
     family = get_family("flux2")
-    for preset, double, single in (("tiny:flux2", 2, 2), ("random:flux2", 5, 20), ("random:flux2_9b", 8, 24)):
+    for preset, double, single in (("tiny:flux2", 2, 3), ("random:flux2", 5, 20), ("random:flux2_9b", 8, 24)):
         parts = build_flux2_modules(preset, device="meta")
         components = Components(denoiser=parts["transformer"], vae=None, text_encoders=[parts["text_encoder"]],
                                 tokenizers=[parts["tokenizer"]])
@@ -202,7 +202,7 @@ def test_tiny_flux2_lora_training_run_samples_and_generates(tmp_path, flux2_file
         keys = sorted(f.keys())
         metadata = f.metadata()
         up = f.get_tensor("lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight")
-    assert len(keys) == 3 * 20 and all(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_"))
+    assert len(keys) == 3 * 22 and all(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_"))
                                        for k in keys)
     assert up.shape == (3 * 32, 4) and up.abs().sum() > 0  # trained
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
@@ -249,7 +249,7 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
               "ff_context.linear_out")
     assert {n for n, _ in theirs.denoiser.named_modules() if n.endswith(".lora_A")} == {
         f"transformer_blocks.{i}.{m}.lora_A" for i in range(2) for m in double} | {
-        f"single_transformer_blocks.{i}.{m}.lora_A" for i in range(2) for m in ("attn.to_qkv_mlp_proj", "attn.to_out")}
+        f"single_transformer_blocks.{i}.{m}.lora_A" for i in range(3) for m in ("attn.to_qkv_mlp_proj", "attn.to_out")}
     text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
     x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -287,12 +287,45 @@ def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, flux2_f
     _same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
 
 
-def test_block_swap_bounds_and_blocks(tiny_flux2):
-    """--blocks_to_swap swaps the last single-stream blocks, at most blocks - 2 (klein 4B: 18 of 20; the tiny model's
-    2 leave none), checked before loading."""
+def test_fp8_base_and_block_swap_train_as_float8_rounded_weights(tmp_path):
+    """--fp8_base_unet --blocks_to_swap 1 (the last single-stream block streamed, float8 Linears in the DiT) gives the
+    losses and LoRA of a run whose DiT weights were rounded through float8 at load (measured 0.0 and 0.0 here; 1e-5
+    and 1e-4 allowed as tests/test_memory_options.py for FLUX.1); more than blocks - 2 is refused before loading."""
+    from library.train.memory.fp8 import fp8_layers, fp8_round_trip_
+    from tests.train_helpers import assert_close_measured, largest_lora_up
+
+    data = make_dataset(str(tmp_path / "data"), n=2)
+    extra = ["--network_module", "networks.lora_flux2", "--qwen3_max_token_length", "16",
+             "--network_train_unet_only", "--cache_text_encoder_outputs"]
+
+    def train(name, more, rounded=False):
+        trainer = make_trainer(base_args(data, str(tmp_path / name), "tiny:flux2", steps=2, extra=extra + more),
+                               "flux2")
+        if rounded:
+            load = trainer.family.load
+
+            def load_rounded(opts):
+                c = load(opts)
+                fp8_round_trip_(c.denoiser)
+                return c
+
+            trainer.family.load = load_rounded
+        losses = []
+        step = trainer._micro_step
+        trainer._micro_step = lambda *a: losses.append(step(*a)) or losses[-1]
+        return losses, load_file(trainer.run()), trainer
+
+    losses, lora, trainer = train("fp8", ["--fp8_base_unet", "--blocks_to_swap", "1"])
+    rounded_losses, rounded_lora, _ = train("rounded", [], rounded=True)
+    assert_close_measured(losses, rounded_losses, 1e-5, "flux2 fp8 + swap vs rounded: losses")
+    assert_close_measured(lora, rounded_lora, 1e-4, "flux2 fp8 + swap vs rounded: LoRA")
+    assert largest_lora_up(lora) > 1e-3
+    c = trainer.components
+    assert fp8_layers([c.denoiser]) > 0 and fp8_layers(c.text_encoders) == 0
     family = get_family("flux2")
-    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 1: expected 1\.\.0"):
-        family.swappable_blocks(tiny_flux2, 1)
+    assert family.swappable_blocks(c, 1) == [c.denoiser.single_transformer_blocks[2]]
+    with pytest.raises(ConfigError, match=r"^--blocks_to_swap 2: expected 1\.\.1 for this model \(3 single-stream"):
+        family.swappable_blocks(c, 2)
     with pytest.raises(ConfigError, match=r"^--blocks_to_swap 19: expected 1\.\.18"):
         family.check_options(Flux2Options(), LoadOptions("random:flux2"), blocks_to_swap=19)
 

@@ -53,7 +53,7 @@ class Flux2Preset:
 
 
 PRESETS: dict[str, Flux2Preset] = {
-    "tiny:flux2": Flux2Preset("tiny:flux2", double_layers=2, single_layers=2, heads=2, head_dim=16,
+    "tiny:flux2": Flux2Preset("tiny:flux2", double_layers=2, single_layers=3, heads=2, head_dim=16,
                               axes_dims=(4, 4, 4, 4), guidance_embeds=False, qwen_hidden=32, qwen_intermediate=64,
                               qwen_layers=28, qwen_heads=2, qwen_kv_heads=1, qwen_head_dim=16,
                               vae_channels=(32, 32, 64, 64)),
