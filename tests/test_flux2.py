@@ -417,3 +417,55 @@ def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
     assert (expected - base).abs().max() > 1e-2
     for state in (ai_toolkit, split, split_alpha):
         torch.testing.assert_close(predict_with(state), expected, rtol=0, atol=1e-5)
+
+
+def _deltas(kohya: dict) -> dict:
+    """Each kohya module's weight change up @ down · alpha / rank."""
+    names = {k.partition(".")[0] for k in kohya}
+    return {n: kohya[f"{n}.lora_up.weight"] @ kohya[f"{n}.lora_down.weight"]
+            * (float(kohya[f"{n}.alpha"]) / kohya[f"{n}.lora_down.weight"].shape[0]) for n in names}
+
+
+def test_convert_lora_tool_writes_each_layout_of_a_flux2_file(tmp_path):
+    """tools/convert_lora.py tells a FLUX.2 file from a FLUX.1 one (no metadata: by its single blocks' shapes):
+    --to diffusers gives diffusers' own split names, which Flux2KleinPipeline.load_lora_weights places with nothing
+    left over; --to ai-toolkit and --to comfy give BFL paths under diffusion_model. and both convert back to the
+    kohya file's weight changes (ai-toolkit's scale folded into B, alpha = rank / 2 here: measured difference below
+    1e-7; 1e-6 allowed); a
+    text-encoder LoRA cannot go to the transformer-only layouts (one line, exit 2)."""
+    from diffusers import Flux2KleinPipeline
+
+    from library.core.safetensors_io import write_safetensors
+    from library.families.flux2.loading import scheduler
+    from library.families.flux2.lora_names import _bfl_path
+    from tests.train_helpers import largest_difference, random_lora_file
+    from tools.convert_lora import main as convert
+
+    family = get_family("flux2")
+    c = family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=16)))
+    full = random_lora_file(family, c, str(tmp_path / "full.safetensors"))
+    kohya = {k: v for k, v in load_file(full).items() if k.startswith("lora_unet_")}
+    src = str(tmp_path / "kohya.safetensors")
+    write_safetensors(kohya, src)
+    paths = {}
+    for to in ("diffusers", "ai-toolkit", "comfy"):
+        paths[to] = str(tmp_path / f"{to}.safetensors")
+        assert convert(["--src_path", src, "--dst_path", paths[to], "--to", to]) == 0
+    diffusers_state = load_file(paths["diffusers"])
+    assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in diffusers_state
+    assert "transformer.single_transformer_blocks.2.attn.to_qkv_mlp_proj.lora_B.weight" in diffusers_state
+    pipe = Flux2KleinPipeline(scheduler=scheduler(), vae=c.vae, text_encoder=c.text_encoders[0],
+                              tokenizer=c.tokenizers[0], transformer=c.denoiser)
+    pipe.load_lora_weights(dict(diffusers_state))
+    assert len([n for n, _ in c.denoiser.named_modules() if n.endswith(".lora_A")]) == 2 * 12 + 3 * 2
+    names = {k.partition(".")[0] for k in kohya}
+    assert set(load_file(paths["ai-toolkit"])) == {f"diffusion_model.{_bfl_path(n)}.{s}" for n in names
+                                                   for s in ("lora_A.weight", "lora_B.weight")}
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in load_file(paths["ai-toolkit"])
+    assert "diffusion_model.double_blocks.1.txt_attn.qkv.alpha" in load_file(paths["comfy"])
+    for to in ("ai-toolkit", "comfy"):
+        back = str(tmp_path / f"back-{to}.safetensors")
+        assert convert(["--src_path", paths[to], "--dst_path", back, "--to", "kohya"]) == 0
+        assert largest_difference(_deltas(load_file(back)), _deltas(kohya)) <= 1e-6
+    assert convert(["--src_path", full, "--dst_path", str(tmp_path / "no.safetensors"), "--to", "diffusers"]) == 2
+    assert not os.path.exists(tmp_path / "no.safetensors")
