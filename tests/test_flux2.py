@@ -469,3 +469,30 @@ def test_convert_lora_tool_writes_each_layout_of_a_flux2_file(tmp_path):
         assert largest_difference(_deltas(load_file(back)), _deltas(kohya)) <= 1e-6
     assert convert(["--src_path", full, "--dst_path", str(tmp_path / "no.safetensors"), "--to", "diffusers"]) == 2
     assert not os.path.exists(tmp_path / "no.safetensors")
+
+
+def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, flux2_files):
+    """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
+    keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in BFL's layout (the
+    fused qkv's up stacks the q, k, v slices over one down)."""
+    from tests.train_helpers import random_lora_file
+    from tools import merge_lora
+
+    family = get_family("flux2")
+    c = family.load(LoadOptions("tiny:flux2"))
+    lora_path = random_lora_file(family, c, str(tmp_path / "lora.safetensors"))
+    out = str(tmp_path / "merged.safetensors")
+    assert merge_lora.main(["--sd_model", flux2_files["dit"], "--qwen3", flux2_files["qwen3"], "--ae",
+                            flux2_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
+    base, got, lora = load_file(flux2_files["dit"]), load_file(out), load_file(lora_path)
+    assert got.keys() == base.keys()
+    merged = set()
+    modules = [f"double_blocks.{i}.{m}" for i in range(2) for m in (
+        "img_attn.qkv", "img_attn.proj", "img_mlp.0", "img_mlp.2", "txt_attn.qkv", "txt_attn.proj", "txt_mlp.0",
+        "txt_mlp.2")] + [f"single_blocks.{i}.{m}" for i in range(3) for m in ("linear1", "linear2")]
+    for module in modules:
+        name, key = "lora_unet_" + module.replace(".", "_"), f"{module}.weight"
+        down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5, atol=1e-6)
+        merged.add(key)
+    assert len(merged) == 22 and all(torch.equal(got[k], base[k]) for k in base if k not in merged)
