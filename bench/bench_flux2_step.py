@@ -5,8 +5,8 @@ shared modulations) at full width with fewer blocks (--double, --single), so it 
 bf16 base (--dtype fp32 for CPUs without fast bf16), batch 1, cached Qwen3 outputs (random states of --tokens padded
 tokens), transformer-only LoRA on the double and single blocks (the same network patched in for both steps).
 
-- reference: the noising by hand (x_t = (1 - σ)·x0 + σ·ε, σ uniform), Flux2Transformer2DModel forward as diffusers'
-  Flux2KleinPipeline calls it (its own _patchify_latents / _pack_latents / _prepare_latent_ids / _prepare_text_ids,
+- reference: the noising by hand (x_t = (1 - σ)·x0 + σ·ε, σ uniform), Flux2Transformer2DModel forward as
+  diffusers' Flux2KleinPipeline calls it (its own _patchify_latents / _pack_latents / _prepare_latent_ids / _prepare_text_ids,
   t = σ, no guidance), MSE of the output against the packed ε - x0, backward, AdamW step.
 - ours: library.train.step.batch_loss (the trainer's micro-step, text from the cache) + clipping +
   optimizer and scheduler step, as Trainer runs them.

@@ -365,9 +365,9 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
 def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
     """A LoRA in ai-toolkit's names (`diffusion_model.<BFL path>.lora_A` / `lora_B`, no alpha) and in diffusers' split
     names (diffusers' own kohya FLUX.2 converter: `transformer.transformer_blocks.0.attn.to_q.lora_A`, scale folded
-    in, and with alpha = 2 x rank) become kohya files through the family's converter (what --network_weights applies) that predict what the
-    kohya file predicts (measured difference below 1e-6; 1e-5 allowed: the scale is folded in another order); a
-    kohya / musubi-tuner file comes back unchanged."""
+    in, and with alpha = 2 x rank) become kohya files through the family's converter (what --network_weights
+    applies) that predict what the kohya file predicts (measured difference below 1e-6; 1e-5 allowed: the scale is
+    folded in another order); a kohya / musubi-tuner file comes back unchanged."""
     from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux2_lora_to_diffusers
 
     from library.core.safetensors_io import write_safetensors

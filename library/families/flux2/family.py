@@ -227,12 +227,9 @@ class Flux2Family(ModelFamily):
         tokens = patches.reshape(b, c * 4, -1).permute(0, 2, 1)
         states = text.tensors["hidden_state"].to(device, dtype)
         img_ids, txt_ids = position_ids(h // 2, w // 2, states.shape[1], device)
-        guidance = None
-        if model.config.guidance_embeds:
-            guidance = torch.full((b,), float(batch.get("guidance_scale", 4.0)), device=device, dtype=dtype)
         out = model(hidden_states=tokens, encoder_hidden_states=states,
                     timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids, txt_ids=txt_ids,
-                    guidance=guidance, return_dict=False)[0]
+                    guidance=None, return_dict=False)[0]
         out = out[:, : tokens.shape[1]]
         return unpatchify(out.permute(0, 2, 1).reshape(b, c * 4, h // 2, w // 2))
 
