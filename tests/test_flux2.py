@@ -437,7 +437,7 @@ def test_convert_lora_tool_writes_each_layout_of_a_flux2_file(tmp_path):
 
     from library.core.safetensors_io import write_safetensors
     from library.families.flux2.loading import scheduler
-    from library.families.flux2.lora_names import _bfl_path
+    from library.families.flux2.lora_names import bfl_path
     from tests.train_helpers import largest_difference, random_lora_file
     from tools.convert_lora import main as convert
 
@@ -459,7 +459,7 @@ def test_convert_lora_tool_writes_each_layout_of_a_flux2_file(tmp_path):
     pipe.load_lora_weights(dict(diffusers_state))
     assert len([n for n, _ in c.denoiser.named_modules() if n.endswith(".lora_A")]) == 2 * 12 + 3 * 2
     names = {k.partition(".")[0] for k in kohya}
-    assert set(load_file(paths["ai-toolkit"])) == {f"diffusion_model.{_bfl_path(n)}.{s}" for n in names
+    assert set(load_file(paths["ai-toolkit"])) == {f"diffusion_model.{bfl_path(n)}.{s}" for n in names
                                                    for s in ("lora_A.weight", "lora_B.weight")}
     assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in load_file(paths["ai-toolkit"])
     assert "diffusion_model.double_blocks.1.txt_attn.qkv.alpha" in load_file(paths["comfy"])

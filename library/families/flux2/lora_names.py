@@ -108,7 +108,7 @@ def _modules(kohya: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
     return modules
 
 
-def _bfl_path(name: str) -> str:
+def bfl_path(name: str) -> str:
     """`lora_unet_double_blocks_0_img_attn_qkv` -> `double_blocks.0.img_attn.qkv` (BFL's module paths)."""
     rest = name[len(LORA_PREFIX):]
     m = re.match(r"^(double_blocks|single_blocks)_(\d+)_(.+)$", rest)
@@ -135,7 +135,7 @@ def kohya_to_bfl_peft(kohya: Mapping[str, torch.Tensor], down: str = "lora_A.wei
     _only_transformer(kohya, "ai-toolkit / comfy")
     out = {}
     for name, parts in _modules(kohya).items():
-        path = "diffusion_model." + _bfl_path(name)
+        path = "diffusion_model." + bfl_path(name)
         rank = parts["lora_down.weight"].shape[0]
         alpha = float(parts["alpha"]) if "alpha" in parts else float(rank)
         out[f"{path}.{down}"] = parts["lora_down.weight"]
