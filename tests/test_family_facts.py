@@ -15,8 +15,9 @@ def test_facts_are_json_and_complete():
     assert facts["hunyuan_image"]["flag_aliases"] == {"fp8_scaled": "fp8_base_unet"}
     assert facts["sd"]["tiny_presets"] == ["tiny:sd1", "tiny:sd2", "tiny:sd2-v"]
     assert facts["sd3"]["component_file_flags"] == ["clip_l", "clip_g", "t5xxl"]
-    assert [n for n in family_names() if facts[n]["block_swap"]] == ["anima", "chroma", "flux", "hunyuan_image",
-                                                                      "lumina", "qwen_image", "sd3", "zimage"]
+    assert [n for n in family_names() if facts[n]["block_swap"]] == ["anima", "chroma", "flux", "flux2",
+                                                                      "hunyuan_image", "lumina", "qwen_image", "sd3",
+                                                                      "zimage"]
 
 
 def test_the_web_ui_learns_every_family_from_the_trainer():
@@ -27,7 +28,7 @@ def test_the_web_ui_learns_every_family_from_the_trainer():
     assert {(name, mode): webui_families.script_for(name, mode) for name in learned for mode in learned[name]["scripts"]} \
         == {(f.name, mode): script for f in registered_families() for mode, script in f.scripts.items()}
     assert webui_families.block_swap_families() == ["flux", "chroma", "anima", "sd3", "lumina", "hunyuan_image", "zimage",
-                                                   "qwen_image"]
+                                                   "qwen_image", "flux2"]
     assert webui_families.all_scripts()[:3] == ["anima_train.py", "anima_train_network.py", "fine_tune.py"]
     assert webui_families.model_type_refusal("flux", {"model": {"model_type": "flux"}}) is None
     assert webui_families.model_type_refusal("chroma", {}) == (

@@ -447,7 +447,7 @@ def test_performance_options_say_why_not():
     flags = frozenset({"persistent_data_loader_workers", "gradient_checkpointing", "highvram", "lowram",
                        "blocks_to_swap", "cpu_offload_checkpointing"})
     none = availability("sd", "train_network.py", 0, installed=lambda m: m == "torch", flags=flags)
-    dit = "flux, chroma, anima, sd3, lumina, hunyuan_image, zimage, qwen_image"  # the registry's order
+    dit = "flux, chroma, anima, sd3, lumina, hunyuan_image, zimage, qwen_image, flux2"  # the registry's order
     assert {o["key"]: o["reason"] for o in none} == {
         "persistent_data_loader_workers": None, "gradient_checkpointing": None,
         "flash_attn": "no GPU on this machine; requires flash-attn (pip install flash-attn): not installed; "

@@ -68,6 +68,12 @@ def _hunyuan_image() -> ModelFamily:
     return HunyuanImageFamily()
 
 
+def _flux2() -> ModelFamily:
+    from library.families.flux2.family import Flux2Family
+
+    return Flux2Family()
+
+
 def _zimage() -> ModelFamily:
     from library.families.zimage.family import ZImageFamily
 
@@ -84,7 +90,7 @@ def _qwen_image() -> ModelFamily:
 _REGISTRY: dict[str, Callable[[], ModelFamily]] = {"sd": _sd, "sdxl": _sdxl, "flux": _flux, "chroma": _chroma,
                                                    "anima": _anima, "sd3": _sd3,
                                                    "lumina": _lumina, "hunyuan_image": _hunyuan_image,
-                                                   "zimage": _zimage, "qwen_image": _qwen_image}
+                                                   "zimage": _zimage, "qwen_image": _qwen_image, "flux2": _flux2}
 
 
 # The family of a model path that tells nothing else and of a tool given no selector (sd-scripts' default: SD 1.x/2.x).

@@ -23,6 +23,7 @@ import torch
 
 from library.core.tensors import unshared
 from library.families.anima import lora_comfy as anima_lora
+from library.families.flux2 import lora_names as flux2_lora
 from library.families.hunyuan_image import layout as hunyuan_layout
 from library.families.lora_layouts import (
     KOHYA_PREFIXES,
@@ -67,6 +68,8 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
 def detect_layout(state: Mapping[str, torch.Tensor], source: str) -> str:
     """"kohya" or "diffusers" (ai-toolkit Flux files share the diffusers layout); one-line error otherwise."""
     check_not_lycoris(state, source)
+    if flux2_lora.is_flux2_lora(state):  # FLUX.2 (before Anima's: both use diffusion_model.): kohya, comfy, PEFT
+        return flux2_lora.layout_name(state)
     if anima_lora.is_comfy(state):
         return "comfy"
     for key in state:
@@ -320,6 +323,8 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
     from Anima."""
     if to not in LAYOUTS:
         raise UnsupportedLoraError(f"--to: expected one of {', '.join(LAYOUTS)}, got {to!r}")
+    if flux2_lora.is_flux2_lora(state, metadata):  # before FLUX.1's: the same BFL block names
+        return _convert_flux2(state, to, source)
     kohya = _as_kohya(state, detect_layout(state, source), source)
     if to == "kohya":
         return kohya
@@ -343,7 +348,27 @@ def convert(state: Mapping[str, torch.Tensor], to: str, source: str,
     return to_ai_toolkit(kohya, source) if to == "ai-toolkit" else to_diffusers(kohya, source, metadata)
 
 
+def _convert_flux2(state: Mapping[str, torch.Tensor], to: str, source: str) -> dict[str, torch.Tensor]:
+    """A FLUX.2 LoRA (kohya / musubi-tuner, ai-toolkit, ComfyUI or diffusers names) in the `to` layout
+    (library/families/flux2/lora_names.py)."""
+    try:
+        kohya = flux2_lora.to_kohya_lora(state)
+        if to == "kohya":
+            return kohya
+        if to == "diffusers":
+            return flux2_lora.kohya_to_diffusers(kohya)
+        return flux2_lora.kohya_to_bfl_peft(kohya, *(("lora_down.weight", "lora_up.weight", True)
+                                                     if to == "comfy" else ()))
+    except ValueError as e:
+        raise UnsupportedLoraError(f"{source}: FLUX.2 LoRA: {e}") from None
+
+
 def _as_kohya(state: Mapping[str, torch.Tensor], layout: str, source: str) -> dict[str, torch.Tensor]:
+    if flux2_lora.is_flux2_lora(state):
+        try:
+            return flux2_lora.to_kohya_lora(state)
+        except ValueError as e:
+            raise UnsupportedLoraError(f"{source}: FLUX.2 LoRA: {e}") from None
     if layout == "kohya":
         return _comfy_text_encoder_names_to_kohya(state)
     if layout == "comfy":
