@@ -25,6 +25,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="pip install -r requirements-dev
 pytest.importorskip("selenium", reason="pip install -r requirements-dev.txt")
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
@@ -102,9 +103,12 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     browser.find_element(By.ID, "new-name").send_keys("<b>shapes</b> LoRA")
     browser.find_element(By.ID, "create-btn").click()
     wait.until(lambda d: d.find_element(By.ID, "job-name").text == "<b>shapes</b> LoRA")
-    item = browser.find_element(By.CSS_SELECTOR, "#job-list li")
-    assert "<b>shapes</b> LoRA" in item.text and not item.find_elements(By.TAG_NAME, "b")
-    assert "draft" in item.text
+    # the sidebar is redrawn by its poll: read the item in one go, again when it was replaced meanwhile
+    listed = WebDriverWait(browser, 60, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
+    item_text, bold = listed.until(lambda d: (lambda li: (li.text, li.find_elements(By.TAG_NAME, "b")))(
+        d.find_element(By.CSS_SELECTOR, "#job-list li")))
+    assert "<b>shapes</b> LoRA" in item_text and not bold
+    assert "draft" in item_text
     assert "python train_network.py --config_file" in browser.find_element(By.ID, "command").get_attribute("textContent")
     gpus = wait.until(lambda d: d.find_elements(By.ID, "gpus"))  # the form, once the server said what it can use
     assert gpus[0].get_attribute("textContent") == "No GPU: training runs on CPU"  # in the Multi-GPU tab
