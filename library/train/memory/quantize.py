@@ -17,8 +17,11 @@ matmul (dequantizing or with its own kernel). Only `nn.Linear` layers are quanti
 embeddings keep the training dtype), and not those a model class keeps in float32
 (`_keep_in_fp32_modules`). The layers are quantized one at a time in module order (block by block), each
 layer's full-precision weight dropped as its quantized layer takes its place, so the model never holds two
-copies of more than one layer. (The family loaders read the model in the training dtype first; streaming a
-file straight into quantized layers is not done yet.)
+copies of more than one layer. Quantize on load: a family loader that reads a `.safetensors` file whose dtype
+is the training dtype adopts safetensors' memory-mapped views (nothing is read until touched), so quantizing
+reads one layer's pages from the file; once that layer's float weight is gone its pages are handed back to the
+OS (`madvise(MADV_DONTNEED)` on the file-backed range; the mapping is private and read-only in use), so the
+peak host memory is the quantized model plus one layer, not the full-precision model.
 
 A LoRA wraps the quantized layer's forward (networks/lora_module.py replaces `module.forward`), so the
 frozen quantized matmul runs first and the LoRA adds its product in the training dtype; the LoRA's file
@@ -29,8 +32,12 @@ as before.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
+import mmap
+import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -142,14 +149,87 @@ def _quantizable(module: nn.Module) -> bool:
             and not weight.requires_grad and weight.device.type != "meta")
 
 
+# ---------------------------------------------------------------------------- pages of a mapped file
+
+def file_mapped_ranges() -> list[tuple[int, int]]:
+    """(start, end) addresses of this process's private file mappings (Linux /proc/self/maps; [] elsewhere):
+    where safetensors' memory-mapped tensors live."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        # address perms offset dev inode path: a file (inode != 0, a path) mapped private ("p")
+        if len(fields) == 6 and fields[4] != "0" and fields[1].endswith("p") and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+_libc = None
+
+
+def release_file_pages(start: int, nbytes: int, mapped: list[tuple[int, int]]) -> int:
+    """Hand back to the OS the whole pages of [start, start + nbytes) when they lie in one of the private file
+    mappings `mapped` (file_mapped_ranges); returns the bytes released. A later read of those addresses would
+    read the file again (the mapping is private, so only in-place edits of a dropped tensor are lost)."""
+    global _libc
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return 0
+    if not any(lo <= start and start + nbytes <= hi for lo, hi in mapped):
+        return 0
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + nbytes) // page * page
+    if last <= first:
+        return 0
+    if _libc is None:
+        _libc = _load_libc()
+    return last - first if _libc.madvise(first, last - first, mmap.MADV_DONTNEED) == 0 else 0
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim(0): return freed heap memory to the OS (a no-op where there is no glibc)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        _libc = _load_libc()
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _load_libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
 def quantize_frozen(model: nn.Module, value: str) -> int:
     """Replace every frozen `nn.Linear` of `model` by its `value` quantized layer, one at a time, in module order
     (block by block); returns how many. Each layer's full-precision weight is dropped as soon as its quantized
-    layer takes its place. Call after anything is merged into the weights and before a LoRA wraps the layers."""
+    layer takes its place, and when it was a view of a memory-mapped file (safetensors, read in the training
+    dtype) its pages are handed back to the OS. Call after anything is merged into the weights and before a
+    LoRA wraps the layers."""
     if value == NO_CHANGE:
         return 0
     quantize = _QUANTIZERS[value]
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    mapped = file_mapped_ranges()
+
+    def replace(parent: nn.Module, name: str) -> None:
+        child = parent._modules[name]
+        weight = child.weight
+        where = (weight.data_ptr(), weight.numel() * weight.element_size() if weight.is_contiguous() else 0)
+        alive = weakref.ref(weight)
+        parent._modules[name] = quantize(child)
+        del child, weight
+        if mapped and alive() is None:  # nothing else holds the float weight: its file pages can go
+            if release_file_pages(*where, mapped):
+                trim_heap()  # and the quantization's freed temporaries, which glibc keeps in its heap
 
     def walk(parent: nn.Module, path: tuple[str, ...]) -> int:
         count = 0
@@ -158,7 +238,8 @@ def quantize_frozen(model: nn.Module, value: str) -> int:
             if child is None or (keep and any(p in keep for p in (*path, name))):
                 continue
             if _quantizable(child):
-                parent._modules[name] = quantize(child)
+                del child
+                replace(parent, name)
                 count += 1
             else:
                 count += walk(child, (*path, name))
