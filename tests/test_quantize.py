@@ -143,6 +143,26 @@ def test_quantizing_a_mapped_file_hands_its_pages_back(tmp_path):
     assert rel < 0.05, rel  # the weights were read before their pages went (8 int8 layers in a row: 0.02 measured)
 
 
+@pytest.mark.parametrize("value", ["int8-quanto", "int4-quanto", "int8-torchao"])
+def test_block_swap_moves_quantized_blocks(value):
+    """The swapper's moves (real copies even CPU to CPU) carry a quantized block's codes and scales: the output
+    is bitwise the same as without swapping, and the swapped blocks' weights are still quantized afterwards."""
+    _need(value)
+    from library.train.memory.block_swap import BlockSwapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)])
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    quantize_frozen(model, value)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    expected = model(x)
+    swapper = BlockSwapper(list(model), 2, "cpu", "cpu")
+    for _ in range(2):
+        assert torch.equal(model(x), expected)
+    assert swapper.stats.loads == 4  # two swapped blocks, two passes
+    assert quantized_layers(swapper.swapped) == 2
+
+
 # ---------------------------------------------------------------------------- flags
 def test_precision_flag_checks(monkeypatch):
     flux = get_family("flux")
@@ -158,8 +178,9 @@ def test_precision_flag_checks(monkeypatch):
          "--text_encoder_precision with --fp8_base: choose one way to store the base (fp8-quanto or fp8-torchao is "
          "float8 by a library)"),
         (dict(base_model_precision="nf4-bnb", blocks_to_swap=2), False,
-         "--base_model_precision nf4-bnb with --blocks_to_swap: not supported yet (the swapper copies plain weights, "
-         "not quantized ones); drop one of them"),
+         "--base_model_precision nf4-bnb with --blocks_to_swap: bitsandbytes keeps a 4-bit weight's quantization "
+         "state (absmax, code) beside the weight, and the swapper moves only the weight; use int4-quanto, or drop "
+         "one of them"),
     ]
     monkeypatch.setattr(q, "_installed", lambda package: True)
     for values, fine_tune, message in cases:
@@ -175,6 +196,18 @@ def test_precision_flag_checks(monkeypatch):
     assert q.precision_unavailable("fp8-torchao", cuda=True) == (
         "fp8-torchao needs a GPU of CUDA capability 8.9 or newer (this one has 8.0); use int8-quanto")
     assert q.precision_unavailable("int8-torchao", cuda=True) is None
+    # fp8 with dynamic activation quantization: CUDA >= 8.9 only
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=False) == (
+        "fp8-torchao-dynamic needs a CUDA GPU of capability 8.9 or newer (float8 matmuls of weights and activations; "
+        "there is no CPU kernel) and this run has none; use fp8-torchao or int8-quanto")
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=True).startswith(
+        "fp8-torchao-dynamic needs a GPU of CUDA capability 8.9 or newer (this one has 8.0)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=True) is None
+    # the backends whose layers move are accepted with --blocks_to_swap
+    for value in ("int8-quanto", "int4-quanto", "fp8-quanto", "int8-torchao"):
+        assert memory_options_from_args({"base_model_precision": value, "blocks_to_swap": 2},
+                                        flux).blocks_to_swap == 2
 
 
 def test_fsdp_refuses_a_quantized_base():
@@ -227,6 +260,21 @@ def _relative_difference(a, b):
 # quantized layers gives other keys, a base quantized with its scales dropped gives NaN / > 1.
 LORA_TOLERANCE = {"int8-quanto": 0.15, "int8-torchao": 0.15, "fp8-quanto": 0.4, "fp8-torchao": 0.4,
                   "int4-quanto": 0.6, "nf4-bnb": 0.65}
+
+
+def test_flux_lora_with_block_swap_on_a_quantized_base(tmp_path):
+    """--blocks_to_swap with int8-quanto trains tiny:flux to the same LoRA as without swapping (on the CPU the
+    moves are real copies of the quantized weights, so a lost scale would show)."""
+    _need("int8-quanto")
+    _, plain, _ = _train(tmp_path, "plain", ["--base_model_precision", "int8-quanto"], steps=2)
+    _, swapped, trainer = _train(tmp_path, "swapped", ["--base_model_precision", "int8-quanto",
+                                                         "--blocks_to_swap", "1"], steps=2)
+    assert trainer.block_swapper is not None and trainer.block_swapper.stats.loads > 0
+    assert quantized_layers(trainer.block_swapper.swapped) > 0
+    assert quantized_layers([trainer.components.denoiser]) == 56
+    assert swapped.keys() == plain.keys()
+    # the same ops in the same order on copies of the same weights: bitwise equal (measured)
+    assert all(torch.equal(swapped[k], plain[k]) for k in plain)
 
 
 @pytest.mark.parametrize("value", ["int8-quanto", "nf4-bnb"])

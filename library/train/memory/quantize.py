@@ -11,6 +11,7 @@ Every value names its format and the library that serves it (docs/quantization.m
 | `int8-torchao` | int8, per output channel        | torchao (`Int8WeightOnlyConfig`)         |
 | `fp8-torchao`  | float8 e4m3, per channel scale  | torchao (`Float8WeightOnlyConfig`)       |
 | `nf4-bnb`      | NormalFloat4, blocks of 64      | bitsandbytes (`Linear4bit`, nf4)         |
+| `fp8-torchao-dynamic` | float8 e4m3 weights and activations (row scales) | torchao (`Float8DynamicActivationFloat8WeightConfig`), CUDA >= 8.9 only |
 
 No kernel here is ours: each layer is handed to its library, which stores the weight and runs the
 matmul (dequantizing or with its own kernel). Only `nn.Linear` layers are quantized (Conv2d, norms and
@@ -58,6 +59,7 @@ class Precision:
     bits: int
     what: str
     cuda_capability: Optional[tuple[int, int]] = None  # the least CUDA capability its kernels need on a GPU
+    cuda_only: bool = False  # its kernels exist only on CUDA (no CPU fallback)
 
 
 PRECISIONS: dict[str, Precision] = {p.value: p for p in (
@@ -67,6 +69,8 @@ PRECISIONS: dict[str, Precision] = {p.value: p for p in (
     Precision("int8-torchao", "torchao", "torchao", 8, "int8 weights, per-channel scales"),
     Precision("fp8-torchao", "torchao", "torchao", 8, "float8 e4m3 weights, per-channel scales", (8, 9)),
     Precision("nf4-bnb", "bitsandbytes", "bitsandbytes", 4, "NormalFloat4 weights, blocks of 64"),
+    Precision("fp8-torchao-dynamic", "torchao", "torchao", 8,
+              "float8 e4m3 weights and activations quantized per row at run time", (8, 9), cuda_only=True),
 )}
 CHOICES: tuple[str, ...] = (NO_CHANGE, *PRECISIONS)
 
@@ -90,6 +94,10 @@ def precision_unavailable(value: str, cuda: Optional[bool] = None) -> Optional[s
     if not _installed(p.package):
         return f"{value} needs the {p.pip_name} package, which is not installed (pip install {p.pip_name})"
     cuda = torch.cuda.is_available() if cuda is None else cuda
+    if p.cuda_only and not cuda:
+        need = ".".join(map(str, p.cuda_capability or (0, 0)))
+        return (f"{value} needs a CUDA GPU of capability {need} or newer (float8 matmuls of weights and "
+                f"activations; there is no CPU kernel) and this run has none; use fp8-torchao or int8-quanto")
     if cuda and p.cuda_capability and torch.cuda.get_device_capability() < p.cuda_capability:
         have = ".".join(map(str, torch.cuda.get_device_capability()))
         need = ".".join(map(str, p.cuda_capability))
@@ -140,6 +148,7 @@ _QUANTIZERS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "int8-torchao": _torchao("Int8WeightOnlyConfig"),
     "fp8-torchao": _torchao("Float8WeightOnlyConfig"),
     "nf4-bnb": _bnb_nf4,
+    "fp8-torchao-dynamic": _torchao("Float8DynamicActivationFloat8WeightConfig"),
 }
 
 
