@@ -11,7 +11,14 @@ Step time: a LoRA (rank 16, every Linear of the blocks, weights in bf16) trainin
 at a narrower width (--step_heads x 128), batch 1, 32x32 latent (256 image tokens) and 64 text tokens, median of
 --steps, as a ratio against bf16 measured in the same run. Each value runs in its own process.
 
+Quantize on load (`--load`): a BFL-layout FLUX.1-dev file with `--double` / `--single` full-width blocks (random
+weights, bf16) is written once, then each value loads it in its own process as the trainer does (the family's
+`load_bfl_transformer` in bf16, then `quantize_frozen`); printed is the process's peak RSS during that, above its
+RSS before loading, over the bf16 size of the file's tensors. `no_change` reads every weight once (training
+touches them all), the quantized values only quantize.
+
     python bench/bench_quantized.py [--values int8-quanto nf4-bnb ...] [--steps 3] [--step_heads 6]
+    python bench/bench_quantized.py --load [--double 1 --single 2] [--values ...]
 """
 
 from __future__ import annotations
@@ -107,13 +114,130 @@ def step_time(value: str, steps: int, heads: int) -> float:
     return statistics.median(times)
 
 
+def hwm_rss_mib() -> float:
+    """This process's RSS high-water mark (VmHWM: unlike ru_maxrss, not carried over from the parent across exec)."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/statm", encoding="utf-8") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def write_flux_file(path: str, double: int, single: int) -> int:
+    """A BFL FLUX.1-dev transformer file with `double` / `single` full-width blocks (bf16); its tensor bytes."""
+    from safetensors.torch import save_file
+
+    from bench.bench_flux_step import build_transformer
+    from library.families.flux.layout import diffusers_to_bfl
+
+    torch.manual_seed(0)
+    model = build_transformer(double, single, torch.bfloat16)
+    tensors = {k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def load_one(value: str, path: str) -> dict:
+    """Load `path` as the trainer does and quantize it; peak RSS above the RSS before loading."""
+    from diffusers import FluxTransformer2DModel  # noqa: F401 - imported (code, not weights) before measuring
+    from library.families.flux.loading import load_bfl_transformer
+
+    quantize_frozen(torch.nn.Sequential(torch.nn.Linear(256, 256)).requires_grad_(False), value)  # its library too
+    before = current_rss_mib()
+    start = time.perf_counter()
+    model = load_bfl_transformer(path, torch.bfloat16).requires_grad_(False)  # frozen, as the trainer has it
+    if value == NO_CHANGE:
+        total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read once, as training does
+        assert total == total
+    count = quantize_frozen(model, value)
+    seconds = time.perf_counter() - start
+    return {"value": value, "layers": count, "load_s": seconds, "resident": resident_bytes(model),
+            "peak_mib": hwm_rss_mib() - before, "rss_after_mib": current_rss_mib() - before}
+
+
+def main_load(a) -> None:
+    path = os.path.join(a.dir, f"flux1-dev-{a.double}d{a.single}s-bf16.safetensors")
+    bf16_bytes = write_flux_file(path, a.double, a.single) if not os.path.isfile(path) else None
+    if bf16_bytes is None:
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            bf16_bytes = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                             else _numel(f.get_slice(k).get_shape()) for k in f.keys()) * 2
+    results = {}
+    for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
+        why = precision_unavailable(value)
+        if why:
+            print(f"{value}: skipped ({why})")
+            continue
+        out = subprocess.run([sys.executable, __file__, "--load_one", value, "--file", path],
+                             capture_output=True, text=True)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{value}: failed ({(out.stderr.strip().splitlines() or ['?'])[-1]})")
+            continue
+        results[value] = json.loads(line[len("RESULT "):])
+    mib = bf16_bytes / 2 ** 20
+    full = full_flux_bytes()
+    print(f"FLUX.1-dev transformer file, {a.double} double + {a.single} single full-width blocks: {mib:.0f} MiB bf16; "
+          f"peak RSS while loading (above the RSS before) over that size; 'full depth': the peak scaled to the "
+          f"19 + 38 blocks ({full / 2 ** 30:.2f} GiB bf16): the resident size scales, one layer's quantization "
+          f"temporaries (peak - after) do not")
+    print(f"{'value':<14}{'layers':>7}{'resident/bf16':>15}{'peak load/bf16':>16}{'after/bf16':>12}"
+          f"{'full depth':>12}{'target':>8}{'load s':>8}")
+    for value, r in results.items():
+        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
+        after = r["rss_after_mib"] / mib
+        scaled = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full
+        print(f"{value:<14}{r['layers']:>7}{r['resident'] / bf16_bytes:>15.3f}{r['peak_mib'] / mib:>16.3f}"
+              f"{after:>12.3f}{scaled:>12.3f}{target:>8}{r['load_s']:>8.1f}")
+
+
+def full_flux_bytes() -> int:
+    """bf16 bytes of the whole FLUX.1-dev transformer (19 + 38 blocks), counted on the meta device."""
+    import dataclasses
+
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+
+    from library.families.flux.configs import PRESETS, transformer_config
+
+    with init_empty_weights():
+        model = FluxTransformer2DModel(**transformer_config(dataclasses.replace(
+            PRESETS["random:flux-dev"], double_blocks=FULL_DOUBLE, single_blocks=FULL_SINGLE)))
+    return sum(p.numel() for p in model.parameters()) * 2
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--values", nargs="*", default=list(PRECISIONS))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step_heads", type=int, default=6, help="width of the step-time model, in 128-wide heads")
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--load", action="store_true", help="measure quantize on load from a FLUX.1 file instead")
+    p.add_argument("--double", type=int, default=1, help="--load: full-width double blocks in the file")
+    p.add_argument("--single", type=int, default=2, help="--load: full-width single blocks in the file")
+    p.add_argument("--dir", default="/tmp", help="--load: where the FLUX.1 file is written (kept for reruns)")
+    p.add_argument("--load_one", help=argparse.SUPPRESS)
+    p.add_argument("--file", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.load_one:
+        print("RESULT " + json.dumps(load_one(a.load_one, a.file)))
+        return
+    if a.load:
+        main_load(a)
+        return
     if a.one:
         print("RESULT " + json.dumps(one(a.one, a.steps, a.step_heads)))
         return

@@ -95,6 +95,74 @@ def test_keep_in_fp32_modules_and_trainable_layers_stay():
     assert quantize_frozen(model, "no_change") == 0
 
 
+# ---------------------------------------------------------------------------- quantize on load
+def _mapped_rss_kib(path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_quantizing_a_mapped_file_hands_its_pages_back(tmp_path):
+    """Weights adopted from a safetensors file in its own dtype are views of the mapped file; quantizing each layer
+    hands that layer's pages back, so the file's resident pages never add up to the whole model."""
+    _need("int8-quanto")
+    quantize_frozen(_toy(), "int8-quanto")  # the library's first use (its imports) is not part of the measure
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    width, layers = 1024, 8  # 2 MiB per bf16 weight, 16 MiB in all
+    source = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(torch.bfloat16)
+    path = tmp_path / "base.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    model.load_state_dict(tensors, assign=True)
+    del tensors
+    model.requires_grad_(False)
+    x = torch.randn(2, width, dtype=torch.bfloat16)
+    expected = source(x).float()
+    for p in model.parameters():  # touched, as a loader converting the weights would
+        p.float().sum()
+    touched = _mapped_rss_kib(path)
+    assert touched >= 16 * 1024  # all weights resident: the check below can fail
+    assert quantize_frozen(model, "int8-quanto") == layers
+    # measured 12-36 KiB left (the biases, the header and the partial pages at the ends of each weight)
+    assert _mapped_rss_kib(path) <= 256
+    rel = ((model(x).float() - expected).norm() / expected.norm()).item()
+    assert rel < 0.05, rel  # the weights were read before their pages went (8 int8 layers in a row: 0.02 measured)
+
+
+@pytest.mark.parametrize("value", ["int8-quanto", "int4-quanto", "int8-torchao"])
+def test_block_swap_moves_quantized_blocks(value):
+    """The swapper's moves (real copies even CPU to CPU) carry a quantized block's codes and scales: the output
+    is bitwise the same as without swapping, and the swapped blocks' weights are still quantized afterwards."""
+    _need(value)
+    from library.train.memory.block_swap import BlockSwapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)])
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    quantize_frozen(model, value)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    expected = model(x)
+    swapper = BlockSwapper(list(model), 2, "cpu", "cpu")
+    for _ in range(2):
+        assert torch.equal(model(x), expected)
+    assert swapper.stats.loads == 4  # two swapped blocks, two passes
+    assert quantized_layers(swapper.swapped) == 2
+
+
 # ---------------------------------------------------------------------------- flags
 def test_precision_flag_checks(monkeypatch):
     flux = get_family("flux")
@@ -110,8 +178,9 @@ def test_precision_flag_checks(monkeypatch):
          "--text_encoder_precision with --fp8_base: choose one way to store the base (fp8-quanto or fp8-torchao is "
          "float8 by a library)"),
         (dict(base_model_precision="nf4-bnb", blocks_to_swap=2), False,
-         "--base_model_precision nf4-bnb with --blocks_to_swap: not supported yet (the swapper copies plain weights, "
-         "not quantized ones); drop one of them"),
+         "--base_model_precision nf4-bnb with --blocks_to_swap: bitsandbytes keeps a 4-bit weight's quantization "
+         "state (absmax, code) beside the weight, and the swapper moves only the weight; use int4-quanto, or drop "
+         "one of them"),
     ]
     monkeypatch.setattr(q, "_installed", lambda package: True)
     for values, fine_tune, message in cases:
@@ -127,6 +196,18 @@ def test_precision_flag_checks(monkeypatch):
     assert q.precision_unavailable("fp8-torchao", cuda=True) == (
         "fp8-torchao needs a GPU of CUDA capability 8.9 or newer (this one has 8.0); use int8-quanto")
     assert q.precision_unavailable("int8-torchao", cuda=True) is None
+    # fp8 with dynamic activation quantization: CUDA >= 8.9 only
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=False) == (
+        "fp8-torchao-dynamic needs a CUDA GPU of capability 8.9 or newer (float8 matmuls of weights and activations; "
+        "there is no CPU kernel) and this run has none; use fp8-torchao or int8-quanto")
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=True).startswith(
+        "fp8-torchao-dynamic needs a GPU of CUDA capability 8.9 or newer (this one has 8.0)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert q.precision_unavailable("fp8-torchao-dynamic", cuda=True) is None
+    # the backends whose layers move are accepted with --blocks_to_swap
+    for value in ("int8-quanto", "int4-quanto", "fp8-quanto", "int8-torchao"):
+        assert memory_options_from_args({"base_model_precision": value, "blocks_to_swap": 2},
+                                        flux).blocks_to_swap == 2
 
 
 def test_fsdp_refuses_a_quantized_base():
@@ -179,6 +260,21 @@ def _relative_difference(a, b):
 # quantized layers gives other keys, a base quantized with its scales dropped gives NaN / > 1.
 LORA_TOLERANCE = {"int8-quanto": 0.15, "int8-torchao": 0.15, "fp8-quanto": 0.4, "fp8-torchao": 0.4,
                   "int4-quanto": 0.6, "nf4-bnb": 0.65}
+
+
+def test_flux_lora_with_block_swap_on_a_quantized_base(tmp_path):
+    """--blocks_to_swap with int8-quanto trains tiny:flux to the same LoRA as without swapping (on the CPU the
+    moves are real copies of the quantized weights, so a lost scale would show)."""
+    _need("int8-quanto")
+    _, plain, _ = _train(tmp_path, "plain", ["--base_model_precision", "int8-quanto"], steps=2)
+    _, swapped, trainer = _train(tmp_path, "swapped", ["--base_model_precision", "int8-quanto",
+                                                         "--blocks_to_swap", "1"], steps=2)
+    assert trainer.block_swapper is not None and trainer.block_swapper.stats.loads > 0
+    assert quantized_layers(trainer.block_swapper.swapped) > 0
+    assert quantized_layers([trainer.components.denoiser]) == 56
+    assert swapped.keys() == plain.keys()
+    # the same ops in the same order on copies of the same weights: bitwise equal (measured)
+    assert all(torch.equal(swapped[k], plain[k]) for k in plain)
 
 
 @pytest.mark.parametrize("value", ["int8-quanto", "nf4-bnb"])

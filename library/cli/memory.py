@@ -91,6 +91,12 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None, fine
                          **precisions)
 
 
+# Values whose quantized layers the block swapper cannot move, and why (the others: their weight is one tensor
+# subclass whose .to() moves codes and scales together).
+SWAP_REFUSED = {"nf4-bnb": "bitsandbytes keeps a 4-bit weight's quantization state (absmax, code) beside the "
+                           "weight, and the swapper moves only the weight; use int4-quanto, or drop one of them"}
+
+
 def check_precisions(values: Mapping[str, Any], fine_tune: bool, fp8: bool, swap: Optional[int]) -> dict[str, str]:
     """--base_model_precision / --text_encoder_precision, checked before anything loads (one-line ConfigError)."""
     out = {}
@@ -108,9 +114,8 @@ def check_precisions(values: Mapping[str, Any], fine_tune: bool, fp8: bool, swap
         if fp8:
             raise ConfigError(f"--{name} with --fp8_base: choose one way to store the base (fp8-quanto or "
                               "fp8-torchao is float8 by a library)")
-        if swap is not None and name == "base_model_precision":
-            raise ConfigError(f"--{name} {value} with --blocks_to_swap: not supported yet (the swapper copies plain "
-                              "weights, not quantized ones); drop one of them")
+        if swap is not None and name == "base_model_precision" and value in SWAP_REFUSED:
+            raise ConfigError(f"--{name} {value} with --blocks_to_swap: {SWAP_REFUSED[value]}")
     return out
 
 

@@ -8,6 +8,10 @@ frozen, so the offload copy is still exact and nothing is copied back). Backward
 visits the blocks in reverse: a tiny autograd node on the block's outputs brings
 it back before its backward, one on its inputs drops it after.
 
+A block of quantized layers (--base_model_precision with optimum-quanto or torchao) moves the same way: the
+weight is a tensor subclass whose `.to()` moves its codes and scales together; its offload copy is ordinary
+(not page-locked) memory, so its copies to the device are not overlapped as well.
+
 Moving is done by pointing each tensor's `.data` at the other copy, so the tensor
 objects (and autograd's saved references to them) stay the same. What saves memory:
 - with gradient checkpointing (the recommended pairing): nothing of the block is
@@ -92,7 +96,7 @@ class BlockSwapper:
         page_lock = self.cuda and self.offload_device.type == "cpu"  # non_blocking copies need it
         for i, block in enumerate(self.swapped):
             tensors = self._tensors(block)
-            if page_lock:
+            if page_lock and all(_plain(t.data) for t in tensors):
                 buffer, copies = page_locked_copies([t.data for t in tensors])
                 self._locked.append(buffer)
             else:
@@ -154,7 +158,7 @@ class BlockSwapper:
                 compute = torch.cuda.current_stream(self.compute_device)
                 compute.wait_event(event)
                 for t in self._tensors(self.swapped[i]):
-                    t.data.record_stream(compute)  # allocated on the side stream, used on this one
+                    _record_stream(t.data, compute)  # allocated on the side stream, used on this one
                 self._resident[i] = None
             for p in self.swapped[i].parameters():  # accumulating gradients (a trained block) join it here
                 if p.grad is not None and p.grad.device != p.data.device:
@@ -231,6 +235,21 @@ class BlockSwapper:
 
 
 _ALIGN = 256  # bytes; every copy starts at a multiple, so any dtype can view it
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A plain tensor, not a wrapper subclass holding others (a quantized weight of optimum-quanto or torchao)."""
+    return type(t) in (torch.Tensor, nn.Parameter)
+
+
+def _record_stream(t: torch.Tensor, stream) -> None:
+    """record_stream on `t`, or on the inner tensors of a wrapper subclass (a quantized weight: codes, scales)."""
+    if _plain(t) or not hasattr(t, "__tensor_flatten__"):
+        t.record_stream(stream)
+        return
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        _record_stream(getattr(t, name), stream)
 
 
 def page_locked_copies(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
