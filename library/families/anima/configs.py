@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from library.families.common.qwen3 import qwen3_config
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
@@ -76,15 +77,6 @@ def adapter_config(p: AnimaPreset, t5_vocab: int) -> dict:
                 use_self_attention=True, use_layer_norm=False, min_sequence_length=0)
 
 
-def qwen3_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-                 vocab: int):
-    """transformers.Qwen3Config of Qwen3-0.6B's shape at the given sizes (its rope theta, eps, tied embeddings)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, use_cache=False, attention_bias=False)
 
 
 def vae_config(base_dim: int) -> dict:

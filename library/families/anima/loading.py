@@ -33,6 +33,7 @@ from library.families.anima.configs import (
     vae_config,
 )
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.qwen3 import load_qwen3
 from library.families.common.t5 import find_t5_tokenizer
 from library.families.common.loading import adopt, cached_tokenizer, read_file
 from library.families.common.loading import classify_source
@@ -101,55 +102,8 @@ def _adapter_from_tensors(label: str, path: str, tensors: dict) -> torch.nn.Modu
     return adopt(label, path, lambda: AnimaTextConditioner(**config), tensors)
 
 
-# --- Qwen3 ---------------------------------------------------------------------------------------------
-
-def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
-    """(Qwen3Model, tokenizer) from --qwen3: a transformers folder, or one file (`model.*` keys, lm_head ignored)."""
-    from transformers import AutoTokenizer, Qwen3Model
-
-    label = "--qwen3"
-    if os.path.isdir(path):
-        try:
-            model = Qwen3Model.from_pretrained(path, torch_dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{label} {path}: not a Qwen3 folder ({str(e).splitlines()[0][:200]})") from None
-        return model.eval(), _padded(tokenizer)
-    raw = read_file(label, path, "a Qwen3 text encoder (model.layers.* keys)",
-                     lambda keys: any(re.match(r"(model\.)?layers\.0\.self_attn\.q_norm\.", k) for k in keys), dtype)
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in raw.items() if k != "lm_head.weight"}
-    try:
-        vocab, hidden = tensors["embed_tokens.weight"].shape
-        head_dim = tensors["layers.0.self_attn.q_norm.weight"].shape[0]
-        config = qwen3_config(hidden=hidden, intermediate=tensors["layers.0.mlp.gate_proj.weight"].shape[0],
-                              layers=len({m[1] for k in tensors if (m := re.match(r"layers\.(\d+)\.", k))}),
-                              heads=tensors["layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-                              kv_heads=tensors["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
-                              head_dim=head_dim, vocab=vocab)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Qwen3, no tensor for model.{e.args[0]}") from None
-    model = adopt(label, path, lambda: Qwen3Model(config), tensors)
-    return model, find_qwen3_tokenizer(vocab, tokenizer_cache_dir, path)
 
 
-def _padded(tokenizer):
-    if tokenizer.pad_token is None:  # as sd-scripts: pad with <|endoftext|> (the EOS)
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def find_qwen3_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
-    """The tiny tokenizer for the tiny encoder, else Qwen3's from --tokenizer_cache_dir or the local HF cache."""
-    tiny = build_qwen3_tokenizer()
-    if vocab_size == len(tiny):
-        return tiny
-    # Qwen3's embedding is padded past its vocabulary
-    tokenizer = cached_tokenizer(QWEN3_TOKENIZER_REPO, tokenizer_cache_dir, lambda t: 0 < len(t) <= vocab_size)
-    if tokenizer is not None:
-        return _padded(tokenizer)
-    raise ModelLoadError(f"--qwen3 {path}: the {QWEN3_TOKENIZER_REPO} tokenizer is not cached locally; pass "
-                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN3_TOKENIZER_REPO.replace('/', '_')}), "
-                         f"or give --qwen3 as a Qwen3 folder")
 
 
 def load_t5_tokenizer(path: Optional[str], vocab_size: int, tokenizer_cache_dir: Optional[str], model_path: str):
@@ -237,7 +191,8 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
         if not options.qwen3:
             raise ModelLoadError(f"--qwen3: required with an Anima DiT file ({path})")
         dit = load_dit_file(path, opts.dtype, options.llm_adapter_path)
-        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, cache)
+        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, cache, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                                                   tiny_tokenizer=build_qwen3_tokenizer)
         # The LoRA tools (merge, extract, resize) need no VAE; training and generation check for --vae first.
         vae = load_vae_file(opts.vae, opts.vae_dtype) if opts.vae else None
     else:
@@ -246,7 +201,8 @@ def load_anima_components(opts: LoadOptions, options) -> Components:
         if options.llm_adapter_path:
             dit.llm_adapter = load_adapter_file(options.llm_adapter_path, opts.dtype)
         if options.qwen3:
-            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, cache)
+            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, cache, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                                                   tiny_tokenizer=build_qwen3_tokenizer)
         if opts.vae:
             vae = load_vae_file(opts.vae, opts.vae_dtype)
     if opts.from_scratch:

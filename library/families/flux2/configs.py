@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from library.families.common.qwen3 import qwen3_config
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
 
 LATENT_CHANNELS = 32  # the AE's; the DiT sees them patchified 2x2 (128)
@@ -87,14 +88,6 @@ def vae_config(block_out_channels: tuple[int, ...]) -> dict:
                 layers_per_block=2, latent_channels=LATENT_CHANNELS, norm_num_groups=32)
 
 
-def qwen3_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int):
-    """transformers.Qwen3Config of Qwen3's shape at the given sizes."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       head_dim=head_dim, hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
-                       rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False, use_cache=False)
 
 
 def build_qwen3_tokenizer():

@@ -24,6 +24,7 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
 from library.families.common.loading import (adopt, cached_tokenizer, classify_source, infer_vae_config,
                                              load_folder_parts, read_file)
@@ -78,53 +79,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     return adopt(label, path, lambda: Flux2Transformer2DModel(**config), layout.to_diffusers(tensors))
 
 
-def load_qwen3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[str] = None):
-    """(Qwen3Model, tokenizer) from --qwen3: a transformers folder, or one file (`model.*` as ComfyUI's
-    qwen_3_4b.safetensors, or bare keys; lm_head ignored)."""
-    from transformers import AutoTokenizer, Qwen3Model
-
-    label = "--qwen3"
-    if os.path.isdir(path):
-        try:
-            model = Qwen3Model.from_pretrained(path, torch_dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{label} {path}: not a Qwen3 folder ({str(e).splitlines()[0][:200]})") from None
-        tokenizer.padding_side = "right"
-        return model.eval(), tokenizer
-    raw = read_file(label, path, "a Qwen3 text encoder (model.layers.*.self_attn.q_norm keys)",
-                     lambda keys: any(re.search(r"(^|\.)layers\.0\.self_attn\.q_norm\.", k) for k in keys), dtype)
-    tensors = {}
-    for key, value in raw.items():
-        key = key[len("model."):] if key.startswith("model.") else key
-        if key.startswith(("embed_tokens.", "layers.", "norm.")):
-            tensors[key] = value
-    try:
-        vocab, hidden = tensors["embed_tokens.weight"].shape
-        head_dim = tensors["layers.0.self_attn.q_norm.weight"].shape[0]
-        config = qwen3_config(hidden=hidden, intermediate=tensors["layers.0.mlp.gate_proj.weight"].shape[0],
-                              layers=len({m[1] for key in tensors if (m := re.match(r"layers\.(\d+)\.", key))}),
-                              heads=tensors["layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-                              kv_heads=tensors["layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
-                              head_dim=head_dim, vocab=vocab)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Qwen3, no tensor for model.{e.args[0]}") from None
-    model = adopt(label, path, lambda: Qwen3Model(config), tensors)
-    return model, find_qwen3_tokenizer(vocab, tokenizer_cache_dir, path)
 
 
-def find_qwen3_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str):
-    """The tiny tokenizer for the tiny encoder, else Qwen3's from --tokenizer_cache_dir or the local HF cache."""
-    tiny = build_qwen3_tokenizer()
-    if vocab_size == len(tiny):
-        return tiny
-    tokenizer = cached_tokenizer(QWEN3_TOKENIZER_REPO, tokenizer_cache_dir)
-    if tokenizer is not None:
-        tokenizer.padding_side = "right"
-        return tokenizer
-    raise ModelLoadError(f"--qwen3 {path}: the {QWEN3_TOKENIZER_REPO} tokenizer is not cached locally; pass "
-                         f"--tokenizer_cache_dir with a saved copy (folder {QWEN3_TOKENIZER_REPO.replace('/', '_')}), "
-                         f"or give --qwen3 as a Qwen3 folder")
 
 
 def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
@@ -188,7 +144,8 @@ def load_flux2_components(opts: LoadOptions, options) -> Components:
         if not options.qwen3:
             raise ModelLoadError(f"--qwen3: required with a FLUX.2 DiT file ({path})")
         transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir)
+        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                                                   tiny_tokenizer=build_qwen3_tokenizer)
         vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
     else:
         if kind == "diffusers":
@@ -199,7 +156,8 @@ def load_flux2_components(opts: LoadOptions, options) -> Components:
         transformer, vae = parts["transformer"], parts["vae"]
         text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
         if options.qwen3:
-            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir)
+            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                                                   tiny_tokenizer=build_qwen3_tokenizer)
         if ae_path:
             vae = load_ae_file(ae_path, opts.vae_dtype)
     if transformer.config.guidance_embeds:
