@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from library.core.errors import ModelLoadError
+from library.families.base import ModelLoadError
 from library.families.common.loading import adopt, cached_tokenizer, read_file
 
 _QWEN3_MARKER = re.compile(r"(^|\.)layers\.0\.self_attn\.q_norm\.")
