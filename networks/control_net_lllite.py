@@ -137,13 +137,21 @@ class LLLiteModule(nn.Module):
         return self.org_forward(x + self.up(cx) * self.multiplier)
 
     def apply_to(self) -> None:
-        self.org_forward = self.org_module[0].forward
-        self.org_module[0].forward = self.forward
+        org = self.org_module[0]
+        self._org_had_own_forward = "forward" in vars(org)  # another hook was there first: give it back
+        self.org_forward = org.forward
+        org.forward = self.forward
 
     def restore(self) -> None:
-        if self.org_forward is not None:
-            self.org_module[0].forward = self.org_forward
-            self.org_forward = None
+        """Give the Linear its own forward back."""
+        if self.org_forward is None:
+            return
+        org = self.org_module[0]
+        if self._org_had_own_forward:
+            org.forward = self.org_forward
+        else:
+            del org.forward
+        self.org_forward = None
 
 
 def lllite_targets(unet: nn.Module, rename: Optional[Callable[[str], str]]) -> list[tuple[str, nn.Linear, int]]:

@@ -164,16 +164,17 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False, dreambooth: bool = False) -> int:
+                 fine_tune: bool = False, dreambooth: bool = False, lllite: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
-    train_db.py, a fine-tune with its DreamBooth flags). Returns the exit code."""
+    train_db.py, a fine-tune with its DreamBooth flags; `lllite`: sdxl_train_control_net_lllite.py, a network
+    run of networks.control_net_lllite with --cond_emb_dim). Returns the exit code."""
     setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
         # script imported (library/core/stop_signals.py recorded it) stops here.
         stop.install()
-        return _run(family_name, description, argv, stop, fine_tune, dreambooth)
+        return _run(family_name, description, argv, stop, fine_tune, dreambooth, lllite)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -182,9 +183,9 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool, dreambooth: bool = False) -> int:
+         fine_tune: bool, dreambooth: bool = False, lllite: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune, dreambooth)
+    parser = build_parser(description, family, fine_tune, dreambooth, lllite)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)

@@ -14,7 +14,7 @@ from library.cli.deepspeed import DeepSpeedFlags
 from library.cli.fine_tune import MODEL_FORMATS, DreamBoothFlags, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
 from library.cli.memory import MemoryFlags, SpeedFlags
 from library.cli.model import ModelFlags
-from library.cli.network import NetworkFlags
+from library.cli.network import LLLiteFlags, NetworkFlags
 from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
 from library.cli.optimizer import OptimizerFlags, SchedulerFlags
 from library.cli.options import FlagSpec, Range, add_flags, at_least, flag_specs
@@ -29,7 +29,7 @@ _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSch
                   *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
-                    T5xxlFineTuneFlags, DreamBoothFlags)
+                    T5xxlFineTuneFlags, DreamBoothFlags, LLLiteFlags)
 
 
 # The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
@@ -86,12 +86,14 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False,
-                   dreambooth: bool = False) -> list[FlagSpec]:
+                   dreambooth: bool = False, lllite: bool = False) -> list[FlagSpec]:
     """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
-    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags."""
+    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags, `lllite`
+    (sdxl_train_control_net_lllite.py, a network run) --cond_emb_dim."""
     groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
-              *((DreamBoothFlags,) if dreambooth and fine_tune else ()))
+              *((DreamBoothFlags,) if dreambooth and fine_tune else ()),
+              *((LLLiteFlags,) if lllite and not fine_tune else ()))
     specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
         if dataclasses.fields(family.options_type):  # declared in library/families: their ranges are listed apart
@@ -118,10 +120,10 @@ def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
 
 
 def build_parser(description: str, family: Optional[ModelFamily] = None,
-                 fine_tune: bool = False, dreambooth: bool = False) -> TrainingArgumentParser:
+                 fine_tune: bool = False, dreambooth: bool = False, lllite: bool = False) -> TrainingArgumentParser:
     """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
     parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    parser.flag_specs = training_flags(family, fine_tune, dreambooth)
+    parser.flag_specs = training_flags(family, fine_tune, dreambooth, lllite)
     parser.family = family
     parser.fine_tune = fine_tune
     add_flags(parser, parser.flag_specs)

@@ -406,7 +406,8 @@ class Trainer(TrainingLoop):
             family=self.family, components=self.components, scheme=scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
+            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None),
+            before_predict=getattr(self.trainable, "before_predict", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         return ctx, Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 

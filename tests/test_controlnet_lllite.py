@@ -1,0 +1,194 @@
+"""ControlNet-LLLite (networks/control_net_lllite.py, sdxl_train_control_net_lllite.py): sd-scripts' module names and
+file layout, loading back, the UNet's output, training and generation on tiny:sdxl."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from library.core.errors import ConfigError, UserError
+from library.families.sdxl.configs import build_sdxl_modules
+from library.families.sdxl.lora_names import sgm_module_path
+from networks import control_net_lllite as lllite
+
+
+def golden_module_names() -> list[str]:
+    """sd-scripts' rule on SDXL: attn1 q/k/v and attn2 q of every transformer block of input blocks 4, 5 (2 blocks
+    each), 7, 8 and the middle block (10 each); output blocks skipped."""
+    blocks = [("input_blocks_4_1", 2), ("input_blocks_5_1", 2), ("input_blocks_7_1", 10), ("input_blocks_8_1", 10),
+              ("middle_block_1", 10)]
+    return [f"lllite_unet_{block}_transformer_blocks_{i}_{layer}"
+            for block, n in blocks for i in range(n) for layer in ("attn1_to_q", "attn1_to_k", "attn1_to_v",
+                                                                  "attn2_to_q")]
+
+
+KEY_RULE = re.compile(r"^lllite_unet_(input_blocks_[4578]_1|middle_block_1)_transformer_blocks_\d_"
+                      r"(attn1_to_[qkv]|attn2_to_q)\.(conditioning1\.[0246]|down\.0|mid\.0|up\.0)\.(weight|bias)$")
+
+
+def network(unet, cond_emb_dim=32, mlp_dim=64, **kw) -> lllite.ControlNetLLLite:
+    return lllite.ControlNetLLLite(unet, cond_emb_dim, mlp_dim, rename=sgm_module_path, **kw)
+
+
+def test_tiny_sdxl_gets_sd_scripts_136_modules_by_name(tiny_sdxl):
+    net = network(tiny_sdxl.denoiser)
+    names = [m.lllite_name for m in net.unet_modules]
+    assert len(names) == 136
+    assert sorted(names) == sorted(golden_module_names())
+    assert collections.Counter(m.depth for m in net.unet_modules) == {2: 16, 3: 120}
+    keys = list(net.state_dict())
+    # weight + bias of down, mid, up and of the conditioning convs: 2 at depth 2, 3 at depth 3
+    assert len(keys) == 16 * (6 + 4) + 120 * (6 + 6) == 1600
+    assert all(KEY_RULE.match(k) for k in keys), [k for k in keys if not KEY_RULE.match(k)][:3]
+
+
+def test_full_size_sdxl_unet_on_meta_has_the_same_names_and_sd_scripts_shapes():
+    unet = build_sdxl_modules("random:sdxl", "meta")["unet"]
+    net = network(unet)
+    assert sorted(m.lllite_name for m in net.unet_modules) == sorted(golden_module_names())
+    sd = net.state_dict()
+    assert sd["lllite_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.down.0.weight"].shape == (64, 640)
+    assert sd["lllite_unet_input_blocks_7_1_transformer_blocks_9_attn2_to_q.up.0.weight"].shape == (1280, 64)
+    assert sd["lllite_unet_middle_block_1_transformer_blocks_0_attn1_to_v.mid.0.weight"].shape == (64, 96)
+    assert sd["lllite_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.conditioning1.2.weight"].shape == \
+        (32, 16, 4, 4)  # depth 2: 4x then 4x
+    assert sd["lllite_unet_middle_block_1_transformer_blocks_0_attn1_to_q.conditioning1.4.weight"].shape == \
+        (32, 16, 2, 2)  # depth 3: 4x, 4x, then 2x
+    # 22,969,600 weights: about 46 MB in fp16, the size of the published cond_emb_dim 32 / mlp 64 SDXL models
+    assert sum(p.numel() for p in net.parameters()) == 22_969_600
+
+
+def test_depth_rule_of_sgm_paths():
+    assert lllite.lllite_depth("input_blocks.1.1.transformer_blocks.0.attn1.to_q") == 1
+    assert lllite.lllite_depth("input_blocks.4.1.transformer_blocks.1.attn2.to_q") == 2
+    assert lllite.lllite_depth("input_blocks.8.1.transformer_blocks.9.attn1.to_v") == 3
+    assert lllite.lllite_depth("middle_block.1.transformer_blocks.3.attn1.to_k") == 3
+    for skipped in ("output_blocks.0.1.transformer_blocks.0.attn1.to_q",  # output blocks
+                    "input_blocks.4.1.transformer_blocks.0.attn2.to_k",  # text-side inputs of cross-attention
+                    "input_blocks.4.1.transformer_blocks.0.attn1.to_out.0", "input_blocks.4.1.proj_in",
+                    "input_blocks.4.1.transformer_blocks.0.ff.net.2"):
+        assert lllite.lllite_depth(skipped) is None, skipped
+
+
+@pytest.fixture
+def unet_inputs(tiny_sdxl):
+    g = torch.Generator().manual_seed(0)
+    c = tiny_sdxl.denoiser.config
+    latents = torch.randn(2, 4, 16, 16, generator=g)
+    text = torch.randn(2, 77, c.cross_attention_dim, generator=g)
+    added = {"text_embeds": torch.randn(2, 64, generator=g), "time_ids": torch.tensor([[128.0, 128, 0, 0, 128, 128]] * 2)}
+    cond = torch.rand(2, 3, 128, 128, generator=g) * 2 - 1
+    return latents, text, added, cond
+
+
+def unet_out(unet, inputs):
+    latents, text, added, _ = inputs
+    with torch.no_grad():
+        return unet(latents, torch.tensor([500, 20]), text, added_cond_kwargs=added).sample
+
+
+def test_unet_output_is_the_plain_unets_at_zero_output_and_multiplier_0(tiny_sdxl, unet_inputs):
+    unet = tiny_sdxl.denoiser
+    plain = unet_out(unet, unet_inputs)
+    net = network(unet)
+    net.apply_to()
+    try:
+        net.set_cond_image(unet_inputs[3])
+        # as sd-scripts, only up's weight starts at zero: its bias is nn.Linear's default, so a new network
+        # already moves the output (a little)
+        assert not torch.equal(unet_out(unet, unet_inputs), plain)
+        with torch.no_grad():
+            for m in net.unet_modules:
+                m.up[0].bias.zero_()
+        assert torch.equal(unet_out(unet, unet_inputs), plain)  # x + 0 is x: bitwise
+        with torch.no_grad():
+            for m in net.unet_modules:
+                torch.nn.init.normal_(m.up[0].weight, std=0.1)
+        trained = unet_out(unet, unet_inputs)
+        assert (trained - plain).abs().max() > 1e-3
+        net.set_multiplier(0.0)
+        assert torch.equal(unet_out(unet, unet_inputs), plain)
+        net.set_multiplier(1.0)
+        net.set_cond_image(None)
+        assert torch.equal(unet_out(unet, unet_inputs), plain)
+    finally:
+        net.restore()
+    assert torch.equal(unet_out(unet, unet_inputs), plain)
+
+
+def test_module_forward_is_sd_scripts_formula():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 5)
+    module = lllite.LLLiteModule("m", linear, 1, cond_emb_dim=4, mlp_dim=6)
+    torch.nn.init.normal_(module.up[0].weight)
+    module.apply_to()
+    cond = torch.rand(1, 3, 16, 16) * 2 - 1
+    module.set_cond_image(cond)
+    x = torch.randn(2, 4, 8)  # a CFG batch of one conditioning image: (uncond, cond)
+    with torch.no_grad():
+        got = linear(x)
+        emb = module.conditioning1(cond).flatten(2).permute(0, 2, 1).repeat(2, 1, 1)  # (1, 4 tokens, 4) -> (2, ...)
+        h = torch.relu(module.mid[0](torch.cat([emb, torch.relu(module.down[0](x))], dim=2)))
+        want = torch.nn.functional.linear(x + module.up[0](h), linear.weight, linear.bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_saved_file_has_sd_scripts_keys_and_loads_back(tiny_sdxl, tmp_path):
+    net = network(tiny_sdxl.denoiser)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+    path = str(tmp_path / "lllite.safetensors")
+    net.save_weights(path, torch.float16, {"modelspec.architecture": "stable-diffusion-xl-v1-base",
+                                           "ss_network_dim": "64"})
+    with safe_open(path, "pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+        dtypes = {f.get_tensor(k).dtype for k in keys}
+    assert keys == set(net.state_dict())
+    assert dtypes == {torch.float16}
+    assert meta["modelspec.architecture"] == "stable-diffusion-xl-v1-base/control-net-lllite"  # as sd-scripts
+    assert "sshs_model_hash" in meta
+    assert not list(tmp_path.glob("*.tmp*"))  # written atomically
+
+    other = network(tiny_sdxl.denoiser)
+    other.load_weights(path)
+    for key, value in net.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value.half().float()), key
+    rebuilt, weights = lllite.create_network_from_weights(1.0, path, None, None, tiny_sdxl.denoiser,
+                                                          lora_targets=[_unet_target(tiny_sdxl.denoiser)])
+    assert (rebuilt.cond_emb_dim, rebuilt.mlp_dim) == (32, 64)  # read from the tensors, as ComfyUI's loader
+    assert [lllite.depth_of_weights(weights, m.lllite_name) for m in rebuilt.unet_modules] == \
+        [m.depth for m in net.unet_modules]
+
+
+def _unet_target(unet):
+    from networks.lora_targets import LoraTarget
+
+    return LoraTarget("lora_unet", unet, ("Transformer2DModel",), rename=sgm_module_path)
+
+
+def test_a_file_of_other_dims_is_refused_by_name(tiny_sdxl, tmp_path):
+    path = str(tmp_path / "small.safetensors")
+    network(tiny_sdxl.denoiser, cond_emb_dim=16, mlp_dim=8).save_weights(path, None, None)
+    with pytest.raises(UserError, match=r"--network_weights .*small.safetensors: lllite_unet_input_blocks_4_1_"
+                                         r"transformer_blocks_0_attn1_to_k.conditioning1.0.bias has shape \[8\] in "
+                                         r"the file but \[16\] here; use the file's --cond_emb_dim"):
+        network(tiny_sdxl.denoiser).load_weights(path)
+
+
+def test_create_network_arguments_are_checked(tiny_sdxl):
+    targets = [_unet_target(tiny_sdxl.denoiser)]
+    with pytest.raises(ConfigError, match="--cond_emb_dim: required"):
+        lllite.create_network(1.0, 64, 1, None, None, tiny_sdxl.denoiser, lora_targets=targets)
+    with pytest.raises(ConfigError, match="cond_emb_dim=7: expected a positive even integer"):
+        lllite.create_network(1.0, 64, 1, None, None, tiny_sdxl.denoiser, lora_targets=targets, cond_emb_dim="7")
+    with pytest.raises(ConfigError, match="conv_dim: not an argument of ControlNet-LLLite"):
+        lllite.create_network(1.0, 64, 1, None, None, tiny_sdxl.denoiser, lora_targets=targets, cond_emb_dim="32",
+                              conv_dim="4")
+    net = lllite.create_network(1.0, 8, 1, None, None, tiny_sdxl.denoiser, neuron_dropout=0.1, lora_targets=targets,
+                                cond_emb_dim="16")
+    assert (net.cond_emb_dim, net.mlp_dim, net.unet_modules[0].dropout) == (16, 8, 0.1)
