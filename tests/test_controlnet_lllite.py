@@ -192,3 +192,64 @@ def test_create_network_arguments_are_checked(tiny_sdxl):
     net = lllite.create_network(1.0, 8, 1, None, None, tiny_sdxl.denoiser, neuron_dropout=0.1, lora_targets=targets,
                                 cond_emb_dim="16")
     assert (net.cond_emb_dim, net.mlp_dim, net.unet_modules[0].dropout) == (16, 8, 0.1)
+
+
+# --- generation (tools/generate.py --lllite --control_image) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lllite_file(tmp_path_factory):
+    """A LLLite file for tiny:sdxl with random (non-zero) weights everywhere."""
+    unet = build_sdxl_modules("tiny:sdxl")["unet"]
+    net = network(unet, cond_emb_dim=16, mlp_dim=8)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    path = str(tmp_path_factory.mktemp("lllite") / "toy_lllite.safetensors")
+    net.save_weights(path, None, None)
+    return path
+
+
+def control_png(path, seed):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, size=(48, 80, 3), dtype=np.uint8)).save(path)  # not the image's size
+    return str(path)
+
+
+def generated(tmp_path, name, *extra):
+    import numpy as np
+    from PIL import Image
+    from tools import generate as tool
+
+    out = tmp_path / name
+    argv = ["--ckpt", "tiny:sdxl", "--sdxl", "--outdir", str(out), "--prompt", "a red cat --n blurry --d 5",
+            "--device", "cpu", "--W", "64", "--H", "64", "--steps", "2", "--scale", "4", "--sampler", "euler_a", *extra]
+    assert tool.main(argv) == 0
+    (path,) = sorted(out.glob("*.png"))
+    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def test_generate_with_lllite_follows_the_control_image(tmp_path, lllite_file):
+    plain = generated(tmp_path, "plain")
+    a = generated(tmp_path, "a", "--lllite", lllite_file, "--control_image", control_png(tmp_path / "a.png", 0))
+    a_again = generated(tmp_path, "a2", "--network_weights", lllite_file,  # the module is found from the keys
+                        "--control_image", str(tmp_path / "a.png"))
+    b = generated(tmp_path, "b", "--lllite", lllite_file, "--control_image", control_png(tmp_path / "b.png", 1))
+    off = generated(tmp_path, "off", "--lllite", lllite_file, "--lllite_mul", "0",
+                    "--control_image", str(tmp_path / "a.png"))
+    assert a.shape == (64, 64, 3)
+    assert (a == a_again).all()
+    assert abs(a - plain).max() > 10 and abs(a - b).max() > 10
+    assert (off == plain).all()  # multiplier 0: the plain model's image
+
+
+def test_generate_lllite_without_a_control_image_is_refused(tmp_path, lllite_file, capsys):
+    from tools import generate as tool
+
+    code = tool.main(["--ckpt", "tiny:sdxl", "--sdxl", "--outdir", str(tmp_path), "--prompt", "a cat",
+                      "--lllite", lllite_file])
+    assert code != 0
+    assert "--lllite " + lllite_file + ": expected --control_image too" in capsys.readouterr().err
