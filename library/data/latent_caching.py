@@ -117,7 +117,7 @@ class _DecodeBatches(torch.utils.data.Dataset):
             sub = self.data.subsets[sample.subset]
             try:
                 loaded = load_and_crop(sample, sub, job.placement, self.data.bucketing(self.data.groups[job.group]),
-                                       random.Random(0), augment=False)
+                                       random.Random(0), augment=False, with_conditioning=False)
             except ImageDecodeError as e:
                 failed.append((sample.path, str(e)))
                 continue
