@@ -253,3 +253,89 @@ def test_generate_lllite_without_a_control_image_is_refused(tmp_path, lllite_fil
                       "--lllite", lllite_file])
     assert code != 0
     assert "--lllite " + lllite_file + ": expected --control_image too" in capsys.readouterr().err
+
+
+# --- training (sdxl_train_control_net_lllite.py) ---------------------------------------------------------------------
+
+def lllite_pairs(root) -> tuple[str, str]:
+    """root/train/2_toy with 4 images (two buckets) and captions; root/cond with an edge-like image of each."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    folder, cond = os.path.join(root, "train", "2_toy"), os.path.join(root, "cond")
+    os.makedirs(folder)
+    os.makedirs(cond)
+    rng = np.random.default_rng(0)
+    for i, (w, h) in enumerate([(64, 64), (128, 64), (64, 64), (128, 64)]):
+        img = rng.integers(0, 255, size=(h, w, 3), dtype=np.uint8)
+        Image.fromarray(img).save(os.path.join(folder, f"im{i}.png"))
+        Image.fromarray(np.where(img > 128, 255, 0).astype(np.uint8)).save(os.path.join(cond, f"im{i}.png"))
+        with open(os.path.join(folder, f"im{i}.txt"), "w") as f:
+            f.write(f"toy {i}")
+    return os.path.join(root, "train"), cond
+
+
+def lllite_argv(train, cond, out, steps=2, extra=()):
+    return ["--pretrained_model_name_or_path", "tiny:sdxl", "--train_data_dir", train, "--conditioning_data_dir", cond,
+            "--caption_extension", ".txt", "--resolution", "64", "--enable_bucket", "--min_bucket_reso", "64",
+            "--max_bucket_reso", "128", "--train_batch_size", "1", "--max_data_loader_n_workers", "0",
+            "--cond_emb_dim", "16", "--network_dim", "8", "--learning_rate", "1e-3", "--optimizer_type", "AdamW",
+            "--max_train_steps", str(steps), "--seed", "7", "--output_dir", out, "--output_name", "lllite",
+            "--save_model_as", "safetensors", *extra]
+
+
+def run_lllite(argv) -> int:
+    from library.cli.entry import run_training
+
+    return run_training("sdxl", "test", argv, lllite=True)
+
+
+def test_train_two_steps_saves_an_sd_scripts_lllite_file_that_loads_back(tmp_path, tiny_sdxl):
+    train, cond = lllite_pairs(str(tmp_path))
+    out = str(tmp_path / "out")
+    assert run_lllite(lllite_argv(train, cond, out)) == 0
+    path = tmp_path / "out" / "lllite.safetensors"
+    with safe_open(str(path), "pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+        saved = {k: f.get_tensor(k) for k in keys}
+    assert keys == {f"{name}.{rest}" for name in golden_module_names() for rest in _tensor_names(name)}
+    assert meta["ss_network_module"] == "networks.control_net_lllite"
+    assert meta["modelspec.architecture"].endswith("/control-net-lllite")
+    # the zero-initialised up weights trained: the conditioning reached the loss
+    assert all(saved[k].abs().max() > 0 for k in keys if k.endswith(".up.0.weight"))
+    net = lllite.create_network_from_weights(1.0, str(path), None, None, tiny_sdxl.denoiser,
+                                             lora_targets=[_unet_target(tiny_sdxl.denoiser)])[0]
+    net.load_weights(str(path))
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in saved.items())
+
+    # continued from the file (--network_weights): one SGD step at 1e-30 (far below a float's resolution at these
+    # magnitudes) gives the file's weights back, where a fresh start would not
+    again = str(tmp_path / "again")
+    assert run_lllite(lllite_argv(train, cond, again, steps=1, extra=["--network_weights", str(path),
+                                                                      "--optimizer_type", "SGD",
+                                                                      "--learning_rate", "1e-30"])) == 0
+    with safe_open(str(tmp_path / "again" / "lllite.safetensors"), "pt") as f:
+        for k, v in saved.items():
+            torch.testing.assert_close(f.get_tensor(k), v, rtol=0, atol=1e-25)
+
+
+def _tensor_names(name: str) -> list[str]:
+    convs = (0, 2, 4) if name.startswith(("lllite_unet_input_blocks_7", "lllite_unet_input_blocks_8",
+                                          "lllite_unet_middle")) else (0, 2)
+    layers = [f"conditioning1.{i}" for i in convs] + ["down.0", "mid.0", "up.0"]
+    return [f"{layer}.{p}" for layer in layers for p in ("weight", "bias")]
+
+
+def test_bad_lllite_command_lines_are_one_line_errors(tmp_path, capsys):
+    train, cond = lllite_pairs(str(tmp_path))
+    argv = lllite_argv(train, cond, str(tmp_path / "out"))
+    i = argv.index("--cond_emb_dim")
+    assert run_lllite(argv[:i] + argv[i + 2:]) == 2
+    assert "--cond_emb_dim: required for ControlNet-LLLite" in capsys.readouterr().err
+    assert run_lllite(argv + ["--network_module", "networks.lora_fa"]) == 2
+    assert "sdxl_train_control_net_lllite.py trains networks.control_net_lllite only" in capsys.readouterr().err
+    i = argv.index("--conditioning_data_dir")
+    assert run_lllite(argv[:i] + argv[i + 2:]) == 2
+    assert "needs conditioning_data_dir" in capsys.readouterr().err

@@ -111,11 +111,15 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     resolved = {"seed": training.seed, "gradient_checkpointing": gradient_checkpointing,
                 "learning_rate": optimizer.learning_rate}
     recorded = {**vars(ns), **resolved}
+    kind = network_kind(network.network_module) if network else None
+    data = data_options_from_args(ns, seed=training.seed)
+    if kind is not None and kind.conditioning_images:  # ControlNet-LLLite: conditioning_data_dir pairs each image
+        data = dataclasses.replace(data, conditioning_images=True)
     settings = RunSettings(
         model=model,
-        data=data_options_from_args(ns, seed=training.seed),
+        data=data,
         network=network,
-        network_kind=network_kind(network.network_module) if network else None,
+        network_kind=kind,
         fine_tune=fine_tune_options_from_args(ns, family) if fine_tune else None,
         ema=ema_options_from_args(ns),
         optimizer=optimizer,

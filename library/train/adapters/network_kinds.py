@@ -81,6 +81,7 @@ def import_network_module(name: str) -> ModuleType:
 class NetworkKind:
     """How the loop creates, loads and names the networks of one --network_module."""
     own = False  # whether its modules carry kohya names themselves (no renaming on save/load)
+    conditioning_images = False  # whether it trains on image / conditioning-image pairs (conditioning_data_dir)
 
     def __init__(self, name: str, module: ModuleType):
         self.name = name
@@ -177,8 +178,9 @@ class OwnLoRAVariant(OwnLoRA):
 
 class LLLiteNetwork(NetworkKind):
     """networks.control_net_lllite (ControlNet-LLLite): its modules name themselves by the SGM paths the family's
-    UNet target renames to, as sd-scripts' files and ComfyUI's loader have them."""
+    UNet target renames to, as sd-scripts' files and ComfyUI's loader have them. It trains on conditioning images."""
     own = True
+    conditioning_images = True
 
     def create_kwargs(self, family, components, opts, fp8_base):
         return {**opts.network_args, "lora_targets": family.lora_targets(components)}

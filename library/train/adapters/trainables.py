@@ -160,14 +160,15 @@ class AdapterTrainable(Trainable):
 
     def before_predict(self, batch: dict) -> None:
         """A network conditioned on an image (ControlNet-LLLite: `set_cond_image`) gets the batch's conditioning
-        images, (b, 3, H, W) in [-1, 1] at the images' pixel size."""
+        images at the images' pixel size, in [-1, 1] as sd-scripts' LLLite dataset and ComfyUI's loader give them
+        (the batch holds them in [0, 1])."""
         if not hasattr(self.module, "set_cond_image"):
             return
         images = batch.get("conditioning_images")
         if images is None:
             raise ConfigError(f"--network_module {self.opts.network_module}: the batch has no conditioning images; "
                               "expected a conditioning_data_dir for every subset")
-        self.module.set_cond_image(images)
+        self.module.set_cond_image(images * 2.0 - 1.0)
 
     def parameter_groups(self, default_lr):
         return optimizer_groups(self.module, self.opts, default_lr, self.kind, self.components)
