@@ -339,3 +339,34 @@ def test_bad_lllite_command_lines_are_one_line_errors(tmp_path, capsys):
     i = argv.index("--conditioning_data_dir")
     assert run_lllite(argv[:i] + argv[i + 2:]) == 2
     assert "needs conditioning_data_dir" in capsys.readouterr().err
+
+
+def test_web_ui_template_is_a_job_the_lllite_script_checks(tmp_path, capsys):
+    """webui/templates/sdxl_controlnet_lllite.toml: the sdxl family's controlnet_lllite script; its config and
+    dataset, on the tiny model with example pairs, pass the script's own --check_config."""
+    import toml
+
+    from library.families import get_family
+    from webui.jobfiles import templates
+
+    t = templates()["sdxl_controlnet_lllite"]
+    assert (t["template"]["family"], t["template"]["mode"]) == ("sdxl", "controlnet_lllite")
+    assert get_family("sdxl").scripts["controlnet_lllite"] == "sdxl_train_control_net_lllite.py"
+    train, cond = lllite_pairs(str(tmp_path))
+    config = {section: dict(values) for section, values in t["config"].items()}
+    config["model"]["pretrained_model_name_or_path"] = "tiny:sdxl"
+    config["optimizer"]["optimizer_type"] = "AdamW"
+    config["output"].update(output_dir=str(tmp_path / "out"), logging_dir=str(tmp_path / "logs"))  # the job's folders
+    config["training"]["mixed_precision"] = "no"
+    dataset = t["dataset"]
+    dataset["datasets"][0].update(resolution=64, min_bucket_reso=64, max_bucket_reso=128)
+    dataset["datasets"][0]["subsets"][0].update(image_dir=str(tmp_path / "train" / "2_toy"), conditioning_data_dir=cond)
+    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
+    config["model"]["dataset_config"] = str(tmp_path / "dataset.toml")
+    (tmp_path / "config.toml").write_text(toml.dumps(config))
+    assert run_lllite(["--config_file", str(tmp_path / "config.toml"), "--check_config"]) == 0, capsys.readouterr().err
+    assert "config ok" in capsys.readouterr().out
+    dataset["datasets"][0]["subsets"][0].pop("conditioning_data_dir")
+    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
+    assert run_lllite(["--config_file", str(tmp_path / "config.toml"), "--check_config"]) == 2
+    assert "needs conditioning_data_dir" in capsys.readouterr().err

@@ -119,7 +119,8 @@ class ModelFamily(ABC):
     contents: ClassVar[tuple[tuple[str, str], ...]] = ()
     diffusers_class_markers: ClassVar[tuple[str, ...]] = ()
     detect_rank: ClassVar[int] = 100
-    # The family's entry scripts by mode ("lora": its train_network script, "finetune": its full fine-tune one);
+    # The family's entry scripts by mode ("lora": its train_network script, "finetune": its full fine-tune one,
+    # "controlnet_lllite": SDXL's ControlNet-LLLite script, a network run over a frozen model);
     # a family trained through another's scripts (Chroma: FLUX.1's) names those, with the --model_type values
     # that select it there (None: the scripts' default).
     scripts: ClassVar[dict[str, str]] = {}

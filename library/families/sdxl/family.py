@@ -67,7 +67,8 @@ class SDXLFamily(ModelFamily):
     single_file_markers = ("conditioner.embedders.",)
     contents = (("conditioner.embedders.", "an SDXL checkpoint"),)
     diffusers_class_markers = ("XL",)
-    scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py"}
+    scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py",
+               "controlnet_lllite": "sdxl_train_control_net_lllite.py"}
     selector_flag = "sdxl"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (OpenCLIP-G)")
     denoiser_label = "UNet"
