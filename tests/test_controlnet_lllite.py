@@ -393,3 +393,27 @@ def test_resumed_lllite_run_equals_the_uninterrupted_run(tmp_path):
     assert straight.keys() == resumed.keys() and len(straight) == 1600
     assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []
     assert all(v.abs().max() > 0 for k, v in straight.items() if k.endswith(".up.0.weight"))  # it trained
+
+
+def test_ddp_two_processes_agree_on_the_lllite_weights(tmp_path):
+    """torchrun, 2 CPU processes (gloo): each trains on its own share of the pairs, the gradients are averaged, so
+    both hold the same LLLite weights after every step; only rank 0 writes the file."""
+    import os
+
+    from tests.distributed_helpers import TORCHRUN, launch, read_trace
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun not installed")
+    tmp = str(tmp_path)
+    train, cond = lllite_pairs(tmp)
+    out, logs = os.path.join(tmp, "out"), os.path.join(tmp, "logs")
+    argv = lllite_argv(train, cond, out, steps=3, extra=["--cpu", "--logging_dir", logs])
+    launch(tmp, 1, argv, timeout=400, env_extra={"SCRIPT": "sdxl_train_control_net_lllite.py"})
+    trace = read_trace(tmp)
+    assert [t["step"] for t in trace[0]] == [t["step"] for t in trace[1]] == [1, 2, 3]
+    assert [t["params"] for t in trace[0]] == [t["params"] for t in trace[1]]  # the same weights on both
+    assert all(len(t["images"]) == 1 for r in (0, 1) for t in trace[r])  # each its own batch of 1 per step
+    with safe_open(os.path.join(out, "lllite.safetensors"), "pt") as f:
+        assert len(list(f.keys())) == 1600 and f.metadata()["ss_total_batch_size"] == "2"
+    with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
+        assert f.read() == ""  # rank 1 wrote nothing
