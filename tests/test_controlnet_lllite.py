@@ -417,3 +417,15 @@ def test_ddp_two_processes_agree_on_the_lllite_weights(tmp_path):
         assert len(list(f.keys())) == 1600 and f.metadata()["ss_total_batch_size"] == "2"
     with open(os.path.join(tmp, "audit", "writes1.txt")) as f:
         assert f.read() == ""  # rank 1 wrote nothing
+
+
+def test_sampling_during_lllite_training_writes_images(tmp_path):
+    """--sample_every_n_steps: the samples are made between steps whose conditioning images have another size than
+    the samples (they are cleared for sampling: no --cn control image per prompt yet)."""
+    train, cond = lllite_pairs(str(tmp_path))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a toy --w 64 --h 96 --s 2 --d 1\n")
+    out = tmp_path / "out"
+    assert run_lllite(lllite_argv(train, cond, str(out), steps=2, extra=[
+        "--sample_prompts", str(prompts), "--sample_every_n_steps", "1", "--sample_sampler", "euler"])) == 0
+    assert len([p for p in (out / "sample").glob("*.png") if not p.name.endswith("_grid.png")]) == 2  # steps 1, 2

@@ -104,6 +104,8 @@ class SampleHook:
             if schedule_free:
                 trainer.optimizer.eval()  # sample with the averaged weights, as the final model will be
             network.eval()
+            if hasattr(network, "set_cond_image"):  # ControlNet-LLLite: the last batch's conditioning images fit no
+                network.set_cond_image(None)       # sample; samples show the model without control (no --cn yet)
             user_multiplier = getattr(trainer.s.network, "network_multiplier", None) if trainer.s.network else None
             if user_multiplier is not None and hasattr(network, "set_multiplier"):
                 network.set_multiplier(user_multiplier)
