@@ -429,3 +429,15 @@ def test_sampling_during_lllite_training_writes_images(tmp_path):
     assert run_lllite(lllite_argv(train, cond, str(out), steps=2, extra=[
         "--sample_prompts", str(prompts), "--sample_every_n_steps", "1", "--sample_sampler", "euler"])) == 0
     assert len([p for p in (out / "sample").glob("*.png") if not p.name.endswith("_grid.png")]) == 2  # steps 1, 2
+
+
+def test_lllite_trains_with_checkpointing_and_caches(tmp_path):
+    """--gradient_checkpointing (the embedding is recomputed with the block), --cache_latents (the conditioning
+    images are still read every step) and --cache_text_encoder_outputs (the text encoders never train here)."""
+    train, cond = lllite_pairs(str(tmp_path))
+    out = tmp_path / "out"
+    assert run_lllite(lllite_argv(train, cond, str(out), steps=2, extra=[
+        "--gradient_checkpointing", "--cache_latents", "--cache_text_encoder_outputs"])) == 0
+    with safe_open(str(out / "lllite.safetensors"), "pt") as f:
+        ups = [f.get_tensor(k) for k in f.keys() if k.endswith(".up.0.weight")]
+    assert len(ups) == 136 and all(u.abs().max() > 0 for u in ups)
