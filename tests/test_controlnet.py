@@ -1,0 +1,134 @@
+"""The ControlNet scripts (train_control_net.py, sdxl_train_control_net.py, flux_train_control_net.py): 2 steps on
+the tiny models, saved files that diffusers loads with exactly the weights trained, resume, refusals before step 1."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from library.cli.entry import run_training
+from library.train.trainer import InterruptedTraining
+from tests.train_helpers import ft_args
+
+CASES = [("sd", "tiny:sd1"), ("sdxl", "tiny:sdxl"), ("flux", "tiny:flux")]
+# What ComfyUI's comfy/controlnet.py tells the single-file layouts by (diffusers SD/SDXL; InstantX FLUX.1).
+COMFY_MARKER = {"sd": "controlnet_cond_embedding.conv_in.weight", "sdxl": "controlnet_cond_embedding.conv_in.weight",
+                "flux": "controlnet_x_embedder.weight"}
+
+
+def _pairs(root: str, n: int = 2) -> tuple[str, str]:
+    """root/train/1_toy/img<i>.png (+ .txt) and root/cond/img<i>.png: a square and its edges."""
+    folder, cond = os.path.join(root, "train", "1_toy"), os.path.join(root, "cond")
+    os.makedirs(folder)
+    os.makedirs(cond)
+    for i in range(n):
+        img = np.full((64, 64, 3), 40 * i, np.uint8)
+        img[16:48, 16:48] = 220
+        Image.fromarray(img).save(os.path.join(folder, f"img{i}.png"))
+        edges = np.zeros((64, 64, 3), np.uint8)
+        edges[16:48, 16] = edges[16:48, 47] = edges[16, 16:48] = edges[47, 16:48] = 255
+        Image.fromarray(edges).save(os.path.join(cond, f"img{i}.png"))
+        with open(os.path.join(folder, f"img{i}.txt"), "w") as f:
+            f.write(f"a square {i}")
+    return os.path.join(root, "train"), cond
+
+
+def _argv(data: str, cond: str, out: str, preset: str, steps: int = 2, extra=()) -> list[str]:
+    argv = ft_args(data, out, preset=preset, steps=steps)
+    argv[argv.index("--output_name") + 1] = "cn"
+    return argv + ["--conditioning_data_dir", cond, *extra]
+
+
+def _trainer(family: str, argv: list[str]):
+    from library.cli.entry import settings_from_args
+    from library.cli.config_file import parse_with_config_file
+    from library.cli.parser import build_parser
+    from library.families import get_family
+    from library.train.trainer import Trainer
+
+    fam = get_family(family)
+    ns = parse_with_config_file(build_parser("test", fam, fine_tune=True, controlnet=True), argv)
+    return Trainer(fam, settings_from_args(ns, fam, fine_tune=True, controlnet=True))
+
+
+@pytest.mark.parametrize("family,preset", CASES)
+def test_trains_two_steps_and_diffusers_loads_the_folder_with_the_trained_weights(tmp_path, family, preset):
+    from diffusers import ControlNetModel, FluxControlNetModel
+
+    data, cond = _pairs(str(tmp_path))
+    out = str(tmp_path / "out")
+    trainer = _trainer(family, _argv(data, cond, out, preset, extra=["--save_model_as", "diffusers_safetensors",
+                                                                     "--save_state"]))
+    assert trainer.run() == os.path.join(out, "cn")
+    controlnet = trainer.components.controlnet
+    # the base model stayed frozen; only the ControlNet has gradients
+    assert not any(p.requires_grad for p in trainer.components.denoiser.parameters())
+    assert all(p.requires_grad for p in controlnet.parameters())
+    cls = FluxControlNetModel if family == "flux" else ControlNetModel
+    loaded = cls.from_pretrained(os.path.join(out, "cn"))
+    state = load_file(os.path.join(out, "cn-state", "model.safetensors"))
+    ours = loaded.state_dict()
+    assert sorted(state) == sorted(f"controlnet.{k}" for k in ours) and len(ours) > 50
+    assert all(torch.equal(ours[k], state[f"controlnet.{k}"]) for k in ours)  # bitwise what was trained
+    assert all(torch.equal(ours[k], v.detach().cpu()) for k, v in controlnet.state_dict().items())
+    # Training moved it: the zero-initialised output convolutions are no longer zero.
+    zero_convs = [k for k in ours if k.startswith(("controlnet_down_blocks", "controlnet_blocks"))]
+    assert zero_convs and any(ours[k].abs().sum() > 0 for k in zero_convs)
+    # the folder is loadable into the base model's pipeline: the residuals fit the denoiser
+    assert COMFY_MARKER[family] in ours
+
+
+def test_single_file_resume_and_continue_from_it(tmp_path):
+    """SD: the default .safetensors (diffusers names, as ComfyUI reads it) equals the trained weights; a run stopped
+    at step 2 and resumed equals the uninterrupted one bitwise; --controlnet_model_name_or_path starts from it."""
+    from diffusers import ControlNetModel
+
+    data, cond = _pairs(str(tmp_path))
+    straight = run_training("sd", "t", _argv(data, cond, str(tmp_path / "a"), "tiny:sd1", steps=4), controlnet=True)
+    assert straight == 0
+    a = load_file(str(tmp_path / "a" / "cn.safetensors"))
+    assert COMFY_MARKER["sd"] in a
+    out = str(tmp_path / "b")
+    first = _trainer("sd", _argv(data, cond, out, "tiny:sd1", steps=4, extra=["--save_state"]))
+
+    def stop_at_2(trainer, event, step):
+        if event == "step" and step == 2:
+            trainer._on_signal(15, None)
+
+    first.s.hooks.append(stop_at_2)
+    with pytest.raises(InterruptedTraining):
+        first.run()
+    resumed = _trainer("sd", _argv(data, cond, out, "tiny:sd1", steps=4, extra=["--resume", "auto"])).run()
+    b = load_file(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The single file loads into diffusers' ControlNetModel (strict) with the config from_unet gives.
+    trainer = _trainer("sd", _argv(data, cond, str(tmp_path / "c"), "tiny:sd1", steps=1, extra=[
+        "--controlnet_model_name_or_path", str(tmp_path / "a" / "cn.safetensors"), "--learning_rate", "0"]))
+    trainer.run()
+    model = ControlNetModel.from_unet(trainer.components.denoiser)
+    model.load_state_dict(a, strict=True)
+    # lr 0: the continued run starts from (and keeps) the file's weights exactly
+    assert all(torch.equal(v.cpu(), a[k]) for k, v in trainer.components.controlnet.state_dict().items())
+
+
+def test_missing_pair_and_missing_folder_are_named_before_step_1(tmp_path, capsys):
+    data, cond = _pairs(str(tmp_path))
+    os.remove(os.path.join(cond, "img1.png"))
+    out = str(tmp_path / "out")
+    assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1"), controlnet=True) == 2
+    err = capsys.readouterr().err
+    assert f"{data}/1_toy/img1.png: no conditioning image with the same name in {cond}" in err
+    assert not os.path.exists(os.path.join(out, "cn.safetensors"))
+    argv = _argv(data, cond, out, "tiny:sd1")
+    i = argv.index("--conditioning_data_dir")
+    del argv[i:i + 2]
+    assert run_training("sd", "t", argv, controlnet=True) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: --conditioning_data_dir: required with --train_data_dir (the conditioning images, named as the "
+        "training images), or set conditioning_data_dir in the --dataset_config subsets")
+    assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1", extra=["--train_text_encoder"]),
+                        controlnet=True) == 2
+    assert "--train_text_encoder: the ControlNet scripts train the ControlNet only" in capsys.readouterr().err
