@@ -132,3 +132,36 @@ def test_missing_pair_and_missing_folder_are_named_before_step_1(tmp_path, capsy
     assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1", extra=["--train_text_encoder"]),
                         controlnet=True) == 2
     assert "--train_text_encoder: the ControlNet scripts train the ControlNet only" in capsys.readouterr().err
+
+
+def test_webui_templates_run_the_controlnet_scripts_and_pass_their_check(tmp_path, monkeypatch):
+    """A job from each ControlNet template runs its family's ControlNet script, and (tiny model, the example images
+    as their own conditioning images) saving passes that script's --check_config."""
+    from fastapi.testclient import TestClient
+
+    from webui import performance
+    from webui.jobfiles import REPO_ROOT
+    from webui.app import create_app
+
+    flags = frozenset(o[0] for o in performance.OPTIONS) | set(performance.MEMORY_FLAGS)
+    monkeypatch.setattr(performance, "trainer_flags", lambda script, timeout=120: flags)
+    c = TestClient(create_app(str(tmp_path / "jobs"), find_gpus=list, data_roots=[REPO_ROOT, "/models"]))
+    scripts = {"sd": "train_control_net.py", "sdxl": "sdxl_train_control_net.py", "flux": "flux_train_control_net.py"}
+    for family, script in scripts.items():
+        r = c.post("/api/jobs", json={"template": f"{family}_controlnet"})
+        assert r.status_code == 201, r.text
+        job = r.json()
+        assert (job["family"], job["script"]) == (family, script)
+        settings = c.get(f"/api/jobs/{job['id']}/settings").json()
+        model = settings["config"]["model"]
+        model.update({k: "" for k, v in model.items() if isinstance(v, str) and v.startswith("/models/")})
+        model["pretrained_model_name_or_path"] = f"tiny:{family}"
+        settings["config"]["optimizer"]["optimizer_type"] = "AdamW"
+        subset = settings["dataset"]["datasets"][0]["subsets"][0]
+        subset["image_dir"] = "examples/data/train/10_sks shape"
+        del subset["conditioning_data_dir"]
+        r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)  # the script's own check refuses it
+        assert r.status_code == 422 and "needs conditioning_data_dir" in r.json()["detail"]["error"], r.text
+        subset["conditioning_data_dir"] = "examples/data/train/10_sks shape"
+        r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)
+        assert r.status_code == 200, (family, r.text)

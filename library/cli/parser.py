@@ -93,7 +93,7 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
     T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags, `controlnet` (the
     ControlNet scripts, fine-tune scripts that train a ControlNet) the ControlNet ones."""
-    control = (ControlNetFlags, *((FluxControlNetFlags,) if family is not None and family.name == "flux" else ()))
+    control = (ControlNetFlags, *((FluxControlNetFlags,) if family is not None and family.controlnet_block_flags else ()))
     groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
               *((DreamBoothFlags,) if dreambooth and fine_tune else ()),
               *(control if controlnet and fine_tune else ()))

@@ -374,6 +374,9 @@ class ModelFamily(ABC):
         raise UserError(f"--blocks_to_swap is not supported for {self.name}")
 
     # --- ControlNet (train_control_net.py, sdxl_train_control_net.py, flux_train_control_net.py) -----------
+    # Whether its ControlNet copies some of the denoiser's blocks (--num_double_blocks / --num_single_blocks).
+    controlnet_block_flags: ClassVar[bool] = False
+
     def create_controlnet(self, components: Components, path: Optional[str], num_double_blocks: Optional[int] = None,
                           num_single_blocks: Optional[int] = None) -> nn.Module:
         """A new ControlNet initialised from the loaded denoiser, or the one saved at `path` (a diffusers folder or

@@ -122,6 +122,7 @@ class FluxFamily(ModelFamily):
     diffusers_class_markers = ("Flux",)
     scripts = {"lora": "flux_train_network.py", "finetune": "flux_train.py", "controlnet": "flux_train_control_net.py"}
     model_types = (None, "flux")  # the --model_type values of its scripts that select it
+    controlnet_block_flags = True  # FluxControlNetModel copies the first double / single blocks
     selector_flag = "flux"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)")
     denoiser_label = "Transformer"
