@@ -165,3 +165,25 @@ def test_webui_templates_run_the_controlnet_scripts_and_pass_their_check(tmp_pat
         subset["conditioning_data_dir"] = "examples/data/train/10_sks shape"
         r = c.put(f"/api/jobs/{job['id']}/settings", json=settings)
         assert r.status_code == 200, (family, r.text)
+
+
+def test_canny_tool_writes_the_edges_of_an_image_and_of_a_folder(tmp_path, capsys):
+    cv2 = pytest.importorskip("cv2")
+    from tools.canny import main
+
+    img = np.zeros((64, 64, 3), np.uint8)
+    img[16:48, 16:48] = 255
+    os.makedirs(tmp_path / "in")
+    Image.fromarray(img).save(tmp_path / "in" / "a.png")
+    assert main(["--input", str(tmp_path / "in" / "a.png"), "--output", str(tmp_path / "a_edges.png")]) == 0
+    edges = np.asarray(Image.open(tmp_path / "a_edges.png"))
+    expected = cv2.Canny(cv2.cvtColor(img, cv2.COLOR_RGB2GRAY), 32, 224)
+    assert edges.shape == (64, 64) and np.array_equal(edges, expected)
+    ys, xs = np.nonzero(edges)  # white edges on black, only around the square's outline (rows / columns 15..48)
+    assert set(np.unique(edges).tolist()) == {0, 255} and len(ys) > 64
+    assert ys.min() >= 15 and ys.max() <= 48 and xs.min() >= 15 and xs.max() <= 48 and not edges[20:44, 20:44].any()
+    assert main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "cond")]) == 0
+    assert os.listdir(tmp_path / "cond") == ["a.png"]
+    capsys.readouterr()
+    assert main(["--input", str(tmp_path / "nope.png"), "--output", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == f"error: --input {tmp_path / 'nope.png'}: not found\n"
