@@ -9,6 +9,7 @@ import sys
 from typing import NoReturn, Optional
 
 from library.cli.config_file import ConfigFileFlags
+from library.cli.controlnet import ControlNetFlags, FluxControlNetFlags
 from library.cli.dataset import DatasetFlags
 from library.cli.deepspeed import DeepSpeedFlags
 from library.cli.fine_tune import MODEL_FORMATS, DreamBoothFlags, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
@@ -22,6 +23,7 @@ from library.cli.sampling import SamplingFlags
 from library.cli.text_cache import TextCacheFlags
 from library.cli.training import TRAINING_FLAG_GROUPS
 from library.families.base import ModelFamily
+from library.families.common.controlnet import CONTROLNET_FORMATS
 
 # The flag groups of a training script, in --help order; the trained part (NetworkFlags or FineTuneFlags) is third.
 _BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
@@ -29,7 +31,7 @@ _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSch
                   *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
-                    T5xxlFineTuneFlags, DreamBoothFlags, LLLiteFlags)
+                    T5xxlFineTuneFlags, DreamBoothFlags, ControlNetFlags, FluxControlNetFlags, LLLiteFlags)
 
 
 # The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
@@ -86,13 +88,16 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False,
-                   dreambooth: bool = False, lllite: bool = False) -> list[FlagSpec]:
+                   dreambooth: bool = False, controlnet: bool = False, lllite: bool = False) -> list[FlagSpec]:
     """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
-    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags, `lllite`
-    (sdxl_train_control_net_lllite.py, a network run) --cond_emb_dim."""
+    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags, `controlnet` (the
+    ControlNet scripts, fine-tune scripts that train a ControlNet) the ControlNet ones,
+    `lllite` (sdxl_train_control_net_lllite.py, a network run) --cond_emb_dim."""
+    control = (ControlNetFlags, *((FluxControlNetFlags,) if family is not None and family.controlnet_block_flags else ()))
     groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
               *((DreamBoothFlags,) if dreambooth and fine_tune else ()),
+              *(control if controlnet and fine_tune else ()),
               *((LLLiteFlags,) if lllite and not fine_tune else ()))
     specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
@@ -104,12 +109,16 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
     if fine_tune:
         if getattr(family, "fine_tune_t5xxl_encoder", None) is not None:
             specs += flag_specs(T5xxlFineTuneFlags)
-        specs = [_as_fine_tune(spec, family) for spec in specs]
+        specs = [_as_fine_tune(spec, family, controlnet) for spec in specs]
     return specs
 
 
-def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
+def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily], controlnet: bool = False) -> FlagSpec:
     """A full fine-tune saves the model itself, in the family's own formats (a wrong one stops before training)."""
+    if spec.name == "save_model_as" and controlnet:
+        return dataclasses.replace(spec, choices=CONTROLNET_FORMATS,
+                                   help="format of the saved ControlNet: one .safetensors file (diffusers names, "
+                                        "as ComfyUI loads it) or a diffusers folder")
     if spec.name == "save_model_as":
         return dataclasses.replace(spec, choices=tuple(getattr(family, "save_formats", MODEL_FORMATS)),
                                    help="format of saved models: single-file ckpt/safetensors (original layout) or a "
@@ -120,10 +129,11 @@ def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
 
 
 def build_parser(description: str, family: Optional[ModelFamily] = None,
-                 fine_tune: bool = False, dreambooth: bool = False, lllite: bool = False) -> TrainingArgumentParser:
+                 fine_tune: bool = False, dreambooth: bool = False, controlnet: bool = False,
+                 lllite: bool = False) -> TrainingArgumentParser:
     """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
     parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    parser.flag_specs = training_flags(family, fine_tune, dreambooth, lllite)
+    parser.flag_specs = training_flags(family, fine_tune, dreambooth, controlnet, lllite)
     parser.family = family
     parser.fine_tune = fine_tune
     add_flags(parser, parser.flag_specs)

@@ -74,6 +74,7 @@ from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
+from library.train.adapters.controlnet import ControlNetTrainable
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class Trainer(TrainingLoop):
         return c, block_swapper
 
     def _fine_tune_parts(self, components: Components) -> dict[str, float]:
-        if self.s.fine_tune is None:
+        if self.s.fine_tune is None or self.s.controlnet is not None:  # a ControlNet run: the model is frozen
             return {}
         encoders = len(components.text_encoders)
         limit = self.family.fine_tune_text_encoders
@@ -272,6 +273,10 @@ class Trainer(TrainingLoop):
     def _setup_trainable(self) -> Trainable:
         """What trains: the model's own parts (a fine-tune) or a network hooked into it."""
         t = self.t
+        if self.s.controlnet is not None:
+            return ControlNetTrainable(self.family, self.components, self.s.controlnet, t.save_model_as,
+                                       t.save_precision, full_dtype=self._full_dtype(), device=self.device,
+                                       gradient_checkpointing=t.gradient_checkpointing)
         if self.s.fine_tune is not None:
             return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
                                   self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,

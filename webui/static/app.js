@@ -97,7 +97,7 @@ async function selectJob(id) {
   await loadJobs();
 }
 
-const MODE_LABELS = { lora: "LoRA", finetune: "Full Finetune", controlnet_lllite: "ControlNet-LLLite" };
+const MODE_LABELS = { lora: "LoRA", finetune: "Full Finetune", controlnet: "ControlNet", controlnet_lllite: "ControlNet-LLLite" };
 function showJob(job) {
   $("job-name").textContent = job.name;
   const st = $("job-status");

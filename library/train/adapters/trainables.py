@@ -38,6 +38,7 @@ class Trainable(ABC):
     module: nn.Module
     engine = None  # a ZeroEngine (library/train/distributed/deepspeed_engine.py) holding the weights' and optimizer's partitions
     is_adapter: bool
+    saves_whole_model: Optional[bool] = None  # whether a save writes the whole model (None: not is_adapter)
     train_text_encoder: bool  # whether any text encoder's output depends on trained weights
     trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
 
