@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--network_mul", nargs="*", type=float, default=[], help="multiplier of each network (default 1)")
     g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
                    help="merge the networks into the weights first (same images, faster)")
+    g = p.add_argument_group("ControlNet")
+    g.add_argument("--control_net", default=None, help="a ControlNet trained by the ControlNet scripts (a diffusers "
+                                                       "folder or .safetensors file)")
+    g.add_argument("--control_image", default=None, help="the control image of every prompt (a prompt's --cn "
+                                                         "overrides it)")
     g = p.add_argument_group("images")
     g.add_argument("--outdir", required=True, help="folder for the images")
     g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")
@@ -90,6 +95,7 @@ class GenerateOptions:
     dtype: torch.dtype = torch.float32
     device: Optional[str] = None
     networks: list = field(default_factory=list)  # NetworkSpec
+    control_net: Optional[str] = None  # --control_net
     merge: bool = False
     images_per_prompt: int = 1
     seed: Optional[int] = None
@@ -125,16 +131,22 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     for path in a.network_weights:
         if not os.path.isfile(path):  # now, not after the model has loaded
             raise ConfigError(f"--network_weights {path}: file not found")
+    if a.control_net and not os.path.exists(a.control_net):
+        raise ConfigError(f"--control_net {a.control_net}: not found")
+    if a.control_image and not os.path.isfile(a.control_image):
+        raise ConfigError(f"--control_image {a.control_image}: file not found")
+    if a.control_net and not a.control_image and not all(p.control_image for p in prompts):
+        raise ConfigError("--control_net: every prompt needs a control image: --control_image, or --cn in the prompt")
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=_family(a),
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
-                               a.network_weights, a.network_mul), merge=a.merge,
+                               a.network_weights, a.network_mul), merge=a.merge, control_net=a.control_net,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
-                                  sampler=a.sampler))
+                                  sampler=a.sampler, control_image=a.control_image))
 
 
 def _default_module(path: str) -> str:
@@ -203,12 +215,15 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     family, components, device = loaded or load_model(o)
     family.check_loaded(components, o)  # --clip_skip against the loaded text encoder
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
+    if o.control_net:  # predict adds its residuals for the requests' control images
+        components.controlnet = family.create_controlnet(components, o.control_net).to(device, o.dtype).eval()
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
         generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
                                     batch_size=o.batch_size, progress=True)
     finally:
         applied.remove()
+        components.controlnet = None
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
     extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
     return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)
