@@ -234,3 +234,26 @@ def test_sample_prompts_take_a_control_image_with_cn(tmp_path):
     prompts.write_text("a square --cn nope.png\n")
     assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1", steps=1, extra=[
         "--sample_prompts", str(prompts)]), controlnet=True) == 2
+
+
+def test_two_ddp_processes_train_and_resume(tmp_path):
+    """train_control_net.py under torchrun (2 CPU processes, gloo): trains, saves once (rank 0), and a run resumed
+    from its step-2 state ends with the weights of the uninterrupted 4-step run, bitwise."""
+    from tests.distributed_helpers import TORCHRUN, launch
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun not installed")
+    tmp = str(tmp_path)
+    data, cond = _pairs(tmp, n=4)
+    out = os.path.join(tmp, "out")
+    argv = _argv(data, cond, out, "tiny:sd1", steps=4, extra=["--cpu", "--save_state", "--save_every_n_steps", "2",
+                                                               "--logging_dir", os.path.join(tmp, "logs")])
+    launch(tmp, 1, argv, timeout=300, env_extra={"SCRIPT": "train_control_net.py"})
+    assert sorted(os.listdir(out)) == ["cn-state", "cn-step00000002-state", "cn-step00000002.safetensors",
+                                       "cn.safetensors", "cn_config.toml"]
+    resumed = os.path.join(tmp, "resumed")
+    argv[argv.index("--output_dir") + 1] = resumed
+    launch(tmp, 1, argv + ["--resume", os.path.join(out, "cn-step00000002-state")], timeout=300, trace="trace2",
+           env_extra={"SCRIPT": "train_control_net.py"}, audit_roots=[resumed])
+    a, b = load_file(os.path.join(out, "cn.safetensors")), load_file(os.path.join(resumed, "cn.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
