@@ -187,3 +187,73 @@ def test_canny_tool_writes_the_edges_of_an_image_and_of_a_folder(tmp_path, capsy
     capsys.readouterr()
     assert main(["--input", str(tmp_path / "nope.png"), "--output", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err == f"error: --input {tmp_path / 'nope.png'}: not found\n"
+
+
+def test_generate_with_a_control_image_uses_the_controlnet(tmp_path):
+    """tools/generate.py --control_net --control_image: the ControlNet's residuals change the image (a ControlNet
+    with non-zero output convolutions), and without --control_net the same seed gives the plain model's image."""
+    from tools.generate import build_parser, options_from_args, run
+
+    data, cond = _pairs(str(tmp_path))
+    trainer = _trainer("sd", _argv(data, cond, str(tmp_path / "out"), "tiny:sd1", steps=1))
+    trainer.run()
+    controlnet = trainer.components.controlnet
+    with torch.no_grad():  # outputs far from zero, so the residuals must show in the image
+        for name, p in controlnet.named_parameters():
+            if name.startswith(("controlnet_down_blocks", "controlnet_mid_block")):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
+    controlnet.save_pretrained(str(tmp_path / "cn_dir"), safe_serialization=True)
+    control = os.path.join(cond, "img0.png")
+    common = ["--ckpt", "tiny:sd1", "--W", "64", "--H", "64", "--steps", "3", "--seed", "7", "--scale", "1"]
+    paths = {}
+    for name, extra in (("plain", []), ("control", ["--control_net", str(tmp_path / "cn_dir"), "--control_image", control]),
+                        ("prompt_cn", ["--control_net", str(tmp_path / "cn_dir")])):
+        prompt = "a square" + (f" --cn {control}" if name == "prompt_cn" else "")
+        o = options_from_args(build_parser().parse_args(common + ["--outdir", str(tmp_path / name), "--prompt", prompt,
+                                                                  *extra]))
+        (paths[name],) = run(o)
+    img = {k: np.asarray(Image.open(v)).astype(int) for k, v in paths.items()}
+    assert img["control"].shape == (64, 64, 3)
+    assert np.abs(img["control"] - img["plain"]).mean() > 5  # measured: 11.0 grey levels apart
+    assert np.array_equal(img["control"], img["prompt_cn"])  # --cn in the prompt = --control_image
+    with pytest.raises(Exception, match="every prompt needs a control image"):
+        options_from_args(build_parser().parse_args(common + ["--outdir", "x", "--prompt", "a",
+                                                              "--control_net", str(tmp_path / "cn_dir")]))
+
+
+def test_sample_prompts_take_a_control_image_with_cn(tmp_path):
+    """--sample_prompts during ControlNet training: a prompt's --cn is the ControlNet's image (sd-scripts' option)."""
+    data, cond = _pairs(str(tmp_path))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"a square --w 64 --h 64 --s 2 --d 1 --cn {cond}/img0.png\n")
+    out = str(tmp_path / "out")
+    assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1", steps=1, extra=[
+        "--sample_prompts", str(prompts), "--sample_every_n_steps", "1"]), controlnet=True) == 0
+    samples = sorted(n for n in os.listdir(os.path.join(out, "sample")) if not n.endswith("_grid.png"))
+    assert len(samples) == 1 and Image.open(os.path.join(out, "sample", samples[0])).size == (64, 64)
+    prompts.write_text("a square --cn nope.png\n")
+    assert run_training("sd", "t", _argv(data, cond, out, "tiny:sd1", steps=1, extra=[
+        "--sample_prompts", str(prompts)]), controlnet=True) == 2
+
+
+def test_two_ddp_processes_train_and_resume(tmp_path):
+    """train_control_net.py under torchrun (2 CPU processes, gloo): trains, saves once (rank 0), and a run resumed
+    from its step-2 state ends with the weights of the uninterrupted 4-step run, bitwise."""
+    from tests.distributed_helpers import TORCHRUN, launch
+
+    if TORCHRUN is None:
+        pytest.skip("torchrun not installed")
+    tmp = str(tmp_path)
+    data, cond = _pairs(tmp, n=4)
+    out = os.path.join(tmp, "out")
+    argv = _argv(data, cond, out, "tiny:sd1", steps=4, extra=["--cpu", "--save_state", "--save_every_n_steps", "2",
+                                                               "--logging_dir", os.path.join(tmp, "logs")])
+    launch(tmp, 1, argv, timeout=300, env_extra={"SCRIPT": "train_control_net.py"})
+    assert sorted(os.listdir(out)) == ["cn-state", "cn-step00000002-state", "cn-step00000002.safetensors",
+                                       "cn.safetensors", "cn_config.toml"]
+    resumed = os.path.join(tmp, "resumed")
+    argv[argv.index("--output_dir") + 1] = resumed
+    launch(tmp, 1, argv + ["--resume", os.path.join(out, "cn-step00000002-state")], timeout=300, trace="trace2",
+           env_extra={"SCRIPT": "train_control_net.py"}, audit_roots=[resumed])
+    a, b = load_file(os.path.join(out, "cn.safetensors")), load_file(os.path.join(resumed, "cn.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

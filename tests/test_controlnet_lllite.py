@@ -240,8 +240,10 @@ def test_generate_with_lllite_follows_the_control_image(tmp_path, lllite_file):
     b = generated(tmp_path, "b", "--lllite", lllite_file, "--control_image", control_png(tmp_path / "b.png", 1))
     off = generated(tmp_path, "off", "--lllite", lllite_file, "--lllite_mul", "0",
                     "--control_image", str(tmp_path / "a.png"))
+    by_prompt = generated(tmp_path, "cn", "--lllite", lllite_file, "--prompt",
+                          f"a red cat --n blurry --d 5 --cn {tmp_path / 'a.png'}")  # the prompt's own --cn
     assert a.shape == (64, 64, 3)
-    assert (a == a_again).all()
+    assert (a == a_again).all() and (a == by_prompt).all()
     assert abs(a - plain).max() > 10 and abs(a - b).max() > 10
     assert (off == plain).all()  # multiplier 0: the plain model's image
 
@@ -252,7 +254,7 @@ def test_generate_lllite_without_a_control_image_is_refused(tmp_path, lllite_fil
     code = tool.main(["--ckpt", "tiny:sdxl", "--sdxl", "--outdir", str(tmp_path), "--prompt", "a cat",
                       "--lllite", lllite_file])
     assert code != 0
-    assert "--lllite " + lllite_file + ": expected --control_image too" in capsys.readouterr().err
+    assert "--lllite " + lllite_file + ": every prompt needs a control image" in capsys.readouterr().err
 
 
 # --- training (sdxl_train_control_net_lllite.py) ---------------------------------------------------------------------
@@ -419,16 +421,24 @@ def test_ddp_two_processes_agree_on_the_lllite_weights(tmp_path):
         assert f.read() == ""  # rank 1 wrote nothing
 
 
-def test_sampling_during_lllite_training_writes_images(tmp_path):
-    """--sample_every_n_steps: the samples are made between steps whose conditioning images have another size than
-    the samples (they are cleared for sampling: no --cn control image per prompt yet)."""
+def test_sampling_during_lllite_training_uses_each_prompts_cn_image(tmp_path):
+    """--sample_every_n_steps between steps whose conditioning images have another size than the samples: a prompt
+    with --cn is sampled with that control image, one without it without control (the last batch's images are not
+    used)."""
+    import numpy as np
+    from PIL import Image
+
     train, cond = lllite_pairs(str(tmp_path))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a toy --w 64 --h 96 --s 2 --d 1\n")
+    cn = control_png(tmp_path / "cn.png", 4)
+    prompts.write_text(f"a toy --w 64 --h 96 --s 2 --d 1 --cn {cn}\na toy --w 64 --h 96 --s 2 --d 1\n")
     out = tmp_path / "out"
-    assert run_lllite(lllite_argv(train, cond, str(out), steps=2, extra=[
+    assert run_lllite(lllite_argv(train, cond, str(out), steps=1, extra=[
         "--sample_prompts", str(prompts), "--sample_every_n_steps", "1", "--sample_sampler", "euler"])) == 0
-    assert len([p for p in (out / "sample").glob("*.png") if not p.name.endswith("_grid.png")]) == 2  # steps 1, 2
+    samples = sorted(p for p in (out / "sample").glob("*.png") if not p.name.endswith("_grid.png"))
+    assert [p.name.split("_")[2] for p in samples] == ["00", "01"]  # step 1: both prompts
+    with_cn, without = (np.asarray(Image.open(p).convert("RGB")).astype(int) for p in samples)
+    assert abs(with_cn - without).max() > 0  # same seed and prompt: only the control image differs
 
 
 def test_lllite_trains_with_checkpointing_and_caches(tmp_path):

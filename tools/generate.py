@@ -54,11 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--network_mul", nargs="*", type=float, default=[], help="multiplier of each network (default 1)")
     g.add_argument("--merge", "--network_merge", dest="merge", action="store_true",
                    help="merge the networks into the weights first (same images, faster)")
-    g.add_argument("--lllite", "--control_net_lllite_models", dest="lllite", default=None,
-                   help="SDXL ControlNet-LLLite file (sdxl_train_control_net_lllite.py); needs --control_image")
-    g.add_argument("--lllite_mul", type=float, default=1.0, help="multiplier of the --lllite network (default 1)")
+    g = p.add_argument_group("ControlNet")
+    g.add_argument("--control_net", default=None, help="a ControlNet trained by the ControlNet scripts (a diffusers "
+                                                       "folder or .safetensors file)")
     g.add_argument("--control_image", "--guide_image_path", dest="control_image", default=None,
-                   help="the control image (e.g. a canny edge map), resized to each image's size")
+                   help="the control image of every prompt (a prompt's --cn overrides it)")
+    g.add_argument("--lllite", "--control_net_lllite_models", dest="lllite", default=None,
+                   help="SDXL ControlNet-LLLite file (sdxl_train_control_net_lllite.py); needs a control image")
+    g.add_argument("--lllite_mul", type=float, default=1.0, help="multiplier of the --lllite network (default 1)")
     g = p.add_argument_group("images")
     g.add_argument("--outdir", required=True, help="folder for the images")
     g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")
@@ -95,8 +98,8 @@ class GenerateOptions:
     dtype: torch.dtype = torch.float32
     device: Optional[str] = None
     networks: list = field(default_factory=list)  # NetworkSpec
+    control_net: Optional[str] = None  # --control_net
     merge: bool = False
-    control_image: Optional[str] = None  # conditions the networks that take an image (ControlNet-LLLite)
     images_per_prompt: int = 1
     seed: Optional[int] = None
     overrides: object = None  # PromptOverrides
@@ -135,24 +138,29 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     if a.lllite is not None:
         if not os.path.isfile(a.lllite):
             raise ConfigError(f"--lllite {a.lllite}: file not found")
-        if not a.control_image:
-            raise ConfigError(f"--lllite {a.lllite}: expected --control_image too (the image it is conditioned on)")
+        if not a.control_image and not all(p.control_image for p in prompts):
+            raise ConfigError(f"--lllite {a.lllite}: every prompt needs a control image: --control_image, or --cn in "
+                              "the prompt")
         if len(muls) < len(weights):  # the --lllite multiplier goes after the other networks' (default 1) ones
             muls += [1.0] * (len(weights) - len(muls))
         modules = (modules or [_default_module(p) for p in weights]) + [LLLITE_MODULE]
         weights, muls = weights + [a.lllite], muls + [a.lllite_mul]
+    if a.control_net and not os.path.exists(a.control_net):
+        raise ConfigError(f"--control_net {a.control_net}: not found")
     if a.control_image and not os.path.isfile(a.control_image):
         raise ConfigError(f"--control_image {a.control_image}: file not found")
+    if a.control_net and not a.control_image and not all(p.control_image for p in prompts):
+        raise ConfigError("--control_net: every prompt needs a control image: --control_image, or --cn in the prompt")
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=_family(a),
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
         networks=network_specs(modules or [_default_module(p) for p in weights], weights, muls), merge=a.merge,
-        control_image=a.control_image,
+        control_net=a.control_net,
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
-                                  sampler=a.sampler))
+                                  sampler=a.sampler, control_image=a.control_image))
 
 
 def _default_module(path: str) -> str:
@@ -175,31 +183,6 @@ def _default_module(path: str) -> str:
 
 
 LLLITE_MODULE = "networks.control_net_lllite"
-
-
-def control_image_hook(networks: list, denoiser: torch.nn.Module, path: str, vae_scale_factor: int):
-    """Give each network that takes a conditioning image (`set_cond_image`) the control image at the size of the
-    image being denoised, [-1, 1], before every denoiser call; returns the hook's handle (None: no such network)."""
-    import numpy as np
-    from PIL import Image
-
-    takers = [n for n in networks if hasattr(n, "set_cond_image")]
-    if not takers:
-        raise ConfigError(f"--control_image {path}: no network takes a control image (give --lllite)")
-    with Image.open(path) as opened:
-        image = opened.convert("RGB")
-    resized: dict[tuple[int, int], torch.Tensor] = {}
-
-    def before(module, args, kwargs):
-        sample = args[0] if args else kwargs["sample"]
-        h, w = sample.shape[-2] * vae_scale_factor, sample.shape[-1] * vae_scale_factor
-        if (h, w) not in resized:  # as sd-scripts' gen_img: LANCZOS to the image size
-            pixels = np.asarray(image.resize((w, h), Image.LANCZOS), dtype=np.float32) / 127.5 - 1.0
-            resized[(h, w)] = torch.from_numpy(pixels).permute(2, 0, 1)[None]
-        for network in takers:
-            network.set_cond_image(resized[(h, w)].to(sample.device, sample.dtype))
-
-    return denoiser.register_forward_pre_hook(before, with_kwargs=True)
 
 
 def _family(a: argparse.Namespace) -> str:
@@ -244,23 +227,23 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     `loaded` reuses a (family, components, device) from load_model; with `o.merge` the
     networks are merged into those weights for good.
     """
-    from library.sampling.generate import generate_images, requests_from_prompts
+    from library.sampling.generate import requests_from_prompts
+    from library.sampling.image_networks import generate_with_image_networks
     from library.sampling.output import save_samples
     from library.train.adapters.network_apply import apply_networks
 
     family, components, device = loaded or load_model(o)
     family.check_loaded(components, o)  # --clip_skip against the loaded text encoder
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
-    hook = control_image_hook(applied.networks, components.denoiser, o.control_image, family.vae_scale_factor) \
-        if o.control_image else None
+    if o.control_net:  # predict adds its residuals for the requests' control images
+        components.controlnet = family.create_controlnet(components, o.control_net).to(device, o.dtype).eval()
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
-        generated = generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
-                                    batch_size=o.batch_size, progress=True)
+        generated = generate_with_image_networks(family, components, applied.networks, requests, clip_skip=o.clip_skip,
+                                                 device=device, batch_size=o.batch_size, progress=True)
     finally:
-        if hook is not None:
-            hook.remove()
         applied.remove()
+        components.controlnet = None
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
     extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
     return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)

@@ -152,6 +152,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
             raise ConfigError(f"--sample_prompts: sampling is not implemented for the {family.name} family yet; "
                               "drop the flag (or generate afterwards with tools/generate.py)")
         settings.hooks.append(sample_hook)
+        missing = [p.control_image for p in sample_hook.prompts if p.control_image and not os.path.isfile(p.control_image)]
+        if controlnet and missing:  # a --cn image is read only where a ControlNet trains (sd-scripts)
+            raise ConfigError(f"--sample_prompts: --cn {missing[0]}: file not found")
     return settings
 
 

@@ -40,10 +40,30 @@ class GenerationRequest:
     sampler: Optional[str] = None
     index: int = 0  # NN in the file name: the prompt's position (training) or the image's (tool)
     seed_given: bool = False  # the user chose the seed: it goes into the file name, as in sd-scripts
+    control_image: Optional[str] = None  # the ControlNet's conditioning image (a file), resized to the image size
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising batch."""
-        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler)
+        return (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler,
+                self.control_image is not None)
+
+
+def control_image_rows(requests: Sequence[GenerationRequest], rows: int) -> Optional[Any]:
+    """The batch's "conditioning_images" for `predict`: each request's control image as RGB, resized (Lanczos) to
+    its width x height, (rows, 3, H, W) in 0..1, repeated for the negative rows of CFG (rows = 2 x requests);
+    None when the requests have none."""
+    if not requests or requests[0].control_image is None:
+        return None
+    import numpy as np
+    from PIL import Image
+
+    images = []
+    for r in requests:
+        with Image.open(r.control_image) as img:
+            rgb = img.convert("RGB").resize((r.width, r.height), Image.Resampling.LANCZOS)
+        images.append(torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    out = torch.stack(images)
+    return out.repeat(rows // len(requests), 1, 1, 1)
 
 
 @dataclass
@@ -65,6 +85,7 @@ class PromptOverrides:
     guidance: Optional[float] = None
     sampler: Optional[str] = None
     negative_prompt: Optional[str] = None
+    control_image: Optional[str] = None  # tools/generate.py --control_image
 
 
 def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: int = 1,
@@ -99,7 +120,8 @@ def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: in
                 width=p.width or o.width, height=p.height or o.height, steps=p.steps or o.steps,
                 scale=p.scale if p.scale is not None else o.scale,
                 guidance=p.guidance if p.guidance is not None else o.guidance,
-                sampler=sampler, index=k if number_images else p.index, seed_given=given))
+                sampler=sampler, index=k if number_images else p.index, seed_given=given,
+                control_image=p.control_image or o.control_image))
     return out
 
 

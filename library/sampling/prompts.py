@@ -32,6 +32,7 @@ class SamplePrompt:
     scale: Optional[float] = None  # classifier-free guidance (CFG) scale
     guidance: Optional[float] = None  # Flux's distilled guidance (--g)
     sampler: Optional[str] = None
+    control_image: Optional[str] = None  # --cn / controlnet_image: the ControlNet's conditioning image
     index: int = 0  # position in the file: the NN of the sample file name
     ignored: dict[str, Any] = field(default_factory=dict)  # sd-scripts options we accept but do not use
 
@@ -50,10 +51,11 @@ INLINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "l": ("scale", float, "a number (CFG scale)"),
     "g": ("guidance", float, "a number (guidance)"),
     "ss": ("sampler", _text, "a sampler name"),
+    "cn": ("control_image", _text, "a control image file"),
 }
-# sd-scripts options for ControlNet, CFG truncation, CFG renormalisation and flow shift:
+# sd-scripts options for CFG truncation, CFG renormalisation and flow shift:
 # accepted so an existing file keeps working, reported as unused.
-IGNORED_INLINE = ("cn", "ctr", "rcfg", "fs")
+IGNORED_INLINE = ("ctr", "rcfg", "fs")
 
 # Keys of a .toml / .json prompt entry -> SamplePrompt field (sd-scripts' names).
 DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
@@ -66,8 +68,9 @@ DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "scale": ("scale", float, "a number"),
     "guidance_scale": ("guidance", float, "a number"),
     "sample_sampler": ("sampler", str, "a string"),
+    "controlnet_image": ("control_image", str, "a string"),
 }
-IGNORED_KEYS = ("controlnet_image", "cfg_trunc_ratio", "renorm_cfg", "flow_shift", "enum")
+IGNORED_KEYS = ("cfg_trunc_ratio", "renorm_cfg", "flow_shift", "enum")
 POSITIVE_FIELDS = ("width", "height", "steps")
 
 

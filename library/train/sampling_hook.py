@@ -25,11 +25,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from library.sampling.generate import (
-    PromptOverrides,
-    generate_images,
-    requests_from_prompts,
-)
+from library.sampling.generate import PromptOverrides, requests_from_prompts
+from library.sampling.image_networks import generate_with_image_networks
 from library.sampling.output import SAMPLE_DIR, progress_suffix, save_samples
 from library.sampling.prompts import SamplePrompt
 
@@ -104,8 +101,6 @@ class SampleHook:
             if schedule_free:
                 trainer.optimizer.eval()  # sample with the averaged weights, as the final model will be
             network.eval()
-            if hasattr(network, "set_cond_image"):  # ControlNet-LLLite: the last batch's conditioning images fit no
-                network.set_cond_image(None)       # sample; samples show the model without control (no --cn yet)
             user_multiplier = getattr(trainer.s.network, "network_multiplier", None) if trainer.s.network else None
             if user_multiplier is not None and hasattr(network, "set_multiplier"):
                 network.set_multiplier(user_multiplier)
@@ -114,9 +109,10 @@ class SampleHook:
             requests = requests_from_prompts(self.prompts, overrides=overrides, rng=random.Random())
             logger.info("sampling %d image(s) at step %d", len(requests), step)
             with trainer.accelerator.autocast(), trainer.eval_weights("sampling"):
-                generated = generate_images(trainer.family, trainer.components, requests,
-                                            clip_skip=trainer.s.text.clip_skip, device=trainer.device,
-                                            batch_size=self.options.sample_batch_size)
+                # a ControlNet-LLLite network gets each prompt's --cn image (the last batch's images fit no sample)
+                generated = generate_with_image_networks(trainer.family, trainer.components, [network], requests,
+                                                         clip_skip=trainer.s.text.clip_skip, device=trainer.device,
+                                                         batch_size=self.options.sample_batch_size)
             if not write:
                 return []
             t = trainer.t
