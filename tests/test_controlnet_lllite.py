@@ -451,3 +451,20 @@ def test_lllite_trains_with_checkpointing_and_caches(tmp_path):
     with safe_open(str(out / "lllite.safetensors"), "pt") as f:
         ups = [f.get_tensor(k) for k in f.keys() if k.endswith(".up.0.weight")]
     assert len(ups) == 136 and all(u.abs().max() > 0 for u in ups)
+
+
+def test_the_batch_conditioning_images_reach_the_network_in_minus_one_to_one():
+    """The batch holds conditioning images in [0, 1]; LLLite (sd-scripts' dataset, ComfyUI's loader) takes [-1, 1]."""
+    from library.train.adapters.trainables import AdapterTrainable
+
+    got = []
+
+    class Network:
+        def set_cond_image(self, image):
+            got.append(image)
+
+    trainable = AdapterTrainable.__new__(AdapterTrainable)
+    trainable.module = Network()
+    images = torch.tensor([0.0, 0.25, 1.0]).view(1, 3, 1, 1)
+    trainable.before_predict({"conditioning_images": images})
+    assert got[0].flatten().tolist() == [-1.0, -0.5, 1.0]
