@@ -468,3 +468,21 @@ def test_the_batch_conditioning_images_reach_the_network_in_minus_one_to_one():
     images = torch.tensor([0.0, 0.25, 1.0]).view(1, 3, 1, 1)
     trainable.before_predict({"conditioning_images": images})
     assert got[0].flatten().tolist() == [-1.0, -0.5, 1.0]
+
+
+def test_describe_flags_of_the_lllite_script_has_cond_emb_dim_once(capsys):
+    """What the web UI draws its form from: --cond_emb_dim in its own group, every argparse flag described once."""
+    import json
+
+    from library.cli.entry import build_parser
+    from library.families import get_family
+
+    with pytest.raises(SystemExit) as e:
+        run_lllite(["--describe_flags"])
+    assert e.value.code == 0
+    doc = json.loads(capsys.readouterr().out)
+    flags = {f["name"]: f for f in doc["flags"]}
+    assert (flags["cond_emb_dim"]["group"], flags["cond_emb_dim"]["type"], flags["cond_emb_dim"]["default"]) == \
+        ("ControlNet-LLLite", "int", None)
+    parser = build_parser("describe", get_family("sdxl"), lllite=True)
+    assert [f["name"] for f in doc["flags"]] == [a.dest for a in parser._actions if a.dest != "help"]
