@@ -44,6 +44,8 @@ def generate_command(folder: JobFolder, mode: str, config: dict, prompts_path: s
     if mode == "lora":
         argv += ["--ckpt", str(base), "--network_module", str(_first(config, "network_module") or "networks.lora"),
                  "--network_weights", checkpoint]
+    elif mode == "controlnet_lllite":  # a network too; each prompt needs its control image (--cn)
+        argv += ["--ckpt", str(base), "--lllite", checkpoint]
     else:
         argv += ["--ckpt", checkpoint or str(base)]
     for key in GENERATE_FILE_KEYS:
