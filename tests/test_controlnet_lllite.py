@@ -486,3 +486,14 @@ def test_describe_flags_of_the_lllite_script_has_cond_emb_dim_once(capsys):
         ("ControlNet-LLLite", "int", None)
     parser = build_parser("describe", get_family("sdxl"), lllite=True)
     assert [f["name"] for f in doc["flags"]] == [a.dest for a in parser._actions if a.dest != "help"]
+
+
+def test_web_ui_generates_an_lllite_job_with_its_file_as_lllite(tmp_path):
+    from webui.generation import generate_command
+    from webui.jobfiles import JobFolder
+
+    folder = JobFolder(str(tmp_path), 1)
+    config = {"model": {"pretrained_model_name_or_path": "/models/sdxl.safetensors"}}
+    argv = generate_command(folder, "controlnet_lllite", config, "p.txt", "/jobs/1/output/x.safetensors", None, None,
+                            None, None)
+    assert argv[2:6] == ["--ckpt", "/models/sdxl.safetensors", "--lllite", "/jobs/1/output/x.safetensors"]
