@@ -10,7 +10,8 @@ from webui import families as webui_families
 
 def test_facts_are_json_and_complete():
     facts = {name: json.loads(json.dumps(get_family(name).facts())) for name in family_names()}
-    assert facts["flux"]["scripts"] == {"lora": "flux_train_network.py", "finetune": "flux_train.py"}
+    assert facts["flux"]["scripts"] == {"lora": "flux_train_network.py", "finetune": "flux_train.py",
+                                        "controlnet": "flux_train_control_net.py"}
     assert facts["chroma"]["variant_of"] == "flux" and facts["chroma"]["model_types"] == ["chroma"]
     assert facts["hunyuan_image"]["flag_aliases"] == {"fp8_scaled": "fp8_base_unet"}
     assert facts["sd"]["tiny_presets"] == ["tiny:sd1", "tiny:sd2", "tiny:sd2-v"]

@@ -79,12 +79,13 @@ def test_json_strings_and_objects(tmp_path):
 def test_sd_scripts_only_options_are_kept_aside():
     p = parse_prompt_line("a cat --cn hint.png --ctr 0.25 --fs 3 --rcfg 0.5 --n", "p.txt:1")
     assert p.prompt == "a cat" and p.negative_prompt == ""
-    assert p.ignored == {"cn": "hint.png", "ctr": "0.25", "fs": "3", "rcfg": "0.5"}
+    assert p.ignored == {"ctr": "0.25", "fs": "3", "rcfg": "0.5"}
+    assert p.control_image == "hint.png"  # the ControlNet scripts' control image (docs/controlnet.md)
 
 
 @pytest.mark.parametrize("name,text,message", [
     ("p.txt", "# c\n\na cat --w 512\na dog --q 3\n",
-     "p.txt:4: unknown option --q; expected one of --n, --w, --h, --d, --s, --l, --g, --ss, --ci"),
+     "p.txt:4: unknown option --q; expected one of --n, --w, --h, --d, --s, --l, --g, --ss, --ci, --cn"),
     ("p.txt", "a cat --w wide\n", "p.txt:1: --w: expected an integer width in pixels, got 'wide'"),
     ("p.txt", "a cat --s 1.5\n", "p.txt:1: --s: expected an integer number of steps, got '1.5'"),
     ("p.txt", "ok\n\na cat --l high\n", "p.txt:3: --l: expected a number (CFG scale), got 'high'"),
@@ -96,7 +97,7 @@ def test_sd_scripts_only_options_are_kept_aside():
     ("p.txt", "# nothing\n", "p.txt: no prompts in the file"),
     ("p.toml", "[prompt]\n[[prompt.subset]]\nprompt = 'a'\nsteps = 20\n",
      "p.toml: prompt.subset[0]: unknown key 'steps'; expected one of prompt, negative_prompt, width, height, "
-     "seed, sample_steps, scale, guidance_scale, sample_sampler, control_image"),
+     "seed, sample_steps, scale, guidance_scale, sample_sampler, control_image, controlnet_image"),
     ("p.toml", "[prompt]\n[[prompt.subset]]\nprompt = 'a'\nwidth = '512'\n",
      "p.toml: prompt.subset[0]: width: expected an integer, got '512'"),
     ("p.toml", "[prompt]\nwidth = 5\n[[prompt.subset]]\nprompt = 'a'\nwidth = 1.5\n",

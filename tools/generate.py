@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--textual_inversion_embeddings", nargs="*", default=[], metavar="FILE",
                    help="textual-inversion embeddings (SD 1.x/2.x, SDXL; .safetensors, A1111 .pt): each one's token "
                         "(the token_string it records, else its file name) can be used in prompts")
+    g = p.add_argument_group("ControlNet")
+    g.add_argument("--control_net", default=None, help="a ControlNet trained by the ControlNet scripts (a diffusers "
+                                                       "folder or .safetensors file); its image: --control_image")
+    g.add_argument("--lllite", "--control_net_lllite_models", dest="lllite", default=None,
+                   help="SDXL ControlNet-LLLite file (sdxl_train_control_net_lllite.py); needs a control image")
+    g.add_argument("--lllite_mul", type=float, default=1.0, help="multiplier of the --lllite network (default 1)")
     g = p.add_argument_group("images")
     g.add_argument("--outdir", required=True, help="folder for the images")
     g.add_argument("--prompt", default=None, help="one prompt (inline options allowed)")
@@ -75,8 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampler", default=None, choices=sampler_names(),
                    help="sampler (default ddim; FLUX.1 flow_euler)")
     g.add_argument("--batch_size", type=int, default=1, help="images denoised together")
-    g.add_argument("--control_image", nargs="+", default=[], metavar="PATH",
-                   help="the control image(s): an edit model's reference image(s) (FLUX.1 Kontext), for every prompt "
+    g.add_argument("--control_image", "--guide_image_path", dest="control_image", nargs="+", default=[],
+                   metavar="PATH",
+                   help="the control image(s): with --control_net / --lllite the ControlNet's image (a prompt's --cn "
+                        "overrides it), else an edit model's reference image(s) (FLUX.1 Kontext) for every prompt "
                         "without its own --ci")
     g.add_argument("--grid", action="store_true", help="also write a contact sheet of all images")
     add_image_input_arguments(p)
@@ -120,6 +128,7 @@ class GenerateOptions:
     dtype: torch.dtype = torch.float32
     device: Optional[str] = None
     networks: list = field(default_factory=list)  # NetworkSpec
+    control_net: Optional[str] = None  # --control_net
     merge: bool = False
     embeddings: list = field(default_factory=list)  # --textual_inversion_embeddings
     images_per_prompt: int = 1
@@ -171,6 +180,25 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     regions = "regions" in getattr(get_family(family), "image_inputs", ())
     for p in prompts:
         prompt_multipliers(p, len(a.network_weights), a.merge)  # --am: checked now
+    modules, weights, muls = list(a.network_module), list(a.network_weights), list(a.network_mul)
+    # --control_image is the ControlNet's / LLLite's image with --control_net / --lllite (the first path), else
+    # an edit model's reference image(s)
+    guided = a.control_net is not None or a.lllite is not None
+    guide = a.control_image[0] if guided and a.control_image else None
+    if a.lllite is not None:
+        if not os.path.isfile(a.lllite):
+            raise ConfigError(f"--lllite {a.lllite}: file not found")
+        if not guide and not all(p.control_image for p in prompts):
+            raise ConfigError(f"--lllite {a.lllite}: every prompt needs a control image: --control_image, or --cn in "
+                              "the prompt")
+        if len(muls) < len(weights):  # the --lllite multiplier goes after the other networks' (default 1) ones
+            muls += [1.0] * (len(weights) - len(muls))
+        modules = (modules or [_default_module(p) for p in weights]) + [LLLITE_MODULE]
+        weights, muls = weights + [a.lllite], muls + [a.lllite_mul]
+    if a.control_net and not os.path.exists(a.control_net):
+        raise ConfigError(f"--control_net {a.control_net}: not found")
+    if a.control_net and not guide and not all(p.control_image for p in prompts):
+        raise ConfigError("--control_net: every prompt needs a control image: --control_image, or --cn in the prompt")
     return GenerateOptions(
         ckpt=a.ckpt, outdir=a.outdir, prompts=prompts,
         family=family, images=images, strength=a.strength, masks=masks, regions=regions, highres_fix_scale=a.highres_fix_scale,
@@ -178,13 +206,12 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
         highres_fix_latents_upscaling=a.highres_fix_latents_upscaling,
         vae=a.vae, component_files=component_files(a), v2=a.v2, v_parameterization=a.v_parameterization, clip_skip=a.clip_skip,
         dtype=torch.float16 if a.fp16 else torch.bfloat16 if a.bf16 else torch.float32, device=a.device,
-        networks=network_specs(a.network_module or [_default_module(p) for p in a.network_weights],
-                               a.network_weights, a.network_mul), merge=a.merge,
-        embeddings=list(a.textual_inversion_embeddings),
+        networks=network_specs(modules or [_default_module(p) for p in weights], weights, muls), merge=a.merge,
+        control_net=a.control_net, embeddings=list(a.textual_inversion_embeddings),
         images_per_prompt=a.images_per_prompt, seed=a.seed, batch_size=a.batch_size, grid=a.grid,
         overrides=PromptOverrides(width=a.W, height=a.H, steps=a.steps, scale=a.scale, guidance=a.guidance,
-                                  sampler=a.sampler, control_images=tuple(a.control_image)))
-
+                                  sampler=a.sampler, control_images=() if guided else tuple(a.control_image),
+                                  control_image=guide))
 
 def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[list, list]:
     """The --image_path / --mask_path images, checked with --strength and the highres fix flags before any model
@@ -297,8 +324,13 @@ def _default_module(path: str) -> str:
                 keys = list(f.keys())
         except Exception:  # not readable: networks.lora says what is wrong with it
             return "networks.lora"
+        if any(k.startswith("lllite_unet_") for k in keys):
+            return LLLITE_MODULE
         return "lycoris.kohya" if is_lycoris_state(keys) else "networks.lora"
     return "networks.lora"
+
+
+LLLITE_MODULE = "networks.control_net_lllite"
 
 
 def _family(a: argparse.Namespace) -> str:
@@ -361,6 +393,8 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
                           "FLUX.1 Kontext)")
     spelled = _load_embeddings(family, components, o.embeddings)
     applied = apply_networks(family, components, o.networks, o.merge, device, o.dtype)
+    if o.control_net:  # predict adds its residuals for the requests' control images
+        components.controlnet = family.create_controlnet(components, o.control_net).to(device, o.dtype).eval()
     try:
         requests = requests_from_prompts(o.prompts, o.images_per_prompt, o.seed, o.overrides, number_images=True)
         if spelled:  # a multi-vector token written in a prompt stands for all its vectors
@@ -374,9 +408,10 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
         for muls, group in _multiplier_groups(per_image, requests):
             for network, mul in zip(applied.networks, muls or [n.multiplier for n in o.networks]):
                 network.set_multiplier(mul)  # a prompt's --am, else --network_mul
-            generated += _generate(o, family, components, device, group)
+            generated += _generate(o, family, components, device, group, applied.networks)
     finally:
         applied.remove()
+        components.controlnet = None
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
     extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
     return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)
@@ -528,13 +563,14 @@ def _multiplier_groups(per_image: list, requests: list) -> list:
     return groups
 
 
-def _generate(o: GenerateOptions, family, components, device, requests: list) -> list:
-    """txt2img / img2img / inpainting / regions, with the highres fix when asked."""
-    from library.sampling.generate import generate_images
+def _generate(o: GenerateOptions, family, components, device, requests: list, networks: list) -> list:
+    """txt2img / img2img / inpainting / regions, with the highres fix when asked; `networks`: the applied ones
+    (an image network such as ControlNet-LLLite gets each request's control image)."""
+    from library.sampling.image_networks import generate_with_image_networks
 
     if o.highres_fix_scale is None:
-        return generate_images(family, components, requests, clip_skip=o.clip_skip, device=device,
-                               batch_size=o.batch_size, progress=True)
+        return generate_with_image_networks(family, components, networks, requests, clip_skip=o.clip_skip,
+                                            device=device, batch_size=o.batch_size, progress=True)
     from library.sampling.img2img import DEFAULT_STRENGTH, generate_highres
 
     return generate_highres(

@@ -46,6 +46,8 @@ def generate_command(folder: JobFolder, mode: str, config: dict, prompts_path: s
                  "--network_weights", checkpoint]
     elif mode == "textual_inversion":  # the base model with the embedding; prompts write its token
         argv += ["--ckpt", str(base)] + (["--textual_inversion_embeddings", checkpoint] if checkpoint else [])
+    elif mode == "controlnet_lllite":  # a network too; each prompt needs its control image (--cn)
+        argv += ["--ckpt", str(base), "--lllite", checkpoint]
     else:
         argv += ["--ckpt", checkpoint or str(base)]
     for key in GENERATE_FILE_KEYS:

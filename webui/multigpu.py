@@ -110,7 +110,8 @@ def generator_command(launch: dict[str, Any], family: str, mode: str, config: di
         argv += ["--mixed_precision", config["mixed_precision"]]
     if strategy == "deepspeed" and config.get("gradient_accumulation_steps"):
         argv += ["--gradient_accumulation_steps", str(config["gradient_accumulation_steps"])]
-    argv += ["--family", family, "--mode", mode]
+    # a ControlNet-LLLite job is a network over a frozen model: the generator's "lora"
+    argv += ["--family", family, "--mode", "lora" if mode == "controlnet_lllite" else mode]
     for key, (strategies, flag, kind) in STRATEGY_OPTIONS.items():
         if strategy not in strategies or key not in launch:
             continue

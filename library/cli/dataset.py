@@ -76,7 +76,8 @@ class DatasetFlags:
                                        "0.1)", range=RATE)
     normalize_masked_area_loss: bool = flag(False, "divide each sample's loss by the mean of its mask weights, so "
                                                    "small masks are not down-weighted")
-    conditioning_data_dir: Optional[str] = flag(None, "mask images (R channel) with the same stems")
+    conditioning_data_dir: Optional[str] = flag(None, "mask images (R channel) with the same stems; in the ControlNet "
+                                                      "scripts the conditioning images")
     resize_interpolation: Optional[str] = flag(None, "resampling filter (default: area to shrink, lanczos to enlarge)",
                                                      choices=RESIZE_INTERPOLATIONS)
     resolution_schedule: str = flag("all", "'progressive': train several resolutions in order, low to high",

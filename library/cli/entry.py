@@ -14,6 +14,7 @@ from library.cli.config_file import (
     parse_with_config_file,
     write_config_file,
 )
+from library.cli.controlnet import controlnet_options_from_args
 from library.cli.dataset import data_options_from_args
 from library.cli.fine_tune import ema_options_from_args, fine_tune_options_from_args
 from library.cli.memory import gradient_checkpointing_wanted, memory_options_from_args, speed_options_from_args
@@ -72,7 +73,7 @@ def configure_console_logging(level: Optional[str], path: Optional[str], simple:
 
 
 def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: bool = False,
-                       textual_inversion: bool = False) -> RunSettings:
+                       textual_inversion: bool = False, controlnet: bool = False) -> RunSettings:
     """Translate the namespace into RunSettings, each concern through its own from_args function.
 
     Every flag is checked here, before the dataset scan and before any model loads; the namespace
@@ -121,11 +122,15 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
     resolved = {"seed": training.seed, "gradient_checkpointing": gradient_checkpointing,
                 "learning_rate": optimizer.learning_rate}
     recorded = {**vars(ns), **resolved}
+    kind = network_kind(network.network_module) if network else None
+    data = data_options_from_args(ns, seed=training.seed)
+    if kind is not None and kind.conditioning_images:  # ControlNet-LLLite: conditioning_data_dir pairs each image
+        data = dataclasses.replace(data, conditioning_images=True)
     settings = RunSettings(
         model=model,
-        data=data_options_from_args(ns, seed=training.seed),
+        data=data,
         network=network,
-        network_kind=network_kind(network.network_module) if network else None,
+        network_kind=kind,
         fine_tune=fine_tune_options_from_args(ns, family) if fine_tune else None,
         textual_inversion=ti,
         ema=ema_options_from_args(ns),
@@ -143,6 +148,11 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
         recorded_flags={name: recorded.get(name) for name in RECORDED_FLAGS},
         flags={**flag_values(ns), **resolved},
     )
+    if controlnet:  # the ControlNet scripts: a ControlNet trains, the model is frozen; the data pairs images
+        if "controlnet" not in family.scripts:
+            raise ConfigError(f"ControlNet training is not supported for {family.name}")
+        settings.controlnet = controlnet_options_from_args(ns)
+        settings.data = dataclasses.replace(settings.data, conditioning_images=True)
     stop_te = getattr(ns, "stop_text_encoder_training", None)  # train_db.py
     if fine_tune and stop_te is not None and stop_te > 0:
         settings.hooks.append(StopTextEncoderTraining(stop_te))
@@ -152,6 +162,9 @@ def settings_from_args(ns: argparse.Namespace, family: ModelFamily, fine_tune: b
             raise ConfigError(f"--sample_prompts: sampling is not implemented for the {family.name} family yet; "
                               "drop the flag (or generate afterwards with tools/generate.py)")
         settings.hooks.append(sample_hook)
+        missing = [p.control_image for p in sample_hook.prompts if p.control_image and not os.path.isfile(p.control_image)]
+        if controlnet and missing:  # a --cn image is read only where a ControlNet trains (sd-scripts)
+            raise ConfigError(f"--sample_prompts: --cn {missing[0]}: file not found")
     return settings
 
 
@@ -175,17 +188,21 @@ def unet_only_when_caching(network, caching: bool, family: ModelFamily):
 
 
 def run_training(family_name: str, description: str, argv: Optional[Sequence[str]] = None,
-                 fine_tune: bool = False, dreambooth: bool = False, textual_inversion: bool = False) -> int:
+                 fine_tune: bool = False, dreambooth: bool = False, textual_inversion: bool = False,
+                 controlnet: bool = False, lllite: bool = False) -> int:
     """Entry point shared by every training script (LoRA, or with `fine_tune` a full fine-tune; `dreambooth`:
     train_db.py, a fine-tune with its DreamBooth flags; `textual_inversion`: train_textual_inversion.py, new token
-    embeddings). Returns the exit code."""
+    embeddings; `controlnet`: the ControlNet scripts, a fine-tune run that trains a ControlNet; `lllite`:
+    sdxl_train_control_net_lllite.py, a network run of networks.control_net_lllite with --cond_emb_dim). Returns
+    the exit code."""
     setup_logging()
     stop = StopHandler()
     try:
         # From here on a signal stops cleanly, also while loading and caching; one that came while the entry
         # script imported (library/core/stop_signals.py recorded it) stops here.
         stop.install()
-        return _run(family_name, description, argv, stop, fine_tune, dreambooth, textual_inversion)
+        return _run(family_name, description, argv, stop, fine_tune or controlnet, dreambooth,
+                    textual_inversion=textual_inversion, controlnet=controlnet, lllite=lllite)
     except StopRequested as e:
         print(str(e), file=sys.stderr)
         return 128 + int(e.signum)
@@ -194,13 +211,16 @@ def run_training(family_name: str, description: str, argv: Optional[Sequence[str
 
 
 def _run(family_name: str, description: str, argv: Optional[Sequence[str]], stop: StopHandler,
-         fine_tune: bool, dreambooth: bool = False, textual_inversion: bool = False) -> int:
+         fine_tune: bool, dreambooth: bool = False, *, textual_inversion: bool = False, controlnet: bool = False,
+         lllite: bool = False) -> int:
     family = get_family(family_name)
-    parser = build_parser(description, family, fine_tune, dreambooth, textual_inversion)
+    parser = build_parser(description, family, fine_tune, dreambooth, textual_inversion=textual_inversion,
+                          controlnet=controlnet, lllite=lllite)
     try:
         ns = parse_with_config_file(parser, argv)
         family = family_for(ns, family)
-        settings = settings_from_args(ns, family, fine_tune, textual_inversion)
+        settings = settings_from_args(ns, family, fine_tune, textual_inversion=textual_inversion,
+                                      controlnet=controlnet)
         if ns.check_config:  # the web UI's validation: the same checks and one-line errors as a run
             # the dataset TOML's keys and values, and its buckets against the resolution (no image is read)
             check_datasets(settings.data, DataFamilyInfo.from_family(family, settings.model.family_options))

@@ -57,6 +57,14 @@ class NetworkFlags:
     metadata: MetadataFlags = field(default_factory=MetadataFlags)
 
 
+@dataclass
+class LLLiteFlags:
+    """sdxl_train_control_net_lllite.py's own flag; --network_dim is the modules' MLP width there."""
+    flag_group: ClassVar[str] = "ControlNet-LLLite"
+    cond_emb_dim: Optional[int] = flag(None, "channels of the conditioning image embedding (required; sd-scripts' "
+                                             "examples use 32 with --network_dim 64)", range=at_least(2))
+
+
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the --network_* / LR / metadata flags of LoRA training to `parser`."""
     add_flags(parser, flag_specs(NetworkFlags))
@@ -87,15 +95,37 @@ def network_options_from_args(ns: argparse.Namespace) -> NetworkOptions:
     if mult and len(mult) != len(base):
         raise ConfigError(f"--base_weights_multiplier: expected {len(base)} values (one per --base_weights), "
                           f"got {len(mult)}")
+    module, args = ns.network_module or "networks.lora", network_args_to_dict(ns.network_args)
+    train_text_encoder = not ns.network_train_unet_only
+    if "cond_emb_dim" in vars(ns):  # sdxl_train_control_net_lllite.py (LLLiteFlags): the network is LLLite's,
+        module, args = lllite_network(module, args, ns.cond_emb_dim)  # on the UNet only
+        train_text_encoder = False
     return settings_from(
         NetworkOptions, ns,
-        network_module=ns.network_module or "networks.lora",  # an empty value in a config file: the default
-        network_args=network_args_to_dict(ns.network_args),
+        network_module=module,  # an empty value in a config file: the default
+        network_args=args,
         base_weights=base,
         base_weights_multiplier=mult or [1.0] * len(base),
         train_unet=not ns.network_train_text_encoder_only,
-        train_text_encoder=not ns.network_train_unet_only,
+        train_text_encoder=train_text_encoder,
         text_encoder_lr=ns.text_encoder_lr or None,
         metadata=metadata_from_args(ns),
         embeddings=list(ns.embeddings or []),
     )
+
+
+LLLITE_MODULE = "networks.control_net_lllite"
+
+
+def lllite_network(module: str, args: dict[str, str], cond_emb_dim: Optional[int]) -> tuple[str, dict[str, str]]:
+    """The --network_module and --network_args of a ControlNet-LLLite run: networks.control_net_lllite with
+    cond_emb_dim from --cond_emb_dim."""
+    if module not in ("networks.lora", LLLITE_MODULE):
+        raise ConfigError(f"--network_module {module}: sdxl_train_control_net_lllite.py trains {LLLITE_MODULE} only; "
+                          "drop the flag")
+    if cond_emb_dim is None:
+        raise ConfigError("--cond_emb_dim: required for ControlNet-LLLite (e.g. --cond_emb_dim 32 --network_dim 64)")
+    if cond_emb_dim % 2:
+        raise ConfigError(f"--cond_emb_dim {cond_emb_dim}: expected an even number (the embedding's first layer has "
+                          "half as many channels)")
+    return LLLITE_MODULE, {**args, "cond_emb_dim": str(cond_emb_dim)}

@@ -9,12 +9,13 @@ import sys
 from typing import NoReturn, Optional
 
 from library.cli.config_file import ConfigFileFlags
+from library.cli.controlnet import ControlNetFlags, FluxControlNetFlags
 from library.cli.dataset import DatasetFlags
 from library.cli.deepspeed import DeepSpeedFlags
 from library.cli.fine_tune import MODEL_FORMATS, DreamBoothFlags, EmaFlags, FineTuneFlags, T5xxlFineTuneFlags
 from library.cli.memory import MemoryFlags, SpeedFlags
 from library.cli.model import ModelFlags
-from library.cli.network import NetworkFlags
+from library.cli.network import LLLiteFlags, NetworkFlags
 from library.cli.noise_loss import LossFlags, NoiseFlags, NoiseSchedulerFlags
 from library.cli.optimizer import OptimizerFlags, SchedulerFlags
 from library.cli.options import FlagSpec, Range, add_flags, at_least, flag_specs
@@ -23,6 +24,7 @@ from library.cli.text_cache import TextCacheFlags
 from library.cli.textual_inversion import TextualInversionFlags
 from library.cli.training import TRAINING_FLAG_GROUPS
 from library.families.base import ModelFamily
+from library.families.common.controlnet import CONTROLNET_FORMATS
 
 # The flag groups of a training script, in --help order; the trained part (NetworkFlags or FineTuneFlags) is third.
 _BEFORE_TRAINED = (ConfigFileFlags, ModelFlags, DatasetFlags)
@@ -30,7 +32,8 @@ _AFTER_TRAINED = (EmaFlags, OptimizerFlags, SchedulerFlags, NoiseFlags, NoiseSch
                   *TRAINING_FLAG_GROUPS, DeepSpeedFlags, MemoryFlags, SpeedFlags, SamplingFlags)
 # Every flag group declared in library/cli (library/cli/ranges.py collects their ranges).
 CORE_FLAG_GROUPS = (*_BEFORE_TRAINED, NetworkFlags, FineTuneFlags, *_AFTER_TRAINED, TextCacheFlags,
-                    T5xxlFineTuneFlags, DreamBoothFlags, TextualInversionFlags)
+                    T5xxlFineTuneFlags, DreamBoothFlags, TextualInversionFlags, ControlNetFlags, FluxControlNetFlags,
+                    LLLiteFlags)
 
 
 # The ranges of flags declared outside library/cli (a family's options, the flow-matching scheme), by name; every
@@ -87,10 +90,13 @@ class TrainingArgumentParser(argparse.ArgumentParser):
 
 
 def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False,
-                   dreambooth: bool = False, textual_inversion: bool = False) -> list[FlagSpec]:
+                   dreambooth: bool = False, textual_inversion: bool = False, controlnet: bool = False,
+                   lllite: bool = False) -> list[FlagSpec]:
     """Every flag of a training script (a LoRA one, or with `fine_tune` a full fine-tune) of `family`, in --help
     order: the core groups, then the family's own options and, where it has them, the text-encoder cache and
-    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags.
+    T5-XXL fine-tuning flags; `dreambooth` (train_db.py, a fine-tune) adds its DreamBooth flags, `controlnet` (the
+    ControlNet scripts, fine-tune scripts that train a ControlNet) the ControlNet ones,
+    `lllite` (sdxl_train_control_net_lllite.py, a network run) --cond_emb_dim.
     `textual_inversion` (train_textual_inversion.py): its flags in place of the network's, no text-encoder cache
     (the encoders' outputs depend on the trained vectors)."""
     if textual_inversion:
@@ -100,8 +106,11 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
             specs += [dataclasses.replace(spec, range=FAMILY_FLAG_RANGES.get(spec.name))
                       for spec in flag_specs(family.options_type, f"{family.name} model", declared_defaults=False)]
         return [_as_textual_inversion(spec) for spec in specs]
+    control = (ControlNetFlags, *((FluxControlNetFlags,) if family is not None and family.controlnet_block_flags else ()))
     groups = (*_BEFORE_TRAINED, FineTuneFlags if fine_tune else NetworkFlags, *_AFTER_TRAINED,
-              *((DreamBoothFlags,) if dreambooth and fine_tune else ()))
+              *((DreamBoothFlags,) if dreambooth and fine_tune else ()),
+              *(control if controlnet and fine_tune else ()),
+              *((LLLiteFlags,) if lllite and not fine_tune else ()))
     specs = [spec for cls in groups for spec in flag_specs(cls)]
     if family is not None:
         if dataclasses.fields(family.options_type):  # declared in library/families: their ranges are listed apart
@@ -112,7 +121,7 @@ def training_flags(family: Optional[ModelFamily] = None, fine_tune: bool = False
     if fine_tune:
         if getattr(family, "fine_tune_t5xxl_encoder", None) is not None:
             specs += flag_specs(T5xxlFineTuneFlags)
-        specs = [_as_fine_tune(spec, family) for spec in specs]
+        specs = [_as_fine_tune(spec, family, controlnet) for spec in specs]
     return specs
 
 
@@ -127,8 +136,12 @@ def _as_textual_inversion(spec: FlagSpec) -> FlagSpec:
     return spec
 
 
-def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
+def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily], controlnet: bool = False) -> FlagSpec:
     """A full fine-tune saves the model itself, in the family's own formats (a wrong one stops before training)."""
+    if spec.name == "save_model_as" and controlnet:
+        return dataclasses.replace(spec, choices=CONTROLNET_FORMATS,
+                                   help="format of the saved ControlNet: one .safetensors file (diffusers names, "
+                                        "as ComfyUI loads it) or a diffusers folder")
     if spec.name == "save_model_as":
         return dataclasses.replace(spec, choices=tuple(getattr(family, "save_formats", MODEL_FORMATS)),
                                    help="format of saved models: single-file ckpt/safetensors (original layout) or a "
@@ -139,11 +152,12 @@ def _as_fine_tune(spec: FlagSpec, family: Optional[ModelFamily]) -> FlagSpec:
 
 
 def build_parser(description: str, family: Optional[ModelFamily] = None,
-                 fine_tune: bool = False, dreambooth: bool = False,
-                 textual_inversion: bool = False) -> TrainingArgumentParser:
+                 fine_tune: bool = False, dreambooth: bool = False, *, textual_inversion: bool = False,
+                 controlnet: bool = False, lllite: bool = False) -> TrainingArgumentParser:
     """The parser of a training script; it keeps its flags (`flag_specs`), family and mode for --describe_flags."""
     parser = TrainingArgumentParser(description=description, allow_abbrev=True)
-    parser.flag_specs = training_flags(family, fine_tune, dreambooth, textual_inversion)
+    parser.flag_specs = training_flags(family, fine_tune, dreambooth, textual_inversion=textual_inversion,
+                                       controlnet=controlnet, lllite=lllite)
     parser.family = family
     parser.fine_tune = fine_tune
     parser.mode = "textual_inversion" if textual_inversion else "fine_tune" if fine_tune else "lora"

@@ -30,6 +30,7 @@ class Sample:
     is_validation: bool = False
     loss_weight: float = 1.0
     mask_path: Optional[str] = None
+    conditioning_path: Optional[str] = None  # the control scripts' conditioning image (cropped/flipped with it)
     train_resolution: Optional[Size] = None  # the bucket a fine-tune metadata file fixed for it
     control_paths: tuple[str, ...] = ()  # edit training: its control image(s) (library/data/control_images.py)
 

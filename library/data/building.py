@@ -105,7 +105,8 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
     others go to `skipped` with the reason."""
     cache = size_cache_path(sub)
     paths = ([i.path for i in images] + [i.mask_path for i in images if i.mask_path]
-             + [c for i in images for c in i.control_paths])
+             + [c for i in images for c in i.control_paths]
+             + [i.conditioning_path for i in images if i.conditioning_path])
     scan = scan_image_sizes(paths, cache, progress=True)
     skipped.update(scan.problems)
     good = []
@@ -119,6 +120,17 @@ def _scan_subset(sub: SubsetConfig, ds: DatasetConfig, images: list[DiscoveredIm
         if bad_control:
             skipped[image.path] = f"its control image {bad_control} cannot be used ({scan.problems.get(bad_control)})"
             continue
+        if image.conditioning_path:
+            cond = image.conditioning_path
+            if cond not in scan.sizes:
+                skipped[image.path] = f"its conditioning image {cond} cannot be used ({scan.problems.get(cond)})"
+                continue
+            if ds.enable_bucket and scan.sizes[cond] != scan.sizes[image.path]:
+                # sd-scripts asserts the same size with buckets (and resizes without: library/data/loading.py)
+                (iw, ih), (cw, ch) = scan.sizes[image.path], scan.sizes[cond]
+                problems.append(f"{cond}: conditioning image is {cw}x{ch} but its image {image.path} is {iw}x{ih}; "
+                                "expected the same size (with enable_bucket)")
+                continue
         why = size_problem(scan.sizes[image.path], ds)
         if why:
             skipped[image.path] = why
@@ -227,7 +239,8 @@ def build(opts: DataOptions, family: DataFamilyInfo, make: type[P]) -> P:
         s = Sample(id=len(samples), path=img.path, caption=img.caption, dataset=di, subset=si, size=size,
                    num_repeats=repeats, is_reg=sub.is_reg, is_validation=is_val,
                    loss_weight=opts.prior_loss_weight if sub.is_reg else 1.0, mask_path=img.mask_path,
-                   train_resolution=img.train_resolution, control_paths=img.control_paths)
+                   conditioning_path=img.conditioning_path, train_resolution=img.train_resolution,
+                   control_paths=img.control_paths)
         samples.append(s)
         return s
 

@@ -45,6 +45,9 @@ class SubsetConfig:
     conditioning_data_dir: Optional[str] = None
     control_directory: Optional[str] = None  # edit training: each image's control image(s), same stem
     masked_loss: bool = False  # use the masks: conditioning_data_dir > <stem>-masklabel.png > alpha channel
+    # Set for the ControlNet / LLLite scripts (DataOptions.conditioning_images): conditioning_data_dir holds the
+    # RGB conditioning images, not masks.
+    conditioning_images: bool = False
     unmasked_probability: float = 0.0
     unmasked_weight: float = 0.0
     normalize_masked_area_loss: bool = False
@@ -341,8 +344,27 @@ def resolve_from_flags(opts: DataOptions) -> ResolvedConfig:
 def resolve_datasets(opts: DataOptions) -> ResolvedConfig:
     """Resolve the dataset TOML when --dataset_config is given, else the folder flags; then cross-check options."""
     resolved = resolve_from_toml(opts.dataset_config, opts) if opts.dataset_config else resolve_from_flags(opts)
+    for ds in resolved.datasets:
+        for sub in ds.subsets:
+            sub.conditioning_images = opts.conditioning_images
     check_option_conflicts(resolved, opts)
     return resolved
+
+
+def _conditioning_conflicts(sub: SubsetConfig) -> list[str]:
+    """What a subset of a control script (ControlNet, LLLite) cannot have."""
+    out = []
+    if not sub.conditioning_data_dir:
+        out.append(f"{sub.where}: needs conditioning_data_dir (a folder of conditioning images with the images' names; "
+                   "--conditioning_data_dir or the subset key)")
+    if sub.kind == "datasets":
+        out.append(f"{sub.where}: a dataset_name subset has no conditioning images; use image_dir + conditioning_data_dir")
+    if sub.face_crop_aug_range:
+        out.append(f"{sub.where}: face_crop_aug_range cannot crop the conditioning image with its image; drop it")
+    if sub.masked_loss:
+        out.append(f"{sub.where}: masked_loss: conditioning_data_dir holds the conditioning images here, not masks; "
+                   "drop masked_loss")
+    return out
 
 
 def check_option_conflicts(resolved: ResolvedConfig, opts: DataOptions) -> None:
@@ -359,7 +381,9 @@ def check_option_conflicts(resolved: ResolvedConfig, opts: DataOptions) -> None:
                     lines.append(f"{sub.where}: face_crop_aug_range crops randomly, so it cannot be used with --cache_latents")
             # Whether a masked_loss subset has masks at all (alpha, mask folder or -masklabel.png files) is
             # checked after discovery (library/data/mask_sources.py check_mask_sources).
-            if sub.conditioning_data_dir and not sub.masked_loss:
+            if opts.conditioning_images:
+                lines.extend(_conditioning_conflicts(sub))
+            elif sub.conditioning_data_dir and not sub.masked_loss:
                 lines.append(f"{sub.where}: conditioning_data_dir (mask images) needs --masked_loss (or masked_loss = true)")
             if sub.resize_interpolation and sub.resize_interpolation not in RESIZE_INTERPOLATIONS:
                 lines.append(f"{sub.where}: resize_interpolation: expected one of {', '.join(RESIZE_INTERPOLATIONS)}")

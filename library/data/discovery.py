@@ -27,6 +27,8 @@ class DiscoveredImage:
     path: str
     caption: str  # raw caption (all lines kept; the pipeline picks one)
     mask_path: Optional[str] = None
+    # The control scripts' conditioning image (conditioning_data_dir, same stem): RGB, cropped with the image.
+    conditioning_path: Optional[str] = None
     # A fine-tune metadata entry's "train_resolution" (width, height): the bucket prepare_buckets_latents chose.
     train_resolution: Optional[tuple[int, int]] = None
     control_paths: tuple[str, ...] = ()  # edit training: control_directory's images of this one (control_images.py)
@@ -92,16 +94,23 @@ def find_mask(image_path: str, mask_dir: str) -> Optional[str]:
 
 
 def _attach_masks(sub: SubsetConfig, result: SubsetImages) -> None:
+    """Pair each image with its conditioning_data_dir image: the mask (masked loss) or, for the control scripts
+    (sub.conditioning_images), the conditioning image. A missing one is a problem naming the image."""
     mask_dir = sub.conditioning_data_dir
     if not mask_dir:
         return
     if not os.path.isdir(mask_dir):
         result.problems.append(f"{sub.where}.conditioning_data_dir: folder not found: {mask_dir}")
         return
+    what = "conditioning image" if sub.conditioning_images else "mask image"
     for image in result.images:
-        image.mask_path = find_mask(image.path, mask_dir)
-        if image.mask_path is None:
-            result.problems.append(f"{image.path}: no mask image with the same name in {mask_dir}")
+        found = find_mask(image.path, mask_dir)
+        if sub.conditioning_images:
+            image.conditioning_path = found
+        else:
+            image.mask_path = found
+        if found is None:
+            result.problems.append(f"{image.path}: no {what} with the same name in {mask_dir}")
 
 
 def discover_dreambooth(sub: SubsetConfig) -> SubsetImages:

@@ -250,16 +250,37 @@ def resize_and_crop_with_mask(
     Returns (image, mask or None, crop_ltrb); crop_ltrb comes from crop_ltrb_for()
     with the image's size before resizing.
     """
+    image, mask, _, crop_ltrb = resize_and_crop_all(image, mask, None, bucket_reso, resized_size, random_crop, rng,
+                                                    interpolation)
+    return image, mask, crop_ltrb
+
+
+def resize_and_crop_all(
+    image: np.ndarray,
+    mask: Optional[np.ndarray],
+    conditioning: Optional[np.ndarray],
+    bucket_reso: tuple[int, int],
+    resized_size: tuple[int, int],
+    random_crop: bool,
+    rng: random.Random,
+    interpolation: Optional[str] = None,
+) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray], tuple[int, int, int, int]]:
+    """resize_and_crop_with_mask, and a conditioning image (H, W, 3 uint8, the image's size) resized and cropped
+    exactly as the image: (image, mask, conditioning, crop_ltrb). The same random numbers are drawn either way."""
     h, w = image.shape[:2]
     image = resize_image(image, resized_size, interpolation)
     if mask is not None:
         mask = resize_mask(mask, resized_size, interpolation)
+    if conditioning is not None:
+        conditioning = resize_image(conditioning, resized_size, interpolation)
     x, y = _crop_offsets(resized_size, bucket_reso, random_crop, rng)
     bw, bh = bucket_reso
     image = np.ascontiguousarray(image[y : y + bh, x : x + bw])
     if mask is not None:
         mask = np.ascontiguousarray(mask[y : y + bh, x : x + bw])
-    return image, mask, crop_ltrb_for(bucket_reso, (w, h))
+    if conditioning is not None:
+        conditioning = np.ascontiguousarray(conditioning[y : y + bh, x : x + bw])
+    return image, mask, conditioning, crop_ltrb_for(bucket_reso, (w, h))
 
 
 def resize_and_crop(
@@ -377,6 +398,13 @@ def face_crop(
         start = max(0, min(start, length - target))
         image = image[start : start + target] if axis == 0 else image[:, start : start + target]
     return np.ascontiguousarray(image)
+
+
+def to_unit_tensor(image: np.ndarray):
+    """(H, W, 3) uint8 -> torch.FloatTensor (3, H, W) in [0, 1] (a conditioning image, as sd-scripts' ToTensor)."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div_(255.0)
 
 
 def to_tensor(image: np.ndarray):

@@ -118,7 +118,7 @@ class _DecodeBatches(torch.utils.data.Dataset):
             sub = self.data.subsets[sample.subset]
             try:
                 loaded = load_and_crop(sample, sub, job.placement, self.data.bucketing(self.data.groups[job.group]),
-                                       random.Random(0), augment=False)
+                                       random.Random(0), augment=False, with_conditioning=False)
                 controls.append([to_tensor(load_control(c, job.placement.bucket, False, sub.resize_interpolation))
                                  for c in sample.control_paths])
             except ImageDecodeError as e:

@@ -22,9 +22,12 @@ from library.data.images import (
     flip_horizontal,
     load_image,
     parse_face_box,
-    resize_and_crop_with_mask,
+    resize_and_crop,
+    resize_and_crop_all,
+    resize_image,
     resize_mask,
     to_tensor,
+    to_unit_tensor,
 )
 from library.data.mask_sources import draw_unmasked, mask_channel
 from library.data.plan import DatasetPlan
@@ -38,6 +41,7 @@ class LoadedImage:
     image: np.ndarray  # (H, W, 3) uint8 at the bucket size
     mask: Optional[np.ndarray]  # (H, W) float 0..1 or None
     crop_ltrb: tuple[int, int, int, int]
+    conditioning: Optional[np.ndarray] = None  # (H, W, 3) uint8 at the bucket size, cropped as `image`
 
 
 def warn_once(path: str, message: str) -> None:
@@ -53,9 +57,27 @@ def _load_mask(sample: Sample, size: tuple[int, int]) -> np.ndarray:
     return resize_mask(mask, size) if (mask.shape[1], mask.shape[0]) != size else mask
 
 
+def load_conditioning(sample: Sample, sub: SubsetConfig) -> np.ndarray:
+    """The conditioning image at its image's original size: decoded (alpha dropped, as sd-scripts' convert("RGB")),
+    and resized to the image's size when it differs (only without buckets; with buckets the scan refused it)."""
+    cond, _ = load_image(sample.conditioning_path, background=None)
+    if (cond.shape[1], cond.shape[0]) != sample.size:
+        cond = resize_image(cond, sample.size, sub.resize_interpolation)
+    return cond
+
+
+def crop_conditioning(sample: Sample, sub: SubsetConfig, place: Placement) -> np.ndarray:
+    """The conditioning image of a sample whose latents are cached: resized and centre-cropped to its bucket, as
+    the cached image was (random crop cannot be cached)."""
+    cond, _ = resize_and_crop(load_conditioning(sample, sub), place.bucket, place.resized, False, random.Random(0),
+                              sub.resize_interpolation)
+    return cond
+
+
 def load_and_crop(sample: Sample, sub: SubsetConfig, place: Placement, bucketing: bool, rng: random.Random,
-                  augment: bool) -> LoadedImage:
-    """Decode one image (+ mask), resize and crop it to its bucket; random crop / face crop / color aug when `augment`.
+                  augment: bool, with_conditioning: bool = True) -> LoadedImage:
+    """Decode one image (+ mask, + conditioning image unless not `with_conditioning`: latent caching), resize and
+    crop it to its bucket; random crop / face crop / color aug when `augment`.
 
     Raises ImageDecodeError when the image (or its mask) cannot be decoded or changed size since scanning.
     """
@@ -70,11 +92,12 @@ def load_and_crop(sample: Sample, sub: SubsetConfig, place: Placement, bucketing
         image = face_crop(image, sub.face_crop_aug_range, rng, parse_face_box(sample.path), place.bucket, sub.random_crop)
         resized = (image.shape[1], image.shape[0])
         mask = resize_mask(mask, resized) if mask is not None else None
-    image, mask, crop_ltrb = resize_and_crop_with_mask(image, mask, place.bucket, resized, augment and sub.random_crop,
-                                                       rng, sub.resize_interpolation)
-    if augment and sub.color_aug:
+    cond = load_conditioning(sample, sub) if sample.conditioning_path and with_conditioning else None
+    image, mask, cond, crop_ltrb = resize_and_crop_all(image, mask, cond, place.bucket, resized,
+                                                       augment and sub.random_crop, rng, sub.resize_interpolation)
+    if augment and sub.color_aug:  # the image only: the conditioning image stays as drawn (sd-scripts)
         image = color_augment(image, rng)
-    return LoadedImage(image, mask, crop_ltrb)
+    return LoadedImage(image, mask, crop_ltrb, cond)
 
 
 def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
@@ -83,7 +106,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
     unmasked_weights, normalize, preserve = [], [], []
-    orig_hw, crop_tl, skipped, noise_seeds, controls = [], [], [], [], []
+    orig_hw, crop_tl, skipped, noise_seeds, controls, conds = [], [], [], [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
         sample = data.samples[sid]
@@ -103,6 +126,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         try:
             if use_latents:
                 entry = data.latents[(sid, ref.group)]
+                cond = crop_conditioning(sample, sub, group.placements[sid]) if sample.conditioning_path else None
                 latents.append(entry.latents_flipped if flip else entry.latents)
                 crop = flip_crop_ltrb(entry.crop_ltrb, bw) if flip else entry.crop_ltrb
                 mask = entry.alpha_mask
@@ -113,7 +137,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
                 control = list(entry.control_latents_flipped if flip else entry.control_latents)
             else:
                 loaded = load_and_crop(sample, sub, group.placements[sid], data.bucketing(group), rng, augment)
-                image, mask, crop = loaded.image, loaded.mask, loaded.crop_ltrb
+                image, mask, crop, cond = loaded.image, loaded.mask, loaded.crop_ltrb, loaded.conditioning
                 if flip:
                     image = flip_horizontal(image)
                     mask = np.ascontiguousarray(mask[:, ::-1]) if mask is not None else None
@@ -121,6 +145,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
                 control = [to_tensor(load_control(c, group.placements[sid].bucket, flip, sub.resize_interpolation))
                            for c in sample.control_paths]
                 images.append(to_tensor(image))
+            if cond is not None:
+                conds.append(to_unit_tensor(flip_horizontal(cond) if flip else cond))
         except ImageDecodeError as e:
             warn_once(sample.path, str(e))
             skipped.append(sample.path)
@@ -144,6 +170,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     has_masks = any(m is not None for m in masks)
     return {
         "images": torch.stack(images) if images else None,
+        # The control scripts: each image's conditioning image, cropped and flipped with it, (B, 3, H, W) in 0..1.
+        "conditioning_images": torch.stack(conds) if conds else None,
         "latents": torch.stack([torch.as_tensor(x) for x in latents]).float() if latents else None,
         "captions": captions,
         "loss_weights": torch.tensor(weights, dtype=torch.float32),

@@ -59,6 +59,9 @@ class DataOptions:
     unmasked_weight: float = 0.0
     normalize_masked_area_loss: bool = False
     conditioning_data_dir: Optional[str] = None
+    # Set by the control scripts (ControlNet, LLLite), not a flag: conditioning_data_dir holds RGB conditioning
+    # images, paired with each image and put in the batch as "conditioning_images" (docs/controlnet.md).
+    conditioning_images: bool = False
     resize_interpolation: Optional[str] = None
     resolution_schedule: str = "all"  # extension: "all" or "progressive"
     resolution_step_fractions: Optional[str] = None  # extension: "0.3,0.7"

@@ -86,6 +86,9 @@ class Components:
     vae_path: Optional[str] = None
     options: Any = None  # the family's options of this run (LoadOptions.family_options, defaults filled in)
     noise_schedule: Optional[DDPMSchedule] = None  # LoadOptions.noise_schedule: training scheme and sample images
+    # A ControlNet (the control scripts, tools/generate.py --control_net): `predict` adds its residuals when the
+    # batch holds "conditioning_images" (B, 3, H, W) in 0..1. None: the plain model.
+    controlnet: Optional[nn.Module] = None
 
 
 
@@ -119,7 +122,8 @@ class ModelFamily(ABC):
     contents: ClassVar[tuple[tuple[str, str], ...]] = ()
     diffusers_class_markers: ClassVar[tuple[str, ...]] = ()
     detect_rank: ClassVar[int] = 100
-    # The family's entry scripts by mode ("lora": its train_network script, "finetune": its full fine-tune one);
+    # The family's entry scripts by mode ("lora": its train_network script, "finetune": its full fine-tune one,
+    # "controlnet_lllite": SDXL's ControlNet-LLLite script, a network run over a frozen model);
     # a family trained through another's scripts (Chroma: FLUX.1's) names those, with the --model_type values
     # that select it there (None: the scripts' default).
     scripts: ClassVar[dict[str, str]] = {}
@@ -385,6 +389,22 @@ class ModelFamily(ABC):
         the bound); the default refuses the flag.
         """
         raise UserError(f"--blocks_to_swap is not supported for {self.name}")
+
+    # --- ControlNet (train_control_net.py, sdxl_train_control_net.py, flux_train_control_net.py) -----------
+    # Whether its ControlNet copies some of the denoiser's blocks (--num_double_blocks / --num_single_blocks).
+    controlnet_block_flags: ClassVar[bool] = False
+
+    def create_controlnet(self, components: Components, path: Optional[str], num_double_blocks: Optional[int] = None,
+                          num_single_blocks: Optional[int] = None) -> nn.Module:
+        """A new ControlNet initialised from the loaded denoiser, or the one saved at `path` (a diffusers folder or
+        one of our single files) to go on training. Float32, on the CPU."""
+        raise UserError(f"ControlNet training is not supported for {self.name} (SD 1.x/2.x, SDXL and FLUX.1 are)")
+
+    def save_controlnet(self, controlnet: nn.Module, path: str, fmt: str, dtype: Optional[torch.dtype],
+                        metadata: Optional[dict[str, str]]) -> str:
+        """Write a ControlNet: a diffusers folder (fmt diffusers / diffusers_safetensors) or one .safetensors file
+        in the layout ComfyUI reads (docs/controlnet.md). Atomic. Returns the path written."""
+        raise UserError(f"ControlNet training is not supported for {self.name}")
 
     # --- saving ----------------------------------------------------------------
     # The formats save_model writes for this family (a family without one original-layout format drops it).

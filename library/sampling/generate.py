@@ -41,12 +41,32 @@ class GenerationRequest:
     index: int = 0  # NN in the file name: the prompt's position (training) or the image's (tool)
     seed_given: bool = False  # the user chose the seed: it goes into the file name, as in sd-scripts
     control_images: tuple[str, ...] = ()  # edit models (FLUX.1 Kontext): the reference image file(s)
+    control_image: Optional[str] = None  # the ControlNet's conditioning image (a file), resized to the image size
     image_input: Any = None  # library.sampling.img2img.ImageInput: img2img / inpainting / regional prompts
 
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising batch."""
-        key = (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.control_images)
+        key = (self.width, self.height, self.steps, self.scale, self.guidance, self.sampler, self.control_images,
+               self.control_image is not None)
         return key if self.image_input is None else key + (self.image_input.batch_key(),)
+
+
+def control_image_rows(requests: Sequence[GenerationRequest], rows: int) -> Optional[Any]:
+    """The batch's "conditioning_images" for `predict`: each request's control image as RGB, resized (Lanczos) to
+    its width x height, (rows, 3, H, W) in 0..1, repeated for the negative rows of CFG (rows = 2 x requests);
+    None when the requests have none."""
+    if not requests or requests[0].control_image is None:
+        return None
+    import numpy as np
+    from PIL import Image
+
+    images = []
+    for r in requests:
+        with Image.open(r.control_image) as img:
+            rgb = img.convert("RGB").resize((r.width, r.height), Image.Resampling.LANCZOS)
+        images.append(torch.from_numpy(np.asarray(rgb, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    out = torch.stack(images)
+    return out.repeat(rows // len(requests), 1, 1, 1)
 
 
 @dataclass
@@ -70,6 +90,7 @@ class PromptOverrides:
     sampler: Optional[str] = None
     negative_prompt: Optional[str] = None
     control_images: tuple[str, ...] = ()  # tools/generate.py --control_image: for prompts without their own --ci
+    control_image: Optional[str] = None  # tools/generate.py --control_image with --control_net / --lllite
 
 
 def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: int = 1,
@@ -105,7 +126,8 @@ def requests_from_prompts(prompts: Sequence[SamplePrompt], images_per_prompt: in
                 scale=p.scale if p.scale is not None else o.scale,
                 guidance=p.guidance if p.guidance is not None else o.guidance,
                 sampler=sampler, index=k if number_images else p.index, seed_given=given,
-                control_images=tuple(p.control_images or o.control_images)))
+                control_images=tuple(p.control_images or o.control_images),
+                control_image=p.control_image or o.control_image))
     return out
 
 

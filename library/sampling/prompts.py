@@ -34,6 +34,7 @@ class SamplePrompt:
     guidance: Optional[float] = None  # Flux's distilled guidance (--g)
     sampler: Optional[str] = None
     control_images: tuple[str, ...] = ()  # edit models' reference image(s) (--ci, repeatable; musubi-tuner's name)
+    control_image: Optional[str] = None  # --cn / controlnet_image: the ControlNet's conditioning image
     index: int = 0  # position in the file: the NN of the sample file name
     ignored: dict[str, Any] = field(default_factory=dict)  # sd-scripts options we accept but do not use
 
@@ -53,11 +54,12 @@ INLINE_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "g": ("guidance", float, "a number (guidance)"),
     "ss": ("sampler", _text, "a sampler name"),
     "ci": ("control_images", _text, "a control image file"),  # repeatable: one --ci per image
+    "cn": ("control_image", _text, "a control image file"),
 }
-# sd-scripts options for ControlNet, CFG truncation, CFG renormalisation and flow shift, and gen_img's per-prompt
-# network multipliers (--am, used by tools/generate.py): accepted so an existing file keeps working, reported as
-# unused where nothing reads them.
-IGNORED_INLINE = ("cn", "ctr", "rcfg", "fs", "am")
+# sd-scripts options for CFG truncation, CFG renormalisation and flow shift, and gen_img's per-prompt network
+# multipliers (--am, used by tools/generate.py): accepted so an existing file keeps working, reported as unused
+# where nothing reads them.
+IGNORED_INLINE = ("ctr", "rcfg", "fs", "am")
 
 # Keys of a .toml / .json prompt entry -> SamplePrompt field (sd-scripts' names).
 DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
@@ -71,8 +73,9 @@ DICT_KEYS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "guidance_scale": ("guidance", float, "a number"),
     "sample_sampler": ("sampler", str, "a string"),
     "control_image": ("control_images", str, "a file name or a list of them"),
+    "controlnet_image": ("control_image", str, "a string"),
 }
-IGNORED_KEYS = ("controlnet_image", "cfg_trunc_ratio", "renorm_cfg", "flow_shift", "enum")
+IGNORED_KEYS = ("cfg_trunc_ratio", "renorm_cfg", "flow_shift", "enum")
 POSITIVE_FIELDS = ("width", "height", "steps")
 
 

@@ -27,11 +27,8 @@ import numpy as np
 import torch
 
 from library.families.common.embeddings import expand_prompt
-from library.sampling.generate import (
-    PromptOverrides,
-    generate_images,
-    requests_from_prompts,
-)
+from library.sampling.generate import PromptOverrides, requests_from_prompts
+from library.sampling.image_networks import generate_with_image_networks
 from library.sampling.output import SAMPLE_DIR, progress_suffix, save_samples
 from library.sampling.prompts import SamplePrompt
 
@@ -119,9 +116,10 @@ class SampleHook:
                             for r in requests]
             logger.info("sampling %d image(s) at step %d", len(requests), step)
             with trainer.accelerator.autocast(), trainer.eval_weights("sampling"):
-                generated = generate_images(trainer.family, trainer.components, requests,
-                                            clip_skip=trainer.s.text.clip_skip, device=trainer.device,
-                                            batch_size=self.options.sample_batch_size)
+                # a ControlNet-LLLite network gets each prompt's --cn image (the last batch's images fit no sample)
+                generated = generate_with_image_networks(trainer.family, trainer.components, [network], requests,
+                                                         clip_skip=trainer.s.text.clip_skip, device=trainer.device,
+                                                         batch_size=self.options.sample_batch_size)
             if not write:
                 return []
             t = trainer.t

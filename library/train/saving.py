@@ -207,7 +207,8 @@ class RunSaver:
         dtype = SAVE_DTYPES.get(self.t.save_precision)
         weights = list(self.trainable.weights().values())
         model = tensor_bytes(weights, dtype)
-        if getattr(self.trainable, "saves_whole_model", not self.trainable.is_adapter):  # not only the trained parts
+        whole = self.trainable.saves_whole_model
+        if (not self.trainable.is_adapter) if whole is None else whole:  # the whole model, not only trained parts
             c = self.components
             # parameters and buffers, not state_dict(): through FSDP1 units that would all-gather on this process only
             model = tensor_bytes([t for m in (c.denoiser, c.vae, *c.text_encoders)

@@ -147,6 +147,15 @@ class FineTuneOptions:
     metadata: dict[str, Optional[str]] = field(default_factory=dict)  # metadata_title, metadata_author, ...
 
 
+@dataclass
+class ControlNetOptions:
+    """A ControlNet run (train_control_net.py, sdxl_train_control_net.py, flux_train_control_net.py): a ControlNet
+    trains beside the frozen model (docs/controlnet.md)."""
+    controlnet_model_name_or_path: Optional[str] = None  # a saved ControlNet to go on training
+    num_double_blocks: Optional[int] = None  # FLUX.1: blocks copied from the transformer (None: the default)
+    num_single_blocks: Optional[int] = None
+
+
 # A trainer hook: called as hook(trainer, event, step) at "train_start", "step", "epoch" and "train_end".
 Hook = Callable[[Any, str, int], None]
 
@@ -169,6 +178,7 @@ class RunSettings:
     speed: SpeedOptions = field(default_factory=SpeedOptions)
     fine_tune: Optional[FineTuneOptions] = None  # set: train the model's own weights instead of a network
     textual_inversion: Optional[TextualInversionOptions] = None  # set: train new token embeddings only
+    controlnet: Optional[ControlNetOptions] = None  # set (with fine_tune): train a ControlNet, the model frozen
     ema: EmaOptions = field(default_factory=EmaOptions)
     zero_terminal_snr: bool = False
     no_half_vae: bool = False

@@ -35,6 +35,8 @@ class StepContext:
     weighted_captions: bool = False  # --weighted_captions: "(word:1.2)" in captions (family.encode_weighted_captions)
     adapter_off: Optional[Callable] = None  # a LoRA run: a context in which the model predicts without it (DOP)
     fill_text_cache: bool = False  # the automatic cache: text_cache gains a caption the first time a step meets it
+    before_predict: Optional[Callable[[dict], None]] = None  # the trainable's look at the batch before the model
+    # runs (ControlNet-LLLite: the batch's conditioning images)
 
 
 def encode_with_vae(family: ModelFamily, vae, images: torch.Tensor) -> torch.Tensor:
@@ -121,6 +123,8 @@ def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
         noise, timesteps, input_noise = _draw(ctx, latents, generator, timesteps)
     noisy = ctx.scheme.add_noise(latents, input_noise, timesteps)
 
+    if ctx.before_predict is not None:
+        ctx.before_predict(batch)
     with ctx.autocast():
         pred = ctx.family.predict(ctx.components, noisy.to(ctx.weight_dtype), timesteps, text, batch)
     pred = ctx.scheme.prediction(pred.float(), noisy.float(), timesteps)  # flow: raw / additive / sigma_scaled

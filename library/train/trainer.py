@@ -75,6 +75,7 @@ from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
 from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
+from library.train.adapters.controlnet import ControlNetTrainable
 from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules, load_embeddings
 from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
 
@@ -281,7 +282,7 @@ class Trainer(TrainingLoop):
         return c, block_swapper
 
     def _fine_tune_parts(self, components: Components) -> dict[str, float]:
-        if self.s.fine_tune is None:
+        if self.s.fine_tune is None or self.s.controlnet is not None:  # a ControlNet run: the model is frozen
             return {}
         encoders = len(components.text_encoders)
         limit = self.family.fine_tune_text_encoders
@@ -296,6 +297,10 @@ class Trainer(TrainingLoop):
         if self.s.textual_inversion is not None:
             return TextualInversionTrainable(self.family, self.components, self.s.textual_inversion, t.save_model_as,
                                              t.save_precision, device=self.device, full_dtype=self._full_dtype())
+        if self.s.controlnet is not None:
+            return ControlNetTrainable(self.family, self.components, self.s.controlnet, t.save_model_as,
+                                       t.save_precision, full_dtype=self._full_dtype(), device=self.device,
+                                       gradient_checkpointing=t.gradient_checkpointing)
         if self.s.fine_tune is not None:
             return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
                                   self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,
@@ -430,7 +435,8 @@ class Trainer(TrainingLoop):
             family=self.family, components=self.components, scheme=scheme, noise=self.s.noise,
             loss=self.s.loss, device=self.device, weight_dtype=self.weight_dtype, clip_skip=self.s.text.clip_skip,
             max_token_length=self.s.text.max_token_length, train_text_encoder=self.train_text_encoder,
-            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None))
+            autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None),
+            before_predict=getattr(self.trainable, "before_predict", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
         return ctx, Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
 

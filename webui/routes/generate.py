@@ -65,8 +65,10 @@ def generate(ctx: Ctx, job_id: JobId, body: Optional[Generate] = Body(None)) -> 
         checkpoint = os.path.join(folder.path, names[body.checkpoint]["path"])
     elif trained:
         checkpoint = os.path.join(folder.path, trained[0]["path"])
-    elif job["mode"] == "lora":
-        raise HTTPException(409, "the job has no trained LoRA yet: train it (or Save now during a run) first")
+    elif job["mode"] in ("lora", "controlnet_lllite"):
+        raise HTTPException(409, "the job has no trained LoRA yet: train it (or Save now during a run) first"
+                            if job["mode"] == "lora" else "the job has no trained ControlNet-LLLite file yet: train it "
+                            "(or Save now during a run) first")
     else:
         checkpoint = None  # a fine-tune job without a trained file: the base model itself
     prompts = [p.replace("\n", " ").strip() for p in (body.prompts or settings["prompts"]) if p and p.strip()]

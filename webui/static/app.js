@@ -97,11 +97,13 @@ async function selectJob(id) {
   await loadJobs();
 }
 
+const MODE_LABELS = { lora: "LoRA", finetune: "Full Finetune", controlnet: "ControlNet", controlnet_lllite: "ControlNet-LLLite",
+  textual_inversion: "Textual Inversion" };
 function showJob(job) {
   $("job-name").textContent = job.name;
   const st = $("job-status");
   st.textContent = job.status; st.className = "status " + job.status;
-  $("job-kind").textContent = `${job.family} · ${{lora: "LoRA", textual_inversion: "Textual Inversion"}[job.mode] || "Full Finetune"} · ${job.script}`;
+  $("job-kind").textContent = `${job.family} · ${MODE_LABELS[job.mode] || job.mode} · ${job.script}`;
   $("command").textContent = job.command;
   $("job-folder").textContent = job.folder;
   const active = job.status === "running" || job.status === "queued";
@@ -308,7 +310,7 @@ async function loadTrained() {
   const sel = $("gen-checkpoint");
   sel.textContent = "";
   for (const f of list) sel.appendChild(el("option", { value: f.name }, f.name));
-  if (!list.length) sel.appendChild(el("option", { value: "" }, current.mode === "lora" ? "no trained LoRA yet" : "the base model"));
+  if (!list.length) sel.appendChild(el("option", { value: "" }, current.mode === "finetune" ? "the base model" : "no trained network yet"));
   for (const f of list) {
     const li = el("li");
     const url = `/api/jobs/${current.id}/files/${f.path.split("/").map(encodeURIComponent).join("/")}`;

@@ -28,14 +28,13 @@ from library.families.anima.configs import (
     AnimaDiT,
     build_anima_modules,
     build_qwen3_tokenizer,
-    qwen3_config,
     transformer_config,
     vae_config,
 )
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common.t5 import find_t5_tokenizer
-from library.families.common.loading import adopt, cached_tokenizer, read_file
+from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
 

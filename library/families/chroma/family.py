@@ -63,6 +63,8 @@ class ChromaFamily(FluxFamily):
     model_types = ("chroma",)  # the --model_type values of its scripts that select it
     selector_flag = None
     variant_of = "flux"  # FLUX.1's scripts with --model_type chroma
+    # FLUX.1's scripts less flux_train_control_net.py: its ControlNet is FLUX.1's (FluxControlNetModel)
+    scripts = {mode: script for mode, script in FluxFamily.scripts.items() if mode != "controlnet"}
     text_encoder_labels = ("Text encoder (T5-XXL)",)
     tiny_presets = ("tiny:chroma",)
     component_file_flags = ("t5xxl", "ae")  # FLUX.1's, less CLIP-L (Chroma has no CLIP)

@@ -27,7 +27,9 @@ from library.families.common.clip_text import (
     text_encoder_kohya_path,
 )
 from library.families.common.t5 import T5_TARGETS
+from library.families.common.controlnet import save_controlnet_files
 from library.families.flux import saving as flux_saving
+from library.families.flux.controlnet import create_flux_controlnet, flux_control_kwargs
 from library.families.flux.generate import generate_flux
 from library.families.flux.loading import (
     block_counts,
@@ -135,8 +137,9 @@ class FluxFamily(ModelFamily):
     contents = (("double_blocks.", "a FLUX.1 transformer"),
                 ("model.diffusion_model.double_blocks.", "a FLUX.1 transformer"))
     diffusers_class_markers = ("Flux",)
-    scripts = {"lora": "flux_train_network.py", "finetune": "flux_train.py"}
+    scripts = {"lora": "flux_train_network.py", "finetune": "flux_train.py", "controlnet": "flux_train_control_net.py"}
     model_types = (None, "flux", "kontext")  # the --model_type values of its scripts that select it
+    controlnet_block_flags = True  # FluxControlNetModel copies the first double / single blocks
     selector_flag = "flux"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (T5-XXL)")
     denoiser_label = "Transformer"
@@ -313,12 +316,21 @@ class FluxFamily(ModelFamily):
             mask = torch.cat([t["t5_attn_mask"].to(device).bool(),
                               torch.ones(b, tokens.shape[1], dtype=torch.bool, device=device)], dim=1)
             kwargs = {"attention_mask": mask[:, None, None, :]}
-        out = model(hidden_states=tokens, encoder_hidden_states=t5_out,
-                    pooled_projections=t["l_pooled"].to(device, dtype),
-                    timestep=(timesteps.float() / 1000).to(device, dtype),
-                    img_ids=ids, txt_ids=t["txt_ids"][0].to(device, dtype),
-                    guidance=guidance, joint_attention_kwargs=kwargs, return_dict=False)[0]
+        inputs = dict(hidden_states=tokens, encoder_hidden_states=t5_out,
+                      pooled_projections=t["l_pooled"].to(device, dtype),
+                      timestep=(timesteps.float() / 1000).to(device, dtype),
+                      img_ids=ids, txt_ids=t["txt_ids"][0].to(device, dtype),
+                      guidance=guidance, joint_attention_kwargs=kwargs)
+        control = flux_control_kwargs(self, components, noisy_latents, inputs, batch, pack_latents)
+        out = model(**inputs, **control, return_dict=False)[0]
         return unpack_latents(out[:, :(h // 2) * (w // 2)], h, w)  # the loss sees the target's tokens only
+
+    def create_controlnet(self, components: Components, path: Optional[str], num_double_blocks=None,
+                          num_single_blocks=None):
+        return create_flux_controlnet(components.denoiser, path, num_double_blocks, num_single_blocks)
+
+    def save_controlnet(self, controlnet, path, fmt, dtype, metadata):
+        return save_controlnet_files(controlnet, path, fmt, dtype, metadata)
 
     # --- generation -------------------------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,

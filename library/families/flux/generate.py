@@ -21,7 +21,7 @@ import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.objectives.flow import flux_shift_mu, time_shift
-from library.sampling.generate import GeneratedImage
+from library.sampling.generate import GeneratedImage, control_image_rows
 from library.sampling.img2img import flow_blend, flow_start, latent_masks
 from library.families.common.flow_sampling import borrowed_on, decode_images, encode_control_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
 
@@ -66,6 +66,9 @@ def generate_flux(family: ModelFamily, components: Components, requests: list, d
     text = encode_prompts_flux(family, components, texts, device)
     text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
     batch = {"guidance": torch.full((len(texts),), float(first.guidance), device=device)}
+    control = control_image_rows(resolved, len(texts))  # prompts then negatives, as `texts`
+    if control is not None:
+        batch["conditioning_images"] = control.to(device)
 
     latents = initial_noise(family, resolved, device)
     h, w = latents.shape[-2:]

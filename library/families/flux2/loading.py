@@ -26,7 +26,7 @@ from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
-from library.families.common.loading import (adopt, cached_tokenizer, classify_source, infer_vae_config,
+from library.families.common.loading import (adopt, classify_source, infer_vae_config,
                                              load_folder_parts, read_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
@@ -37,7 +37,6 @@ from library.families.flux2.configs import (
     QWEN3_TOKENIZER_REPO,
     build_flux2_modules,
     build_qwen3_tokenizer,
-    qwen3_config,
     transformer_config,
     vae_config,
 )

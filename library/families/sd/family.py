@@ -25,7 +25,9 @@ from library.families.common.clip_text import (
     encode_token_chunks,
     text_encoder_kohya_path,
 )
+from library.families.common.controlnet import save_controlnet_files
 from library.families.sd import saving as sd_saving
+from library.families.sd.controlnet import create_unet_controlnet, unet_control_kwargs
 from library.families.sd.generate import encode_weighted, generate_sd
 from library.families.sd.loading import load_sd_components
 from library.objectives.noise import DDPMScheme
@@ -59,7 +61,7 @@ class SDFamily(ModelFamily):
     contents = (("model.diffusion_model.input_blocks.", "an SD 1.x/2.x checkpoint"),)
     diffusers_class_markers = ("StableDiffusion",)
     scripts = {"lora": "train_network.py", "finetune": "fine_tune.py", "dreambooth": "train_db.py",
-               "textual_inversion": "train_textual_inversion.py"}
+               "textual_inversion": "train_textual_inversion.py", "controlnet": "train_control_net.py"}
     textual_inversion_keys = ("emb_params",)
     text_encoder_labels = ("Text encoder (CLIP)",)
     denoiser_label = "UNet"
@@ -120,7 +122,15 @@ class SDFamily(ModelFamily):
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
         hidden = text.tensors["encoder_hidden_states"]
-        return components.denoiser(noisy_latents, timesteps, hidden).sample
+        control = unet_control_kwargs(components.controlnet, noisy_latents, timesteps, hidden, batch)
+        return components.denoiser(noisy_latents, timesteps, hidden, **control).sample
+
+    def create_controlnet(self, components: Components, path: Optional[str], num_double_blocks=None,
+                          num_single_blocks=None):
+        return create_unet_controlnet(components.denoiser, path)
+
+    def save_controlnet(self, controlnet, path, fmt, dtype, metadata):
+        return save_controlnet_files(controlnet, path, fmt, dtype, metadata)
 
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,
                  device: Optional[torch.device] = None) -> list:

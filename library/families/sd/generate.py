@@ -22,7 +22,7 @@ import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
 from library.families.common.clip_text import encode_token_chunks
-from library.sampling.generate import GeneratedImage
+from library.sampling.generate import GeneratedImage, control_image_rows
 from library.sampling.img2img import (
     blend_known,
     combine_regions,
@@ -153,6 +153,9 @@ def generate_ddpm(family: ModelFamily, components: Components, requests: list, d
     cond_texts = [t for s in subs for t in s]  # request-major, sub-prompt-minor
     texts = cond_texts + ([r.negative_prompt for r in resolved] if use_cfg else [])
     text, batch = condition(texts, first)
+    control = control_image_rows(resolved, len(texts))  # a ControlNet's conditioning image (predict reads it)
+    if control is not None:
+        batch["conditioning_images"] = control
     # unconditional rows first, as diffusers pipelines order them
     order = torch.cat([torch.arange(len(cond_texts), len(texts)), torch.arange(len(cond_texts))]) if use_cfg else None
     text = TextConditioning(tensors={k: _rows(v, order, device, unet.dtype) for k, v in text.tensors.items()})

@@ -29,6 +29,8 @@ from library.families.common.clip_text import (
     penultimate_states,
     text_encoder_kohya_path,
 )
+from library.families.common.controlnet import save_controlnet_files
+from library.families.sd.controlnet import create_unet_controlnet, unet_control_kwargs
 from library.families.sd.family import UNET_CONV_TARGETS, UNET_TARGETS
 from library.families.sdxl import saving as sdxl_saving
 from library.families.sdxl.generate import encode_weighted_sdxl, generate_sdxl
@@ -68,7 +70,8 @@ class SDXLFamily(ModelFamily):
     contents = (("conditioner.embedders.", "an SDXL checkpoint"),)
     diffusers_class_markers = ("XL",)
     scripts = {"lora": "sdxl_train_network.py", "finetune": "sdxl_train.py",
-               "textual_inversion": "sdxl_train_textual_inversion.py"}
+               "textual_inversion": "sdxl_train_textual_inversion.py", "controlnet": "sdxl_train_control_net.py",
+               "controlnet_lllite": "sdxl_train_control_net_lllite.py"}
     textual_inversion_keys = ("clip_l", "clip_g")
     selector_flag = "sdxl"
     text_encoder_labels = ("Text encoder 1 (CLIP-L)", "Text encoder 2 (OpenCLIP-G)")
@@ -155,7 +158,15 @@ class SDXLFamily(ModelFamily):
         dtype, device = noisy_latents.dtype, noisy_latents.device
         hidden = torch.cat([t["hidden_state1"], t["hidden_state2"]], dim=2).to(device, dtype)
         added = {"text_embeds": t["pool2"].to(device, dtype), "time_ids": time_ids(batch, device, dtype)}
-        return components.denoiser(noisy_latents, timesteps, hidden, added_cond_kwargs=added).sample
+        control = unet_control_kwargs(components.controlnet, noisy_latents, timesteps, hidden, batch, added)
+        return components.denoiser(noisy_latents, timesteps, hidden, added_cond_kwargs=added, **control).sample
+
+    def create_controlnet(self, components: Components, path: Optional[str], num_double_blocks=None,
+                          num_single_blocks=None):
+        return create_unet_controlnet(components.denoiser, path)
+
+    def save_controlnet(self, controlnet, path, fmt, dtype, metadata):
+        return save_controlnet_files(controlnet, path, fmt, dtype, metadata)
 
     # --- generation -----------------------------------------------------------------
     def generate(self, components: Components, requests: list, *, clip_skip: Optional[int] = None,

@@ -27,7 +27,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
 from library.families.common.autoencoder import load_ae_file
-from library.families.common.loading import adopt, cached_tokenizer, classify_source, load_folder_parts, read_file
+from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
 from library.families.zimage.configs import (
@@ -36,7 +36,6 @@ from library.families.zimage.configs import (
     QWEN3_TOKENIZER_REPO,
     build_qwen3_tokenizer,
     build_zimage_modules,
-    qwen3_config,
     transformer_config,
 )
 

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # Where to get network modules that are not part of this toolkit.
 KNOWN_PACKAGES = {"lycoris": "lycoris-lora"}
 OWN_LORA = "networks.lora"
+LLLITE = "networks.control_net_lllite"  # ControlNet-LLLite (sdxl_train_control_net_lllite.py)
 # sd-scripts' per-family LoRA modules; here every one of them names the project's LoRA (networks.lora),
 # so sd-scripts command lines (FLUX.1: --network_module networks.lora_flux) run unchanged. Saved files
 # record the family's own name (ModelFamily.lora_network_module), as sd-scripts' files do.
@@ -80,6 +81,7 @@ def import_network_module(name: str) -> ModuleType:
 class NetworkKind:
     """How the loop creates, loads and names the networks of one --network_module."""
     own = False  # whether its modules carry kohya names themselves (no renaming on save/load)
+    conditioning_images = False  # whether it trains on image / conditioning-image pairs (conditioning_data_dir)
 
     def __init__(self, name: str, module: ModuleType):
         self.name = name
@@ -174,6 +176,22 @@ class OwnLoRAVariant(OwnLoRA):
         return self.name
 
 
+class LLLiteNetwork(NetworkKind):
+    """networks.control_net_lllite (ControlNet-LLLite): its modules name themselves by the SGM paths the family's
+    UNet target renames to, as sd-scripts' files and ComfyUI's loader have them. It trains on conditioning images."""
+    own = True
+    conditioning_images = True
+
+    def create_kwargs(self, family, components, opts, fp8_base):
+        return {**opts.network_args, "lora_targets": family.lora_targets(components)}
+
+    def file_kwargs(self, path, family, components):
+        return {"lora_targets": family.lora_targets(components)}
+
+    def name_map(self, family, components):
+        return None
+
+
 class ExternalNetwork(NetworkKind):
     """Any other module with sd-scripts' create_network / create_network_from_weights."""
 
@@ -236,6 +254,8 @@ def network_kind(name: str) -> NetworkKind:
     """The kind of the --network_module `name`, imported once (a one-line ConfigError when it cannot be)."""
     if is_own_lora(name):
         return OwnLoRA(name, import_network_module(OWN_LORA))
+    if name == LLLITE:
+        return LLLiteNetwork(name, import_network_module(name))
     if name in ("networks.lora_fa", "networks.dylora", "networks.oft", "networks.oft_flux"):
         return OwnLoRAVariant(name, import_network_module(name))
     module = import_network_module(name)

@@ -38,6 +38,7 @@ class Trainable(ABC):
     module: nn.Module
     engine = None  # a ZeroEngine (library/train/distributed/deepspeed_engine.py) holding the weights' and optimizer's partitions
     is_adapter: bool
+    saves_whole_model: Optional[bool] = None  # whether a save writes the whole model (None: not is_adapter)
     train_text_encoder: bool  # whether any text encoder's output depends on trained weights
     trained_encoders: frozenset[int]  # which text encoders those are (their outputs are never cached)
 
@@ -160,6 +161,18 @@ class AdapterTrainable(Trainable):
             yield
         finally:
             self.module.set_multiplier(before)
+
+    def before_predict(self, batch: dict) -> None:
+        """A network conditioned on an image (ControlNet-LLLite: `set_cond_image`) gets the batch's conditioning
+        images at the images' pixel size, in [-1, 1] as sd-scripts' LLLite dataset and ComfyUI's loader give them
+        (the batch holds them in [0, 1])."""
+        if not hasattr(self.module, "set_cond_image"):
+            return
+        images = batch.get("conditioning_images")
+        if images is None:
+            raise ConfigError(f"--network_module {self.opts.network_module}: the batch has no conditioning images; "
+                              "expected a conditioning_data_dir for every subset")
+        self.module.set_cond_image(images * 2.0 - 1.0)
 
     def parameter_groups(self, default_lr):
         return optimizer_groups(self.module, self.opts, default_lr, self.kind, self.components)

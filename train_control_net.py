@@ -1,0 +1,13 @@
+"""ControlNet for Stable Diffusion 1.x / 2.x: a ControlNet trains on image / conditioning-image pairs, the model stays frozen (sd-scripts'
+train_control_net.py flags; docs/controlnet.md).
+
+    accelerate launch train_control_net.py --pretrained_model_name_or_path MODEL --train_data_dir data \
+        --conditioning_data_dir cond --output_dir out --output_name my_controlnet --learning_rate 1e-5
+"""
+
+import sys
+
+from library.cli.entry import run_training
+
+if __name__ == "__main__":
+    sys.exit(run_training("sd", "ControlNet for Stable Diffusion 1.x / 2.x (the ControlNet trains, the model is frozen)", controlnet=True))
