@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -35,9 +35,9 @@ def save_controlnet_files(controlnet: nn.Module, path: str, fmt: str, dtype: Opt
     return path
 
 
-def load_controlnet_weights(cls, path: str, fresh: nn.Module) -> nn.Module:
-    """`cls.from_pretrained(path)` of a diffusers folder, or `fresh` (built from the base model, so of its shapes)
-    with a single file's weights; a file of other shapes or names is a one-line error."""
+def load_controlnet_weights(cls, path: str, make_fresh: Callable[[], nn.Module]) -> nn.Module:
+    """`cls.from_pretrained(path)` of a diffusers folder, or `make_fresh()` (a ControlNet built from the base model,
+    so of its shapes) with a single file's weights; a file of other shapes or names is a one-line error."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise UserError(f"--controlnet_model_name_or_path {path}: no config.json in the folder (expected a "
@@ -55,6 +55,7 @@ def load_controlnet_weights(cls, path: str, fresh: nn.Module) -> nn.Module:
         state = load_file(path)
     except Exception as e:  # a truncated or foreign file
         raise UserError(f"--controlnet_model_name_or_path {path}: not a readable .safetensors file ({e})") from None
+    fresh = make_fresh()
     own = fresh.state_dict()
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [k for k in own if k in state and state[k].shape != own[k].shape]

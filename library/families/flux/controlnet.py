@@ -34,10 +34,12 @@ def create_flux_controlnet(transformer: nn.Module, path: Optional[str], num_doub
             raise UserError(f"{flag} {value}: expected 0 to {most} (the blocks of the transformer)")
     if double + single == 0:
         raise UserError("--num_double_blocks 0 --num_single_blocks 0: the ControlNet needs at least one block")
-    fresh = FluxControlNetModel.from_transformer(transformer, num_layers=double, num_single_layers=single,
-                                                 attention_head_dim=cfg.attention_head_dim,
-                                                 num_attention_heads=cfg.num_attention_heads).to(torch.float32)
-    return load_controlnet_weights(FluxControlNetModel, path, fresh) if path else fresh
+    def fresh():
+        return FluxControlNetModel.from_transformer(transformer, num_layers=double, num_single_layers=single,
+                                                    attention_head_dim=cfg.attention_head_dim,
+                                                    num_attention_heads=cfg.num_attention_heads).to(torch.float32)
+
+    return load_controlnet_weights(FluxControlNetModel, path, fresh) if path else fresh()
 
 
 def flux_control_kwargs(family, components, noisy: torch.Tensor, model_kwargs: dict, batch: dict,

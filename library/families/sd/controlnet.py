@@ -17,8 +17,10 @@ def create_unet_controlnet(unet: nn.Module, path: Optional[str]) -> nn.Module:
     `path` the saved ControlNet there (a diffusers folder, or one of our single files) instead."""
     from diffusers import ControlNetModel
 
-    fresh = ControlNetModel.from_unet(unet).to(torch.float32)
-    return load_controlnet_weights(ControlNetModel, path, fresh) if path else fresh
+    def fresh():
+        return ControlNetModel.from_unet(unet).to(torch.float32)
+
+    return load_controlnet_weights(ControlNetModel, path, fresh) if path else fresh()
 
 
 def unet_control_kwargs(controlnet: Optional[nn.Module], noisy: torch.Tensor, timesteps: torch.Tensor,
