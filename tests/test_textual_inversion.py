@@ -188,7 +188,9 @@ def test_sampling_sees_the_trained_token(tmp_path, monkeypatch):
         seen.append((requests[0].prompt, ids, te.get_input_embeddings()(torch.tensor([ids]))[0].detach().clone()))
         return []
 
-    monkeypatch.setattr(hook, "generate_images", fake_generate)
+    monkeypatch.setattr(hook, "generate_with_image_networks",
+                        lambda family, components, networks, requests, **kw: fake_generate(family, components,
+                                                                                           requests, **kw))
     trainer = ti_trainer(ti_args(data, str(tmp_path / "out"),
                                  extra=["--sample_prompts", str(prompts), "--sample_every_n_steps", "2"]))
     path = trainer.run()

@@ -181,9 +181,10 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
     for p in prompts:
         prompt_multipliers(p, len(a.network_weights), a.merge)  # --am: checked now
     modules, weights, muls = list(a.network_module), list(a.network_weights), list(a.network_mul)
-    # --control_image is the ControlNet's / LLLite's image with --control_net / --lllite (the first path), else
-    # an edit model's reference image(s)
-    guided = a.control_net is not None or a.lllite is not None
+    # --control_image is the ControlNet's / LLLite's image with --control_net / an LLLite file (the first path),
+    # else an edit model's reference image(s)
+    guided = a.control_net is not None or a.lllite is not None or \
+        LLLITE_MODULE in (modules or [_default_module(p) for p in weights])
     guide = a.control_image[0] if guided and a.control_image else None
     if a.lllite is not None:
         if not os.path.isfile(a.lllite):
