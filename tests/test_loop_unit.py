@@ -105,6 +105,9 @@ class FakeTrainable:
     def weights(self):
         return dict(self.module.named_parameters())
 
+    def before_optimizer_step(self):
+        pass
+
     def after_optimizer_step(self, device):
         return {}
 

@@ -21,7 +21,8 @@ READ_PATH_KEYS = (
     "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "gemma2", "text_encoder",
     "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights", "base_weights",
     "resume", "log_tracker_config", "noise_scheduler_overrides", "train_data_dir", "reg_data_dir", "in_json",
-    "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path", "metadata_thumbnail")
+    "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path", "metadata_thumbnail",
+    "embeddings", "weights", "controlnet_model_name_or_path")
 MODEL_ID_KEYS = ("pretrained_model_name_or_path", "t5_tokenizer_path")  # may name a preset or a hub id instead
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the trainer's loader tells one
 
