@@ -207,7 +207,7 @@ class RunSaver:
         dtype = SAVE_DTYPES.get(self.t.save_precision)
         weights = list(self.trainable.weights().values())
         model = tensor_bytes(weights, dtype)
-        whole = self.trainable.saves_whole_model
+        whole = getattr(self.trainable, "saves_whole_model", None)  # a Trainable says; None: not is_adapter
         if (not self.trainable.is_adapter) if whole is None else whole:  # the whole model, not only trained parts
             c = self.components
             # parameters and buffers, not state_dict(): through FSDP1 units that would all-gather on this process only
