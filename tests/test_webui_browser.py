@@ -145,7 +145,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     lr.send_keys("0.002")
     steps = browser.find_element(By.ID, "f-max_train_steps")
     steps.clear()
-    steps.send_keys("40")
+    steps.send_keys("400")  # long enough that Stop arrives mid-run on a quiet machine too (40 steps took 6 s)
     tab(browser, "Sampling")
     every = browser.find_element(By.ID, "f-sample_every_n_steps")
     every.send_keys("5")
@@ -156,7 +156,7 @@ def test_create_change_validate_start_watch_stop(server, browser, tmp_path):
     wait.until(lambda d: d.find_element(By.ID, "form-ok").is_displayed())
     assert not browser.find_elements(By.CSS_SELECTOR, ".field .error")
     config = open(os.path.join(app.state.runner.jobs_dir, "1", "config.toml")).read()
-    assert "learning_rate = 0.002" in config and "max_train_steps = 40" in config
+    assert "learning_rate = 0.002" in config and "max_train_steps = 400" in config
     with open(os.path.join(app.state.runner.jobs_dir, "1", "prompts.txt")) as f:
         assert f.read() == "a red <circle> --w 64 --h 64 --s 2 --d 1\n"
     _performance_folders_strategy_history(browser, wait, url, app, shots)
@@ -313,7 +313,7 @@ def _performance_folders_strategy_history(browser, wait, url, app, shots):
         "train/10_sks shape; subsets[1].num_repeats: set to 2; strategy: set to single")
     items[1].find_element(By.CSS_SELECTOR, ".restore-btn").click()
     browser.switch_to.alert.accept()
-    wait.until(lambda d: d.find_element(By.ID, "form-ok").text.startswith("Restored revision 2. max_train_steps 40 "
+    wait.until(lambda d: d.find_element(By.ID, "form-ok").text.startswith("Restored revision 2. max_train_steps 400 "
                                                                           "governs"))
     assert len(toml.load(os.path.join(job, "dataset.toml"))["datasets"][0]["subsets"]) == 1
     assert not os.path.exists(os.path.join(job, "accelerate_config.yaml"))
