@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from library.core.errors import ConfigError
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning, check_folder_name
+from library.families.base import Components, LoadOptions, TextConditioning, check_folder_name
+from library.families.common.flow_dit import FlowDiTFamily
 from library.families.common.llm_text import TEXT_KEYS as LLM_TEXT_KEYS
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.families.flux2 import layout
@@ -29,7 +30,7 @@ from library.families.flux2.configs import CHAT_TEMPLATE, LATENT_CHANNELS, TEXT_
 from library.families.flux2.generate import generate_flux2
 from library.families.flux2.loading import block_counts, check_model_source, load_flux2_components
 from library.families.flux2.options import COMPONENT_FILE_FLAGS, Flux2Options
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, check_no_ddpm_schedule
+from library.objectives.flow import FlowMatchScheme
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,13 @@ def position_ids(h: int, w: int, text_tokens: int, device) -> tuple[torch.Tensor
     return image.to(device), text.to(device)
 
 
-class Flux2Family(ModelFamily):
+class Flux2Family(FlowDiTFamily):
     """FLUX.2 [klein] (black-forest-labs/FLUX.2-klein-4B, -9B, -base-4B, -base-9B)."""
 
     name = "flux2"
+    display_name = "FLUX.2"
+    metadata_flow_keys = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
+                          "sigmoid_scale", "model_prediction_type", "discrete_flow_shift")
     # Before FLUX.1 (both have `double_blocks.`): only FLUX.2 has the shared `single_stream_modulation`.
     detect_rank = 45
     single_file_markers = ("single_stream_modulation.lin.", "model.diffusion_model.single_stream_modulation.lin.")
@@ -118,37 +122,20 @@ class Flux2Family(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['diffusers']}  (or {written['dit']} --qwen3 "
                 f"{written['qwen3']} --ae {written['ae']})")
 
-    def check_options(self, options: Flux2Options, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "FLUX.2",
-                               "--timestep_sampling and --discrete_flow_shift")
-        options.check()
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            counts = block_counts(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if counts:
-                check_last_blocks_swap(blocks_to_swap, counts[1], "single-stream blocks")
+    def check_model_files(self, path: str, options: Flux2Options, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        counts = block_counts(path) if blocks_to_swap else None
+        if counts:
+            check_last_blocks_swap(blocks_to_swap, counts[1], "single-stream blocks")
 
     def text_cache_values(self, options: Flux2Options) -> dict[str, Any]:
         return {"qwen3": options.qwen3, "qwen3_max_token_length": options.max_tokens}
 
-    def metadata_values(self, options: Flux2Options) -> dict[str, Any]:
-        flow = options.flow
-        return {"weighting_scheme": flow.weighting_scheme, "logit_mean": flow.logit_mean,
-                "logit_std": flow.logit_std, "mode_scale": flow.mode_scale,
-                "timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "model_prediction_type": flow.model_prediction_type,
-                "discrete_flow_shift": flow.discrete_flow_shift}
-
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: Flux2Options) -> Components:
         """The preset tiny:flux2 / random:flux2, a diffusers folder, or an original DiT file with --qwen3 and --ae."""
-        options = opts.family_options if opts.family_options is not None else Flux2Options()
-        components = load_flux2_components(opts, options)
-        components.options = options
-        return components
+        return load_flux2_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
