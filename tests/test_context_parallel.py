@@ -37,10 +37,11 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert context_parallel_problem(2, 2, **ok) is None
     assert context_parallel_problem(1, 1, None, "sd", [(64, 48)]) is None  # off: nothing is checked
     assert context_parallel_problem(2, 2, None, "sdxl", [(64, 64)]) == (
-        "--context_parallel_size 2: sdxl's denoiser has no context-parallel plan in diffusers (FLUX.1 has; see "
-        "docs/distributed.md)")
+        "--context_parallel_size 2: sdxl's denoiser has no context-parallel plan in diffusers (FLUX.1 and FLUX.2 "
+        "have; see docs/distributed.md)")
     assert get_family("chroma").context_parallel_token_pixels is None
-    assert context_parallel_problem(2, 3, **ok) == "--context_parallel_size 2: the 3 process(es) must be a multiple of it"
+    assert context_parallel_problem(2, 3, **ok) == \
+        "--context_parallel_size 2: the 3 process(es) must be a multiple of it"
     assert context_parallel_problem(2, 2, **ok, blocks_to_swap=4) == (
         "--context_parallel_size 2: not with --blocks_to_swap (the split runs around the denoiser's own attention; "
         "use DDP)")
@@ -54,7 +55,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert context_parallel_problem(2, 2, **odd) == (
         "--context_parallel_size 2: the 48x80 bucket has 15 image tokens, not divisible by 2; choose resolutions / "
         "bucket steps whose token grid (1 token per 16 px) divides")
-    assert get_family("flux").facts()["context_parallel"] is True and get_family("sd").facts()["context_parallel"] is False
+    assert get_family("flux").facts()["context_parallel"] is True and get_family("flux2").facts()["context_parallel"]
+    assert get_family("sd").facts()["context_parallel"] is False
 
 
 def test_a_family_without_a_plan_is_refused_before_training(tmp_path):
@@ -66,6 +68,37 @@ def test_a_family_without_a_plan_is_refused_before_training(tmp_path):
     with pytest.raises(UserError, match="^--context_parallel_size 2: sd's denoiser has no context-parallel plan"):
         trainer.run()
     assert not os.path.exists(tmp_path / "out" / "lora.safetensors")
+
+
+FLUX2_FLAGS = ["--network_module", "networks.lora_flux2", "--network_dim", "4", "--network_alpha", "4",
+               "--qwen3_max_token_length", "16", "--network_train_unet_only"]
+
+
+@needs_torchrun
+def test_flux2_two_processes_train_the_lora_of_one(tmp_path):
+    """FLUX.2 [klein] through its own diffusers plan (text padded to --qwen3_max_token_length, 16 here)."""
+    from safetensors.torch import load_file
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+
+    def args(out, extra=()):
+        argv = flux_args(data, out, steps=3, extra=extra)
+        argv[argv.index("tiny:flux")] = "tiny:flux2"
+        start = argv.index("--t5xxl_max_token_length")
+        return argv[:start] + FLUX2_FLAGS + list(extra)
+
+    launch(tmp, 1, args(os.path.join(tmp, "cp"), ["--context_parallel_size", "2"]),
+           env_extra={"SCRIPT": "flux2_train_network.py"}, timeout=300)
+    make_trainer(args(os.path.join(tmp, "one")), "flux2").run()
+    cp = load_file(os.path.join(tmp, "cp", "lora.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert cp.keys() == one.keys()
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((cp[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
+    print(f"FLUX.2 relative difference {diff / norm:.3g}")
+    assert diff / norm <= 5e-5, diff / norm
 
 
 @needs_torchrun

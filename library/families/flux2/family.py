@@ -98,6 +98,7 @@ class Flux2Family(FlowDiTFamily):
     latents_scale = 1.0  # encode_images already applies the AE's batch norm
     latents_shift = 0.0
     bucket_reso_multiple = 16  # 8x AE, 2x2 patches
+    context_parallel_token_pixels = 16  # diffusers' Flux2Transformer2DModel._cp_plan; text padded to a fixed length
     supports_text_cache = True
     text_cache_suffix = "_flux2_te.npz"
     TEXT_KEYS = LLM_TEXT_KEYS
@@ -214,9 +215,10 @@ class Flux2Family(FlowDiTFamily):
         tokens = patches.reshape(b, c * 4, -1).permute(0, 2, 1)
         states = text.tensors["hidden_state"].to(device, dtype)
         img_ids, txt_ids = position_ids(h // 2, w // 2, states.shape[1], device)
+        # batched (B, L, 4), as the pipeline passes them and the model's context-parallel plan splits them
         out = model(hidden_states=tokens, encoder_hidden_states=states,
-                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids, txt_ids=txt_ids,
-                    guidance=None, return_dict=False)[0]
+                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids.expand(b, -1, -1),
+                    txt_ids=txt_ids.expand(b, -1, -1), guidance=None, return_dict=False)[0]
         out = out[:, : tokens.shape[1]]
         return unpatchify(out.permute(0, 2, 1).reshape(b, c * 4, h // 2, w // 2))
 
