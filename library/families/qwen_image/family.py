@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from library.core.errors import ConfigError
-from library.families.base import Components, LoadOptions, ModelFamily, TextConditioning, check_folder_name
+from library.families.base import Components, LoadOptions, TextConditioning, check_folder_name
+from library.families.common.flow_dit import FlowDiTFamily
 from library.families.qwen_image import lora_names
 from library.families.qwen_image import text as text_rules
 from library.families.qwen_image.configs import LATENT_CHANNELS, LATENTS_MEAN, LATENTS_STD, PATCH, VAE_SCALE_FACTOR
 from library.families.qwen_image.loading import block_count, check_model_source, load_components
 from library.families.qwen_image.network_args import QwenImageNetworkArgs
 from library.families.qwen_image.options import COMPONENT_FILE_FLAGS, QwenImageOptions
-from library.objectives.flow import FlowMatchScheme, check_flow_compatible, check_no_ddpm_schedule
+from library.objectives.flow import FlowMatchScheme
 from networks.lora_targets import LoraTarget
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,14 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
 
-class QwenImageFamily(ModelFamily):
+class QwenImageFamily(FlowDiTFamily):
     """Qwen-Image (Qwen/Qwen-Image)."""
 
     name = "qwen_image"
+    display_name = "Qwen-Image"
+    metadata_flow_keys = ("timestep_sampling", "sigmoid_scale", "model_prediction_type", "discrete_flow_shift",
+                          "weighting_scheme")
+    ignored_flags_note = "switches of musubi-tuner's own Qwen-Image code that change nothing here"
     detect_rank = 12
     single_file_markers = ("transformer_blocks.0.img_mod.1.weight",
                            "model.diffusion_model.transformer_blocks.0.img_mod.1.weight")
@@ -97,37 +102,18 @@ class QwenImageFamily(ModelFamily):
         return (f"--pretrained_model_name_or_path {written['dit']} --text_encoder {written['text_encoder']} "
                 f"--vae {written['vae']}")
 
-    def check_options(self, options: QwenImageOptions, model: LoadOptions, *, blocks_to_swap: Optional[int] = None,
-                      min_timestep: Optional[int] = None, max_timestep: Optional[int] = None,
-                      zero_terminal_snr: bool = False) -> None:
-        check_flow_compatible(min_timestep, max_timestep, zero_terminal_snr)
-        check_no_ddpm_schedule(model.v_parameterization, model.noise_schedule, "Qwen-Image",
-                               "--timestep_sampling and --discrete_flow_shift")
-        options.check()
-        if model.pretrained_model_name_or_path:
-            check_model_source(model.pretrained_model_name_or_path, options, model.vae)
-            count = block_count(model.pretrained_model_name_or_path) if blocks_to_swap else None
-            if count and not 1 <= blocks_to_swap <= count - 2:
-                raise ConfigError(f"--blocks_to_swap {blocks_to_swap}: expected 1..{count - 2} for this model "
-                                  f"({count} blocks; at most blocks - 2)")
-        ignored = options.ignored_flags()
-        if ignored:
-            logger.warning("%s: switches of musubi-tuner's own Qwen-Image code that change nothing here",
-                           ", ".join(ignored))
-
-    def metadata_values(self, options: QwenImageOptions) -> dict[str, Any]:
-        flow = options.flow
-        return {"timestep_sampling": flow.timestep_sampling, "sigmoid_scale": flow.sigmoid_scale,
-                "model_prediction_type": flow.model_prediction_type, "discrete_flow_shift": flow.discrete_flow_shift,
-                "weighting_scheme": flow.weighting_scheme}
+    def check_model_files(self, path: str, options: QwenImageOptions, vae: Optional[str],
+                          blocks_to_swap: Optional[int]) -> None:
+        check_model_source(path, options, vae)
+        count = block_count(path) if blocks_to_swap else None
+        if count and not 1 <= blocks_to_swap <= count - 2:
+            raise ConfigError(f"--blocks_to_swap {blocks_to_swap}: expected 1..{count - 2} for this model "
+                              f"({count} blocks; at most blocks - 2)")
 
     # --- loading -------------------------------------------------------------------------------------
-    def load(self, opts: LoadOptions) -> Components:
+    def load_components(self, opts: LoadOptions, options: QwenImageOptions) -> Components:
         """A preset, a diffusers folder, or a DiT file with --text_encoder and --vae."""
-        options = opts.family_options if opts.family_options is not None else QwenImageOptions()
-        components = load_components(opts, options)
-        components.options = options
-        return components
+        return load_components(opts, options)
 
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
