@@ -48,7 +48,11 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert "not with FSDP" in context_parallel_problem(2, 2, **ok, fsdp=True)
     assert "not with DeepSpeed" in context_parallel_problem(2, 2, **ok, deepspeed=True)
     assert "not with --torch_compile" in context_parallel_problem(2, 2, **ok, compile=True)
-    assert context_parallel_problem(2, 2, **ok, t5_attention_mask=True) == (
+    from library.families.flux.options import FluxOptions
+
+    masked = flux.context_parallel_refusal(FluxOptions(apply_t5_attn_mask=True))
+    assert flux.context_parallel_refusal(FluxOptions()) is None
+    assert context_parallel_problem(2, 2, **ok, family_refusal=masked) == (
         "--context_parallel_size 2: not with --apply_t5_attn_mask (diffusers' token split does not carry the "
         "attention mask)")
     odd = {**ok, "buckets": [(64, 64), (48, 80)]}  # 3 x 5 = 15 tokens

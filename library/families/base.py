@@ -261,6 +261,11 @@ class ModelFamily(ABC):
         """The options that saved LoRAs record, as ss_<name> metadata."""
         return {}
 
+    def context_parallel_refusal(self, options: Any) -> Optional[str]:
+        """What of this run's family `options` keeps --context_parallel_size from splitting the tokens ("--flag
+        (why)"), None when nothing does."""
+        return None
+
     def check_loaded(self, components: Components, text: Any) -> None:
         """Check the run's text options (`text`: TextEncodingOptions) against the loaded model, before step 1
         (one-line ConfigError): by default --clip_skip against the layer count of each CLIP text encoder."""

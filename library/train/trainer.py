@@ -187,7 +187,8 @@ class Trainer(TrainingLoop):
         """What of the run --context_parallel_size cannot go with (context_parallel_problem's keywords)."""
         return dict(fsdp=self.fsdp is not None, deepspeed=self.zero is not None, compile=self.t.compile.torch_compile,
                     blocks_to_swap=self.s.memory.blocks_to_swap or 0,
-                    t5_attention_mask=bool(getattr(self.s.model.family_options, "apply_t5_attn_mask", False)))
+                    family_refusal=self.family.context_parallel_refusal(self.s.model.family_options
+                                                                        or self.family.options_type()))
 
     def _agree_on_seed(self) -> None:
         """Every process takes rank 0's seed. Without --seed each process drew its own, and the epochs' batch plans,

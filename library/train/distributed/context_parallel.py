@@ -38,7 +38,7 @@ def loss_scale(cp_size: int) -> int:
 def context_parallel_problem(cp_size: int, world_size: int, token_pixels: Optional[int], family: str,
                              buckets: Iterable[tuple[int, int]] = (), *, fsdp: bool = False, deepspeed: bool = False,
                              blocks_to_swap: int = 0, compile: bool = False,
-                             t5_attention_mask: bool = False) -> Optional[str]:
+                             family_refusal: Optional[str] = None) -> Optional[str]:
     """Why --context_parallel_size `cp_size` cannot run (None: it can); `buckets`: (width, height) of the data's."""
     if cp_size == 1:
         return None
@@ -52,8 +52,8 @@ def context_parallel_problem(cp_size: int, world_size: int, token_pixels: Option
                     ("--torch_compile", compile)):
         if on:
             return f"{flag}: not with {why} (the split runs around the denoiser's own attention; use DDP)"
-    if t5_attention_mask:  # measured: a 4-step LoRA 2.3e-2 away from one process's (2e-7 without the mask)
-        return f"{flag}: not with --apply_t5_attn_mask (diffusers' token split does not carry the attention mask)"
+    if family_refusal:  # the family's own options (ModelFamily.context_parallel_refusal)
+        return f"{flag}: not with {family_refusal}"
     for width, height in sorted(set(buckets)):
         tokens = (width // token_pixels) * (height // token_pixels)
         if tokens % cp_size:
