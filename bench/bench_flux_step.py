@@ -31,14 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    LoraStepBench,
-    StepInputs,
-    frozen_in_dtype,
-    logit_normal_sigma,
-    preset_model,
-    run_lora_step_bench,
-)
+from bench.common import LoraStepBench, StepInputs, logit_normal_sigma, run_lora_step_bench  # noqa: E402
+from bench.common import frozen_in_dtype, preset_model  # noqa: E402
 from library.families.chroma.family import joint_attention_mask  # noqa: E402
 from library.families.chroma.configs import PRESETS as CHROMA_PRESETS  # noqa: E402
 from library.families.chroma.model import (
