@@ -195,6 +195,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
                                   sampler=a.sampler, control_images=() if guided else tuple(a.control_image),
                                   control_image=guide))
 
+
 def prompt_multipliers(p, networks: int, merge: bool) -> Optional[tuple]:
     """A prompt's ` --am 0.5,1.0`: one multiplier per network, the last repeated for the rest (sd-scripts'
     gen_img); None without --am. ConfigError for a bad value, more values than networks, or --network_merge."""
