@@ -33,9 +33,9 @@ class MemoryFlags:
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
                                                   " memory until the backward pass (DiT families; turns on "
                                                   "--gradient_checkpointing)")
-    gradient_checkpointing_policy: Optional[str] = flag(
-        None, "what a checkpointed block keeps for backward: full = only its inputs, all recomputed (sd-scripts' "
-              "--gradient_checkpointing; the default); attention = also its attention outputs; matmul = also its "
+    gradient_checkpointing_policy: str = flag(
+        "full", "what a checkpointed block keeps for backward: full = only its inputs, all recomputed (sd-scripts' "
+              "--gradient_checkpointing); attention = also its attention outputs; matmul = also its "
               "matrix-product and convolution outputs (recomputes only elementwise and norm ops). Not full: turns on "
               "--gradient_checkpointing (docs/memory.md)", choices=CHECKPOINT_POLICIES)
     base_model_precision: str = flag(NO_CHANGE, "store the frozen denoiser's Linear weights quantized (LoRA only): "
