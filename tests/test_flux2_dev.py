@@ -274,3 +274,25 @@ def test_flux2_timestep_default_is_musubi_flux2_shift(pixels, mu):
     assert math.isclose(float(zero), math.exp(mu) / (1 + math.exp(mu)), rel_tol=1e-6)
     expected_half = {1.15: 0.7595109, 0.7166666666666667: 0.6718726}[mu]
     assert math.isclose(float(zero), expected_half, rel_tol=0, abs_tol=1e-6)
+
+
+def test_dev_lora_names_full_size_on_meta():
+    """Golden counts on FLUX.2 [dev]'s full-size shapes (meta device): 8 double blocks x 8 + 48 single x 2 = 160 DiT
+    modules in ComfyUI's names; Mistral-Small-3.1's 40 layers x 7 = 280 text-encoder modules."""
+    from library.families.base import Components
+    from library.families.flux2.configs import build_flux2_modules
+    from library.families.common.mistral3 import language_model
+    from networks.lora import create_network
+
+    family = get_family("flux2")
+    parts = build_flux2_modules("random:flux2_dev", device="meta")
+    assert parts["transformer"].config.joint_attention_dim == 15360
+    encoder = language_model(parts["text_encoder"])
+    components = Components(denoiser=parts["transformer"], vae=None, text_encoders=[encoder],
+                            tokenizers=[parts["tokenizer"]])
+    network = create_network(1.0, 4, 4.0, None, components.text_encoders, components.denoiser,
+                             lora_targets=family.lora_targets(components))
+    names = {m.lora_name for m in network.unet_loras}
+    assert len(names) == 160 and "lora_unet_single_blocks_47_linear1" in names \
+        and "lora_unet_double_blocks_7_txt_attn_qkv" in names
+    assert len(network.text_encoder_loras) == 280
