@@ -84,6 +84,23 @@ def bn_stats(vae, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, std
 
 
+REFERENCE_TIME_SCALE = 10  # the pipelines' _prepare_image_ids: reference i at time offset 10 + 10·i
+MAX_REFERENCES = 3  # the dataset's limit (library/data/control_images.py); the pipelines take any number
+
+
+def reference_tokens(controls: Sequence[torch.Tensor], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2's reference images (each (B, 32, h, w), normalised) as tokens (B, N, 128) after the target's, with
+    position ids (B, N, 4) = (10 + 10·i, row, column, 0): the pipelines' prepare_image_latents / _prepare_image_ids."""
+    tokens, ids = [], []
+    for i, control in enumerate(controls):
+        patches = patchify(control.to(device, dtype))
+        b, c4, h, w = patches.shape
+        tokens.append(patches.reshape(b, c4, h * w).permute(0, 2, 1))
+        t = torch.tensor([REFERENCE_TIME_SCALE * (i + 1)])
+        ids.append(torch.cartesian_prod(t, torch.arange(h), torch.arange(w), torch.arange(1)).expand(b, -1, -1))
+    return torch.cat(tokens, dim=1), torch.cat(ids, dim=1).to(device)
+
+
 def position_ids(h: int, w: int, text_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(image ids (h·w, 4) = (0, row, column, 0), text ids (L, 4) = (0, 0, 0, i)): the pipeline's
     _prepare_latent_ids / _prepare_text_ids of one sample (the DiT takes one set for the batch)."""
@@ -127,6 +144,13 @@ class Flux2Family(FlowDiTFamily):
     TEXT_KEYS = LLM_TEXT_KEYS
 
     # --- options -------------------------------------------------------------------------------------
+    control_hint = "FLUX.2 takes up to 3 reference images per target"
+
+    def max_control_images(self, options: Optional[Flux2Options]) -> int:
+        """Reference images (control_directory): up to 3 each, as extra tokens with their own time offsets (klein's
+        and dev's pipelines both take a list of reference images)."""
+        return MAX_REFERENCES
+
     @classmethod
     def presets(cls) -> dict:
         from library.families.flux2.configs import PRESETS
@@ -246,7 +270,8 @@ class Flux2Family(FlowDiTFamily):
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
         """The velocity ε - x0 (B, 32, h, w): the DiT at t = σ on the 2x2 patches of the latents and every text
-        token. Extra image tokens (reference images) would go after the target's, their output dropped. dev's guidance
+        token. Reference images (batch["scaled_control_latents"], control_directory / --control_image) go after the
+        target's tokens at time offsets 10, 20, 30 (the pipelines'), their output dropped. dev's guidance
         embedding gets batch["guidance"] (B,) (generation's --g), else --guidance_scale."""
         model = components.denoiser
         device, dtype = noisy_latents.device, noisy_latents.dtype
@@ -261,8 +286,15 @@ class Flux2Family(FlowDiTFamily):
             guidance = given.to(device, dtype) if given is not None else \
                 torch.full((b,), self.options(components).guidance_scale, device=device, dtype=dtype)
         # batched (B, L, 4), as the pipeline passes them and the model's context-parallel plan splits them
-        out = model(hidden_states=tokens, encoder_hidden_states=states,
-                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids.expand(b, -1, -1),
+        img_ids = img_ids.expand(b, -1, -1)
+        controls = batch.get("scaled_control_latents") or []
+        model_in = tokens
+        if controls:
+            ref_tokens, ref_ids = reference_tokens(controls, device, dtype)
+            model_in = torch.cat([tokens, ref_tokens], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids], dim=1)
+        out = model(hidden_states=model_in, encoder_hidden_states=states,
+                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids,
                     txt_ids=txt_ids.expand(b, -1, -1), guidance=guidance, return_dict=False)[0]
         out = out[:, : tokens.shape[1]]
         return unpatchify(out.permute(0, 2, 1).reshape(b, c * 4, h // 2, w // 2))

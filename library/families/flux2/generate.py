@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.common.flow_sampling import (borrowed_on, euler_sample, initial_noise, prompts_then_negatives,
-                                                   resolve_batch, resolve_flow_request)
+from library.families.common.flow_sampling import (borrowed_on, encode_control_images, euler_sample, initial_noise,
+                                                   prompts_then_negatives, resolve_batch, resolve_flow_request)
 from library.sampling.generate import GeneratedImage
 
 DEFAULT_SIZE = 1024
@@ -79,8 +79,15 @@ def generate_flux2(family: ModelFamily, components: Components, requests: list, 
     text = TextConditioning({k: v.to(device) for k, v in text.tensors.items()})
     batch = {"guidance": torch.full((len(texts),), float(first.guidance), device=device)} if dev else {}
 
+    # reference images (--control_image / --ci): resized to cover the output and centre-cropped, as in training
+    with borrowed_on(components.vae, device):
+        controls = encode_control_images(family, components.vae, first.control_images, first.width, first.height,
+                                         device)
+
     def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
         timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
+        if controls:
+            batch["scaled_control_latents"] = [c.expand(model_in.shape[0], -1, -1, -1) for c in controls]
         return family.predict(components, model_in.to(model.dtype), timesteps, text, batch)
 
     latents = initial_noise(family, resolved, device)
