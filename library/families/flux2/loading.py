@@ -146,7 +146,7 @@ class _Processor:
 
         try:
             return AutoProcessor.from_pretrained(folder, subfolder=subfolder)
-        except (ImportError, OSError, ValueError):
+        except Exception:  # noqa: BLE001 - e.g. ModuleNotFoundError (torchvision): the tokenizer carries the text path
             return AutoTokenizer.from_pretrained(folder, subfolder=subfolder)
 
 
