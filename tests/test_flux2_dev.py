@@ -99,6 +99,21 @@ def test_dev_errors_are_one_line(dev_files):
         family.load(LoadOptions("tiny:flux2_dev", family_options=Flux2Options(model_version="klein-base-4b")))
     with pytest.raises(ModelLoadError, match=r"^--model_version dev: the files are FLUX.2 \[klein\]"):
         family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(model_version="dev")))
+    from library.core.safetensors_io import write_safetensors
+
+    folder = os.path.join(os.path.dirname(dev_files["dit"]), "shards")
+    os.makedirs(folder, exist_ok=True)
+    ae = load_file(dev_files["ae"])
+    for i in (1, 2):
+        write_safetensors(ae, os.path.join(folder, f"model-0000{i}-of-00003.safetensors"))
+    first = os.path.join(folder, "model-00001-of-00003.safetensors")
+    with pytest.raises(ModelLoadError, match=r"^--mistral3 .*: shard model-00003-of-00003.safetensors of 3 is "
+                                             r"missing beside it$"):
+        family.load(LoadOptions(dev_files["dit"], family_options=Flux2Options(mistral3=first)))
+    write_safetensors(ae, os.path.join(folder, "model-00003-of-00003.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"^--mistral3 .*: expected a Mistral-Small-3.1 text encoder .*, found "
+                                             r"none in its 3 shards$"):
+        family.load(LoadOptions(dev_files["dit"], family_options=Flux2Options(mistral3=first)))
     with pytest.raises(ConfigError, match=r"^--mistral3_max_token_length: expected an integer from 16"):
         Flux2Options(mistral3_max_token_length=8).check()
     with pytest.raises(ConfigError, match=r"^--guidance_scale: expected a number >= 0"):

@@ -58,6 +58,18 @@ def shard_paths(path: str) -> list[str]:
     return paths
 
 
+def header_keys(label: str, path: str) -> list[str]:
+    """The tensor names of a .safetensors file (its header only)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return list(f.keys())
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{label} {path}: not a readable .safetensors file ({str(e).splitlines()[0][:200]})") \
+            from None
+
+
 def text_tensors(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """MistralModel keys (`embed_tokens.*`, `layers.*`, `norm.*`) of a Mistral3 / Mistral state dict in any of the
     accepted layouts."""
@@ -90,10 +102,16 @@ def load_mistral3(path: str, dtype: torch.dtype, tokenizer_cache_dir: Optional[s
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{label} {path}: not a Mistral3 folder ({str(e).splitlines()[0][:200]})") from None
         return language_model(full), processor
+    expected = "a Mistral-Small-3.1 text encoder (layers.*.self_attn.k_proj keys)"
+    shards = shard_paths(path)
+    if len(shards) > 1:  # the marker may sit in any shard: checked over all their headers before any weight
+        keys = [k for shard in shards for k in header_keys(label, shard)]
+        if not any(_MARKER.search(k) for k in keys):
+            raise ModelLoadError(f"{label} {path}: expected {expected}, found none in its {len(shards)} shards")
     raw: dict[str, torch.Tensor] = {}
-    for shard in shard_paths(path):
-        raw.update(read_file(label, shard, "a Mistral-Small-3.1 text encoder (layers.*.self_attn.k_proj keys)",
-                             lambda keys: any(_MARKER.search(k) for k in keys) or shard != path, dtype))
+    for shard in shards:
+        raw.update(read_file(label, shard, expected,
+                             lambda keys: len(shards) > 1 or any(_MARKER.search(k) for k in keys), dtype))
     tensors = text_tensors(raw)
     try:
         vocab, hidden = tensors["embed_tokens.weight"].shape
