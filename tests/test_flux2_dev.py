@@ -49,7 +49,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def test_dev_files_load_through_the_real_loaders(tmp_path, dev_files, tiny_dev):
     """The folder (by Flux2Pipeline.from_pretrained and by the family), the DiT file (by diffusers' from_single_file
-    and by the family) with --mistral3 as one file and as FLUX.2-dev's shards, and --ae give the preset's weights;
+    and by the family) with --mistral3 as one file (transformers' keys, or ComfyUI's model.*) and as FLUX.2-dev's
+    shards, and --ae give the preset's weights; detection names the folder and the DiT file flux2;
     the text encoder kept is Mistral3's language model (40 layers, head width 128)."""
     from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 
@@ -69,12 +70,19 @@ def test_dev_files_load_through_the_real_loaders(tmp_path, dev_files, tiny_dev):
         keys = set(f.keys())
     assert {"language_model.model.layers.39.self_attn.k_proj.weight", "multi_modal_projector.linear_1.weight",
             "vision_tower.patch_conv.weight"} <= keys
-    for text in (dev_files["mistral3"], str(tmp_path / "te" / shards[0])):
+    from library.core.safetensors_io import write_safetensors
+
+    comfy = str(tmp_path / "mistral_comfy.safetensors")  # ComfyUI's text-encoder layout: the language model as model.*
+    write_safetensors({"model." + k: v for k, v in tiny_dev.text_encoders[0].state_dict().items()}, comfy)
+    for text in (dev_files["mistral3"], str(tmp_path / "te" / shards[0]), comfy):
         single = family.load(LoadOptions(dev_files["dit"], family_options=Flux2Options(mistral3=text,
                                                                                          ae=dev_files["ae"])))
         for part in ("denoiser", "vae"):
             _same_weights(getattr(single, part), getattr(tiny_dev, part))
         _same_weights(single.text_encoders[0], tiny_dev.text_encoders[0])
+    from library.families.detect import detect_family
+
+    assert [detect_family(p) for p in (dev_files["diffusers"], dev_files["dit"])] == ["flux2"] * 2
     folder = family.load(LoadOptions(dev_files["diffusers"]))
     _same_weights(folder.denoiser, tiny_dev.denoiser)
     _same_weights(folder.text_encoders[0], tiny_dev.text_encoders[0])
