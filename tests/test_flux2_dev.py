@@ -319,3 +319,34 @@ def test_dev_lora_names_full_size_on_meta():
     assert len(names) == 160 and "lora_unet_single_blocks_47_linear1" in names \
         and "lora_unet_double_blocks_7_txt_attn_qkv" in names
     assert len(network.text_encoder_loras) == 280
+
+
+@pytest.mark.parametrize("preset, version, expected", [
+    ("tiny:flux2_dev", None, (50, 1.0, [4.0])),  # dev: Flux2Pipeline's 50 steps, guidance 4 (no CFG)
+    ("tiny:flux2", None, (4, 1.0, None)),  # klein distilled: 4 steps, no guidance
+    ("tiny:flux2", "klein-base-4b", (50, 4.0, None)),  # klein base: Flux2KleinPipeline's 50 steps, CFG 4
+])
+def test_sampling_defaults_follow_the_model(monkeypatch, preset, version, expected):
+    """A request without steps / scale / guidance samples with the model's defaults (musubi-tuner's table of
+    --model_version: dev 50 steps guidance 4.0, klein 4 and 1.0, klein base 50 and 4.0)."""
+    from library.families.flux2 import generate as flux2_generate
+    from library.sampling.generate import GenerationRequest
+
+    seen = {}
+
+    def fake_euler(latents, sigmas, velocity, scale, guided, **kwargs):
+        seen.update(steps=len(sigmas) - 1, scale=scale)
+        velocity(latents.repeat(2 if guided else 1, 1, 1, 1), 0.5)
+        return latents
+
+    calls = []
+    family = get_family("flux2")
+    original = family.predict
+    monkeypatch.setattr(flux2_generate, "euler_sample", fake_euler)
+    monkeypatch.setattr(type(family), "predict", lambda self, c, x, t, text, batch: calls.append(
+        batch.get("guidance")) or original(c, x, t, text, batch))
+    options = Flux2Options(model_version=version, qwen3_max_token_length=16, mistral3_max_token_length=TOKENS)
+    components = family.load(LoadOptions(preset, family_options=options))
+    family.generate(components, [GenerationRequest("a cat", width=32, height=32)])
+    guidance = None if calls[0] is None else calls[0].tolist()
+    assert (seen["steps"], seen["scale"], guidance) == expected
