@@ -54,7 +54,7 @@ def is_dev(components: Components) -> bool:
     """FLUX.2 [dev] (Mistral text, guidance) rather than klein: from the text encoder, else the DiT."""
     encoder = components.text_encoders[0] if components.text_encoders else None
     if encoder is not None:
-        return encoder.config.model_type == "mistral"
+        return encoder.config.model_type in ("mistral", "mistral3")
     return bool(components.denoiser is not None and components.denoiser.config.guidance_embeds)
 
 
