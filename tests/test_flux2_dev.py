@@ -350,3 +350,48 @@ def test_sampling_defaults_follow_the_model(monkeypatch, preset, version, expect
     family.generate(components, [GenerationRequest("a cat", width=32, height=32)])
     guidance = None if calls[0] is None else calls[0].tolist()
     assert (seen["steps"], seen["scale"], guidance) == expected
+
+
+def test_convert_lora_to_diffusers_loads_in_flux2_pipeline_with_no_unexpected_keys(tmp_path, caplog):
+    """tools/convert_lora.py --to diffusers on a dev LoRA (tiny:flux2_dev: 2 double, 3 single blocks): every key of
+    the output is placed by Flux2Pipeline.load_lora_weights (no "unexpected" warning; 2 x 12 + 3 x 2 adapted
+    Linears), and the pipeline's prediction equals the kohya file's in our network (measured 0.0; 1e-6 allowed)."""
+    import logging
+
+    from diffusers import Flux2Pipeline
+
+    from library.core.safetensors_io import write_safetensors
+    from library.families.flux2.loading import scheduler
+    from networks.lora import create_network_from_weights
+    from tests.train_helpers import random_lora_file
+    from tools.convert_lora import main as convert
+
+    family = get_family("flux2")
+    options = Flux2Options(mistral3_max_token_length=TOKENS)
+    ours, theirs = (family.load(LoadOptions("tiny:flux2_dev", family_options=options)) for _ in range(2))
+    full = random_lora_file(family, ours, str(tmp_path / "full.safetensors"))
+    src = str(tmp_path / "kohya.safetensors")
+    write_safetensors({k: v for k, v in load_file(full).items() if k.startswith("lora_unet_")}, src)
+    dst = str(tmp_path / "diffusers.safetensors")
+    assert convert(["--src_path", src, "--dst_path", dst, "--to", "diffusers"]) == 0
+    pipe = Flux2Pipeline(scheduler=scheduler(), vae=theirs.vae, text_encoder=None, tokenizer=theirs.tokenizers[0],
+                         transformer=theirs.denoiser)
+    diffusers_logger = logging.getLogger("diffusers")  # it does not propagate: its handler is added for the test
+    diffusers_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="diffusers"):
+            pipe.load_lora_weights(load_file(dst))
+    finally:
+        diffusers_logger.removeHandler(caplog.handler)
+    assert not [r for r in caplog.records if r.name.startswith("diffusers")], caplog.text
+    assert len([n for n, _ in theirs.denoiser.named_modules() if n.endswith(".lora_A")]) == 2 * 12 + 3 * 2
+    network, _ = create_network_from_weights(1.0, src, ours.vae, ours.text_encoders, ours.denoiser,
+                                             lora_targets=family.lora_targets(ours))
+    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
+    network.load_weights(src)
+    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
+    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
+        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
