@@ -124,7 +124,7 @@ class Flux2Family(FlowDiTFamily):
                 ("model.diffusion_model.single_stream_modulation.lin.", "a FLUX.2 DiT"))
     diffusers_class_markers = ("Flux2",)
     scripts = {"lora": "flux2_train_network.py", "finetune": "flux2_train.py"}
-    text_encoder_labels = ("Text encoder (Qwen3)",)
+    text_encoder_labels = ("Text encoder (Qwen3; Mistral for dev)",)
     denoiser_label = "DiT"
     component_file_flags = COMPONENT_FILE_FLAGS
     tiny_presets = ("tiny:flux2", "tiny:flux2_dev")
