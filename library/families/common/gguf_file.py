@@ -231,15 +231,18 @@ def adopt_gguf(label: str, path: str, factory, state_dict: Mapping[str, torch.Te
 
 # --- writing (tests, bench; the layout of city96's convert.py) ------------------------------------------------
 
-def write_gguf(path: str, tensors: Mapping[str, torch.Tensor], qtype: str, arch: str) -> dict[str, str]:
+def write_gguf(path: str, tensors: Mapping[str, torch.Tensor], qtype: str, arch: str,
+               full_precision: Iterable[str] = FULL_PRECISION_KEYS) -> dict[str, str]:
     """Write `tensors` (original-layout keys) as a ComfyUI-GGUF file: 2-D weights quantized to `qtype` ("Q8_0",
     "Q4_0", "Q5_0", ...; what gguf.quants can write), 1-D tensors and the embedder / final-layer weights F32, as
-    city96's convert.py does; a row length the block size does not divide stays F32. Written to a temporary file
-    and renamed. Returns {key: type name}."""
+    city96's convert.py does (`full_precision`: the key parts kept F32; () quantizes every 2-D weight, as other
+    converters do); a row length the block size does not divide stays F32. Written to a temporary file and
+    renamed. Returns {key: type name}."""
     import gguf
     import numpy as np
 
     target = getattr(gguf.GGMLQuantizationType, qtype)
+    full_precision = tuple(full_precision)
     types: dict[str, str] = {}
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".gguf-", dir=folder)
@@ -252,7 +255,7 @@ def write_gguf(path: str, tensors: Mapping[str, torch.Tensor], qtype: str, arch:
             data = tensor.detach().float().numpy() if tensor.dtype == torch.bfloat16 else tensor.detach().numpy()
             data = np.ascontiguousarray(data.astype(np.float32))
             kind = target
-            if data.ndim <= 1 or (any(k in key for k in FULL_PRECISION_KEYS) and ".weight" in key):
+            if data.ndim <= 1 or (any(k in key for k in full_precision) and ".weight" in key):
                 kind = gguf.GGMLQuantizationType.F32
             try:
                 packed = gguf.quants.quantize(data, kind)

@@ -278,7 +278,13 @@ def _tensor_bytes(t: torch.Tensor, seen: set) -> int:
     if flatten is not None and type(t) not in (torch.Tensor, nn.Parameter):
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n), seen) for n in names)
-    total = t.untyped_storage().nbytes() if t.device.type != "meta" else 0
+    total = 0
+    if t.device.type != "meta":
+        storage = t.untyped_storage()
+        # views of one storage (a fused BFL tensor split by rows, a GGUF file's blocks) count it once
+        if ("storage", storage.data_ptr()) not in seen:
+            seen.add(("storage", storage.data_ptr()))
+            total = storage.nbytes()
     state = getattr(t, "quant_state", None)
     while state is not None:
         for v in vars(state).values():
