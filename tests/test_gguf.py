@@ -230,16 +230,17 @@ def test_lora_on_a_gguf_base_is_close_to_full_precision(ggufs, tiny_flux_files, 
     assert lora.keys() == full.keys() and all(lora[k].dtype == full[k].dtype for k in lora)
     assert all(torch.isfinite(v).all() for v in lora.values())
     assert quantized_layers([trainer.components.denoiser]) == GGUF_LAYERS
-    samples = [f for f in os.listdir(tmp_path / "gguf" / "sample") if f.endswith(".png")]
-    assert len(samples) == 1, samples
+    samples = [f for f in os.listdir(tmp_path / "gguf" / "sample") if f.startswith("lora_000003_00_")]
+    assert len(samples) == 1, samples  # the sample at step 3 ran through the GGUF layers
     rel = _relative_difference(lora, full)
     print(f"Q8_0: relative ΔW difference {rel:.3g}, losses {losses} vs {full_losses}")
     assert rel <= GGUF_LORA_TOLERANCE
     assert abs(losses[0] - full_losses[0]) <= 1e-3 * full_losses[0]
 
 
-# relative ΔW difference after 3 steps, measured (see the test's print): Q8_0 vs the fp32 .safetensors file.
-GGUF_LORA_TOLERANCE = 0.15
+# relative ΔW difference after 3 steps, measured: Q8_0 vs the fp32 .safetensors file 0.033 (int8-quanto's is
+# 0.059 in tests/test_quantize.py; another --seed in full precision gives 1.39)
+GGUF_LORA_TOLERANCE = 0.1
 
 
 def test_lora_with_block_swap_on_a_gguf_base(ggufs, tiny_flux_files, tmp_path):
