@@ -15,10 +15,13 @@ Quantize on load (`--load`): a BFL-layout FLUX.1-dev file with `--double` / `--s
 weights, bf16) is written once, then each value loads it in its own process as the trainer does (the family's
 `load_bfl_transformer` in bf16, then `quantize_frozen`); printed is the process's peak RSS during that, above its
 RSS before loading, over the bf16 size of the file's tensors. `no_change` reads every weight once (training
-touches them all), the quantized values only quantize.
+touches them all), the quantized values only quantize. `gguf-Q8_0` / `gguf-Q4_0`: the same file written as a
+ComfyUI-GGUF file (library/families/common/gguf_file.py write_gguf, city96's layout) and loaded from it by the
+same `load_bfl_transformer` (weights kept quantized, mapped from the file); every GGUF weight is dequantized once,
+as the first training step does, so its pages are read.
 
     python bench/bench_quantized.py [--values int8-quanto nf4-bnb ...] [--steps 3] [--step_heads 6]
-    python bench/bench_quantized.py --load [--double 1 --single 2] [--values ...]
+    python bench/bench_quantized.py --load [--double 1 --single 2] [--values ... gguf-Q8_0 gguf-Q4_0]
 """
 
 from __future__ import annotations
@@ -140,19 +143,50 @@ def write_flux_file(path: str, double: int, single: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+GGUF_VALUES = {"gguf-Q8_0": ("Q8_0", 8), "gguf-Q4_0": ("Q4_0", 4)}
+
+
+def gguf_path(path: str, value: str) -> str:
+    """The ComfyUI-GGUF copy of the bf16 file for `value` (gguf-Q8_0 ...), written once."""
+    qtype = GGUF_VALUES[value][0]
+    out = path[:-len(".safetensors")] + f"-{qtype}.gguf"
+    if not os.path.isfile(out):
+        from safetensors.torch import load_file
+
+        from library.families.common.gguf_file import write_gguf
+
+        write_gguf(out, load_file(path), qtype, "flux")
+    return out
+
+
 def load_one(value: str, path: str) -> dict:
     """Load `path` as the trainer does and quantize it; peak RSS above the RSS before loading."""
     from diffusers import FluxTransformer2DModel  # noqa: F401 - imported (code, not weights) before measuring
     from library.families.flux.loading import load_bfl_transformer
 
-    quantize_frozen(torch.nn.Sequential(torch.nn.Linear(256, 256)).requires_grad_(False), value)  # its library too
+    gguf = value in GGUF_VALUES
+    if gguf:
+        from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+        from library.families.common.gguf_file import gguf_linear_class, is_quantized
+
+        gguf_linear_class()  # the library's code, not weights, before measuring
+        path = gguf_path(path, value)
+    else:
+        quantize_frozen(torch.nn.Sequential(torch.nn.Linear(256, 256)).requires_grad_(False), value)  # its library
     before = current_rss_mib()
     start = time.perf_counter()
     model = load_bfl_transformer(path, torch.bfloat16).requires_grad_(False)  # frozen, as the trainer has it
     if value == NO_CHANGE:
         total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read once, as training does
         assert total == total
-    count = quantize_frozen(model, value)
+    if gguf:  # every weight dequantized once, as the first forward does (one layer's temporaries at a time)
+        total = sum(float(dequantize_gguf_tensor(p).float().sum()) if is_quantized(p) else float(p.float().sum())
+                    for p in model.parameters())
+        assert total == total
+        count = sum(1 for p in model.parameters() if is_quantized(p))
+    else:
+        count = quantize_frozen(model, value)
     seconds = time.perf_counter() - start
     return {"value": value, "layers": count, "load_s": seconds, "resident": resident_bytes(model),
             "peak_mib": hwm_rss_mib() - before, "rss_after_mib": current_rss_mib() - before}
@@ -169,10 +203,12 @@ def main_load(a) -> None:
                              else _numel(f.get_slice(k).get_shape()) for k in f.keys()) * 2
     results = {}
     for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
-        why = precision_unavailable(value)
+        why = None if value in GGUF_VALUES else precision_unavailable(value)
         if why:
             print(f"{value}: skipped ({why})")
             continue
+        if value in GGUF_VALUES:
+            gguf_path(path, value)  # written here, not in the measured process
         out = subprocess.run([sys.executable, __file__, "--load_one", value, "--file", path],
                              capture_output=True, text=True)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -189,7 +225,7 @@ def main_load(a) -> None:
     print(f"{'value':<14}{'layers':>7}{'resident/bf16':>15}{'peak load/bf16':>16}{'after/bf16':>12}"
           f"{'full depth':>12}{'target':>8}{'load s':>8}")
     for value, r in results.items():
-        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         after = r["rss_after_mib"] / mib
         scaled = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full

@@ -183,6 +183,22 @@ def test_flags_a_gguf_base_rules_out(ggufs):
         assert str(e.value) == message
 
 
+def test_missing_gguf_package_is_named(ggufs, monkeypatch, tiny_flux_files):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    path = ggufs["Q8_0"]
+    with pytest.raises(ConfigError) as e:
+        memory_options_from_args({"pretrained_model_name_or_path": path}, get_family("flux"))
+    assert str(e.value) == (f"--pretrained_model_name_or_path {path}: reading a GGUF file needs the gguf package, "
+                            "which is not installed (pip install gguf)")
+    with pytest.raises(ModelLoadError) as e:
+        _load(path, tiny_flux_files)
+    assert str(e.value) == (f"--pretrained_model_name_or_path {path}: reading a GGUF file needs the gguf package, "
+                            "which is not installed (pip install gguf)")
+
+
 def test_adopt_checks_logical_shapes(ggufs):
     tensors = read_gguf("x", ggufs["Q8_0"], "FLUX.1", lambda keys: True, torch.float32, archs=("flux",))
     from library.families.flux.layout import bfl_to_diffusers

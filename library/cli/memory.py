@@ -11,7 +11,7 @@ from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
-from library.families.common.gguf_file import is_gguf
+from library.families.common.gguf_file import gguf_missing, is_gguf
 from library.train.memory.quantize import CHOICES as PRECISION_CHOICES
 from library.train.memory.quantize import NO_CHANGE, precision_unavailable
 from library.train.settings import MemoryOptions
@@ -129,6 +129,9 @@ def check_gguf_base(values: Mapping[str, Any], fine_tune: bool, fp8: bool) -> No
     if not isinstance(path, str) or not os.path.isfile(path) or not is_gguf(path):
         return
     label = f"--pretrained_model_name_or_path {path}"
+    missing = gguf_missing()
+    if missing:
+        raise ConfigError(f"{label}: {missing}")
     if fine_tune:
         raise ConfigError(f"{label}: a GGUF file holds quantized weights, which a full fine-tune cannot train; use "
                           "a LoRA script (*_train_network.py) or the .safetensors model")

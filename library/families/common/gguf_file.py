@@ -66,7 +66,19 @@ def supported_types() -> list[str]:
     return ["F32", "F16", *(t.name for t in SUPPORTED_GGUF_QUANT_TYPES)]
 
 
+def gguf_missing() -> Optional[str]:
+    """Why GGUF files cannot be read here (the gguf package is not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        return "reading a GGUF file needs the gguf package, which is not installed (pip install gguf)"
+    return None
+
+
 def _reader(label: str, path: str):
+    missing = gguf_missing()
+    if missing:
+        raise ModelLoadError(f"{label} {path}: {missing}")
     import gguf
 
     if not os.path.isfile(path):
