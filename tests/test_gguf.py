@@ -183,6 +183,23 @@ def test_flags_a_gguf_base_rules_out(ggufs):
         assert str(e.value) == message
 
 
+def test_fsdp_refuses_a_gguf_base():
+    from types import SimpleNamespace
+
+    from library.train.distributed.sharding import FsdpSettings, fsdp_unsupported
+    from library.train.settings import MemoryOptions
+
+    s = SimpleNamespace(training=SimpleNamespace(compile=SimpleNamespace(torch_compile=False)), fine_tune=None,
+                        network_kind=SimpleNamespace(own=True), network=SimpleNamespace(scale_weight_norms=None),
+                        ema=SimpleNamespace(use_ema=False), memory=MemoryOptions(),
+                        model=SimpleNamespace(pretrained_model_name_or_path="flux1-dev-Q8_0.gguf"))
+    assert fsdp_unsupported(s, FsdpSettings(version=2)) == (
+        "--pretrained_model_name_or_path flux1-dev-Q8_0.gguf: a GGUF file's quantized weights are not sharded; use a "
+        "DDP config")
+    s.model.pretrained_model_name_or_path = "flux1-dev.safetensors"
+    assert fsdp_unsupported(s, FsdpSettings(version=2)) is None
+
+
 def test_missing_gguf_package_is_named(ggufs, monkeypatch, tiny_flux_files):
     import importlib.util
 
