@@ -242,8 +242,8 @@ def _train(tmp_path, name, model, files, extra=(), steps=3):
 
 
 def _delta_weights(lora):
-    return {k[:-len("lora_down.weight")]: lora[k[:-len("lora_down.weight")] + "lora_up.weight"].float() @ lora[k].float()
-            for k in lora if k.endswith("lora_down.weight")}
+    stems = [k[:-len("lora_down.weight")] for k in lora if k.endswith("lora_down.weight")]
+    return {s: lora[s + "lora_up.weight"].float() @ lora[s + "lora_down.weight"].float() for s in stems}
 
 
 def _relative_difference(a, b):

@@ -82,7 +82,10 @@ def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: s
     from diffusers import FluxTransformer2DModel
 
     what = "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)"
-    holds = lambda keys: any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks.")) for k in keys)  # noqa: E731
+
+    def holds(keys):
+        return any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks.")) for k in keys)
+
     gguf = is_gguf(path)
     tensors = (read_gguf(label, path, what, holds, dtype, archs=("flux",)) if gguf
                else read_file(label, path, what, holds, dtype))
