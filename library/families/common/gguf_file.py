@@ -228,7 +228,6 @@ def adopt_gguf(label: str, path: str, factory, state_dict: Mapping[str, torch.Te
             with init_empty_weights(include_buffers=False):
                 layer = linear_cls(module.in_features, module.out_features, module.bias is not None,
                                    compute_dtype=dtype)
-            layer.source_cls = nn.Linear
             model.get_submodule(parent)._modules[child] = layer
             kept[key] = state_dict[key]
     rest = {k: (_dequantized(state_dict[k]).reshape(wanted[k]).to(dtype) if is_quantized(state_dict[k])
