@@ -181,8 +181,8 @@ def load_one(value: str, path: str) -> dict:
         total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read once, as training does
         assert total == total
     if gguf:  # every weight dequantized once, as the first forward does (one layer's temporaries at a time)
-        total = sum(float(dequantize_gguf_tensor(p).float().sum()) if is_quantized(p) else float(p.float().sum())
-                    for p in model.parameters())
+        total = sum(float(dequantize_gguf_tensor(p).to(torch.bfloat16).sum()) if is_quantized(p)
+                    else float(p.float().sum()) for p in model.parameters())
         assert total == total
         count = sum(1 for p in model.parameters() if is_quantized(p))
     else:

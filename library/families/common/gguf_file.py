@@ -6,7 +6,7 @@ A ComfyUI-GGUF transformer file holds the original (BFL / ComfyUI) keys, e.g. FL
 `general.architecture` ("flux", "qwen_image", "lumina2" for Z-Image, ...). Its 2-D weights are Q8_0 / Q4_K / Q5_K /
 Q4_0 / ... blocks of bytes; 1-D tensors and the embedders / final layer stay F32 / F16 (city96's convert.py). Here:
 
-- F32 / F16 / BF16 tensors become ordinary tensors in the training dtype;
+- F32 / F16 / BF16 tensors are read (not mapped) into ordinary tensors in the training dtype;
 - quantized tensors stay as they are in the file (a memory-mapped view; pages are read when a layer first computes)
   as diffusers' `GGUFParameter`, whose shape is the byte shape (rows, bytes per row); `logical_shape` gives the
   shape of the weight it holds, read from the GGUF tensor info (config inference must use it);
@@ -153,24 +153,28 @@ def read_gguf(label: str, path: str, expected: str, holds: Callable[[list[str]],
         raise ModelLoadError(f"{label} {path}: GGUF tensor type {', '.join(unsupported)} is not supported "
                              f"(diffusers dequantizes {', '.join(supported_types())})")
     prefixed = any(t.name.startswith(PREFIX) for t in reader.tensors)
+    floats = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationType.F16: torch.float16,
+              gguf.GGMLQuantizationType.BF16: torch.bfloat16}
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        if prefixed and not t.name.startswith(PREFIX):
-            continue
-        key = t.name[len(PREFIX):] if prefixed else t.name
-        shape = _orig_shape(reader, t.name) or tuple(int(n) for n in reversed(t.shape))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            data = torch.from_numpy(t.data)
-        if t.tensor_type in plain:
-            tensor = data.reshape(shape).to(dtype)
-        elif t.tensor_type == gguf.GGMLQuantizationType.BF16:
-            tensor = data.view(torch.bfloat16).reshape(shape).to(dtype)
-        else:
-            tensor = GGUFParameter(data, quant_type=t.tensor_type)
+    with open(path, "rb") as f:
+        for t in reader.tensors:
+            if prefixed and not t.name.startswith(PREFIX):
+                continue
+            key = t.name[len(PREFIX):] if prefixed else t.name
+            shape = _orig_shape(reader, t.name) or tuple(int(n) for n in reversed(t.shape))
+            if t.tensor_type in floats:
+                # read, not mapped: the file's float pages are not kept resident beside the training-dtype copy
+                buf = bytearray(int(t.n_bytes))
+                f.seek(int(t.data_offset))
+                f.readinto(buf)
+                out[key] = torch.frombuffer(buf, dtype=floats[t.tensor_type]).reshape(shape).to(dtype)
+                continue
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensor = GGUFParameter(torch.from_numpy(t.data), quant_type=t.tensor_type)  # mapped, read when used
             if tuple(tensor.quant_shape) != shape:  # a tensor ComfyUI-GGUF reshaped: dequantized in its shape
                 tensor = _dequantized(tensor).reshape(shape).to(dtype)
-        out[key] = tensor
+            out[key] = tensor
     return out
 
 
