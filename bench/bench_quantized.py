@@ -188,7 +188,12 @@ def load_one(value: str, path: str) -> dict:
     else:
         count = quantize_frozen(model, value)
     seconds = time.perf_counter() - start
-    return {"value": value, "layers": count, "load_s": seconds, "resident": resident_bytes(model),
+    doubles, singles = model.transformer_blocks, model.single_transformer_blocks
+    resident = resident_bytes(model)
+    per_double, per_single = resident_bytes(doubles) / len(doubles), resident_bytes(singles) / len(singles)
+    return {"value": value, "layers": count, "load_s": seconds, "resident": resident,
+            "per_double": per_double, "per_single": per_single,
+            "rest": resident - per_double * len(doubles) - per_single * len(singles),
             "peak_mib": hwm_rss_mib() - before, "rss_after_mib": current_rss_mib() - before}
 
 
@@ -220,15 +225,17 @@ def main_load(a) -> None:
     full = full_flux_bytes()
     print(f"FLUX.1-dev transformer file, {a.double} double + {a.single} single full-width blocks: {mib:.0f} MiB bf16; "
           f"peak RSS while loading (above the RSS before) over that size; 'full depth': the peak scaled to the "
-          f"19 + 38 blocks ({full / 2 ** 30:.2f} GiB bf16): the resident size scales, one layer's quantization "
-          f"temporaries (peak - after) do not")
+          f"19 + 38 blocks ({full / 2 ** 30:.2f} GiB bf16): each block's resident size times the depth plus the "
+          f"embedders' as they are; the rest of the peak (RSS beyond the resident weights, one layer's "
+          f"temporaries) does not scale")
     print(f"{'value':<14}{'layers':>7}{'resident/bf16':>15}{'peak load/bf16':>16}{'after/bf16':>12}"
           f"{'full depth':>12}{'target':>8}{'load s':>8}")
     for value, r in results.items():
         bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         after = r["rss_after_mib"] / mib
-        scaled = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full
+        full_resident = FULL_DOUBLE * r["per_double"] + FULL_SINGLE * r["per_single"] + r["rest"]
+        scaled = (full_resident + r["peak_mib"] * 2 ** 20 - r["resident"]) / full
         print(f"{value:<14}{r['layers']:>7}{r['resident'] / bf16_bytes:>15.3f}{r['peak_mib'] / mib:>16.3f}"
               f"{after:>12.3f}{scaled:>12.3f}{target:>8}{r['load_s']:>8.1f}")
 

@@ -183,6 +183,20 @@ def test_flags_a_gguf_base_rules_out(ggufs):
         assert str(e.value) == message
 
 
+def test_full_fine_tune_script_refuses_a_gguf_base(ggufs, tiny_flux_files, tmp_path):
+    import subprocess
+    import sys
+
+    flags = [a for flag, path in _flags(tiny_flux_files).items() for a in (f"--{flag}", path)]
+    out = subprocess.run([sys.executable, "flux_train.py", "--pretrained_model_name_or_path", ggufs["Q8_0"], *flags,
+                          "--train_data_dir", str(tmp_path), "--output_dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: --pretrained_model_name_or_path {ggufs['Q8_0']}: a GGUF file holds quantized weights, which a full "
+        "fine-tune cannot train; use a LoRA script (*_train_network.py) or the .safetensors model")
+
+
 def test_fsdp_refuses_a_gguf_base():
     from types import SimpleNamespace
 
