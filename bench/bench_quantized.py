@@ -229,15 +229,17 @@ def main_load(a) -> None:
           f"embedders' as they are; the rest of the peak (RSS beyond the resident weights, one layer's "
           f"temporaries) does not scale")
     print(f"{'value':<14}{'layers':>7}{'resident/bf16':>15}{'peak load/bf16':>16}{'after/bf16':>12}"
-          f"{'full depth':>12}{'target':>8}{'load s':>8}")
+          f"{'full depth':>12}{'after x depth':>15}{'target':>8}{'load s':>8}")
     for value, r in results.items():
         bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         after = r["rss_after_mib"] / mib
         full_resident = FULL_DOUBLE * r["per_double"] + FULL_SINGLE * r["per_single"] + r["rest"]
         scaled = (full_resident + r["peak_mib"] * 2 ** 20 - r["resident"]) / full
+        # the earlier, blunter estimate: the whole RSS after loading scaled with the depth (embedders included)
+        blunt = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full
         print(f"{value:<14}{r['layers']:>7}{r['resident'] / bf16_bytes:>15.3f}{r['peak_mib'] / mib:>16.3f}"
-              f"{after:>12.3f}{scaled:>12.3f}{target:>8}{r['load_s']:>8.1f}")
+              f"{after:>12.3f}{scaled:>12.3f}{blunt:>15.3f}{target:>8}{r['load_s']:>8.1f}")
 
 
 def full_flux_bytes() -> int:
