@@ -134,6 +134,37 @@ def test_bf16_training_dtype(ggufs, tiny_flux_files):
     assert rel < 0.03, rel  # measured 9.6e-3 (bf16 rounding of the activations dominates)
 
 
+def test_backward_keeps_only_the_quantized_weight():
+    """A GgufLinear keeps its Q8_0 bytes for backward, not a dequantized float copy (that would hold the whole
+    model in full precision from forward to backward without checkpointing); output and input gradient are
+    bitwise those of nn.Linear on the dequantized weight (the same ops)."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+    from library.families.common.gguf_file import gguf_linear_class
+
+    torch.manual_seed(0)
+    blocks = torch.from_numpy(gguf.quants.quantize(torch.randn(256, 128).numpy(), gguf.GGMLQuantizationType.Q8_0))
+    layer = gguf_linear_class()(128, 256, True, compute_dtype=torch.float32)
+    layer.weight = GGUFParameter(blocks, quant_type=gguf.GGMLQuantizationType.Q8_0)
+    layer.bias = nn.Parameter(torch.randn(256), requires_grad=False)
+    plain = nn.Linear(128, 256).requires_grad_(False)
+    plain.weight.copy_(dequantize_gguf_tensor(layer.weight).float())
+    plain.bias.copy_(layer.bias)
+    x = torch.randn(4, 7, 128, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        y = layer(x)
+    assert saved == [(torch.uint8, 256 * 128 // 32 * 34)]
+    y.square().sum().backward()
+    y2 = plain(x2)
+    y2.square().sum().backward()
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+
+
 # ---------------------------------------------------------------------------- refusals, one line each
 def test_unsupported_type_and_wrong_architecture_are_named_before_loading(ggufs, tmp_path, tiny_flux_files):
     import gguf

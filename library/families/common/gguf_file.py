@@ -187,16 +187,34 @@ def _dequantized(tensor: torch.Tensor) -> torch.Tensor:
 def gguf_linear_class():
     """GgufLinear: diffusers' GGUFLinear computing in the input's dtype (the training dtype, or what autocast
     makes of it), so the base follows the trainer's casts; its weight stays quantized and is dequantized by
-    diffusers' torch functions for every forward."""
+    diffusers' torch functions for every forward. For backward only the quantized weight is kept (a view of the
+    file) and dequantized again: a plain `linear` on the dequantized weight would keep every layer's
+    full-precision copy alive from the forward to the backward, the whole model's worth without checkpointing."""
     global _GgufLinear
     if _GgufLinear is None:
         from diffusers.quantizers.gguf.utils import GGUFLinear, dequantize_gguf_tensor
 
+        class _Matmul(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, inputs, qweight, bias):
+                ctx.save_for_backward(qweight)
+                ctx.bias_shape = None if bias is None else bias.shape
+                weight = dequantize_gguf_tensor(qweight).to(inputs.dtype)
+                return nn.functional.linear(inputs, weight, None if bias is None else bias.to(inputs.dtype))
+
+            @staticmethod
+            def backward(ctx, grad):
+                (qweight,) = ctx.saved_tensors
+                grad_input = grad_bias = None
+                if ctx.needs_input_grad[0]:
+                    grad_input = grad @ dequantize_gguf_tensor(qweight).to(grad.dtype)
+                if ctx.needs_input_grad[2]:
+                    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+                return grad_input, None, grad_bias
+
         class GgufLinear(GGUFLinear):
             def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-                weight = dequantize_gguf_tensor(self.weight).to(inputs.dtype)
-                bias = None if self.bias is None else self.bias.to(inputs.dtype)
-                return nn.functional.linear(inputs, weight, bias)
+                return _Matmul.apply(inputs, self.weight, self.bias)
 
         _GgufLinear = GgufLinear
     return _GgufLinear
