@@ -84,7 +84,7 @@ def test_detected_by_extension_and_magic(ggufs, tmp_path, tiny_flux_files):
     assert is_gguf(ggufs["Q8_0"]) and not is_gguf(tiny_flux_files["transformer"])
     renamed = tmp_path / "model.bin"
     renamed.write_bytes(open(ggufs["Q8_0"], "rb").read(64))
-    assert is_gguf(str(renamed))
+    assert is_gguf(str(renamed)) and flux_source_kind(str(renamed)) == "single_file"
     assert flux_source_kind(ggufs["Q8_0"]) == "single_file"
     assert block_counts(ggufs["Q8_0"]) == (2, 3)
 

@@ -13,6 +13,9 @@ Every value names its format and the library that serves it (docs/quantization.m
 | `nf4-bnb`      | NormalFloat4, blocks of 64      | bitsandbytes (`Linear4bit`, nf4)         |
 | `fp8-torchao-dynamic` | float8 e4m3 weights and activations (row scales) | torchao (`Float8DynamicActivationFloat8WeightConfig`), CUDA >= 8.9 only |
 
+GGUF base files (a `.gguf` `--pretrained_model_name_or_path`, already quantized) are not a value of these flags: the
+family loaders read them with library/families/common/gguf_file.py (gguf + diffusers' GGUF layers).
+
 No kernel here is ours: each layer is handed to its library, which stores the weight and runs the
 matmul (dequantizing or with its own kernel). Only `nn.Linear` layers are quantized (Conv2d, norms and
 embeddings keep the training dtype), and not those a model class keeps in float32
