@@ -198,7 +198,6 @@ def gguf_linear_class():
             @staticmethod
             def forward(ctx, inputs, qweight, bias):
                 ctx.save_for_backward(qweight)
-                ctx.bias_shape = None if bias is None else bias.shape
                 weight = dequantize_gguf_tensor(qweight).to(inputs.dtype)
                 return nn.functional.linear(inputs, weight, None if bias is None else bias.to(inputs.dtype))
 
