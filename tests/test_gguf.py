@@ -207,6 +207,9 @@ def test_flags_a_gguf_base_rules_out(ggufs):
         ({}, True, f"--pretrained_model_name_or_path {path}: a GGUF file holds quantized weights, which a full "
                    "fine-tune cannot train; use a LoRA script (*_train_network.py) or the .safetensors model"),
         ({"fp8_base": True}, False, f"--fp8_base with {path}: a GGUF file is already quantized; drop --fp8_base"),
+        ({"base_weights": ["other.safetensors"]}, False,
+         f"--base_weights with {path}: a GGUF file's weights stay quantized, nothing can be merged into them; merge "
+         "into the .safetensors model first, or drop --base_weights"),
     ]
     for values, fine_tune, message in cases:
         with pytest.raises(ConfigError) as e:

@@ -140,6 +140,9 @@ def check_gguf_base(values: Mapping[str, Any], fine_tune: bool, fp8: bool) -> No
         raise ConfigError(f"--base_model_precision {value}: {path} is a GGUF file, already quantized; drop the flag")
     if fp8:
         raise ConfigError(f"--fp8_base with {path}: a GGUF file is already quantized; drop --fp8_base")
+    if values.get("base_weights"):
+        raise ConfigError(f"--base_weights with {path}: a GGUF file's weights stay quantized, nothing can be merged "
+                          "into them; merge into the .safetensors model first, or drop --base_weights")
 
 
 def blocks_to_swap_with_aliases(values: Mapping[str, Any]) -> Any:
