@@ -165,6 +165,41 @@ def test_backward_keeps_only_the_quantized_weight():
         assert layer(x).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_are_read_with_their_logical_shape(tmp_path, qtype):
+    """K-quant tensors (what most ComfyUI-GGUF files hold: Q4_K_S, Q5_K_M, ...; gguf-py cannot write them, so the
+    blocks here are random bytes with finite fp16 scales): read as GGUFParameter with the logical shape from the
+    256-weight super-blocks, and a GgufLinear computes exactly linear() on diffusers' dequantization."""
+    import gguf
+    import numpy as np
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from library.families.common.gguf_file import gguf_linear_class
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=(8, 512 // block * size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    for b in range(512 // block):  # every fp16 scale of the block finite: d (and dmin) at their offsets
+        at = b * size + {"Q4_K": 0, "Q5_K": 0, "Q6_K": size - 2}[qtype]
+        data[:, at:at + 2] = scale
+        if qtype != "Q6_K":
+            data[:, at + 2:at + 4] = scale
+    path = str(tmp_path / f"{qtype}.gguf")
+    writer = gguf.GGUFWriter(path, arch="flux")
+    writer.add_tensor("w", data, raw_dtype=kind)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    weight = read_gguf("x", path, "w", lambda keys: True, torch.float32, archs=("flux",))["w"]
+    assert is_quantized(weight) and weight.quant_type == kind and logical_shape(weight) == (8, 512)
+    layer = gguf_linear_class()(512, 8, False, compute_dtype=torch.float32)
+    layer.weight = weight
+    x = torch.randn(3, 512)
+    dense = dequantize_gguf_tensor(weight).float()
+    assert torch.isfinite(dense).all() and dense.abs().max() > 0
+    assert torch.equal(layer(x), nn.functional.linear(x, dense))
+
+
 # ---------------------------------------------------------------------------- refusals, one line each
 def test_unsupported_type_and_wrong_architecture_are_named_before_loading(ggufs, tmp_path, tiny_flux_files):
     import gguf
