@@ -20,7 +20,7 @@ ComfyUI-GGUF file (library/families/common/gguf_file.py write_gguf, city96's lay
 same `load_bfl_transformer` (weights kept quantized, mapped from the file); every GGUF weight is dequantized once,
 as the first training step does, so its pages are read.
 
-    python bench/bench_quantized.py [--values int8-quanto nf4-bnb ...] [--steps 3] [--step_heads 6]
+    python bench/bench_quantized.py [--values int8-quanto nf4-bnb gguf-Q8_0 ...] [--steps 3] [--step_heads 6]
     python bench/bench_quantized.py --load [--double 1 --single 2] [--values ... gguf-Q8_0 gguf-Q4_0]
 """
 
@@ -62,13 +62,42 @@ def build(heads: int):
         configs.PRESETS["random:flux-dev"] = saved
 
 
+def from_gguf(model, value: str):
+    """`model` written as a ComfyUI-GGUF file of `value` (gguf-Q8_0 ...) and loaded back as the trainer loads it."""
+    import tempfile
+
+    from library.families.common.gguf_file import write_gguf
+    from library.families.flux.layout import diffusers_to_bfl
+    from library.families.flux.loading import load_bfl_transformer
+
+    with tempfile.TemporaryDirectory() as root:
+        path = os.path.join(root, "model.gguf")
+        write_gguf(path, {k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()},
+                   GGUF_VALUES[value][0], "flux")
+        return load_bfl_transformer(path, torch.bfloat16).requires_grad_(False)  # mapped: kept after unlinking
+
+
+def prepared(heads: int, value: str):
+    """The step-time / size model for `value`: bf16, quantized by its library, or loaded from a GGUF file."""
+    model = build(heads)
+    if value in GGUF_VALUES:
+        return from_gguf(model, value)
+    quantize_frozen(model, value)
+    return model
+
+
 def one(value: str, steps: int, step_heads: int) -> dict:
     model = build(24)
     double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
     bf16 = {"double": resident_bytes(double), "single": resident_bytes(single)}
     rss_bf16 = peak_rss_mib()
     start = time.perf_counter()
-    count = quantize_frozen(model, value)
+    if value in GGUF_VALUES:
+        model = from_gguf(model, value)
+        double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+        count = sum(1 for m in model.modules() if type(m).__name__ == "GgufLinear")
+    else:
+        count = quantize_frozen(model, value)
     seconds = time.perf_counter() - start
     sizes = {"double": resident_bytes(double), "single": resident_bytes(single)}
     peak = peak_rss_mib()
@@ -81,8 +110,7 @@ def step_time(value: str, steps: int, heads: int) -> float:
     from networks.lora_module import LoRAModule
 
     torch.manual_seed(0)
-    model = build(heads)
-    quantize_frozen(model, value)
+    model = prepared(heads, value)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "transformer_blocks" in n]
     loras = [LoRAModule(f"lora_{i}", m, lora_dim=16, alpha=16).to(torch.bfloat16) for i, (_, m) in enumerate(targets)]
     for lora in loras:
@@ -288,7 +316,7 @@ def main() -> None:
         return
     results = {}
     for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
-        why = precision_unavailable(value)
+        why = None if value in GGUF_VALUES else precision_unavailable(value)
         if why:
             print(f"{value}: skipped ({why})")
             continue
@@ -312,7 +340,7 @@ def main() -> None:
     bf16_block = base["bf16"]["double"] + base["bf16"]["single"]
     for value, r in results.items():
         ratio = full(r) / full(base)
-        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         peak = r["peak_rss_mib"] * 2 ** 20 / bf16_block
         print(f"{value:<14}{full(r) / gib:>8.2f}Gi{ratio:>8.3f}{target:>8}{peak:>17.2f}{r['quantize_s']:>12.1f}"
