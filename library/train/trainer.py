@@ -48,6 +48,7 @@ from library.train.distributed.deepspeed_engine import (
 )
 from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
 from library.train.distributed.context_parallel import apply_context_parallel, check_context_parallel, data_rank
+from library.train.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from library.train.optim.ema import EMA
 from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
@@ -179,6 +180,11 @@ class Trainer(TrainingLoop):
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         check_context_parallel(t.context_parallel_size, self.family, n, **self._context_parallel_run())
+        run = {k: v for k, v in self._context_parallel_run().items() if k != "family_refusal"}
+        check_tensor_parallel(t.tensor_parallel_size, self.family, n, cp_size=t.context_parallel_size,
+                              fp8=self.s.memory.fp8_base, ema=self.s.ema.use_ema, fine_tune=self.s.network is None
+                              or self.s.controlnet is not None or self.s.textual_inversion is not None,
+                              state=bool(t.save_state or t.save_state_on_train_end or t.resume), **run)
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)
@@ -223,7 +229,8 @@ class Trainer(TrainingLoop):
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
         n = self.accelerator.num_processes
-        self.data.shard(*data_rank(self.accelerator.process_index, n, self.t.context_parallel_size))
+        self.data.shard(*data_rank(self.accelerator.process_index, n,
+                                   self.t.context_parallel_size * self.t.tensor_parallel_size))
         check_context_parallel(self.t.context_parallel_size, self.family, n,
                                [b for g in self.data.groups for b in g.buckets], **self._context_parallel_run())
         self.batches_per_epoch = self.data.batches_per_epoch()  # this process's share
@@ -369,7 +376,8 @@ class Trainer(TrainingLoop):
         t = self.t
         if self.zero is None:
             self.step_module = StepModule(self.network, self._batch_loss)
-        if self.fsdp is None and self.zero is None:  # FSDP reduce-scatters the gradients itself, DeepSpeed too
+        if self.fsdp is None and self.zero is None and t.tensor_parallel_size == 1:  # FSDP / DeepSpeed reduce
+            # the gradients themselves; tensor parallelism's processes train one batch (DTensor reduces)
             dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
             unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
             self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
@@ -465,7 +473,12 @@ class Trainer(TrainingLoop):
             self.components, self.block_swapper = self._setup_model()
             if self.t.context_parallel_size > 1:
                 apply_context_parallel(self.components.denoiser, self.t.context_parallel_size, self.device)
+            tp = apply_tensor_parallel(self.components.denoiser, self.t.tensor_parallel_size, self.device) \
+                if self.t.tensor_parallel_size > 1 else None
             self.trainable = self._setup_trainable()
+            if tp is not None:  # the LoRA follows the sharded Linears; saves gather it whole
+                self.trainable.sharding = tp
+                tp.shard_adapter(self.trainable.module)
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)

@@ -1,0 +1,244 @@
+"""Tensor parallelism (--tensor_parallel_size N): the frozen denoiser's Linear layers sharded over N processes.
+
+The denoiser's own tensor-parallel plan says how: diffusers' `_tp_plan` (FLUX.1: the attention's Q / K / V and
+the MLPs' first Linear column-wise, their output Linear row-wise; the single blocks' fused output Linear in packed
+row blocks). PyTorch's `parallelize_module` shards each planned Linear into DTensors and hooks its input and
+output (a column-wise Linear hands on its share of the heads, a row-wise one sums the shares back): nothing of the
+communication is ours. diffusers' attention processors work on the local heads (`unflatten(-1, (-1, head_dim))`).
+
+A LoRA module on a sharded Linear follows it, as DTensors on the same mesh, so the math is that of one process:
+
+- column-wise base (output rows split): `lora_up` is split by rows like the base (packed blocks alike);
+  `lora_down` is replicated (its gradient, a partial sum on each process, is summed by DTensor's backward);
+- row-wise base (input columns split): `lora_down` is split by columns like the base; `lora_up` is replicated;
+  the LoRA's output is a partial sum added to the base's partial sum before the row-wise Linear's own reduction.
+
+The other trained tensors (LoRA modules on unplanned Linears) see the same replicated inputs on every process and
+so get the same gradients: they start from rank 0's values and need no reduction. The N processes of a group
+train the same batch (`context_parallel.data_rank` with N); no DDP (the group is the whole world).
+
+A save gathers the shards into whole tensors (`gathered`): the same file, with the same keys, as one process
+writes. The checks before loading are `tensor_parallel_problem`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, family: str, *, fsdp: bool = False,
+                            deepspeed: bool = False, blocks_to_swap: int = 0, compile: bool = False,
+                            fp8: bool = False, fine_tune: bool = False, ema: bool = False, cp_size: int = 1,
+                            state: bool = False) -> Optional[str]:
+    """Why --tensor_parallel_size `tp_size` cannot run (None: it can)."""
+    if tp_size == 1:
+        return None
+    flag = f"--tensor_parallel_size {tp_size}"
+    if not has_plan:
+        return (f"{flag}: {family}'s denoiser has no tensor-parallel plan (FLUX.1 has; see docs/distributed.md)")
+    if world_size != tp_size:
+        return (f"{flag}: needs exactly {tp_size} processes, not {world_size} (data parallelism over "
+                "tensor-parallel groups is not supported)")
+    for why, on in (("FSDP", fsdp), ("DeepSpeed", deepspeed), ("--blocks_to_swap", blocks_to_swap > 0),
+                    ("--torch_compile", compile), ("--fp8_base (a float8 / quantized base cannot be sharded)", fp8),
+                    ("a full fine-tune (only a LoRA follows the sharded base)", fine_tune),
+                    ("--context_parallel_size", cp_size > 1), ("--use_ema", ema),
+                    ("--save_state / --resume (states of sharded LoRA weights are not written yet)", state)):
+        if on:
+            return f"{flag}: not with {why}"
+    return None
+
+
+def check_tensor_parallel(tp_size: int, family, world_size: int, **run) -> None:
+    """tensor_parallel_problem as a UserError, before anything loads."""
+    from library.core.errors import UserError
+
+    problem = tensor_parallel_problem(tp_size, world_size, family.tensor_parallel, family.name, **run)
+    if problem:
+        raise UserError(problem)
+
+
+def _expanded_plan(model: torch.nn.Module, plan: dict) -> dict[str, Any]:
+    """{qualified Linear name: style} from a plan whose keys may hold one `*` over a ModuleList."""
+    out = {}
+    for pattern, style in plan.items():
+        prefix, star, suffix = pattern.partition("*")
+        if not star:
+            out[pattern] = style
+            continue
+        for i in range(len(model.get_submodule(prefix.strip(".")))):
+            out[f"{prefix}{i}{suffix}"] = style
+    return out
+
+
+def _packed_blocks(style: Any, module: torch.nn.Module, dim: int) -> Optional[list[int]]:
+    """The absolute block sizes of a packed style along `dim` (None: a plain style)."""
+    from diffusers.hooks.tensor_parallel import (
+        PackedColwiseParallel,
+        PackedRowwiseParallel,
+        _blocks_to_block_sizes,
+    )
+
+    if not isinstance(style, (PackedColwiseParallel, PackedRowwiseParallel)):
+        return None
+    attr = "_tp_packed_col_blocks" if isinstance(style, PackedColwiseParallel) else "_tp_packed_row_blocks"
+    blocks = style.blocks if style.blocks is not None else getattr(module, attr)
+    return _blocks_to_block_sizes(module.weight.shape[dim], blocks)
+
+
+class TensorParallel:
+    """The mesh and plan of a sharded denoiser; how the LoRA follows it and how its shards come back whole.
+
+    Set as the trainable's `sharding` (library/train/adapters/trainables.py): saves enter `gathered`, the
+    optimizer step clips with `clip_grad_norm_`, every process samples (all take part in each forward)."""
+
+    def __init__(self, mesh, styles: dict[int, tuple[str, Any, torch.nn.Module]]):
+        self.mesh = mesh
+        self.styles = styles  # id(Linear) -> (name, style, Linear)
+        self.packed: dict[int, tuple[int, list[int]]] = {}  # id(parameter) -> (dim, block sizes)
+
+    # --- the LoRA follows the base -----------------------------------------------------------------------
+    def shard_adapter(self, network: torch.nn.Module) -> int:
+        """Make `network`'s trained tensors DTensors on the mesh (see the module docstring); returns how many
+        LoRA modules follow a sharded Linear. Unplanned ones take rank 0's values."""
+        from library.core.errors import UserError
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+        followed, done = 0, set()
+        for module in network.modules():
+            org = getattr(module, "org_module", None)
+            entry = self.styles.get(id(org)) if org is not None else None
+            if entry is None:
+                continue
+            name, style, linear = entry
+            down, up = getattr(module, "lora_down", None), getattr(module, "lora_up", None)
+            if not (isinstance(down, torch.nn.Linear) and isinstance(up, torch.nn.Linear)) or down.bias is not None:
+                raise UserError(f"--tensor_parallel_size: {type(module).__name__} on {name} is not a LoRA "
+                                "(lora_down / lora_up Linear layers); only networks.lora_flux follows the shards")
+            colwise = style == "colwise" or "Colwise" in type(style).__name__
+            split, whole = (up, down) if colwise else (down, up)
+            dim = 0 if colwise else 1
+            blocks = _packed_blocks(style, linear, dim)
+            weight = split.weight
+            with torch.no_grad():
+                if blocks is None:
+                    sharded = distribute_tensor(weight.detach(), self.mesh, [Shard(dim)])
+                else:
+                    from diffusers.hooks.tensor_parallel import _local_shard
+
+                    full = distribute_tensor(weight.detach(), self.mesh, [Replicate()]).to_local()
+                    sharded = DTensor.from_local(_local_shard(full, dim, blocks, self.mesh), self.mesh, [Shard(dim)],
+                                                 run_check=False)
+                split.weight = torch.nn.Parameter(sharded, requires_grad=weight.requires_grad)
+                if blocks is not None:
+                    self.packed[id(split.weight)] = (dim, blocks)
+                w = whole.weight
+                whole.weight = torch.nn.Parameter(distribute_tensor(w.detach(), self.mesh, [Replicate()]),
+                                                  requires_grad=w.requires_grad)
+            done.update((id(split.weight), id(whole.weight)))
+            followed += 1
+        with torch.no_grad():  # the rest: rank 0's initial values on every process
+            for p in network.parameters():
+                if id(p) not in done and not isinstance(p, DTensor):
+                    p.copy_(distribute_tensor(p.detach(), self.mesh, [Replicate()]).to_local())
+        return followed
+
+    # --- whole tensors ------------------------------------------------------------------------------------
+    def full(self, param: torch.Tensor) -> torch.Tensor:
+        """`param` whole (every process takes part); packed blocks back in their order."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(param, DTensor):
+            return param.detach()
+        full = param.full_tensor()
+        packed = self.packed.get(id(param))
+        if packed is None:
+            return full
+        dim, blocks = packed
+        n = self.mesh.size()
+        ranks = [r.split([b // n for b in blocks], dim=dim) for r in full.chunk(n, dim=dim)]
+        return torch.cat([torch.cat([ranks[r][b] for r in range(n)], dim=dim) for b in range(len(blocks))], dim=dim)
+
+    @contextlib.contextmanager
+    def gathered(self, module: torch.nn.Module, keep: bool) -> Iterator[None]:
+        """Inside, `module`'s DTensor parameters are whole plain tensors where `keep` (every process enters)."""
+        from torch.distributed.tensor import DTensor
+
+        swapped = []
+        with torch.no_grad():
+            for sub in module.modules():
+                for name, p in list(sub._parameters.items()):
+                    if p is None or not isinstance(p, DTensor):
+                        continue
+                    full = self.full(p)
+                    if keep:
+                        sub._parameters[name] = torch.nn.Parameter(full, requires_grad=False)
+                        swapped.append((sub, name, p))
+        try:
+            yield
+        finally:
+            for sub, name, p in swapped:
+                sub._parameters[name] = p
+
+    def local_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The trained tensors as this process holds them (a DTensor's own shard)."""
+        from torch.distributed.tensor import DTensor
+
+        return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+    def full_shapes(self, module: torch.nn.Module) -> dict[str, torch.Size]:
+        return {k: v.shape for k, v in module.state_dict().items()}
+
+    @staticmethod
+    def clip_grad_norm_(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole gradient; a DTensor gradient's norm is that of the whole tensor
+        (DTensor reduces it)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in params if p.grad is not None]
+        norms = []
+        for g in grads:
+            norm = torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.detach().mul_(scale.to(g.dtype))
+        return total
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_size: int, device: torch.device) -> TensorParallel:
+    """Shard `model`'s planned Linear layers over the `tp_size` processes with its diffusers plan (`_tp_plan`)."""
+    from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles
+    from library.core.errors import UserError
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    flag = f"--tensor_parallel_size {tp_size}"
+    plan = getattr(type(model), "_tp_plan", None)
+    if not plan:
+        raise UserError(f"{flag}: {type(model).__name__} has no tensor-parallel plan")
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    if heads is not None and heads % tp_size:
+        raise UserError(f"{flag}: the denoiser's {heads} attention heads do not divide by it")
+    expanded = _expanded_plan(model, plan)
+    styles = {}
+    for name, style in expanded.items():
+        linear = model.get_submodule(name)
+        weight = getattr(linear, "weight", None)
+        if type(linear) is not torch.nn.Linear or weight is None or not weight.dtype.is_floating_point \
+                or weight.element_size() < 2:
+            raise UserError(f"{flag}: {name} is a {type(linear).__name__} of "
+                            f"{getattr(weight, 'dtype', None)}: a quantized or float8 base cannot be sharded")
+        dim = 0 if style == "colwise" or "Colwise" in type(style).__name__ else 1
+        if weight.shape[dim] % tp_size:
+            raise UserError(f"{flag}: {name}'s {weight.shape[dim]} {'rows' if dim == 0 else 'columns'} do not "
+                            "divide by it")
+        styles[id(linear)] = (name, style, linear)
+    mesh = init_device_mesh(device.type, (tp_size,), mesh_dim_names=("tp",))
+    for block, relative in _resolve_tp_plan(model, plan):
+        parallelize_module(block, mesh, _styles(relative))
+    return TensorParallel(mesh, styles)

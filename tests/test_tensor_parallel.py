@@ -1,0 +1,78 @@
+"""--tensor_parallel_size: the frozen denoiser's Linear layers sharded over processes through its diffusers plan,
+the LoRA following each shard (library/train/distributed/tensor_parallel.py). Two CPU processes (gloo) train the
+FLUX.1 LoRA that one process trains and save the same, whole file; the checks before loading name what is in
+the way."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from library.core.errors import UserError
+from library.families import get_family
+from library.train.distributed.tensor_parallel import tensor_parallel_problem
+from tests.distributed_helpers import dataset, launch, needs_torchrun, train_args
+from tests.test_context_parallel import flux_args
+from tests.train_helpers import make_trainer
+
+
+def test_what_is_in_the_way_is_named_in_one_line():
+    ok = dict(has_plan=True, family="flux")
+    assert tensor_parallel_problem(2, 2, **ok) is None
+    assert tensor_parallel_problem(1, 1, False, "sd", fsdp=True) is None  # off: nothing is checked
+    assert tensor_parallel_problem(2, 2, False, "sdxl") == (
+        "--tensor_parallel_size 2: sdxl's denoiser has no tensor-parallel plan (FLUX.1 has; see docs/distributed.md)")
+    assert tensor_parallel_problem(2, 4, **ok) == (
+        "--tensor_parallel_size 2: needs exactly 2 processes, not 4 (data parallelism over tensor-parallel groups "
+        "is not supported)")
+    assert tensor_parallel_problem(2, 2, **ok, blocks_to_swap=4) == "--tensor_parallel_size 2: not with --blocks_to_swap"
+    assert tensor_parallel_problem(2, 2, **ok, fsdp=True) == "--tensor_parallel_size 2: not with FSDP"
+    assert tensor_parallel_problem(2, 2, **ok, deepspeed=True) == "--tensor_parallel_size 2: not with DeepSpeed"
+    assert tensor_parallel_problem(2, 2, **ok, compile=True) == "--tensor_parallel_size 2: not with --torch_compile"
+    assert tensor_parallel_problem(2, 2, **ok, fp8=True) == (
+        "--tensor_parallel_size 2: not with --fp8_base (a float8 / quantized base cannot be sharded)")
+    assert tensor_parallel_problem(2, 2, **ok, fine_tune=True) == (
+        "--tensor_parallel_size 2: not with a full fine-tune (only a LoRA follows the sharded base)")
+    assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == "--tensor_parallel_size 2: not with --context_parallel_size"
+    assert tensor_parallel_problem(2, 2, **ok, ema=True) == "--tensor_parallel_size 2: not with --use_ema"
+    assert tensor_parallel_problem(2, 2, **ok, state=True) == (
+        "--tensor_parallel_size 2: not with --save_state / --resume (states of sharded LoRA weights are not written "
+        "yet)")
+    assert get_family("flux").facts()["tensor_parallel"] is True
+    assert get_family("chroma").facts()["tensor_parallel"] is False and get_family("sd").facts()["tensor_parallel"] is False
+
+
+def test_a_family_without_a_plan_is_refused_before_training(tmp_path):
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(train_args(data, str(tmp_path / "out"), str(tmp_path / "logs"), steps=1,
+                                      extra=["--tp_size", "2"]))
+    with pytest.raises(UserError, match="^--tensor_parallel_size 2: sd's denoiser has no tensor-parallel plan"):
+        trainer.run()
+    assert not os.path.exists(tmp_path / "out" / "lora.safetensors")
+
+
+@needs_torchrun
+def test_two_processes_shard_the_base_and_train_the_lora_of_one(tmp_path):
+    """2 gloo processes with --tensor_parallel_size 2 (each holds half of every planned Linear and the matching
+    half of its LoRA) train one batch at a time and save the LoRA that 1 process trains: same keys, whole
+    tensors, values within float32 summation order."""
+    from safetensors.torch import load_file
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    launch(tmp, 1, flux_args(data, os.path.join(tmp, "tp"), steps=4, extra=["--tensor_parallel_size", "2"]),
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=300)
+    make_trainer(flux_args(data, os.path.join(tmp, "one"), steps=4), "flux").run()
+    tp = load_file(os.path.join(tmp, "tp", "lora.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert tp.keys() == one.keys() and len(one) == 29 * 3
+    assert all(tp[k].shape == one[k].shape for k in one)
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((tp[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
+    worst = max(weights, key=lambda k: float((tp[k].double() - one[k].double()).norm() / one[k].double().norm()))
+    moved = max(one[k].float().abs().max().item() for k in one if "lora_up" in k)
+    print(f"relative difference {diff / norm:.3g}; worst tensor {worst}; largest lora_up weight {moved:.3g}")
+    assert diff / norm <= 5e-5, diff / norm
+    assert moved >= 1e-3
