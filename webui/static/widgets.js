@@ -16,6 +16,7 @@ const STRATEGY_FIELDS = [
   ["config:ddp_static_graph", "Static graph", "bool", "--ddp_static_graph: the set of trained parameters is the same every step (lets DDP skip the unused-parameter search)", ["ddp"]],
   ["config:ddp_backend", "Backend", "select:auto|nccl|gloo", "--ddp_backend: how the processes talk. auto: NCCL on CUDA GPUs (Linux), Gloo on CPUs and on Windows; Gloo works everywhere but is slower between GPUs", ["ddp", "fsdp1", "fsdp2"], "auto"],
   ["config:context_parallel_size", "Context parallel size", "int", "--context_parallel_size: split each sample's image and text tokens over N processes (FLUX.1, FLUX.2; the processes of a group train one batch together): for images too large for one GPU's activations", ["ddp"]],
+  ["config:tensor_parallel_size", "Tensor parallel size", "int", "--tensor_parallel_size: shard the frozen denoiser's Linear layers over N processes, the LoRA following each shard (FLUX.1; exactly N processes, which train one batch together): for a base too large for one GPU's memory", ["ddp"]],
   ["config:ddp_timeout", "Timeout (minutes)", "int", "--ddp_timeout: how long a process waits for the others in a collective operation", ["ddp"]],
   ["fsdp_cpu_offload", "CPU offload", "bool", "keep the sharded parameters in CPU memory; much less GPU memory, slower", ["fsdp1", "fsdp2"], false],
   ["fsdp_reshard_after_forward", "Reshard after forward", "bool", "free the gathered parameters after each forward (ZeRO-3-like); off keeps them for backward (faster, more memory)", ["fsdp1", "fsdp2"], true],
