@@ -187,6 +187,9 @@ class ModelFamily(ABC):
     # --tensor_parallel_size: whether the denoiser is a diffusers model whose own tensor-parallel plan (`_tp_plan`)
     # shards its Linear layers (library/train/distributed/tensor_parallel.py); False: no tensor parallelism.
     tensor_parallel: ClassVar[bool] = False
+    # Whether some of the denoiser's weights never reach the loss (Qwen-Image: the last block's text stream, whose
+    # output nothing reads), so DDP must look for unused trained weights every step (find_unused_parameters).
+    denoiser_leaves_weights_unused: ClassVar[bool] = False
 
     # --- options ---------------------------------------------------------------
     @classmethod

@@ -379,7 +379,8 @@ class Trainer(TrainingLoop):
         if self.fsdp is None and self.zero is None and t.tensor_parallel_size == 1:  # FSDP / DeepSpeed reduce
             # the gradients themselves; tensor parallelism's processes train one batch (DTensor reduces)
             dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
-            unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
+            unused = unused_parameters_possible(bool(self.trained_encoders), dropout) \
+                or self.family.denoiser_leaves_weights_unused
             self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
                                              t.ddp_static_graph)
         if isinstance(self.step_module, DistributedDataParallel):
