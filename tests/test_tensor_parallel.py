@@ -22,7 +22,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert tensor_parallel_problem(2, 2, **ok) is None
     assert tensor_parallel_problem(1, 1, False, "sd", fsdp=True) is None  # off: nothing is checked
     assert tensor_parallel_problem(2, 2, False, "sdxl") == (
-        "--tensor_parallel_size 2: sdxl's denoiser has no tensor-parallel plan (FLUX.1 has; see docs/distributed.md)")
+        "--tensor_parallel_size 2: sdxl's denoiser has no tensor-parallel plan (FLUX.1, FLUX.2 and Qwen-Image have; "
+        "see docs/distributed.md)")
     assert tensor_parallel_problem(2, 4, **ok) == (
         "--tensor_parallel_size 2: needs exactly 2 processes, not 4 (data parallelism over tensor-parallel groups "
         "is not supported)")
@@ -39,7 +40,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert tensor_parallel_problem(2, 2, **ok, state=True) == (
         "--tensor_parallel_size 2: not with --save_state / --resume (states of sharded LoRA weights are not written "
         "yet)")
-    assert get_family("flux").facts()["tensor_parallel"] is True
+    assert get_family("flux").facts()["tensor_parallel"] is True and get_family("flux2").facts()["tensor_parallel"]
+    assert get_family("qwen_image").facts()["tensor_parallel"] is True
     assert get_family("chroma").facts()["tensor_parallel"] is False and get_family("sd").facts()["tensor_parallel"] is False
 
 
@@ -76,3 +78,41 @@ def test_two_processes_shard_the_base_and_train_the_lora_of_one(tmp_path):
     print(f"relative difference {diff / norm:.3g}; worst tensor {worst}; largest lora_up weight {moved:.3g}")
     assert diff / norm <= 5e-5, diff / norm
     assert moved >= 1e-3
+
+
+OTHER_FAMILIES = {
+    "flux2": ("tiny:flux2", "flux2_train_network.py",
+              ["--network_module", "networks.lora_flux2", "--qwen3_max_token_length", "16"]),
+    "qwen_image": ("tiny:qwen_image", "qwen_image_train_network.py", ["--network_module", "networks.lora_qwen_image"]),
+}
+
+
+@needs_torchrun
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_flux2_and_qwen_image_shard_through_their_plans_too(tmp_path, family):
+    """FLUX.2 [klein] (packed column-wise SwiGLU and fused QKV+MLP Linears) and Qwen-Image (plain column- / row-wise)
+    through their own diffusers plans."""
+    from safetensors.torch import load_file
+
+    preset, script, flags = OTHER_FAMILIES[family]
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+
+    def args(out, extra=()):
+        argv = flux_args(data, out, steps=3)
+        argv[argv.index("tiny:flux")] = preset
+        start = argv.index("--t5xxl_max_token_length")
+        return argv[:start] + flags + ["--network_dim", "4", "--network_alpha", "4", "--network_train_unet_only",
+                                       *extra]
+
+    launch(tmp, 1, args(os.path.join(tmp, "tp"), ["--tensor_parallel_size", "2"]), env_extra={"SCRIPT": script},
+           timeout=300)
+    make_trainer(args(os.path.join(tmp, "one")), family).run()
+    tp = load_file(os.path.join(tmp, "tp", "lora.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert tp.keys() == one.keys() and all(tp[k].shape == one[k].shape for k in one)
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((tp[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
+    print(f"{family} relative difference {diff / norm:.3g}")
+    assert diff / norm <= 5e-5, diff / norm

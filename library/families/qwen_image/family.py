@@ -80,6 +80,7 @@ class QwenImageFamily(FlowDiTFamily):
     text_cache_suffix = "_qi_te.npz"
     block_classes = TRANSFORMER_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles
     context_parallel_token_pixels = 16  # diffusers' QwenImageTransformer2DModel._cp_plan; text padded in predict
+    tensor_parallel = True  # diffusers' QwenImageTransformer2DModel._tp_plan
     denoiser_leaves_weights_unused = True  # the last block's text stream (to_add_out, txt_mlp): nothing reads it
 
     # --- options -------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, famil
         return None
     flag = f"--tensor_parallel_size {tp_size}"
     if not has_plan:
-        return (f"{flag}: {family}'s denoiser has no tensor-parallel plan (FLUX.1 has; see docs/distributed.md)")
+        return (f"{flag}: {family}'s denoiser has no tensor-parallel plan (FLUX.1, FLUX.2 and Qwen-Image have; see "
+                "docs/distributed.md)")
     if world_size != tp_size:
         return (f"{flag}: needs exactly {tp_size} processes, not {world_size} (data parallelism over "
                 "tensor-parallel groups is not supported)")
