@@ -37,9 +37,6 @@ def test_what_is_in_the_way_is_named_in_one_line():
         "--tensor_parallel_size 2: not with a full fine-tune (only a LoRA follows the sharded base)")
     assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == "--tensor_parallel_size 2: not with --context_parallel_size"
     assert tensor_parallel_problem(2, 2, **ok, ema=True) == "--tensor_parallel_size 2: not with --use_ema"
-    assert tensor_parallel_problem(2, 2, **ok, state=True) == (
-        "--tensor_parallel_size 2: not with --save_state / --resume (states of sharded LoRA weights are not written "
-        "yet)")
     assert get_family("flux").facts()["tensor_parallel"] is True and get_family("flux2").facts()["tensor_parallel"]
     assert get_family("qwen_image").facts()["tensor_parallel"] is True
     assert get_family("chroma").facts()["tensor_parallel"] is False and get_family("sd").facts()["tensor_parallel"] is False
@@ -78,6 +75,37 @@ def test_two_processes_shard_the_base_and_train_the_lora_of_one(tmp_path):
     print(f"relative difference {diff / norm:.3g}; worst tensor {worst}; largest lora_up weight {moved:.3g}")
     assert diff / norm <= 5e-5, diff / norm
     assert moved >= 1e-3
+
+
+@needs_torchrun
+def test_a_state_of_two_processes_is_whole_and_resumes(tmp_path):
+    """--save_state writes the whole LoRA and optimizer state (the shapes one process writes); 2 processes resume
+    from the step-2 state and reach the LoRA of the run that went on."""
+    import torch
+    from safetensors.torch import load_file
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    out = os.path.join(tmp, "tp")
+    extra = ["--tensor_parallel_size", "2", "--save_state", "--save_every_n_steps", "2"]
+    launch(tmp, 1, flux_args(data, out, steps=4, extra=extra), env_extra={"SCRIPT": "flux_train_network.py"},
+           timeout=300)
+    state = os.path.join(out, "lora-step00000002-state")
+    lora = load_file(os.path.join(out, "lora.safetensors"))
+    weights = load_file(os.path.join(state, "model.safetensors"))
+    assert sorted(tuple(t.shape) for t in weights.values()) == sorted(tuple(t.shape) for t in lora.values())
+    optimizer = torch.load(os.path.join(state, "optimizer.bin"), weights_only=False)
+    exp_avg = [s["exp_avg"] for s in optimizer["state"].values()]
+    assert sorted(tuple(t.shape) for t in exp_avg) == sorted(tuple(t.shape) for k, t in lora.items()
+                                                              if not k.endswith("alpha"))
+    assert all(type(t) is torch.Tensor for t in exp_avg)  # whole tensors, not DTensors
+    launch(tmp, 1, flux_args(data, os.path.join(tmp, "resumed"), steps=4,
+                             extra=["--tensor_parallel_size", "2", "--resume", state]),
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=300)
+    resumed = load_file(os.path.join(tmp, "resumed", "lora.safetensors"))
+    diff = max(float((resumed[k] - lora[k]).abs().max()) for k in lora)
+    print(f"resumed vs straight: largest difference {diff:.3g}")
+    assert diff <= 1e-6, diff
 
 
 OTHER_FAMILIES = {

@@ -183,8 +183,7 @@ class Trainer(TrainingLoop):
         run = {k: v for k, v in self._context_parallel_run().items() if k != "family_refusal"}
         check_tensor_parallel(t.tensor_parallel_size, self.family, n, cp_size=t.context_parallel_size,
                               fp8=self.s.memory.fp8_base, ema=self.s.ema.use_ema, fine_tune=self.s.network is None
-                              or self.s.controlnet is not None or self.s.textual_inversion is not None,
-                              state=bool(t.save_state or t.save_state_on_train_end or t.resume), **run)
+                              or self.s.controlnet is not None or self.s.textual_inversion is not None, **run)
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)

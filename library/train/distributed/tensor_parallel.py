@@ -18,7 +18,8 @@ so get the same gradients: they start from rank 0's values and need no reduction
 train the same batch (`context_parallel.data_rank` with N); no DDP (the group is the whole world).
 
 A save gathers the shards into whole tensors (`gathered`): the same file, with the same keys, as one process
-writes. The checks before loading are `tensor_parallel_problem`'s.
+writes; a state folder holds the whole weights and optimizer state (`full_state`) and a resume shards them again
+(`load_full_state`). The checks before loading are `tensor_parallel_problem`'s.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch
 
 def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, family: str, *, fsdp: bool = False,
                             deepspeed: bool = False, blocks_to_swap: int = 0, compile: bool = False,
-                            fp8: bool = False, fine_tune: bool = False, ema: bool = False, cp_size: int = 1,
-                            state: bool = False) -> Optional[str]:
+                            fp8: bool = False, fine_tune: bool = False, ema: bool = False,
+                            cp_size: int = 1) -> Optional[str]:
     """Why --tensor_parallel_size `tp_size` cannot run (None: it can)."""
     if tp_size == 1:
         return None
@@ -46,8 +47,7 @@ def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, famil
     for why, on in (("FSDP", fsdp), ("DeepSpeed", deepspeed), ("--blocks_to_swap", blocks_to_swap > 0),
                     ("--torch_compile", compile), ("--fp8_base (a float8 / quantized base cannot be sharded)", fp8),
                     ("a full fine-tune (only a LoRA follows the sharded base)", fine_tune),
-                    ("--context_parallel_size", cp_size > 1), ("--use_ema", ema),
-                    ("--save_state / --resume (states of sharded LoRA weights are not written yet)", state)):
+                    ("--context_parallel_size", cp_size > 1), ("--use_ema", ema)):
         if on:
             return f"{flag}: not with {why}"
     return None
@@ -150,18 +150,7 @@ class TensorParallel:
     # --- whole tensors ------------------------------------------------------------------------------------
     def full(self, param: torch.Tensor) -> torch.Tensor:
         """`param` whole (every process takes part); packed blocks back in their order."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(param, DTensor):
-            return param.detach()
-        full = param.full_tensor()
-        packed = self.packed.get(id(param))
-        if packed is None:
-            return full
-        dim, blocks = packed
-        n = self.mesh.size()
-        ranks = [r.split([b // n for b in blocks], dim=dim) for r in full.chunk(n, dim=dim)]
-        return torch.cat([torch.cat([ranks[r][b] for r in range(n)], dim=dim) for b in range(len(blocks))], dim=dim)
+        return self._whole_like(param, param.detach())
 
     @contextlib.contextmanager
     def gathered(self, module: torch.nn.Module, keep: bool) -> Iterator[None]:
@@ -183,6 +172,71 @@ class TensorParallel:
         finally:
             for sub, name, p in swapped:
                 sub._parameters[name] = p
+
+    def _shard_like(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """`full` (a whole tensor of `param`'s shape) laid out as `param` is: this process's shard as a DTensor."""
+        from diffusers.hooks.tensor_parallel import _local_shard
+        from torch.distributed.tensor import DTensor, Shard
+
+        placement = param.placements[0]
+        packed = self.packed.get(id(param))
+        full = full.to(param.device, param.dtype)
+        if isinstance(placement, Shard):
+            blocks = packed[1] if packed is not None else [full.shape[placement.dim]]
+            local = _local_shard(full, placement.dim, blocks, self.mesh)
+        else:
+            local = full
+        return DTensor.from_local(local, self.mesh, [placement], run_check=False)
+
+    def _optimizer_params(self, optimizer) -> list[torch.Tensor]:
+        """The parameters in the order of the optimizer's state_dict indices."""
+        return [p for group in getattr(optimizer, "optimizer", optimizer).param_groups for p in group["params"]]
+
+    def full_state(self, module: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+        """(whole weights, whole optimizer state) as one process's state folder holds them (every process calls)."""
+        from torch.distributed.tensor import DTensor
+
+        params = self._optimizer_params(optimizer)
+        weights = {k: self.full(v) for k, v in module.state_dict(keep_vars=True).items()}
+        state = getattr(optimizer, "optimizer", optimizer).state_dict()
+        state["state"] = {i: {k: self._whole_like(params[i], v) for k, v in s.items()}
+                          for i, s in state["state"].items()}
+        return {k: v.detach() for k, v in weights.items()}, state
+
+    def _whole_like(self, param: torch.Tensor, value: Any) -> Any:
+        """An optimizer state tensor of `param` whole (packed blocks in order, as `full`)."""
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(value, DTensor):
+            return value
+        full = value.full_tensor()
+        packed = self.packed.get(id(param))
+        if packed is None:
+            return full
+        dim, blocks = packed
+        n = self.mesh.size()
+        ranks = [r.split([b // n for b in blocks], dim=dim) for r in full.chunk(n, dim=dim)]
+        return torch.cat([torch.cat([ranks[r][b] for r in range(n)], dim=dim) for b in range(len(blocks))], dim=dim)
+
+    def load_full_state(self, module: torch.nn.Module, optimizer, weights: dict[str, torch.Tensor],
+                        optimizer_state: dict) -> None:
+        """A state folder's whole weights and optimizer state back into the shards (every process)."""
+        from torch.distributed.tensor import DTensor
+
+        own = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in own.items():
+                if isinstance(value, DTensor):
+                    value.to_local().copy_(self._shard_like(value, weights[name]).to_local())
+                else:
+                    value.copy_(weights[name])
+        params = self._optimizer_params(optimizer)
+        state = dict(optimizer_state)
+        state["state"] = {int(i): {k: self._shard_like(params[int(i)], v)
+                                   if isinstance(params[int(i)], DTensor) and torch.is_tensor(v)
+                                   and v.shape == params[int(i)].shape else v for k, v in s.items()}
+                          for i, s in optimizer_state["state"].items()}
+        getattr(optimizer, "optimizer", optimizer).load_state_dict(state)
 
     def local_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The trained tensors as this process holds them (a DTensor's own shard)."""
