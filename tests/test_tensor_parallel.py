@@ -144,3 +144,21 @@ def test_flux2_and_qwen_image_shard_through_their_plans_too(tmp_path, family):
     norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
     print(f"{family} relative difference {diff / norm:.3g}")
     assert diff / norm <= 5e-5, diff / norm
+
+
+@needs_torchrun
+@pytest.mark.parametrize("split", ["--tensor_parallel_size", "--context_parallel_size"])
+def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, split):
+    """Sampling during training runs the split / sharded denoiser: every process takes part (before, context
+    parallelism's main process sampled alone and waited for the others until the launch timed out)."""
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    prompts = os.path.join(tmp, "prompts.txt")
+    with open(prompts, "w") as f:
+        f.write("a red cube --w 64 --h 64 --s 2 --d 5\n")
+    out = os.path.join(tmp, "out")
+    launch(tmp, 1, flux_args(data, out, steps=2, extra=[split, "2", "--sample_prompts", prompts,
+                                                        "--sample_every_n_steps", "2"]),
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=120)
+    samples = sorted(os.listdir(os.path.join(out, "sample")))
+    assert len(samples) == 2 and samples[0].startswith("lora_000002_00_") and samples[1] == "lora_000002_grid.png"
