@@ -37,6 +37,9 @@ def test_what_is_in_the_way_is_named_in_one_line():
         "--tensor_parallel_size 2: not with a full fine-tune (only a LoRA follows the sharded base)")
     assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == "--tensor_parallel_size 2: not with --context_parallel_size"
     assert tensor_parallel_problem(2, 2, **ok, ema=True) == "--tensor_parallel_size 2: not with --use_ema"
+    assert tensor_parallel_problem(2, 2, **ok, dropout=True) == (
+        "--tensor_parallel_size 2: not with LoRA dropout (--network_dropout, rank_dropout, module_dropout: each "
+        "process draws its own)")
     assert get_family("flux").facts()["tensor_parallel"] is True and get_family("flux2").facts()["tensor_parallel"]
     assert get_family("qwen_image").facts()["tensor_parallel"] is True
     assert get_family("chroma").facts()["tensor_parallel"] is False and get_family("sd").facts()["tensor_parallel"] is False
@@ -49,6 +52,22 @@ def test_a_family_without_a_plan_is_refused_before_training(tmp_path):
     with pytest.raises(UserError, match="^--tensor_parallel_size 2: sd's denoiser has no tensor-parallel plan"):
         trainer.run()
     assert not os.path.exists(tmp_path / "out" / "lora.safetensors")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "needs exactly 2 processes, not 1 (data parallelism over tensor-parallel groups is not supported)"),
+    (["--network_args", "rank_dropout=0.1"], "not with LoRA dropout (--network_dropout, rank_dropout, "
+                                             "module_dropout: each process draws its own)"),
+    (["--fp8_base"], "not with --fp8_base (a float8 / quantized base cannot be sharded)"),
+    (["--blocks_to_swap", "2"], "not with --blocks_to_swap"),
+])
+def test_flux_runs_that_cannot_shard_are_refused_before_loading(tmp_path, extra, message):
+    data = dataset(str(tmp_path), n=2)
+    trainer = make_trainer(flux_args(data, str(tmp_path / "out"), steps=1, extra=["--tp_size", "2", *extra]), "flux")
+    with pytest.raises(UserError) as err:
+        trainer.run()
+    assert str(err.value) == f"--tensor_parallel_size 2: {message}"
+    assert not os.path.exists(tmp_path / "out")
 
 
 @needs_torchrun

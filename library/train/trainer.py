@@ -48,7 +48,7 @@ from library.train.distributed.deepspeed_engine import (
 )
 from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
 from library.train.distributed.context_parallel import apply_context_parallel, check_context_parallel, data_rank
-from library.train.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from library.train.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, lora_dropout
 from library.train.optim.ema import EMA
 from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
@@ -183,7 +183,8 @@ class Trainer(TrainingLoop):
         run = {k: v for k, v in self._context_parallel_run().items() if k != "family_refusal"}
         check_tensor_parallel(t.tensor_parallel_size, self.family, n, cp_size=t.context_parallel_size,
                               fp8=self.s.memory.fp8_base, ema=self.s.ema.use_ema, fine_tune=self.s.network is None
-                              or self.s.controlnet is not None or self.s.textual_inversion is not None, **run)
+                              or self.s.controlnet is not None or self.s.textual_inversion is not None,
+                              dropout=lora_dropout(self.s.network), **run)
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)

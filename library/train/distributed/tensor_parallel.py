@@ -33,7 +33,7 @@ import torch
 def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, family: str, *, fsdp: bool = False,
                             deepspeed: bool = False, blocks_to_swap: int = 0, compile: bool = False,
                             fp8: bool = False, fine_tune: bool = False, ema: bool = False,
-                            cp_size: int = 1) -> Optional[str]:
+                            cp_size: int = 1, dropout: bool = False) -> Optional[str]:
     """Why --tensor_parallel_size `tp_size` cannot run (None: it can)."""
     if tp_size == 1:
         return None
@@ -41,16 +41,27 @@ def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, famil
     if not has_plan:
         return (f"{flag}: {family}'s denoiser has no tensor-parallel plan (FLUX.1, FLUX.2 and Qwen-Image have; see "
                 "docs/distributed.md)")
-    if world_size != tp_size:
-        return (f"{flag}: needs exactly {tp_size} processes, not {world_size} (data parallelism over "
-                "tensor-parallel groups is not supported)")
     for why, on in (("FSDP", fsdp), ("DeepSpeed", deepspeed), ("--blocks_to_swap", blocks_to_swap > 0),
                     ("--torch_compile", compile), ("--fp8_base (a float8 / quantized base cannot be sharded)", fp8),
                     ("a full fine-tune (only a LoRA follows the sharded base)", fine_tune),
-                    ("--context_parallel_size", cp_size > 1), ("--use_ema", ema)):
+                    ("--context_parallel_size", cp_size > 1), ("--use_ema", ema),
+                    ("LoRA dropout (--network_dropout, rank_dropout, module_dropout: each process draws its own)",
+                     dropout)):
         if on:
             return f"{flag}: not with {why}"
+    if world_size != tp_size:
+        return (f"{flag}: needs exactly {tp_size} processes, not {world_size} (data parallelism over "
+                "tensor-parallel groups is not supported)")
     return None
+
+
+def lora_dropout(network) -> bool:
+    """Whether the run's NetworkOptions (None: not a network) ask for any LoRA dropout."""
+    if network is None:
+        return False
+    args = network.network_args
+    return bool(network.network_dropout) or any(float(args.get(k) or 0) > 0 for k in ("rank_dropout",
+                                                                                       "module_dropout"))
 
 
 def check_tensor_parallel(tp_size: int, family, world_size: int, **run) -> None:
