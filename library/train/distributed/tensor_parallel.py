@@ -25,9 +25,12 @@ writes; a state folder holds the whole weights and optimizer state (`full_state`
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Iterator, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, family: str, *, fsdp: bool = False,
@@ -129,7 +132,7 @@ class TensorParallel:
             down, up = getattr(module, "lora_down", None), getattr(module, "lora_up", None)
             if not (isinstance(down, torch.nn.Linear) and isinstance(up, torch.nn.Linear)) or down.bias is not None:
                 raise UserError(f"--tensor_parallel_size: {type(module).__name__} on {name} is not a LoRA "
-                                "(lora_down / lora_up Linear layers); only networks.lora_flux follows the shards")
+                                "(lora_down / lora_up Linear layers without bias); only a LoRA follows the shards")
             colwise = style == "colwise" or "Colwise" in type(style).__name__
             split, whole = (up, down) if colwise else (down, up)
             dim = 0 if colwise else 1
@@ -156,6 +159,8 @@ class TensorParallel:
             for p in network.parameters():
                 if id(p) not in done and not isinstance(p, DTensor):
                     p.copy_(distribute_tensor(p.detach(), self.mesh, [Replicate()]).to_local())
+        logger.info("tensor parallelism: %d of the LoRA's modules follow the %d sharded Linear layers", followed,
+                    len(self.styles))
         return followed
 
     # --- whole tensors ------------------------------------------------------------------------------------
