@@ -27,7 +27,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert tensor_parallel_problem(2, 4, **ok) == (
         "--tensor_parallel_size 2: needs exactly 2 processes, not 4 (data parallelism over tensor-parallel groups "
         "is not supported)")
-    assert tensor_parallel_problem(2, 2, **ok, blocks_to_swap=4) == "--tensor_parallel_size 2: not with --blocks_to_swap"
+    assert tensor_parallel_problem(2, 2, **ok, blocks_to_swap=4) == \
+        "--tensor_parallel_size 2: not with --blocks_to_swap"
     assert tensor_parallel_problem(2, 2, **ok, fsdp=True) == "--tensor_parallel_size 2: not with FSDP"
     assert tensor_parallel_problem(2, 2, **ok, deepspeed=True) == "--tensor_parallel_size 2: not with DeepSpeed"
     assert tensor_parallel_problem(2, 2, **ok, compile=True) == "--tensor_parallel_size 2: not with --torch_compile"
@@ -35,14 +36,16 @@ def test_what_is_in_the_way_is_named_in_one_line():
         "--tensor_parallel_size 2: not with --fp8_base (a float8 / quantized base cannot be sharded)")
     assert tensor_parallel_problem(2, 2, **ok, fine_tune=True) == (
         "--tensor_parallel_size 2: not with a full fine-tune (only a LoRA follows the sharded base)")
-    assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == "--tensor_parallel_size 2: not with --context_parallel_size"
+    assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == \
+        "--tensor_parallel_size 2: not with --context_parallel_size"
     assert tensor_parallel_problem(2, 2, **ok, ema=True) == "--tensor_parallel_size 2: not with --use_ema"
     assert tensor_parallel_problem(2, 2, **ok, dropout=True) == (
         "--tensor_parallel_size 2: not with LoRA dropout (--network_dropout, rank_dropout, module_dropout: each "
         "process draws its own)")
     assert get_family("flux").facts()["tensor_parallel"] is True and get_family("flux2").facts()["tensor_parallel"]
     assert get_family("qwen_image").facts()["tensor_parallel"] is True
-    assert get_family("chroma").facts()["tensor_parallel"] is False and get_family("sd").facts()["tensor_parallel"] is False
+    assert get_family("chroma").facts()["tensor_parallel"] is False
+    assert get_family("sd").facts()["tensor_parallel"] is False
 
 
 def test_a_family_without_a_plan_is_refused_before_training(tmp_path):

@@ -19,7 +19,8 @@ JOB_FOLDER_KEYS = ("profiler_trace_dir", "console_log_file", "debug_dataset_dir"
 # inside the roots or the job's folder.
 READ_PATH_KEYS = (
     "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "mistral3", "gemma2",
-    "text_encoder", "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights", "base_weights",
+    "text_encoder", "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights",
+    "base_weights",
     "resume", "log_tracker_config", "noise_scheduler_overrides", "train_data_dir", "reg_data_dir", "in_json",
     "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path", "metadata_thumbnail",
     "embeddings", "weights", "controlnet_model_name_or_path")
