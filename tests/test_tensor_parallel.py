@@ -35,7 +35,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert tensor_parallel_problem(2, 2, **ok, fp8=True) == (
         "--tensor_parallel_size 2: not with --fp8_base (a float8 / quantized base cannot be sharded)")
     assert tensor_parallel_problem(2, 2, **ok, fine_tune=True) == (
-        "--tensor_parallel_size 2: not with a full fine-tune (only a LoRA follows the sharded base)")
+        "--tensor_parallel_size 2: not with a full fine-tune, ControlNet or textual inversion (only a LoRA follows "
+        "the sharded base)")
     assert tensor_parallel_problem(2, 2, **ok, cp_size=2) == \
         "--tensor_parallel_size 2: not with --context_parallel_size"
     assert tensor_parallel_problem(2, 2, **ok, ema=True) == "--tensor_parallel_size 2: not with --use_ema"

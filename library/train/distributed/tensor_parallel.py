@@ -46,7 +46,8 @@ def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, famil
                 "docs/distributed.md)")
     for why, on in (("FSDP", fsdp), ("DeepSpeed", deepspeed), ("--blocks_to_swap", blocks_to_swap > 0),
                     ("--torch_compile", compile), ("--fp8_base (a float8 / quantized base cannot be sharded)", fp8),
-                    ("a full fine-tune (only a LoRA follows the sharded base)", fine_tune),
+                    ("a full fine-tune, ControlNet or textual inversion (only a LoRA follows the sharded base)",
+                     fine_tune),
                     ("--context_parallel_size", cp_size > 1), ("--use_ema", ema),
                     ("LoRA dropout (--network_dropout, rank_dropout, module_dropout: each process draws its own)",
                      dropout)):
