@@ -139,6 +139,7 @@ class Flux2Family(FlowDiTFamily):
     latents_shift = 0.0
     bucket_reso_multiple = 16  # 8x AE, 2x2 patches
     context_parallel_token_pixels = 16  # diffusers' Flux2Transformer2DModel._cp_plan; text padded to a fixed length
+    tensor_parallel = True  # diffusers' Flux2Transformer2DModel._tp_plan
     supports_text_cache = True
     text_cache_suffix = "_flux2_te.npz"
     TEXT_KEYS = LLM_TEXT_KEYS
