@@ -15,7 +15,11 @@ say "absent", so three of its modules skip binding them at import, and then get 
 `diffusers.loaders.lora_base.BaseTunerLayer` and `diffusers.hooks.layerwise_casting.BaseTunerLayer` are a class
 that `isinstance` answers as peft's own once `peft.tuners.tuners_utils` is imported (before that, no peft layer can
 exist), `layerwise_casting.disable_input_dtype_casting` imports peft's on call, and
-`diffusers.quantizers.bitsandbytes.utils.bnb` imports bitsandbytes on first attribute. diffusers' pipelines that
+`diffusers.quantizers.bitsandbytes.utils.bnb` imports bitsandbytes on first attribute. Each model forward that
+diffusers wraps in `apply_lora_scale` calls `scale_lora_layers` / `unscale_lora_layers`, which import peft before
+they look at the scale; they are wrapped to return at once while peft's tuners module is not imported (no layer
+to scale can exist then; with the scale at 1.0 they do nothing anyway), as diffusers' own code does otherwise.
+diffusers' pipelines that
 load a LoRA through peft (`load_lora_weights`) import peft themselves and work as before (tests/test_startup.py).
 
 Where diffusers' lazy tables do not name the class (another diffusers version), it falls back to
@@ -111,6 +115,29 @@ class _ModuleOnUse:
         return f"<{self._name}, imported on first use>"
 
 
+def _skip_without_peft(fn: Any) -> Any:
+    def wrapped(model: Any, weight: Any = None) -> Any:
+        if "peft.tuners.tuners_utils" not in sys.modules:
+            return None
+        return fn(model, weight)
+
+    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
+def _guard_lora_scaling() -> None:
+    """diffusers.utils.peft_utils' apply_lora_scale wrapper looks these two up in its module at each forward."""
+    peft_utils = sys.modules.get("diffusers.utils.peft_utils")
+    if peft_utils is None:
+        return
+    for name in ("scale_lora_layers", "unscale_lora_layers"):
+        fn = getattr(peft_utils, name, None)
+        if fn is not None and not hasattr(fn, "__wrapped__"):
+            setattr(peft_utils, name, _skip_without_peft(fn))
+
+
 # (diffusers' availability flag, the package it names, the diffusers modules that bind it at import)
 _HIDDEN = (("_peft_available", "peft", ("diffusers.hooks.layerwise_casting", "diffusers.loaders.lora_base")),
            ("_bitsandbytes_available", "bitsandbytes", ("diffusers.quantizers.bitsandbytes.utils",)))
@@ -130,6 +157,8 @@ def peft_deferred() -> Iterator[None]:
     try:
         yield
     finally:
+        if "peft" not in sys.modules:
+            _guard_lora_scaling()
         for flag, _, _ in hidden:
             setattr(flags, flag, True)
         for _, pkg, mods in hidden:
