@@ -7,7 +7,12 @@ process to the progress bar's first finished step (tqdm's "1/2" on stderr), and 
 checkout (e.g. `git worktree add /tmp/base main`), the two alternating run by run; the minimum over the repeats of
 each is compared (the steadiest figure on a shared machine: other load only ever adds time).
 
-    python bench/bench_startup.py [--repeats 5] [--baseline /path/to/other/checkout] [--threads 1]
+With --floor it measures instead what importing only the quickstart's model classes costs, in a fresh process:
+torch, then transformers' CLIP text model and tokenizer (the SD 1.x text encoder), then diffusers' U-Net and VAE
+files through library/families/common/diffusers_import.py: peak RSS and CPU seconds after each, the floor under
+any start-up of this run (the run adds its data, models, optimizer and the first step's kernels to it).
+
+    python bench/bench_startup.py [--repeats 5] [--baseline /path/to/other/checkout] [--threads 1] [--floor]
 """
 
 from __future__ import annotations
@@ -51,12 +56,39 @@ def run_once(repo: str, threads: int, extra: list[str]) -> dict[str, float]:
             "peak_rss": usage.ru_maxrss / 1024}
 
 
+_FLOOR = """
+import resource, sys, time
+c0 = time.process_time()
+def report(what):
+    print(f"{what:58s} peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:5.0f} MiB  "
+          f"CPU {time.process_time() - c0:5.2f} s  modules {len(sys.modules)}", flush=True)
+import torch
+report("torch")
+from transformers.models.clip.modeling_clip import CLIPTextModel
+from transformers.models.clip.tokenization_clip import CLIPTokenizer
+report("+ transformers CLIPTextModel, CLIPTokenizer")
+from library.families.common.diffusers_import import diffusers_classes
+diffusers_classes("UNet2DConditionModel", "AutoencoderKL")
+report("+ diffusers UNet2DConditionModel, AutoencoderKL (own files)")
+"""
+
+
+def floor(threads: int) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONDONTWRITEBYTECODE="1")
+    subprocess.run([sys.executable, "-c", _FLOOR], cwd=HERE, env=env, check=True, stderr=subprocess.DEVNULL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline", help="another checkout to run the same command from, alternating")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--floor", action="store_true", help="the import floor of the quickstart's models, in steps")
     a, extra = p.parse_known_args()
+    if a.floor:
+        for _ in range(a.repeats):
+            floor(a.threads)
+        return
     repos = {"ours": HERE}
     if a.baseline:
         repos = {"baseline": os.path.abspath(a.baseline), "ours": HERE}
