@@ -71,7 +71,8 @@ from library.families.common import diffusers_import as di
 AutoencoderKL, UNet = di.diffusers_classes("AutoencoderKL", "UNet2DConditionModel")
 assert AutoencoderKL.__module__ == "diffusers.models.autoencoders.autoencoder_kl", AutoencoderKL.__module__
 assert UNet.__module__ == "diffusers.models.unets.unet_2d_condition", UNet.__module__
-deferred = [p for p in ("autoencoders", "unets", "transformers", "controlnets") if di.is_deferred("diffusers.models." + p)]
+deferred = [p for p in ("autoencoders", "unets", "transformers", "controlnets")
+            if di.is_deferred("diffusers.models." + p)]
 assert deferred == ["autoencoders", "unets", "transformers", "controlnets"], deferred
 assert "diffusers.models.autoencoders.autoencoder_tiny" not in sys.modules
 assert "diffusers.models.transformers.transformer_flux" not in sys.modules
@@ -105,7 +106,8 @@ assert lora_base.BaseTunerLayer is di.PeftBaseTunerLayer and casting.BaseTunerLa
 assert not isinstance(torch.nn.Linear(2, 2), lora_base.BaseTunerLayer)
 unet = UNet(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 16), layers_per_block=1,
             norm_num_groups=8, cross_attention_dim=8, attention_head_dim=2,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"))
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"))
 unet(torch.zeros(1, 4, 8, 8), 1, encoder_hidden_states=torch.zeros(1, 3, 8))  # its forward scales LoRA layers
 assert "peft" not in sys.modules, "a U-Net forward imported peft"
 

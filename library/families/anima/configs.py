@@ -173,7 +173,8 @@ def build_anima_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a
     fixed seed, identical on every call. Returns {"dit", "vae", "text_encoder", "tokenizer", "t5_tokenizer"}.
     """
-    AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel = diffusers_classes("AnimaTextConditioner", "AutoencoderKLQwenImage", "CosmosTransformer3DModel")
+    AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel = diffusers_classes(
+        "AnimaTextConditioner", "AutoencoderKLQwenImage", "CosmosTransformer3DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]

@@ -120,7 +120,8 @@ def build_hunyuan_image_modules(name: str, device: str | torch.device = "cpu") -
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "qwen", "byt5", "qwen_tokenizer", "byt5_tokenizer"}.
     """
-    AutoencoderKLHunyuanImage, HunyuanImageTransformer2DModel = diffusers_classes("AutoencoderKLHunyuanImage", "HunyuanImageTransformer2DModel")
+    AutoencoderKLHunyuanImage, HunyuanImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLHunyuanImage", "HunyuanImageTransformer2DModel")
     from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
     p = PRESETS[name]
