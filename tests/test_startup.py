@@ -132,6 +132,13 @@ print("ok")
 """
 
 
+def test_is_deferred_names_only_a_registered_package_not_yet_run():
+    from library.families.common.diffusers_import import is_deferred
+
+    assert is_deferred("library.no_such_package") is False
+    assert is_deferred("library") is False  # imported the ordinary way
+
+
 def test_deferred_packages_and_peft_stand_ins():
     proc = _python(_DEFERRED)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -43,17 +43,16 @@ class _DeferredPackage(types.ModuleType):
     """A package registered with its search path whose `__init__` runs on the first name asked of it that it lacks."""
 
     def __getattr__(self, name: str) -> Any:
-        spec = self.__dict__.pop("_deferred_spec", None)
-        if spec is None or (name.startswith("__") and name.endswith("__")):
+        if not vars(self).pop("_deferred", False) or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        spec.loader.exec_module(self)  # the package's own __init__, in this module: submodules already set are kept
+        self.__spec__.loader.exec_module(self)  # the package's own __init__, in this module: submodules set are kept
         return getattr(self, name)
 
 
 def is_deferred(package: str) -> bool:
     """Whether `package` is registered and its `__init__` has not run yet."""
     module = sys.modules.get(package)
-    return isinstance(module, _DeferredPackage) and "_deferred_spec" in module.__dict__
+    return isinstance(module, _DeferredPackage) and vars(module).get("_deferred", False)
 
 
 def _defer(package: str) -> None:
@@ -62,13 +61,9 @@ def _defer(package: str) -> None:
     spec = importlib.util.find_spec(package)
     if spec is None or spec.loader is None or spec.submodule_search_locations is None:
         return
-    module = _DeferredPackage(package)
-    module.__spec__ = spec
-    module.__loader__ = spec.loader
-    module.__file__ = spec.origin
-    module.__path__ = list(spec.submodule_search_locations)
-    module.__package__ = package
-    module._deferred_spec = spec  # type: ignore[attr-defined]
+    module = importlib.util.module_from_spec(spec)  # __spec__, __path__, __file__, ... as the import system sets them
+    module.__class__ = _DeferredPackage
+    vars(module)["_deferred"] = True
     sys.modules[package] = module
 
 
