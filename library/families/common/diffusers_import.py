@@ -18,9 +18,9 @@ exist), `layerwise_casting.disable_input_dtype_casting` imports peft's on call, 
 `diffusers.quantizers.bitsandbytes.utils.bnb` imports bitsandbytes on first attribute. Each model forward that
 diffusers wraps in `apply_lora_scale` calls `scale_lora_layers` / `unscale_lora_layers`, which import peft before
 they look at the scale; they are wrapped to return at once while peft's tuners module is not imported (no layer
-to scale can exist then; with the scale at 1.0 they do nothing anyway), as diffusers' own code does otherwise.
-diffusers' pipelines that
-load a LoRA through peft (`load_lora_weights`) import peft themselves and work as before (tests/test_startup.py).
+to scale can exist then; with the scale at 1.0 they do nothing anyway), and call diffusers' own otherwise.
+diffusers' pipelines that load a LoRA through peft (`load_lora_weights`) import peft themselves and work as before
+(tests/test_family_sdxl.py, tests/test_flux2.py; the stand-ins: tests/test_startup.py).
 
 Where diffusers' lazy tables do not name the class (another diffusers version), it falls back to
 `getattr(diffusers, name)`, the ordinary import.
