@@ -19,6 +19,7 @@ from torch import nn
 from library.families.common.qwen3 import qwen3_config
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20240611
@@ -172,7 +173,8 @@ def build_anima_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a
     fixed seed, identical on every call. Returns {"dit", "vae", "text_encoder", "tokenizer", "t5_tokenizer"}.
     """
-    from diffusers import AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel
+    AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel = diffusers_classes(
+        "AnimaTextConditioner", "AutoencoderKLQwenImage", "CosmosTransformer3DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]

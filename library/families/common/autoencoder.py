@@ -14,6 +14,7 @@ from library.families.common.loading import (
     infer_vae_config,
     read_file,
 )
+from library.families.common.diffusers_import import diffusers_class
 
 # What an --ae file should hold (for its error message).
 AE_FILE = "the FLUX.1 autoencoder (ae.safetensors)"
@@ -34,7 +35,7 @@ def flux_vae_config(block_out_channels: tuple[int, ...]) -> dict:
 
 def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKL from BFL's ae.safetensors (LDM VAE keys without prefix, 16 latent channels)."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
 
     label = "--ae"

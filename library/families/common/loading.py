@@ -17,6 +17,7 @@ from library.families.common import ldm_layout as ldm
 from library.families.common.configs import text_encoder_config, vae_config
 from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
 from library.families.detect import describe_keys
+from library.families.common.diffusers_import import diffusers_class
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def materialize(factory, convert) -> torch.nn.Module:
 
 def vae_from_ldm(checkpoint: Mapping[str, torch.Tensor], prefix: str):
     """An AutoencoderKL from LDM VAE tensors found under `prefix` ("first_stage_model." or "")."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
     kwargs = infer_vae_config(checkpoint, prefix)
     return materialize(lambda: AutoencoderKL(**kwargs),
@@ -213,7 +214,7 @@ def cached_hub_folder(repo_id: str) -> str:
 
 def load_vae(path: str):
     """--vae: a diffusers VAE folder (or a model folder with vae/), or a single file of VAE tensors."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
     if os.path.isdir(path):
         sub = "vae" if os.path.isdir(os.path.join(path, "vae")) else None

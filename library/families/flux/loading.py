@@ -39,6 +39,7 @@ from library.families.common.t5 import load_t5xxl_file
 from library.families.common.autoencoder import load_ae_file
 from library.families.common.t5 import T5XXL_FILE
 from library.families.common.autoencoder import AE_FILE
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -59,7 +60,7 @@ def flux_source_kind(path: str) -> str:
 def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Optional[int] = None) -> dict:
     """The parts of a FLUX.1 diffusers folder, except those in `skip` (given as files instead); `scratch_seed`
     (--from_scratch): the transformer built from its config with weights drawn from it."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    AutoencoderKL, FluxTransformer2DModel = diffusers_classes("AutoencoderKL", "FluxTransformer2DModel")
     from transformers import (
         CLIPTextModel,
         CLIPTokenizer,
@@ -81,7 +82,7 @@ def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Op
 def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: str = "--pretrained_model_name_or_path"):
     """FluxTransformer2DModel from a BFL single file (flux1-dev / flux1-schnell layout, any precision), or from a
     ComfyUI-GGUF file of it (`flux1-dev-Q8_0.gguf`: the same keys, its quantized weights kept quantized)."""
-    from diffusers import FluxTransformer2DModel
+    FluxTransformer2DModel = diffusers_class("FluxTransformer2DModel")
 
     what = "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)"
 

@@ -23,6 +23,7 @@ import torch
 
 from library.families.common.qwen3 import qwen3_config
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 32  # the AE's; the DiT sees them patchified 2x2 (128)
 PATCHED_CHANNELS = LATENT_CHANNELS * 4
@@ -233,7 +234,7 @@ def build_flux2_modules(name: str, device: str | torch.device = "cpu") -> dict:
     identical on every call. The AE's batch-norm statistics are drawn too (a fresh one has mean 0, variance 1).
     Returns {"transformer", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    AutoencoderKLFlux2, Flux2Transformer2DModel = diffusers_classes("AutoencoderKLFlux2", "Flux2Transformer2DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]

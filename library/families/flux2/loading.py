@@ -48,6 +48,7 @@ from library.families.flux2.configs import (
     transformer_config,
     vae_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn\.qkv\.")
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -63,7 +64,7 @@ def flux2_source_kind(path: str) -> str:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """Flux2Transformer2DModel from an original FLUX.2 file (or ComfyUI's whole-model file)."""
-    from diffusers import Flux2Transformer2DModel
+    Flux2Transformer2DModel = diffusers_class("Flux2Transformer2DModel")
 
     tensors = layout.strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
@@ -92,7 +93,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKLFlux2 from the FLUX.2 AE file (LDM VAE keys without prefix, 32 latent channels, `bn.*`)."""
-    from diffusers import AutoencoderKLFlux2
+    AutoencoderKLFlux2 = diffusers_class("AutoencoderKLFlux2")
 
     label = "--ae"
     ckpt = read_file(label, path, "the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
@@ -154,7 +155,7 @@ def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
     """The four parts of a diffusers FLUX.2 folder, by the libraries' own from_pretrained (klein's text encoder,
     saved as Qwen3ForCausalLM, read as its Qwen3Model; dev's Mistral3ForConditionalGeneration cut to its language
     model: neither LM head nor vision tower is used)."""
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    AutoencoderKLFlux2, Flux2Transformer2DModel = diffusers_classes("AutoencoderKLFlux2", "Flux2Transformer2DModel")
     from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3Model
 
     dev = folder_is_dev(path)

@@ -36,6 +36,7 @@ from library.families.hunyuan_image.configs import (
 )
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn_qkv\.")
 
@@ -48,7 +49,7 @@ def source_kind(path: str) -> str:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """HunyuanImageTransformer2DModel from an original DiT file."""
-    from diffusers import HunyuanImageTransformer2DModel
+    HunyuanImageTransformer2DModel = diffusers_class("HunyuanImageTransformer2DModel")
 
     tensors = layout.strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
@@ -103,7 +104,7 @@ def _vae_levels(tensors) -> tuple[int, int]:
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
     """AutoencoderKLHunyuanImage from the original VAE file (Encoder / Decoder names, no prefix)."""
-    from diffusers import AutoencoderKLHunyuanImage
+    AutoencoderKLHunyuanImage = diffusers_class("AutoencoderKLHunyuanImage")
 
     raw = read_file(label, path, "the HunyuanImage 2.1 VAE (encoder.down.* keys)",
                      lambda keys: any(k.startswith("encoder.down.0.block.0.") for k in keys), dtype)

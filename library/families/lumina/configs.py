@@ -16,6 +16,7 @@ import torch
 
 from library.families.common.autoencoder import flux_vae_config
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20240617
@@ -113,7 +114,7 @@ def build_lumina_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKL, Lumina2Transformer2DModel
+    AutoencoderKL, Lumina2Transformer2DModel = diffusers_classes("AutoencoderKL", "Lumina2Transformer2DModel")
     from transformers import Gemma2Model
 
     p = PRESETS[name]

@@ -36,6 +36,7 @@ from library.families.lumina.configs import (
     transformer_config,
 )
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 
@@ -48,7 +49,7 @@ def lumina_source_kind(path: str) -> str:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """Lumina2Transformer2DModel from an original NextDiT file (or ComfyUI's whole-model file)."""
-    from diffusers import Lumina2Transformer2DModel
+    Lumina2Transformer2DModel = diffusers_class("Lumina2Transformer2DModel")
 
     tensors = layout.strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))

@@ -15,6 +15,7 @@ import torch
 
 from library.families.common.qwen_vl import QWEN_REAL_VOCAB_SIZE, build_qwen_tokenizer, qwen_config
 from library.families.common.tiny import build_seeded
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 VAE_SCALE_FACTOR = 8
@@ -82,7 +83,8 @@ def build_qwen_image_modules(name: str, device: str | torch.device = "cpu") -> d
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "qwen", "qwen_tokenizer"}.
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    AutoencoderKLQwenImage, QwenImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLQwenImage", "QwenImageTransformer2DModel")
     from transformers import Qwen2_5_VLTextModel
 
     p = PRESETS[name]

@@ -34,6 +34,7 @@ from library.families.qwen_image.configs import (
     build_qwen_image_modules,
     vae_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.img_mod\.1\.weight$")
@@ -56,7 +57,7 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """QwenImageTransformer2DModel from a single DiT file (Qwen's / ComfyUI's names)."""
-    from diffusers import QwenImageTransformer2DModel
+    QwenImageTransformer2DModel = diffusers_class("QwenImageTransformer2DModel")
 
     tensors = layout.strip_prefix(read_file(label, path, "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)",
                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
@@ -78,7 +79,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
     """AutoencoderKLQwenImage from its diffusers file (vae/diffusion_pytorch_model.safetensors)."""
-    from diffusers import AutoencoderKLQwenImage
+    AutoencoderKLQwenImage = diffusers_class("AutoencoderKLQwenImage")
 
     if os.path.isdir(path):
         try:
@@ -113,7 +114,8 @@ def _vae_mult(tensors, base: int, res: int, levels: int) -> list[int]:
 def load_components(opts: LoadOptions, options) -> Components:
     """Components: denoiser = QwenImageTransformer2DModel, text encoders = [Qwen2.5-VL text model],
     tokenizers = [Qwen's], vae = AutoencoderKLQwenImage (`options`: QwenImageOptions)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    AutoencoderKLQwenImage, QwenImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLQwenImage", "QwenImageTransformer2DModel")
 
     path = opts.pretrained_model_name_or_path
     kind = source_kind(path)

@@ -17,6 +17,7 @@ import torch
 from library.families.common.qwen3 import qwen3_config
 from library.families.common.autoencoder import flux_vae_config
 from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20251127
@@ -102,7 +103,7 @@ def build_zimage_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    AutoencoderKL, ZImageTransformer2DModel = diffusers_classes("AutoencoderKL", "ZImageTransformer2DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]

@@ -39,6 +39,7 @@ from library.families.zimage.configs import (
     build_zimage_modules,
     transformer_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -57,7 +58,7 @@ def zimage_source_kind(path: str) -> str:
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file), or a ComfyUI-GGUF
     file of it (`general.architecture` "lumina2", as city96's convert.py names Z-Image; quantized weights kept)."""
-    from diffusers import ZImageTransformer2DModel
+    ZImageTransformer2DModel = diffusers_class("ZImageTransformer2DModel")
 
     what = "a Z-Image DiT (layers.*.attention.qkv keys)"
 
@@ -92,7 +93,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
     """The four parts of a diffusers Z-Image folder, by the libraries' own from_pretrained."""
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    AutoencoderKL, ZImageTransformer2DModel = diffusers_classes("AutoencoderKL", "ZImageTransformer2DModel")
     from transformers import AutoTokenizer, Qwen3Model
 
     parts = load_folder_parts(path, {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL,
