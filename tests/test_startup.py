@@ -142,3 +142,26 @@ def test_is_deferred_names_only_a_registered_package_not_yet_run():
 def test_deferred_packages_and_peft_stand_ins():
     proc = _python(_DEFERRED)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+_OPT_OUT = """
+import sys
+from library.families.common.diffusers_import import diffusers_class, is_deferred
+unet = diffusers_class("UNet2DConditionModel")
+import diffusers
+assert unet is diffusers.UNet2DConditionModel
+print("deferred" if is_deferred("diffusers.models.autoencoders") else "eager",
+      "transformer_flux" if "diffusers.models.transformers.transformer_flux" in sys.modules else "-")
+"""
+
+
+def test_plain_import_opt_out_runs_diffusers_own_packages():
+    """LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1 imports through diffusers' own packages: nothing deferred, the sibling
+    models imported as diffusers does; without it the same class comes from its own file alone."""
+    plain = subprocess.run([sys.executable, "-c", _OPT_OUT], cwd=REPO, capture_output=True, text=True, timeout=300,
+                           env=dict(ENV, LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT="1"))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.stdout.split() == ["eager", "transformer_flux"]
+    deferred = _python(_OPT_OUT)
+    assert deferred.returncode == 0, deferred.stderr[-3000:]
+    assert deferred.stdout.split() == ["deferred", "-"]

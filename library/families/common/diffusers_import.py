@@ -23,7 +23,8 @@ diffusers' pipelines that load a LoRA through peft (`load_lora_weights`) import 
 (tests/test_family_sdxl.py, tests/test_flux2.py; the stand-ins: tests/test_startup.py).
 
 Where diffusers' lazy tables do not name the class (another diffusers version), it falls back to
-`getattr(diffusers, name)`, the ordinary import.
+`getattr(diffusers, name)`, the ordinary import; `LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1` in the environment does the
+same for every class (the opt-out, should a diffusers release break the deferral).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import sys
 import types
 from typing import Any, Iterator
+
+PLAIN_IMPORT_ENV = "LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT"
 
 # diffusers.models' subpackages whose __init__ imports all of their models (checked against diffusers 0.42).
 EAGER_PACKAGES = ("autoencoders", "unets", "transformers", "controlnets", "condition_embedders", "latent_upscaler")
@@ -188,7 +192,7 @@ def diffusers_module_of(name: str) -> str | None:
 def diffusers_class(name: str) -> Any:
     """A diffusers class by its exported name (`diffusers_class("AutoencoderKL")`), importing a model from its own
     module file only; anything else (schedulers, pipelines) by the ordinary `getattr(diffusers, name)`."""
-    module_name = diffusers_module_of(name)
+    module_name = None if os.environ.get(PLAIN_IMPORT_ENV) else diffusers_module_of(name)
     if module_name is None:
         import diffusers
 
