@@ -12,6 +12,9 @@ from library.objectives.flow import FlowOptions
 # The flags naming Qwen-Image's parts beside the DiT (the tools take them too; --vae is the common flag).
 COMPONENT_FILE_FLAGS = ("text_encoder",)
 DEFAULT_FLOW_SHIFT = 2.2  # musubi-tuner's documented Qwen-Image setting (docs/qwen_image.md)
+# musubi-tuner's --model_version values (original = Qwen-Image; the edit models read control images)
+MODEL_VERSIONS = ("original", "edit", "edit-2509", "edit-2511")
+EDIT_VERSIONS = MODEL_VERSIONS[1:]
 
 
 @dataclass
@@ -29,6 +32,11 @@ class QwenImageFlowOptions(FlowOptions):
 @dataclass
 class QwenImageOptions:
     """Where Qwen-Image's parts come from and musubi-tuner's switches of its script."""
+    model_version: str = field(default="original", metadata={
+        "choices": MODEL_VERSIONS,
+        "help": "musubi-tuner's name: original (Qwen-Image), edit (Qwen-Image-Edit, 1 control image), edit-2509 / "
+                "edit-2511 (Qwen-Image-Edit-2509 / -2511, 1-3 control images): edit training reads each image's "
+                "control image(s) from the dataset's control_directory"})
     text_encoder: Optional[str] = field(default=None, metadata={
         "help": "Qwen-Image: Qwen2.5-VL-7B file (ComfyUI's qwen_2.5_vl_7b.safetensors; its language model is used) "
                 "or a transformers folder; not needed with a diffusers folder"})
@@ -38,6 +46,16 @@ class QwenImageOptions:
     fp8_vl: bool = field(default=False, metadata={
         "help": "musubi-tuner: float8 Qwen2.5-VL; here Qwen2.5-VL keeps the run's dtype (a warning says so)"})
     flow: QwenImageFlowOptions = field(default_factory=QwenImageFlowOptions)
+
+    @property
+    def edit(self) -> bool:
+        """Whether this is a Qwen-Image-Edit run (control images, the vision tower)."""
+        return self.model_version in EDIT_VERSIONS
+
+    @property
+    def max_controls(self) -> int:
+        """Control images a sample may have: 1 for Qwen-Image-Edit, 3 for -2509 / -2511, none for Qwen-Image."""
+        return {"edit": 1, "edit-2509": 3, "edit-2511": 3}.get(self.model_version, 0)
 
     def ignored_flags(self) -> list[str]:
         """The musubi-tuner switches given that change nothing here."""
