@@ -118,8 +118,8 @@ def test_denoising_steps_equal_the_pipeline(files, version, count):
     """Two steps of the pipeline (one step is NaN in its scheduler with shift_terminal, in ours too) (no CFG, output_type latent) from the same noise, given the control images as
     files, equals ours: text with the images (vl_image: ~384² / Edit ~1024²), each control through the VAE at
     ~1024² of its own aspect (posterior mode), packed after the noise (family.predict), 2511's zero_cond_t.
-    Measured max difference 2.4e-7 on latents up to 3.5 in all three (the scheduler's own step arithmetic); 2511
-    without zero_cond_t moves the latents by ~1e-3, so atol 1e-6 tells them apart."""
+    Measured max difference 2.4e-7 on latents up to 3.5 in all three (the scheduler's own step arithmetic); 2511's
+    zero_cond_t changes the tiny DiT's velocity by 1.2e-2 (at t = 700), so atol 1e-6 tells them apart."""
     from library.families.qwen_image.family import pack, unpack
     from library.families.qwen_image.generate import encode_edit_controls, qwen_image_sigmas
     from library.families.qwen_image.loading import set_zero_cond_t
@@ -147,3 +147,81 @@ def test_denoising_steps_equal_the_pipeline(files, version, count):
     # 96x64 -> 1248x832 pixels, 48x80 -> 800x1312 (about 1024², multiples of 32), 8x down
     assert [tuple(r.shape) for r in refs] == [(1, 16, 104, 156), (1, 16, 164, 100)][:count]
     torch.testing.assert_close(unpack(theirs, h, w), ours, rtol=0, atol=1e-6)
+
+
+def edit_args(toml: str, out: str, version: str = "edit-2509", steps: int = 2, extra=()) -> list[str]:
+    argv = base_args("unused", out, PRESET, steps=steps, extra=[
+        "--model_version", version, "--network_module", "networks.lora_qwen_image", "--network_train_unet_only",
+        *extra])
+    i = argv.index("--train_data_dir")
+    del argv[i:i + 2]
+    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
+        i = argv.index(flag)
+        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
+    return argv + ["--dataset_config", toml]
+
+
+@pytest.mark.parametrize("controls", [1, 2])
+def test_lora_trains_from_control_images_with_the_text_cache_keyed_on_them(tmp_path, monkeypatch, controls):
+    """qwen_image_train_network.py's run on a control_directory dataset (1 or 2 controls a target): the DiT gets the
+    controls' tokens after the target's, the cached text (on disk) is the encoding with the controls (it equals
+    encoding them now), and a changed control image rebuilds its entry; a sample with --ci is drawn."""
+    from library.families.qwen_image import family as qi_family
+
+    toml = make_edit_dataset(str(tmp_path), n=2, controls=controls)
+    shapes = []
+    real = qi_family.pack
+
+    def spy(latents):
+        shapes.append(tuple(latents.shape))
+        return real(latents)
+
+    monkeypatch.setattr(qi_family, "pack", spy)
+    control = tmp_path / "control"
+    names = ["img0.png"] if controls == 1 else [f"img0_{k}.png" for k in range(controls)]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("make it red --w 32 --h 32 --s 2 --d 5 " + " ".join(f"--ci {control / n}" for n in names)
+                       + "\n")
+    path = make_trainer(edit_args(toml, str(tmp_path / "out"), extra=[
+        "--cache_text_encoder_outputs_to_disk", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"]),
+        "qwen_image").run()
+    assert shapes[:1 + controls] == [(1, 16, 8, 8)] + [(1, 16, 8, 8)] * controls  # target, then each control
+    assert any(n.endswith(".png") for n in os.listdir(tmp_path / "out" / "sample"))
+    with safe_open(path, "pt") as f:
+        assert f.get_tensor("lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight").abs().sum() > 0
+        assert f.metadata()["ss_network_module"] == "networks.lora_qwen_image"
+    te = str(tmp_path / "target" / "img0_qi_te.npz")
+    with np.load(te) as f:
+        cached = torch.from_numpy(f["prompt_embeds"])
+    family = get_family("qwen_image")
+    c = family.load(LoadOptions(PRESET, family_options=QwenImageOptions(model_version="edit-2509")))
+    now = _text(family, c, "make it red 0", [str(control / n) for n in names]).tensors["prompt_embeds"][0]
+    assert cached.shape == (2048, 32) and torch.equal(cached, now)
+    plain = _text(family, c, "make it red 0", []).tensors["prompt_embeds"][0]
+    assert not torch.equal(cached, plain)
+    # a changed control image: the entry no longer matches, so the next run encodes it again
+    Image.fromarray(np.zeros((64, 96, 3), np.uint8)).save(control / names[0])
+    make_trainer(edit_args(toml, str(tmp_path / "out2"), steps=1, extra=["--cache_text_encoder_outputs_to_disk"]),
+                 "qwen_image").run()
+    with np.load(te) as f:
+        assert not torch.equal(torch.from_numpy(f["prompt_embeds"]), cached)
+
+
+def test_control_counts_and_files_are_checked_before_step_1(tmp_path):
+    """A 4th control image (2509 / 2511 take 3), a 2nd for the original Edit, control images without an edit
+    --model_version, and a missing control image are each one line before anything loads."""
+    toml = make_edit_dataset(str(tmp_path / "four"), n=1, controls=4)
+    with pytest.raises(DataError, match=r"4 control image\(s\) per image \(control_directory\), but this model takes "
+                                         r"at most 3"):
+        make_trainer(edit_args(toml, str(tmp_path / "out")), "qwen_image").run()
+    toml = make_edit_dataset(str(tmp_path / "two"), n=1, controls=2)
+    with pytest.raises(DataError, match=r"2 control image\(s\) per image \(control_directory\), but this model takes "
+                                         r"at most 1"):
+        make_trainer(edit_args(toml, str(tmp_path / "out"), version="edit"), "qwen_image").run()
+    with pytest.raises(DataError, match=r"but this model takes none; Qwen-Image takes control images with "
+                                         r"--model_version edit, edit-2509 or edit-2511"):
+        make_trainer(edit_args(toml, str(tmp_path / "out"), version="original"), "qwen_image").run()
+    os.remove(tmp_path / "two" / "control" / "img0_1.png")
+    os.remove(tmp_path / "two" / "control" / "img0_0.png")
+    with pytest.raises(DataError, match=r"img0.png: no control image img0.png"):
+        make_trainer(edit_args(toml, str(tmp_path / "out")), "qwen_image").run()
