@@ -225,3 +225,59 @@ def test_control_counts_and_files_are_checked_before_step_1(tmp_path):
     os.remove(tmp_path / "two" / "control" / "img0_0.png")
     with pytest.raises(DataError, match=r"img0.png: no control image img0.png"):
         make_trainer(edit_args(toml, str(tmp_path / "out")), "qwen_image").run()
+
+
+def test_full_fine_tune_saves_a_single_file_read_back(tmp_path, files, tiny_edit):
+    """qwen_image_train.py (fine_tune) on a control dataset saves one DiT file that the single-file loader reads
+    back with ComfyUI's Qwen2.5-VL file (vision tower included), with trained weights."""
+    from library.cli.entry import run_training
+
+    single, _, _ = files
+    toml = make_edit_dataset(str(tmp_path), n=1, controls=2)
+    argv = edit_args(toml, str(tmp_path / "out"), steps=1)
+    for flag, n in (("--network_module", 1), ("--network_module", 1), ("--network_dim", 1), ("--network_alpha", 1),
+                    ("--network_train_unet_only", 0)):
+        i = argv.index(flag)
+        del argv[i:i + 1 + n]
+    assert run_training("qwen_image", "test", argv + ["--save_model_as", "safetensors"], fine_tune=True) == 0
+    saved = [n for n in os.listdir(tmp_path / "out") if n.endswith(".safetensors")]
+    assert len(saved) == 1
+    c = get_family("qwen_image").load(LoadOptions(str(tmp_path / "out" / saved[0]), vae=single["vae"],
+                                                  family_options=QwenImageOptions(
+                                                      model_version="edit-2509", text_encoder=single["text_encoder"])))
+    trained, base = c.denoiser.state_dict(), tiny_edit.denoiser.state_dict()
+    assert trained.keys() == base.keys()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)
+
+
+def test_generate_makes_an_image_with_the_lora_and_control_images(tmp_path, files):
+    """tools/generate.py --model_version edit-2509 --control_image A [B] with a LoRA trained on 2 controls: the
+    same image again with the same images and seed, another with other control images; a 4th image, or control
+    images without an edit --model_version, are refused in one line."""
+    from tools import generate as tool
+
+    toml = make_edit_dataset(str(tmp_path), n=2, controls=2)
+    lora = make_trainer(edit_args(toml, str(tmp_path / "out")), "qwen_image").run()
+    control = tmp_path / "control"
+    a, b, c_ = str(control / "img0_0.png"), str(control / "img0_1.png"), str(control / "img1_0.png")
+
+    def generate(outdir, *extra, version="edit-2509"):
+        argv = ["--ckpt", PRESET, "--model_version", version, "--outdir", str(tmp_path / outdir), "--prompt",
+                "make it red --w 32 --h 48 --s 2 --d 1", "--network_module", "networks.lora_qwen_image",
+                "--network_weights", lora, "--device", "cpu", *extra]
+        paths = tool.run(tool.options_from_args(tool.build_parser().parse_args(argv)))
+        assert len(paths) == 1
+        return np.asarray(Image.open(paths[0]).convert("RGB"))
+
+    two = generate("a", "--control_image", a, b)
+    assert two.shape == (48, 32, 3)
+    assert np.array_equal(two, generate("b", "--control_image", a, b))
+    assert not np.array_equal(two, generate("c", "--control_image", a, c_))
+    one = generate("d", "--control_image", a)
+    assert not np.array_equal(one, two)
+    with pytest.raises(ConfigError, match=r"^--control_image: 4 control images; Qwen-Image-Edit \(edit-2509\) takes "
+                                          r"at most 3$"):
+        generate("e", "--control_image", a, b, c_, a)
+    with pytest.raises(ConfigError, match=r"^--control_image: Qwen-Image takes control images with --model_version "
+                                          r"edit, edit-2509 or edit-2511"):
+        generate("f", "--control_image", a, version="original")
