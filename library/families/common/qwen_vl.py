@@ -99,11 +99,13 @@ def vl_processor(tokenizer, image_processor=None):
         return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     except (AttributeError, TypeError, ValueError, ImportError):
         processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
-        processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
-        processor.image_token_id = tokenizer.convert_tokens_to_ids(processor.image_token)
-        processor.video_token_id = tokenizer.convert_tokens_to_ids(processor.video_token)
-        processor.image_processor, processor.tokenizer, processor.video_processor = image_processor, tokenizer, None
-        processor.chat_template = None
+        fields = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",  # what its __init__ sets
+                  "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+                  "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+                  "image_processor": image_processor, "tokenizer": tokenizer, "video_processor": None,
+                  "chat_template": None}
+        for name, value in fields.items():
+            setattr(processor, name, value)
         return processor
 
 
