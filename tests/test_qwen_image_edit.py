@@ -281,3 +281,38 @@ def test_generate_makes_an_image_with_the_lora_and_control_images(tmp_path, file
     with pytest.raises(ConfigError, match=r"^--control_image: Qwen-Image takes control images with --model_version "
                                           r"edit, edit-2509 or edit-2511"):
         generate("f", "--control_image", a, version="original")
+
+
+def test_an_unreadable_control_image_skips_its_target_with_the_text_cache(tmp_path, caplog):
+    """The dataset's policy holds with the text cache (which reads the control images too): the target is skipped
+    with the reason before step 1, the others train."""
+    import logging
+
+    toml = make_edit_dataset(str(tmp_path), n=3)
+    with open(tmp_path / "control" / "img2.png", "wb") as f:
+        f.write(b"not a png")
+    caplog.set_level(logging.WARNING)
+    make_trainer(edit_args(toml, str(tmp_path / "out"), steps=1, extra=["--cache_text_encoder_outputs"]),
+                 "qwen_image").run()
+    assert f"{tmp_path / 'target' / 'img2.png'}: its control image {tmp_path / 'control' / 'img2.png'} cannot be used" \
+        in caplog.text
+
+
+def test_an_edit_run_needs_the_vision_tower(files, tmp_path):
+    """--model_version edit* with a text encoder file without visual.* keys, or with tiny:qwen_image (no vision
+    tower), is one line at load."""
+    from safetensors.torch import load_file, save_file
+
+    from library.families.base import ModelLoadError
+
+    single, _, _ = files
+    text_only = str(tmp_path / "qwen_text_only.safetensors")
+    save_file({k: v for k, v in load_file(single["text_encoder"]).items() if not k.startswith("visual.")}, text_only)
+    family = get_family("qwen_image")
+    with pytest.raises(ModelLoadError, match=r"^--text_encoder .*qwen_text_only.safetensors: no vision tower "
+                                             r"\(visual\.\* keys\); Qwen-Image-Edit reads the control images with it"):
+        family.load(LoadOptions(single["dit"], vae=single["vae"], family_options=QwenImageOptions(
+            model_version="edit", text_encoder=text_only)))
+    with pytest.raises(ModelLoadError, match=r"^--model_version edit-2511: tiny:qwen_image has no vision tower; use "
+                                             r"tiny:qwen_image_edit$"):
+        family.load(LoadOptions("tiny:qwen_image", family_options=QwenImageOptions(model_version="edit-2511")))
