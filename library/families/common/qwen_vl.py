@@ -171,9 +171,9 @@ def vision_config_from(visual: dict) -> dict:
 
 def find_qwen_tokenizer(vocab_size: int, tokenizer_cache_dir: Optional[str], path: str, vision: bool = False):
     """The tiny tokenizer for the tiny encoder, else Qwen2.5-VL's from --tokenizer_cache_dir or the local HF cache."""
-    tiny = build_qwen_tokenizer(vision)
-    if vocab_size == len(tiny):
-        return tiny
+    for tiny in (build_qwen_tokenizer(vision), build_qwen_tokenizer(not vision)):  # the tiny presets' two
+        if vocab_size == len(tiny):
+            return tiny
     tokenizer = cached_tokenizer(QWEN_TOKENIZER_REPO, tokenizer_cache_dir)
     if tokenizer is not None:
         tokenizer.padding_side = "right"
