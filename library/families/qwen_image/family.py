@@ -5,6 +5,10 @@ Text as diffusers' QwenImagePipeline (text.py): Qwen2.5-VL's last hidden states 
 the template's first 34 tokens dropped. Latents are the VAE's, normalised per channel by its latents_mean /
 latents_std, packed in 2x2 patches (64 features a token). The DiT is called with t = σ and predicts the velocity
 ε - x0 (musubi-tuner's target, noise - latents).
+
+Qwen-Image-Edit / -2509 / -2511 (--model_version edit*): the same DiT with the control images' latents packed after
+the target's; Qwen2.5-VL with its vision tower reads the control images with the caption (text.py tokenize_edit /
+encode_edit, as QwenImageEditPipeline / QwenImageEditPlusPipeline), so a sample's text key holds its control images.
 """
 
 from __future__ import annotations
