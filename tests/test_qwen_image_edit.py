@@ -316,3 +316,22 @@ def test_an_edit_run_needs_the_vision_tower(files, tmp_path):
     with pytest.raises(ModelLoadError, match=r"^--model_version edit-2511: tiny:qwen_image has no vision tower; use "
                                              r"tiny:qwen_image_edit$"):
         family.load(LoadOptions("tiny:qwen_image", family_options=QwenImageOptions(model_version="edit-2511")))
+
+
+def test_a_batch_encodes_as_its_samples_alone(files, tiny_edit):
+    """Captions of different lengths with 1 or 2 control images of different sizes, encoded together (the processor
+    pads to the longest, the images' patches in one tensor) equal each encoded alone within float32 rounding, so the
+    text cache's batches change nothing that matters; the masks are equal."""
+    family = get_family("qwen_image")
+    _, _, controls = files
+    keys = [family.text_key(tiny_edit, "make it red", (controls[0],)),
+            family.text_key(tiny_edit, "a much longer caption, then blue", (controls[1],)),
+            family.text_key(tiny_edit, "x", tuple(controls))]
+    with torch.no_grad():
+        together = family.encode_text(tiny_edit, family.tokenize(tiny_edit, keys, None), None).tensors
+        alone = [family.encode_text(tiny_edit, family.tokenize(tiny_edit, [k], None), None).tensors for k in keys]
+    # measured 3.0e-7 on states up to 3.5 (float32 sums over other padded lengths); a wrong image order or a
+    # template change moves them by O(1)
+    torch.testing.assert_close(together["prompt_embeds"], torch.cat([a["prompt_embeds"] for a in alone]),
+                               rtol=0, atol=2e-6)
+    assert torch.equal(together["prompt_mask"], torch.cat([a["prompt_mask"] for a in alone]))
