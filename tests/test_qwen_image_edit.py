@@ -335,3 +335,23 @@ def test_a_batch_encodes_as_its_samples_alone(files, tiny_edit):
     torch.testing.assert_close(together["prompt_embeds"], torch.cat([a["prompt_embeds"] for a in alone]),
                                rtol=0, atol=2e-6)
     assert torch.equal(together["prompt_mask"], torch.cat([a["prompt_mask"] for a in alone]))
+
+
+def test_musubi_tuners_older_switches_name_the_version():
+    """--edit / --edit_plus (musubi-tuner's older switches) are --model_version edit / edit-2509; two of them at
+    once are one line."""
+    from library.cli.entry import build_parser
+    from library.cli.options import options_from_namespace
+
+    family = get_family("qwen_image")
+    parser = build_parser("test", family)
+
+    def version(*argv):
+        return options_from_namespace(QwenImageOptions, parser.parse_args(["--pretrained_model_name_or_path", PRESET,
+                                                                          *argv])).version
+
+    assert (version(), version("--edit"), version("--edit_plus"), version("--model_version", "edit-2511")) == \
+        ("original", "edit", "edit-2509", "edit-2511")
+    with pytest.raises(ConfigError, match=r"^--edit_plus and --model_version edit-2511: they name the model version "
+                                          r"twice; give --model_version only$"):
+        version("--edit_plus", "--model_version", "edit-2511")

@@ -123,13 +123,13 @@ class QwenImageFamily(FlowDiTFamily):
 
     def text_cache_values(self, options: Optional[QwenImageOptions]) -> dict[str, Any]:
         """The edit versions template captions differently (a cached entry of one does not serve another)."""
-        version = options.model_version if options is not None else "original"
+        version = options.version if options is not None else "original"
         return {"model_version": version} if version != "original" else {}
 
     def text_key(self, components: Components, caption: str, control_paths: tuple[str, ...]) -> str:
         """Qwen-Image-Edit: Qwen2.5-VL reads the control images with the caption, so they are part of the key
         (text.edit_key: their paths, sizes and mtimes)."""
-        if not self.options(components).edit or not control_paths:
+        if not self.options(components).is_edit or not control_paths:
             return caption
         return text_rules.edit_key(caption, control_paths)
 
@@ -144,16 +144,16 @@ class QwenImageFamily(FlowDiTFamily):
         """Captions, or for Qwen-Image-Edit text keys (text_key: a caption with its control images), as the
         pipeline tokenizes them (Edit: Qwen2VLProcessor with the images)."""
         options = self.options(components)
-        if options.edit:
-            return text_rules.tokenize_edit(components.tokenizers[0], captions, options.model_version)
+        if options.is_edit:
+            return text_rules.tokenize_edit(components.tokenizers[0], captions, options.version)
         return text_rules.tokenize(components.tokenizers[0], captions)
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor],
                     clip_skip: Optional[int]) -> TextConditioning:
         options = self.options(components)
-        if options.edit:
+        if options.is_edit:
             return TextConditioning(text_rules.encode_edit(components.text_encoders[0], components.tokenizers[0].tokenizer,
-                                                           tokens, options.model_version))
+                                                           tokens, options.version))
         return TextConditioning(text_rules.encode(components.text_encoders[0], components.tokenizers[0], tokens))
 
     def check_loaded(self, components: Components, text: Any) -> None:

@@ -58,11 +58,11 @@ def generate_qwen_image(family: ModelFamily, components: Components, requests: l
     texts = prompts_then_negatives(resolved, use_cfg)
     options = family.options(components)
     controls = tuple(first.control_images or ())
-    if controls and not options.edit:
+    if controls and not options.is_edit:
         raise ConfigError(f"--control_image: Qwen-Image takes control images with --model_version edit, edit-2509 or "
                           f"edit-2511 (got {len(controls)})")
     if len(controls) > options.max_controls > 0:
-        raise ConfigError(f"--control_image: {len(controls)} control images; Qwen-Image-Edit ({options.model_version}) "
+        raise ConfigError(f"--control_image: {len(controls)} control images; Qwen-Image-Edit ({options.version}) "
                           f"takes at most {options.max_controls}")
     texts = [family.text_key(components, t, controls) for t in texts]
     qwen, = components.text_encoders

@@ -119,7 +119,7 @@ def load_components(opts: LoadOptions, options) -> Components:
     path = opts.pretrained_model_name_or_path
     kind = source_kind(path)
     vae = None
-    edit = options.edit  # Qwen-Image-Edit: Qwen2.5-VL with its vision tower, Qwen2VLProcessor as the "tokenizer"
+    edit = options.is_edit  # Qwen-Image-Edit: Qwen2.5-VL with its vision tower, Qwen2VLProcessor as the "tokenizer"
     if kind == "single_file":
         check_model_source(path, options, opts.vae, need_vae=False)
         transformer = load_dit_file(path, opts.dtype)
@@ -144,7 +144,7 @@ def load_components(opts: LoadOptions, options) -> Components:
         parts = build_qwen_image_modules(path)
         transformer, vae, qwen, tokenizer = parts["transformer"], parts["vae"], parts["qwen"], parts["qwen_tokenizer"]
         if edit and not PRESETS[path].vision and not options.text_encoder:
-            raise ModelLoadError(f"--model_version {options.model_version}: {path} has no vision tower; use "
+            raise ModelLoadError(f"--model_version {options.version}: {path} has no vision tower; use "
                                  f"tiny:qwen_image_edit")
         if not edit and PRESETS[path].vision:
             qwen = qwen.language_model
@@ -154,7 +154,7 @@ def load_components(opts: LoadOptions, options) -> Components:
         vae = load_vae_file(opts.vae, opts.vae_dtype)
     if edit:
         tokenizer = vl_processor(tokenizer, _folder_image_processor(path) if kind == "diffusers" else None)
-    if options.model_version == "edit-2511" and not transformer.config.get("zero_cond_t", False):
+    if options.version == "edit-2511" and not transformer.config.get("zero_cond_t", False):
         set_zero_cond_t(transformer)
     if opts.from_scratch:
         from library.families.common.loading import scratch_denoiser
