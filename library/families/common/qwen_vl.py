@@ -71,7 +71,8 @@ def vl_config(text_config, vision: dict, tokenizer):
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-        ("vision_token_id", "<|vision_pad|>"), ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+        ("vision_token_id", "<|vision_pad|>"), ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"))}
     text = text_config.to_dict() if hasattr(text_config, "to_dict") else dict(text_config)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
 

@@ -152,8 +152,9 @@ class QwenImageFamily(FlowDiTFamily):
                     clip_skip: Optional[int]) -> TextConditioning:
         options = self.options(components)
         if options.is_edit:
-            return TextConditioning(text_rules.encode_edit(components.text_encoders[0], components.tokenizers[0].tokenizer,
-                                                           tokens, options.version))
+            processor = components.tokenizers[0]
+            return TextConditioning(text_rules.encode_edit(components.text_encoders[0], processor.tokenizer, tokens,
+                                                           options.version))
         return TextConditioning(text_rules.encode(components.text_encoders[0], components.tokenizers[0], tokens))
 
     def check_loaded(self, components: Components, text: Any) -> None:

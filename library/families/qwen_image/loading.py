@@ -9,6 +9,11 @@
 - tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen2.5-VL-7B-Instruct's from the folder,
   --tokenizer_cache_dir or the local HF cache.
 
+Qwen-Image-Edit (--model_version edit*) loads Qwen2.5-VL with its vision tower (the file's `visual.*`, or the whole
+folder model) and wraps the tokenizer in Qwen2VLProcessor (a folder's processor/ gives the image processor's
+settings); 2511's zero_cond_t is set on the DiT. tiny:qwen_image_edit is written as Qwen/Qwen-Image-Edit-2509's
+folder (model_index QwenImageEditPlusPipeline, processor/) or the three ComfyUI-style files with `visual.*`.
+
 Configurations are read from tensor shapes; models are built on the meta device and adopt the tensors.
 """
 
@@ -265,7 +270,8 @@ def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, num_train_timesteps=1000,
         shift=1.0, shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True,
     ).save_pretrained(os.path.join(tmp, "scheduler"))
-    index = {"_class_name": "QwenImageEditPlusPipeline" if vision else "QwenImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    index = {"_class_name": "QwenImageEditPlusPipeline" if vision else "QwenImagePipeline",
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
              "tokenizer": ["transformers", type(parts["qwen_tokenizer"]).__name__],
              "transformer": ["diffusers", "QwenImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"]}
