@@ -357,3 +357,17 @@ def test_musubi_tuners_older_switches_name_the_version():
     with pytest.raises(ConfigError, match=r"^--edit_plus and --model_version edit-2511: they name the model version "
                                           r"twice; give --model_version only$"):
         version("--edit_plus", "--model_version", "edit-2511")
+
+
+def test_the_image_processor_keeps_qwen_vl_limits(files):
+    """The VL image processor (built, and as written to processor/) allows 3136..12845056 pixels as Qwen2.5-VL-7B's
+    preprocessor_config.json: the original Edit's ~1024² condition image keeps its size (1036x1036 after the
+    28-pixel rounding: 1369 tokens), where transformers' default (1003520) would shrink it."""
+    from transformers import Qwen2VLImageProcessor
+
+    from library.families.common.qwen_vl import vl_image_processor
+
+    _, folder, _ = files
+    for processor in (vl_image_processor(), Qwen2VLImageProcessor.from_pretrained(os.path.join(folder, "processor"))):
+        grid = processor(images=[Image.new("RGB", (1024, 1024))], return_tensors="pt")["image_grid_thw"]
+        assert grid.tolist() == [[1, 74, 74]]  # 1036 / 14 patches a side, 37² = 1369 tokens after the 2x2 merge

@@ -20,6 +20,7 @@ QWEN_TOKENIZER_REPO = "Qwen/Qwen2.5-VL-7B-Instruct"  # the tokenizer sd-scripts'
 QWEN_REAL_VOCAB_SIZE = 152064
 QWEN_PAD, QWEN_IM_START, QWEN_IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2.5's vision markers (ids 151652..151656 in the real vocabulary), in its order
+QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-7B-Instruct preprocessor_config.json
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -78,15 +79,16 @@ def vl_config(text_config, vision: dict, tokenizer):
 
 
 def vl_image_processor():
-    """Qwen2.5-VL's image processor at its defaults (Qwen/Qwen-Image-Edit processor/preprocessor_config.json: 14-pixel
-    patches merged 2x2, 56²..28²·1280 pixels, CLIP's mean / std)."""
+    """Qwen2.5-VL's image processor as Qwen2.5-VL-7B-Instruct's preprocessor_config.json sets it: 14-pixel patches
+    merged 2x2, 3136..12845056 pixels (transformers' own default stops at 1003520, which would shrink the original
+    Edit's ~1024² images), CLIP's mean / std."""
     import warnings
 
     from transformers import Qwen2VLImageProcessor
 
     with warnings.catch_warnings():  # without torchvision transformers says it uses the PIL one (the same steps)
         warnings.simplefilter("ignore")
-        return Qwen2VLImageProcessor()
+        return Qwen2VLImageProcessor(min_pixels=QWEN_VL_MIN_PIXELS, max_pixels=QWEN_VL_MAX_PIXELS)
 
 
 def vl_processor(tokenizer, image_processor=None):
