@@ -6,6 +6,7 @@ with the text cache keyed on the control images; a full fine-tune read back; gen
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -164,7 +165,7 @@ def edit_args(toml: str, out: str, version: str = "edit-2509", steps: int = 2, e
 
 
 @pytest.mark.parametrize("controls", [1, 2])
-def test_lora_trains_from_control_images_with_the_text_cache_keyed_on_them(tmp_path, monkeypatch, controls):
+def test_lora_trains_from_control_images_with_the_text_cache_keyed_on_them(tmp_path, monkeypatch, caplog, controls):
     """qwen_image_train_network.py's run on a control_directory dataset (1 or 2 controls a target): the DiT gets the
     controls' tokens after the target's, the cached text (on disk) is the encoding with the controls (it equals
     encoding them now), and a changed control image rebuilds its entry; a sample with --ci is drawn."""
@@ -201,10 +202,16 @@ def test_lora_trains_from_control_images_with_the_text_cache_keyed_on_them(tmp_p
     assert cached.shape == (2048, 32) and torch.equal(cached, now)
     plain = _text(family, c, "make it red 0", []).tensors["prompt_embeds"][0]
     assert not torch.equal(cached, plain)
-    # a changed control image: the entry no longer matches, so the next run encodes it again
+    # unchanged: the next run reads both entries back; a changed control image: its entry no longer matches, so the
+    # next run encodes it again
+    caplog.set_level(logging.INFO, logger="library.data.te_cache")
+    again = edit_args(toml, str(tmp_path / "out2"), steps=1, extra=["--cache_text_encoder_outputs_to_disk"])
+    make_trainer(again, "qwen_image").run()
+    assert "text encoder cache: 2 captions, 0 encoded, 0 files written" in caplog.text
     Image.fromarray(np.zeros((64, 96, 3), np.uint8)).save(control / names[0])
-    make_trainer(edit_args(toml, str(tmp_path / "out2"), steps=1, extra=["--cache_text_encoder_outputs_to_disk"]),
-                 "qwen_image").run()
+    caplog.clear()
+    make_trainer(again, "qwen_image").run()
+    assert "text encoder cache: 2 captions, 1 encoded, 1 files written" in caplog.text
     with np.load(te) as f:
         assert not torch.equal(torch.from_numpy(f["prompt_embeds"]), cached)
 
@@ -288,8 +295,6 @@ def test_generate_makes_an_image_with_the_lora_and_control_images(tmp_path, file
 def test_an_unreadable_control_image_skips_its_target_with_the_text_cache(tmp_path, caplog):
     """The dataset's policy holds with the text cache (which reads the control images too): the target is skipped
     with the reason before step 1, the others train."""
-    import logging
-
     toml = make_edit_dataset(str(tmp_path), n=3)
     with open(tmp_path / "control" / "img2.png", "wb") as f:
         f.write(b"not a png")
