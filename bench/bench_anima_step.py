@@ -19,8 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,16 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    logit_normal_sigma,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, logit_normal_sigma, run_lora_step_bench  # noqa: E402
+from bench.common import frozen_in_dtype, preset_model  # noqa: E402
 from library.families.anima.configs import (  # noqa: E402
     PRESETS,
     AnimaDiT,
@@ -49,33 +39,18 @@ from library.families.anima.options import AnimaFlowOptions, AnimaOptions  # noq
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE  # noqa: E402
 
 
-def build_dit(blocks: int, dtype: torch.dtype) -> AnimaDiT:
-    """Anima's DiT with `blocks` blocks and its full adapter, created directly in `dtype`."""
+def build_dit(a, dtype: torch.dtype) -> AnimaDiT:
+    """Anima's DiT with --blocks blocks and its full adapter, created directly in `dtype`."""
     from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
 
-    preset = dataclasses.replace(PRESETS["random:anima"], blocks=blocks)
-    transformer = frozen_in_dtype(lambda: CosmosTransformer3DModel(**transformer_config(preset)), dtype)
+    preset = PRESETS["random:anima"]
+    transformer = preset_model(CosmosTransformer3DModel, transformer_config, preset, dtype, blocks=a.blocks)
     adapter = frozen_in_dtype(lambda: AnimaTextConditioner(**adapter_config(preset, T5_REAL_VOCAB_SIZE)), dtype, seed=1)
     return AnimaDiT(transformer, adapter).eval().requires_grad_(False)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--blocks", type=int, default=2, help="DiT blocks (Anima: 28)")
-    p.add_argument("--tokens", type=int, default=64, help="Qwen3 and T5 tokens per caption (default 512 in training)")
-    add_step_arguments(p, steps=4, resolution=64)
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("anima")
-    options = AnimaOptions(qwen3_max_token_length=a.tokens, t5_max_token_length=a.tokens,
-                           flow=AnimaFlowOptions(timestep_sampling="sigmoid"))
-    dit = built(f"Anima DiT with {a.blocks} blocks + the 6-block LLM adapter ({a.dtype})",
-                lambda: build_dit(a.blocks, dtype).to(device))
-    comps, lora = lora_components(family, dit, options, a.dim, device)
-
-    latent = a.resolution // 8
-    latents = torch.randn(1, 16, latent, latent)
+def inputs(a, dit, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
+    latent = latents.shape[-1]
     ones = torch.ones(a.tokens, dtype=torch.long)
     text = {"prompt_embeds": torch.randn(a.tokens, 1024), "attn_mask": ones,
             "t5_input_ids": torch.randint(0, 32000, (a.tokens,)), "t5_attn_mask": ones}
@@ -89,13 +64,19 @@ def main() -> None:
                               return_dict=False)[0].squeeze(2)
         return F.mse_loss(out.float(), (noise - x0).float())
 
+    return StepInputs(text, loss, f"{latent * latent // 4} image + {a.tokens} text tokens")
 
-    result = compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                                f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens} text "
-                                f"tokens), batch 1, {a.dtype}, {device}", draw_sigma=logit_normal_sigma, lora_on="DiT")
-    (ow, _), (rw, _) = result["ours"], result["reference"]
-    print(f"Anima goal: ours/reference <= 1.05 wall; {'met' if ow / rw <= 1.05 else 'NOT met'}")
 
+BENCH = LoraStepBench(
+    family="anima",
+    sizes={"blocks": (2, "DiT blocks (Anima: 28)"),
+           "tokens": (64, "Qwen3 and T5 tokens per caption (default 512 in training)")},
+    what="Anima DiT with {blocks} blocks + the 6-block LLM adapter", model=build_dit,
+    options=lambda a: AnimaOptions(qwen3_max_token_length=a.tokens, t5_max_token_length=a.tokens,
+                                   flow=AnimaFlowOptions(timestep_sampling="sigmoid")),
+    inputs=inputs, draw_sigma=logit_normal_sigma, lora_on="DiT")
 
 if __name__ == "__main__":
-    main()
+    result = run_lora_step_bench(BENCH)
+    (ow, _), (rw, _) = result["ours"], result["reference"]
+    print(f"Anima goal: ours/reference <= 1.05 wall; {'met' if ow / rw <= 1.05 else 'NOT met'}")

@@ -19,8 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak memory.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,49 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    llm_caption_text,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, llm_caption_text, preset_builder, run_lora_step_bench  # noqa: E402
 from library.families.flux2.configs import LATENT_CHANNELS, PRESETS, TEXT_LAYERS, transformer_config  # noqa: E402
 from library.families.flux2.options import Flux2FlowOptions, Flux2Options  # noqa: E402
 
 
-def build_transformer(double: int, single: int, dtype: torch.dtype):
-    """random:flux2's DiT with `double` / `single` blocks, created directly in `dtype`."""
-    from diffusers import Flux2Transformer2DModel
-
-    p = dataclasses.replace(PRESETS["random:flux2"], double_layers=double, single_layers=single)
-    return frozen_in_dtype(lambda: Flux2Transformer2DModel(**transformer_config(p)), dtype)
-
-
-def main() -> None:
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
     from diffusers import Flux2KleinPipeline as Pipe
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--double", type=int, default=1, help="double-stream blocks (klein 4B: 5)")
-    p.add_argument("--single", type=int, default=2, help="single-stream blocks (klein 4B: 20)")
-    p.add_argument("--tokens", type=int, default=512, help="Qwen3 tokens per caption, padded (default 512)")
-    add_step_arguments(p, steps=4, resolution=64)
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("flux2")
-    # uniform σ and the raw prediction in both steps (the reference draws σ the same way)
-    options = Flux2Options(flow=Flux2FlowOptions(timestep_sampling="uniform"))
-    transformer = built(f"random:flux2's DiT with {a.double} double / {a.single} single blocks ({a.dtype})",
-                        lambda: build_transformer(a.double, a.single, dtype).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
-
     width = PRESETS["random:flux2"].qwen_hidden * len(TEXT_LAYERS)
-    latent = a.resolution // 8
-    latents = torch.randn(1, LATENT_CHANNELS, latent, latent)
+    latent = latents.shape[-1]
     text = llm_caption_text(a.tokens, width)
     states = text["hidden_state"][None].to(device, dtype)
     txt_ids = Pipe._prepare_text_ids(states).to(device)
@@ -87,10 +52,19 @@ def main() -> None:
                           return_dict=False)[0]
         return F.mse_loss(out.float(), packed((noise - x0).float()))
 
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens} text tokens), "
-                       f"batch 1, {a.dtype}, {device}")
+    return StepInputs(text, loss, f"{latent * latent // 4} image + {a.tokens} text tokens")
 
+
+BENCH = LoraStepBench(
+    family="flux2",
+    sizes={"double": (1, "double-stream blocks (klein 4B: 5)"), "single": (2, "single-stream blocks (klein 4B: 20)"),
+           "tokens": (512, "Qwen3 tokens per caption, padded (default 512)")},
+    what="random:flux2's DiT with {double} double / {single} single blocks",
+    model=preset_builder("Flux2Transformer2DModel", transformer_config, PRESETS["random:flux2"], double_layers="double",
+                         single_layers="single"),
+    # uniform σ and the raw prediction in both steps (the reference draws σ the same way)
+    options=lambda a: Flux2Options(flow=Flux2FlowOptions(timestep_sampling="uniform")),
+    inputs=inputs, latent_channels=LATENT_CHANNELS)
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

@@ -22,7 +22,6 @@ Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -32,16 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    logit_normal_sigma,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, logit_normal_sigma, run_lora_step_bench  # noqa: E402
+from bench.common import frozen_in_dtype, preset_model  # noqa: E402
 from library.families.chroma.family import joint_attention_mask  # noqa: E402
 from library.families.chroma.configs import PRESETS as CHROMA_PRESETS  # noqa: E402
 from library.families.chroma.model import (
@@ -53,42 +44,28 @@ from library.families.flux.options import FluxOptions  # noqa: E402
 from library.objectives.flow import FlowOptions  # noqa: E402
 
 
-def build_transformer(double: int, single: int, dtype: torch.dtype, model_type: str = "flux"):
-    """FLUX.1-dev's (or Chroma1-HD's) transformer with `double` / `single` blocks, created directly in `dtype`."""
+def build_transformer(a, dtype: torch.dtype):
+    """FLUX.1-dev's (or Chroma1-HD's) transformer with --double / --single blocks, created directly in `dtype`."""
     from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel
 
-    if model_type == "chroma":
-        chroma = dataclasses.replace(CHROMA_PRESETS["random:chroma"], double_blocks=double, single_blocks=single)
+    if a.model_type == "chroma":
+        chroma = dataclasses.replace(CHROMA_PRESETS["random:chroma"], double_blocks=a.double, single_blocks=a.single)
         config = chroma_transformer_config(chroma, PRESETS["random:flux-dev"].t5_d_model)
-        build = lambda: ChromaTransformer2DModel(**config)  # noqa: E731
-    else:
-        preset = dataclasses.replace(PRESETS["random:flux-dev"], double_blocks=double, single_blocks=single)
-        build = lambda: FluxTransformer2DModel(**transformer_config(preset))  # noqa: E731
-    return frozen_in_dtype(build, dtype)
+        return frozen_in_dtype(lambda: ChromaTransformer2DModel(**config), dtype)
+    return preset_model(FluxTransformer2DModel, transformer_config, PRESETS["random:flux-dev"], dtype,
+                        double_blocks=a.double, single_blocks=a.single)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model_type", choices=["flux", "chroma"], default="flux")
-    p.add_argument("--double", type=int, default=1, help="double blocks (FLUX.1: 19)")
-    p.add_argument("--single", type=int, default=2, help="single blocks (FLUX.1: 38)")
-    p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (dev default 512)")
-    add_step_arguments(p, steps=4, resolution=64, dtype_option=False)
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
+def options(a) -> FluxOptions:
     chroma = a.model_type == "chroma"
-    family = get_family(a.model_type)
-    options = FluxOptions(guidance_scale=0.0 if chroma else 1.0, t5xxl_max_token_length=a.t5_tokens,
-                          flow=FlowOptions(timestep_sampling="sigmoid"), model_type=a.model_type,
-                          apply_t5_attn_mask=chroma)
-    transformer = built(f"{'Chroma1-HD' if chroma else 'FLUX.1-dev'} transformer with {a.double} double / "
-                        f"{a.single} single blocks (bf16)",
-                        lambda: build_transformer(a.double, a.single, dtype, a.model_type).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
+    return FluxOptions(guidance_scale=0.0 if chroma else 1.0, t5xxl_max_token_length=a.t5_tokens,
+                       flow=FlowOptions(timestep_sampling="sigmoid"), model_type=a.model_type,
+                       apply_t5_attn_mask=chroma)
 
-    latent = a.resolution // 8
-    latents = torch.randn(1, 16, latent, latent)
+
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
+    chroma = a.model_type == "chroma"
+    latent = latents.shape[-1]
     text = {"l_pooled": torch.randn(768), "t5_out": torch.randn(a.t5_tokens, 4096),
             "txt_ids": torch.zeros(a.t5_tokens, 3), "t5_attn_mask": torch.ones(a.t5_tokens)}
     if chroma:  # a caption of a quarter of the padded length, the rest masked out
@@ -106,10 +83,16 @@ def main() -> None:
                               guidance=torch.ones(1, device=device, dtype=dtype))[0]
         return F.mse_loss(unpack_latents(out, latent, latent).float(), (noise - x0).float())
 
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.t5_tokens} text tokens), "
-                       f"batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
+    return StepInputs(text, loss, f"{latent * latent // 4} image + {a.t5_tokens} text tokens")
 
+
+BENCH = LoraStepBench(
+    family=lambda a: a.model_type, choices={"model_type": ("flux", "chroma")},
+    sizes={"double": (1, "double blocks (FLUX.1: 19)"), "single": (2, "single blocks (FLUX.1: 38)"),
+           "t5_tokens": (64, "T5 tokens per caption (dev default 512)")},
+    what=lambda a: f"{'Chroma1-HD' if a.model_type == 'chroma' else 'FLUX.1-dev'} transformer with {a.double} double / "
+                   f"{a.single} single blocks",
+    model=build_transformer, options=options, inputs=inputs, dtype_option=False, draw_sigma=logit_normal_sigma)
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

@@ -19,8 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.10) and peak RSS.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,15 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, preset_builder, run_lora_step_bench  # noqa: E402
 from library.families.hunyuan_image.configs import (  # noqa: E402
     LATENT_CHANNELS,
     PRESETS,
@@ -50,32 +40,9 @@ from library.families.hunyuan_image.options import (  # noqa: E402
 from library.families.hunyuan_image.text import BYT5_MAX_TOKENS, QWEN_MAX_TOKENS  # noqa: E402
 
 
-def build_transformer(double: int, single: int, dtype: torch.dtype):
-    """The full-width DiT with `double` + `single` blocks, created directly in `dtype`."""
-    from diffusers import HunyuanImageTransformer2DModel
-
-    p = dataclasses.replace(PRESETS["random:hunyuan_image"], double_blocks=double, single_blocks=single)
-    return frozen_in_dtype(lambda: HunyuanImageTransformer2DModel(**transformer_config(p)), dtype)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--double", type=int, default=1, help="double-stream blocks (the 2.1 model: 20)")
-    p.add_argument("--single", type=int, default=1, help="single-stream blocks (the 2.1 model: 40)")
-    p.add_argument("--text_tokens", type=int, default=64, help="valid Qwen2.5-VL tokens of the caption")
-    add_step_arguments(p, steps=3, resolution=256, resolution_help="image side (the VAE is 32x down, 1x1 patches)")
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("hunyuan_image")
-    options = HunyuanImageOptions(flow=HunyuanImageFlowOptions(timestep_sampling="uniform"))
-    transformer = built(f"the full-width HunyuanImage DiT with {a.double} double + {a.single} single blocks "
-                        f"({a.dtype})", lambda: build_transformer(a.double, a.single, dtype).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
-
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
     pr = PRESETS["random:hunyuan_image"]
-    latent = a.resolution // 32
-    latents = torch.randn(1, LATENT_CHANNELS, latent, latent)
+    latent = latents.shape[-1]
     vlm = torch.randn(a.text_tokens, pr.qwen_hidden)
     text = {"vlm_embed": F.pad(vlm, (0, 0, 0, QWEN_MAX_TOKENS - a.text_tokens)),
             "vlm_mask": F.pad(torch.ones(a.text_tokens, dtype=torch.long), (0, QWEN_MAX_TOKENS - a.text_tokens)),
@@ -92,10 +59,20 @@ def main() -> None:
                           encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
         return F.mse_loss(out.float(), (noise - x0).float())
 
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({latent * latent} image + {a.text_tokens} + 1 text tokens), "
-                       f"batch 1, {a.dtype}, {device}")
+    return StepInputs(text, loss, f"{latent * latent} image + {a.text_tokens} + 1 text tokens")
 
+
+BENCH = LoraStepBench(
+    family="hunyuan_image",
+    sizes={"double": (1, "double-stream blocks (the 2.1 model: 20)"),
+           "single": (1, "single-stream blocks (the 2.1 model: 40)"),
+           "text_tokens": (64, "valid Qwen2.5-VL tokens of the caption")},
+    what="the full-width HunyuanImage DiT with {double} double + {single} single blocks",
+    model=preset_builder("HunyuanImageTransformer2DModel", transformer_config, PRESETS["random:hunyuan_image"],
+                         double_blocks="double", single_blocks="single"),
+    options=lambda a: HunyuanImageOptions(flow=HunyuanImageFlowOptions(timestep_sampling="uniform")),
+    inputs=inputs, latent_channels=LATENT_CHANNELS, vae_scale=32, steps=3, resolution=256,
+    resolution_help="image side (the VAE is 32x down, 1x1 patches)")
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

@@ -19,8 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS (and peak CUDA m
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,46 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, preset_builder, run_lora_step_bench  # noqa: E402
 from library.families.qwen_image.configs import LATENT_CHANNELS, PRESETS, transformer_config  # noqa: E402
 from library.families.qwen_image.family import pack  # noqa: E402
 from library.families.qwen_image.options import QwenImageFlowOptions, QwenImageOptions  # noqa: E402
 from library.families.qwen_image.text import QWEN_MAX_TOKENS  # noqa: E402
 
 
-def build_transformer(blocks: int, dtype: torch.dtype):
-    """The full-width DiT with `blocks` transformer blocks, created directly in `dtype`."""
-    from diffusers import QwenImageTransformer2DModel
-
-    p = dataclasses.replace(PRESETS["random:qwen_image"], layers=blocks)
-    return frozen_in_dtype(lambda: QwenImageTransformer2DModel(**transformer_config(p)), dtype)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--blocks", type=int, default=1, help="transformer blocks (Qwen-Image: 60)")
-    p.add_argument("--text_tokens", type=int, default=64, help="valid Qwen2.5-VL tokens of the caption")
-    add_step_arguments(p, steps=3, resolution=256, resolution_help="image side (8x down VAE, 2x2 patches)")
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("qwen_image")
-    options = QwenImageOptions(flow=QwenImageFlowOptions(timestep_sampling="uniform"))
-    transformer = built(f"the full-width Qwen-Image DiT with {a.blocks} blocks ({a.dtype})",
-                        lambda: build_transformer(a.blocks, dtype).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
-
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
     pr = PRESETS["random:qwen_image"]
-    latent = a.resolution // 8
-    latents = torch.randn(1, LATENT_CHANNELS, latent, latent)
+    latent = latents.shape[-1]
     states = torch.randn(a.text_tokens, pr.qwen_hidden)
     text = {"prompt_embeds": F.pad(states, (0, 0, 0, QWEN_MAX_TOKENS - a.text_tokens)),
             "prompt_mask": F.pad(torch.ones(a.text_tokens, dtype=torch.long), (0, QWEN_MAX_TOKENS - a.text_tokens))}
@@ -81,14 +49,21 @@ def main() -> None:
                           encoder_hidden_states_mask=context_mask, img_shapes=shapes, return_dict=False)[0]
         return F.mse_loss(out.float(), pack(noise - x0).float())
 
-    if device.type == "cuda":
+    if device.type == "cuda":  # the steps' peak: print_comparison's peak VRAM line
         torch.cuda.reset_peak_memory_stats(device)
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({(latent // 2) ** 2} image + {a.text_tokens} text tokens), "
-                       f"batch 1, {a.dtype}, {device}")
-    if device.type == "cuda":
-        print(f"peak CUDA memory {torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f} GiB")
+    return StepInputs(text, loss, f"{(latent // 2) ** 2} image + {a.text_tokens} text tokens")
 
+
+BENCH = LoraStepBench(
+    family="qwen_image",
+    sizes={"blocks": (1, "transformer blocks (Qwen-Image: 60)"),
+           "text_tokens": (64, "valid Qwen2.5-VL tokens of the caption")},
+    what="the full-width Qwen-Image DiT with {blocks} blocks",
+    model=preset_builder("QwenImageTransformer2DModel", transformer_config, PRESETS["random:qwen_image"],
+                         layers="blocks"),
+    options=lambda a: QwenImageOptions(flow=QwenImageFlowOptions(timestep_sampling="uniform")),
+    inputs=inputs, latent_channels=LATENT_CHANNELS, steps=3, resolution=256,
+    resolution_help="image side (8x down VAE, 2x2 patches)")
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

@@ -18,8 +18,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -28,49 +26,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    logit_normal_sigma,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, logit_normal_sigma, preset_model, run_lora_step_bench  # noqa: E402
 from library.families.sd3 import layout as sai  # noqa: E402
 from library.families.sd3.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.sd3.options import SD3Options  # noqa: E402
 from library.objectives.flow_sd3 import SD3FlowOptions  # noqa: E402
 
 
-def build_transformer(preset: str, blocks: int, dtype: torch.dtype):
-    """The preset's MMDiT with `blocks` joint blocks, created directly in `dtype`, in SAI order as loading leaves it."""
+def build_transformer(a, dtype: torch.dtype):
+    """The --preset's MMDiT with --blocks joint blocks, created directly in `dtype`, in SAI order as loading leaves
+    it."""
     from diffusers import SD3Transformer2DModel
 
-    p = PRESETS[preset]
-    p = dataclasses.replace(p, layers=blocks, dual_attention_layers=tuple(i for i in p.dual_attention_layers if i < blocks))
-    return sai.to_sai_order(frozen_in_dtype(lambda: SD3Transformer2DModel(**transformer_config(p)), dtype))
+    p = PRESETS[a.preset]
+    dual = tuple(i for i in p.dual_attention_layers if i < a.blocks)
+    return sai.to_sai_order(preset_model(SD3Transformer2DModel, transformer_config, p, dtype, layers=a.blocks,
+                                         dual_attention_layers=dual))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="random:sd3-medium", choices=[n for n in PRESETS if n.startswith("random:")])
-    p.add_argument("--blocks", type=int, default=2, help="joint blocks (SD3 medium: 24, SD3.5 large: 38)")
-    p.add_argument("--t5_tokens", type=int, default=64, help="T5 tokens per caption (sd-scripts' default 256)")
-    add_step_arguments(p, steps=4, resolution=64, dtype_option=False)
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("sd3")
-    options = SD3Options(t5xxl_max_token_length=a.t5_tokens, flow=SD3FlowOptions(weighting_scheme="logit_normal"))
-    transformer = built(f"the {a.preset} MMDiT with {a.blocks} joint blocks (bf16)",
-                        lambda: build_transformer(a.preset, a.blocks, dtype).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
-
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
     pr = PRESETS[a.preset]
-    latent = a.resolution // 8
-    latents = torch.randn(1, 16, latent, latent)
+    latent = latents.shape[-1]
     text = {"l_out": torch.randn(77, pr.clip_l_hidden), "l_pooled": torch.randn(pr.clip_l_hidden),
             "clip_l_attn_mask": torch.ones(77), "g_out": torch.randn(77, pr.clip_g_hidden),
             "g_pooled": torch.randn(pr.clip_g_hidden), "clip_g_attn_mask": torch.ones(77),
@@ -84,10 +60,17 @@ def main() -> None:
                           timestep=(sigma * 1000).to(dtype), return_dict=False)[0]
         return F.mse_loss(noisy.float() - sigma * out.float(), x0.float())
 
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {77 + a.t5_tokens} text "
-                       f"tokens), batch 1, bf16, {device}", draw_sigma=logit_normal_sigma)
+    return StepInputs(text, loss, f"{latent * latent // 4} image + {77 + a.t5_tokens} text tokens")
 
+
+BENCH = LoraStepBench(
+    family="sd3", choices={"preset": tuple(n for n in PRESETS if n.startswith("random:"))},
+    sizes={"blocks": (2, "joint blocks (SD3 medium: 24, SD3.5 large: 38)"),
+           "t5_tokens": (64, "T5 tokens per caption (sd-scripts' default 256)")},
+    what="the {preset} MMDiT with {blocks} joint blocks", model=build_transformer,
+    options=lambda a: SD3Options(t5xxl_max_token_length=a.t5_tokens,
+                                 flow=SD3FlowOptions(weighting_scheme="logit_normal")),
+    inputs=inputs, dtype_option=False, draw_sigma=logit_normal_sigma)
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

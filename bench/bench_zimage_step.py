@@ -19,8 +19,6 @@ Prints s/step for both, their ratio (goal <= 1.05) and peak RSS.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
@@ -29,57 +27,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    add_step_arguments,
-    built,
-    compare_lora_steps,
-    frozen_in_dtype,
-    llm_caption_text,
-    lora_components,
-    seeded_dtype_device,
-)
-from library.families import get_family  # noqa: E402
+from bench.common import LoraStepBench, StepInputs, llm_caption_text, preset_builder, run_lora_step_bench  # noqa: E402
 from library.families.zimage.configs import PRESETS, transformer_config  # noqa: E402
 from library.families.zimage.options import ZImageFlowOptions, ZImageOptions  # noqa: E402
 
 
-def build_transformer(blocks: int, dtype: torch.dtype):
-    """random:zimage's DiT with `blocks` main layers, created directly in `dtype`."""
-    from diffusers import ZImageTransformer2DModel
-
-    p = dataclasses.replace(PRESETS["random:zimage"], layers=blocks)
-    return frozen_in_dtype(lambda: ZImageTransformer2DModel(**transformer_config(p)), dtype)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--blocks", type=int, default=2, help="main layers (Z-Image: 30)")
-    p.add_argument("--tokens", type=int, default=512, help="Qwen3 tokens per caption, padded (default 512)")
-    add_step_arguments(p, steps=4, resolution=64)
-    a = p.parse_args()
-    dtype, device = seeded_dtype_device(a)
-
-    family = get_family("zimage")
-    # uniform σ and the raw prediction in both steps (the reference draws σ the same way)
-    options = ZImageOptions(flow=ZImageFlowOptions(timestep_sampling="uniform", discrete_flow_shift=1.0))
-    transformer = built(f"random:zimage's DiT with {a.blocks} main layers ({a.dtype})",
-                        lambda: build_transformer(a.blocks, dtype).to(device))
-    comps, lora = lora_components(family, transformer, options, a.dim, device)
-
-    hidden = PRESETS["random:zimage"].qwen_hidden
-    latent = a.resolution // 8
-    latents = torch.randn(1, 16, latent, latent)
-    text = llm_caption_text(a.tokens, hidden)
+def inputs(a, transformer, latents: torch.Tensor, dtype: torch.dtype, device) -> StepInputs:
+    latent = latents.shape[-1]
+    text = llm_caption_text(a.tokens, PRESETS["random:zimage"].qwen_hidden)
     caption_states = text["hidden_state"][text["attention_mask"].bool()].to(device, dtype)
 
     def loss(noisy, sigma, noise, x0):
         out = transformer([noisy[0].unsqueeze(1)], (1 - sigma).to(dtype), [caption_states], return_dict=False)[0]
         return F.mse_loss(-out[0].squeeze(1).float()[None], (noise - x0).float())
 
-    compare_lora_steps(family, comps, lora, latents, text, loss, a, dtype, device,
-                       f"{a.resolution}x{a.resolution} ({latent * latent // 4} image + {a.tokens // 4} text tokens), "
-                       f"batch 1, {a.dtype}, {device}")
+    return StepInputs(text, loss, f"{latent * latent // 4} image + {a.tokens // 4} text tokens")
 
+
+BENCH = LoraStepBench(
+    family="zimage",
+    sizes={"blocks": (2, "main layers (Z-Image: 30)"),
+           "tokens": (512, "Qwen3 tokens per caption, padded (default 512)")},
+    what="random:zimage's DiT with {blocks} main layers",
+    model=preset_builder("ZImageTransformer2DModel", transformer_config, PRESETS["random:zimage"], layers="blocks"),
+    # uniform σ and the raw prediction in both steps (the reference draws σ the same way)
+    options=lambda a: ZImageOptions(flow=ZImageFlowOptions(timestep_sampling="uniform", discrete_flow_shift=1.0)),
+    inputs=inputs)
 
 if __name__ == "__main__":
-    main()
+    run_lora_step_bench(BENCH)

@@ -1,4 +1,5 @@
-"""Shared pieces of the step benchmarks: timing, interleaved comparison, peak memory.
+"""Shared pieces of the step benchmarks: timing, interleaved comparison, peak memory, and the one runner of the
+rectified-flow DiTs' LoRA step benches (`LoraStepBench`: what differs from family to family, as data).
 
 On a shared machine wall time swings with other load, so each step is timed in wall
 and in process CPU seconds, the two variants alternate step by step, and the medians
@@ -8,10 +9,13 @@ or an accelerator the wall-time ratio is the one that counts.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import resource
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -221,3 +225,81 @@ def llm_caption_text(tokens: int, hidden: int) -> dict:
     mask[: tokens // 4] = 1
     return {"hidden_state": torch.randn(tokens, hidden), "input_ids": torch.zeros(tokens, dtype=torch.long),
             "attention_mask": mask}
+
+
+def preset_model(model_class, config: Callable, preset, dtype: torch.dtype, **sizes) -> torch.nn.Module:
+    """model_class(**config(preset with `sizes` replaced)) built directly in `dtype`, frozen (frozen_in_dtype)."""
+    return frozen_in_dtype(lambda: model_class(**config(dataclasses.replace(preset, **sizes))), dtype)
+
+
+def preset_builder(class_name: str, config: Callable, preset, **sizes: str
+                   ) -> Callable[[argparse.Namespace, torch.dtype], torch.nn.Module]:
+    """LoraStepBench.model for diffusers' `class_name` made by preset_model, each field of `sizes` taken from the
+    argument it names (layers="blocks": the preset's layers = --blocks)."""
+
+    def build(a: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
+        import diffusers
+
+        return preset_model(getattr(diffusers, class_name), config, preset, dtype,
+                            **{name: getattr(a, arg) for name, arg in sizes.items()})
+
+    return build
+
+
+class StepInputs(NamedTuple):
+    """What both steps of a LoRA step bench train on, besides the latents."""
+
+    text: dict  # the cached text-encoder outputs of CAPTION (the trainer's step reads them)
+    loss: Callable  # the bare reference's loss(x_σ, σ, ε, x0): the model's forward as its pipeline calls it, the MSE
+    tokens: str  # "N image + M text tokens", for the setup line
+
+
+@dataclass(frozen=True)
+class LoraStepBench:
+    """One rectified-flow DiT's LoRA step bench (run_lora_step_bench): what differs from family to family."""
+
+    family: Union[str, Callable[[argparse.Namespace], str]]  # the registry name (or one chosen by the arguments)
+    sizes: dict  # its own int arguments: name -> (default, help), e.g. {"blocks": (2, "main layers (Z-Image: 30)")}
+    what: Union[str, Callable[[argparse.Namespace], str]]  # what `model` builds ("{blocks}" from the arguments)
+    model: Callable[[argparse.Namespace, torch.dtype], torch.nn.Module]  # the denoiser, built directly in the dtype
+    options: Callable[[argparse.Namespace], object]  # the family's options (σ drawn as the reference draws it)
+    # (arguments, model, latents, dtype, device) -> StepInputs
+    inputs: Callable[[argparse.Namespace, torch.nn.Module, torch.Tensor, torch.dtype, torch.device], StepInputs]
+    latent_channels: int = 16
+    vae_scale: int = 8  # image side / latent side
+    choices: dict = field(default_factory=dict)  # its own choice arguments, before the sizes: name -> (default, ...)
+    steps: int = 4
+    resolution: int = 64
+    resolution_help: Optional[str] = None
+    dtype_option: bool = True  # --dtype bf16 / fp32; without it bf16
+    draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma
+    lora_on: str = "transformer"
+
+
+def run_lora_step_bench(bench: LoraStepBench, argv: Optional[list[str]] = None) -> dict[str, tuple[float, float]]:
+    """Parse the bench's arguments (its own, then add_step_arguments'), build its model in the dtype with a LoRA on
+    it (lora_components), draw the latents of --resolution, and compare_lora_steps on them and the bench's inputs;
+    returns compare_steps' medians."""
+    from library.families import get_family
+
+    p = argparse.ArgumentParser()
+    for name, options in bench.choices.items():
+        p.add_argument(f"--{name}", choices=options, default=options[0])
+    for name, (default, text) in bench.sizes.items():
+        p.add_argument(f"--{name}", type=int, default=default, help=text)
+    add_step_arguments(p, bench.steps, bench.resolution, bench.resolution_help, bench.dtype_option)
+    a = p.parse_args(argv)
+    dtype, device = seeded_dtype_device(a)
+    dtype_name = getattr(a, "dtype", "bf16")
+
+    family = get_family(bench.family(a) if callable(bench.family) else bench.family)
+    options = bench.options(a)
+    what = bench.what(a) if callable(bench.what) else bench.what.format(**vars(a))
+    model = built(f"{what} ({dtype_name})", lambda: bench.model(a, dtype).to(device))
+    comps, lora = lora_components(family, model, options, a.dim, device)
+    latent = a.resolution // bench.vae_scale
+    latents = torch.randn(1, bench.latent_channels, latent, latent)
+    x = bench.inputs(a, model, latents, dtype, device)
+    return compare_lora_steps(family, comps, lora, latents, x.text, x.loss, a, dtype, device,
+                              f"{a.resolution}x{a.resolution} ({x.tokens}), batch 1, {dtype_name}, {device}",
+                              draw_sigma=bench.draw_sigma, lora_on=bench.lora_on)

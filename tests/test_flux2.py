@@ -112,7 +112,7 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
 
 def test_option_errors_are_one_line(flux2_files):
     family = get_family("flux2")
-    with pytest.raises(ModelLoadError, match=r"^--qwen3: required with a FLUX.2 DiT file"):
+    with pytest.raises(ModelLoadError, match=r"^--qwen3: required with a FLUX.2 \[klein\] DiT file"):
         family.load(LoadOptions(flux2_files["dit"]))
     with pytest.raises(ConfigError, match=r"^--qwen3_max_token_length: expected an integer from 16"):
         Flux2Options(qwen3_max_token_length=4).check()

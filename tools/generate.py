@@ -25,6 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from library.cli.flux import add_component_file_arguments, component_files  # noqa: E402
+from library.cli.gen_img import as_gen_img_parser, check_gen_img_refused  # noqa: E402
+from library.cli.image_inputs import add_image_input_arguments, image_inputs_from_args  # noqa: E402
+from library.cli.network import LLLITE_MODULE  # noqa: E402
 from library.cli.options import options_from_values  # noqa: E402
 from library.core.errors import ConfigError, run_tool  # noqa: E402
 from library.families.common.embeddings import expand_prompt  # noqa: E402
@@ -91,27 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_image_input_arguments(p: argparse.ArgumentParser) -> None:
-    """gen_img's img2img / inpainting / regional prompts / highres fix flags (docs/gen_img.md)."""
-    g = p.add_argument_group("img2img, inpainting, highres fix (SD 1.x/2.x, SDXL, FLUX.1), regions (SD, SDXL)")
-    g.add_argument("--image_path", default=None, help="img2img source: an image, or a folder whose images are used in "
-                                                      "turn (resized to --W/--H when given, else their own size)")
-    g.add_argument("--strength", type=float, default=None,
-                   help="img2img: fraction of the steps run on the noised image, 0..1 (default 0.8)")
-    g.add_argument("--mask_path", default=None,
-                   help="inpainting mask (white = repaint) of the same size as the image; with a prompt `a AND b` "
-                        "the regions of the sub-prompts (channel R, G, B)")
-    g.add_argument("--highres_fix_scale", type=float, default=None,
-                   help="highres fix: generate first at this fraction of --W/--H (e.g. 0.5), then upscale and "
-                        "denoise again at full size")
-    g.add_argument("--highres_fix_steps", type=int, default=28, help="highres fix: steps of the first stage")
-    g.add_argument("--highres_fix_strength", type=float, default=None,
-                   help="highres fix: img2img strength of the first stage (default: --strength)")
-    g.add_argument("--highres_fix_latents_upscaling", action="store_true",
-                   help="highres fix: upscale the first stage's latents (bicubic) instead of its image (LANCZOS); "
-                        "SD 1.x/2.x and SDXL")
-
-
 @dataclass
 class GenerateOptions:
     """What one generate run needs (from flags, or built directly by tests and benchmarks)."""
@@ -176,8 +158,7 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
             if not os.path.isfile(path):  # now, not after the model has loaded
                 raise ConfigError(f"{flag} {path}: file not found")
     family = _family(a)
-    images, masks = _image_inputs(a, family, prompts)
-    regions = "regions" in getattr(get_family(family), "image_inputs", ())
+    images, masks, regions = image_inputs_from_args(a, family, prompts)
     for p in prompts:
         prompt_multipliers(p, len(a.network_weights), a.merge)  # --am: checked now
     modules, weights, muls = list(a.network_module), list(a.network_weights), list(a.network_mul)
@@ -214,54 +195,6 @@ def options_from_args(a: argparse.Namespace) -> GenerateOptions:
                                   sampler=a.sampler, control_images=() if guided else tuple(a.control_image),
                                   control_image=guide))
 
-def _image_inputs(a: argparse.Namespace, family: str, prompts: list) -> tuple[list, list]:
-    """The --image_path / --mask_path images, checked with --strength and the highres fix flags before any model
-    loads; ConfigError on anything wrong."""
-    from library.sampling.img2img import AND, check_strength, image_files, open_image
-
-    check_strength(a.strength, "--strength")
-    check_strength(a.highres_fix_strength, "--highres_fix_strength")
-    if a.highres_fix_scale is not None and not 0 < a.highres_fix_scale <= 1:
-        raise ConfigError(f"--highres_fix_scale: expected a number in (0, 1] (the first stage's fraction of the "
-                          f"size), got {a.highres_fix_scale}")
-    if a.highres_fix_steps < 1:
-        raise ConfigError(f"--highres_fix_steps: expected an integer >= 1, got {a.highres_fix_steps}")
-    modes = tuple(getattr(get_family(family), "image_inputs", ()))
-    # ` AND ` splits a prompt where the family has regional prompts; elsewhere it is part of the prompt
-    regional = "regions" in modes and any(AND in p.prompt for p in prompts)
-    used = [(f, mode) for f, mode, on in (
-        ("--image_path", "img2img", a.image_path), ("--mask_path", "inpaint", a.mask_path and not regional),
-        ("--highres_fix_scale", "highres", a.highres_fix_scale is not None)) if on]
-    for flag, mode in used:
-        if mode not in modes:
-            raise ConfigError(f"{flag}: implemented for SD 1.x/2.x, SDXL and FLUX.1 only, not for {family} models")
-    if a.highres_fix_latents_upscaling and a.highres_fix_scale is None:
-        raise ConfigError("--highres_fix_latents_upscaling: expected --highres_fix_scale with it")
-    if a.highres_fix_latents_upscaling and "highres_latents" not in modes:
-        raise ConfigError(f"--highres_fix_latents_upscaling: implemented for SD 1.x/2.x and SDXL only, not for "
-                          f"{family} models")
-    if a.strength is not None and a.image_path is None and a.highres_fix_scale is None:
-        raise ConfigError("--strength: expected --image_path (img2img) or --highres_fix_scale with it")
-    images = [open_image(p, "--image_path", "RGB") for p in image_files(a.image_path, "--image_path")] \
-        if a.image_path else []
-    paths = image_files(a.mask_path, "--mask_path") if a.mask_path else []
-    masks = [open_image(p, "--mask_path", "RGB") for p in paths]
-    if masks and not images and not (regional and all(AND in p.prompt for p in prompts)):
-        raise ConfigError("--mask_path: expected --image_path (inpainting) or a prompt with AND (regions)"
-                          + (" for every prompt" if regional else ""))
-    if masks and images:
-        if len(masks) not in (1, len(images)):
-            raise ConfigError(f"--mask_path: expected 1 mask or one per image ({len(images)}), got {len(masks)}")
-        for i, image in enumerate(images):
-            mask = masks[i % len(masks)]
-            if mask.size != image.size:
-                raise ConfigError(f"--mask_path {paths[i % len(masks)]}: expected the size of its image "
-                                  f"{image.size[0]}x{image.size[1]}, got {mask.size[0]}x{mask.size[1]}")
-    if regional and masks and a.network_weights:
-        raise ConfigError("--mask_path with AND and --network_weights: sd-scripts' regional LoRA (one network a "
-                          "region) is not implemented; regions apply to the sub-prompts only")
-    return images, masks
-
 
 def prompt_multipliers(p, networks: int, merge: bool) -> Optional[tuple]:
     """A prompt's ` --am 0.5,1.0`: one multiplier per network, the last repeated for the rest (sd-scripts'
@@ -283,35 +216,6 @@ def prompt_multipliers(p, networks: int, merge: bool) -> Optional[tuple]:
     return tuple(muls + [muls[-1]] * (networks - len(muls)))
 
 
-def attach_image_inputs(o: GenerateOptions, requests: list) -> None:
-    """Give each request its ImageInput: the k-th request gets image k and mask k (cycling), a prompt `a AND b`
-    its regions (the mask's channels, or the whole image each)."""
-    from library.sampling.img2img import AND, DEFAULT_STRENGTH, ImageInput, image_tensor, mask_tensor, region_tensor
-
-    strength = DEFAULT_STRENGTH if o.strength is None else o.strength
-    for k, r in enumerate(requests):
-        image = o.images[k % len(o.images)] if o.images else None
-        mask = o.masks[k % len(o.masks)] if o.masks else None
-        if image is not None:
-            width, height = r.width or image.size[0], r.height or image.size[1]
-            r.width, r.height = width - width % 8, height - height % 8
-        regions = None
-        count = len(r.prompt.split(AND)) if o.regions else 1
-        if count > 1:
-            if mask is not None:
-                regions = region_tensor(mask, count, *mask.size)
-            else:
-                regions = torch.ones(count, 8, 8)  # no mask: the sub-prompts share every pixel
-            mask = None
-        if image is None and regions is None:
-            continue
-        r.image_input = ImageInput(
-            image=image_tensor(image, r.width, r.height) if image is not None else None,
-            strength=strength if image is not None else 1.0,
-            mask=mask_tensor(mask.convert("L"), r.width, r.height) if mask is not None else None,
-            regions=regions)
-
-
 def _default_module(path: str) -> str:
     """The --network_module a file needs when none is given: lycoris.kohya for LyCORIS modules (LoHa, LoKr, DoRA,
     OFT, IA3, ...), which networks.lora cannot build, else networks.lora."""
@@ -329,9 +233,6 @@ def _default_module(path: str) -> str:
             return LLLITE_MODULE
         return "lycoris.kohya" if is_lycoris_state(keys) else "networks.lora"
     return "networks.lora"
-
-
-LLLITE_MODULE = "networks.control_net_lllite"
 
 
 def _family(a: argparse.Namespace) -> str:
@@ -384,6 +285,7 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     networks are merged into those weights for good.
     """
     from library.sampling.generate import requests_from_prompts
+    from library.sampling.img2img import attach_image_inputs
     from library.sampling.output import save_samples
     from library.train.adapters.network_apply import apply_networks
 
@@ -402,7 +304,7 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
             requests = [dataclasses.replace(r, prompt=expand_prompt(r.prompt, spelled),
                                             negative_prompt=expand_prompt(r.negative_prompt, spelled))
                         for r in requests]
-        attach_image_inputs(o, requests)
+        attach_image_inputs(requests, o.images, o.masks, o.strength, o.regions)
         per_image = [prompt_multipliers(p, len(o.networks), o.merge) for p in o.prompts
                      for _ in range(o.images_per_prompt)]
         generated = []
@@ -416,141 +318,6 @@ def run(o: GenerateOptions, loaded=None) -> list[str]:
     networks = ", ".join(f"{os.path.basename(n.weights)}:{n.multiplier}" for n in o.networks) or None
     extra = {"model": os.path.basename(os.path.normpath(o.ckpt)), "networks": networks}
     return save_samples(generated, o.outdir, "im", None, extra=extra, grid=o.grid, always_seed=True)
-
-
-# sd-scripts gen_img.py flags accepted with nothing to do here (docs/gen_img.md): flag -> (takes values, why).
-GEN_IMG_ACCEPTED = {
-    "--xformers": (False, "attention runs in PyTorch SDPA"),
-    "--sdpa": (False, "attention runs in PyTorch SDPA"),
-    "--diffusers_xformers": (False, "attention runs in PyTorch SDPA"),
-    "--no_half_vae": (False, "the VAE always runs in float32"),
-    "--opt_channels_last": (False, "a memory layout; the same images"),
-    "--vae_batch_size": (True, "the VAE decodes each batch; the same images"),
-    "--vae_slices": (True, "the VAE decodes whole images; the same images"),
-    "--v1": (False, "the model's version is read from the model"),
-    "--no_preview": (False, "there is no interactive mode"),
-    "--tokenizer_cache_dir": (True, "tokenizers come with the model or the presets"),
-}
-# sd-scripts gen_img.py flags accepted by the parser but refused when used: not implemented (docs/gen_img.md).
-GEN_IMG_REFUSED = {
-    "--highres_fix_upscaler": "upscaler modules are not supported; the highres fix upscales with LANCZOS",
-    "--highres_fix_upscaler_args": "upscaler modules are not supported",
-    "--highres_fix_save_1st": "the first stage's images are not saved",
-    "--highres_fix_disable_control_net": "no ControlNet in the highres fix",
-    "--network_regional_mask_max_color_codes": "regions come from the mask's R, G, B channels",
-    "--network_args": "networks are built from their files",
-    "--network_pre_calc": "use --network_merge",
-    "--network_merge_n_models": "--network_merge merges every network",
-    "--network_show_meta": "use tools/show_metadata.py",
-    "--textual_inversion_embeddings": "textual inversion embeddings are not supported by this generator yet",
-    "--interactive": "no interactive mode",
-    "--n_iter": "use --images_per_prompt",
-    "--iter_same_seed": "use --seed or the prompt option --d",
-    "--shuffle_prompts": "prompts run in file order",
-    "--negative_scale": "one CFG scale for the negative prompt",
-    "--max_embeddings_multiples": "prompts of any length are split into 75-token windows",
-    "--emb_normalize_mode": "weighted prompts are scaled as tools/generate.py scales them",
-    "--from_module": "prompts come from --prompt or --from_file",
-    "--prompter_module_args": "prompts come from --prompt or --from_file",
-    "--sequential_file_name": "files are named im_NN_<time>_<seed>.png",
-    "--use_original_file_name": "files are named im_NN_<time>_<seed>.png",
-    "--replace_clip_l14_336": "the model's own text encoder is used",
-    "--force_scheduler_zero_steps_offset": "the scheduler keeps SD's steps_offset",
-    "--zero_terminal_snr": "not available in generation",
-    "--ddim_eta": "DDIM runs with eta 0",
-    "--original_width": "SDXL size conditioning is the image's size",
-    "--original_height": "SDXL size conditioning is the image's size",
-    "--original_width_negative": "SDXL size conditioning is the image's size",
-    "--original_height_negative": "SDXL size conditioning is the image's size",
-    "--crop_top": "SDXL crop conditioning is (0, 0)",
-    "--crop_left": "SDXL crop conditioning is (0, 0)",
-    "--noise_offset_prob": "no noise offset in generation",
-    "--noise_offset_range": "no noise offset in generation",
-    "--pyramid_noise_prob": "no pyramid noise in generation",
-    "--pyramid_noise_discount_range": "no pyramid noise in generation",
-    "--guide_image_path": "ControlNet is not supported by gen_img.py here",
-    "--control_net_models": "ControlNet is not supported by gen_img.py here",
-    "--control_net_lllite_models": "ControlNet-LLLite is not supported by gen_img.py here",
-    "--control_net_preps": "ControlNet is not supported by gen_img.py here",
-    "--control_net_multipliers": "ControlNet is not supported by gen_img.py here",
-    "--control_net_ratios": "ControlNet is not supported by gen_img.py here",
-    "--clip_vision_strength": "no CLIP Vision conditioning",
-    "--ds_depth_1": "no Deep Shrink", "--ds_timesteps_1": "no Deep Shrink", "--ds_depth_2": "no Deep Shrink",
-    "--ds_timesteps_2": "no Deep Shrink", "--ds_ratio": "no Deep Shrink",
-    "--gradual_latent_timesteps": "no Gradual Latent", "--gradual_latent_ratio": "no Gradual Latent",
-    "--gradual_latent_ratio_step": "no Gradual Latent", "--gradual_latent_every_n_steps": "no Gradual Latent",
-    "--gradual_latent_s_noise": "no Gradual Latent", "--gradual_latent_unsharp_params": "no Gradual Latent",
-}
-# sd-scripts store_true flags among the refused ones; every other refused flag takes values (any number, any text).
-_GEN_IMG_SWITCHES = {"--highres_fix_save_1st", "--highres_fix_disable_control_net",
-                     "--network_pre_calc", "--network_show_meta", "--interactive", "--iter_same_seed",
-                     "--shuffle_prompts", "--sequential_file_name", "--use_original_file_name",
-                     "--replace_clip_l14_336", "--force_scheduler_zero_steps_offset", "--zero_terminal_snr"}
-GEN_IMG_HARMLESS = {"--n_iter": 1.0, "--ddim_eta": 0.0}  # values that ask for what this generator does anyway
-
-
-def build_gen_img_parser(sdxl: bool = False) -> argparse.ArgumentParser:
-    """gen_img.py / sdxl_gen_img.py: this generator's flags with sd-scripts' gen_img defaults (--steps 50,
-    --outdir outputs) and its other flags accepted (no-op) or refused when used."""
-    p = build_parser()
-    p.description = "sd-scripts' " + ("sdxl_gen_img.py" if sdxl else "gen_img.py") + ": " + p.description
-    p.set_defaults(steps=50, outdir="outputs")
-    for action in p._actions:
-        if "--outdir" in action.option_strings:
-            action.required = False
-    known = {s for action in p._actions for s in action.option_strings}
-    g = p.add_argument_group("sd-scripts gen_img flags accepted with nothing to do")
-    for flag, (values, why) in GEN_IMG_ACCEPTED.items():
-        if flag not in known:
-            kind = {"nargs": "*", "metavar": "VALUE"} if values else {"action": "store_true"}
-            g.add_argument(flag, help=f"accepted: {why}", **kind)
-    g = p.add_argument_group("sd-scripts gen_img flags refused when used (not implemented)")
-    for flag, why in GEN_IMG_REFUSED.items():
-        if flag in known:  # implemented by the generator (another branch may add it)
-            continue
-        if flag in _GEN_IMG_SWITCHES:
-            g.add_argument(flag, action="store_true", help=f"refused: {why}")
-        else:
-            g.add_argument(flag, nargs="*", default=None, metavar="VALUE", help=f"refused: {why}")
-    return p
-
-
-def check_gen_img_refused(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """ConfigError for the first refused gen_img flag that was used."""
-    for action in parser._actions:
-        flag = next((s for s in action.option_strings if s in GEN_IMG_REFUSED), None)
-        if flag is None or not (action.help or "").startswith("refused"):
-            continue
-        value = getattr(args, action.dest)
-        if value in (None, False) or _harmless(flag, value):
-            continue
-        raise ConfigError(f"{flag}: not implemented ({GEN_IMG_REFUSED[flag]}); see docs/gen_img.md")
-
-
-def _harmless(flag: str, value) -> bool:
-    try:
-        return flag in GEN_IMG_HARMLESS and len(value) == 1 and float(value[0]) == GEN_IMG_HARMLESS[flag]
-    except ValueError:
-        return False
-
-
-def gen_img_main(argv: Optional[list[str]] = None, sdxl: bool = False) -> int:
-    """gen_img.py (SD 1.x/2.x, SDXL with --sdxl) and sdxl_gen_img.py (SDXL): this generator under sd-scripts'
-    flags."""
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if sdxl and "--sdxl" not in argv:
-        argv.append("--sdxl")
-    parser = build_gen_img_parser(sdxl)
-    args = parser.parse_args(argv)
-
-    def body() -> None:
-        check_gen_img_refused(args, parser)
-        start = time.time()
-        paths = run(options_from_args(args))
-        print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
-
-    return run_tool(body)
 
 
 def _multiplier_groups(per_image: list, requests: list) -> list:
@@ -582,16 +349,37 @@ def _generate(o: GenerateOptions, family, components, device, requests: list, ne
         clip_skip=o.clip_skip, device=device, batch_size=o.batch_size, progress=True)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_gen_img_parser(sdxl: bool = False) -> argparse.ArgumentParser:
+    """gen_img.py / sdxl_gen_img.py: this generator's flags with sd-scripts' gen_img defaults and its other flags
+    accepted (no-op) or refused when used (library/cli/gen_img.py)."""
+    return as_gen_img_parser(build_parser(), sdxl)
+
+
+def _main(parser: argparse.ArgumentParser, argv: Optional[list[str]], gen_img: bool = False) -> int:
     logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
 
     def body() -> None:
+        if gen_img:
+            check_gen_img_refused(args, parser)
         start = time.time()
         paths = run(options_from_args(args))
         print(f"wrote {len(paths)} image(s) to {args.outdir} in {time.time() - start:.1f}s")
 
     return run_tool(body)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return _main(build_parser(), argv)
+
+
+def gen_img_main(argv: Optional[list[str]] = None, sdxl: bool = False) -> int:
+    """gen_img.py (SD 1.x/2.x, SDXL with --sdxl) and sdxl_gen_img.py (SDXL): this generator under sd-scripts'
+    flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if sdxl and "--sdxl" not in argv:
+        argv.append("--sdxl")
+    return _main(build_gen_img_parser(sdxl), argv, gen_img=True)
 
 
 if __name__ == "__main__":

@@ -116,6 +116,34 @@ def check_strength(value: Optional[float], flag: str) -> None:
         raise ConfigError(f"{flag}: expected a number in 0..1, got {value}")
 
 
+def attach_image_inputs(requests: list, images: list, masks: list, strength: Optional[float], regions: bool) -> None:
+    """Give each request its ImageInput: the k-th request gets image k and mask k (cycling: PIL images), a prompt
+    `a AND b` its regions (with `regions`: the mask's channels, or the whole image each); `strength` None: the
+    default."""
+    strength = DEFAULT_STRENGTH if strength is None else strength
+    for k, r in enumerate(requests):
+        image = images[k % len(images)] if images else None
+        mask = masks[k % len(masks)] if masks else None
+        if image is not None:
+            width, height = r.width or image.size[0], r.height or image.size[1]
+            r.width, r.height = width - width % 8, height - height % 8
+        weights = None
+        count = len(r.prompt.split(AND)) if regions else 1
+        if count > 1:
+            if mask is not None:
+                weights = region_tensor(mask, count, *mask.size)
+            else:
+                weights = torch.ones(count, 8, 8)  # no mask: the sub-prompts share every pixel
+            mask = None
+        if image is None and weights is None:
+            continue
+        r.image_input = ImageInput(
+            image=image_tensor(image, r.width, r.height) if image is not None else None,
+            strength=strength if image is not None else 1.0,
+            mask=mask_tensor(mask.convert("L"), r.width, r.height) if mask is not None else None,
+            regions=weights)
+
+
 def _init_latents(inputs: Sequence[ImageInput], encode, noise: torch.Tensor, vae_scale_factor: int) -> torch.Tensor:
     """The start latents of img2img at the noise's size: given latents resized (bicubic, as sd-scripts'
     --highres_fix_latents_upscaling), else the images resized (bilinear) and encoded."""

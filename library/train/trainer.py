@@ -1,15 +1,14 @@
 """The one training loop for every family and for adapters and full fine-tunes alike: a recipe that reads top to bottom.
 
-setup (here): data (validated first, before any model is loaded) -> model -> what trains (a `Trainable`) ->
-latent cache -> optimizer/scheduler -> EMA -> resume. train (library/train/loop.py, `TrainingLoop`): epochs of
+setup (`run()` here): processes (library/train/setup_processes.py, `ProcessSetup`) -> data (validated first, before
+any model is loaded) -> model -> what trains (a `Trainable`) -> latent cache (library/train/setup_model.py,
+`ModelSetup`) -> optimizer/scheduler -> EMA -> resume (here). train (library/train/loop.py, `TrainingLoop`): epochs of
 planned batches, gradient accumulation, clipping, logging, validation, saving, clean stop on signals.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 import time
 import uuid
@@ -20,71 +19,42 @@ from torch.nn.parallel import DistributedDataParallel
 
 from library.core.errors import ConfigError, UserError
 from library.core.io_utils import clean_stale_temporaries
-from library.data.dataset import DataFamilyInfo, build_training_data
-from library.data.cache_share import CacheShare
-from library.data.te_cache import (
-    cache_source_id,
-    check_text_cache_allowed,
-    subset_caption_settings,
-)
-from library.families.base import Components, ModelFamily
+from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
 from library.train.memory.compile import compile_blocks
 from library.train.distributed.distributed import (
     StepModule,
     StepTrace,
     data_parallel,
-    gather_objects,
-    load_in_turns,
-    lone_process_note,
-    make_accelerator,
     unused_parameters_possible,
 )
-from library.train.distributed.deepspeed_engine import (
-    ZeroConfig,
-    ZeroEngine,
-    accelerate_without_deepspeed,
-    launched_with_deepspeed,
-)
-from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
-from library.train.distributed.context_parallel import apply_context_parallel, check_context_parallel, data_rank
+from library.train.distributed.context_parallel import apply_context_parallel
+from library.train.distributed.tensor_parallel import apply_tensor_parallel
 from library.train.optim.ema import EMA
 from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
 from library.train.optim.lr_schedulers import create_scheduler, lr_log_names
-from library.train.memory.block_swap import BlockSwapper
-from library.train.memory.memory_setup import apply_memory_options, park_cached_parts
-from library.train.adapters.network_kinds import merge_base_weights
+from library.train.memory.memory_setup import park_cached_parts
 from library.train.optim.optimizers import create_optimizer, is_schedule_free
 from library.train.observe.profiling import Instruments
 from library.train.settings import RunSettings
-from library.train.distributed.sharding import (
-    FsdpSettings,
-    broadcast_module_states,
-    fsdp_unsupported,
-    shard_parts,
-    sync_done_here,
-)
+from library.train.setup_model import ModelSetup
+from library.train.setup_processes import ProcessSetup
 from library.train.debug_dataset import print_batches
 from library.train.hub import HubUploader, download_state
 from library.train.saving import RunSaver, resume
 from library.train.step_position import initial_progress
 from library.train.state import RunState
-from library.train.step import StepContext, encode_with_vae
+from library.train.step import StepContext
 from library.train.stopping import StopHandler
 from library.train.speedups import use_channels_last
-from library.train.text_caching import build_step_text_cache, start_auto_text_cache
 from library.train.observe.tracking import Tracker
-from library.train.adapters.controlnet import ControlNetTrainable
-from library.train.adapters.textual_inversion import TextualInversionTrainable, caption_rules, load_embeddings
-from library.train.adapters.trainables import AdapterTrainable, ModelTrainable, Trainable, fine_tune_plan
+from library.train.adapters.trainables import Trainable
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-
-class Trainer(TrainingLoop):
+class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
     """One run: `run()` sets everything up from the settings and trains; every attribute is listed here."""
 
     def __init__(self, family: ModelFamily, settings: RunSettings, stop: Optional[StopHandler] = None):
@@ -143,199 +113,6 @@ class Trainer(TrainingLoop):
         return bool(self.trainable and self.trainable.train_text_encoder)
 
     # ------------------------------------------------------------------ setup
-    def _setup_accelerator(self) -> None:
-        t = self.t
-        if t.deepspeed is not None or launched_with_deepspeed():
-            self.zero = ZeroConfig(t.deepspeed, cpu=t.cpu)
-            why = deepspeed_unsupported(self.zero.stage, self.s)
-            if why:
-                raise UserError(f"DeepSpeed ({self.zero.describe()}): {why}")
-        fsdp = FsdpSettings.from_env() if self.zero is None else None  # read first: a bad FSDP_* value stops here
-        with sync_done_here(fsdp), accelerate_without_deepspeed():  # DeepSpeed: the engine takes model, optimizer
-            self.accelerator = make_accelerator(t.mixed_precision, t.cpu, t.ddp_timeout, t.ddp_backend)
-        n = self.accelerator.num_processes
-        if n > 1:
-            self._agree_on_seed()
-            t = self.t
-        if self.zero is not None:
-            logger.info("DeepSpeed: %s, %d process(es)", self.zero.describe(), n)
-        elif n > 1:
-            if self.fused_backward:
-                raise UserError(f"--fused_backward_pass / --fused_optimizer_groups / --blockwise_fused_optimizers: not "
-                                f"with {n} processes "
-                                "(parameters step inside backward, before the processes' gradients could be averaged)")
-            logger.info("data parallel: process %d of %d (%s)", self.accelerator.process_index, n,
-                        self.accelerator.distributed_type)
-        note = lone_process_note(n)  # `accelerate launch --cpu --num_processes 2` runs one process
-        if note:
-            logger.warning(note)
-        self.device = self.accelerator.device
-        if self.s.textual_inversion is not None and (self.zero is not None or (fsdp is not None and n > 1)):
-            raise UserError("textual inversion: not under FSDP or DeepSpeed (a few vectors train; plain data "
-                            "parallel, as sd-scripts runs it)")
-        self.fsdp = fsdp if n > 1 else None
-        if self.fsdp is not None:
-            why = fsdp_unsupported(self.s, self.fsdp)
-            if why:
-                raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
-        check_context_parallel(t.context_parallel_size, self.family, n, **self._context_parallel_run())
-        self.weight_dtype = DTYPES[t.mixed_precision]
-        self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
-        self.trace = StepTrace(self.accelerator.process_index)
-
-    def _context_parallel_run(self) -> dict:
-        """What of the run --context_parallel_size cannot go with (context_parallel_problem's keywords)."""
-        return dict(fsdp=self.fsdp is not None, deepspeed=self.zero is not None, compile=self.t.compile.torch_compile,
-                    blocks_to_swap=self.s.memory.blocks_to_swap or 0,
-                    family_refusal=self.family.context_parallel_refusal(self.s.model.family_options
-                                                                        or self.family.options_type()))
-
-    def _agree_on_seed(self) -> None:
-        """Every process takes rank 0's seed. Without --seed each process drew its own, and the epochs' batch plans,
-        the per-sample draws and the initial weights are functions of it: with different seeds the processes would
-        train on overlapping batches."""
-        agreed = gather_objects(self.t.seed)[0]
-        if agreed != self.t.seed:
-            self.s = self.s.with_seed(agreed)
-            self.t = self.s.training
-
-    def _shard(self) -> None:
-        """FSDP: a fine-tune's trained parts, or the frozen parts a LoRA hooks into with its modules inside."""
-        c, adapters = self.components, None
-        if self.trainable.is_adapter:
-            parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
-            adapters = self.trainable.module
-        else:
-            parts = dict(self.trainable.module.items())
-        if self.fsdp.sync_module_states:  # rank 0's weights everywhere, before each process keeps its shards
-            sent = broadcast_module_states([c.denoiser, c.vae, *c.text_encoders, self.trainable.module])
-            logger.info("FSDP: %d tensors synchronised from rank 0 (fsdp_sync_module_states)", sent)
-        checkpointed = frozenset({"denoiser"} if self.t.gradient_checkpointing else ())  # the family's own
-        self.trainable.sharding, counts = shard_parts(parts, self.fsdp, self.family.block_classes, adapters,
-                                                      checkpointed, self.device)
-        for name, units in counts.items():
-            logger.info("FSDP%d: %s sharded over %d processes in %d units%s", self.fsdp.version, name,
-                        self.accelerator.num_processes, units,
-                        ", activation checkpointing" if self.fsdp.activation_checkpointing else "")
-
-    def _setup_data(self) -> None:
-        info = DataFamilyInfo.from_family(self.family, self.s.model.family_options)
-        self.data = build_training_data(self.s.data, info)
-        accum = self.t.gradient_accumulation_steps
-        n = self.accelerator.num_processes
-        self.data.shard(*data_rank(self.accelerator.process_index, n, self.t.context_parallel_size))
-        check_context_parallel(self.t.context_parallel_size, self.family, n,
-                               [b for g in self.data.groups for b in g.buckets], **self._context_parallel_run())
-        self.batches_per_epoch = self.data.batches_per_epoch()  # this process's share
-        if self.batches_per_epoch == 0:
-            raise UserError(f"{n} processes but only {self._all_batches()} "
-                            "batch(es) per epoch: every process needs at least one; use fewer processes or a "
-                            "smaller --train_batch_size")
-        self.steps_per_epoch = math.ceil(self.batches_per_epoch / accum)
-        if self.t.max_train_epochs:
-            self.max_train_steps = self.t.max_train_epochs * self.steps_per_epoch
-        else:
-            self.max_train_steps = self.t.max_train_steps
-        self.data.plan(self.max_train_steps, accum)
-        if self.s.textual_inversion is not None:  # the token spelled out in captions, or templates instead of them
-            self.data.caption_replacements, self.data.caption_templates = caption_rules(self.s.textual_inversion)
-        self.num_epochs = self.data.num_epochs()
-        if self.s.text_cache.enabled:  # refused before any model loads when captions are random
-            train_te = self.s.fine_tune.train_text_encoder if self.s.fine_tune else self.s.network.train_text_encoder
-            check_text_cache_allowed(subset_caption_settings(self.data), train_te,
-                                     splittable=bool(self.family.text_encoder_outputs))
-
-    def _all_batches(self) -> int:
-        """Batches of a whole epoch, over every process."""
-        share = self.data.rank, self.data.world_size
-        self.data.shard(0, 1)
-        try:
-            return self.data.batches_per_epoch()
-        finally:
-            self.data.shard(*share)
-
-    def _full_dtype(self) -> torch.dtype:
-        """The dtype of trained weights: float32 unless --full_bf16 / --full_fp16."""
-        return torch.float16 if self.t.full_fp16 else torch.bfloat16 if self.t.full_bf16 else torch.float32
-
-    def _setup_model(self) -> tuple[Components, Optional[BlockSwapper]]:
-        """The loaded model, frozen and placed under the memory options, and the block swapper (or None)."""
-        c = load_in_turns(lambda: self.family.load(self.s.model), self.accelerator, self.t.lowram)
-        self.family.check_loaded(c, self.s.text)  # --clip_skip against the loaded encoders
-        if self.s.network is not None and self.s.network.embeddings:  # tokens of frozen embeddings in captions
-            self.prompt_replacements = load_embeddings(self.family, c, self.s.network.embeddings)
-            self.data.caption_replacements = self.prompt_replacements
-        for m in [c.denoiser, c.vae, *c.text_encoders]:
-            m.requires_grad_(False)
-            m.eval()
-        vae_dtype = torch.float32 if self.s.no_half_vae else self.weight_dtype
-        c.vae.to(self.device, vae_dtype)
-        trained = self._fine_tune_parts(c)
-        parts = {"denoiser": c.denoiser, **{f"text_encoder{i + 1}": te for i, te in enumerate(c.text_encoders)}}
-        for name, m in parts.items():  # placed by apply_memory_options: swapped blocks stay in CPU memory
-            m.to(dtype=self._full_dtype() if name in trained else self.weight_dtype)
-        if self.s.network is not None and self.s.network.base_weights:  # merged before any float8 cast
-            merge_base_weights(self.s.network_kind, self.family, c, self.s.network)
-        block_swapper = apply_memory_options(self.family, c, self.s.memory, self.device,
-                                             self.t.gradient_checkpointing,
-                                             steps_in_backward=bool(trained) and self.fused_backward)
-        self.family.prepare_for_data(c, [r for ds in self.data.datasets for r in ds.resolutions])
-        return c, block_swapper
-
-    def _fine_tune_parts(self, components: Components) -> dict[str, float]:
-        if self.s.fine_tune is None or self.s.controlnet is not None:  # a ControlNet run: the model is frozen
-            return {}
-        encoders = len(components.text_encoders)
-        limit = self.family.fine_tune_text_encoders
-        if self.s.fine_tune.train_t5xxl:
-            limit = self.family.fine_tune_t5xxl_encoder + 1
-        return fine_tune_plan(self.s.fine_tune, self.s.optimizer.learning_rate,
-                              encoders if limit is None else min(limit, encoders))
-
-    def _setup_trainable(self) -> Trainable:
-        """What trains: the model's own parts (a fine-tune) or a network hooked into it."""
-        t = self.t
-        if self.s.textual_inversion is not None:
-            return TextualInversionTrainable(self.family, self.components, self.s.textual_inversion, t.save_model_as,
-                                             t.save_precision, device=self.device, full_dtype=self._full_dtype())
-        if self.s.controlnet is not None:
-            return ControlNetTrainable(self.family, self.components, self.s.controlnet, t.save_model_as,
-                                       t.save_precision, full_dtype=self._full_dtype(), device=self.device,
-                                       gradient_checkpointing=t.gradient_checkpointing)
-        if self.s.fine_tune is not None:
-            return ModelTrainable(self.family, self.components, self._fine_tune_parts(self.components),
-                                  self.s.fine_tune, t.save_model_as, t.save_precision, device=self.device,
-                                  gradient_checkpointing=t.gradient_checkpointing)
-        return AdapterTrainable(self.s.network_kind, self.family, self.components, self.s.network,
-                                t.save_model_as, t.save_precision, fp8_base=self.s.memory.fp8_base,
-                                full_dtype=self._full_dtype(), device=self.device,
-                                gradient_checkpointing=t.gradient_checkpointing)
-
-    def _cache_latents(self) -> None:
-        d = self.s.data
-        if not d.cache_latents:
-            return
-        vae = self.components.vae
-        vae_id = cache_source_id(self.s.model.vae or self.s.model.pretrained_model_name_or_path, vae.dtype,
-                                 self.family.latent_cache_values(self.family.options(self.components)), weights=vae)
-        share = self._cache_share(gather=not d.cache_latents_to_disk)  # each process encodes its share
-        cache = functools.partial(self.data.cache_latents,
-                                  lambda images: encode_with_vae(self.family, vae, images),
-                                  vae_id=vae_id, to_disk=d.cache_latents_to_disk, batch_size=d.vae_batch_size,
-                                  num_workers=d.data_loader_workers())
-        cache(share=share)
-        if share is not None and d.cache_latents_to_disk:
-            self.accelerator.wait_for_everyone()
-            cache()  # reads what the other processes wrote (and retries what failed, alike on every process)
-
-    def _cache_share(self, gather: bool = True) -> Optional[CacheShare]:
-        """This process's part of building a cache, with several processes (None with one)."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return None
-        return CacheShare(acc.process_index, acc.num_processes, acc.wait_for_everyone,
-                          gather_objects if gather else None)
-
     def _setup_optimizer(self) -> None:
         groups, self.group_names = self.trainable.parameter_groups(self.s.optimizer.learning_rate)
         self.optimizer, self.optimizer_name, self.optimizer_descr = create_optimizer(groups, self.s.optimizer)
@@ -369,9 +146,11 @@ class Trainer(TrainingLoop):
         t = self.t
         if self.zero is None:
             self.step_module = StepModule(self.network, self._batch_loss)
-        if self.fsdp is None and self.zero is None:  # FSDP reduce-scatters the gradients itself, DeepSpeed too
+        if self.fsdp is None and self.zero is None and t.tensor_parallel_size == 1:  # FSDP / DeepSpeed reduce
+            # the gradients themselves; tensor parallelism's processes train one batch (DTensor reduces)
             dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
-            unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
+            unused = unused_parameters_possible(bool(self.trained_encoders), dropout) \
+                or self.family.denoiser_leaves_weights_unused
             self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
                                              t.ddp_static_graph)
         if isinstance(self.step_module, DistributedDataParallel):
@@ -382,18 +161,6 @@ class Trainer(TrainingLoop):
         if self.s.ema.use_ema:
             self.ema = EMA(self.trainable.module, self.s.ema, self.device)
 
-    def _setup_deepspeed(self) -> None:
-        """The engine around the StepModule and the run's optimizer (which keeps its parameter groups: the schedule and
-        the lr logs still read them)."""
-        t = self.t
-        self.network = self.trainable.module
-        config = self.zero.complete(self.s.data.train_batch_size, t.gradient_accumulation_steps,
-                                    self.accelerator.num_processes, self.s.optimizer.max_grad_norm,
-                                    t.mixed_precision, client_optimizer=True)
-        self.step_module = ZeroEngine(StepModule(self.network, self._batch_loss), self.optimizer, config,
-                                      self.zero.stage, self.zero.save_16bit)
-        self.trainable.engine = self.step_module
-
     def _resume(self) -> None:
         where = self.t.resume
         if where and self.t.hub.resume_from_huggingface:  # every process downloads the state it reads
@@ -401,13 +168,6 @@ class Trainer(TrainingLoop):
         resume(where, self.t.output_dir, self.max_train_steps, self.trainable, self.optimizer,
                self.lr_scheduler, getattr(self.accelerator, "scaler", None), self.ema, self.run_state,
                self.accelerator.process_index, self.accelerator.num_processes)
-
-    def _cache_text_outputs(self) -> None:
-        if self.s.text_cache.enabled:
-            self.text_cached_encoders = build_step_text_cache(self.ctx, self.data, self.s, self.trained_encoders,
-                                                              self.max_train_steps, self._cache_share())
-        else:
-            start_auto_text_cache(self.ctx, self.data, self.s, self.trained_encoders, self.max_train_steps)
 
     def cache_latents_only(self) -> None:
         """Build the latent cache this run would use, then stop (tools/cache_latents.py)."""
@@ -465,7 +225,12 @@ class Trainer(TrainingLoop):
             self.components, self.block_swapper = self._setup_model()
             if self.t.context_parallel_size > 1:
                 apply_context_parallel(self.components.denoiser, self.t.context_parallel_size, self.device)
+            tp = apply_tensor_parallel(self.components.denoiser, self.t.tensor_parallel_size, self.device) \
+                if self.t.tensor_parallel_size > 1 else None
             self.trainable = self._setup_trainable()
+            if tp is not None:  # the LoRA follows the sharded Linears; saves gather it whole
+                self.trainable.sharding = tp
+                tp.shard_adapter(self.trainable.module)
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)

@@ -83,6 +83,9 @@ class QwenImageFamily(FlowDiTFamily):
     supports_text_cache = True
     text_cache_suffix = "_qi_te.npz"
     block_classes = TRANSFORMER_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles
+    context_parallel_token_pixels = 16  # diffusers' QwenImageTransformer2DModel._cp_plan; text padded in predict
+    tensor_parallel = True  # diffusers' QwenImageTransformer2DModel._tp_plan
+    denoiser_leaves_weights_unused = True  # the last block's text stream (to_add_out, txt_mlp): nothing reads it
 
     # --- options -------------------------------------------------------------------------------------
     @classmethod
@@ -215,7 +218,8 @@ class QwenImageFamily(FlowDiTFamily):
         model = components.denoiser
         device, dtype = noisy_latents.device, noisy_latents.dtype
         b, _, h, w = noisy_latents.shape
-        states, mask = text_rules.trimmed(text.tensors)
+        split = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)  # diffusers'
+        states, mask = text_rules.trimmed(text.tensors, split.ulysses_degree if split is not None else 1)
         controls = [c.to(device, dtype) for c in batch.get("scaled_control_latents") or []]
         tokens = torch.cat([pack(noisy_latents), *(pack(c) for c in controls)], dim=1)
         shapes = [(1, h // 2, w // 2), *((1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls)]

@@ -53,10 +53,13 @@ def encode(qwen, tokenizer, tokens: list[torch.Tensor]) -> dict[str, torch.Tenso
             "prompt_mask": torch.nn.functional.pad(mask, (0, pad))}
 
 
-def trimmed(text: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(states, mask) cut to the batch's longest caption (at least one token)."""
-    n = max(int(text["prompt_mask"].sum(1).max()), 1)
-    return text["prompt_embeds"][:, :n], text["prompt_mask"][:, :n]
+def trimmed(text: dict[str, torch.Tensor], multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(states, mask) cut to the batch's longest caption (at least one token), rounded up to a multiple of
+    `multiple` with masked padding (context parallelism splits the text tokens over that many processes)."""
+    n = -(-max(int(text["prompt_mask"].sum(1).max()), 1) // multiple) * multiple
+    states, mask = text["prompt_embeds"][:, :n], text["prompt_mask"][:, :n]
+    pad = n - states.shape[1]
+    return torch.nn.functional.pad(states, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
 
 
 # --- Qwen-Image-Edit: the caption with its control images, as QwenImageEditPipeline / QwenImageEditPlusPipeline ----

@@ -16,6 +16,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from library.families.common.gguf_file import logical_shape
+
 COMFY_PREFIX = "model.diffusion_model."
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
 # diffusers module path inside a block -> (original path, slot in the fused qkv or None)
@@ -91,8 +93,9 @@ def infer_shape(tensors: Mapping[str, torch.Tensor]) -> dict:
     def count(kind: str) -> int:
         return len({m[1] for k in tensors if (m := re.match(rf"{kind}\.(\d+)\.", k))})
 
-    dim = tensors["x_embedder.weight"].shape[0]
-    head_dim = tensors["layers.0.attention.q_norm.weight"].shape[0]
+    # logical shapes: a GGUF-quantized tensor's own shape is its byte shape (rows, bytes per row)
+    dim, patch_in = logical_shape(tensors["x_embedder.weight"])
+    head_dim = logical_shape(tensors["layers.0.attention.q_norm.weight"])[0]
     return dict(layers=count("layers"), refiner_layers=count("noise_refiner"), dim=dim, heads=dim // head_dim,
-                head_dim=head_dim, cap_feat_dim=tensors["cap_embedder.0.weight"].shape[0],
-                patch_in=tensors["x_embedder.weight"].shape[1])
+                head_dim=head_dim, cap_feat_dim=logical_shape(tensors["cap_embedder.0.weight"])[0],
+                patch_in=patch_in)

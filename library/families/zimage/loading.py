@@ -27,6 +27,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
 from library.families.common.autoencoder import load_ae_file
+from library.families.common.gguf_file import GGUF_SUFFIX, adopt_gguf, gguf_keys, is_gguf, read_gguf
 from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
@@ -45,17 +46,27 @@ FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
 
 def zimage_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
-    return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
-                           expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors file or the preset "
-                                    "tiny:zimage")
+    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
+        return "single_file"
+    return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS,
+                           file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors or ComfyUI-GGUF .gguf file "
+                                    "or the preset tiny:zimage")
 
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
-    """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file)."""
+    """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file), or a ComfyUI-GGUF
+    file of it (`general.architecture` "lumina2", as city96's convert.py names Z-Image; quantized weights kept)."""
     from diffusers import ZImageTransformer2DModel
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Z-Image DiT (layers.*.attention.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
+    what = "a Z-Image DiT (layers.*.attention.qkv keys)"
+
+    def holds(keys):
+        return any(_DIT_MARKER.match(k) for k in keys)
+
+    gguf = is_gguf(path)
+    tensors = layout.strip_prefix(read_gguf(label, path, what, holds, dtype, archs=("lumina2",)) if gguf
+                                  else read_file(label, path, what, holds, dtype))
     try:
         shape = layout.infer_shape(tensors)
     except KeyError as e:
@@ -71,7 +82,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     config = transformer_config(PRESETS["random:zimage"]) | dict(
         dim=shape["dim"], n_layers=shape["layers"], n_refiner_layers=shape["refiner_layers"], n_heads=shape["heads"],
         n_kv_heads=shape["heads"], cap_feat_dim=shape["cap_feat_dim"], axes_dims=axes)
-    return adopt(label, path, lambda: ZImageTransformer2DModel(**config), layout.to_diffusers(tensors))
+    return (adopt_gguf if gguf else adopt)(label, path, lambda: ZImageTransformer2DModel(**config),
+                                           layout.to_diffusers(tensors))
 
 
 
@@ -145,6 +157,8 @@ def block_count(path: str) -> Optional[int]:
         if kind == "diffusers":
             with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
                 return int(json.load(f)["n_layers"])
+        if is_gguf(path):
+            return len({m[1] for k in gguf_keys(path) if (m := re.match(r"layers\.(\d+)\.", k))}) or None
         return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
     except (OSError, ValueError, KeyError, ModelLoadError):
         return None
