@@ -256,6 +256,11 @@ class ModelFamily(ABC):
         options; 0: none (the model takes no reference images)."""
         return 0
 
+    def text_key(self, components: "Components", caption: str, control_paths: tuple[str, ...]) -> str:
+        """What a sample's text conditioning is computed from, as the string `tokenize` takes and the text cache keys
+        on: its caption; a family whose text encoder also reads the control images (Qwen-Image-Edit) puts them in."""
+        return caption
+
     def latent_cache_values(self, options: Any) -> dict[str, Any]:
         """The options that change what the VAE outputs (part of the latent-cache validity key)."""
         return {}
