@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.lumina import layout
+from library.families.common.dit_layout import COMFY_PREFIX
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.lumina.configs import (
     PRESETS,
@@ -77,7 +78,7 @@ def test_tiny_files_load_through_the_real_loaders(lumina_files, tiny_lumina):
 
     comfy = lumina_files["dit"].replace(".safetensors", "-comfy.safetensors")
     from safetensors.torch import save_file
-    save_file({layout.COMFY_PREFIX + k: v for k, v in load_file(lumina_files["dit"]).items()}, comfy)
+    save_file({COMFY_PREFIX + k: v for k, v in load_file(lumina_files["dit"]).items()}, comfy)
     again = load_dit_file(comfy, torch.float32).state_dict()
     assert all(torch.equal(again[k], v) for k, v in tiny_lumina.denoiser.state_dict().items())
 

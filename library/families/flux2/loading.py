@@ -30,6 +30,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
+from library.families.common.dit_layout import strip_prefix
 from library.families.common.loading import (adopt, classify_source, infer_vae_config,
                                              load_folder_parts, read_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
@@ -65,7 +66,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Flux2Transformer2DModel from an original FLUX.2 file (or ComfyUI's whole-model file)."""
     from diffusers import Flux2Transformer2DModel
 
-    tensors = layout.strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
+    tensors = strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)

@@ -24,6 +24,7 @@ from library.core.safetensors_io import write_safetensors
 from library.families.hunyuan_image import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen_vl import load_qwen_vl
+from library.families.common.dit_layout import strip_prefix
 from library.families.common.loading import adopt, read_file
 from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
@@ -50,7 +51,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """HunyuanImageTransformer2DModel from an original DiT file."""
     from diffusers import HunyuanImageTransformer2DModel
 
-    tensors = layout.strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
+    tensors = strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)

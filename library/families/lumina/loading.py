@@ -24,6 +24,7 @@ from library.families.common import ldm_layout as ldm
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.autoencoder import load_ae_file
+from library.families.common.dit_layout import strip_prefix
 from library.families.common.loading import adopt, cached_tokenizer, read_file
 from library.families.common.loading import classify_source
 from library.families.lumina.configs import (
@@ -50,7 +51,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Lumina2Transformer2DModel from an original NextDiT file (or ComfyUI's whole-model file)."""
     from diffusers import Lumina2Transformer2DModel
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
+    tensors = strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)

@@ -27,6 +27,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
 from library.families.common.autoencoder import load_ae_file
+from library.families.common.dit_layout import strip_prefix
 from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
@@ -54,7 +55,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file)."""
     from diffusers import ZImageTransformer2DModel
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Z-Image DiT (layers.*.attention.qkv keys)",
+    tensors = strip_prefix(read_file(label, path, "a Z-Image DiT (layers.*.attention.qkv keys)",
                                              lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
     try:
         shape = layout.infer_shape(tensors)
