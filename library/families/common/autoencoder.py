@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from library.families.base import ModelLoadError
@@ -58,6 +60,11 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
 
 
 LATENT_CHANNELS = 16
+
+
+def ae_file_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers autoencoder's state dict in the LDM names of BFL's AE files (no prefix: `encoder.down.0...`)."""
+    return ldm.push(state, ldm.vae_key_map(state.keys(), ""))
 
 
 def ae_scale_and_shift(vae) -> tuple[float, float]:

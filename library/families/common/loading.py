@@ -4,6 +4,7 @@ state dict, the SD-style autoencoder and CLIP tokenizers. Nothing is ever downlo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -12,9 +13,10 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from library.core.tensors import aligned
-from library.families.base import ModelLoadError
+from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common import ldm_layout as ldm
 from library.families.common.configs import text_encoder_config, vae_config
+from library.families.common.dit_layout import strip_prefix
 from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
 from library.families.detect import describe_keys
 
@@ -322,3 +324,36 @@ def cached_tokenizer(repo: str, tokenizer_cache_dir: Optional[str], accept: Call
         if accept(tokenizer):
             return tokenizer
     return None
+
+
+# --- the single-file DiT families (FLUX.2, Z-Image, Lumina, HunyuanImage) ----------------------------------------
+
+def read_dit_file(label: str, path: str, dtype: torch.dtype, *, expected: str, marker: "re.Pattern[str]",
+                  infer_shape: Callable[[dict[str, torch.Tensor]], dict], what: str) -> tuple[dict, dict]:
+    """(tensors, shape) of an original DiT file: its tensors without ComfyUI's `model.diffusion_model.` prefix and
+    `infer_shape` of them. A header with no key `marker` matches stops as "expected `expected`"; a tensor
+    `infer_shape` needs and the file lacks as "incomplete `what`" (one-line ModelLoadErrors)."""
+    tensors = strip_prefix(read_file(label, path, expected, lambda keys: any(marker.match(k) for k in keys), dtype))
+    try:
+        return tensors, infer_shape(tensors)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete {what}, no tensor for {e.args[0]}") from None
+
+
+def finish_components(opts: LoadOptions, denoiser: torch.nn.Module, text_encoders: list, tokenizers: list, vae,
+                      vae_path: Optional[str], *, scratch_done: bool = False) -> Components:
+    """The loaded parts as Components: --from_scratch's fresh denoiser (unless the folder loader drew it already),
+    the denoiser and text encoders in opts.dtype and the VAE (None: not loaded) in opts.vae_dtype."""
+    if opts.from_scratch and not scratch_done:
+        denoiser = scratch_denoiser(denoiser, opts.init_seed)
+    for module, dtype in ((denoiser, opts.dtype), *((te, opts.dtype) for te in text_encoders), (vae, opts.vae_dtype)):
+        if module is not None and next(module.parameters()).dtype != dtype:
+            module.to(dtype=dtype)
+    return Components(denoiser=denoiser, vae=vae, text_encoders=list(text_encoders), tokenizers=list(tokenizers),
+                      model_path=opts.pretrained_model_name_or_path, vae_path=vae_path)
+
+
+def part_config(folder: str, part: str) -> dict:
+    """The config.json of a diffusers folder's `part`/ (OSError / ValueError when it is missing or unreadable)."""
+    with open(os.path.join(folder, part, "config.json"), encoding="utf-8") as f:
+        return json.load(f)

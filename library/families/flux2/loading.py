@@ -18,7 +18,6 @@ Every single-file configuration is read from tensor shapes; models are built on 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Optional
@@ -27,12 +26,12 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.autoencoder import ae_file_tensors
 from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
 from library.families.common import ldm_layout as ldm
-from library.families.common.dit_layout import strip_prefix
-from library.families.common.loading import (adopt, classify_source, infer_vae_config,
-                                             load_folder_parts, read_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, infer_vae_config,
+                                             load_folder_parts, part_config, read_dit_file, read_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
 from library.families.flux2.configs import (
@@ -66,12 +65,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Flux2Transformer2DModel from an original FLUX.2 file (or ComfyUI's whole-model file)."""
     from diffusers import Flux2Transformer2DModel
 
-    tensors = strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete FLUX.2 DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype, expected="a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="FLUX.2 DiT")
     if shape["patch_in"] != PATCHED_CHANNELS:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches "
                              f"({PATCHED_CHANNELS}), found img_in input {shape['patch_in']} (a FLUX.1 file?)")
@@ -119,20 +114,16 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     return adopt(label, path, lambda: AutoencoderKLFlux2(**config), state_dict)
 
 
-def ae_file_tensors(vae) -> dict[str, torch.Tensor]:
+def flux2_ae_file_tensors(vae) -> dict[str, torch.Tensor]:
     """An AutoencoderKLFlux2 as the original AE file's tensors (LDM names, `bn.*` as they are)."""
     state = vae.state_dict()
-    vae_state = {k: v for k, v in state.items() if not k.startswith("bn.")}
-    out = ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), ""))
-    out.update({k: state[k] for k in BN_KEYS})
-    return out
+    return ae_file_tensors({k: v for k, v in state.items() if not k.startswith("bn.")}) | {k: state[k] for k in BN_KEYS}
 
 
 def folder_is_dev(path: str) -> bool:
     """Whether a diffusers FLUX.2 folder is dev's (its text_encoder/ a Mistral3 model), from its config.json."""
     try:
-        with open(os.path.join(path, "text_encoder", "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type") == "mistral3"
+        return part_config(path, "text_encoder").get("model_type") == "mistral3"
     except (OSError, ValueError):
         return False
 
@@ -228,15 +219,7 @@ def load_flux2_components(opts: LoadOptions, options) -> Components:
         if ae_path:
             vae = load_ae_file(ae_path, opts.vae_dtype)
     check_pairing(path, transformer, text_encoder, options.model_version)
-    if opts.from_scratch and not scratch_done:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+    return finish_components(opts, transformer, [text_encoder], [tokenizer], vae, ae_path, scratch_done=scratch_done)
 
 
 def dit_file_is_dev(path: str) -> bool:
@@ -276,8 +259,7 @@ def block_counts(path: str) -> Optional[tuple[int, int]]:
         if kind == "preset":
             return PRESETS[path].double_layers, PRESETS[path].single_layers
         if kind == "diffusers":
-            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
+            config = part_config(path, "transformer")
             return int(config["num_layers"]), int(config["num_single_layers"])
         double = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?double_blocks\.(\d+)\.")
         single = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?single_blocks\.(\d+)\.")
@@ -357,5 +339,5 @@ def write_flux2_preset(name: str, out_dir: str) -> dict[str, str]:
     else:
         text_state = {"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}
     write_safetensors(text_state, paths[text_key])
-    write_safetensors(ae_file_tensors(parts["vae"]), paths["ae"])
+    write_safetensors(flux2_ae_file_tensors(parts["vae"]), paths["ae"])
     return paths

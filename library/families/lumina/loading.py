@@ -20,13 +20,11 @@ from typing import Optional
 import torch
 
 from library.core.safetensors_io import write_safetensors
-from library.families.common import ldm_layout as ldm
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.common.autoencoder import load_ae_file
-from library.families.common.dit_layout import strip_prefix
-from library.families.common.loading import adopt, cached_tokenizer, read_file
-from library.families.common.loading import classify_source
+from library.families.common.autoencoder import ae_file_tensors, load_ae_file
+from library.families.common.loading import (adopt, cached_tokenizer, classify_source, finish_components,
+                                             read_dit_file, read_file)
 from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
     LATENT_CHANNELS,
@@ -51,12 +49,9 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Lumina2Transformer2DModel from an original NextDiT file (or ComfyUI's whole-model file)."""
     from diffusers import Lumina2Transformer2DModel
 
-    tensors = strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Lumina DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype,
+                                   expected="a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="Lumina DiT")
     if shape["patch_in"] != LATENT_CHANNELS * 4:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches, "
                              f"found x_embedder input {shape['patch_in']}")
@@ -151,15 +146,7 @@ def load_lumina_components(opts: LoadOptions, options) -> Components:
             text_encoder, tokenizer = load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)
         if ae_path:
             vae = load_ae_file(ae_path, opts.vae_dtype)
-    if opts.from_scratch:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+    return finish_components(opts, transformer, [text_encoder], [tokenizer], vae, ae_path)
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
@@ -199,6 +186,5 @@ def write_lumina_preset(name: str, out_dir: str) -> dict[str, str]:
              "ae": os.path.join(out_dir, "ae.safetensors")}
     write_dit_file(parts["transformer"], paths["dit"])
     write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["gemma2"])
-    vae_state = parts["vae"].state_dict()
-    write_safetensors(ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), "")), paths["ae"])
+    write_safetensors(ae_file_tensors(parts["vae"].state_dict()), paths["ae"])
     return paths
