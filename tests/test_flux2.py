@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -25,7 +24,9 @@ from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
 from networks.lora import create_network
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_same_weights, base_args, fine_tune_one_step,
+                                 make_dataset, make_trainer, random_lora_file)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -41,12 +42,6 @@ def flux2_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_flux2():
     return get_family("flux2").load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=64)))
-
-
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_original_layout_matches_diffusers_converter():
@@ -88,20 +83,20 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
     single = family.load(LoadOptions(flux2_files["dit"], family_options=Flux2Options(
         qwen3=flux2_files["qwen3"], ae=flux2_files["ae"])))
     for loaded in (folder, single):
-        _same_weights(loaded.denoiser, tiny_flux2.denoiser)
-        _same_weights(loaded.vae, tiny_flux2.vae)
-        _same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
+        assert_same_weights(loaded.denoiser, tiny_flux2.denoiser)
+        assert_same_weights(loaded.vae, tiny_flux2.vae)
+        assert_same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
     assert tiny_flux2.vae.bn.running_var.min() > 0.5 - 1e-6 and tiny_flux2.vae.bn.running_mean.abs().max() > 0
     pipe = Flux2KleinPipeline.from_pretrained(flux2_files["diffusers"])
-    _same_weights(pipe.transformer, tiny_flux2.denoiser)
-    _same_weights(pipe.text_encoder.model, tiny_flux2.text_encoders[0])
+    assert_same_weights(pipe.transformer, tiny_flux2.denoiser)
+    assert_same_weights(pipe.text_encoder.model, tiny_flux2.text_encoders[0])
     by_diffusers = Flux2Transformer2DModel.from_single_file(
         flux2_files["dit"], config=os.path.join(flux2_files["diffusers"], "transformer"))
-    _same_weights(by_diffusers, tiny_flux2.denoiser)
+    assert_same_weights(by_diffusers, tiny_flux2.denoiser)
     comfy = os.path.join(os.path.dirname(flux2_files["dit"]), "comfy-whole.safetensors")
     write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(flux2_files["dit"]).items()}, comfy)
-    _same_weights(family.load(LoadOptions(comfy, family_options=Flux2Options(qwen3=flux2_files["qwen3"]))).denoiser,
-                  tiny_flux2.denoiser)
+    whole = family.load(LoadOptions(comfy, family_options=Flux2Options(qwen3=flux2_files["qwen3"])))
+    assert_same_weights(whole.denoiser, tiny_flux2.denoiser)
     assert [detect_family(p) for p in (flux2_files["diffusers"], flux2_files["dit"], comfy)] == ["flux2"] * 3
     with safe_open(flux2_files["dit"], "pt") as f:
         keys = set(f.keys())
@@ -208,19 +203,7 @@ def test_tiny_flux2_lora_training_run_samples_and_generates(tmp_path, flux2_file
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
         == ("flux2", "flux-2-klein/lora", "networks.lora_flux2")
     assert (metadata["ss_timestep_sampling"], metadata["ss_weighting_scheme"]) == ("flux_shift", "none")
-    from PIL import Image
-
-    from tools.generate import main as generate
-
-    images = []
-    for mul in ("0", "1"):
-        out = tmp_path / f"gen{mul}"
-        assert generate(["--ckpt", flux2_files["diffusers"], "--network_module", "networks.lora_flux2",
-                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
-                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
-        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
-        images.append(np.asarray(Image.open(out / name)))
-    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    assert_lora_changes_generation(tmp_path, flux2_files["diffusers"], "networks.lora_flux2", path)
 
 
 def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
@@ -264,27 +247,15 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
 def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, flux2_files, tiny_flux2):
     """flux2_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
     DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("flux2", "test", ft_args(data, out, preset=flux2_files["diffusers"], steps=1, extra=[
+    path, data = fine_tune_one_step(tmp_path, "flux2", flux2_files["diffusers"], [
         "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
-        "--cache_latents", "--cache_latents_to_disk"]), fine_tune=True) == 0
+        "--cache_latents", "--cache_latents_to_disk"], "flux-2-klein", flux2_files["dit"])
     cached = sorted(n for n in os.listdir(os.path.join(data, "5_sks toy")) if n.endswith(".npz"))
     assert len(cached) == 2 and any(n.endswith("_flux2_te.npz") for n in cached) \
         and any(n.endswith("_flux2.npz") for n in cached), cached
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "flux-2-klein"
-    assert keys == set(load_file(flux2_files["dit"]))
     loaded = get_family("flux2").load(LoadOptions(path, family_options=Flux2Options(
         qwen3=flux2_files["qwen3"], ae=flux2_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_flux2.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    _same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
+    assert_only_denoiser_moved(loaded, tiny_flux2)
 
 
 def test_fp8_base_and_block_swap_train_as_float8_rounded_weights(tmp_path):
@@ -475,7 +446,6 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, flux2_files):
     """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
     keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in BFL's layout (the
     fused qkv's up stacks the q, k, v slices over one down)."""
-    from tests.train_helpers import random_lora_file
     from tools import merge_lora
 
     family = get_family("flux2")
@@ -484,15 +454,8 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, flux2_files):
     out = str(tmp_path / "merged.safetensors")
     assert merge_lora.main(["--sd_model", flux2_files["dit"], "--qwen3", flux2_files["qwen3"], "--ae",
                             flux2_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
-    base, got, lora = load_file(flux2_files["dit"]), load_file(out), load_file(lora_path)
-    assert got.keys() == base.keys()
-    merged = set()
     modules = [f"double_blocks.{i}.{m}" for i in range(2) for m in (
         "img_attn.qkv", "img_attn.proj", "img_mlp.0", "img_mlp.2", "txt_attn.qkv", "txt_attn.proj", "txt_mlp.0",
         "txt_mlp.2")] + [f"single_blocks.{i}.{m}" for i in range(3) for m in ("linear1", "linear2")]
-    for module in modules:
-        name, key = "lora_unet_" + module.replace(".", "_"), f"{module}.weight"
-        down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
-        torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5, atol=1e-6)
-        merged.add(key)
-    assert len(merged) == 22 and all(torch.equal(got[k], base[k]) for k in base if k not in merged)
+    assert len(modules) == 22
+    assert_merged_in_original_layout(out, flux2_files["dit"], lora_path, modules)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -23,7 +22,9 @@ from library.families.zimage.configs import CHAT_TEMPLATE, PRESETS, build_zimage
 from library.families.zimage.loading import write_zimage_preset
 from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_same_weights, base_args, fine_tune_one_step,
+                                 make_dataset, make_trainer, random_lora_file)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -37,12 +38,6 @@ def zimage_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_zimage():
     return get_family("zimage").load(LoadOptions("tiny:zimage"))
-
-
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_original_layout_matches_diffusers_converter_at_full_size():
@@ -76,18 +71,18 @@ def test_tiny_files_load_through_the_real_loaders(zimage_files, tiny_zimage):
     single = family.load(LoadOptions(zimage_files["dit"], family_options=ZImageOptions(
         qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
     for loaded in (folder, single):
-        _same_weights(loaded.denoiser, tiny_zimage.denoiser)
-        _same_weights(loaded.vae, tiny_zimage.vae)
-        _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+        assert_same_weights(loaded.denoiser, tiny_zimage.denoiser)
+        assert_same_weights(loaded.vae, tiny_zimage.vae)
+        assert_same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
     pipe = ZImagePipeline.from_pretrained(zimage_files["diffusers"])
-    _same_weights(pipe.transformer, tiny_zimage.denoiser)
+    assert_same_weights(pipe.transformer, tiny_zimage.denoiser)
     by_diffusers = ZImageTransformer2DModel.from_single_file(
         zimage_files["dit"], config=os.path.join(zimage_files["diffusers"], "transformer"))
-    _same_weights(by_diffusers, tiny_zimage.denoiser)
+    assert_same_weights(by_diffusers, tiny_zimage.denoiser)
     comfy = os.path.join(os.path.dirname(zimage_files["dit"]), "comfy-whole.safetensors")
     write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(zimage_files["dit"]).items()}, comfy)
-    _same_weights(family.load(LoadOptions(comfy, family_options=ZImageOptions(qwen3=zimage_files["qwen3"]))).denoiser,
-                  tiny_zimage.denoiser)
+    whole = family.load(LoadOptions(comfy, family_options=ZImageOptions(qwen3=zimage_files["qwen3"])))
+    assert_same_weights(whole.denoiser, tiny_zimage.denoiser)
     assert [detect_family(p) for p in (zimage_files["diffusers"], zimage_files["dit"], comfy)] == ["zimage"] * 3
     with safe_open(zimage_files["dit"], "pt") as f:
         keys = set(f.keys())
@@ -191,45 +186,21 @@ def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, zimage_fi
     assert (metadata["ss_timestep_sampling"], metadata["ss_discrete_flow_shift"], metadata["ss_weighting_scheme"]) \
         == ("shift", "2.0", "none")
     # tools/generate.py on the diffusers folder with the LoRA; its multiplier changes the image
-    from PIL import Image
-
-    from tools.generate import main as generate
-
-    images = []
-    for mul in ("0", "1"):
-        out = tmp_path / f"gen{mul}"
-        assert generate(["--ckpt", zimage_files["diffusers"], "--network_module", "networks.lora_zimage",
-                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
-                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
-        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
-        images.append(np.asarray(Image.open(out / name)))
-    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    assert_lora_changes_generation(tmp_path, zimage_files["diffusers"], "networks.lora_zimage", path)
 
 
 def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, zimage_files, tiny_zimage):
     """zimage_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
     DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("zimage", "test", ft_args(data, out, preset=zimage_files["diffusers"], steps=1, extra=[
+    path, data = fine_tune_one_step(tmp_path, "zimage", zimage_files["diffusers"], [
         "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
-        "--cache_latents", "--cache_latents_to_disk"]), fine_tune=True) == 0
+        "--cache_latents", "--cache_latents_to_disk"], "z-image", zimage_files["dit"])
     cached = sorted(n for n in os.listdir(os.path.join(data, "5_sks toy")) if n.endswith(".npz"))
     assert len(cached) == 2 and any(n.endswith("_zimage_te.npz") for n in cached) \
         and any(n.endswith("_zimage.npz") for n in cached), cached
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "z-image"
-    assert keys == set(load_file(zimage_files["dit"]))
     loaded = get_family("zimage").load(LoadOptions(path, family_options=ZImageOptions(
         qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_zimage.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+    assert_only_denoiser_moved(loaded, tiny_zimage)
 
 
 @pytest.mark.parametrize("mode", ["lora", "finetune"])
@@ -304,7 +275,6 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zim
     """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
     keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in the original layout
     (the fused qkv's up stacks the q, k, v slices over one down)."""
-    from tests.train_helpers import random_lora_file
     from tools import merge_lora
 
     family = get_family("zimage")
@@ -312,14 +282,6 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zim
     out = str(tmp_path / "merged.safetensors")
     assert merge_lora.main(["--sd_model", zimage_files["dit"], "--qwen3", zimage_files["qwen3"], "--ae",
                             zimage_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
-    base, got, lora = load_file(zimage_files["dit"]), load_file(out), load_file(lora_path)
-    assert got.keys() == base.keys()
-    merged = set()
-    for i in range(2):
-        for module in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
-            name, key = f"lora_unet_layers_{i}_{module.replace('.', '_')}", f"layers.{i}.{module}.weight"
-            down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
-            torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5,
-                                       atol=1e-6)
-            merged.add(key)
-    assert all(torch.equal(got[k], base[k]) for k in base if k not in merged)
+    modules = [f"layers.{i}.{m}" for i in range(2)
+               for m in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    assert_merged_in_original_layout(out, zimage_files["dit"], lora_path, modules)

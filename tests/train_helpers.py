@@ -112,3 +112,78 @@ def assert_close_measured(actual, expected, tolerance: float, what: str) -> floa
 def largest_lora_up(lora: dict) -> float:
     """How far a networks.lora file trained: its lora_up weights start at 0."""
     return max(v.float().abs().max().item() for k, v in lora.items() if "lora_up" in k)
+
+
+# --- the single-file DiT families (FLUX.2, Z-Image, Lumina) --------------------------------------------------------
+
+def assert_same_weights(a, b) -> None:
+    """Two modules with the same keys and bitwise the same tensors (a file written and read back)."""
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def fine_tune_one_step(tmp_path, family_name: str, preset: str, extra: list[str], architecture: str,
+                       dit_file: str) -> tuple[str, str]:
+    """The family's full fine-tune script, one step on one image: the saved model.safetensors records
+    `architecture` and has exactly `dit_file`'s keys. Returns (its path, the dataset folder)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from library.cli.entry import run_training
+
+    data = make_dataset(str(tmp_path), n=1)
+    out = str(tmp_path / "out")
+    assert run_training(family_name, "test", ft_args(data, out, preset=preset, steps=1, extra=extra),
+                        fine_tune=True) == 0
+    path = os.path.join(out, "model.safetensors")
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["modelspec.architecture"] == architecture
+    assert keys == set(load_file(dit_file))
+    return path, data
+
+
+def assert_only_denoiser_moved(loaded, before) -> None:
+    """A fine-tuned model read back: its denoiser (same keys) differs from `before`'s, its text encoder does not."""
+    import torch
+
+    a, b = loaded.denoiser.state_dict(), before.denoiser.state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    assert_same_weights(loaded.text_encoders[0], before.text_encoders[0])
+
+
+def assert_lora_changes_generation(tmp_path, ckpt: str, network_module: str, lora_path: str) -> None:
+    """tools/generate.py on `ckpt` with the LoRA at --network_mul 0 and 1: one 64x64 image each, and they differ."""
+    from tools.generate import main as generate
+
+    images = []
+    for mul in ("0", "1"):
+        out = tmp_path / f"gen{mul}"
+        assert generate(["--ckpt", ckpt, "--network_module", network_module, "--network_weights", lora_path,
+                         "--network_mul", mul, "--outdir", str(out), "--prompt", "a red cube", "--W", "64", "--H",
+                         "64", "--steps", "2", "--seed", "3"]) == 0
+        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
+        images.append(np.asarray(Image.open(out / name)))
+    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+
+
+def assert_merged_in_original_layout(merged_file: str, base_file: str, lora_file: str, modules: list[str]) -> None:
+    """tools/merge_lora.py's output against the merge computed here on the original file's keys: the same keys, each
+    of `modules` (original module paths; kohya name `lora_unet_` + path with `_`) its weight plus
+    up @ down · alpha / rank (a fused qkv's up stacks the q, k, v slices over one down), every other tensor as it
+    was."""
+    import torch
+    from safetensors.torch import load_file
+
+    base, got, lora = load_file(base_file), load_file(merged_file), load_file(lora_file)
+    assert got.keys() == base.keys()
+    merged = set()
+    for module in modules:
+        name, key = "lora_unet_" + module.replace(".", "_"), f"{module}.weight"
+        down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5, atol=1e-6)
+        merged.add(key)
+    assert all(torch.equal(got[k], base[k]) for k in base if k not in merged)
