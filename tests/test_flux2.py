@@ -25,8 +25,9 @@ from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
 from networks.lora import create_network
 from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
-                                 assert_only_denoiser_moved, assert_same_weights, base_args, fine_tune_one_step,
-                                 make_dataset, make_trainer, random_lora_file)
+                                 assert_only_denoiser_moved, assert_same_weights, assert_template_passes_check_config,
+                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
+                                 web_ui_template)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -306,31 +307,13 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     """webui/templates/flux2_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
     bitsandbytes here), passes the script's own --check_config; the templates name networks.lora_flux2 and the
     FLUX.2 flow defaults."""
-    import toml
-
-    from library.cli.entry import run_training
-    from webui.families import script_for
-    from webui.jobfiles import REPO_ROOT
-
-    assert script_for("flux2", mode) == get_family("flux2").scripts[mode]
-    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"flux2_{mode}.toml"))
-    assert (template["template"]["family"], template["template"]["mode"]) == ("flux2", mode)
+    template = web_ui_template("flux2", mode)
     config = template["config"]
     assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"]) == ("flux_shift", "none")
     assert ("network" in config) == (mode == "lora")
     if mode == "lora":
         assert config["network"]["network_module"] == "networks.lora_flux2"
-    config["model"] = {"pretrained_model_name_or_path": "tiny:flux2"}
-    config["optimizer"]["optimizer_type"] = "AdamW"
-    dataset = template["dataset"]
-    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
-    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
-    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
-    config["output"]["logging_dir"] = str(tmp_path / "logs")
-    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
-    (tmp_path / "config.toml").write_text(toml.dumps(config))
-    assert run_training("flux2", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
-                        fine_tune=mode == "finetune") == 0
+    assert_template_passes_check_config(tmp_path, "flux2", mode, template, "tiny:flux2")
 
 
 def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):

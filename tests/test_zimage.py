@@ -23,8 +23,9 @@ from library.families.zimage.loading import write_zimage_preset
 from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
 from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
-                                 assert_only_denoiser_moved, assert_same_weights, base_args, fine_tune_one_step,
-                                 make_dataset, make_trainer, random_lora_file)
+                                 assert_only_denoiser_moved, assert_same_weights, assert_template_passes_check_config,
+                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
+                                 web_ui_template)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -208,32 +209,14 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     """webui/templates/zimage_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
     bitsandbytes here), passes the script's own --check_config; the LoRA template names networks.lora_zimage and
     musubi-tuner's Z-Image defaults."""
-    import toml
-
-    from library.cli.entry import run_training
-    from webui.families import script_for
-    from webui.jobfiles import REPO_ROOT
-
-    assert script_for("zimage", mode) == get_family("zimage").scripts[mode]
-    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"zimage_{mode}.toml"))
-    assert (template["template"]["family"], template["template"]["mode"]) == ("zimage", mode)
+    template = web_ui_template("zimage", mode)
     config = template["config"]
     assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"],
             config["training"]["discrete_flow_shift"]) == ("shift", "none", 2.0)
     assert ("network" in config) == (mode == "lora")
     if mode == "lora":
         assert config["network"]["network_module"] == "networks.lora_zimage"
-    config["model"] = {"pretrained_model_name_or_path": "tiny:zimage"}
-    config["optimizer"]["optimizer_type"] = "AdamW"
-    dataset = template["dataset"]
-    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
-    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
-    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
-    config["output"]["logging_dir"] = str(tmp_path / "logs")
-    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
-    (tmp_path / "config.toml").write_text(toml.dumps(config))
-    assert run_training("zimage", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
-                        fine_tune=mode == "finetune") == 0
+    assert_template_passes_check_config(tmp_path, "zimage", mode, template, "tiny:zimage")
 
 
 def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):

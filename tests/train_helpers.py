@@ -187,3 +187,39 @@ def assert_merged_in_original_layout(merged_file: str, base_file: str, lora_file
         torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5, atol=1e-6)
         merged.add(key)
     assert all(torch.equal(got[k], base[k]) for k in base if k not in merged)
+
+
+def web_ui_template(family_name: str, mode: str) -> dict:
+    """webui/templates/<family>_<mode>.toml, checked to be the family's and the mode's and to run the family's
+    script for the mode."""
+    import toml
+
+    from webui.families import script_for
+    from webui.jobfiles import REPO_ROOT
+
+    assert script_for(family_name, mode) == get_family(family_name).scripts[mode]
+    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"{family_name}_{mode}.toml"))
+    assert (template["template"]["family"], template["template"]["mode"]) == (family_name, mode)
+    return template
+
+
+def assert_template_passes_check_config(tmp_path, family_name: str, mode: str, template: dict, preset: str) -> None:
+    """A web UI template's config on `preset`, AdamW for AdamW8bit (no bitsandbytes here) and the example data,
+    the output folders set as the UI sets them (MANAGED_KEYS): the script's own --check_config passes."""
+    import toml
+
+    from library.cli.entry import run_training
+    from webui.jobfiles import REPO_ROOT
+
+    config = template["config"]
+    config["model"] = {"pretrained_model_name_or_path": preset}
+    config["optimizer"]["optimizer_type"] = "AdamW"
+    dataset = template["dataset"]
+    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
+    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
+    config["output"]["output_dir"] = str(tmp_path / "out")
+    config["output"]["logging_dir"] = str(tmp_path / "logs")
+    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
+    (tmp_path / "config.toml").write_text(toml.dumps(config))
+    assert run_training(family_name, "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
+                        fine_tune=mode == "finetune") == 0
