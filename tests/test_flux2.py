@@ -23,11 +23,11 @@ from library.families.flux2.family import patchify
 from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
-from networks.lora import create_network
-from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
-                                 assert_only_denoiser_moved, assert_same_weights, assert_template_passes_check_config,
-                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
-                                 web_ui_template)
+from networks.lora import create_network, create_network_from_weights
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
+                                 assert_template_passes_check_config, base_args, fine_tune_one_step, make_dataset,
+                                 make_trainer, random_lora_file, web_ui_template)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -214,17 +214,12 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     from diffusers import Flux2KleinPipeline
 
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     options = Flux2Options(qwen3_max_token_length=16)
     ours, theirs = (family.load(LoadOptions("tiny:flux2", family_options=options)) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = Flux2KleinPipeline(scheduler=scheduler(), vae=theirs.vae, text_encoder=theirs.text_encoders[0],
                               tokenizer=theirs.tokenizers[0], transformer=theirs.denoiser)
     pipe.load_lora_weights({k: v for k, v in load_file(path).items() if k.startswith("lora_unet_")})
@@ -234,15 +229,7 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     assert {n for n, _ in theirs.denoiser.named_modules() if n.endswith(".lora_A")} == {
         f"transformer_blocks.{i}.{m}.lora_A" for i in range(2) for m in double} | {
         f"single_transformer_blocks.{i}.{m}.lora_A" for i in range(3) for m in ("attn.to_qkv_mlp_proj", "attn.to_out")}
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 32)
 
 
 def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, flux2_files, tiny_flux2):
@@ -326,8 +313,6 @@ def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
 
     from library.core.safetensors_io import write_safetensors
     from library.families.flux2.lora_names import to_kohya_lora
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     c = family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=16)))

@@ -23,8 +23,10 @@ from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2FlowOptions, Flux2Options
 from library.objectives.flow import FlowMatchScheme
-from tests.train_helpers import (assert_lora_changes_generation, assert_only_denoiser_moved, assert_same_weights,
-                                 base_args, fine_tune_one_step, make_dataset, make_trainer)
+from networks.lora import create_network_from_weights
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_only_denoiser_moved,
+                                 assert_pipeline_lora_predicts_as_ours, assert_same_weights, base_args,
+                                 fine_tune_one_step, make_dataset, make_trainer, random_lora_file)
 
 # the tiny tokenizer spells BFL's system prompt in 134 tokens (the real one in far fewer): room for a caption
 TOKENS = 160
@@ -174,17 +176,12 @@ def test_diffusers_flux2_pipeline_loads_our_dev_lora_with_no_unexpected_keys(tmp
     from diffusers import Flux2Pipeline
 
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     options = Flux2Options(mistral3_max_token_length=TOKENS)
     ours, theirs = (family.load(LoadOptions("tiny:flux2_dev", family_options=options)) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = Flux2Pipeline(scheduler=scheduler(), vae=theirs.vae, text_encoder=None, tokenizer=theirs.tokenizers[0],
                          transformer=theirs.denoiser)
     state = {k: v for k, v in load_file(path).items() if k.startswith("lora_unet_")}
@@ -195,15 +192,7 @@ def test_diffusers_flux2_pipeline_loads_our_dev_lora_with_no_unexpected_keys(tmp
     expected = {k.replace("transformer.", "", 1).replace(".lora_A.weight", ".lora_A.default_0.weight")
                 .replace(".lora_B.weight", ".lora_B.default_0.weight") for k in lora_state}
     assert expected == adapter_keys  # no unexpected key and none missing
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 32)
 
 
 def test_tiny_flux2_dev_lora_trains_and_generates(tmp_path, dev_files):
@@ -333,8 +322,6 @@ def test_convert_lora_to_diffusers_loads_in_flux2_pipeline_with_no_unexpected_ke
 
     from library.core.safetensors_io import write_safetensors
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
     from tools.convert_lora import main as convert
 
     family = get_family("flux2")

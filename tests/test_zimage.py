@@ -22,10 +22,10 @@ from library.families.zimage.configs import CHAT_TEMPLATE, PRESETS, build_zimage
 from library.families.zimage.loading import write_zimage_preset
 from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
-from tests.train_helpers import (assert_lora_changes_generation, assert_merged_in_original_layout,
-                                 assert_only_denoiser_moved, assert_same_weights, assert_template_passes_check_config,
-                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
-                                 web_ui_template)
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
+                                 assert_template_passes_check_config, base_args, fine_tune_one_step, make_dataset,
+                                 make_trainer, random_lora_file, web_ui_template)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -225,16 +225,11 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     difference 0.0 on the tiny model; 1e-6 allowed)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("zimage")
     ours, theirs = (family.load(LoadOptions("tiny:zimage")) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=theirs.vae,
                           text_encoder=theirs.text_encoders[0], tokenizer=theirs.tokenizers[0],
                           transformer=theirs.denoiser)
@@ -243,15 +238,7 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
         f"layers.{i}.{m}.lora_A" for i in range(2) for m in ("attention.to_q", "attention.to_k", "attention.to_v",
                                                              "attention.to_out.0", "feed_forward.w1",
                                                              "feed_forward.w2", "feed_forward.w3")}
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 16)
 
 
 def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zimage):
