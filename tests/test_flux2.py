@@ -7,7 +7,6 @@ a file that loads back, block swap."""
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -27,7 +26,8 @@ from networks.lora import create_network, create_network_from_weights
 from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
                                  assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
                                  assert_template_passes_check_config, base_args, fine_tune_one_step, make_dataset,
-                                 make_trainer, random_lora_file, web_ui_template)
+                                 make_trainer, random_lora_file, train_tiny_lora_with_sample,
+                                 web_ui_template)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -184,20 +184,8 @@ def test_tiny_flux2_lora_training_run_samples_and_generates(tmp_path, flux2_file
     """flux2_train_network.py's run: 2 steps with networks.lora_flux2, cached text-encoder outputs and latents,
     a sample at step 2; the file has ComfyUI's names and the FLUX.2 defaults in its metadata; tools/generate.py's
     path (family.generate with the LoRA applied) makes an image."""
-    data = make_dataset(str(tmp_path), n=2)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
-    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:flux2", steps=2, extra=[
-        "--network_module", "networks.lora_flux2", "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs",
-        "--cache_latents", "--network_train_unet_only", "--sample_prompts", str(prompts),
-        "--sample_every_n_steps", "2"]), "flux2")
-    path = trainer.run()
-    samples = os.listdir(tmp_path / "out" / "sample")
-    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
-    with safe_open(path, "pt") as f:
-        keys = sorted(f.keys())
-        metadata = f.metadata()
-        up = f.get_tensor("lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight")
+    path, keys, metadata, up = train_tiny_lora_with_sample(tmp_path, "tiny:flux2", "flux2", "networks.lora_flux2", [
+        "--qwen3_max_token_length", "32"], "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight")
     assert len(keys) == 3 * 22 and all(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_"))
                                        for k in keys)
     assert up.shape == (3 * 32, 4) and up.abs().sum() > 0  # trained

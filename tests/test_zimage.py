@@ -7,7 +7,6 @@ back, and the text-encoder / latent caches."""
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
 from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
                                  assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
-                                 assert_template_passes_check_config, base_args, fine_tune_one_step, make_dataset,
-                                 make_trainer, random_lora_file, web_ui_template)
+                                 assert_template_passes_check_config, fine_tune_one_step, random_lora_file,
+                                 train_tiny_lora_with_sample, web_ui_template)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -166,20 +165,8 @@ def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, zimage_fi
     """zimage_train_network.py's run: 2 steps with networks.lora_zimage, cached text-encoder outputs and latents,
     a sample at step 2; the file has ComfyUI's names and musubi-tuner's defaults in its metadata; tools/generate.py's
     path (family.generate with the LoRA applied) makes an image."""
-    data = make_dataset(str(tmp_path), n=2)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
-    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:zimage", steps=2, extra=[
-        "--network_module", "networks.lora_zimage", "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs",
-        "--cache_latents", "--network_train_unet_only", "--sample_prompts", str(prompts),
-        "--sample_every_n_steps", "2"]), "zimage")
-    path = trainer.run()
-    samples = os.listdir(tmp_path / "out" / "sample")
-    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
-    with safe_open(path, "pt") as f:
-        keys = sorted(f.keys())
-        metadata = f.metadata()
-        up = f.get_tensor("lora_unet_layers_0_attention_qkv.lora_up.weight")
+    path, keys, metadata, up = train_tiny_lora_with_sample(tmp_path, "tiny:zimage", "zimage", "networks.lora_zimage", [
+        "--qwen3_max_token_length", "32"], "lora_unet_layers_0_attention_qkv.lora_up.weight")
     assert len(keys) == 2 * 5 * 3 and all(k.startswith("lora_unet_layers_") for k in keys)
     assert up.shape == (3 * 64, 4) and up.abs().sum() > 0  # trained
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \

@@ -251,3 +251,25 @@ def assert_pipeline_lora_predicts_as_ours(family, ours, theirs, latent_channels:
         base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
     assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def train_tiny_lora_with_sample(tmp_path, preset: str, family_name: str, network_module: str, extra: list[str],
+                                probe: str) -> tuple:
+    """The family's LoRA script on `preset`: 2 steps on 2 images with text-encoder outputs and latents cached, the
+    denoiser only, a sample at step 2 (seed 5, which its file name records). Returns the LoRA file's path, its
+    sorted keys, its metadata and its tensor `probe`."""
+    import re
+
+    from safetensors import safe_open
+
+    data = make_dataset(str(tmp_path), n=2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
+    trainer = make_trainer(base_args(data, str(tmp_path / "out"), preset, steps=2, extra=[
+        "--network_module", network_module, *extra, "--cache_text_encoder_outputs", "--cache_latents",
+        "--network_train_unet_only", "--sample_prompts", str(prompts), "--sample_every_n_steps", "2"]), family_name)
+    path = trainer.run()
+    samples = os.listdir(tmp_path / "out" / "sample")
+    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
+    with safe_open(path, "pt") as f:
+        return path, sorted(f.keys()), f.metadata(), f.get_tensor(probe)
