@@ -26,12 +26,11 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.common.autoencoder import ae_file_tensors
+from library.families.common.autoencoder import ae_file_tensors, load_ldm_ae_file
 from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
-from library.families.common import ldm_layout as ldm
-from library.families.common.loading import (adopt, classify_source, finish_components, infer_vae_config,
-                                             load_folder_parts, part_config, read_dit_file, read_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, load_folder_parts,
+                                             part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
 from library.families.flux2.configs import (
@@ -90,28 +89,11 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKLFlux2 from the FLUX.2 AE file (LDM VAE keys without prefix, 32 latent channels, `bn.*`)."""
     from diffusers import AutoencoderKLFlux2
 
-    label = "--ae"
-    ckpt = read_file(label, path, "the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
-                     lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, dtype)
-    try:
-        found = infer_vae_config(ckpt, "")
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
-    if found["latent_channels"] != LATENT_CHANNELS:
-        raise ModelLoadError(f"{label} {path}: expected the FLUX.2 autoencoder with {LATENT_CHANNELS} latent "
-                             f"channels, found {found['latent_channels']}")
-    config = {**vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoencoderKLFlux2(**config).state_dict().items()}
-    vae_shapes = {k: s for k, s in shapes.items() if not k.startswith("bn.")}
-    try:
-        state_dict = ldm.pull(ckpt, ldm.vae_key_map(vae_shapes, ""), vae_shapes)
-    except (ldm.LayoutError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
-    state_dict.update({k: ckpt[k] for k in BN_KEYS if k in ckpt})
-    if "bn.num_batches_tracked" not in state_dict:
-        state_dict["bn.num_batches_tracked"] = torch.tensor(0)
-    return adopt(label, path, lambda: AutoencoderKLFlux2(**config), state_dict)
+    return load_ldm_ae_file(
+        path, dtype, AutoencoderKLFlux2, vae_config, latent_channels=LATENT_CHANNELS,
+        expected="the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
+        holds=lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, what="FLUX.2",
+        as_stored={"bn.running_mean": None, "bn.running_var": None, "bn.num_batches_tracked": torch.tensor(0)})
 
 
 def flux2_ae_file_tensors(vae) -> dict[str, torch.Tensor]:
