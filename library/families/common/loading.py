@@ -357,3 +357,36 @@ def part_config(folder: str, part: str) -> dict:
     """The config.json of a diffusers folder's `part`/ (OSError / ValueError when it is missing or unreadable)."""
     with open(os.path.join(folder, part, "config.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+def load_dit_parts(opts: LoadOptions, kind: str, ae_path: Optional[str], *,
+                   dit_file: Callable[[str, torch.dtype], torch.nn.Module],
+                   text_file: Optional[Callable[[], tuple]],
+                   ae_file: Callable[[str, torch.dtype], torch.nn.Module],
+                   preset: Callable[[str], dict],
+                   folder: Optional[Callable[[str, Optional[int]], dict]] = None) -> tuple[dict, bool]:
+    """({"transformer", "text_encoder", "tokenizer", "vae"}, whether --from_scratch's weights are drawn already) of a
+    family loaded from a DiT file, a diffusers folder or a preset (`kind`, from classify_source).
+
+    A DiT file (`dit_file(path, dtype)`) takes its text encoder from `text_file()` -> (encoder, tokenizer), which
+    the family has checked is given, and its AE from `ae_file(ae_path, vae_dtype)` (none without one: the LoRA
+    tools need no AE). A folder (`folder(path, scratch seed or None)`) or a preset (`preset(name)`) brings all four,
+    its text encoder replaced by `text_file()` where given (not None) and its AE by the file at `ae_path`."""
+    path = opts.pretrained_model_name_or_path
+    if kind == "single_file":
+        transformer = dit_file(path, opts.dtype)
+        text_encoder, tokenizer = text_file()
+        vae = ae_file(ae_path, opts.vae_dtype) if ae_path else None
+        return {"transformer": transformer, "text_encoder": text_encoder, "tokenizer": tokenizer, "vae": vae}, False
+    scratch_done = False
+    if kind == "diffusers":
+        parts = folder(path, opts.init_seed if opts.from_scratch else None)
+        scratch_done = opts.from_scratch
+    else:
+        parts = preset(path)
+    parts = {k: parts[k] for k in ("transformer", "text_encoder", "tokenizer", "vae")}
+    if text_file is not None:
+        parts["text_encoder"], parts["tokenizer"] = text_file()
+    if ae_path:
+        parts["vae"] = ae_file(ae_path, opts.vae_dtype)
+    return parts, scratch_done

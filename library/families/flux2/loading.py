@@ -29,8 +29,8 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.autoencoder import ae_file_tensors, load_ldm_ae_file
 from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
-from library.families.common.loading import (adopt, classify_source, finish_components, load_folder_parts,
-                                             part_config, read_dit_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, load_dit_parts,
+                                             load_folder_parts, part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
 from library.families.flux2.configs import (
@@ -174,34 +174,29 @@ def check_pairing(path: str, transformer, text_encoder, model_version: Optional[
                              f"({'guidance embedding, Mistral text' if dev else 'no guidance, Qwen3 text'})")
 
 
+def preset_modules(name: str) -> dict:
+    """A preset's parts as loading gives them (dev's Mistral3 cut to its language model, as from its folder)."""
+    parts = build_flux2_modules(name)
+    if PRESETS[name].mistral is not None:
+        parts["text_encoder"] = language_model(parts["text_encoder"])
+    return parts
+
+
 def load_flux2_components(opts: LoadOptions, options) -> Components:
     """Components of FLUX.2 klein: denoiser = Flux2Transformer2DModel, text encoders = [Qwen3Model],
     tokenizers = [Qwen's], vae = AutoencoderKLFlux2 (`options`: Flux2Options with --qwen3 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = flux2_source_kind(path)
-    ae_path = options.ae or opts.vae
-    scratch_done = False
     if kind == "single_file":
         check_text_flag(path, options)
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        if kind == "diffusers":
-            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
-            scratch_done = opts.from_scratch
-        else:
-            parts = build_flux2_modules(path)
-            if PRESETS[path].mistral is not None:
-                parts["text_encoder"] = language_model(parts["text_encoder"])
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.qwen3 or options.mistral3:
-            text_encoder, tokenizer = load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    check_pairing(path, transformer, text_encoder, options.model_version)
-    return finish_components(opts, transformer, [text_encoder], [tokenizer], vae, ae_path, scratch_done=scratch_done)
+    ae_path = options.ae or opts.vae
+    given = options.qwen3 or options.mistral3
+    text_file = (lambda: load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)) if given else None
+    parts, scratch_done = load_dit_parts(opts, kind, ae_path, dit_file=load_dit_file, text_file=text_file,
+                                         ae_file=load_ae_file, preset=preset_modules, folder=load_folder)
+    check_pairing(path, parts["transformer"], parts["text_encoder"], options.model_version)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path, scratch_done=scratch_done)
 
 
 def dit_file_is_dev(path: str) -> bool:

@@ -24,7 +24,7 @@ from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.autoencoder import ae_file_tensors, load_ae_file
 from library.families.common.loading import (adopt, cached_tokenizer, classify_source, finish_components,
-                                             read_dit_file, read_file)
+                                             load_dit_parts, read_dit_file, read_file)
 from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
     LATENT_CHANNELS,
@@ -131,22 +131,14 @@ def load_lumina_components(opts: LoadOptions, options) -> Components:
     tokenizers = [Gemma's], vae = the FLUX.1 AE (`options`: LuminaOptions with --gemma2 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = lumina_source_kind(path)
+    if kind == "single_file" and not options.gemma2:
+        raise ModelLoadError(f"--gemma2: required with a Lumina DiT file ({path})")
     ae_path = options.ae or opts.vae
-    if kind == "single_file":
-        if not options.gemma2:
-            raise ModelLoadError(f"--gemma2: required with a Lumina DiT file ({path})")
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        parts = build_lumina_modules(path)
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.gemma2:
-            text_encoder, tokenizer = load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    return finish_components(opts, transformer, [text_encoder], [tokenizer], vae, ae_path)
+    text_file = (lambda: load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)) if options.gemma2 else None
+    parts, _ = load_dit_parts(opts, kind, ae_path, dit_file=load_dit_file, text_file=text_file, ae_file=load_ae_file,
+                              preset=build_lumina_modules)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path)
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:

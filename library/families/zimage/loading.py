@@ -25,8 +25,8 @@ from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
 from library.families.common.autoencoder import ae_file_tensors, load_ae_file
-from library.families.common.loading import (adopt, classify_source, finish_components, load_folder_parts,
-                                             part_config, read_dit_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, load_dit_parts,
+                                             load_folder_parts, part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
 from library.families.zimage.configs import (
@@ -96,27 +96,14 @@ def load_zimage_components(opts: LoadOptions, options) -> Components:
     tokenizers = [Qwen's], vae = the FLUX.1 AE (`options`: ZImageOptions with --qwen3 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = zimage_source_kind(path)
+    if kind == "single_file" and not options.qwen3:
+        raise ModelLoadError(f"--qwen3: required with a Z-Image DiT file ({path})")
     ae_path = options.ae or opts.vae
-    scratch_done = False
-    if kind == "single_file":
-        if not options.qwen3:
-            raise ModelLoadError(f"--qwen3: required with a Z-Image DiT file ({path})")
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_text_encoder(options.qwen3, opts)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        if kind == "diffusers":
-            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
-            scratch_done = opts.from_scratch
-        else:
-            parts = build_zimage_modules(path)
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.qwen3:
-            text_encoder, tokenizer = load_text_encoder(options.qwen3, opts)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    return finish_components(opts, transformer, [text_encoder], [tokenizer], vae, ae_path, scratch_done=scratch_done)
+    parts, scratch_done = load_dit_parts(
+        opts, kind, ae_path, dit_file=load_dit_file, ae_file=load_ae_file, preset=build_zimage_modules,
+        folder=load_folder, text_file=(lambda: load_text_encoder(options.qwen3, opts)) if options.qwen3 else None)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path, scratch_done=scratch_done)
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
