@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.qwen3 import qwen3_config
+from library.families.common.qwen3 import preset_qwen3_config
 from library.families.common.tiny import build_seeded, draw_zero_parameters, seeded, tiny_byte_level_bpe
 
 LATENT_CHANNELS = 32  # the AE's; the DiT sees them patchified 2x2 (128)
@@ -147,7 +147,6 @@ def vae_config(block_out_channels: tuple[int, ...]) -> dict:
 
 
 
-
 def build_qwen3_tokenizer():
     """A small local tokenizer in Qwen3's shape: byte-level BPE, the chat and thinking tokens, right padding."""
     from transformers import PreTrainedTokenizerFast
@@ -206,11 +205,6 @@ def build_mistral3(p: Flux2Preset, vocab: int):
     return Mistral3ForConditionalGeneration(config)
 
 
-def qwen3_shape(p: Flux2Preset) -> dict:
-    return dict(hidden=p.qwen_hidden, intermediate=p.qwen_intermediate, layers=p.qwen_layers, heads=p.qwen_heads,
-                kv_heads=p.qwen_kv_heads, head_dim=p.qwen_head_dim)
-
-
 def build_flux2_modules(name: str, device: str | torch.device = "cpu") -> dict:
     """DiT, AE, text encoder and its tokenizer of a preset ("tiny:flux2", "random:flux2", "random:flux2_9b"; the dev
     ones "tiny:flux2_dev", "random:flux2_dev": the text encoder a whole Mistral3ForConditionalGeneration).
@@ -234,7 +228,7 @@ def build_flux2_modules(name: str, device: str | torch.device = "cpu") -> dict:
         text_encoder = make(2, lambda: build_mistral3(p, p.mistral.vocab or len(tokenizer)))
     else:
         tokenizer = build_qwen3_tokenizer()
-        config = qwen3_config(**qwen3_shape(p), vocab=p.qwen_vocab or len(tokenizer))
+        config = preset_qwen3_config(p, tokenizer)
         text_encoder = make(2, lambda: Qwen3Model(config))
     if torch.device(device).type != "meta":
         with seeded(PRESET_SEED + 10), torch.no_grad():

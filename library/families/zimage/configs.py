@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.qwen3 import qwen3_config
+from library.families.common.qwen3 import preset_qwen3_config
 from library.families.common.autoencoder import flux_vae_config
 from library.families.common.tiny import build_seeded, draw_zero_parameters, seeded, tiny_byte_level_bpe
 
@@ -69,7 +69,6 @@ def transformer_config(p: ZImagePreset) -> dict:
 
 
 
-
 def build_qwen3_tokenizer():
     """A small local tokenizer in Qwen's shape: byte-level BPE, the chat tokens, <|endoftext|> padding on the right."""
     from transformers import PreTrainedTokenizerFast
@@ -84,11 +83,6 @@ def build_qwen3_tokenizer():
     return tokenizer
 
 
-def qwen3_shape(p: ZImagePreset) -> dict:
-    return dict(hidden=p.qwen_hidden, intermediate=p.qwen_intermediate, layers=p.qwen_layers, heads=p.qwen_heads,
-                kv_heads=p.qwen_kv_heads, head_dim=p.qwen_head_dim)
-
-
 def build_zimage_modules(name: str, device: str | torch.device = "cpu") -> dict:
     """DiT, AE, Qwen3 and its tokenizer of a preset ("tiny:zimage", "random:zimage").
 
@@ -100,7 +94,7 @@ def build_zimage_modules(name: str, device: str | torch.device = "cpu") -> dict:
 
     p = PRESETS[name]
     tokenizer = build_qwen3_tokenizer()
-    config = qwen3_config(**qwen3_shape(p), vocab=p.qwen_vocab or len(tokenizer))
+    config = preset_qwen3_config(p, tokenizer)
 
     def make(index: int, factory):
         return build_seeded(factory, PRESET_SEED + index, device)
