@@ -273,3 +273,24 @@ def train_tiny_lora_with_sample(tmp_path, preset: str, family_name: str, network
     assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
     with safe_open(path, "pt") as f:
         return path, sorted(f.keys()), f.metadata(), f.get_tensor(probe)
+
+
+def assert_generation_follows_the_reference(tmp_path, model_args: list[str], network_module: str, lora_path: str,
+                                            reference: str, other: str) -> None:
+    """tools/generate.py on an edit model (`model_args`: --ckpt and its family flag) with the LoRA, "make it red" at
+    64x64, seed 1: one image per call, the same again for the same reference, another for another reference or
+    none (the reference is used)."""
+    from tools import generate as tool
+
+    def generate(outdir, *extra):
+        argv = [*model_args, "--outdir", str(tmp_path / outdir), "--prompt", "make it red --w 64 --h 64 --s 2 --d 1",
+                "--network_module", network_module, "--network_weights", lora_path, *extra]
+        paths = tool.run(tool.options_from_args(tool.build_parser().parse_args(argv)))
+        assert len(paths) == 1
+        return np.asarray(Image.open(paths[0]).convert("RGB"))
+
+    with_reference = generate("a", "--control_image", reference)
+    assert with_reference.shape == (64, 64, 3)
+    assert np.array_equal(with_reference, generate("b", "--control_image", reference))  # the same seed and image
+    assert not np.array_equal(with_reference, generate("c", "--control_image", other))  # the reference is used
+    assert not np.array_equal(with_reference, generate("d"))
