@@ -25,9 +25,9 @@ from library.families.flux2.options import Flux2Options
 from networks.lora import create_network, create_network_from_weights
 from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
                                  assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
-                                 assert_template_passes_check_config, base_args, fine_tune_one_step, make_dataset,
-                                 make_trainer, random_lora_file, train_tiny_lora_with_sample,
-                                 web_ui_template)
+                                 assert_template_passes_check_config, assert_written_files_load_as_the_preset,
+                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
+                                 train_tiny_lora_with_sample, web_ui_template)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -76,17 +76,7 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
     the preset's weights, batch-norm statistics included; detection tells FLUX.2 from FLUX.1."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
-    from library.core.safetensors_io import write_safetensors
-    from library.families.detect import detect_family
-
-    family = get_family("flux2")
-    folder = family.load(LoadOptions(flux2_files["diffusers"]))
-    single = family.load(LoadOptions(flux2_files["dit"], family_options=Flux2Options(
-        qwen3=flux2_files["qwen3"], ae=flux2_files["ae"])))
-    for loaded in (folder, single):
-        assert_same_weights(loaded.denoiser, tiny_flux2.denoiser)
-        assert_same_weights(loaded.vae, tiny_flux2.vae)
-        assert_same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
+    assert_written_files_load_as_the_preset("flux2", flux2_files, tiny_flux2, Flux2Options, "qwen3")
     assert tiny_flux2.vae.bn.running_var.min() > 0.5 - 1e-6 and tiny_flux2.vae.bn.running_mean.abs().max() > 0
     pipe = Flux2KleinPipeline.from_pretrained(flux2_files["diffusers"])
     assert_same_weights(pipe.transformer, tiny_flux2.denoiser)
@@ -94,11 +84,6 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
     by_diffusers = Flux2Transformer2DModel.from_single_file(
         flux2_files["dit"], config=os.path.join(flux2_files["diffusers"], "transformer"))
     assert_same_weights(by_diffusers, tiny_flux2.denoiser)
-    comfy = os.path.join(os.path.dirname(flux2_files["dit"]), "comfy-whole.safetensors")
-    write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(flux2_files["dit"]).items()}, comfy)
-    whole = family.load(LoadOptions(comfy, family_options=Flux2Options(qwen3=flux2_files["qwen3"])))
-    assert_same_weights(whole.denoiser, tiny_flux2.denoiser)
-    assert [detect_family(p) for p in (flux2_files["diffusers"], flux2_files["dit"], comfy)] == ["flux2"] * 3
     with safe_open(flux2_files["dit"], "pt") as f:
         keys = set(f.keys())
     assert {"double_blocks.0.img_attn.qkv.weight", "double_blocks.1.txt_attn.norm.key_norm.scale",

@@ -23,8 +23,8 @@ from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
 from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
                                  assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
-                                 assert_template_passes_check_config, fine_tune_one_step, random_lora_file,
-                                 train_tiny_lora_with_sample, web_ui_template)
+                                 assert_template_passes_check_config, assert_written_files_load_as_the_preset,
+                                 fine_tune_one_step, random_lora_file, train_tiny_lora_with_sample, web_ui_template)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -63,27 +63,12 @@ def test_tiny_files_load_through_the_real_loaders(zimage_files, tiny_zimage):
     diffusers' from_single_file and by the family, plain and under model.diffusion_model.) give the preset's weights."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
-    from library.core.safetensors_io import write_safetensors
-    from library.families.detect import detect_family
-
-    family = get_family("zimage")
-    folder = family.load(LoadOptions(zimage_files["diffusers"]))
-    single = family.load(LoadOptions(zimage_files["dit"], family_options=ZImageOptions(
-        qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
-    for loaded in (folder, single):
-        assert_same_weights(loaded.denoiser, tiny_zimage.denoiser)
-        assert_same_weights(loaded.vae, tiny_zimage.vae)
-        assert_same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+    assert_written_files_load_as_the_preset("zimage", zimage_files, tiny_zimage, ZImageOptions, "qwen3")
     pipe = ZImagePipeline.from_pretrained(zimage_files["diffusers"])
     assert_same_weights(pipe.transformer, tiny_zimage.denoiser)
     by_diffusers = ZImageTransformer2DModel.from_single_file(
         zimage_files["dit"], config=os.path.join(zimage_files["diffusers"], "transformer"))
     assert_same_weights(by_diffusers, tiny_zimage.denoiser)
-    comfy = os.path.join(os.path.dirname(zimage_files["dit"]), "comfy-whole.safetensors")
-    write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(zimage_files["dit"]).items()}, comfy)
-    whole = family.load(LoadOptions(comfy, family_options=ZImageOptions(qwen3=zimage_files["qwen3"])))
-    assert_same_weights(whole.denoiser, tiny_zimage.denoiser)
-    assert [detect_family(p) for p in (zimage_files["diffusers"], zimage_files["dit"], comfy)] == ["zimage"] * 3
     with safe_open(zimage_files["dit"], "pt") as f:
         keys = set(f.keys())
     assert {"layers.0.attention.qkv.weight", "layers.0.adaLN_modulation.0.weight", "x_embedder.weight",

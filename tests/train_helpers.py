@@ -294,3 +294,29 @@ def assert_generation_follows_the_reference(tmp_path, model_args: list[str], net
     assert np.array_equal(with_reference, generate("b", "--control_image", reference))  # the same seed and image
     assert not np.array_equal(with_reference, generate("c", "--control_image", other))  # the reference is used
     assert not np.array_equal(with_reference, generate("d"))
+
+
+def assert_written_files_load_as_the_preset(family_name: str, files: dict, preset, options_type, text_flag: str):
+    """A preset written as the files users have (`files`: "diffusers", "dit", `text_flag`, "ae") loads back through
+    the family as the preset `preset` (its Components): the folder, and the DiT file with --`text_flag` / --ae, give
+    its DiT, AE and text encoder bitwise; the DiT under ComfyUI's model.diffusion_model. too; detect_family names the
+    family for all three paths."""
+    from safetensors.torch import load_file
+
+    from library.core.safetensors_io import write_safetensors
+    from library.families.base import LoadOptions
+    from library.families.detect import detect_family
+
+    family = get_family(family_name)
+    folder = family.load(LoadOptions(files["diffusers"]))
+    single = family.load(LoadOptions(files["dit"], family_options=options_type(
+        **{text_flag: files[text_flag], "ae": files["ae"]})))
+    for loaded in (folder, single):
+        assert_same_weights(loaded.denoiser, preset.denoiser)
+        assert_same_weights(loaded.vae, preset.vae)
+        assert_same_weights(loaded.text_encoders[0], preset.text_encoders[0])
+    comfy = os.path.join(os.path.dirname(files["dit"]), "comfy-whole.safetensors")
+    write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(files["dit"]).items()}, comfy)
+    whole = family.load(LoadOptions(comfy, family_options=options_type(**{text_flag: files[text_flag]})))
+    assert_same_weights(whole.denoiser, preset.denoiser)
+    assert [detect_family(p) for p in (files["diffusers"], files["dit"], comfy)] == [family_name] * 3
