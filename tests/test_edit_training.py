@@ -11,7 +11,8 @@ from PIL import Image
 from library.core.errors import DataError
 from library.data.control_images import find_controls
 from library.families.flux import family as flux_family
-from tests.train_helpers import assert_close_measured, assert_generation_follows_the_reference, base_args, make_trainer
+from tests.train_helpers import (assert_close_measured, assert_generation_follows_the_reference, dataset_config_args,
+                                 make_trainer)
 
 
 def make_edit_dataset(root: str, n: int = 2, controls: int = 1) -> str:
@@ -36,15 +37,9 @@ def make_edit_dataset(root: str, n: int = 2, controls: int = 1) -> str:
 
 
 def kontext_args(toml: str, out: str, steps: int = 2, extra=()) -> list[str]:
-    argv = base_args("unused", out, "tiny:flux_kontext", steps=steps, extra=[
+    return dataset_config_args(toml, out, "tiny:flux_kontext", steps, [
         "--model_type", "kontext", "--t5xxl_max_token_length", "16", "--network_module", "networks.lora_flux",
         "--guidance_scale", "1.0", *extra])
-    i = argv.index("--train_data_dir")
-    del argv[i:i + 2]
-    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
-        i = argv.index(flag)
-        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
-    return argv + ["--dataset_config", toml]
 
 
 def test_find_controls_one_or_numbered(tmp_path):

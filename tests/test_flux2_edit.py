@@ -19,7 +19,7 @@ from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
 from tests.test_edit_training import make_edit_dataset
-from tests.train_helpers import assert_generation_follows_the_reference, base_args, make_trainer
+from tests.train_helpers import assert_generation_follows_the_reference, dataset_config_args, make_trainer
 
 TOKENS = 160  # room for the tiny tokenizer's 134-token system prompt and a caption
 
@@ -78,13 +78,7 @@ def test_sampling_with_a_reference_equals_flux2_pipeline(dev_files):
 
 
 def _edit_args(toml: str, out: str, preset: str, extra=()) -> list[str]:
-    argv = base_args("unused", out, preset, steps=2, extra=["--network_module", "networks.lora_flux2", *extra])
-    i = argv.index("--train_data_dir")
-    del argv[i:i + 2]
-    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
-        i = argv.index(flag)
-        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
-    return argv + ["--dataset_config", toml]
+    return dataset_config_args(toml, out, preset, extra=["--network_module", "networks.lora_flux2", *extra])
 
 
 def test_flux2_dev_trains_from_reference_images_and_generates_with_them(tmp_path, monkeypatch, dev_files):

@@ -42,6 +42,18 @@ def base_args(data_dir: str, out_dir: str, preset: str = "tiny:sd1", steps: int 
     ] + list(extra or [])
 
 
+def dataset_config_args(toml: str, out: str, preset: str, steps: int = 2, extra=()) -> list[str]:
+    """base_args on a dataset config (`--dataset_config toml`, what an edit dataset needs) instead of a train_data_dir,
+    its resolution and buckets."""
+    argv = base_args("unused", out, preset, steps=steps, extra=list(extra))
+    i = argv.index("--train_data_dir")
+    del argv[i:i + 2]
+    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
+        i = argv.index(flag)
+        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
+    return argv + ["--dataset_config", toml]
+
+
 def make_trainer(argv: list[str], family_name: str = "sd") -> Trainer:
     family = get_family(family_name)
     parser = build_parser("test", family)
