@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -24,7 +23,10 @@ from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2FlowOptions, Flux2Options
 from library.objectives.flow import FlowMatchScheme
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from networks.lora import create_network_from_weights
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_only_denoiser_moved,
+                                 assert_pipeline_lora_predicts_as_ours, assert_same_weights, base_args,
+                                 fine_tune_one_step, make_dataset, make_trainer, random_lora_file)
 
 # the tiny tokenizer spells BFL's system prompt in 134 tokens (the real one in far fewer): room for a caption
 TOKENS = 160
@@ -41,12 +43,6 @@ def tiny_dev():
         mistral3_max_token_length=TOKENS)))
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
 def test_dev_files_load_through_the_real_loaders(tmp_path, dev_files, tiny_dev):
     """The folder (by Flux2Pipeline.from_pretrained and by the family), the DiT file (by diffusers' from_single_file
     and by the family) with --mistral3 as one file (transformers' keys, or ComfyUI's model.*) and as FLUX.2-dev's
@@ -58,11 +54,11 @@ def test_dev_files_load_through_the_real_loaders(tmp_path, dev_files, tiny_dev):
     assert type(tiny_dev.text_encoders[0]).__name__ == "MistralModel"
     assert tiny_dev.text_encoders[0].config.num_hidden_layers == 40 and tiny_dev.denoiser.config.guidance_embeds
     pipe = Flux2Pipeline.from_pretrained(dev_files["diffusers"])
-    _same_weights(pipe.transformer, tiny_dev.denoiser)
-    _same_weights(pipe.text_encoder.model.language_model, tiny_dev.text_encoders[0])
+    assert_same_weights(pipe.transformer, tiny_dev.denoiser)
+    assert_same_weights(pipe.text_encoder.model.language_model, tiny_dev.text_encoders[0])
     by_diffusers = Flux2Transformer2DModel.from_single_file(
         dev_files["dit"], config=os.path.join(dev_files["diffusers"], "transformer"))
-    _same_weights(by_diffusers, tiny_dev.denoiser)
+    assert_same_weights(by_diffusers, tiny_dev.denoiser)
     pipe.text_encoder.save_pretrained(str(tmp_path / "te"), max_shard_size="300KB")
     shards = sorted(n for n in os.listdir(tmp_path / "te") if n.endswith(".safetensors"))
     assert len(shards) > 2 and shards[0].endswith("-00001-of-%05d.safetensors" % len(shards))
@@ -78,14 +74,14 @@ def test_dev_files_load_through_the_real_loaders(tmp_path, dev_files, tiny_dev):
         single = family.load(LoadOptions(dev_files["dit"], family_options=Flux2Options(mistral3=text,
                                                                                          ae=dev_files["ae"])))
         for part in ("denoiser", "vae"):
-            _same_weights(getattr(single, part), getattr(tiny_dev, part))
-        _same_weights(single.text_encoders[0], tiny_dev.text_encoders[0])
+            assert_same_weights(getattr(single, part), getattr(tiny_dev, part))
+        assert_same_weights(single.text_encoders[0], tiny_dev.text_encoders[0])
     from library.families.detect import detect_family
 
     assert [detect_family(p) for p in (dev_files["diffusers"], dev_files["dit"])] == ["flux2"] * 2
     folder = family.load(LoadOptions(dev_files["diffusers"]))
-    _same_weights(folder.denoiser, tiny_dev.denoiser)
-    _same_weights(folder.text_encoders[0], tiny_dev.text_encoders[0])
+    assert_same_weights(folder.denoiser, tiny_dev.denoiser)
+    assert_same_weights(folder.text_encoders[0], tiny_dev.text_encoders[0])
 
 
 def test_dev_errors_are_one_line(dev_files):
@@ -180,17 +176,12 @@ def test_diffusers_flux2_pipeline_loads_our_dev_lora_with_no_unexpected_keys(tmp
     from diffusers import Flux2Pipeline
 
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     options = Flux2Options(mistral3_max_token_length=TOKENS)
     ours, theirs = (family.load(LoadOptions("tiny:flux2_dev", family_options=options)) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = Flux2Pipeline(scheduler=scheduler(), vae=theirs.vae, text_encoder=None, tokenizer=theirs.tokenizers[0],
                          transformer=theirs.denoiser)
     state = {k: v for k, v in load_file(path).items() if k.startswith("lora_unet_")}
@@ -201,15 +192,7 @@ def test_diffusers_flux2_pipeline_loads_our_dev_lora_with_no_unexpected_keys(tmp
     expected = {k.replace("transformer.", "", 1).replace(".lora_A.weight", ".lora_A.default_0.weight")
                 .replace(".lora_B.weight", ".lora_B.default_0.weight") for k in lora_state}
     assert expected == adapter_keys  # no unexpected key and none missing
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 32)
 
 
 def test_tiny_flux2_dev_lora_trains_and_generates(tmp_path, dev_files):
@@ -229,42 +212,19 @@ def test_tiny_flux2_dev_lora_trains_and_generates(tmp_path, dev_files):
     assert up.abs().sum() > 0
     assert (metadata["modelspec.architecture"], metadata["ss_guidance_scale"], metadata["ss_timestep_sampling"]) \
         == ("flux-2-dev/lora", "1.0", "flux_shift")
-    from PIL import Image
-
-    from tools.generate import main as generate
-
-    images = []
-    for mul in ("0", "1"):
-        out = tmp_path / f"gen{mul}"
-        assert generate(["--ckpt", dev_files["diffusers"], "--network_module", "networks.lora_flux2",
-                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
-                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
-        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
-        images.append(np.asarray(Image.open(out / name)))
-    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    assert_lora_changes_generation(tmp_path, dev_files["diffusers"], "networks.lora_flux2", path)
 
 
 def test_dev_full_fine_tune_saves_a_dit_file_that_loads_back(tmp_path, dev_files, tiny_dev):
     """flux2_train.py from the dev folder: the saved DiT has exactly the DiT file's keys (guidance_in included),
     loads back with --mistral3, and only the DiT moved."""
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("flux2", "test", ft_args(data, out, preset=dev_files["diffusers"], steps=1, extra=[
-        "--mistral3_max_token_length", str(TOKENS), "--cache_text_encoder_outputs", "--cache_latents"]),
-        fine_tune=True) == 0
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "flux-2-dev"
-    assert keys == set(load_file(dev_files["dit"])) and "guidance_in.in_layer.weight" in keys
+    path, _ = fine_tune_one_step(tmp_path, "flux2", dev_files["diffusers"], [
+        "--mistral3_max_token_length", str(TOKENS), "--cache_text_encoder_outputs", "--cache_latents"],
+        "flux-2-dev", dev_files["dit"])
+    assert "guidance_in.in_layer.weight" in load_file(path)
     loaded = get_family("flux2").load(LoadOptions(path, family_options=Flux2Options(
         mistral3=dev_files["mistral3"], ae=dev_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_dev.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    _same_weights(loaded.text_encoders[0], tiny_dev.text_encoders[0])
+    assert_only_denoiser_moved(loaded, tiny_dev)
 
 
 def _musubi_flux2_shift(u_normal: torch.Tensor, packed_h: int, packed_w: int) -> torch.Tensor:
@@ -362,8 +322,6 @@ def test_convert_lora_to_diffusers_loads_in_flux2_pipeline_with_no_unexpected_ke
 
     from library.core.safetensors_io import write_safetensors
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
     from tools.convert_lora import main as convert
 
     family = get_family("flux2")

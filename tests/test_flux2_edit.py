@@ -19,7 +19,7 @@ from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
 from tests.test_edit_training import make_edit_dataset
-from tests.train_helpers import base_args, make_trainer
+from tests.train_helpers import assert_generation_follows_the_reference, dataset_config_args, make_trainer
 
 TOKENS = 160  # room for the tiny tokenizer's 134-token system prompt and a caption
 
@@ -78,13 +78,7 @@ def test_sampling_with_a_reference_equals_flux2_pipeline(dev_files):
 
 
 def _edit_args(toml: str, out: str, preset: str, extra=()) -> list[str]:
-    argv = base_args("unused", out, preset, steps=2, extra=["--network_module", "networks.lora_flux2", *extra])
-    i = argv.index("--train_data_dir")
-    del argv[i:i + 2]
-    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
-        i = argv.index(flag)
-        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
-    return argv + ["--dataset_config", toml]
+    return dataset_config_args(toml, out, preset, extra=["--network_module", "networks.lora_flux2", *extra])
 
 
 def test_flux2_dev_trains_from_reference_images_and_generates_with_them(tmp_path, monkeypatch, dev_files):
@@ -92,8 +86,6 @@ def test_flux2_dev_trains_from_reference_images_and_generates_with_them(tmp_path
     target's bucket, latents cached): every step passes both as references; tools/generate.py --control_image makes
     an image that the reference changes."""
     from safetensors import safe_open
-
-    from tools import generate as tool
 
     seen = []
     original = flux2_family.reference_tokens
@@ -111,18 +103,6 @@ def test_flux2_dev_trains_from_reference_images_and_generates_with_them(tmp_path
         assert f.get_tensor("lora_unet_double_blocks_1_txt_attn_qkv.lora_up.weight").abs().sum() > 0
     monkeypatch.setattr(flux2_family, "reference_tokens", original)
     reference, other = str(tmp_path / "control" / "img0_0.png"), str(tmp_path / "control" / "img1_0.png")
-
-    def generate(outdir, *extra):
-        argv = ["--ckpt", dev_files["diffusers"], "--outdir", str(tmp_path / outdir), "--prompt",
-                "make it red --w 64 --h 64 --s 2 --d 1", "--network_module", "networks.lora_flux2",
-                "--network_weights", path, *extra]
-        paths = tool.run(tool.options_from_args(tool.build_parser().parse_args(argv)))
-        assert len(paths) == 1
-        return np.asarray(Image.open(paths[0]).convert("RGB"))
-
-    with_reference = generate("a", "--control_image", reference)
-    assert with_reference.shape == (64, 64, 3)
-    assert np.array_equal(with_reference, generate("b", "--control_image", reference))
-    assert not np.array_equal(with_reference, generate("c", "--control_image", other))
-    assert not np.array_equal(with_reference, generate("d"))
+    assert_generation_follows_the_reference(tmp_path, ["--ckpt", dev_files["diffusers"]], "networks.lora_flux2", path,
+                                            reference, other)
     assert os.path.isfile(path)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.qwen3 import qwen3_config
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.qwen3 import preset_qwen3_config
+from library.families.common.tiny import build_seeded, draw_zero_parameters, seeded, tiny_byte_level_bpe
 from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 32  # the AE's; the DiT sees them patchified 2x2 (128)
@@ -148,20 +148,12 @@ def vae_config(block_out_channels: tuple[int, ...]) -> dict:
 
 
 
-
 def build_qwen3_tokenizer():
     """A small local tokenizer in Qwen3's shape: byte-level BPE, the chat and thinking tokens, right padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = tiny_vocab_and_merges()
-    words = [t for t in vocab if not t.endswith("</w>") and not t.startswith("<|")]
     specials = [PAD_TOKEN, IM_START, IM_END, THINK, THINK_END]
-    tokens = {t: i for i, t in enumerate([*words, *specials])}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core = tiny_byte_level_bpe(after=specials)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD_TOKEN,
                                         additional_special_tokens=specials[1:], model_max_length=40960)
     tokenizer.padding_side = "right"
@@ -177,16 +169,9 @@ def build_mistral_tokenizer():
     """A small local tokenizer in Mistral-Small-3.1's shape: Mistral's control tokens at their ids, byte-level BPE,
     <pad> (id 11) on the right, and the text path of its chat template (FLUX.2 [dev]'s processor reduced to its
     tokenizer: the pipeline calls only apply_chat_template, which both have)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = tiny_vocab_and_merges()
-    words = [t for t in vocab if not t.endswith("</w>") and not t.startswith("<|")]
-    tokens = {t: i for i, t in enumerate([*MISTRAL_SPECIALS, *words])}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core = tiny_byte_level_bpe(before=MISTRAL_SPECIALS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                         pad_token="<pad>", additional_special_tokens=list(MISTRAL_SPECIALS[3:]),
                                         model_max_length=131072)
@@ -221,11 +206,6 @@ def build_mistral3(p: Flux2Preset, vocab: int):
     return Mistral3ForConditionalGeneration(config)
 
 
-def qwen3_shape(p: Flux2Preset) -> dict:
-    return dict(hidden=p.qwen_hidden, intermediate=p.qwen_intermediate, layers=p.qwen_layers, heads=p.qwen_heads,
-                kv_heads=p.qwen_kv_heads, head_dim=p.qwen_head_dim)
-
-
 def build_flux2_modules(name: str, device: str | torch.device = "cpu") -> dict:
     """DiT, AE, text encoder and its tokenizer of a preset ("tiny:flux2", "random:flux2", "random:flux2_9b"; the dev
     ones "tiny:flux2_dev", "random:flux2_dev": the text encoder a whole Mistral3ForConditionalGeneration).
@@ -249,18 +229,13 @@ def build_flux2_modules(name: str, device: str | torch.device = "cpu") -> dict:
         text_encoder = make(2, lambda: build_mistral3(p, p.mistral.vocab or len(tokenizer)))
     else:
         tokenizer = build_qwen3_tokenizer()
-        config = qwen3_config(**qwen3_shape(p), vocab=p.qwen_vocab or len(tokenizer))
+        config = preset_qwen3_config(p, tokenizer)
         text_encoder = make(2, lambda: Qwen3Model(config))
     if torch.device(device).type != "meta":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED + 10)
-            with torch.no_grad():
-                # zero-initialised tensors drawn too, so that the tiny model's every part is seen
-                for tensor in transformer.parameters():
-                    if not tensor.abs().any():
-                        tensor.normal_(0.0, 0.02)
-                vae.bn.running_mean.normal_(0.0, 0.5)
-                vae.bn.running_var.uniform_(0.5, 2.0)
+        with seeded(PRESET_SEED + 10), torch.no_grad():
+            draw_zero_parameters(transformer)
+            vae.bn.running_mean.normal_(0.0, 0.5)
+            vae.bn.running_var.uniform_(0.5, 2.0)
     for module in (transformer, vae, text_encoder):
         module.eval()
     return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer}

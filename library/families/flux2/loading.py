@@ -18,7 +18,6 @@ Every single-file configuration is read from tensor shapes; models are built on 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Optional
@@ -27,11 +26,11 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.autoencoder import ae_file_tensors, load_ldm_ae_file
 from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
-from library.families.common import ldm_layout as ldm
-from library.families.common.loading import (adopt, classify_source, infer_vae_config,
-                                             load_folder_parts, read_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, load_dit_parts,
+                                             load_folder_parts, part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
 from library.families.flux2.configs import (
@@ -66,12 +65,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     """Flux2Transformer2DModel from an original FLUX.2 file (or ComfyUI's whole-model file)."""
     Flux2Transformer2DModel = diffusers_class("Flux2Transformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete FLUX.2 DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype, expected="a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="FLUX.2 DiT")
     if shape["patch_in"] != PATCHED_CHANNELS:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches "
                              f"({PATCHED_CHANNELS}), found img_in input {shape['patch_in']} (a FLUX.1 file?)")
@@ -95,44 +90,23 @@ def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKLFlux2 from the FLUX.2 AE file (LDM VAE keys without prefix, 32 latent channels, `bn.*`)."""
     AutoencoderKLFlux2 = diffusers_class("AutoencoderKLFlux2")
 
-    label = "--ae"
-    ckpt = read_file(label, path, "the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
-                     lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, dtype)
-    try:
-        found = infer_vae_config(ckpt, "")
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
-    if found["latent_channels"] != LATENT_CHANNELS:
-        raise ModelLoadError(f"{label} {path}: expected the FLUX.2 autoencoder with {LATENT_CHANNELS} latent "
-                             f"channels, found {found['latent_channels']}")
-    config = {**vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoencoderKLFlux2(**config).state_dict().items()}
-    vae_shapes = {k: s for k, s in shapes.items() if not k.startswith("bn.")}
-    try:
-        state_dict = ldm.pull(ckpt, ldm.vae_key_map(vae_shapes, ""), vae_shapes)
-    except (ldm.LayoutError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
-    state_dict.update({k: ckpt[k] for k in BN_KEYS if k in ckpt})
-    if "bn.num_batches_tracked" not in state_dict:
-        state_dict["bn.num_batches_tracked"] = torch.tensor(0)
-    return adopt(label, path, lambda: AutoencoderKLFlux2(**config), state_dict)
+    return load_ldm_ae_file(
+        path, dtype, AutoencoderKLFlux2, vae_config, latent_channels=LATENT_CHANNELS,
+        expected="the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
+        holds=lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, what="FLUX.2",
+        as_stored={"bn.running_mean": None, "bn.running_var": None, "bn.num_batches_tracked": torch.tensor(0)})
 
 
-def ae_file_tensors(vae) -> dict[str, torch.Tensor]:
+def flux2_ae_file_tensors(vae) -> dict[str, torch.Tensor]:
     """An AutoencoderKLFlux2 as the original AE file's tensors (LDM names, `bn.*` as they are)."""
     state = vae.state_dict()
-    vae_state = {k: v for k, v in state.items() if not k.startswith("bn.")}
-    out = ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), ""))
-    out.update({k: state[k] for k in BN_KEYS})
-    return out
+    return ae_file_tensors({k: v for k, v in state.items() if not k.startswith("bn.")}) | {k: state[k] for k in BN_KEYS}
 
 
 def folder_is_dev(path: str) -> bool:
     """Whether a diffusers FLUX.2 folder is dev's (its text_encoder/ a Mistral3 model), from its config.json."""
     try:
-        with open(os.path.join(path, "text_encoder", "config.json"), encoding="utf-8") as f:
-            return json.load(f).get("model_type") == "mistral3"
+        return part_config(path, "text_encoder").get("model_type") == "mistral3"
     except (OSError, ValueError):
         return False
 
@@ -201,42 +175,29 @@ def check_pairing(path: str, transformer, text_encoder, model_version: Optional[
                              f"({'guidance embedding, Mistral text' if dev else 'no guidance, Qwen3 text'})")
 
 
+def preset_modules(name: str) -> dict:
+    """A preset's parts as loading gives them (dev's Mistral3 cut to its language model, as from its folder)."""
+    parts = build_flux2_modules(name)
+    if PRESETS[name].mistral is not None:
+        parts["text_encoder"] = language_model(parts["text_encoder"])
+    return parts
+
+
 def load_flux2_components(opts: LoadOptions, options) -> Components:
     """Components of FLUX.2 klein: denoiser = Flux2Transformer2DModel, text encoders = [Qwen3Model],
     tokenizers = [Qwen's], vae = AutoencoderKLFlux2 (`options`: Flux2Options with --qwen3 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = flux2_source_kind(path)
-    ae_path = options.ae or opts.vae
-    scratch_done = False
     if kind == "single_file":
         check_text_flag(path, options)
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        if kind == "diffusers":
-            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
-            scratch_done = opts.from_scratch
-        else:
-            parts = build_flux2_modules(path)
-            if PRESETS[path].mistral is not None:
-                parts["text_encoder"] = language_model(parts["text_encoder"])
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.qwen3 or options.mistral3:
-            text_encoder, tokenizer = load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    check_pairing(path, transformer, text_encoder, options.model_version)
-    if opts.from_scratch and not scratch_done:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+    ae_path = options.ae or opts.vae
+    given = options.qwen3 or options.mistral3
+    text_file = (lambda: load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)) if given else None
+    parts, scratch_done = load_dit_parts(opts, kind, ae_path, dit_file=load_dit_file, text_file=text_file,
+                                         ae_file=load_ae_file, preset=preset_modules, folder=load_folder)
+    check_pairing(path, parts["transformer"], parts["text_encoder"], options.model_version)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path, scratch_done=scratch_done)
 
 
 def dit_file_is_dev(path: str) -> bool:
@@ -276,8 +237,7 @@ def block_counts(path: str) -> Optional[tuple[int, int]]:
         if kind == "preset":
             return PRESETS[path].double_layers, PRESETS[path].single_layers
         if kind == "diffusers":
-            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
+            config = part_config(path, "transformer")
             return int(config["num_layers"]), int(config["num_single_layers"])
         double = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?double_blocks\.(\d+)\.")
         single = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?single_blocks\.(\d+)\.")
@@ -357,5 +317,5 @@ def write_flux2_preset(name: str, out_dir: str) -> dict[str, str]:
     else:
         text_state = {"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}
     write_safetensors(text_state, paths[text_key])
-    write_safetensors(ae_file_tensors(parts["vae"]), paths["ae"])
+    write_safetensors(flux2_ae_file_tensors(parts["vae"]), paths["ae"])
     return paths
