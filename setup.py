@@ -8,8 +8,8 @@ EXTRAS = {
     # --optimizer_type AdamW8bit / PagedAdamW* / Lion8bit / SGDNesterov8bit, Prodigy, Lion, DAdapt*, *ScheduleFree
     "optim": ["bitsandbytes>=0.45", "prodigyopt", "lion-pytorch", "dadaptation", "schedulefree"],
     # --base_model_precision / --text_encoder_precision (docs/quantization.md): int8/int4/fp8 by optimum-quanto,
-    # int8/fp8 by torchao, nf4 by bitsandbytes
-    "quantize": ["optimum-quanto>=0.2.7", "torchao>=0.18", "bitsandbytes>=0.45"],
+    # int8/fp8 by torchao, nf4 by bitsandbytes; GGUF base files (.gguf) read by gguf
+    "quantize": ["optimum-quanto>=0.2.7", "torchao>=0.18", "bitsandbytes>=0.45", "gguf>=0.10"],
     # --xformers (CUDA only; PyTorch SDPA is used without it)
     "xformers": ["xformers"],
     # --log_with wandb / all (Weights & Biases; WANDB_MODE=offline logs to files without an account)

@@ -15,10 +15,13 @@ Quantize on load (`--load`): a BFL-layout FLUX.1-dev file with `--double` / `--s
 weights, bf16) is written once, then each value loads it in its own process as the trainer does (the family's
 `load_bfl_transformer` in bf16, then `quantize_frozen`); printed is the process's peak RSS during that, above its
 RSS before loading, over the bf16 size of the file's tensors. `no_change` reads every weight once (training
-touches them all), the quantized values only quantize.
+touches them all), the quantized values only quantize. `gguf-Q8_0` / `gguf-Q4_0`: the same file written as a
+ComfyUI-GGUF file (library/families/common/gguf_file.py write_gguf, city96's layout) and loaded from it by the
+same `load_bfl_transformer` (weights kept quantized, mapped from the file); every GGUF weight is dequantized once,
+as the first training step does, so its pages are read.
 
-    python bench/bench_quantized.py [--values int8-quanto nf4-bnb ...] [--steps 3] [--step_heads 6]
-    python bench/bench_quantized.py --load [--double 1 --single 2] [--values ...]
+    python bench/bench_quantized.py [--values int8-quanto nf4-bnb gguf-Q8_0 ...] [--steps 3] [--step_heads 6]
+    python bench/bench_quantized.py --load [--double 1 --single 2] [--values ... gguf-Q8_0 gguf-Q4_0]
 """
 
 from __future__ import annotations
@@ -59,13 +62,42 @@ def build(heads: int):
         configs.PRESETS["random:flux-dev"] = saved
 
 
+def from_gguf(model, value: str):
+    """`model` written as a ComfyUI-GGUF file of `value` (gguf-Q8_0 ...) and loaded back as the trainer loads it."""
+    import tempfile
+
+    from library.families.common.gguf_file import write_gguf
+    from library.families.flux.layout import diffusers_to_bfl
+    from library.families.flux.loading import load_bfl_transformer
+
+    with tempfile.TemporaryDirectory() as root:
+        path = os.path.join(root, "model.gguf")
+        write_gguf(path, {k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()},
+                   GGUF_VALUES[value][0], "flux")
+        return load_bfl_transformer(path, torch.bfloat16).requires_grad_(False)  # mapped: kept after unlinking
+
+
+def prepared(heads: int, value: str):
+    """The step-time / size model for `value`: bf16, quantized by its library, or loaded from a GGUF file."""
+    model = build(heads)
+    if value in GGUF_VALUES:
+        return from_gguf(model, value)
+    quantize_frozen(model, value)
+    return model
+
+
 def one(value: str, steps: int, step_heads: int) -> dict:
     model = build(24)
     double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
     bf16 = {"double": resident_bytes(double), "single": resident_bytes(single)}
     rss_bf16 = peak_rss_mib()
     start = time.perf_counter()
-    count = quantize_frozen(model, value)
+    if value in GGUF_VALUES:
+        model = from_gguf(model, value)
+        double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+        count = sum(1 for m in model.modules() if type(m).__name__ == "GgufLinear")
+    else:
+        count = quantize_frozen(model, value)
     seconds = time.perf_counter() - start
     sizes = {"double": resident_bytes(double), "single": resident_bytes(single)}
     peak = peak_rss_mib()
@@ -78,8 +110,7 @@ def step_time(value: str, steps: int, heads: int) -> float:
     from networks.lora_module import LoRAModule
 
     torch.manual_seed(0)
-    model = build(heads)
-    quantize_frozen(model, value)
+    model = prepared(heads, value)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "transformer_blocks" in n]
     loras = [LoRAModule(f"lora_{i}", m, lora_dim=16, alpha=16).to(torch.bfloat16) for i, (_, m) in enumerate(targets)]
     for lora in loras:
@@ -140,21 +171,57 @@ def write_flux_file(path: str, double: int, single: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+GGUF_VALUES = {"gguf-Q8_0": ("Q8_0", 8), "gguf-Q4_0": ("Q4_0", 4)}
+
+
+def gguf_path(path: str, value: str) -> str:
+    """The ComfyUI-GGUF copy of the bf16 file for `value` (gguf-Q8_0 ...), written once."""
+    qtype = GGUF_VALUES[value][0]
+    out = path[:-len(".safetensors")] + f"-{qtype}.gguf"
+    if not os.path.isfile(out):
+        from safetensors.torch import load_file
+
+        from library.families.common.gguf_file import write_gguf
+
+        write_gguf(out, load_file(path), qtype, "flux")
+    return out
+
+
 def load_one(value: str, path: str) -> dict:
     """Load `path` as the trainer does and quantize it; peak RSS above the RSS before loading."""
     from diffusers import FluxTransformer2DModel  # noqa: F401 - imported (code, not weights) before measuring
     from library.families.flux.loading import load_bfl_transformer
 
-    quantize_frozen(torch.nn.Sequential(torch.nn.Linear(256, 256)).requires_grad_(False), value)  # its library too
+    gguf = value in GGUF_VALUES
+    if gguf:
+        from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+        from library.families.common.gguf_file import gguf_linear_class, is_quantized
+
+        gguf_linear_class()  # the library's code, not weights, before measuring
+        path = gguf_path(path, value)
+    else:
+        quantize_frozen(torch.nn.Sequential(torch.nn.Linear(256, 256)).requires_grad_(False), value)  # its library
     before = current_rss_mib()
     start = time.perf_counter()
     model = load_bfl_transformer(path, torch.bfloat16).requires_grad_(False)  # frozen, as the trainer has it
     if value == NO_CHANGE:
         total = sum(float(p.float().sum()) for p in model.parameters())  # every weight read once, as training does
         assert total == total
-    count = quantize_frozen(model, value)
+    if gguf:  # every weight dequantized once, as the first forward does (one layer's temporaries at a time)
+        total = sum(float(dequantize_gguf_tensor(p).to(torch.bfloat16).sum()) if is_quantized(p)
+                    else float(p.float().sum()) for p in model.parameters())
+        assert total == total
+        count = sum(1 for p in model.parameters() if is_quantized(p))
+    else:
+        count = quantize_frozen(model, value)
     seconds = time.perf_counter() - start
-    return {"value": value, "layers": count, "load_s": seconds, "resident": resident_bytes(model),
+    doubles, singles = model.transformer_blocks, model.single_transformer_blocks
+    resident = resident_bytes(model)
+    per_double, per_single = resident_bytes(doubles) / len(doubles), resident_bytes(singles) / len(singles)
+    return {"value": value, "layers": count, "load_s": seconds, "resident": resident,
+            "per_double": per_double, "per_single": per_single,
+            "rest": resident - per_double * len(doubles) - per_single * len(singles),
             "peak_mib": hwm_rss_mib() - before, "rss_after_mib": current_rss_mib() - before}
 
 
@@ -169,10 +236,12 @@ def main_load(a) -> None:
                              else _numel(f.get_slice(k).get_shape()) for k in f.keys()) * 2
     results = {}
     for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
-        why = precision_unavailable(value)
+        why = None if value in GGUF_VALUES else precision_unavailable(value)
         if why:
             print(f"{value}: skipped ({why})")
             continue
+        if value in GGUF_VALUES:
+            gguf_path(path, value)  # written here, not in the measured process
         out = subprocess.run([sys.executable, __file__, "--load_one", value, "--file", path],
                              capture_output=True, text=True)
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -184,17 +253,21 @@ def main_load(a) -> None:
     full = full_flux_bytes()
     print(f"FLUX.1-dev transformer file, {a.double} double + {a.single} single full-width blocks: {mib:.0f} MiB bf16; "
           f"peak RSS while loading (above the RSS before) over that size; 'full depth': the peak scaled to the "
-          f"19 + 38 blocks ({full / 2 ** 30:.2f} GiB bf16): the resident size scales, one layer's quantization "
-          f"temporaries (peak - after) do not")
+          f"19 + 38 blocks ({full / 2 ** 30:.2f} GiB bf16): each block's resident size times the depth plus the "
+          f"embedders' as they are; the rest of the peak (RSS beyond the resident weights, one layer's "
+          f"temporaries) does not scale")
     print(f"{'value':<14}{'layers':>7}{'resident/bf16':>15}{'peak load/bf16':>16}{'after/bf16':>12}"
-          f"{'full depth':>12}{'target':>8}{'load s':>8}")
+          f"{'full depth':>12}{'after x depth':>15}{'target':>8}{'load s':>8}")
     for value, r in results.items():
-        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         after = r["rss_after_mib"] / mib
-        scaled = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full
+        full_resident = FULL_DOUBLE * r["per_double"] + FULL_SINGLE * r["per_single"] + r["rest"]
+        scaled = (full_resident + r["peak_mib"] * 2 ** 20 - r["resident"]) / full
+        # the earlier, blunter estimate: the whole RSS after loading scaled with the depth (embedders included)
+        blunt = (after * full + (r["peak_mib"] - r["rss_after_mib"]) * 2 ** 20) / full
         print(f"{value:<14}{r['layers']:>7}{r['resident'] / bf16_bytes:>15.3f}{r['peak_mib'] / mib:>16.3f}"
-              f"{after:>12.3f}{scaled:>12.3f}{target:>8}{r['load_s']:>8.1f}")
+              f"{after:>12.3f}{scaled:>12.3f}{blunt:>15.3f}{target:>8}{r['load_s']:>8.1f}")
 
 
 def full_flux_bytes() -> int:
@@ -243,7 +316,7 @@ def main() -> None:
         return
     results = {}
     for value in [NO_CHANGE, *[v for v in a.values if v != NO_CHANGE]]:
-        why = precision_unavailable(value)
+        why = None if value in GGUF_VALUES else precision_unavailable(value)
         if why:
             print(f"{value}: skipped ({why})")
             continue
@@ -267,7 +340,7 @@ def main() -> None:
     bf16_block = base["bf16"]["double"] + base["bf16"]["single"]
     for value, r in results.items():
         ratio = full(r) / full(base)
-        bits = PRECISIONS[value].bits if value in PRECISIONS else 16
+        bits = PRECISIONS[value].bits if value in PRECISIONS else GGUF_VALUES.get(value, ("", 16))[1]
         target = {8: "<=0.55", 4: "<=0.35"}.get(bits, "")
         peak = r["peak_rss_mib"] * 2 ** 20 / bf16_block
         print(f"{value:<14}{full(r) / gib:>8.2f}Gi{ratio:>8.3f}{target:>8}{peak:>17.2f}{r['quantize_s']:>12.1f}"

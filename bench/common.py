@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import resource
 import statistics
 import time
@@ -50,6 +51,44 @@ def compare_steps(reference: Callable[[], None], ours: Callable[[], None], steps
         our.append(timed_once(ours))
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     return {"reference": (med(ref, 0), med(ref, 1)), "ours": (med(our, 0), med(our, 1))}
+
+
+def compare_steps_min(bare: Callable[[], None], ours: Callable[[], None], steps: int, warmup: int,
+                      bare_layout: Callable[[], None] | None = None, ours_layout: Callable[[], None] | None = None
+                      ) -> dict[str, tuple[float, float]]:
+    """As bench_train_step.py measures: the two alternate step by step (`*_layout` switches the model's memory
+    layout between them, untimed), and the minimum (wall, CPU) seconds of each over `steps` is returned (other load
+    on a shared machine only ever adds time)."""
+    bare_t, ours_t = [], []
+    for i in range(warmup + steps):
+        if bare_layout is not None:
+            bare_layout()
+        b = timed_once(bare)
+        if ours_layout is not None:
+            ours_layout()
+        o = timed_once(ours)
+        if i >= warmup:
+            bare_t.append(b)
+            ours_t.append(o)
+    return {"reference": (min(x[0] for x in bare_t), min(x[1] for x in bare_t)),
+            "ours": (min(x[0] for x in ours_t), min(x[1] for x in ours_t))}
+
+
+def print_min_comparison(result: dict[str, tuple[float, float]], goal: float) -> None:
+    """compare_steps_min's figures, and ours / bare in wall and CPU time against `goal`."""
+    (rw, rc), (ow, oc) = result["reference"], result["ours"]
+    print(f"bare step (min):  {rw:.3f} s wall, {rc:.3f} s CPU")
+    print(f"our step (min):   {ow:.3f} s wall, {oc:.3f} s CPU")
+    print(f"ours/bare:        {ow / rw:.3f} wall, {oc / rc:.3f} CPU  (goal <= {goal:.2f}); load "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"peak RSS:         {peak_rss_mib():.0f} MiB")
+
+
+def to_nchw(model: torch.nn.Module) -> None:
+    """Frozen convolutions back to the default (NCHW) layout, for the bare step."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv2d) and not m.weight.is_contiguous():
+            m.weight.data = m.weight.data.contiguous()
 
 
 def print_comparison(result: dict[str, tuple[float, float]]) -> None:

@@ -37,8 +37,8 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert context_parallel_problem(2, 2, **ok) is None
     assert context_parallel_problem(1, 1, None, "sd", [(64, 48)]) is None  # off: nothing is checked
     assert context_parallel_problem(2, 2, None, "sdxl", [(64, 64)]) == (
-        "--context_parallel_size 2: sdxl's denoiser has no context-parallel plan in diffusers (FLUX.1 and FLUX.2 "
-        "have; see docs/distributed.md)")
+        "--context_parallel_size 2: sdxl's denoiser has no context-parallel plan in diffusers (FLUX.1, FLUX.2 and "
+        "Qwen-Image have; see docs/distributed.md)")
     assert get_family("chroma").context_parallel_token_pixels is None
     assert context_parallel_problem(2, 3, **ok) == \
         "--context_parallel_size 2: the 3 process(es) must be a multiple of it"
@@ -60,6 +60,7 @@ def test_what_is_in_the_way_is_named_in_one_line():
         "--context_parallel_size 2: the 48x80 bucket has 15 image tokens, not divisible by 2; choose resolutions / "
         "bucket steps whose token grid (1 token per 16 px) divides")
     assert get_family("flux").facts()["context_parallel"] is True and get_family("flux2").facts()["context_parallel"]
+    assert get_family("qwen_image").facts()["context_parallel"] is True
     assert get_family("sd").facts()["context_parallel"] is False
 
 
@@ -126,4 +127,61 @@ def test_two_processes_split_the_tokens_and_train_the_lora_of_one(tmp_path):
     moved = max(one[k].float().abs().max().item() for k in one if "lora_up" in k)
     print(f"relative difference {diff / norm:.3g}; largest lora_up weight {moved:.3g}")
     assert diff / norm <= 5e-5, diff / norm  # float32 summation order only (measured below in the docs)
+    assert moved >= 1e-3
+
+
+def test_qwen_image_text_is_padded_to_a_multiple_of_the_split_with_masked_tokens():
+    import torch
+
+    from library.families.qwen_image.text import trimmed
+
+    mask = torch.zeros(2, 1024, dtype=torch.bool)
+    mask[0, :5], mask[1, :3] = True, True
+    text = {"prompt_embeds": torch.arange(2 * 1024 * 2, dtype=torch.float32).reshape(2, 1024, 2) * mask[..., None],
+            "prompt_mask": mask}
+    states, m = trimmed(text)
+    assert states.shape == (2, 5, 2) and m.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    states, m = trimmed(text, 4)  # 5 tokens -> 8: three more, masked, zero
+    assert states.shape == (2, 8, 2) and m.sum(1).tolist() == [5, 3] and not m[:, 5:].any()
+    assert torch.equal(states[:, :5], text["prompt_embeds"][:, :5]) and not states[:, 5:].any()
+    full = {"prompt_embeds": torch.ones(1, 1024, 2), "prompt_mask": torch.ones(1, 1024, dtype=torch.bool)}
+    states, m = trimmed(full, 3)  # past the stored 1024: padded beyond it
+    assert states.shape == (1, 1026, 2) and m.sum().item() == 1024
+
+
+QWEN_CAPTIONS = ["sks", "sks toy", "sks toy red", "sks toy red cube"]
+
+
+@needs_torchrun
+def test_qwen_image_two_processes_train_the_lora_of_one(tmp_path):
+    """Qwen-Image's text length is its batch's longest caption: captions of 1 to 4 words make it odd and even;
+    predict pads it to a multiple of 2 with masked tokens, and 2 gloo processes train the LoRA of one."""
+    from safetensors.torch import load_file
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    folder = os.path.join(data, "1_sks toy")
+    for i, caption in enumerate(QWEN_CAPTIONS):
+        with open(os.path.join(folder, f"img{i}.txt"), "w") as f:
+            f.write(caption)
+
+    def args(out, extra=()):
+        argv = flux_args(data, out, steps=4)
+        argv[argv.index("tiny:flux")] = "tiny:qwen_image"
+        start = argv.index("--t5xxl_max_token_length")
+        return argv[:start] + ["--network_module", "networks.lora_qwen_image", "--network_dim", "4",
+                               "--network_alpha", "4", "--network_train_unet_only", *extra]
+
+    launch(tmp, 1, args(os.path.join(tmp, "cp"), ["--context_parallel_size", "2"]),
+           env_extra={"SCRIPT": "qwen_image_train_network.py"}, timeout=300)
+    make_trainer(args(os.path.join(tmp, "one")), "qwen_image").run()
+    cp = load_file(os.path.join(tmp, "cp", "lora.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert cp.keys() == one.keys()
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((cp[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
+    moved = max(one[k].float().abs().max().item() for k in one if "lora_up" in k)
+    print(f"Qwen-Image relative difference {diff / norm:.3g}; largest lora_up weight {moved:.3g}")
+    assert diff / norm <= 5e-5, diff / norm
     assert moved >= 1e-3

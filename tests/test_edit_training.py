@@ -11,7 +11,8 @@ from PIL import Image
 from library.core.errors import DataError
 from library.data.control_images import find_controls
 from library.families.flux import family as flux_family
-from tests.train_helpers import assert_close_measured, base_args, make_trainer
+from tests.train_helpers import (assert_close_measured, assert_generation_follows_the_reference, dataset_config_args,
+                                 make_trainer)
 
 
 def make_edit_dataset(root: str, n: int = 2, controls: int = 1) -> str:
@@ -36,15 +37,9 @@ def make_edit_dataset(root: str, n: int = 2, controls: int = 1) -> str:
 
 
 def kontext_args(toml: str, out: str, steps: int = 2, extra=()) -> list[str]:
-    argv = base_args("unused", out, "tiny:flux_kontext", steps=steps, extra=[
+    return dataset_config_args(toml, out, "tiny:flux_kontext", steps, [
         "--model_type", "kontext", "--t5xxl_max_token_length", "16", "--network_module", "networks.lora_flux",
         "--guidance_scale", "1.0", *extra])
-    i = argv.index("--train_data_dir")
-    del argv[i:i + 2]
-    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
-        i = argv.index(flag)
-        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
-    return argv + ["--dataset_config", toml]
 
 
 def test_find_controls_one_or_numbered(tmp_path):
@@ -171,20 +166,8 @@ def test_generate_makes_an_image_with_a_kontext_lora_and_control_image(tmp_path)
     toml = make_edit_dataset(str(tmp_path))
     lora = make_trainer(kontext_args(toml, str(tmp_path / "out")), "flux").run()
     reference, other = str(tmp_path / "control" / "img0.png"), str(tmp_path / "control" / "img1.png")
-
-    def generate(outdir, *extra):
-        argv = ["--ckpt", "tiny:flux_kontext", "--flux", "--outdir", str(tmp_path / outdir), "--prompt",
-                "make it red --w 64 --h 64 --s 2 --d 1", "--network_module", "networks.lora_flux",
-                "--network_weights", lora, *extra]
-        paths = tool.run(tool.options_from_args(tool.build_parser().parse_args(argv)))
-        assert len(paths) == 1
-        return np.asarray(Image.open(paths[0]).convert("RGB"))
-
-    with_reference = generate("a", "--control_image", reference)
-    assert with_reference.shape == (64, 64, 3)
-    assert np.array_equal(with_reference, generate("b", "--control_image", reference))  # the same seed and image
-    assert not np.array_equal(with_reference, generate("c", "--control_image", other))  # the reference is used
-    assert not np.array_equal(with_reference, generate("d"))
+    assert_generation_follows_the_reference(tmp_path, ["--ckpt", "tiny:flux_kontext", "--flux"], "networks.lora_flux",
+                                            lora, reference, other)
     from library.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^--control_image / --ci: sd models take no control images \(edit models "

@@ -38,7 +38,7 @@ LORA_MODULE_COUNTS = {
     "tiny:sd1": (72, 192), "tiny:sd2": (138, 192), "tiny:sd2-v": (138, 192), "tiny:sdxl": (264, 722),
     "tiny:flux": (72, 29), "tiny:flux_kontext": (72, 29), "tiny:chroma": (0, 22), "tiny:anima": (196, 30), "tiny:sd3": (264, 29),
     "tiny:lumina": (182, 42), "tiny:hunyuan_image": (0, 32), "tiny:zimage": (21, 10), "tiny:qwen_image": (0, 24),
-    "tiny:flux2": (196, 22),
+    "tiny:qwen_image_edit": (0, 24), "tiny:flux2": (196, 22), "tiny:flux2_dev": (280, 22),
 }
 
 # The flags a LoRA run on each family's tiny preset needs besides train_helpers.base_args: short token

@@ -7,9 +7,7 @@ a file that loads back, block swap."""
 from __future__ import annotations
 
 import os
-import re
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -24,8 +22,12 @@ from library.families.flux2.family import patchify
 from library.families.flux2.generate import flux2_sigmas
 from library.families.flux2.loading import write_flux2_preset
 from library.families.flux2.options import Flux2Options
-from networks.lora import create_network
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from networks.lora import create_network, create_network_from_weights
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
+                                 assert_template_passes_check_config, assert_written_files_load_as_the_preset,
+                                 base_args, fine_tune_one_step, make_dataset, make_trainer, random_lora_file,
+                                 train_tiny_lora_with_sample, web_ui_template)
 
 # ComfyUI's kohya names of one double block and one single block
 DOUBLE_LORA_NAMES = ("img_attn_proj", "img_attn_qkv", "img_mlp_0", "img_mlp_2", "txt_attn_proj", "txt_attn_qkv",
@@ -41,12 +43,6 @@ def flux2_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_flux2():
     return get_family("flux2").load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=64)))
-
-
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_original_layout_matches_diffusers_converter():
@@ -80,29 +76,14 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
     the preset's weights, batch-norm statistics included; detection tells FLUX.2 from FLUX.1."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
-    from library.core.safetensors_io import write_safetensors
-    from library.families.detect import detect_family
-
-    family = get_family("flux2")
-    folder = family.load(LoadOptions(flux2_files["diffusers"]))
-    single = family.load(LoadOptions(flux2_files["dit"], family_options=Flux2Options(
-        qwen3=flux2_files["qwen3"], ae=flux2_files["ae"])))
-    for loaded in (folder, single):
-        _same_weights(loaded.denoiser, tiny_flux2.denoiser)
-        _same_weights(loaded.vae, tiny_flux2.vae)
-        _same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
+    assert_written_files_load_as_the_preset("flux2", flux2_files, tiny_flux2, Flux2Options, "qwen3")
     assert tiny_flux2.vae.bn.running_var.min() > 0.5 - 1e-6 and tiny_flux2.vae.bn.running_mean.abs().max() > 0
     pipe = Flux2KleinPipeline.from_pretrained(flux2_files["diffusers"])
-    _same_weights(pipe.transformer, tiny_flux2.denoiser)
-    _same_weights(pipe.text_encoder.model, tiny_flux2.text_encoders[0])
+    assert_same_weights(pipe.transformer, tiny_flux2.denoiser)
+    assert_same_weights(pipe.text_encoder.model, tiny_flux2.text_encoders[0])
     by_diffusers = Flux2Transformer2DModel.from_single_file(
         flux2_files["dit"], config=os.path.join(flux2_files["diffusers"], "transformer"))
-    _same_weights(by_diffusers, tiny_flux2.denoiser)
-    comfy = os.path.join(os.path.dirname(flux2_files["dit"]), "comfy-whole.safetensors")
-    write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(flux2_files["dit"]).items()}, comfy)
-    _same_weights(family.load(LoadOptions(comfy, family_options=Flux2Options(qwen3=flux2_files["qwen3"]))).denoiser,
-                  tiny_flux2.denoiser)
-    assert [detect_family(p) for p in (flux2_files["diffusers"], flux2_files["dit"], comfy)] == ["flux2"] * 3
+    assert_same_weights(by_diffusers, tiny_flux2.denoiser)
     with safe_open(flux2_files["dit"], "pt") as f:
         keys = set(f.keys())
     assert {"double_blocks.0.img_attn.qkv.weight", "double_blocks.1.txt_attn.norm.key_norm.scale",
@@ -112,7 +93,7 @@ def test_tiny_files_load_through_the_real_loaders(flux2_files, tiny_flux2):
 
 def test_option_errors_are_one_line(flux2_files):
     family = get_family("flux2")
-    with pytest.raises(ModelLoadError, match=r"^--qwen3: required with a FLUX.2 DiT file"):
+    with pytest.raises(ModelLoadError, match=r"^--qwen3: required with a FLUX.2 \[klein\] DiT file"):
         family.load(LoadOptions(flux2_files["dit"]))
     with pytest.raises(ConfigError, match=r"^--qwen3_max_token_length: expected an integer from 16"):
         Flux2Options(qwen3_max_token_length=4).check()
@@ -188,39 +169,15 @@ def test_tiny_flux2_lora_training_run_samples_and_generates(tmp_path, flux2_file
     """flux2_train_network.py's run: 2 steps with networks.lora_flux2, cached text-encoder outputs and latents,
     a sample at step 2; the file has ComfyUI's names and the FLUX.2 defaults in its metadata; tools/generate.py's
     path (family.generate with the LoRA applied) makes an image."""
-    data = make_dataset(str(tmp_path), n=2)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
-    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:flux2", steps=2, extra=[
-        "--network_module", "networks.lora_flux2", "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs",
-        "--cache_latents", "--network_train_unet_only", "--sample_prompts", str(prompts),
-        "--sample_every_n_steps", "2"]), "flux2")
-    path = trainer.run()
-    samples = os.listdir(tmp_path / "out" / "sample")
-    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
-    with safe_open(path, "pt") as f:
-        keys = sorted(f.keys())
-        metadata = f.metadata()
-        up = f.get_tensor("lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight")
+    path, keys, metadata, up = train_tiny_lora_with_sample(tmp_path, "tiny:flux2", "flux2", "networks.lora_flux2", [
+        "--qwen3_max_token_length", "32"], "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight")
     assert len(keys) == 3 * 22 and all(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_"))
                                        for k in keys)
     assert up.shape == (3 * 32, 4) and up.abs().sum() > 0  # trained
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
         == ("flux2", "flux-2-klein/lora", "networks.lora_flux2")
     assert (metadata["ss_timestep_sampling"], metadata["ss_weighting_scheme"]) == ("flux_shift", "none")
-    from PIL import Image
-
-    from tools.generate import main as generate
-
-    images = []
-    for mul in ("0", "1"):
-        out = tmp_path / f"gen{mul}"
-        assert generate(["--ckpt", flux2_files["diffusers"], "--network_module", "networks.lora_flux2",
-                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
-                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
-        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
-        images.append(np.asarray(Image.open(out / name)))
-    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    assert_lora_changes_generation(tmp_path, flux2_files["diffusers"], "networks.lora_flux2", path)
 
 
 def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
@@ -230,17 +187,12 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     from diffusers import Flux2KleinPipeline
 
     from library.families.flux2.loading import scheduler
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     options = Flux2Options(qwen3_max_token_length=16)
     ours, theirs = (family.load(LoadOptions("tiny:flux2", family_options=options)) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = Flux2KleinPipeline(scheduler=scheduler(), vae=theirs.vae, text_encoder=theirs.text_encoders[0],
                               tokenizer=theirs.tokenizers[0], transformer=theirs.denoiser)
     pipe.load_lora_weights({k: v for k, v in load_file(path).items() if k.startswith("lora_unet_")})
@@ -250,41 +202,21 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     assert {n for n, _ in theirs.denoiser.named_modules() if n.endswith(".lora_A")} == {
         f"transformer_blocks.{i}.{m}.lora_A" for i in range(2) for m in double} | {
         f"single_transformer_blocks.{i}.{m}.lora_A" for i in range(3) for m in ("attn.to_qkv_mlp_proj", "attn.to_out")}
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 32)
 
 
 def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, flux2_files, tiny_flux2):
     """flux2_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
     DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("flux2", "test", ft_args(data, out, preset=flux2_files["diffusers"], steps=1, extra=[
+    path, data = fine_tune_one_step(tmp_path, "flux2", flux2_files["diffusers"], [
         "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
-        "--cache_latents", "--cache_latents_to_disk"]), fine_tune=True) == 0
+        "--cache_latents", "--cache_latents_to_disk"], "flux-2-klein", flux2_files["dit"])
     cached = sorted(n for n in os.listdir(os.path.join(data, "5_sks toy")) if n.endswith(".npz"))
     assert len(cached) == 2 and any(n.endswith("_flux2_te.npz") for n in cached) \
         and any(n.endswith("_flux2.npz") for n in cached), cached
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "flux-2-klein"
-    assert keys == set(load_file(flux2_files["dit"]))
     loaded = get_family("flux2").load(LoadOptions(path, family_options=Flux2Options(
         qwen3=flux2_files["qwen3"], ae=flux2_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_flux2.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    _same_weights(loaded.text_encoders[0], tiny_flux2.text_encoders[0])
+    assert_only_denoiser_moved(loaded, tiny_flux2)
 
 
 def test_fp8_base_and_block_swap_train_as_float8_rounded_weights(tmp_path):
@@ -335,31 +267,13 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     """webui/templates/flux2_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
     bitsandbytes here), passes the script's own --check_config; the templates name networks.lora_flux2 and the
     FLUX.2 flow defaults."""
-    import toml
-
-    from library.cli.entry import run_training
-    from webui.families import script_for
-    from webui.jobfiles import REPO_ROOT
-
-    assert script_for("flux2", mode) == get_family("flux2").scripts[mode]
-    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"flux2_{mode}.toml"))
-    assert (template["template"]["family"], template["template"]["mode"]) == ("flux2", mode)
+    template = web_ui_template("flux2", mode)
     config = template["config"]
     assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"]) == ("flux_shift", "none")
     assert ("network" in config) == (mode == "lora")
     if mode == "lora":
         assert config["network"]["network_module"] == "networks.lora_flux2"
-    config["model"] = {"pretrained_model_name_or_path": "tiny:flux2"}
-    config["optimizer"]["optimizer_type"] = "AdamW"
-    dataset = template["dataset"]
-    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
-    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
-    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
-    config["output"]["logging_dir"] = str(tmp_path / "logs")
-    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
-    (tmp_path / "config.toml").write_text(toml.dumps(config))
-    assert run_training("flux2", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
-                        fine_tune=mode == "finetune") == 0
+    assert_template_passes_check_config(tmp_path, "flux2", mode, template, "tiny:flux2")
 
 
 def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
@@ -372,8 +286,6 @@ def test_ai_toolkit_and_diffusers_layouts_read_back_as_kohya(tmp_path):
 
     from library.core.safetensors_io import write_safetensors
     from library.families.flux2.lora_names import to_kohya_lora
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("flux2")
     c = family.load(LoadOptions("tiny:flux2", family_options=Flux2Options(qwen3_max_token_length=16)))
@@ -475,7 +387,6 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, flux2_files):
     """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
     keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in BFL's layout (the
     fused qkv's up stacks the q, k, v slices over one down)."""
-    from tests.train_helpers import random_lora_file
     from tools import merge_lora
 
     family = get_family("flux2")
@@ -484,15 +395,8 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, flux2_files):
     out = str(tmp_path / "merged.safetensors")
     assert merge_lora.main(["--sd_model", flux2_files["dit"], "--qwen3", flux2_files["qwen3"], "--ae",
                             flux2_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
-    base, got, lora = load_file(flux2_files["dit"]), load_file(out), load_file(lora_path)
-    assert got.keys() == base.keys()
-    merged = set()
     modules = [f"double_blocks.{i}.{m}" for i in range(2) for m in (
         "img_attn.qkv", "img_attn.proj", "img_mlp.0", "img_mlp.2", "txt_attn.qkv", "txt_attn.proj", "txt_mlp.0",
         "txt_mlp.2")] + [f"single_blocks.{i}.{m}" for i in range(3) for m in ("linear1", "linear2")]
-    for module in modules:
-        name, key = "lora_unet_" + module.replace(".", "_"), f"{module}.weight"
-        down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
-        torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5, atol=1e-6)
-        merged.add(key)
-    assert len(merged) == 22 and all(torch.equal(got[k], base[k]) for k in base if k not in merged)
+    assert len(modules) == 22
+    assert_merged_in_original_layout(out, flux2_files["dit"], lora_path, modules)

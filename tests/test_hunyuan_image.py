@@ -16,6 +16,7 @@ from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.hunyuan_image import layout
 from library.families.hunyuan_image import text as text_rules
+from library.families.common.dit_layout import COMFY_PREFIX
 from library.families.base import (
     Components,
     LoadOptions,
@@ -92,7 +93,7 @@ def test_tiny_files_load_through_the_real_loaders(hi_files, tiny_hi):
     from library.families.hunyuan_image.loading import load_dit_file
 
     comfy = hi_files["dit"].replace(".safetensors", "-comfy.safetensors")
-    save_file({layout.COMFY_PREFIX + k: v for k, v in load_file(hi_files["dit"]).items()}, comfy)
+    save_file({COMFY_PREFIX + k: v for k, v in load_file(hi_files["dit"]).items()}, comfy)
     again = load_dit_file(comfy, torch.float32).state_dict()
     assert all(torch.equal(again[k], v) for k, v in tiny_hi.denoiser.state_dict().items())
 

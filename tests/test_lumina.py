@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from library.core.errors import ConfigError
 from library.families import get_family
 from library.families.lumina import layout
+from library.families.common.dit_layout import COMFY_PREFIX
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.lumina.configs import (
     PRESETS,
@@ -23,8 +24,8 @@ from library.families.lumina.configs import (
 from library.families.lumina.loading import write_lumina_preset
 from library.families.lumina.options import LuminaOptions
 from networks.lora import create_network
-from tests.train_helpers import (assert_close_measured, base_args, largest_lora_up, make_dataset, make_trainer,
-                                 random_lora_file)
+from tests.train_helpers import (assert_close_measured, assert_only_denoiser_moved, base_args, fine_tune_one_step,
+                                 largest_lora_up, make_dataset, make_trainer, random_lora_file)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_tiny_files_load_through_the_real_loaders(lumina_files, tiny_lumina):
 
     comfy = lumina_files["dit"].replace(".safetensors", "-comfy.safetensors")
     from safetensors.torch import save_file
-    save_file({layout.COMFY_PREFIX + k: v for k, v in load_file(lumina_files["dit"]).items()}, comfy)
+    save_file({COMFY_PREFIX + k: v for k, v in load_file(lumina_files["dit"]).items()}, comfy)
     again = load_dit_file(comfy, torch.float32).state_dict()
     assert all(torch.equal(again[k], v) for k, v in tiny_lumina.denoiser.state_dict().items())
 
@@ -279,24 +280,11 @@ def test_documented_sd_scripts_command_line_runs(example_data, tmp_path, monkeyp
 def test_full_fine_tune_saves_an_original_dit_file_that_loads_back(tmp_path, lumina_files, tiny_lumina):
     """lumina_train.py: one step; the saved DiT is in the original NextDiT names, loads back through the
     single-file loader, and only the DiT moved (Gemma-2 is not trained without --train_text_encoder)."""
-    import os
-
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("lumina", "test", ft_args(data, out, preset="tiny:lumina", steps=1, extra=[
-        "--gemma2_max_token_length", "8"]), fine_tune=True) == 0
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "lumina-2"
-    assert keys == set(load_file(lumina_files["dit"]))
+    path, _ = fine_tune_one_step(tmp_path, "lumina", "tiny:lumina", ["--gemma2_max_token_length", "8"], "lumina-2",
+                                 lumina_files["dit"])
     loaded = get_family("lumina").load(LoadOptions(path, family_options=LuminaOptions(
         gemma2=lumina_files["gemma2"], ae=lumina_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_lumina.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    assert_only_denoiser_moved(loaded, tiny_lumina)
 
 
 def test_merge_tool_writes_the_merged_original_dit(tmp_path, lumina_files, tiny_lumina):

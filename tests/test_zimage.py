@@ -7,9 +7,7 @@ back, and the text-encoder / latent caches."""
 from __future__ import annotations
 
 import os
-import re
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -23,7 +21,10 @@ from library.families.zimage.configs import CHAT_TEMPLATE, PRESETS, build_zimage
 from library.families.zimage.loading import write_zimage_preset
 from library.families.zimage.options import ZImageOptions
 from networks.lora import create_network
-from tests.train_helpers import base_args, make_dataset, make_trainer
+from tests.train_helpers import (apply_lora_file, assert_lora_changes_generation, assert_merged_in_original_layout,
+                                 assert_only_denoiser_moved, assert_pipeline_lora_predicts_as_ours, assert_same_weights,
+                                 assert_template_passes_check_config, assert_written_files_load_as_the_preset,
+                                 fine_tune_one_step, random_lora_file, train_tiny_lora_with_sample, web_ui_template)
 
 # ComfyUI's kohya names of one main block with musubi-tuner's default targets (no refiners, no AdaLN)
 BLOCK_LORA_NAMES = ("attention_qkv", "attention_out", "feed_forward_w1", "feed_forward_w2", "feed_forward_w3")
@@ -37,12 +38,6 @@ def zimage_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_zimage():
     return get_family("zimage").load(LoadOptions("tiny:zimage"))
-
-
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_original_layout_matches_diffusers_converter_at_full_size():
@@ -68,27 +63,12 @@ def test_tiny_files_load_through_the_real_loaders(zimage_files, tiny_zimage):
     diffusers' from_single_file and by the family, plain and under model.diffusion_model.) give the preset's weights."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
-    from library.core.safetensors_io import write_safetensors
-    from library.families.detect import detect_family
-
-    family = get_family("zimage")
-    folder = family.load(LoadOptions(zimage_files["diffusers"]))
-    single = family.load(LoadOptions(zimage_files["dit"], family_options=ZImageOptions(
-        qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
-    for loaded in (folder, single):
-        _same_weights(loaded.denoiser, tiny_zimage.denoiser)
-        _same_weights(loaded.vae, tiny_zimage.vae)
-        _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+    assert_written_files_load_as_the_preset("zimage", zimage_files, tiny_zimage, ZImageOptions, "qwen3")
     pipe = ZImagePipeline.from_pretrained(zimage_files["diffusers"])
-    _same_weights(pipe.transformer, tiny_zimage.denoiser)
+    assert_same_weights(pipe.transformer, tiny_zimage.denoiser)
     by_diffusers = ZImageTransformer2DModel.from_single_file(
         zimage_files["dit"], config=os.path.join(zimage_files["diffusers"], "transformer"))
-    _same_weights(by_diffusers, tiny_zimage.denoiser)
-    comfy = os.path.join(os.path.dirname(zimage_files["dit"]), "comfy-whole.safetensors")
-    write_safetensors({"model.diffusion_model." + k: v for k, v in load_file(zimage_files["dit"]).items()}, comfy)
-    _same_weights(family.load(LoadOptions(comfy, family_options=ZImageOptions(qwen3=zimage_files["qwen3"]))).denoiser,
-                  tiny_zimage.denoiser)
-    assert [detect_family(p) for p in (zimage_files["diffusers"], zimage_files["dit"], comfy)] == ["zimage"] * 3
+    assert_same_weights(by_diffusers, tiny_zimage.denoiser)
     with safe_open(zimage_files["dit"], "pt") as f:
         keys = set(f.keys())
     assert {"layers.0.attention.qkv.weight", "layers.0.adaLN_modulation.0.weight", "x_embedder.weight",
@@ -170,20 +150,8 @@ def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, zimage_fi
     """zimage_train_network.py's run: 2 steps with networks.lora_zimage, cached text-encoder outputs and latents,
     a sample at step 2; the file has ComfyUI's names and musubi-tuner's defaults in its metadata; tools/generate.py's
     path (family.generate with the LoRA applied) makes an image."""
-    data = make_dataset(str(tmp_path), n=2)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red cube --n blurry --w 64 --h 64 --s 2 --l 3.0 --d 5\n")
-    trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:zimage", steps=2, extra=[
-        "--network_module", "networks.lora_zimage", "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs",
-        "--cache_latents", "--network_train_unet_only", "--sample_prompts", str(prompts),
-        "--sample_every_n_steps", "2"]), "zimage")
-    path = trainer.run()
-    samples = os.listdir(tmp_path / "out" / "sample")
-    assert any(re.match(r"lora_000002_00_\d+_5\.png$", n) for n in samples), samples
-    with safe_open(path, "pt") as f:
-        keys = sorted(f.keys())
-        metadata = f.metadata()
-        up = f.get_tensor("lora_unet_layers_0_attention_qkv.lora_up.weight")
+    path, keys, metadata, up = train_tiny_lora_with_sample(tmp_path, "tiny:zimage", "zimage", "networks.lora_zimage", [
+        "--qwen3_max_token_length", "32"], "lora_unet_layers_0_attention_qkv.lora_up.weight")
     assert len(keys) == 2 * 5 * 3 and all(k.startswith("lora_unet_layers_") for k in keys)
     assert up.shape == (3 * 64, 4) and up.abs().sum() > 0  # trained
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"], metadata["ss_network_module"]) \
@@ -191,45 +159,21 @@ def test_tiny_zimage_lora_training_run_samples_and_generates(tmp_path, zimage_fi
     assert (metadata["ss_timestep_sampling"], metadata["ss_discrete_flow_shift"], metadata["ss_weighting_scheme"]) \
         == ("shift", "2.0", "none")
     # tools/generate.py on the diffusers folder with the LoRA; its multiplier changes the image
-    from PIL import Image
-
-    from tools.generate import main as generate
-
-    images = []
-    for mul in ("0", "1"):
-        out = tmp_path / f"gen{mul}"
-        assert generate(["--ckpt", zimage_files["diffusers"], "--network_module", "networks.lora_zimage",
-                         "--network_weights", path, "--network_mul", mul, "--outdir", str(out), "--prompt",
-                         "a red cube", "--W", "64", "--H", "64", "--steps", "2", "--seed", "3"]) == 0
-        (name,) = [n for n in os.listdir(out) if n.endswith(".png")]
-        images.append(np.asarray(Image.open(out / name)))
-    assert images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    assert_lora_changes_generation(tmp_path, zimage_files["diffusers"], "networks.lora_zimage", path)
 
 
 def test_full_fine_tune_saves_a_comfy_dit_file_that_loads_back(tmp_path, zimage_files, tiny_zimage):
     """zimage_train.py: one step from the diffusers folder, text-encoder outputs and latents cached to disk; the saved
     DiT has exactly the ComfyUI file's keys, loads back through the single-file loader, and only the DiT moved."""
-    from library.cli.entry import run_training
-    from tests.train_helpers import ft_args
-
-    data = make_dataset(str(tmp_path), n=1)
-    out = str(tmp_path / "out")
-    assert run_training("zimage", "test", ft_args(data, out, preset=zimage_files["diffusers"], steps=1, extra=[
+    path, data = fine_tune_one_step(tmp_path, "zimage", zimage_files["diffusers"], [
         "--qwen3_max_token_length", "32", "--cache_text_encoder_outputs", "--cache_text_encoder_outputs_to_disk",
-        "--cache_latents", "--cache_latents_to_disk"]), fine_tune=True) == 0
+        "--cache_latents", "--cache_latents_to_disk"], "z-image", zimage_files["dit"])
     cached = sorted(n for n in os.listdir(os.path.join(data, "5_sks toy")) if n.endswith(".npz"))
     assert len(cached) == 2 and any(n.endswith("_zimage_te.npz") for n in cached) \
         and any(n.endswith("_zimage.npz") for n in cached), cached
-    path = os.path.join(out, "model.safetensors")
-    with safe_open(path, "pt") as f:
-        keys = set(f.keys())
-        assert f.metadata()["modelspec.architecture"] == "z-image"
-    assert keys == set(load_file(zimage_files["dit"]))
     loaded = get_family("zimage").load(LoadOptions(path, family_options=ZImageOptions(
         qwen3=zimage_files["qwen3"], ae=zimage_files["ae"])))
-    a, b = loaded.denoiser.state_dict(), tiny_zimage.denoiser.state_dict()
-    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
-    _same_weights(loaded.text_encoders[0], tiny_zimage.text_encoders[0])
+    assert_only_denoiser_moved(loaded, tiny_zimage)
 
 
 @pytest.mark.parametrize("mode", ["lora", "finetune"])
@@ -237,32 +181,14 @@ def test_web_ui_templates_pass_the_scripts_check(tmp_path, mode):
     """webui/templates/zimage_<mode>.toml, its model paths swapped for the tiny preset and AdamW for AdamW8bit (no
     bitsandbytes here), passes the script's own --check_config; the LoRA template names networks.lora_zimage and
     musubi-tuner's Z-Image defaults."""
-    import toml
-
-    from library.cli.entry import run_training
-    from webui.families import script_for
-    from webui.jobfiles import REPO_ROOT
-
-    assert script_for("zimage", mode) == get_family("zimage").scripts[mode]
-    template = toml.load(os.path.join(REPO_ROOT, "webui", "templates", f"zimage_{mode}.toml"))
-    assert (template["template"]["family"], template["template"]["mode"]) == ("zimage", mode)
+    template = web_ui_template("zimage", mode)
     config = template["config"]
     assert (config["training"]["timestep_sampling"], config["training"]["weighting_scheme"],
             config["training"]["discrete_flow_shift"]) == ("shift", "none", 2.0)
     assert ("network" in config) == (mode == "lora")
     if mode == "lora":
         assert config["network"]["network_module"] == "networks.lora_zimage"
-    config["model"] = {"pretrained_model_name_or_path": "tiny:zimage"}
-    config["optimizer"]["optimizer_type"] = "AdamW"
-    dataset = template["dataset"]
-    dataset["datasets"][0]["subsets"][0]["image_dir"] = os.path.join(REPO_ROOT, "examples/data/train/10_sks shape")
-    (tmp_path / "dataset.toml").write_text(toml.dumps(dataset))
-    config["output"]["output_dir"] = str(tmp_path / "out")  # the UI sets these two (MANAGED_KEYS)
-    config["output"]["logging_dir"] = str(tmp_path / "logs")
-    config["training"]["dataset_config"] = str(tmp_path / "dataset.toml")
-    (tmp_path / "config.toml").write_text(toml.dumps(config))
-    assert run_training("zimage", "test", ["--config_file", str(tmp_path / "config.toml"), "--check_config"],
-                        fine_tune=mode == "finetune") == 0
+    assert_template_passes_check_config(tmp_path, "zimage", mode, template, "tiny:zimage")
 
 
 def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
@@ -271,16 +197,11 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
     difference 0.0 on the tiny model; 1e-6 allowed)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
 
-    from networks.lora import create_network_from_weights
-    from tests.train_helpers import random_lora_file
 
     family = get_family("zimage")
     ours, theirs = (family.load(LoadOptions("tiny:zimage")) for _ in range(2))
     path = random_lora_file(family, ours, str(tmp_path / "lora.safetensors"))
-    network, _ = create_network_from_weights(1.0, path, ours.vae, ours.text_encoders, ours.denoiser,
-                                             lora_targets=family.lora_targets(ours))
-    network.apply_to(ours.text_encoders, ours.denoiser, apply_text_encoder=False, apply_unet=True)
-    network.load_weights(path)
+    apply_lora_file(family, ours, path)
     pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=theirs.vae,
                           text_encoder=theirs.text_encoders[0], tokenizer=theirs.tokenizers[0],
                           transformer=theirs.denoiser)
@@ -289,22 +210,13 @@ def test_diffusers_pipeline_loads_our_lora_file_and_predicts_the_same(tmp_path):
         f"layers.{i}.{m}.lora_A" for i in range(2) for m in ("attention.to_q", "attention.to_k", "attention.to_v",
                                                              "attention.to_out.0", "feed_forward.w1",
                                                              "feed_forward.w2", "feed_forward.w3")}
-    text = family.encode_text(ours, family.tokenize(ours, ["a cat"], None), None)
-    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a = family.predict(ours, x, torch.tensor([400.0]), text, {})
-        b = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-        theirs.denoiser.disable_lora()
-        base = family.predict(theirs, x, torch.tensor([400.0]), text, {})
-    assert (a - base).abs().max() > 1e-2  # the LoRA changes the prediction
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert_pipeline_lora_predicts_as_ours(family, ours, theirs, 16)
 
 
 def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zimage):
     """tools/merge_lora.py on ComfyUI's files (--qwen3 / --ae as training takes them): the saved DiT has the file's
     keys and each LoRA'd weight is the original plus up @ down · alpha / rank, computed here in the original layout
     (the fused qkv's up stacks the q, k, v slices over one down)."""
-    from tests.train_helpers import random_lora_file
     from tools import merge_lora
 
     family = get_family("zimage")
@@ -312,14 +224,6 @@ def test_merge_tool_writes_the_merged_comfy_dit(tmp_path, zimage_files, tiny_zim
     out = str(tmp_path / "merged.safetensors")
     assert merge_lora.main(["--sd_model", zimage_files["dit"], "--qwen3", zimage_files["qwen3"], "--ae",
                             zimage_files["ae"], "--models", lora_path, "--ratios", "1.0", "--save_to", out]) == 0
-    base, got, lora = load_file(zimage_files["dit"]), load_file(out), load_file(lora_path)
-    assert got.keys() == base.keys()
-    merged = set()
-    for i in range(2):
-        for module in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
-            name, key = f"lora_unet_layers_{i}_{module.replace('.', '_')}", f"layers.{i}.{module}.weight"
-            down, up, alpha = (lora[f"{name}.{s}"] for s in ("lora_down.weight", "lora_up.weight", "alpha"))
-            torch.testing.assert_close(got[key], base[key] + up @ down * (alpha / down.shape[0]), rtol=1e-5,
-                                       atol=1e-6)
-            merged.add(key)
-    assert all(torch.equal(got[k], base[k]) for k in base if k not in merged)
+    modules = [f"layers.{i}.{m}" for i in range(2)
+               for m in ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    assert_merged_in_original_layout(out, zimage_files["dit"], lora_path, modules)

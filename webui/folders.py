@@ -18,8 +18,9 @@ JOB_FOLDER_KEYS = ("profiler_trace_dir", "console_log_file", "debug_dataset_dir"
 # Files and folders the run reads, or writes beside the user's data (latent caches, DeepSpeed's NVMe swap):
 # inside the roots or the job's folder.
 READ_PATH_KEYS = (
-    "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "gemma2", "text_encoder",
-    "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights", "base_weights",
+    "pretrained_model_name_or_path", "vae", "ae", "clip_l", "clip_g", "t5xxl", "qwen3", "mistral3", "gemma2",
+    "text_encoder", "byt5", "llm_adapter_path", "t5_tokenizer_path", "tokenizer_cache_dir", "network_weights",
+    "base_weights",
     "resume", "log_tracker_config", "noise_scheduler_overrides", "train_data_dir", "reg_data_dir", "in_json",
     "conditioning_data_dir", "offload_optimizer_nvme_path", "offload_param_nvme_path", "metadata_thumbnail",
     "embeddings", "weights", "controlnet_model_name_or_path")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -10,6 +11,7 @@ from library.cli.options import at_least, flag
 from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
+from library.families.common.gguf_file import gguf_missing, is_gguf
 from library.train.memory.checkpoint_policy import POLICIES as CHECKPOINT_POLICIES
 from library.train.memory.quantize import CHOICES as PRECISION_CHOICES
 from library.train.memory.quantize import NO_CHANGE, precision_unavailable
@@ -112,7 +114,9 @@ SWAP_REFUSED = {"nf4-bnb": "bitsandbytes keeps a 4-bit weight's quantization sta
 
 
 def check_precisions(values: Mapping[str, Any], fine_tune: bool, fp8: bool, swap: Optional[int]) -> dict[str, str]:
-    """--base_model_precision / --text_encoder_precision, checked before anything loads (one-line ConfigError)."""
+    """--base_model_precision / --text_encoder_precision, checked before anything loads (one-line ConfigError);
+    also what a GGUF base file (already quantized) rules out."""
+    check_gguf_base(values, fine_tune, fp8)
     out = {}
     for name in ("base_model_precision", "text_encoder_precision"):
         value = values.get(name) or NO_CHANGE
@@ -131,6 +135,28 @@ def check_precisions(values: Mapping[str, Any], fine_tune: bool, fp8: bool, swap
         if swap is not None and name == "base_model_precision" and value in SWAP_REFUSED:
             raise ConfigError(f"--{name} {value} with --blocks_to_swap: {SWAP_REFUSED[value]}")
     return out
+
+
+def check_gguf_base(values: Mapping[str, Any], fine_tune: bool, fp8: bool) -> None:
+    """A GGUF --pretrained_model_name_or_path holds its weights quantized already: LoRA only, no second storage."""
+    path = values.get("pretrained_model_name_or_path")
+    if not isinstance(path, str) or not os.path.isfile(path) or not is_gguf(path):
+        return
+    label = f"--pretrained_model_name_or_path {path}"
+    missing = gguf_missing()
+    if missing:
+        raise ConfigError(f"{label}: {missing}")
+    if fine_tune:
+        raise ConfigError(f"{label}: a GGUF file holds quantized weights, which a full fine-tune cannot train; use "
+                          "a LoRA script (*_train_network.py) or the .safetensors model")
+    value = values.get("base_model_precision") or NO_CHANGE
+    if value != NO_CHANGE:
+        raise ConfigError(f"--base_model_precision {value}: {path} is a GGUF file, already quantized; drop the flag")
+    if fp8:
+        raise ConfigError(f"--fp8_base with {path}: a GGUF file is already quantized; drop --fp8_base")
+    if values.get("base_weights"):
+        raise ConfigError(f"--base_weights with {path}: a GGUF file's weights stay quantized, nothing can be merged "
+                          "into them; merge into the .safetensors model first, or drop --base_weights")
 
 
 def blocks_to_swap_with_aliases(values: Mapping[str, Any]) -> Any:

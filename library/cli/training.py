@@ -104,9 +104,14 @@ class MultiProcessFlags:
     ddp_static_graph: bool = flag(False, "DDP: the graph is the same every step (faster reduction; finds unused "
                                          "weights itself)")
     context_parallel_size: int = flag(1, "split each sample's tokens over N processes (context parallelism, Ulysses, "
-                                         "through the denoiser's diffusers plan: FLUX.1, FLUX.2); N processes train "
-                                         "one batch, world size / N batches train side by side", range=at_least(1),
+                                         "through the denoiser's diffusers plan: FLUX.1, FLUX.2, Qwen-Image); N "
+                                         "processes train one batch, world size / N batches train side by side",
+                                      range=at_least(1),
                                       aliases=("cp_size",))
+    tensor_parallel_size: int = flag(1, "shard the frozen denoiser's Linear layers over N processes (tensor "
+                                        "parallelism through the denoiser's diffusers plan: FLUX.1, FLUX.2, "
+                                        "Qwen-Image; the LoRA follows each shard); N processes train one batch", range=at_least(1),
+                                     aliases=("tp_size",))
     ddp_backend: str = flag("auto", "the processes' communication backend: auto (nccl on CUDA GPUs, gloo on CPUs and "
                                     "on Windows), nccl, or gloo", choices=DDP_BACKENDS)
 

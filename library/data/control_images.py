@@ -35,7 +35,7 @@ def find_controls(image_path: str, control_dir: str) -> tuple[str, ...]:
     if single:
         return (single,)
     found = []
-    while len(found) < MAX_CONTROLS:
+    while len(found) <= MAX_CONTROLS:  # one past the most any model takes, so that a 4th is named, not dropped
         path = _find(control_dir, f"{stem}_{len(found)}")
         if path is None:
             break

@@ -106,7 +106,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
     augment = not ref.validation
     images, latents, masks, captions, weights, paths = [], [], [], [], [], []
     unmasked_weights, normalize, preserve = [], [], []
-    orig_hw, crop_tl, skipped, noise_seeds, controls, conds = [], [], [], [], [], []
+    orig_hw, crop_tl, skipped, noise_seeds, controls, conds, control_paths = [], [], [], [], [], [], []
     use_latents = all((sid, ref.group) in data.latents for sid in ref.samples)
     for pos, sid in enumerate(ref.samples):
         sample = data.samples[sid]
@@ -161,6 +161,7 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         captions.append(caption)
         weights.append(sample.loss_weight)
         paths.append(sample.path)
+        control_paths.append(sample.control_paths)
         noise_seeds.append(sample_noise_seed(data.seed, ref.epoch, ref.index, ref.offset + pos))
         orig_hw.append((sample.size[1], sample.size[0]))
         crop_tl.append((crop[1], crop[0]))
@@ -186,6 +187,8 @@ def load_batch(data: DatasetPlan, ref: BatchRef) -> dict:
         "crop_top_lefts": torch.tensor(crop_tl, dtype=torch.long),
         "target_sizes_hw": torch.tensor([(bucket[1], bucket[0])] * len(paths), dtype=torch.long),
         "image_paths": paths,
+        # Edit training: each sample's control image files (family.text_key: Qwen-Image-Edit's text reads them)
+        "control_paths": control_paths,
         # Training batches: each sample's noise and timestep seed (library/train/step.py); validation draws its own.
         "noise_seeds": None if ref.validation else noise_seeds,
         "skipped_images": skipped,

@@ -5,7 +5,8 @@ with `hidden_state1`, `hidden_state2`, `pool2`, float32, no batch axis). As for
 latents, we add `cache_settings`, a JSON signature of the model, token length and
 the exact caption; a file is reused only when that signature and every array's
 shape match, otherwise it is rebuilt. The cache is keyed by the final caption
-text, which is fixed per sample because caching is refused when captions are
+text (with the family's text_key: Qwen-Image-Edit's holds the control images too),
+which is fixed per sample because caching is refused when captions are
 random (shuffle, dropout, token warmup, wildcards) or the text encoder trains.
 """
 

@@ -184,6 +184,12 @@ class ModelFamily(ABC):
     # context-parallel plan (`_cp_plan`) and a fixed text length (FLUX.1: 16, 8x VAE x 2x2 patches), so every
     # bucket's tokens can be checked against the split before training; None: no context parallelism.
     context_parallel_token_pixels: ClassVar[Optional[int]] = None
+    # --tensor_parallel_size: whether the denoiser is a diffusers model whose own tensor-parallel plan (`_tp_plan`)
+    # shards its Linear layers (library/train/distributed/tensor_parallel.py); False: no tensor parallelism.
+    tensor_parallel: ClassVar[bool] = False
+    # Whether some of the denoiser's weights never reach the loss (Qwen-Image: the last block's text stream, whose
+    # output nothing reads), so DDP must look for unused trained weights every step (find_unused_parameters).
+    denoiser_leaves_weights_unused: ClassVar[bool] = False
 
     # --- options ---------------------------------------------------------------
     @classmethod
@@ -221,6 +227,7 @@ class ModelFamily(ABC):
             "denoiser_label": cls.denoiser_label,
             "block_swap": cls.supports_block_swap(),
             "context_parallel": cls.context_parallel_token_pixels is not None,
+            "tensor_parallel": cls.tensor_parallel,
             "component_file_flags": list(cls.component_file_flags),
             "flag_aliases": {alias: flag for alias, flag in cls.flag_aliases},
             "lora_network_module": cls.lora_network_module,
@@ -248,6 +255,11 @@ class ModelFamily(ABC):
         """How many control images (the subset key control_directory) each training image may have with these
         options; 0: none (the model takes no reference images)."""
         return 0
+
+    def text_key(self, components: "Components", caption: str, control_paths: tuple[str, ...]) -> str:
+        """What a sample's text conditioning is computed from, as the string `tokenize` takes and the text cache keys
+        on: its caption; a family whose text encoder also reads the control images (Qwen-Image-Edit) puts them in."""
+        return caption
 
     def latent_cache_values(self, options: Any) -> dict[str, Any]:
         """The options that change what the VAE outputs (part of the latent-cache validity key)."""

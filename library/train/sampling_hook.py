@@ -83,9 +83,11 @@ class SampleHook:
         suffix, epoch = due
         accelerator = trainer.accelerator
         # Under FSDP (and ZeRO-3) every process holds a shard of the model, so every process runs the generation (the
-        # weights are gathered block by block); only the main one writes the images.
+        # weights are gathered block by block); only the main one writes the images. Context parallelism's denoiser
+        # splits every forward's tokens over the processes: all of them take part too.
         trainable = getattr(trainer, "trainable", None)
-        sharded = getattr(trainable, "sharded", False) or getattr(trainable, "weights_partitioned", False)
+        sharded = getattr(trainable, "sharded", False) or getattr(trainable, "weights_partitioned", False) \
+            or getattr(getattr(trainer, "t", None), "context_parallel_size", 1) > 1
         if accelerator.is_main_process or sharded:
             self.sample(trainer, step, epoch, suffix, write=accelerator.is_main_process)
         self.last_sampled_step = step

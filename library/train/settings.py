@@ -75,6 +75,7 @@ class TrainingOptions:
     ddp_gradient_as_bucket_view: bool = False  # accelerate's DistributedDataParallelKwargs
     ddp_static_graph: bool = False
     context_parallel_size: int = 1  # library/train/distributed/context_parallel.py
+    tensor_parallel_size: int = 1  # library/train/distributed/tensor_parallel.py
     ddp_backend: str = "auto"  # "auto", "nccl" or "gloo" (library/train/distributed/distributed.py)
     hub: HubOptions = field(default_factory=HubOptions)  # --huggingface_* (library/train/hub.py)
     deepspeed: Optional[DeepSpeedOptions] = None  # --deepspeed and its flags; None: an accelerate config may ask for it

@@ -44,7 +44,8 @@ class ModelSetup:
         self.data = build_training_data(self.s.data, info)
         accum = self.t.gradient_accumulation_steps
         n = self.accelerator.num_processes
-        self.data.shard(*data_rank(self.accelerator.process_index, n, self.t.context_parallel_size))
+        self.data.shard(*data_rank(self.accelerator.process_index, n,
+                                   self.t.context_parallel_size * self.t.tensor_parallel_size))
         check_context_parallel(self.t.context_parallel_size, self.family, n,
                                [b for g in self.data.groups for b in g.buckets], **self._context_parallel_run())
         self.batches_per_epoch = self.data.batches_per_epoch()  # this process's share

@@ -25,6 +25,7 @@ from library.train.distributed.deepspeed_engine import (
 )
 from library.train.distributed.deepspeed_engine import unsupported as deepspeed_unsupported
 from library.train.distributed.context_parallel import check_context_parallel
+from library.train.distributed.tensor_parallel import check_tensor_parallel, lora_dropout
 from library.train.distributed.sharding import (
     FsdpSettings,
     broadcast_module_states,
@@ -78,6 +79,11 @@ class ProcessSetup:
             if why:
                 raise UserError(f"FSDP (ACCELERATE_USE_FSDP from the accelerate config): {why}")
         check_context_parallel(t.context_parallel_size, self.family, n, **self._context_parallel_run())
+        run = {k: v for k, v in self._context_parallel_run().items() if k != "family_refusal"}
+        check_tensor_parallel(t.tensor_parallel_size, self.family, n, cp_size=t.context_parallel_size,
+                              fp8=self.s.memory.fp8_base, ema=self.s.ema.use_ema, fine_tune=self.s.network is None
+                              or self.s.controlnet is not None or self.s.textual_inversion is not None,
+                              dropout=lora_dropout(self.s.network), **run)
         self.weight_dtype = DTYPES[t.mixed_precision]
         self.run_state = RunState.start(t.seed, self.accelerator.process_index, flags=self.s.flags)
         self.trace = StepTrace(self.accelerator.process_index)

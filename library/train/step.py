@@ -100,18 +100,26 @@ def _draw(ctx: StepContext, latents: torch.Tensor, generator: torch.Generator,
     return noise, timesteps, input_noise
 
 
+def text_keys(ctx: StepContext, batch: dict) -> list[str]:
+    """What each sample's text conditioning is computed from (family.text_key): its caption, with its control
+    images where the family's text encoder reads them (Qwen-Image-Edit); the text cache keys on it."""
+    controls = batch.get("control_paths") or [()] * len(batch["captions"])
+    return [ctx.family.text_key(ctx.components, c, tuple(p)) for c, p in zip(batch["captions"], controls)]
+
+
 def batch_loss(ctx: StepContext, batch: dict, generator: torch.Generator,
                timesteps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sample loss) for one batch. Randomness comes from `generator` (on the CPU)."""
     latents = batch_latents(ctx, batch)
+    keys = text_keys(ctx, batch)
     if ctx.fill_text_cache:
-        fill_text_cache(ctx, batch["captions"])
+        fill_text_cache(ctx, keys)
     if ctx.text_cache is not None:
-        text = TextConditioning(cached_conditioning(ctx.text_cache, batch["captions"], ctx.device))
+        text = TextConditioning(cached_conditioning(ctx.text_cache, keys, ctx.device))
         if ctx.live_encoders:  # the text encoders that train: their outputs are fresh every step
-            text.tensors.update(encode_captions(ctx, batch["captions"], ctx.live_encoders).tensors)
+            text.tensors.update(encode_captions(ctx, keys, ctx.live_encoders).tensors)
     else:
-        text = encode_captions(ctx, batch["captions"])
+        text = encode_captions(ctx, keys)
     seeds = batch.get("noise_seeds")
     if timesteps is None and seeds and len(seeds) == latents.shape[0]:
         # Training: each sample's noise and timestep from its own seed (seed, epoch, sample's place in the epoch),

@@ -27,6 +27,14 @@ logger = logging.getLogger(__name__)
 AUTO_TEXT_CACHE_MAX_BYTES = 4 << 30
 
 
+def _text_items(ctx: StepContext, data: TrainingData, max_train_steps: int) -> list[tuple[str, str]]:
+    """(image path, text key) of every sample: its final caption, with its control images where the family's text
+    encoder reads them (family.text_key; library/train/step.py text_keys)."""
+    items = final_captions(data.samples, data.subsets, max_train_steps)
+    return [(path, ctx.family.text_key(ctx.components, caption, tuple(sample.control_paths)))
+            for (path, caption), sample in zip(items, data.samples)]
+
+
 def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSettings, trained: frozenset[int],
                           max_train_steps: int, share: Optional[CacheShare] = None) -> frozenset[int]:
     """Fill ctx.text_cache with the outputs of the text encoders that do not train; returns their indices.
@@ -48,7 +56,7 @@ def build_step_text_cache(ctx: StepContext, data: TrainingData, settings: RunSet
                                 **family.text_cache_values(family.options(components))})
     opts = settings.text_cache
     ctx.text_cache = build_text_cache(
-        final_captions(data.samples, data.subsets, max_train_steps),
+        _text_items(ctx, data, max_train_steps),
         lambda captions: encode_captions(ctx, captions, cached if trained else None).tensors,
         model_id=model_id, max_token_length=settings.text.max_token_length,
         suffix=family.text_cache_suffix, to_disk=opts.to_disk, batch_size=opts.batch_size, share=share)
@@ -66,7 +74,7 @@ def start_auto_text_cache(ctx: StepContext, data: TrainingData, settings: RunSet
     if blocked is None and ctx.weighted_captions:  # refused with the explicit cache too: a caption's chunks follow its batch
         blocked = "--weighted_captions"
     if blocked is None:
-        captions = {caption for _, caption in final_captions(data.samples, data.subsets, max_train_steps)}
+        captions = {caption for _, caption in _text_items(ctx, data, max_train_steps)}
         with torch.no_grad():
             probe = encode_captions(ctx, [""]).tensors
         per_caption = sum(v[0].numel() * v.element_size() for v in probe.values())

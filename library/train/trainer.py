@@ -29,6 +29,7 @@ from library.train.distributed.distributed import (
     unused_parameters_possible,
 )
 from library.train.distributed.context_parallel import apply_context_parallel
+from library.train.distributed.tensor_parallel import apply_tensor_parallel
 from library.train.optim.ema import EMA
 from library.train.optim.fused_backward import FusedBackwardOptimizer
 from library.train.loop import InterruptedTraining, TrainingError, TrainingLoop  # noqa: F401 (re-exported)
@@ -145,9 +146,11 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
         t = self.t
         if self.zero is None:
             self.step_module = StepModule(self.network, self._batch_loss)
-        if self.fsdp is None and self.zero is None:  # FSDP reduce-scatters the gradients itself, DeepSpeed too
+        if self.fsdp is None and self.zero is None and t.tensor_parallel_size == 1:  # FSDP / DeepSpeed reduce
+            # the gradients themselves; tensor parallelism's processes train one batch (DTensor reduces)
             dropout = self.s.network.network_args.get("module_dropout") if self.trainable.is_adapter else None
-            unused = unused_parameters_possible(bool(self.trained_encoders), dropout)
+            unused = unused_parameters_possible(bool(self.trained_encoders), dropout) \
+                or self.family.denoiser_leaves_weights_unused
             self.step_module = data_parallel(self.step_module, self.device, unused, t.ddp_gradient_as_bucket_view,
                                              t.ddp_static_graph)
         if isinstance(self.step_module, DistributedDataParallel):
@@ -222,7 +225,12 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
             self.components, self.block_swapper = self._setup_model()
             if self.t.context_parallel_size > 1:
                 apply_context_parallel(self.components.denoiser, self.t.context_parallel_size, self.device)
+            tp = apply_tensor_parallel(self.components.denoiser, self.t.tensor_parallel_size, self.device) \
+                if self.t.tensor_parallel_size > 1 else None
             self.trainable = self._setup_trainable()
+            if tp is not None:  # the LoRA follows the sharded Linears; saves gather it whole
+                self.trainable.sharding = tp
+                tp.shard_adapter(self.trainable.module)
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)

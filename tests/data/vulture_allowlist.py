@@ -21,6 +21,10 @@ LORA_PREFIX_TEXT_ENCODER
 LORA_PREFIX_TEXT_ENCODER1
 LORA_PREFIX_TEXT_ENCODER2
 
+# Python's isinstance / issubclass call these on a metaclass (library/families/common/diffusers_import.py)
+_.__instancecheck__
+_.__subclasscheck__
+
 # torch / sqlite / transformers / tokenizers / onnx / uvicorn / selenium / mock attributes set or overridden for the
 # library that reads them
 _.get_lr                 # torch LRScheduler.get_lr, called by LRScheduler.step

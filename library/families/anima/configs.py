@@ -18,7 +18,8 @@ from torch import nn
 
 from library.families.common.qwen3 import qwen3_config
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.tiny import build_seeded, tiny_byte_level_bpe
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20240611
@@ -87,17 +88,9 @@ def vae_config(base_dim: int) -> dict:
 
 def build_qwen3_tokenizer():
     """A small local tokenizer in Qwen3's shape: byte-level BPE, no BOS, <|endoftext|> pads and ends."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = tiny_vocab_and_merges()
-    # Byte-level BPE over the same alphabet and merges as the tiny CLIP tokenizer, without its </w> forms.
-    tokens = {t: i for i, t in enumerate(t for t in vocab if not t.endswith("</w>") and not t.startswith("<|"))}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    tokens[QWEN3_PAD_TOKEN] = len(tokens)
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core = tiny_byte_level_bpe(after=[QWEN3_PAD_TOKEN])
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=QWEN3_PAD_TOKEN, pad_token=QWEN3_PAD_TOKEN,
                                    model_max_length=131072)
 
@@ -172,7 +165,8 @@ def build_anima_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a
     fixed seed, identical on every call. Returns {"dit", "vae", "text_encoder", "tokenizer", "t5_tokenizer"}.
     """
-    from diffusers import AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel
+    AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel = diffusers_classes(
+        "AnimaTextConditioner", "AutoencoderKLQwenImage", "CosmosTransformer3DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]

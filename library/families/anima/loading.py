@@ -37,6 +37,7 @@ from library.families.common.t5 import find_t5_tokenizer
 from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class
 
 
 def anima_source_kind(path: str) -> str:
@@ -50,7 +51,7 @@ def anima_source_kind(path: str) -> str:
 def load_dit_file(path: str, dtype: torch.dtype, adapter_path: Optional[str] = None,
                   label: str = "--pretrained_model_name_or_path") -> AnimaDiT:
     """AnimaDiT from an original DiT file; the adapter from it, or from `adapter_path` (--llm_adapter_path)."""
-    from diffusers import CosmosTransformer3DModel
+    CosmosTransformer3DModel = diffusers_class("CosmosTransformer3DModel")
 
     tensors = read_file(label, path, "an Anima / Cosmos-Predict2 DiT (net.blocks.* keys)",
                          lambda keys: any(re.match(r"(model\.diffusion_model\.)?(net\.)?blocks\.0\.self_attn\.", k)
@@ -88,7 +89,7 @@ def load_adapter_file(path: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _adapter_from_tensors(label: str, path: str, tensors: dict) -> torch.nn.Module:
-    from diffusers import AnimaTextConditioner
+    AnimaTextConditioner = diffusers_class("AnimaTextConditioner")
 
     try:
         shape = layout.infer_adapter_shape(tensors)
@@ -158,7 +159,7 @@ def vae_key_to_wan(key: str) -> str:
 def load_vae_file(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """AutoencoderKLQwenImage from --vae: a file in Wan / ComfyUI names (converted by diffusers' Wan VAE converter)
     or in diffusers' names."""
-    from diffusers import AutoencoderKLQwenImage
+    AutoencoderKLQwenImage = diffusers_class("AutoencoderKLQwenImage")
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     label = "--vae"

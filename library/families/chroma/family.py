@@ -72,6 +72,7 @@ class ChromaFamily(FluxFamily):
     text_encoder_outputs = (("t5_out", "txt_ids", "t5_attn_mask"),)
     text_cache_suffix = "_chroma_te.npz"
     context_parallel_token_pixels = None  # diffusers' ChromaTransformer2DModel has no context-parallel plan
+    tensor_parallel = False  # nor a tensor-parallel one
     block_classes = CHROMA_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles one by one
     lycoris_module_aliases = (("DoubleStreamBlock", "ChromaTransformerBlock"),
                               ("SingleStreamBlock", "ChromaSingleTransformerBlock"))

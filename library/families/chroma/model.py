@@ -31,6 +31,7 @@ from library.families.common.t5 import load_t5xxl_file
 from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source, load_vae, scratch_denoiser
 from library.families.common.tiny import build_seeded
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 CHROMA_IMPLEMENTATION = "https://huggingface.co/lodestones/Chroma"  # sd-scripts' modelspec.implementation
 
@@ -51,7 +52,7 @@ def build_chroma_modules(name: str, device: str | torch.device = "cpu") -> dict:
 
     The AE and T5 are the FLUX.1 preset's (the same files serve both models); on "meta" nothing is allocated.
     """
-    from diffusers import AutoencoderKL, ChromaTransformer2DModel
+    AutoencoderKL, ChromaTransformer2DModel = diffusers_classes("AutoencoderKL", "ChromaTransformer2DModel")
     from transformers import T5EncoderModel
 
     p = PRESETS[name]
@@ -153,7 +154,7 @@ def is_chroma_checkpoint(keys) -> bool:
 def load_chroma_transformer(path: str, dtype: torch.dtype = torch.float32,
                             label: str = "--pretrained_model_name_or_path"):
     """ChromaTransformer2DModel from a Chroma single file (Chroma1-HD / -Base layout, any precision)."""
-    from diffusers import ChromaTransformer2DModel
+    ChromaTransformer2DModel = diffusers_class("ChromaTransformer2DModel")
 
     tensors = read_file(label, path, "a Chroma transformer (double_blocks.* and distilled_guidance_layer.* keys)",
                          is_chroma_checkpoint, dtype)

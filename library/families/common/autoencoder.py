@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Mapping, Optional
+
 import torch
 
 from library.families.base import ModelLoadError
@@ -14,6 +16,7 @@ from library.families.common.loading import (
     infer_vae_config,
     read_file,
 )
+from library.families.common.diffusers_import import diffusers_class
 
 # What an --ae file should hold (for its error message).
 AE_FILE = "the FLUX.1 autoencoder (ae.safetensors)"
@@ -34,30 +37,51 @@ def flux_vae_config(block_out_channels: tuple[int, ...]) -> dict:
 
 def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKL from BFL's ae.safetensors (LDM VAE keys without prefix, 16 latent channels)."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
+
+    return load_ldm_ae_file(path, dtype, AutoencoderKL, flux_vae_config, latent_channels=LATENT_CHANNELS,
+                            expected=AE_FILE, holds=lambda keys: "encoder.conv_in.weight" in keys
+                            and "decoder.conv_in.weight" in keys, what="FLUX.1", mismatch_hint=" (an SD/SDXL VAE?)")
 
 
+def load_ldm_ae_file(path: str, dtype: torch.dtype, cls, config_for: Callable[[tuple[int, ...]], dict], *,
+                     latent_channels: int, expected: str, holds: Callable[[list[str]], bool], what: str,
+                     mismatch_hint: str = "", as_stored: Optional[Mapping[str, Optional[torch.Tensor]]] = None):
+    """`cls` (a diffusers autoencoder, `config_for(block_out_channels)` its kwargs) from an --ae file in BFL's LDM
+    names without prefix, its sizes read from the shapes. `as_stored`: keys of the model the file holds under the
+    same name, each with the tensor to use where the file lacks it (None: required). One-line ModelLoadErrors: a
+    file `holds` rejects ("expected `expected`"), another latent width than `latent_channels` (the `what`
+    autoencoder), missing or mis-shaped tensors."""
     label = "--ae"
-    ckpt = read_file(label, path, AE_FILE,
-                      lambda keys: "encoder.conv_in.weight" in keys and "decoder.conv_in.weight" in keys, dtype)
+    as_stored = as_stored or {}
+    ckpt = read_file(label, path, expected, holds, dtype)
     try:
         found = infer_vae_config(ckpt, "")
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
-    if found["latent_channels"] != LATENT_CHANNELS:
-        raise ModelLoadError(f"{label} {path}: expected the FLUX.1 autoencoder with {LATENT_CHANNELS} latent "
-                             f"channels, found {found['latent_channels']} (an SD/SDXL VAE?)")
-    config = {**flux_vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
+    if found["latent_channels"] != latent_channels:
+        raise ModelLoadError(f"{label} {path}: expected the {what} autoencoder with {latent_channels} latent "
+                             f"channels, found {found['latent_channels']}{mismatch_hint}")
+    config = {**config_for(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoencoderKL(**config).state_dict().items()}
+        shapes = {k: v.shape for k, v in cls(**config).state_dict().items() if k not in as_stored}
     try:
         state_dict = ldm.pull(ckpt, ldm.vae_key_map(shapes, ""), shapes)
     except (ldm.LayoutError, ValueError) as e:
         raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
-    return adopt(label, path, lambda: AutoencoderKL(**config), state_dict)
+    for key, default in as_stored.items():
+        value = ckpt.get(key, default)
+        if value is not None:
+            state_dict[key] = value
+    return adopt(label, path, lambda: cls(**config), state_dict)
 
 
 LATENT_CHANNELS = 16
+
+
+def ae_file_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers autoencoder's state dict in the LDM names of BFL's AE files (no prefix: `encoder.down.0...`)."""
+    return ldm.push(state, ldm.vae_key_map(state.keys(), ""))
 
 
 def ae_scale_and_shift(vae) -> tuple[float, float]:

@@ -4,6 +4,7 @@ state dict, the SD-style autoencoder and CLIP tokenizers. Nothing is ever downlo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -12,11 +13,14 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from library.core.tensors import aligned
-from library.families.base import ModelLoadError
+from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common import ldm_layout as ldm
 from library.families.common.configs import text_encoder_config, vae_config
+from library.families.common.dit_layout import strip_prefix
+from library.families.common.gguf_file import is_gguf, read_gguf
 from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
 from library.families.detect import describe_keys
+from library.families.common.diffusers_import import diffusers_class
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +139,7 @@ def materialize(factory, convert) -> torch.nn.Module:
 
 def vae_from_ldm(checkpoint: Mapping[str, torch.Tensor], prefix: str):
     """An AutoencoderKL from LDM VAE tensors found under `prefix` ("first_stage_model." or "")."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
     kwargs = infer_vae_config(checkpoint, prefix)
     return materialize(lambda: AutoencoderKL(**kwargs),
@@ -213,7 +217,7 @@ def cached_hub_folder(repo_id: str) -> str:
 
 def load_vae(path: str):
     """--vae: a diffusers VAE folder (or a model folder with vae/), or a single file of VAE tensors."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
     if os.path.isdir(path):
         sub = "vae" if os.path.isdir(os.path.join(path, "vae")) else None
@@ -322,3 +326,75 @@ def cached_tokenizer(repo: str, tokenizer_cache_dir: Optional[str], accept: Call
         if accept(tokenizer):
             return tokenizer
     return None
+
+
+# --- the single-file DiT families (FLUX.2, Z-Image, Lumina, HunyuanImage) ----------------------------------------
+
+def read_dit_file(label: str, path: str, dtype: torch.dtype, *, expected: str, marker: "re.Pattern[str]",
+                  infer_shape: Callable[[dict[str, torch.Tensor]], dict], what: str,
+                  gguf_archs: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """(tensors, shape) of an original DiT file: its tensors without ComfyUI's `model.diffusion_model.` prefix and
+    `infer_shape` of them. A header with no key `marker` matches stops as "expected `expected`"; a tensor
+    `infer_shape` needs and the file lacks as "incomplete `what`" (one-line ModelLoadErrors). With `gguf_archs`, a
+    ComfyUI-GGUF file of one of those architectures is read too (quantized tensors kept: gguf_file.read_gguf)."""
+    holds = lambda keys: any(marker.match(k) for k in keys)  # noqa: E731
+    if gguf_archs and is_gguf(path):
+        tensors = strip_prefix(read_gguf(label, path, expected, holds, dtype, archs=gguf_archs))
+    else:
+        tensors = strip_prefix(read_file(label, path, expected, holds, dtype))
+    try:
+        return tensors, infer_shape(tensors)
+    except KeyError as e:
+        raise ModelLoadError(f"{label} {path}: incomplete {what}, no tensor for {e.args[0]}") from None
+
+
+def finish_components(opts: LoadOptions, denoiser: torch.nn.Module, text_encoders: list, tokenizers: list, vae,
+                      vae_path: Optional[str], *, scratch_done: bool = False) -> Components:
+    """The loaded parts as Components: --from_scratch's fresh denoiser (unless the folder loader drew it already),
+    the denoiser and text encoders in opts.dtype and the VAE (None: not loaded) in opts.vae_dtype."""
+    if opts.from_scratch and not scratch_done:
+        denoiser = scratch_denoiser(denoiser, opts.init_seed)
+    for module, dtype in ((denoiser, opts.dtype), *((te, opts.dtype) for te in text_encoders), (vae, opts.vae_dtype)):
+        if module is not None and next(module.parameters()).dtype != dtype:
+            module.to(dtype=dtype)
+    return Components(denoiser=denoiser, vae=vae, text_encoders=list(text_encoders), tokenizers=list(tokenizers),
+                      model_path=opts.pretrained_model_name_or_path, vae_path=vae_path)
+
+
+def part_config(folder: str, part: str) -> dict:
+    """The config.json of a diffusers folder's `part`/ (OSError / ValueError when it is missing or unreadable)."""
+    with open(os.path.join(folder, part, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_dit_parts(opts: LoadOptions, kind: str, ae_path: Optional[str], *,
+                   dit_file: Callable[[str, torch.dtype], torch.nn.Module],
+                   text_file: Optional[Callable[[], tuple]],
+                   ae_file: Callable[[str, torch.dtype], torch.nn.Module],
+                   preset: Callable[[str], dict],
+                   folder: Optional[Callable[[str, Optional[int]], dict]] = None) -> tuple[dict, bool]:
+    """({"transformer", "text_encoder", "tokenizer", "vae"}, whether --from_scratch's weights are drawn already) of a
+    family loaded from a DiT file, a diffusers folder or a preset (`kind`, from classify_source).
+
+    A DiT file (`dit_file(path, dtype)`) takes its text encoder from `text_file()` -> (encoder, tokenizer), which
+    the family has checked is given, and its AE from `ae_file(ae_path, vae_dtype)` (none without one: the LoRA
+    tools need no AE). A folder (`folder(path, scratch seed or None)`) or a preset (`preset(name)`) brings all four,
+    its text encoder replaced by `text_file()` where given (not None) and its AE by the file at `ae_path`."""
+    path = opts.pretrained_model_name_or_path
+    if kind == "single_file":
+        transformer = dit_file(path, opts.dtype)
+        text_encoder, tokenizer = text_file()
+        vae = ae_file(ae_path, opts.vae_dtype) if ae_path else None
+        return {"transformer": transformer, "text_encoder": text_encoder, "tokenizer": tokenizer, "vae": vae}, False
+    scratch_done = False
+    if kind == "diffusers":
+        parts = folder(path, opts.init_seed if opts.from_scratch else None)
+        scratch_done = opts.from_scratch
+    else:
+        parts = preset(path)
+    parts = {k: parts[k] for k in ("transformer", "text_encoder", "tokenizer", "vae")}
+    if text_file is not None:
+        parts["text_encoder"], parts["tokenizer"] = text_file()
+    if ae_path:
+        parts["vae"] = ae_file(ae_path, opts.vae_dtype)
+    return parts, scratch_done

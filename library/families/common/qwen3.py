@@ -27,6 +27,15 @@ def qwen3_config(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
                        rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False, use_cache=False)
 
 
+def preset_qwen3_config(preset, tokenizer):
+    """qwen3_config of a preset's `qwen_hidden`, `qwen_intermediate`, `qwen_layers`, `qwen_heads`, `qwen_kv_heads`,
+    `qwen_head_dim` and `qwen_vocab` (None: the vocabulary of `tokenizer`, the tiny one)."""
+    p = preset
+    return qwen3_config(hidden=p.qwen_hidden, intermediate=p.qwen_intermediate, layers=p.qwen_layers,
+                        heads=p.qwen_heads, kv_heads=p.qwen_kv_heads, head_dim=p.qwen_head_dim,
+                        vocab=p.qwen_vocab or len(tokenizer))
+
+
 def _ready(tokenizer):
     """Right padding with <|endoftext|> (the EOS when the tokenizer names no pad token), as the pipelines and
     sd-scripts pad."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -88,17 +88,42 @@ def build_tokenizer(v2: bool):
                          model_max_length=MODEL_MAX_LENGTH)
 
 
+def tiny_byte_level_bpe(before: Sequence[str] = (), after: Sequence[str] = ()):
+    """A `tokenizers.Tokenizer` of byte-level BPE over the tiny vocabulary's words and merges (without the CLIP
+    tokenizer's `</w>` forms and `<|...|>` tokens), the LLM tokenizers' tiny core; `before` take the first ids,
+    `after` the ids after the words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab, merges = tiny_vocab_and_merges()
+    words = [t for t in vocab if not t.endswith("</w>") and not t.startswith("<|")]
+    tokens = {t: i for i, t in enumerate([*before, *words, *after])}
+    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
+    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return core
+
+
 def tiny_vocab_size() -> int:
     """Vocabulary size of the local tokenizer (and of the tiny text encoders)."""
     return len(tiny_vocab_and_merges()[0])
 
 
 @contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
+def seeded(seed: int) -> Iterator[None]:
     """Seed torch's CPU RNG for the block and restore the caller's RNG state afterwards."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def draw_zero_parameters(module: nn.Module, std: float = 0.02) -> None:
+    """Every all-zero parameter of `module` drawn from N(0, std²) in place, from the caller's RNG: the zero-initialised
+    parts of a DiT (AdaLN, final layer, pad tokens) would make a tiny preset predict 0 and train nothing visible."""
+    with torch.no_grad():
+        for tensor in module.parameters():
+            if not tensor.abs().any():
+                tensor.normal_(0.0, std)
 
 
 def build_seeded(factory, seed: int, device: str | torch.device = "cpu") -> nn.Module:
@@ -106,7 +131,7 @@ def build_seeded(factory, seed: int, device: str | torch.device = "cpu") -> nn.M
     if torch.device(device).type == "meta":
         with torch.device("meta"):
             return factory()
-    with _seeded(seed):
+    with seeded(seed):
         return factory().to(device)
 
 

@@ -21,6 +21,7 @@ from library.families.common.tiny import build_seeded, build_tokenizer
 from library.families.common.t5 import T5_REAL_VOCAB_SIZE, build_t5_tokenizer, t5_config
 from library.families.common.autoencoder import flux_vae_config
 from library.families.common.autoencoder import LATENT_CHANNELS
+from library.families.common.diffusers_import import diffusers_classes
 
 PRESET_SEED = 20240603
 
@@ -76,7 +77,7 @@ def build_flux_modules(name: str, device: str | torch.device = "cpu") -> dict:
     weights are random from a fixed seed, identical on every call. Returns
     {"transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"}.
     """
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    AutoencoderKL, FluxTransformer2DModel = diffusers_classes("AutoencoderKL", "FluxTransformer2DModel")
     from transformers import CLIPTextConfig, CLIPTextModel, T5EncoderModel
 
 

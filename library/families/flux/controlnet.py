@@ -16,6 +16,7 @@ from torch import nn
 
 from library.core.errors import UserError
 from library.families.common.controlnet import load_controlnet_weights
+from library.families.common.diffusers_import import diffusers_class
 
 DEFAULT_DOUBLE_BLOCKS = 2
 DEFAULT_SINGLE_BLOCKS = 0
@@ -23,7 +24,7 @@ DEFAULT_SINGLE_BLOCKS = 0
 
 def create_flux_controlnet(transformer: nn.Module, path: Optional[str], num_double_blocks: Optional[int],
                            num_single_blocks: Optional[int]) -> nn.Module:
-    from diffusers import FluxControlNetModel
+    FluxControlNetModel = diffusers_class("FluxControlNetModel")
 
     cfg = transformer.config
     double = DEFAULT_DOUBLE_BLOCKS if num_double_blocks is None else num_double_blocks

@@ -149,6 +149,7 @@ class FluxFamily(ModelFamily):
     latent_cache_arch = "_flux"
     block_classes = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     context_parallel_token_pixels = 16  # diffusers' FluxTransformer2DModel._cp_plan; 512 (or 256) T5 tokens
+    tensor_parallel = True  # diffusers' FluxTransformer2DModel._tp_plan
     latent_cache_key_stride = 8  # `latents_<h>x<w>` keys, one file per image for every resolution
     # gen_img's img2img / inpainting / highres fix (library/sampling/img2img.py); no regional prompts
     image_inputs = ("img2img", "inpaint", "highres")

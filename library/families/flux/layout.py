@@ -28,6 +28,7 @@ from library.families.flux.lora_names import (
     fused_widths,
     outside_block_name,
 )
+from library.families.common.gguf_file import logical_shape
 from library.families.common.loading import upcast_float8
 
 BFL_PREFIX = "model.diffusion_model."
@@ -168,17 +169,18 @@ def infer_transformer_config(checkpoint: Mapping[str, torch.Tensor]) -> dict:
 
     ckpt = transformer_tensors(checkpoint)
     try:
-        inner, in_channels = ckpt["img_in.weight"].shape
-        head_dim = ckpt["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
-        joint_dim = ckpt["txt_in.weight"].shape[1]
-        pooled_dim = ckpt["vector_in.in_layer.weight"].shape[1]
-        out_channels = ckpt["final_layer.linear.weight"].shape[0]
+        # the logical shapes: a GGUF-quantized tensor's own shape is its byte shape (rows, bytes per row)
+        inner, in_channels = logical_shape(ckpt["img_in.weight"])
+        head_dim = logical_shape(ckpt["double_blocks.0.img_attn.norm.query_norm.scale"])[0]
+        joint_dim = logical_shape(ckpt["txt_in.weight"])[1]
+        pooled_dim = logical_shape(ckpt["vector_in.in_layer.weight"])[1]
+        out_channels = logical_shape(ckpt["final_layer.linear.weight"])[0]
     except KeyError as e:
         raise BflLayoutError(f"missing tensor {e.args[0]} of a BFL FLUX.1 transformer") from None
     linear1 = ckpt.get("single_blocks.0.linear1.weight")
-    if linear1 is not None and linear1.shape[0] != (3 + MLP_RATIO) * inner:
+    if linear1 is not None and logical_shape(linear1)[0] != (3 + MLP_RATIO) * inner:
         raise BflLayoutError(f"single_blocks.0.linear1.weight: expected {(3 + MLP_RATIO) * inner} rows "
-                             f"(q, k, v and a {MLP_RATIO}x MLP), found {linear1.shape[0]}")
+                             f"(q, k, v and a {MLP_RATIO}x MLP), found {logical_shape(linear1)[0]}")
     axes = next((p.axes_dims_rope for p in PRESETS.values() if p.head_dim == head_dim), None)
     if axes is None or inner % head_dim:
         raise BflLayoutError(f"unsupported attention head size {head_dim} (hidden size {inner})")

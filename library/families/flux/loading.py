@@ -34,10 +34,12 @@ from library.families.common.loading import (
 )
 from library.families.common.configs import text_encoder_config
 from library.families.common.loading import adopt, read_file
+from library.families.common.gguf_file import GGUF_SUFFIX, adopt_gguf, gguf_keys, is_gguf, read_gguf
 from library.families.common.t5 import load_t5xxl_file
 from library.families.common.autoencoder import load_ae_file
 from library.families.common.t5 import T5XXL_FILE
 from library.families.common.autoencoder import AE_FILE
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 # --clip_l / --t5xxl / --ae: the part each replaces, and what the file should hold.
@@ -48,14 +50,17 @@ _COMPONENT_FLAGS = (("clip_l", "text_encoder", "a CLIP-L text encoder (clip_l.sa
 
 def flux_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file"; ModelLoadError naming the problem otherwise."""
-    return classify_source(path, PRESETS, "FLUX.1", folder_parts=_PARTS, file_suffixes=(".safetensors",),
-                           expected="a local diffusers folder, a BFL .safetensors file, or a preset such as tiny:flux")
+    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
+        return "single_file"
+    return classify_source(path, PRESETS, "FLUX.1", folder_parts=_PARTS, file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           expected="a local diffusers folder, a BFL .safetensors file, a ComfyUI-GGUF .gguf file, "
+                                    "or a preset such as tiny:flux")
 
 
 def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Optional[int] = None) -> dict:
     """The parts of a FLUX.1 diffusers folder, except those in `skip` (given as files instead); `scratch_seed`
     (--from_scratch): the transformer built from its config with weights drawn from it."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    AutoencoderKL, FluxTransformer2DModel = diffusers_classes("AutoencoderKL", "FluxTransformer2DModel")
     from transformers import (
         CLIPTextModel,
         CLIPTokenizer,
@@ -75,19 +80,24 @@ def _diffusers_parts(folder: str, skip: set[str] = frozenset(), scratch_seed: Op
 # --- the parts ---------------------------------------------------------------------------------
 
 def load_bfl_transformer(path: str, dtype: torch.dtype = torch.float32, label: str = "--pretrained_model_name_or_path"):
-    """FluxTransformer2DModel from a BFL single file (flux1-dev / flux1-schnell layout, any precision)."""
-    from diffusers import FluxTransformer2DModel
+    """FluxTransformer2DModel from a BFL single file (flux1-dev / flux1-schnell layout, any precision), or from a
+    ComfyUI-GGUF file of it (`flux1-dev-Q8_0.gguf`: the same keys, its quantized weights kept quantized)."""
+    FluxTransformer2DModel = diffusers_class("FluxTransformer2DModel")
 
+    what = "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)"
 
-    tensors = read_file(label, path, "a FLUX.1 transformer in the BFL layout (double_blocks.* keys)",
-                         lambda keys: any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks."))
-                                          for k in keys), dtype)
+    def holds(keys):
+        return any(k.startswith(("double_blocks.", bfl.BFL_PREFIX + "double_blocks.")) for k in keys)
+
+    gguf = is_gguf(path)
+    tensors = (read_gguf(label, path, what, holds, dtype, archs=("flux",)) if gguf
+               else read_file(label, path, what, holds, dtype))
     try:
         config = bfl.infer_transformer_config(tensors)
         state_dict = bfl.bfl_to_diffusers(tensors)
     except bfl.BflLayoutError as e:
         raise ModelLoadError(f"{label} {path}: {e}") from None
-    return adopt(label, path, lambda: FluxTransformer2DModel(**config), state_dict)
+    return (adopt_gguf if gguf else adopt)(label, path, lambda: FluxTransformer2DModel(**config), state_dict)
 
 
 def load_clip_l_file(path: str, dtype: torch.dtype = torch.float32, tokenizer_cache_dir: Optional[str] = None):
@@ -152,10 +162,13 @@ def block_counts(path: str) -> Optional[tuple[int, int]]:
             with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
                 config = json.load(f)
             return int(config["num_layers"]), int(config["num_single_layers"])
-        from safetensors import safe_open
+        if is_gguf(path):
+            keys = gguf_keys(path)
+        else:
+            from safetensors import safe_open
 
-        with safe_open(path, "pt") as f:
-            keys = list(transformer_tensors(dict.fromkeys(f.keys())))
+            with safe_open(path, "pt") as f:
+                keys = list(transformer_tensors(dict.fromkeys(f.keys())))
         return block_count(keys, "double_blocks"), block_count(keys, "single_blocks")
     except (OSError, ValueError, KeyError, ModelLoadError):
         return None

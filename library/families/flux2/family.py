@@ -1,6 +1,12 @@
-"""The FLUX.2 family (Black Forest Labs FLUX.2 [klein] 4B / 9B and their base models): the MMDiT (diffusers
-Flux2Transformer2DModel), Qwen3 text, the 32-channel FLUX.2 AE, rectified flow; LoRA files in the kohya names of BFL's
-modules, which ComfyUI and diffusers' Flux2 pipeline load.
+"""The FLUX.2 family (Black Forest Labs FLUX.2 [klein] 4B / 9B and their base models, FLUX.2 [dev]): the MMDiT
+(diffusers Flux2Transformer2DModel), Qwen3 text (klein) or Mistral-Small-3.1 text with a guidance embedding (dev), the
+32-channel FLUX.2 AE, rectified flow; LoRA files in the kohya names of BFL's modules, which ComfyUI and diffusers'
+Flux2 pipelines load.
+
+Text of dev as diffusers' Flux2Pipeline: BFL's system prompt and the caption as a user turn through the tokenizer's own
+chat template (apply_chat_template, no generation prompt), padded to --mistral3_max_token_length (default 512),
+Mistral's hidden states after layers 10, 20 and 30 side by side; the guidance value (--guidance_scale, default 1.0 as
+musubi-tuner trains; generation's --g) goes to the guidance embedding.
 
 Text as diffusers' Flux2KleinPipeline: each caption in Qwen3's chat template (one user turn, the assistant turn opened
 with an empty thinking block), padded right to --qwen3_max_token_length (default 512), Qwen3's hidden states after
@@ -26,7 +32,8 @@ from library.families.common.flow_dit import FlowDiTFamily
 from library.families.common.llm_text import TEXT_KEYS as LLM_TEXT_KEYS
 from library.families.common.swap_rules import check_last_blocks_swap, last_blocks
 from library.families.flux2 import layout
-from library.families.flux2.configs import CHAT_TEMPLATE, LATENT_CHANNELS, TEXT_LAYERS
+from library.families.flux2.configs import (CHAT_TEMPLATE, LATENT_CHANNELS, MISTRAL_TEXT_LAYERS, SYSTEM_MESSAGE,
+                                            TEXT_LAYERS)
 from library.families.flux2.generate import generate_flux2
 from library.families.flux2.loading import block_counts, check_model_source, load_flux2_components
 from library.families.flux2.options import COMPONENT_FILE_FLAGS, Flux2Options
@@ -40,6 +47,22 @@ FLUX2_IMPLEMENTATION = "https://github.com/black-forest-labs/flux2"
 # modulation is outside the blocks in FLUX.2); Qwen3's attention and MLP.
 TRANSFORMER_TARGETS = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
 QWEN3_TARGETS = ("Qwen3Attention", "Qwen3MLP")
+MISTRAL_TARGETS = ("MistralAttention", "MistralMLP")
+
+
+def is_dev(components: Components) -> bool:
+    """FLUX.2 [dev] (Mistral text, guidance) rather than klein: from the text encoder, else the DiT."""
+    encoder = components.text_encoders[0] if components.text_encoders else None
+    if encoder is not None:
+        return encoder.config.model_type in ("mistral", "mistral3")
+    return bool(components.denoiser is not None and components.denoiser.config.guidance_embeds)
+
+
+def dev_messages(captions: list[str]) -> list[list[dict]]:
+    """Flux2Pipeline's format_input without images: the system prompt, then the caption ([IMG] removed) as a user
+    turn, content as typed text blocks."""
+    return [[{"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
+             {"role": "user", "content": [{"type": "text", "text": c.replace("[IMG]", "")}]}] for c in captions]
 
 
 def patchify(latents: torch.Tensor) -> torch.Tensor:
@@ -59,6 +82,23 @@ def bn_stats(vae, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     mean = vae.bn.running_mean.view(1, -1, 1, 1).to(device, dtype)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(device, dtype)
     return mean, std
+
+
+REFERENCE_TIME_SCALE = 10  # the pipelines' _prepare_image_ids: reference i at time offset 10 + 10·i
+MAX_REFERENCES = 3  # the dataset's limit (library/data/control_images.py); the pipelines take any number
+
+
+def reference_tokens(controls: Sequence[torch.Tensor], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2's reference images (each (B, 32, h, w), normalised) as tokens (B, N, 128) after the target's, with
+    position ids (B, N, 4) = (10 + 10·i, row, column, 0): the pipelines' prepare_image_latents / _prepare_image_ids."""
+    tokens, ids = [], []
+    for i, control in enumerate(controls):
+        patches = patchify(control.to(device, dtype))
+        b, c4, h, w = patches.shape
+        tokens.append(patches.reshape(b, c4, h * w).permute(0, 2, 1))
+        t = torch.tensor([REFERENCE_TIME_SCALE * (i + 1)])
+        ids.append(torch.cartesian_prod(t, torch.arange(h), torch.arange(w), torch.arange(1)).expand(b, -1, -1))
+    return torch.cat(tokens, dim=1), torch.cat(ids, dim=1).to(device)
 
 
 def position_ids(h: int, w: int, text_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,10 +124,10 @@ class Flux2Family(FlowDiTFamily):
                 ("model.diffusion_model.single_stream_modulation.lin.", "a FLUX.2 DiT"))
     diffusers_class_markers = ("Flux2",)
     scripts = {"lora": "flux2_train_network.py", "finetune": "flux2_train.py"}
-    text_encoder_labels = ("Text encoder (Qwen3)",)
+    text_encoder_labels = ("Text encoder (Qwen3; Mistral for dev)",)
     denoiser_label = "DiT"
     component_file_flags = COMPONENT_FILE_FLAGS
-    tiny_presets = ("tiny:flux2",)
+    tiny_presets = ("tiny:flux2", "tiny:flux2_dev")
     options_type = Flux2Options
     lora_network_module = "networks.lora_flux2"
     latent_cache_arch = "_flux2"
@@ -99,11 +139,19 @@ class Flux2Family(FlowDiTFamily):
     latents_shift = 0.0
     bucket_reso_multiple = 16  # 8x AE, 2x2 patches
     context_parallel_token_pixels = 16  # diffusers' Flux2Transformer2DModel._cp_plan; text padded to a fixed length
+    tensor_parallel = True  # diffusers' Flux2Transformer2DModel._tp_plan
     supports_text_cache = True
     text_cache_suffix = "_flux2_te.npz"
     TEXT_KEYS = LLM_TEXT_KEYS
 
     # --- options -------------------------------------------------------------------------------------
+    control_hint = "FLUX.2 takes up to 3 reference images per target"
+
+    def max_control_images(self, options: Optional[Flux2Options]) -> int:
+        """Reference images (control_directory): up to 3 each, as extra tokens with their own time offsets (klein's
+        and dev's pipelines both take a list of reference images)."""
+        return MAX_REFERENCES
+
     @classmethod
     def presets(cls) -> dict:
         from library.families.flux2.configs import PRESETS
@@ -120,8 +168,9 @@ class Flux2Family(FlowDiTFamily):
 
     @classmethod
     def preset_hint(cls, written: Mapping[str, str]) -> str:
-        return (f"--pretrained_model_name_or_path {written['diffusers']}  (or {written['dit']} --qwen3 "
-                f"{written['qwen3']} --ae {written['ae']})")
+        flag = "mistral3" if "mistral3" in written else "qwen3"
+        return (f"--pretrained_model_name_or_path {written['diffusers']}  (or {written['dit']} --{flag} "
+                f"{written[flag]} --ae {written['ae']})")
 
     def check_model_files(self, path: str, options: Flux2Options, vae: Optional[str],
                           blocks_to_swap: Optional[int]) -> None:
@@ -131,7 +180,11 @@ class Flux2Family(FlowDiTFamily):
             check_last_blocks_swap(blocks_to_swap, counts[1], "single-stream blocks")
 
     def text_cache_values(self, options: Flux2Options) -> dict[str, Any]:
-        return {"qwen3": options.qwen3, "qwen3_max_token_length": options.max_tokens}
+        return {"qwen3": options.qwen3, "qwen3_max_token_length": options.max_tokens, "mistral3": options.mistral3,
+                "mistral3_max_token_length": options.mistral_max_tokens}
+
+    def metadata_values(self, options: Flux2Options) -> dict[str, Any]:
+        return {**super().metadata_values(options), "guidance_scale": options.guidance_scale}
 
     # --- loading -------------------------------------------------------------------------------------
     def load_components(self, opts: LoadOptions, options: Flux2Options) -> Components:
@@ -141,30 +194,41 @@ class Flux2Family(FlowDiTFamily):
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
                  max_token_length: Optional[int]) -> list[torch.Tensor]:
-        """[Qwen ids, mask] (B, --qwen3_max_token_length) of each caption in the chat template."""
+        """[ids, mask] (B, length) of each caption in the chat template: klein's Qwen3 one
+        (--qwen3_max_token_length), dev's Mistral one with the system prompt (--mistral3_max_token_length)."""
         tokenizer = components.tokenizers[0]
+        if is_dev(components):
+            out = tokenizer.apply_chat_template(dev_messages(captions), add_generation_prompt=False, tokenize=True,
+                                                return_dict=True, return_tensors="pt", padding="max_length",
+                                                truncation=True,
+                                                max_length=self.options(components).mistral_max_tokens)
+            return [out["input_ids"], out["attention_mask"]]
         out = tokenizer([CHAT_TEMPLATE.format(c) for c in captions], padding="max_length", truncation=True,
                         max_length=self.options(components).max_tokens, return_tensors="pt")
         return [out.input_ids, out.attention_mask]
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor],
                     clip_skip: Optional[int]) -> TextConditioning:
-        """Qwen3's hidden states after layers 9, 18, 27, side by side per token (B, L, 3·hidden), the ids and the mask
-        (as the pipeline's _get_qwen3_prompt_embeds)."""
+        """The text encoder's hidden states after layers 9, 18, 27 (klein's Qwen3) or 10, 20, 30 (dev's Mistral),
+        side by side per token (B, L, 3·hidden), the ids and the mask (as the pipelines' _get_qwen3_prompt_embeds /
+        _get_mistral_3_small_prompt_embeds)."""
         encoder = components.text_encoders[0]
+        dev = is_dev(components)
+        layers, flag = (MISTRAL_TEXT_LAYERS, "--mistral3") if dev else (TEXT_LAYERS, "--qwen3")
         ids, mask = (t.to(encoder.device) for t in tokens)
         hidden = encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states
-        if len(hidden) <= max(TEXT_LAYERS):
-            raise ConfigError(f"--qwen3: FLUX.2 reads Qwen3's layers {TEXT_LAYERS}; this encoder has "
+        if len(hidden) <= max(layers):
+            raise ConfigError(f"{flag}: FLUX.2 reads the text encoder's layers {layers}; this encoder has "
                               f"{len(hidden) - 1} layers")
-        out = torch.stack([hidden[k] for k in TEXT_LAYERS], dim=1)
+        out = torch.stack([hidden[k] for k in layers], dim=1)
         b, n, length, width = out.shape
         states = out.permute(0, 2, 1, 3).reshape(b, length, n * width)
         return TextConditioning(dict(zip(LLM_TEXT_KEYS, (states, ids, mask))))
 
     def check_loaded(self, components: Components, text: Any) -> None:
         if getattr(text, "clip_skip", None) is not None:
-            raise ConfigError("--clip_skip: FLUX.2 uses Qwen3's layers 9, 18 and 27; drop --clip_skip")
+            raise ConfigError("--clip_skip: FLUX.2 reads fixed text-encoder layers (9, 18, 27 of Qwen3; 10, 20, 30 "
+                              "of Mistral); drop --clip_skip")
 
     # --- images --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -207,7 +271,9 @@ class Flux2Family(FlowDiTFamily):
     def predict(self, components: Components, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
                 text: TextConditioning, batch: dict) -> torch.Tensor:
         """The velocity ε - x0 (B, 32, h, w): the DiT at t = σ on the 2x2 patches of the latents and every text
-        token. Extra image tokens (reference images) would go after the target's, their output dropped."""
+        token. Reference images (batch["scaled_control_latents"], control_directory / --control_image) go after the
+        target's tokens at time offsets 10, 20, 30 (the pipelines'), their output dropped. dev's guidance
+        embedding gets batch["guidance"] (B,) (generation's --g), else --guidance_scale."""
         model = components.denoiser
         device, dtype = noisy_latents.device, noisy_latents.dtype
         b, c, h, w = noisy_latents.shape
@@ -215,10 +281,22 @@ class Flux2Family(FlowDiTFamily):
         tokens = patches.reshape(b, c * 4, -1).permute(0, 2, 1)
         states = text.tensors["hidden_state"].to(device, dtype)
         img_ids, txt_ids = position_ids(h // 2, w // 2, states.shape[1], device)
+        guidance = None
+        if model.config.guidance_embeds:
+            given = batch.get("guidance")
+            guidance = given.to(device, dtype) if given is not None else \
+                torch.full((b,), self.options(components).guidance_scale, device=device, dtype=dtype)
         # batched (B, L, 4), as the pipeline passes them and the model's context-parallel plan splits them
-        out = model(hidden_states=tokens, encoder_hidden_states=states,
-                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids.expand(b, -1, -1),
-                    txt_ids=txt_ids.expand(b, -1, -1), guidance=None, return_dict=False)[0]
+        img_ids = img_ids.expand(b, -1, -1)
+        controls = batch.get("scaled_control_latents") or []
+        model_in = tokens
+        if controls:
+            ref_tokens, ref_ids = reference_tokens(controls, device, dtype)
+            model_in = torch.cat([tokens, ref_tokens], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids], dim=1)
+        out = model(hidden_states=model_in, encoder_hidden_states=states,
+                    timestep=(timesteps.float() / 1000).to(device, dtype), img_ids=img_ids,
+                    txt_ids=txt_ids.expand(b, -1, -1), guidance=guidance, return_dict=False)[0]
         out = out[:, : tokens.shape[1]]
         return unpatchify(out.permute(0, 2, 1).reshape(b, c * 4, h // 2, w // 2))
 
@@ -232,11 +310,12 @@ class Flux2Family(FlowDiTFamily):
     # --- LoRA ----------------------------------------------------------------------------------------
     def lora_targets(self, components: Components) -> list[LoraTarget]:
         """lora_unet: the double / single blocks' Linears under BFL's (ComfyUI) names, q, k, v fused as
-        `img_attn_qkv` / `txt_attn_qkv`; lora_te: Qwen3's attention and MLP."""
+        `img_attn_qkv` / `txt_attn_qkv`; lora_te: the text encoder's attention and MLP (Qwen3's or Mistral's)."""
         targets = [LoraTarget("lora_unet", components.denoiser, TRANSFORMER_TARGETS, rename=layout.original_path,
                               fused_slot=layout.fused_slot, external_prefix="lycoris")]
         if components.text_encoders and components.text_encoders[0] is not None:
-            targets.append(LoraTarget("lora_te", components.text_encoders[0], QWEN3_TARGETS, is_text_encoder=True))
+            classes = MISTRAL_TARGETS if is_dev(components) else QWEN3_TARGETS
+            targets.append(LoraTarget("lora_te", components.text_encoders[0], classes, is_text_encoder=True))
         return targets
 
     def convert_lora_state_dict(self, state_dict: dict) -> dict:
@@ -271,7 +350,7 @@ class Flux2Family(FlowDiTFamily):
         return "flux2"
 
     def modelspec_architecture(self, components: Components, resolution: int) -> str:
-        return "flux-2-klein"
+        return "flux-2-dev" if components.denoiser.config.guidance_embeds else "flux-2-klein"
 
     def modelspec_implementation(self) -> str:
         return FLUX2_IMPLEMENTATION

@@ -16,7 +16,8 @@ from typing import Mapping, Optional
 
 import torch
 
-COMFY_PREFIX = "model.diffusion_model."
+from library.families.common.dit_layout import count_blocks, fuse_slots, swap_halves
+
 _DOUBLE = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
 _SINGLE = re.compile(r"^single_transformer_blocks\.(\d+)\.(.+)$")
 # diffusers module path inside a double block -> (original path, slot in the fused qkv or None)
@@ -69,11 +70,6 @@ def fused_slot(path: str) -> Optional[int]:
     return original_module(path)[1]
 
 
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Flux2Transformer2DModel state dict -> the original file's tensors (q, k, v fused, norms as `.scale`)."""
     out: dict[str, torch.Tensor] = {}
@@ -84,24 +80,13 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if name.endswith("_norm") and leaf == "weight":
             leaf = "scale"
         if name == SWAPPED:
-            value = _swap_halves(value)
+            value = swap_halves(value)
         if slot is None:
             out[f"{name}.{leaf}"] = value
         else:
             fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    for key, parts in fused.items():
-        if sorted(parts) != [0, 1, 2]:
-            raise ValueError(f"{key}: expected q, k and v to fuse, found slots {sorted(parts)}")
-        out[key] = torch.cat([parts[0], parts[1], parts[2]], dim=0)
+    out.update(fuse_slots(fused))
     return out
-
-
-def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The DiT's own tensors of an original file: ComfyUI's `model.diffusion_model.` dropped; other keys of a
-    whole-model file left out when the prefix is there."""
-    if any(k.startswith(COMFY_PREFIX) for k in tensors):
-        return {k[len(COMFY_PREFIX):]: v for k, v in tensors.items() if k.startswith(COMFY_PREFIX)}
-    return dict(tensors)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -113,12 +98,10 @@ def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def infer_shape(tensors: Mapping[str, torch.Tensor]) -> dict:
     """Depths, heads, head width, text width and guidance of an original FLUX.2 state dict (no prefix)."""
-    def count(kind: str) -> int:
-        return len({m[1] for k in tensors if (m := re.match(rf"{kind}\.(\d+)\.", k))})
-
     inner, patch_in = tensors["img_in.weight"].shape
     head_dim = tensors["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
-    return dict(double_layers=count("double_blocks"), single_layers=count("single_blocks"), heads=inner // head_dim,
+    return dict(double_layers=count_blocks(tensors, "double_blocks"),
+                single_layers=count_blocks(tensors, "single_blocks"), heads=inner // head_dim,
                 head_dim=head_dim, joint_attention_dim=tensors["txt_in.weight"].shape[1], patch_in=patch_in,
                 mlp_hidden=tensors["double_blocks.0.img_mlp.2.weight"].shape[1],
                 guidance_embeds="guidance_in.in_layer.weight" in tensors)

@@ -1,4 +1,4 @@
-"""Load FLUX.2 klein from the files users have, and write the tiny preset in the same layouts.
+"""Load FLUX.2 (klein and dev) from the files users have, and write the tiny presets in the same layouts.
 
 - a diffusers folder (black-forest-labs/FLUX.2-klein-4B and -9B, -base: model_index.json, transformer/, vae/,
   text_encoder/, tokenizer/), read by diffusers' and transformers' own from_pretrained;
@@ -8,14 +8,16 @@
 - --qwen3: Qwen3 as one file (`model.*` keys as ComfyUI's qwen_3_4b.safetensors, or bare `layers.*`) or a
   transformers folder, and --ae: the FLUX.2 autoencoder (flux2-vae.safetensors: LDM names and the `bn.*` statistics);
 - the Qwen tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen3-4B from --tokenizer_cache_dir or the local
-  HF cache (Qwen3-4B and -8B share it).
+  HF cache (Qwen3-4B and -8B share it);
+- FLUX.2 [dev]: the folder black-forest-labs/FLUX.2-dev (text_encoder/ a Mistral3ForConditionalGeneration, tokenizer/
+  its processor), or its DiT file flux2-dev.safetensors (`guidance_in.*`) with --mistral3 (library/families/common/
+  mistral3.py) and --ae. Which one a file is comes from the DiT (its guidance embedding) and the text encoder found.
 
 Every single-file configuration is read from tensor shapes; models are built on the meta device and adopt the tensors.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Optional
@@ -24,22 +26,28 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.autoencoder import ae_file_tensors, load_ldm_ae_file
+from library.families.common.mistral3 import language_model, load_mistral3
 from library.families.common.qwen3 import load_qwen3
-from library.families.common import ldm_layout as ldm
-from library.families.common.loading import (adopt, classify_source, infer_vae_config,
-                                             load_folder_parts, read_file)
+from library.families.common.loading import (adopt, classify_source, finish_components, load_dit_parts,
+                                             load_folder_parts, part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.flux2 import layout
 from library.families.flux2.configs import (
     LATENT_CHANNELS,
     PATCHED_CHANNELS,
+    MISTRAL_TEXT_LAYERS,
     PRESETS,
     QWEN3_TOKENIZER_REPO,
+    TEXT_LAYERS,
     build_flux2_modules,
+    build_mistral_tokenizer,
     build_qwen3_tokenizer,
+    mistral_tokenizer_size,
     transformer_config,
     vae_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn\.qkv\.")
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -50,19 +58,15 @@ def flux2_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
     return classify_source(path, PRESETS, "FLUX.2", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
                            expected="a FLUX.2 diffusers folder, a FLUX.2 DiT .safetensors file or the preset "
-                                    "tiny:flux2")
+                                    "tiny:flux2 / tiny:flux2_dev")
 
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """Flux2Transformer2DModel from an original FLUX.2 file (or ComfyUI's whole-model file)."""
-    from diffusers import Flux2Transformer2DModel
+    Flux2Transformer2DModel = diffusers_class("Flux2Transformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete FLUX.2 DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype, expected="a FLUX.2 DiT (double_blocks.*.img_attn.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="FLUX.2 DiT")
     if shape["patch_in"] != PATCHED_CHANNELS:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches "
                              f"({PATCHED_CHANNELS}), found img_in input {shape['patch_in']} (a FLUX.1 file?)")
@@ -84,51 +88,98 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_ae_file(path: str, dtype: torch.dtype = torch.float32):
     """AutoencoderKLFlux2 from the FLUX.2 AE file (LDM VAE keys without prefix, 32 latent channels, `bn.*`)."""
-    from diffusers import AutoencoderKLFlux2
+    AutoencoderKLFlux2 = diffusers_class("AutoencoderKLFlux2")
 
-    label = "--ae"
-    ckpt = read_file(label, path, "the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
-                     lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, dtype)
-    try:
-        found = infer_vae_config(ckpt, "")
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete ({e})") from None
-    if found["latent_channels"] != LATENT_CHANNELS:
-        raise ModelLoadError(f"{label} {path}: expected the FLUX.2 autoencoder with {LATENT_CHANNELS} latent "
-                             f"channels, found {found['latent_channels']}")
-    config = {**vae_config(found["block_out_channels"]), "layers_per_block": found["layers_per_block"]}
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoencoderKLFlux2(**config).state_dict().items()}
-    vae_shapes = {k: s for k, s in shapes.items() if not k.startswith("bn.")}
-    try:
-        state_dict = ldm.pull(ckpt, ldm.vae_key_map(vae_shapes, ""), vae_shapes)
-    except (ldm.LayoutError, ValueError) as e:
-        raise ModelLoadError(f"{label} {path}: autoencoder tensors are incomplete or mis-shaped ({e})") from None
-    state_dict.update({k: ckpt[k] for k in BN_KEYS if k in ckpt})
-    if "bn.num_batches_tracked" not in state_dict:
-        state_dict["bn.num_batches_tracked"] = torch.tensor(0)
-    return adopt(label, path, lambda: AutoencoderKLFlux2(**config), state_dict)
+    return load_ldm_ae_file(
+        path, dtype, AutoencoderKLFlux2, vae_config, latent_channels=LATENT_CHANNELS,
+        expected="the FLUX.2 autoencoder (flux2-vae.safetensors: encoder.*, decoder.*, bn.*)",
+        holds=lambda keys: "encoder.conv_in.weight" in keys and "bn.running_mean" in keys, what="FLUX.2",
+        as_stored={"bn.running_mean": None, "bn.running_var": None, "bn.num_batches_tracked": torch.tensor(0)})
 
 
-def ae_file_tensors(vae) -> dict[str, torch.Tensor]:
+def flux2_ae_file_tensors(vae) -> dict[str, torch.Tensor]:
     """An AutoencoderKLFlux2 as the original AE file's tensors (LDM names, `bn.*` as they are)."""
     state = vae.state_dict()
-    vae_state = {k: v for k, v in state.items() if not k.startswith("bn.")}
-    out = ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), ""))
-    out.update({k: state[k] for k in BN_KEYS})
-    return out
+    return ae_file_tensors({k: v for k, v in state.items() if not k.startswith("bn.")}) | {k: state[k] for k in BN_KEYS}
+
+
+def folder_is_dev(path: str) -> bool:
+    """Whether a diffusers FLUX.2 folder is dev's (its text_encoder/ a Mistral3 model), from its config.json."""
+    try:
+        return part_config(path, "text_encoder").get("model_type") == "mistral3"
+    except (OSError, ValueError):
+        return False
+
+
+class _Processor:
+    """AutoProcessor (FLUX.2-dev's tokenizer/ is a PixtralProcessor), or the tokenizer alone where the processor
+    cannot load (its image processor needs torchvision; the text path uses only apply_chat_template)."""
+
+    @staticmethod
+    def from_pretrained(folder: str, subfolder: str):
+        from transformers import AutoProcessor, AutoTokenizer
+
+        try:
+            return AutoProcessor.from_pretrained(folder, subfolder=subfolder)
+        except Exception:  # noqa: BLE001 - e.g. ModuleNotFoundError (torchvision): the tokenizer carries the text path
+            return AutoTokenizer.from_pretrained(folder, subfolder=subfolder)
 
 
 def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
-    """The four parts of a diffusers FLUX.2 klein folder, by the libraries' own from_pretrained (the text encoder,
-    saved as Qwen3ForCausalLM, read as its Qwen3Model: the LM head is not used)."""
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-    from transformers import AutoTokenizer, Qwen3Model
+    """The four parts of a diffusers FLUX.2 folder, by the libraries' own from_pretrained (klein's text encoder,
+    saved as Qwen3ForCausalLM, read as its Qwen3Model; dev's Mistral3ForConditionalGeneration cut to its language
+    model: neither LM head nor vision tower is used)."""
+    AutoencoderKLFlux2, Flux2Transformer2DModel = diffusers_classes("AutoencoderKLFlux2", "Flux2Transformer2DModel")
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3Model
 
-    parts = load_folder_parts(path, {"transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2,
-                                     "text_encoder": Qwen3Model, "tokenizer": AutoTokenizer}, "FLUX.2",
+    dev = folder_is_dev(path)
+    classes = {"transformer": Flux2Transformer2DModel, "vae": AutoencoderKLFlux2,
+               "text_encoder": Mistral3ForConditionalGeneration if dev else Qwen3Model,
+               "tokenizer": _Processor if dev else AutoTokenizer}
+    parts = load_folder_parts(path, classes, "FLUX.2",
                               scratch=None if scratch_seed is None else ("transformer", scratch_seed))
-    parts["tokenizer"].padding_side = "right"
+    if dev:
+        parts["text_encoder"] = language_model(parts["text_encoder"])
+    else:
+        parts["tokenizer"].padding_side = "right"
+    return parts
+
+
+def load_text_encoder(options, dtype: torch.dtype, tokenizer_cache_dir: Optional[str]):
+    """(encoder, tokenizer) of --qwen3 or --mistral3."""
+    if options.mistral3:
+        return load_mistral3(options.mistral3, dtype, tokenizer_cache_dir, tiny_processor=build_mistral_tokenizer,
+                             tiny_vocab=mistral_tokenizer_size())
+    return load_qwen3(options.qwen3, dtype, tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                      tiny_tokenizer=build_qwen3_tokenizer)
+
+
+def check_pairing(path: str, transformer, text_encoder, model_version: Optional[str]) -> None:
+    """One-line ModelLoadError when the DiT and text encoder are not one FLUX.2 model, or --model_version names
+    another one: dev = guidance embedding + Mistral (layers 10/20/30), klein = no guidance + Qwen3 (9/18/27)."""
+    dev = bool(transformer.config.guidance_embeds)
+    mistral = text_encoder.config.model_type == "mistral"
+    if dev != mistral:
+        raise ModelLoadError(
+            f"{path}: a FLUX.2 {'[dev]' if dev else '[klein]'} DiT ({'with' if dev else 'no'} guidance embedding) "
+            f"with a {'Mistral' if mistral else 'Qwen3'} text encoder; {'dev' if dev else 'klein'} reads "
+            f"{'Mistral-Small-3.1 (--mistral3)' if dev else 'Qwen3 (--qwen3)'}")
+    layers = MISTRAL_TEXT_LAYERS if dev else TEXT_LAYERS
+    width = text_encoder.config.hidden_size * len(layers)
+    if width != transformer.config.joint_attention_dim:
+        raise ModelLoadError(f"{path}: the DiT reads {transformer.config.joint_attention_dim} text features, the text "
+                             f"encoder gives {len(layers)} x {text_encoder.config.hidden_size} = {width} (another "
+                             f"size's encoder?)")
+    if model_version is not None and (model_version == "dev") != dev:
+        raise ModelLoadError(f"--model_version {model_version}: the files are FLUX.2 {'[dev]' if dev else '[klein]'} "
+                             f"({'guidance embedding, Mistral text' if dev else 'no guidance, Qwen3 text'})")
+
+
+def preset_modules(name: str) -> dict:
+    """A preset's parts as loading gives them (dev's Mistral3 cut to its language model, as from its folder)."""
+    parts = build_flux2_modules(name)
+    if PRESETS[name].mistral is not None:
+        parts["text_encoder"] = language_model(parts["text_encoder"])
     return parts
 
 
@@ -137,48 +188,46 @@ def load_flux2_components(opts: LoadOptions, options) -> Components:
     tokenizers = [Qwen's], vae = AutoencoderKLFlux2 (`options`: Flux2Options with --qwen3 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = flux2_source_kind(path)
-    ae_path = options.ae or opts.vae
-    scratch_done = False
     if kind == "single_file":
-        if not options.qwen3:
-            raise ModelLoadError(f"--qwen3: required with a FLUX.2 DiT file ({path})")
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
-                                                   tiny_tokenizer=build_qwen3_tokenizer)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        if kind == "diffusers":
-            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
-            scratch_done = opts.from_scratch
-        else:
-            parts = build_flux2_modules(path)
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.qwen3:
-            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
-                                                   tiny_tokenizer=build_qwen3_tokenizer)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    if transformer.config.guidance_embeds:
-        raise ModelLoadError(f"{path}: a guidance-distilled FLUX.2 [dev] DiT (it has guidance_in); this release "
-                             f"trains FLUX.2 [klein] (Qwen3 text) only")
-    if opts.from_scratch and not scratch_done:
-        from library.families.common.loading import scratch_denoiser
+        check_text_flag(path, options)
+    ae_path = options.ae or opts.vae
+    given = options.qwen3 or options.mistral3
+    text_file = (lambda: load_text_encoder(options, opts.dtype, opts.tokenizer_cache_dir)) if given else None
+    parts, scratch_done = load_dit_parts(opts, kind, ae_path, dit_file=load_dit_file, text_file=text_file,
+                                         ae_file=load_ae_file, preset=preset_modules, folder=load_folder)
+    check_pairing(path, parts["transformer"], parts["text_encoder"], options.model_version)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path, scratch_done=scratch_done)
 
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+
+def dit_file_is_dev(path: str) -> bool:
+    """Whether a FLUX.2 DiT file has the guidance embedding (dev), from its header."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return any(k.endswith("guidance_in.in_layer.weight") for k in f.keys())
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def check_text_flag(path: str, options) -> None:
+    """A DiT file names its text encoder file: --mistral3 for dev (guidance_in), --qwen3 for klein."""
+    dev = dit_file_is_dev(path)
+    flag, other = ("mistral3", options.qwen3) if dev else ("qwen3", options.mistral3)
+    if other:
+        raise ModelLoadError(f"--{'qwen3' if dev else 'mistral3'}: {path} is FLUX.2 {'[dev]' if dev else '[klein]'}, "
+                             f"whose text encoder is given with --{flag}")
+    if not getattr(options, flag):
+        raise ModelLoadError(f"--{flag}: required with a FLUX.2 {'[dev]' if dev else '[klein]'} DiT file ({path})")
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
     """The checks of load_flux2_components that need no weights (one-line ModelLoadError)."""
     if flux2_source_kind(path) == "single_file":
-        for flag, value in (("qwen3", options.qwen3), ("ae", options.ae or vae)):
-            if not value:
-                raise ModelLoadError(f"--{flag}: required with a FLUX.2 DiT file ({path})")
+        check_text_flag(path, options)
+        if not (options.ae or vae):
+            raise ModelLoadError(f"--ae: required with a FLUX.2 DiT file ({path})")
 
 
 def block_counts(path: str) -> Optional[tuple[int, int]]:
@@ -188,8 +237,7 @@ def block_counts(path: str) -> Optional[tuple[int, int]]:
         if kind == "preset":
             return PRESETS[path].double_layers, PRESETS[path].single_layers
         if kind == "diffusers":
-            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
-                config = json.load(f)
+            config = part_config(path, "transformer")
             return int(config["num_layers"]), int(config["num_single_layers"])
         double = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?double_blocks\.(\d+)\.")
         single = indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?single_blocks\.(\d+)\.")
@@ -229,29 +277,45 @@ def text_encoder_for_pipeline(text_encoder):
 
 
 def write_diffusers_folder(parts: dict, out_dir: str) -> str:
-    """A diffusers Flux2KleinPipeline folder of `parts` (model_index.json, transformer/, vae/, text_encoder/ as
-    Qwen3ForCausalLM, tokenizer/, scheduler/), by the libraries' own save_pretrained."""
-    from diffusers import Flux2KleinPipeline
+    """A diffusers folder of `parts` (model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/), by
+    the libraries' own save_pretrained: Flux2KleinPipeline's (text_encoder/ as Qwen3ForCausalLM) or, for a Mistral3
+    text encoder, Flux2Pipeline's (FLUX.2 [dev])."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-    pipe = Flux2KleinPipeline(scheduler=scheduler(), vae=parts["vae"],
-                              text_encoder=text_encoder_for_pipeline(parts["text_encoder"]),
-                              tokenizer=parts["tokenizer"], transformer=parts["transformer"], is_distilled=True)
+    if parts["text_encoder"].config.model_type == "mistral3":
+        pipe = Flux2Pipeline(scheduler=scheduler(), vae=parts["vae"], text_encoder=parts["text_encoder"],
+                             tokenizer=parts["tokenizer"], transformer=parts["transformer"])
+    else:
+        pipe = Flux2KleinPipeline(scheduler=scheduler(), vae=parts["vae"],
+                                  text_encoder=text_encoder_for_pipeline(parts["text_encoder"]),
+                                  tokenizer=parts["tokenizer"], transformer=parts["transformer"], is_distilled=True)
     pipe.save_pretrained(out_dir)
     return out_dir
 
 
 def write_flux2_preset(name: str, out_dir: str) -> dict[str, str]:
-    """A preset written as the files users have: the diffusers folder (`diffusers/`), and ComfyUI's single files:
-    the DiT (flux-2-klein-tiny.safetensors, BFL names), qwen_3_4b.safetensors (`model.*` keys) and
-    flux2-vae.safetensors (LDM names, `bn.*`). Returns {"diffusers", "dit", "qwen3", "ae"}."""
+    """A preset written as the files users have: the diffusers folder (`diffusers/`), and the single files: the DiT
+    (BFL names), the AE (flux2-vae.safetensors: LDM names, `bn.*`) and the text encoder: klein's
+    qwen_3_4b.safetensors (`model.*` keys, ComfyUI's), dev's Mistral3 as the FLUX.2-dev repository holds it
+    (transformers' keys `language_model.model.*`, `vision_tower.*`, ...; `text_encoder/` of the folder is the
+    same in shards). Returns {"diffusers", "dit", "qwen3" or "mistral3", "ae"}."""
     parts = build_flux2_modules(name)
+    dev = PRESETS[name].mistral is not None
     os.makedirs(out_dir, exist_ok=True)
+    text_key, text_file = ("mistral3", "mistral_3_small_flux2.safetensors") if dev else ("qwen3", "qwen_3_4b.safetensors")
     paths = {"diffusers": os.path.join(out_dir, "diffusers"),
-             "dit": os.path.join(out_dir, "flux-2-klein-tiny.safetensors"),
-             "qwen3": os.path.join(out_dir, "qwen_3_4b.safetensors"),
+             "dit": os.path.join(out_dir, "flux2-dev-tiny.safetensors" if dev else "flux-2-klein-tiny.safetensors"),
+             text_key: os.path.join(out_dir, text_file),
              "ae": os.path.join(out_dir, "flux2-vae.safetensors")}
     write_diffusers_folder(parts, paths["diffusers"])
     write_dit_file(parts["transformer"], paths["dit"])
-    write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["qwen3"])
-    write_safetensors(ae_file_tensors(parts["vae"]), paths["ae"])
+    if dev:
+        from safetensors.torch import load_file
+
+        # the keys transformers writes for Mistral3ForConditionalGeneration (those of FLUX.2-dev's text_encoder/)
+        text_state = load_file(os.path.join(paths["diffusers"], "text_encoder", "model.safetensors"))
+    else:
+        text_state = {"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}
+    write_safetensors(text_state, paths[text_key])
+    write_safetensors(flux2_ae_file_tensors(parts["vae"]), paths["ae"])
     return paths

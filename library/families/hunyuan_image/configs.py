@@ -18,6 +18,7 @@ import torch
 
 from library.families.common.qwen_vl import QWEN_REAL_VOCAB_SIZE, build_qwen_tokenizer, qwen_config
 from library.families.common.tiny import build_seeded
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 64
 VAE_SCALE_FACTOR = 32
@@ -119,7 +120,8 @@ def build_hunyuan_image_modules(name: str, device: str | torch.device = "cpu") -
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "qwen", "byt5", "qwen_tokenizer", "byt5_tokenizer"}.
     """
-    from diffusers import AutoencoderKLHunyuanImage, HunyuanImageTransformer2DModel
+    AutoencoderKLHunyuanImage, HunyuanImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLHunyuanImage", "HunyuanImageTransformer2DModel")
     from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
     p = PRESETS[name]

@@ -20,7 +20,8 @@ from typing import Mapping, Optional
 
 import torch
 
-COMFY_PREFIX = "model.diffusion_model."
+from library.families.common.dit_layout import count_blocks, fuse_slots, swap_halves
+
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks|context_embedder\.token_refiner\.refiner_blocks)"
                     r"\.(\d+)\.(.+)$")
 _ORIGINAL_BLOCK = re.compile(r"^(double_blocks|single_blocks|txt_in\.individual_token_refiner\.blocks)\.(\d+)\.(.+)$")
@@ -88,11 +89,6 @@ def fused_slot(path: str) -> Optional[int]:
     return original_module(path)[1]
 
 
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0)
-
-
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A HunyuanImageTransformer2DModel state dict -> the original file's tensors (projections fused)."""
     out: dict[str, torch.Tensor] = {}
@@ -101,22 +97,11 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         module, _, leaf = key.rpartition(".")
         name, slot = original_module(module)
         if slot is None:
-            out[f"{name}.{leaf}"] = _swap_halves(value) if name == _SWAPPED_HALVES else value
+            out[f"{name}.{leaf}"] = swap_halves(value) if name == _SWAPPED_HALVES else value
         else:
             fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    for key, parts in fused.items():
-        slots = sorted(parts)
-        if slots != list(range(len(slots))) or len(slots) not in (3, 4):
-            raise ValueError(f"{key}: expected q, k, v (and the MLP input) to fuse, found slots {slots}")
-        out[key] = torch.cat([parts[i] for i in slots], dim=0)
+    out.update(fuse_slots(fused, (3, 4), "q, k, v (and the MLP input)"))
     return out
-
-
-def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The DiT's own tensors: ComfyUI's `model.diffusion_model.` dropped (other parts of such a file left out)."""
-    if any(k.startswith(COMFY_PREFIX) for k in tensors):
-        return {k[len(COMFY_PREFIX):]: v for k, v in tensors.items() if k.startswith(COMFY_PREFIX)}
-    return dict(tensors)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:
@@ -132,7 +117,7 @@ def to_diffusers(tensors: Mapping[str, torch.Tensor], hidden: int) -> dict[str, 
         m = _ORIGINAL_BLOCK.match(module)
         if m is None:
             if module == _SWAPPED_HALVES:
-                value = _swap_halves(value)
+                value = swap_halves(value)
             out[f"{_OUTSIDE_BACK.get(module, module)}.{leaf}"] = value
             continue
         kind = next(k for k, v in BLOCK_KINDS.items() if v == m[1])
@@ -150,16 +135,14 @@ def to_diffusers(tensors: Mapping[str, torch.Tensor], hidden: int) -> dict[str, 
 
 def infer_shape(tensors: Mapping[str, torch.Tensor]) -> dict:
     """Block counts, width, heads and text widths of an original DiT state dict (no prefix)."""
-    def count(kind: str) -> int:
-        return len({m[1] for k in tensors if (m := re.match(rf"{kind}\.(\d+)\.", k))})
-
     hidden = tensors["img_in.proj.weight"].shape[0]
     head_dim = tensors["double_blocks.0.img_attn_q_norm.weight"].shape[0]
-    return dict(double=count("double_blocks"), single=count("single_blocks"), hidden=hidden, head_dim=head_dim,
+    return dict(double=count_blocks(tensors, "double_blocks"), single=count_blocks(tensors, "single_blocks"),
+                hidden=hidden, head_dim=head_dim,
                 heads=hidden // head_dim, latent_channels=tensors["img_in.proj.weight"].shape[1],
                 text_dim=tensors["txt_in.input_embedder.weight"].shape[1],
                 byt5_dim=tensors["byt5_in.fc1.weight"].shape[1] if "byt5_in.fc1.weight" in tensors else None,
-                refiner=count(r"txt_in\.individual_token_refiner\.blocks"))
+                refiner=count_blocks(tensors, r"txt_in\.individual_token_refiner\.blocks"))
 
 
 # --- the VAE -------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from library.core.safetensors_io import write_safetensors
 from library.families.hunyuan_image import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen_vl import load_qwen_vl
-from library.families.common.loading import adopt, read_file
+from library.families.common.loading import adopt, finish_components, read_dit_file, read_file
 from library.families.hunyuan_image.configs import (
     LATENT_CHANNELS,
     PRESETS,
@@ -36,6 +36,7 @@ from library.families.hunyuan_image.configs import (
 )
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?double_blocks\.0\.img_attn_qkv\.")
 
@@ -48,14 +49,11 @@ def source_kind(path: str) -> str:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """HunyuanImageTransformer2DModel from an original DiT file."""
-    from diffusers import HunyuanImageTransformer2DModel
+    HunyuanImageTransformer2DModel = diffusers_class("HunyuanImageTransformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete HunyuanImage DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype,
+                                   expected="a HunyuanImage 2.1 DiT (double_blocks.*.img_attn_qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="HunyuanImage DiT")
     if shape["latent_channels"] != LATENT_CHANNELS or shape["byt5_dim"] is None:
         raise ModelLoadError(f"{label} {path}: expected the HunyuanImage 2.1 DiT ({LATENT_CHANNELS} latent channels, "
                              f"byt5_in), found img_in input {shape['latent_channels']}"
@@ -103,7 +101,7 @@ def _vae_levels(tensors) -> tuple[int, int]:
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
     """AutoencoderKLHunyuanImage from the original VAE file (Encoder / Decoder names, no prefix)."""
-    from diffusers import AutoencoderKLHunyuanImage
+    AutoencoderKLHunyuanImage = diffusers_class("AutoencoderKLHunyuanImage")
 
     raw = read_file(label, path, "the HunyuanImage 2.1 VAE (encoder.down.* keys)",
                      lambda keys: any(k.startswith("encoder.down.0.block.0.") for k in keys), dtype)
@@ -138,15 +136,7 @@ def load_components(opts: LoadOptions, options) -> Components:
             byt5, byt5_tok = load_byt5(options.byt5, opts.dtype)
         if opts.vae:
             vae = load_vae_file(opts.vae, opts.vae_dtype)
-    if opts.from_scratch:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (qwen, opts.dtype), (byt5, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[qwen, byt5], tokenizers=[qwen_tok, byt5_tok],
-                      model_path=path, vae_path=opts.vae)
+    return finish_components(opts, transformer, [qwen, byt5], [qwen_tok, byt5_tok], vae, opts.vae)
 
 
 def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = True) -> None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from library.families.common.autoencoder import flux_vae_config
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.tiny import build_seeded, draw_zero_parameters, seeded, tiny_byte_level_bpe
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20240617
@@ -84,16 +85,10 @@ def gemma2_config(hidden: int, intermediate: int, layers: int, heads: int, kv_he
 
 def build_gemma2_tokenizer():
     """A small local tokenizer in Gemma's shape: <pad> 0, <eos> 1, <bos> 2 (prepended), byte-level BPE, right padding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = tiny_vocab_and_merges()
-    words = [t for t in vocab if not t.endswith("</w>") and not t.startswith("<|")]
-    tokens = {t: i for i, t in enumerate([PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, *words])}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core = tiny_byte_level_bpe(before=[PAD_TOKEN, EOS_TOKEN, BOS_TOKEN])
     core.post_processor = processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B",
                                                         special_tokens=[(BOS_TOKEN, 2)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
@@ -113,7 +108,7 @@ def build_lumina_modules(name: str, device: str | torch.device = "cpu") -> dict:
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKL, Lumina2Transformer2DModel
+    AutoencoderKL, Lumina2Transformer2DModel = diffusers_classes("AutoencoderKL", "Lumina2Transformer2DModel")
     from transformers import Gemma2Model
 
     p = PRESETS[name]
@@ -125,14 +120,8 @@ def build_lumina_modules(name: str, device: str | torch.device = "cpu") -> dict:
 
     transformer = make(0, lambda: Lumina2Transformer2DModel(**transformer_config(p)))
     if torch.device(device).type != "meta":
-        # NextDiT zero-initialises its AdaLN and final layers; a preset with them all zero would predict 0 and
-        # train nothing visible, so the tiny weights are drawn for every tensor.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED + 10)
-            with torch.no_grad():
-                for tensor in transformer.parameters():
-                    if not tensor.abs().any():
-                        tensor.normal_(0.0, 0.02)
+        with seeded(PRESET_SEED + 10):  # NextDiT zero-initialises its AdaLN and final layers
+            draw_zero_parameters(transformer)
     vae = make(1, lambda: AutoencoderKL(**flux_vae_config(p.vae_channels)))
     text_encoder = make(2, lambda: Gemma2Model(config))
     for module in (transformer, vae, text_encoder):

@@ -16,9 +16,9 @@ from typing import Mapping, Optional
 
 import torch
 
+from library.families.common.dit_layout import count_blocks, fuse_slots
 from library.families.lumina.configs import UNUSED_NORM_KEY
 
-COMFY_PREFIX = "model.diffusion_model."
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
 # diffusers module path inside a block -> (original path, slot in the fused qkv or None)
 BLOCK_MODULES: dict[str, tuple[str, Optional[int]]] = {
@@ -79,21 +79,10 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[f"{name}.{leaf}"] = value
         else:
             fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    for key, parts in fused.items():
-        if sorted(parts) != [0, 1, 2]:
-            raise ValueError(f"{key}: expected q, k and v to fuse, found slots {sorted(parts)}")
-        out[key] = torch.cat([parts[0], parts[1], parts[2]], dim=0)
+    out.update(fuse_slots(fused))
     hidden = state["x_embedder.weight"].shape[0]
     out[UNUSED_NORM_KEY] = torch.ones(hidden, dtype=state["x_embedder.weight"].dtype)
     return out
-
-
-def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The DiT's own tensors of an original file: ComfyUI's `model.diffusion_model.` dropped; other keys of a
-    whole-model file (text encoder, VAE) left out when the prefix is there."""
-    if any(k.startswith(COMFY_PREFIX) for k in tensors):
-        return {k[len(COMFY_PREFIX):]: v for k, v in tensors.items() if k.startswith(COMFY_PREFIX)}
-    return dict(tensors)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor], heads: int, kv_heads: int,
@@ -131,14 +120,12 @@ def to_diffusers(tensors: Mapping[str, torch.Tensor], heads: int, kv_heads: int,
 
 def infer_shape(tensors: Mapping[str, torch.Tensor]) -> dict:
     """Depths, width, heads, FFN width and caption width of an original NextDiT state dict (no prefix)."""
-    def count(kind: str) -> int:
-        return len({m[1] for k in tensors if (m := re.match(rf"{kind}\.(\d+)\.", k))})
-
     hidden = tensors["x_embedder.weight"].shape[0]
     head_dim = tensors["layers.0.attention.q_norm.weight"].shape[0]
     qkv = tensors["layers.0.attention.qkv.weight"].shape[0]
     heads = hidden // head_dim
-    return dict(layers=count("layers"), refiner_layers=count("noise_refiner"), hidden=hidden, heads=heads,
+    return dict(layers=count_blocks(tensors, "layers"), refiner_layers=count_blocks(tensors, "noise_refiner"),
+                hidden=hidden, heads=heads,
                 kv_heads=(qkv // head_dim - heads) // 2, head_dim=head_dim,
                 ffn=tensors["layers.0.feed_forward.w1.weight"].shape[0],
                 cap_feat_dim=tensors["cap_embedder.0.weight"].shape[0],

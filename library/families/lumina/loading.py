@@ -20,12 +20,11 @@ from typing import Optional
 import torch
 
 from library.core.safetensors_io import write_safetensors
-from library.families.common import ldm_layout as ldm
 from library.families.lumina import layout
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.common.autoencoder import load_ae_file
-from library.families.common.loading import adopt, cached_tokenizer, read_file
-from library.families.common.loading import classify_source
+from library.families.common.autoencoder import ae_file_tensors, load_ae_file
+from library.families.common.loading import (adopt, cached_tokenizer, classify_source, finish_components,
+                                             load_dit_parts, read_dit_file, read_file)
 from library.families.lumina.configs import (
     GEMMA2_TOKENIZER_REPO,
     LATENT_CHANNELS,
@@ -36,6 +35,7 @@ from library.families.lumina.configs import (
     transformer_config,
 )
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 
@@ -48,14 +48,11 @@ def lumina_source_kind(path: str) -> str:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """Lumina2Transformer2DModel from an original NextDiT file (or ComfyUI's whole-model file)."""
-    from diffusers import Lumina2Transformer2DModel
+    Lumina2Transformer2DModel = diffusers_class("Lumina2Transformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Lumina DiT, no tensor for {e.args[0]}") from None
+    tensors, shape = read_dit_file(label, path, dtype,
+                                   expected="a Lumina Image 2.0 DiT (layers.*.attention.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="Lumina DiT")
     if shape["patch_in"] != LATENT_CHANNELS * 4:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches, "
                              f"found x_embedder input {shape['patch_in']}")
@@ -135,30 +132,14 @@ def load_lumina_components(opts: LoadOptions, options) -> Components:
     tokenizers = [Gemma's], vae = the FLUX.1 AE (`options`: LuminaOptions with --gemma2 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = lumina_source_kind(path)
+    if kind == "single_file" and not options.gemma2:
+        raise ModelLoadError(f"--gemma2: required with a Lumina DiT file ({path})")
     ae_path = options.ae or opts.vae
-    if kind == "single_file":
-        if not options.gemma2:
-            raise ModelLoadError(f"--gemma2: required with a Lumina DiT file ({path})")
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        parts = build_lumina_modules(path)
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.gemma2:
-            text_encoder, tokenizer = load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    if opts.from_scratch:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+    text_file = (lambda: load_gemma2(options.gemma2, opts.dtype, opts.tokenizer_cache_dir)) if options.gemma2 else None
+    parts, _ = load_dit_parts(opts, kind, ae_path, dit_file=load_dit_file, text_file=text_file, ae_file=load_ae_file,
+                              preset=build_lumina_modules)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path)
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
@@ -198,6 +179,5 @@ def write_lumina_preset(name: str, out_dir: str) -> dict[str, str]:
              "ae": os.path.join(out_dir, "ae.safetensors")}
     write_dit_file(parts["transformer"], paths["dit"])
     write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["gemma2"])
-    vae_state = parts["vae"].state_dict()
-    write_safetensors(ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), "")), paths["ae"])
+    write_safetensors(ae_file_tensors(parts["vae"].state_dict()), paths["ae"])
     return paths

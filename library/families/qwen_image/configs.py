@@ -13,8 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.qwen_vl import QWEN_REAL_VOCAB_SIZE, build_qwen_tokenizer, qwen_config
+from library.families.common.qwen_vl import (
+    QWEN_REAL_VOCAB_SIZE,
+    build_qwen_tokenizer,
+    qwen_config,
+    tiny_vision_config,
+    vl_config,
+    vl_processor,
+)
 from library.families.common.tiny import build_seeded
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 VAE_SCALE_FACTOR = 8
@@ -46,6 +54,7 @@ class QwenImagePreset:
     vae_dim_mult: tuple[int, ...]
     vae_res_blocks: int
     qwen_vocab: int | None = None  # None: the local tokenizer's vocabulary
+    vision: bool = False  # Qwen-Image-Edit: Qwen2.5-VL with its vision tower (the control images' text encoding)
 
 
 PRESETS: dict[str, QwenImagePreset] = {
@@ -53,6 +62,12 @@ PRESETS: dict[str, QwenImagePreset] = {
         "tiny:qwen_image", layers=2, heads=2, head_dim=16, axes_dims_rope=(4, 6, 6),
         qwen_hidden=32, qwen_intermediate=64, qwen_layers=4, qwen_heads=2, qwen_kv_heads=1, mrope_section=(2, 3, 3),
         vae_base_dim=8, vae_dim_mult=(1, 2, 2, 2), vae_res_blocks=1),
+    # Qwen-Image-Edit (-2509 / -2511): the same DiT; Qwen2.5-VL with a tiny vision tower, the tokenizer with Qwen's
+    # vision markers (--model_version picks the edit version)
+    "tiny:qwen_image_edit": QwenImagePreset(
+        "tiny:qwen_image_edit", layers=2, heads=2, head_dim=16, axes_dims_rope=(4, 6, 6),
+        qwen_hidden=32, qwen_intermediate=64, qwen_layers=4, qwen_heads=2, qwen_kv_heads=1, mrope_section=(2, 3, 3),
+        vae_base_dim=8, vae_dim_mult=(1, 2, 2, 2), vae_res_blocks=1, vision=True),
     # Qwen/Qwen-Image (transformer/), Qwen2.5-VL-7B-Instruct's language model, vae/.
     "random:qwen_image": QwenImagePreset(
         "random:qwen_image", layers=60, heads=24, head_dim=128, axes_dims_rope=(16, 56, 56),
@@ -80,13 +95,15 @@ def build_qwen_image_modules(name: str, device: str | torch.device = "cpu") -> d
     """DiT, VAE, Qwen2.5-VL text model and tokenizer of a preset.
 
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
-    identical on every call. Returns {"transformer", "vae", "qwen", "qwen_tokenizer"}.
+    identical on every call. Returns {"transformer", "vae", "qwen", "qwen_tokenizer"}; a vision preset's "qwen" is
+    the whole Qwen2_5_VLModel (vision tower and language model) and "qwen_processor" its Qwen2VLProcessor.
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLTextModel
+    AutoencoderKLQwenImage, QwenImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLQwenImage", "QwenImageTransformer2DModel")
+    from transformers import Qwen2_5_VLModel, Qwen2_5_VLTextModel
 
     p = PRESETS[name]
-    tokenizer = build_qwen_tokenizer()
+    tokenizer = build_qwen_tokenizer(p.vision)
     qwen_cfg = qwen_config(p.qwen_hidden, p.qwen_intermediate, p.qwen_layers, p.qwen_heads, p.qwen_kv_heads,
                            p.qwen_vocab or len(tokenizer), p.mrope_section)
 
@@ -95,7 +112,14 @@ def build_qwen_image_modules(name: str, device: str | torch.device = "cpu") -> d
 
     transformer = make(0, lambda: QwenImageTransformer2DModel(**transformer_config(p)))
     vae = make(1, lambda: AutoencoderKLQwenImage(**vae_config(p.vae_base_dim, p.vae_dim_mult, p.vae_res_blocks)))
-    qwen = make(2, lambda: Qwen2_5_VLTextModel(qwen_cfg))
+    if p.vision:
+        config = vl_config(qwen_cfg, tiny_vision_config(p.qwen_hidden), tokenizer)
+        qwen = make(2, lambda: Qwen2_5_VLModel(config))
+    else:
+        qwen = make(2, lambda: Qwen2_5_VLTextModel(qwen_cfg))
     for module in (transformer, vae, qwen):
         module.eval()
-    return {"transformer": transformer, "vae": vae, "qwen": qwen, "qwen_tokenizer": tokenizer}
+    parts = {"transformer": transformer, "vae": vae, "qwen": qwen, "qwen_tokenizer": tokenizer}
+    if p.vision:
+        parts["qwen_processor"] = vl_processor(tokenizer)
+    return parts

@@ -5,6 +5,10 @@ Text as diffusers' QwenImagePipeline (text.py): Qwen2.5-VL's last hidden states 
 the template's first 34 tokens dropped. Latents are the VAE's, normalised per channel by its latents_mean /
 latents_std, packed in 2x2 patches (64 features a token). The DiT is called with t = σ and predicts the velocity
 ε - x0 (musubi-tuner's target, noise - latents).
+
+Qwen-Image-Edit / -2509 / -2511 (--model_version edit*): the same DiT with the control images' latents packed after
+the target's; Qwen2.5-VL with its vision tower reads the control images with the caption (text.py tokenize_edit /
+encode_edit, as QwenImageEditPipeline / QwenImageEditPlusPipeline), so a sample's text key holds its control images.
 """
 
 from __future__ import annotations
@@ -60,13 +64,13 @@ class QwenImageFamily(FlowDiTFamily):
                            "model.diffusion_model.transformer_blocks.0.img_mod.1.weight")
     contents = (("transformer_blocks.0.img_mod.1.weight", "a Qwen-Image DiT"),
                 ("model.diffusion_model.transformer_blocks.0.img_mod.1.weight", "a Qwen-Image DiT"))
-    diffusers_class_markers = ("QwenImagePipeline",)
+    diffusers_class_markers = ("QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline")
     scripts = {"lora": "qwen_image_train_network.py", "finetune": "qwen_image_train.py"}
     text_encoder_labels = ("Text encoder (Qwen2.5-VL)",)
     denoiser_label = "DiT"
     component_file_flags = COMPONENT_FILE_FLAGS
     flag_aliases = (("fp8_scaled", "fp8_base_unet"),)
-    tiny_presets = ("tiny:qwen_image",)
+    tiny_presets = ("tiny:qwen_image", "tiny:qwen_image_edit")
     options_type = QwenImageOptions
     lora_network_module = "networks.lora_qwen_image"  # musubi-tuner's module name, recorded in saved files
     latent_cache_arch = "_qi"  # musubi-tuner's architecture short name
@@ -79,6 +83,9 @@ class QwenImageFamily(FlowDiTFamily):
     supports_text_cache = True
     text_cache_suffix = "_qi_te.npz"
     block_classes = TRANSFORMER_TARGETS  # the repeated blocks FSDP wraps and --torch_compile compiles
+    context_parallel_token_pixels = 16  # diffusers' QwenImageTransformer2DModel._cp_plan; text padded in predict
+    tensor_parallel = True  # diffusers' QwenImageTransformer2DModel._tp_plan
+    denoiser_leaves_weights_unused = True  # the last block's text stream (to_add_out, txt_mlp): nothing reads it
 
     # --- options -------------------------------------------------------------------------------------
     @classmethod
@@ -110,6 +117,25 @@ class QwenImageFamily(FlowDiTFamily):
             raise ConfigError(f"--blocks_to_swap {blocks_to_swap}: expected 1..{count - 2} for this model "
                               f"({count} blocks; at most blocks - 2)")
 
+    # Qwen-Image-Edit: control images (control_directory, --control_image / --ci) with --model_version edit*
+    control_hint = "Qwen-Image takes control images with --model_version edit, edit-2509 or edit-2511"
+
+    def max_control_images(self, options: Optional[QwenImageOptions]) -> int:
+        """Edit: 1 (QwenImageEditPipeline takes one image); 2509 / 2511: 3 (the official limit); Qwen-Image: 0."""
+        return options.max_controls if options is not None else 0
+
+    def text_cache_values(self, options: Optional[QwenImageOptions]) -> dict[str, Any]:
+        """The edit versions template captions differently (a cached entry of one does not serve another)."""
+        version = options.version if options is not None else "original"
+        return {"model_version": version} if version != "original" else {}
+
+    def text_key(self, components: Components, caption: str, control_paths: tuple[str, ...]) -> str:
+        """Qwen-Image-Edit: Qwen2.5-VL reads the control images with the caption, so they are part of the key
+        (text.edit_key: their paths, sizes and mtimes)."""
+        if not self.options(components).is_edit or not control_paths:
+            return caption
+        return text_rules.edit_key(caption, control_paths)
+
     # --- loading -------------------------------------------------------------------------------------
     def load_components(self, opts: LoadOptions, options: QwenImageOptions) -> Components:
         """A preset, a diffusers folder, or a DiT file with --text_encoder and --vae."""
@@ -118,10 +144,20 @@ class QwenImageFamily(FlowDiTFamily):
     # --- text ----------------------------------------------------------------------------------------
     def tokenize(self, components: Components, captions: list[str],
                  max_token_length: Optional[int]) -> list[torch.Tensor]:
+        """Captions, or for Qwen-Image-Edit text keys (text_key: a caption with its control images), as the
+        pipeline tokenizes them (Edit: Qwen2VLProcessor with the images)."""
+        options = self.options(components)
+        if options.is_edit:
+            return text_rules.tokenize_edit(components.tokenizers[0], captions, options.version)
         return text_rules.tokenize(components.tokenizers[0], captions)
 
     def encode_text(self, components: Components, tokens: list[torch.Tensor],
                     clip_skip: Optional[int]) -> TextConditioning:
+        options = self.options(components)
+        if options.is_edit:
+            processor = components.tokenizers[0]
+            return TextConditioning(text_rules.encode_edit(components.text_encoders[0], processor.tokenizer, tokens,
+                                                           options.version))
         return TextConditioning(text_rules.encode(components.text_encoders[0], components.tokenizers[0], tokens))
 
     def check_loaded(self, components: Components, text: Any) -> None:
@@ -182,7 +218,8 @@ class QwenImageFamily(FlowDiTFamily):
         model = components.denoiser
         device, dtype = noisy_latents.device, noisy_latents.dtype
         b, _, h, w = noisy_latents.shape
-        states, mask = text_rules.trimmed(text.tensors)
+        split = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)  # diffusers'
+        states, mask = text_rules.trimmed(text.tensors, split.ulysses_degree if split is not None else 1)
         controls = [c.to(device, dtype) for c in batch.get("scaled_control_latents") or []]
         tokens = torch.cat([pack(noisy_latents), *(pack(c) for c in controls)], dim=1)
         shapes = [(1, h // 2, w // 2), *((1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls)]

@@ -9,6 +9,11 @@
 - tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen2.5-VL-7B-Instruct's from the folder,
   --tokenizer_cache_dir or the local HF cache.
 
+Qwen-Image-Edit (--model_version edit*) loads Qwen2.5-VL with its vision tower (the file's `visual.*`, or the whole
+folder model) and wraps the tokenizer in Qwen2VLProcessor (a folder's processor/ gives the image processor's
+settings); 2511's zero_cond_t is set on the DiT. tiny:qwen_image_edit is written as Qwen/Qwen-Image-Edit-2509's
+folder (model_index QwenImageEditPlusPipeline, processor/) or the three ComfyUI-style files with `visual.*`.
+
 Configurations are read from tensor shapes; models are built on the meta device and adopt the tensors.
 """
 
@@ -23,7 +28,7 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
-from library.families.common.qwen_vl import load_qwen_vl
+from library.families.common.qwen_vl import load_qwen_vl, vl_processor
 from library.families.common.loading import adopt, classify_source, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.qwen_image import layout
@@ -34,6 +39,7 @@ from library.families.qwen_image.configs import (
     build_qwen_image_modules,
     vae_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.img_mod\.1\.weight$")
@@ -42,7 +48,8 @@ _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.im
 def source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
     return classify_source(path, PRESETS, "Qwen-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
-                           expected="a Qwen-Image DiT .safetensors file, a diffusers folder or tiny:qwen_image")
+                           expected="a Qwen-Image DiT .safetensors file, a diffusers folder, tiny:qwen_image or "
+                                    "tiny:qwen_image_edit")
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -56,7 +63,7 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
     """QwenImageTransformer2DModel from a single DiT file (Qwen's / ComfyUI's names)."""
-    from diffusers import QwenImageTransformer2DModel
+    QwenImageTransformer2DModel = diffusers_class("QwenImageTransformer2DModel")
 
     tensors = layout.strip_prefix(read_file(label, path, "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)",
                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
@@ -78,7 +85,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
     """AutoencoderKLQwenImage from its diffusers file (vae/diffusion_pytorch_model.safetensors)."""
-    from diffusers import AutoencoderKLQwenImage
+    AutoencoderKLQwenImage = diffusers_class("AutoencoderKLQwenImage")
 
     if os.path.isdir(path):
         try:
@@ -113,15 +120,17 @@ def _vae_mult(tensors, base: int, res: int, levels: int) -> list[int]:
 def load_components(opts: LoadOptions, options) -> Components:
     """Components: denoiser = QwenImageTransformer2DModel, text encoders = [Qwen2.5-VL text model],
     tokenizers = [Qwen's], vae = AutoencoderKLQwenImage (`options`: QwenImageOptions)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    AutoencoderKLQwenImage, QwenImageTransformer2DModel = diffusers_classes(
+        "AutoencoderKLQwenImage", "QwenImageTransformer2DModel")
 
     path = opts.pretrained_model_name_or_path
     kind = source_kind(path)
     vae = None
+    edit = options.is_edit  # Qwen-Image-Edit: Qwen2.5-VL with its vision tower, Qwen2VLProcessor as the "tokenizer"
     if kind == "single_file":
         check_model_source(path, options, opts.vae, need_vae=False)
         transformer = load_dit_file(path, opts.dtype)
-        qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+        qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir, vision=edit)
     elif kind == "diffusers":
         try:
             transformer = QwenImageTransformer2DModel.from_pretrained(path, subfolder="transformer",
@@ -130,19 +139,30 @@ def load_components(opts: LoadOptions, options) -> Components:
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{path}: unreadable Qwen-Image folder ({str(e).splitlines()[0][:200]})") from None
         qwen, tokenizer = load_qwen_vl(options.text_encoder or os.path.join(path, "text_encoder"), opts.dtype,
-                                    opts.tokenizer_cache_dir)
+                                       opts.tokenizer_cache_dir, vision=edit)
         if not options.text_encoder:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, "tokenizer"))
+            # Qwen-Image-Edit folders hold processor/ (the tokenizer with the image processor's settings)
+            sub = "processor" if edit and os.path.isdir(os.path.join(path, "processor")) else "tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(os.path.join(path, sub))
             tokenizer.padding_side = "right"
     else:
         parts = build_qwen_image_modules(path)
         transformer, vae, qwen, tokenizer = parts["transformer"], parts["vae"], parts["qwen"], parts["qwen_tokenizer"]
+        if edit and not PRESETS[path].vision and not options.text_encoder:
+            raise ModelLoadError(f"--model_version {options.version}: {path} has no vision tower; use "
+                                 f"tiny:qwen_image_edit")
+        if not edit and PRESETS[path].vision:
+            qwen = qwen.language_model
         if options.text_encoder:
-            qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir)
+            qwen, tokenizer = load_qwen_vl(options.text_encoder, opts.dtype, opts.tokenizer_cache_dir, vision=edit)
     if opts.vae:
         vae = load_vae_file(opts.vae, opts.vae_dtype)
+    if edit:
+        tokenizer = vl_processor(tokenizer, _folder_image_processor(path) if kind == "diffusers" else None)
+    if options.version == "edit-2511" and not transformer.config.get("zero_cond_t", False):
+        set_zero_cond_t(transformer)
     if opts.from_scratch:
         from library.families.common.loading import scratch_denoiser
 
@@ -152,6 +172,25 @@ def load_components(opts: LoadOptions, options) -> Components:
             module.to(dtype=dtype)
     return Components(denoiser=transformer, vae=vae, text_encoders=[qwen], tokenizers=[tokenizer],
                       model_path=path, vae_path=opts.vae)
+
+
+def set_zero_cond_t(transformer) -> None:
+    """Qwen-Image-Edit-2511's DiT (transformer/config.json zero_cond_t: true; not in a single file): the reference
+    tokens are modulated at t = 0. Same weights, a config switch of diffusers' model and its blocks."""
+    transformer.register_to_config(zero_cond_t=True)
+    transformer.zero_cond_t = True
+    for block in transformer.transformer_blocks:
+        block.zero_cond_t = True
+
+
+def _folder_image_processor(path: str):
+    """The image processor of a Qwen-Image-Edit folder's processor/ (Qwen2.5-VL's defaults when it has none)."""
+    folder = os.path.join(path, "processor")
+    if not os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
+        return None
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor.from_pretrained(folder)
 
 
 def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = True) -> None:
@@ -199,14 +238,18 @@ def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     parts = build_qwen_image_modules(name)
+    vision = PRESETS[name].vision  # tiny:qwen_image_edit: the whole Qwen2.5-VL (vision tower too) and processor/
+    language = parts["qwen"].language_model if vision else parts["qwen"]
     os.makedirs(out_dir, exist_ok=True)
     if single_file:
         paths = {"dit": os.path.join(out_dir, "qwen_image_tiny.safetensors"),
                  "text_encoder": os.path.join(out_dir, "qwen_2.5_vl_7b.safetensors"),
                  "vae": os.path.join(out_dir, "qwen_image_vae.safetensors")}
         write_safetensors(parts["transformer"].state_dict(), paths["dit"])
-        qwen = {"model." + k: v for k, v in parts["qwen"].state_dict().items()}
-        qwen["lm_head.weight"] = parts["qwen"].embed_tokens.weight.detach().clone()
+        qwen = {"model." + k: v for k, v in language.state_dict().items()}
+        if vision:  # ComfyUI's qwen_2.5_vl_7b.safetensors keeps the vision tower as visual.*
+            qwen.update({"visual." + k: v for k, v in parts["qwen"].visual.state_dict().items()})
+        qwen["lm_head.weight"] = language.embed_tokens.weight.detach().clone()
         write_safetensors(qwen, paths["text_encoder"])
         write_safetensors(parts["vae"].state_dict(), paths["vae"])
         return paths
@@ -214,18 +257,28 @@ def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[
     os.makedirs(tmp, exist_ok=True)
     parts["transformer"].save_pretrained(os.path.join(tmp, "transformer"))
     parts["vae"].save_pretrained(os.path.join(tmp, "vae"))
-    whole = Qwen2_5_VLForConditionalGeneration(_tiny_vl_config(parts["qwen"]))
-    whole.model.language_model.load_state_dict(parts["qwen"].state_dict())
+    if vision:
+        whole = Qwen2_5_VLForConditionalGeneration(parts["qwen"].config)
+        whole.model.load_state_dict(parts["qwen"].state_dict())
+    else:
+        whole = Qwen2_5_VLForConditionalGeneration(_tiny_vl_config(parts["qwen"]))
+        whole.model.language_model.load_state_dict(parts["qwen"].state_dict())
     whole.save_pretrained(os.path.join(tmp, "text_encoder"))
     parts["qwen_tokenizer"].save_pretrained(os.path.join(tmp, "tokenizer"))
+    if vision:  # Qwen/Qwen-Image-Edit-2509 processor/: the tokenizer and the image processor's settings
+        parts["qwen_tokenizer"].save_pretrained(os.path.join(tmp, "processor"))
+        parts["qwen_processor"].image_processor.save_pretrained(os.path.join(tmp, "processor"))
     FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image scheduler/scheduler_config.json
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, num_train_timesteps=1000,
         shift=1.0, shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True,
     ).save_pretrained(os.path.join(tmp, "scheduler"))
-    index = {"_class_name": "QwenImagePipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    index = {"_class_name": "QwenImageEditPlusPipeline" if vision else "QwenImagePipeline",
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
              "tokenizer": ["transformers", type(parts["qwen_tokenizer"]).__name__],
              "transformer": ["diffusers", "QwenImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"]}
+    if vision:
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
     with open(os.path.join(tmp, "model_index.json"), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
     if os.path.isdir(out_dir) and not os.listdir(out_dir):

@@ -25,6 +25,7 @@ from library.families.common.configs import (
     vae_config,
 )
 from library.families.common.tiny import PRESET_SEED, build_seeded, build_tokenizer
+from library.families.common.diffusers_import import diffusers_classes
 
 SD1_UNET_HEADS = 8
 
@@ -112,7 +113,7 @@ def build_sd_modules(config_name: str, device: str | torch.device = "cpu") -> di
     otherwise weights are random from a fixed seed, identical on every call.
     Returns {"unet", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    AutoencoderKL, UNet2DConditionModel = diffusers_classes("AutoencoderKL", "UNet2DConditionModel")
     from transformers import CLIPTextConfig, CLIPTextModel
 
     preset = PRESETS[config_name]

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from library.families.common.controlnet import load_controlnet_weights
+from library.families.common.diffusers_import import diffusers_class
 
 
 def create_unet_controlnet(unet: nn.Module, path: Optional[str]) -> nn.Module:
     """A ControlNet copied from `unet` (its encoder half; zero-initialised output convolutions), float32; with
     `path` the saved ControlNet there (a diffusers folder, or one of our single files) instead."""
-    from diffusers import ControlNetModel
+    ControlNetModel = diffusers_class("ControlNetModel")
 
     def fresh():
         return ControlNetModel.from_unet(unet).to(torch.float32)

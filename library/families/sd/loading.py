@@ -24,6 +24,7 @@ from library.families.common.loading import (
     vae_from_ldm,
 )
 from library.families.sd.configs import PRESETS, build_sd_modules, unet_config
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def infer_unet_config(ckpt: Mapping[str, torch.Tensor], v2: bool) -> dict:
 def parts_from_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
                           tokenizer_cache_dir: Optional[str] = None) -> dict:
     """UNet, VAE, text encoder and tokenizer from one LDM-layout state dict."""
-    from diffusers import UNet2DConditionModel
+    UNet2DConditionModel = diffusers_class("UNet2DConditionModel")
     from transformers import CLIPTextConfig, CLIPTextModel
 
     checkpoint = ldm.normalize_checkpoint(checkpoint)
@@ -145,7 +146,7 @@ def parts_from_diffusers_folder(folder: str, tokenizer_cache_dir: Optional[str] 
     `scratch_seed` (--from_scratch): the UNet is built from its config with weights drawn from it."""
     import json
 
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    AutoencoderKL, UNet2DConditionModel = diffusers_classes("AutoencoderKL", "UNet2DConditionModel")
     from transformers import CLIPTextModel, CLIPTokenizer
 
     parts = load_folder_parts(folder, {"unet": UNet2DConditionModel, "vae": AutoencoderKL,

@@ -21,6 +21,7 @@ from library.families.common.t5 import build_t5_tokenizer, t5_config
 from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE
 from library.families.common.configs import te1_config, te2_config
 from library.families.common.tiny import build_seeded, build_tokenizer
+from library.families.common.diffusers_import import diffusers_classes
 
 # The SD3 autoencoder's latent normalisation (diffusers' vae config of stabilityai/stable-diffusion-3-medium-diffusers).
 VAE_SCALING_FACTOR = 1.5305
@@ -131,7 +132,7 @@ def build_sd3_modules(name: str, device: str | torch.device = "cpu") -> dict:
     sd3/layout.py to_sai_order for what loading does next). Returns {"transformer", "vae", "text_encoder",
     "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"}.
     """
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    AutoencoderKL, SD3Transformer2DModel = diffusers_classes("AutoencoderKL", "SD3Transformer2DModel")
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     p = PRESETS[name]

@@ -38,6 +38,7 @@ from library.families.sd3.configs import (
 )
 from library.families.common.configs import te1_config, te2_config
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 # --clip_l / --clip_g / --t5xxl: the part each gives, its tokenizer, and what the file should hold.
@@ -58,7 +59,7 @@ def _holds_mmdit(keys: list[str]) -> bool:
 
 
 def _diffusers_parts(folder: str, skip: set[str], scratch_seed: Optional[int] = None) -> dict:
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    AutoencoderKL, SD3Transformer2DModel = diffusers_classes("AutoencoderKL", "SD3Transformer2DModel")
     from transformers import (
         CLIPTextModelWithProjection,
         CLIPTokenizer,
@@ -82,7 +83,7 @@ def _diffusers_parts(folder: str, skip: set[str], scratch_seed: Optional[int] = 
 
 def transformer_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor]):
     """SD3Transformer2DModel (in SAI order, sd3/layout.py to_sai_order) from SAI MMDiT tensors."""
-    from diffusers import SD3Transformer2DModel
+    SD3Transformer2DModel = diffusers_class("SD3Transformer2DModel")
 
     try:
         config = sai.infer_transformer_config(tensors)
@@ -122,7 +123,7 @@ def clip_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor]
 
 def vae_from_tensors(label: str, path: str, tensors: Mapping[str, torch.Tensor], prefix: str):
     """The SD3 AutoencoderKL (16 latent channels, no quant convs) from LDM VAE tensors under `prefix`."""
-    from diffusers import AutoencoderKL
+    AutoencoderKL = diffusers_class("AutoencoderKL")
 
     from library.families.common.loading import infer_vae_config
 

@@ -19,6 +19,7 @@ from torch import nn
 from library.families.common.configs import NORM_GROUPS, REAL_VOCAB_SIZE, text_heads, vae_config
 from library.families.common.tiny import build_seeded, build_tokenizer
 from library.families.common.configs import te1_config, te2_config
+from library.families.common.diffusers_import import diffusers_classes
 
 HEAD_CHANNELS = 64
 SDXL_DOWN_BLOCKS = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")
@@ -92,7 +93,7 @@ def build_sdxl_modules(name: str, device: str | torch.device = "cpu") -> dict[st
     weights are random from a fixed seed, identical on every call. Returns
     {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"}.
     """
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    AutoencoderKL, UNet2DConditionModel = diffusers_classes("AutoencoderKL", "UNet2DConditionModel")
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
 

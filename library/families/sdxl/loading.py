@@ -28,6 +28,7 @@ from library.families.common.loading import (
 from library.families.sd.configs import PRESETS as SD_PRESETS
 from library.families.sdxl.configs import PRESETS, build_sdxl_modules
 from library.families.common.configs import te1_config, te2_config
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _PARTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
@@ -72,7 +73,7 @@ def load_sdxl_components(opts: LoadOptions) -> Components:
 def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
                               tokenizer_cache_dir: Optional[str] = None) -> dict:
     """The four models and two tokenizers from one SGM-layout state dict."""
-    from diffusers import UNet2DConditionModel
+    UNet2DConditionModel = diffusers_class("UNet2DConditionModel")
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     sgm.check_sdxl_keys(checkpoint, path)
@@ -97,7 +98,7 @@ def parts_from_sgm_checkpoint(checkpoint: Mapping[str, torch.Tensor], path: str,
 def parts_from_diffusers_folder(folder: str, scratch_seed: Optional[int] = None) -> dict:
     """The parts of an SDXL diffusers folder (as StableDiffusionXLPipeline.save_pretrained writes it);
     `scratch_seed` (--from_scratch): the UNet built from its config with weights drawn from it."""
-    from diffusers import AutoencoderKL, UNet2DConditionModel
+    AutoencoderKL, UNet2DConditionModel = diffusers_classes("AutoencoderKL", "UNet2DConditionModel")
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     parts = load_folder_parts(folder, {

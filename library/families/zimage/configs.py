@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from library.families.common.qwen3 import qwen3_config
+from library.families.common.qwen3 import preset_qwen3_config
 from library.families.common.autoencoder import flux_vae_config
-from library.families.common.tiny import build_seeded, tiny_vocab_and_merges
+from library.families.common.tiny import build_seeded, draw_zero_parameters, seeded, tiny_byte_level_bpe
+from library.families.common.diffusers_import import diffusers_classes
 
 LATENT_CHANNELS = 16
 PRESET_SEED = 20251127
@@ -69,19 +70,11 @@ def transformer_config(p: ZImagePreset) -> dict:
 
 
 
-
 def build_qwen3_tokenizer():
     """A small local tokenizer in Qwen's shape: byte-level BPE, the chat tokens, <|endoftext|> padding on the right."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab, merges = tiny_vocab_and_merges()
-    words = [t for t in vocab if not t.endswith("</w>") and not t.startswith("<|")]
-    tokens = {t: i for i, t in enumerate([*words, PAD_TOKEN, IM_START, IM_END])}
-    ordered = [(a, b) for a, b in merges if not b.endswith("</w>") and a + b in tokens]
-    core = Tokenizer(models.BPE(vocab=tokens, merges=ordered))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
+    core = tiny_byte_level_bpe(after=[PAD_TOKEN, IM_START, IM_END])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD_TOKEN,
                                         additional_special_tokens=[IM_START, IM_END], model_max_length=40960)
     tokenizer.padding_side = "right"
@@ -91,36 +84,26 @@ def build_qwen3_tokenizer():
     return tokenizer
 
 
-def qwen3_shape(p: ZImagePreset) -> dict:
-    return dict(hidden=p.qwen_hidden, intermediate=p.qwen_intermediate, layers=p.qwen_layers, heads=p.qwen_heads,
-                kv_heads=p.qwen_kv_heads, head_dim=p.qwen_head_dim)
-
-
 def build_zimage_modules(name: str, device: str | torch.device = "cpu") -> dict:
     """DiT, AE, Qwen3 and its tokenizer of a preset ("tiny:zimage", "random:zimage").
 
     On device "meta" nothing is allocated (for counting modules); otherwise the weights are random from a fixed seed,
     identical on every call. Returns {"transformer", "vae", "text_encoder", "tokenizer"}.
     """
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    AutoencoderKL, ZImageTransformer2DModel = diffusers_classes("AutoencoderKL", "ZImageTransformer2DModel")
     from transformers import Qwen3Model
 
     p = PRESETS[name]
     tokenizer = build_qwen3_tokenizer()
-    config = qwen3_config(**qwen3_shape(p), vocab=p.qwen_vocab or len(tokenizer))
+    config = preset_qwen3_config(p, tokenizer)
 
     def make(index: int, factory):
         return build_seeded(factory, PRESET_SEED + index, device)
 
     transformer = make(0, lambda: ZImageTransformer2DModel(**transformer_config(p)))
     if torch.device(device).type != "meta":
-        # zero-initialised tensors (pad tokens, a few biases) drawn too, so that the tiny model's every part is seen
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PRESET_SEED + 10)
-            with torch.no_grad():
-                for tensor in transformer.parameters():
-                    if not tensor.abs().any():
-                        tensor.normal_(0.0, 0.02)
+        with seeded(PRESET_SEED + 10):  # zero-initialised tensors (pad tokens, a few biases) drawn too
+            draw_zero_parameters(transformer)
     vae = make(1, lambda: AutoencoderKL(**flux_vae_config(p.vae_channels)))
     text_encoder = make(2, lambda: Qwen3Model(config))
     for module in (transformer, vae, text_encoder):

@@ -16,7 +16,9 @@ from typing import Mapping, Optional
 
 import torch
 
-COMFY_PREFIX = "model.diffusion_model."
+from library.families.common.dit_layout import count_blocks, fuse_slots
+from library.families.common.gguf_file import logical_shape
+
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
 # diffusers module path inside a block -> (original path, slot in the fused qkv or None)
 BLOCK_MODULES: dict[str, tuple[str, Optional[int]]] = {
@@ -64,19 +66,8 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[f"{name}.{leaf}" if name else leaf] = value
         else:
             fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    for key, parts in fused.items():
-        if sorted(parts) != [0, 1, 2]:
-            raise ValueError(f"{key}: expected q, k and v to fuse, found slots {sorted(parts)}")
-        out[key] = torch.cat([parts[0], parts[1], parts[2]], dim=0)
+    out.update(fuse_slots(fused))
     return out
-
-
-def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The DiT's own tensors of an original file: ComfyUI's `model.diffusion_model.` dropped; other keys of a
-    whole-model file (text encoder, VAE) left out when the prefix is there."""
-    if any(k.startswith(COMFY_PREFIX) for k in tensors):
-        return {k[len(COMFY_PREFIX):]: v for k, v in tensors.items() if k.startswith(COMFY_PREFIX)}
-    return dict(tensors)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -88,11 +79,9 @@ def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def infer_shape(tensors: Mapping[str, torch.Tensor]) -> dict:
     """Depths, width, heads and caption width of an original Z-Image state dict (no prefix)."""
-    def count(kind: str) -> int:
-        return len({m[1] for k in tensors if (m := re.match(rf"{kind}\.(\d+)\.", k))})
-
-    dim = tensors["x_embedder.weight"].shape[0]
-    head_dim = tensors["layers.0.attention.q_norm.weight"].shape[0]
-    return dict(layers=count("layers"), refiner_layers=count("noise_refiner"), dim=dim, heads=dim // head_dim,
-                head_dim=head_dim, cap_feat_dim=tensors["cap_embedder.0.weight"].shape[0],
-                patch_in=tensors["x_embedder.weight"].shape[1])
+    # logical shapes: a GGUF-quantized tensor's own shape is its byte shape (rows, bytes per row)
+    dim, patch_in = logical_shape(tensors["x_embedder.weight"])
+    head_dim = logical_shape(tensors["layers.0.attention.q_norm.weight"])[0]
+    return dict(layers=count_blocks(tensors, "layers"), refiner_layers=count_blocks(tensors, "noise_refiner"),
+                dim=dim, heads=dim // head_dim, head_dim=head_dim,
+                cap_feat_dim=logical_shape(tensors["cap_embedder.0.weight"])[0], patch_in=patch_in)

@@ -15,7 +15,6 @@ Every single-file configuration is read from tensor shapes; models are built on 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Optional
@@ -25,9 +24,10 @@ import torch
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common.qwen3 import load_qwen3
-from library.families.common import ldm_layout as ldm
-from library.families.common.autoencoder import load_ae_file
-from library.families.common.loading import adopt, classify_source, load_folder_parts, read_file
+from library.families.common.autoencoder import ae_file_tensors, load_ae_file
+from library.families.common.gguf_file import GGUF_SUFFIX, adopt_gguf, gguf_keys, is_gguf
+from library.families.common.loading import (adopt, classify_source, finish_components, load_dit_parts,
+                                             load_folder_parts, part_config, read_dit_file)
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.zimage import layout
 from library.families.zimage.configs import (
@@ -38,6 +38,7 @@ from library.families.zimage.configs import (
     build_zimage_modules,
     transformer_config,
 )
+from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?layers\.0\.attention\.qkv\.")
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -45,21 +46,23 @@ FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
 
 def zimage_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
-    return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
-                           expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors file or the preset "
-                                    "tiny:zimage")
+    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
+        return "single_file"
+    return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS,
+                           file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors or ComfyUI-GGUF .gguf file "
+                                    "or the preset tiny:zimage")
 
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
-    """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file)."""
-    from diffusers import ZImageTransformer2DModel
+    """ZImageTransformer2DModel from an original Z-Image file (or ComfyUI's whole-model file), or a ComfyUI-GGUF
+    file of it (`general.architecture` "lumina2", as city96's convert.py names Z-Image; quantized weights kept)."""
+    ZImageTransformer2DModel = diffusers_class("ZImageTransformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Z-Image DiT (layers.*.attention.qkv keys)",
-                                             lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
-    try:
-        shape = layout.infer_shape(tensors)
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Z-Image DiT, no tensor for {e.args[0]}") from None
+    gguf = is_gguf(path)
+    tensors, shape = read_dit_file(label, path, dtype, expected="a Z-Image DiT (layers.*.attention.qkv keys)",
+                                   marker=_DIT_MARKER, infer_shape=layout.infer_shape, what="Z-Image DiT",
+                                   gguf_archs=("lumina2",))
     if shape["patch_in"] != LATENT_CHANNELS * 4:
         raise ModelLoadError(f"{label} {path}: expected a DiT on {LATENT_CHANNELS} latent channels in 2x2 patches, "
                              f"found x_embedder input {shape['patch_in']}")
@@ -71,7 +74,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     config = transformer_config(PRESETS["random:zimage"]) | dict(
         dim=shape["dim"], n_layers=shape["layers"], n_refiner_layers=shape["refiner_layers"], n_heads=shape["heads"],
         n_kv_heads=shape["heads"], cap_feat_dim=shape["cap_feat_dim"], axes_dims=axes)
-    return adopt(label, path, lambda: ZImageTransformer2DModel(**config), layout.to_diffusers(tensors))
+    return (adopt_gguf if gguf else adopt)(label, path, lambda: ZImageTransformer2DModel(**config),
+                                           layout.to_diffusers(tensors))
 
 
 
@@ -80,7 +84,7 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
     """The four parts of a diffusers Z-Image folder, by the libraries' own from_pretrained."""
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+    AutoencoderKL, ZImageTransformer2DModel = diffusers_classes("AutoencoderKL", "ZImageTransformer2DModel")
     from transformers import AutoTokenizer, Qwen3Model
 
     parts = load_folder_parts(path, {"transformer": ZImageTransformer2DModel, "vae": AutoencoderKL,
@@ -90,42 +94,25 @@ def load_folder(path: str, scratch_seed: Optional[int]) -> dict:
     return parts
 
 
+def load_text_encoder(path: str, opts: LoadOptions):
+    """(Qwen3Model, tokenizer) of --qwen3."""
+    return load_qwen3(path, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
+                      tiny_tokenizer=build_qwen3_tokenizer)
+
+
 def load_zimage_components(opts: LoadOptions, options) -> Components:
     """Components of Z-Image: denoiser = ZImageTransformer2DModel, text encoders = [Qwen3Model],
     tokenizers = [Qwen's], vae = the FLUX.1 AE (`options`: ZImageOptions with --qwen3 / --ae)."""
     path = opts.pretrained_model_name_or_path
     kind = zimage_source_kind(path)
+    if kind == "single_file" and not options.qwen3:
+        raise ModelLoadError(f"--qwen3: required with a Z-Image DiT file ({path})")
     ae_path = options.ae or opts.vae
-    scratch_done = False
-    if kind == "single_file":
-        if not options.qwen3:
-            raise ModelLoadError(f"--qwen3: required with a Z-Image DiT file ({path})")
-        transformer = load_dit_file(path, opts.dtype)
-        text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
-                                                   tiny_tokenizer=build_qwen3_tokenizer)
-        vae = load_ae_file(ae_path, opts.vae_dtype) if ae_path else None  # the LoRA tools need no AE
-    else:
-        if kind == "diffusers":
-            parts = load_folder(path, opts.init_seed if opts.from_scratch else None)
-            scratch_done = opts.from_scratch
-        else:
-            parts = build_zimage_modules(path)
-        transformer, vae = parts["transformer"], parts["vae"]
-        text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-        if options.qwen3:
-            text_encoder, tokenizer = load_qwen3(options.qwen3, opts.dtype, opts.tokenizer_cache_dir, tokenizer_repo=QWEN3_TOKENIZER_REPO,
-                                                   tiny_tokenizer=build_qwen3_tokenizer)
-        if ae_path:
-            vae = load_ae_file(ae_path, opts.vae_dtype)
-    if opts.from_scratch and not scratch_done:
-        from library.families.common.loading import scratch_denoiser
-
-        transformer = scratch_denoiser(transformer, opts.init_seed)
-    for module, dtype in ((transformer, opts.dtype), (text_encoder, opts.dtype), (vae, opts.vae_dtype)):
-        if module is not None and next(module.parameters()).dtype != dtype:
-            module.to(dtype=dtype)
-    return Components(denoiser=transformer, vae=vae, text_encoders=[text_encoder], tokenizers=[tokenizer],
-                      model_path=path, vae_path=ae_path)
+    parts, scratch_done = load_dit_parts(
+        opts, kind, ae_path, dit_file=load_dit_file, ae_file=load_ae_file, preset=build_zimage_modules,
+        folder=load_folder, text_file=(lambda: load_text_encoder(options.qwen3, opts)) if options.qwen3 else None)
+    return finish_components(opts, parts["transformer"], [parts["text_encoder"]], [parts["tokenizer"]], parts["vae"],
+                             ae_path, scratch_done=scratch_done)
 
 
 def check_model_source(path: str, options, vae: Optional[str]) -> None:
@@ -143,8 +130,9 @@ def block_count(path: str) -> Optional[int]:
         if kind == "preset":
             return PRESETS[path].layers
         if kind == "diffusers":
-            with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
-                return int(json.load(f)["n_layers"])
+            return int(part_config(path, "transformer")["n_layers"])
+        if is_gguf(path):
+            return len({m[1] for k in gguf_keys(path) if (m := re.match(r"layers\.(\d+)\.", k))}) or None
         return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?layers\.(\d+)\.")
     except (OSError, ValueError, KeyError, ModelLoadError):
         return None
@@ -184,6 +172,5 @@ def write_zimage_preset(name: str, out_dir: str) -> dict[str, str]:
     write_diffusers_folder(parts, paths["diffusers"])
     write_dit_file(parts["transformer"], paths["dit"])
     write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["qwen3"])
-    vae_state = parts["vae"].state_dict()
-    write_safetensors(ldm.push(vae_state, ldm.vae_key_map(vae_state.keys(), "")), paths["ae"])
+    write_safetensors(ae_file_tensors(parts["vae"].state_dict()), paths["ae"])
     return paths

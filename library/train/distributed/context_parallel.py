@@ -44,8 +44,8 @@ def context_parallel_problem(cp_size: int, world_size: int, token_pixels: Option
         return None
     flag = f"--context_parallel_size {cp_size}"
     if token_pixels is None:
-        return (f"{flag}: {family}'s denoiser has no context-parallel plan in diffusers (FLUX.1 and FLUX.2 "
-                "have; see docs/distributed.md)")
+        return (f"{flag}: {family}'s denoiser has no context-parallel plan in diffusers (FLUX.1, FLUX.2 and "
+                "Qwen-Image have; see docs/distributed.md)")
     if world_size % cp_size:
         return f"{flag}: the {world_size} process(es) must be a multiple of it"
     for why, on in (("FSDP", fsdp), ("DeepSpeed", deepspeed), ("--blocks_to_swap", blocks_to_swap > 0),

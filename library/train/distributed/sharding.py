@@ -151,6 +151,10 @@ def fsdp_unsupported(s, fsdp: FsdpSettings) -> Optional[str]:
                 "process; they cannot build on the meta device yet); set it false")
     if {s.memory.base_model_precision, s.memory.text_encoder_precision} != {"no_change"}:
         return "--base_model_precision / --text_encoder_precision: quantized weights are not sharded; use a DDP config"
+    model = getattr(getattr(s, "model", None), "pretrained_model_name_or_path", None)
+    if isinstance(model, str) and model.lower().endswith(".gguf"):
+        return (f"--pretrained_model_name_or_path {model}: a GGUF file's quantized weights are not sharded; "
+                "use a DDP config")
     if s.memory.blocks_to_swap:
         return "--blocks_to_swap is not supported with it (FSDP's CPU offload is the sharded equivalent)"
     return None

@@ -13,6 +13,9 @@ Every value names its format and the library that serves it (docs/quantization.m
 | `nf4-bnb`      | NormalFloat4, blocks of 64      | bitsandbytes (`Linear4bit`, nf4)         |
 | `fp8-torchao-dynamic` | float8 e4m3 weights and activations (row scales) | torchao (`Float8DynamicActivationFloat8WeightConfig`), CUDA >= 8.9 only |
 
+GGUF base files (a `.gguf` `--pretrained_model_name_or_path`, already quantized) are not a value of these flags: the
+family loaders read them with library/families/common/gguf_file.py (gguf + diffusers' GGUF layers).
+
 No kernel here is ours: each layer is handed to its library, which stores the weight and runs the
 matmul (dequantizing or with its own kernel). Only `nn.Linear` layers are quantized (Conv2d, norms and
 embeddings keep the training dtype), and not those a model class keeps in float32
@@ -278,7 +281,13 @@ def _tensor_bytes(t: torch.Tensor, seen: set) -> int:
     if flatten is not None and type(t) not in (torch.Tensor, nn.Parameter):
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n), seen) for n in names)
-    total = t.untyped_storage().nbytes() if t.device.type != "meta" else 0
+    total = 0
+    if t.device.type != "meta":
+        storage = t.untyped_storage()
+        # views of one storage (a fused BFL tensor split by rows, a GGUF file's blocks) count it once
+        if ("storage", storage.data_ptr()) not in seen:
+            seen.add(("storage", storage.data_ptr()))
+            total = storage.nbytes()
     state = getattr(t, "quant_state", None)
     while state is not None:
         for v in vars(state).values():
