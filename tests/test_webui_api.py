@@ -784,7 +784,7 @@ def test_every_path_valued_trainer_flag_is_classified_by_the_web_ui():
         "console_log_level", "huggingface_path_in_repo", "huggingface_repo_id", "huggingface_repo_type",
         "huggingface_repo_visibility", "huggingface_token", "metadata_is_negative_embedding", "metadata_merged_from",
         "metadata_preprocessor", "metadata_trigger_phrase", "metadata_usage_hint", "t5xxl_device", "t5xxl_dtype",
-        "ddp_backend", "model_version"}
+        "ddp_backend", "model_version", "gradient_checkpointing_policy"}
     classified = set(folders.NAME_KEYS + folders.JOB_FOLDER_KEYS + folders.READ_PATH_KEYS + MANAGED_KEYS)
     text_flags = set()
     from library.families import family_names

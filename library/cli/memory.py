@@ -12,6 +12,7 @@ from library.core.errors import ConfigError
 from library.families import registered_families
 from library.families.base import ModelFamily
 from library.families.common.gguf_file import gguf_missing, is_gguf
+from library.train.memory.checkpoint_policy import POLICIES as CHECKPOINT_POLICIES
 from library.train.memory.quantize import CHOICES as PRECISION_CHOICES
 from library.train.memory.quantize import NO_CHANGE, precision_unavailable
 from library.train.settings import MemoryOptions
@@ -34,6 +35,11 @@ class MemoryFlags:
     cpu_offload_checkpointing: bool = flag(False, "with gradient checkpointing, keep each block's saved inputs in CPU"
                                                   " memory until the backward pass (DiT families; turns on "
                                                   "--gradient_checkpointing)")
+    gradient_checkpointing_policy: str = flag(
+        "full", "what a checkpointed block keeps for backward: full = only its inputs, all recomputed (sd-scripts' "
+              "--gradient_checkpointing); attention = also its attention outputs; matmul = also its "
+              "matrix-product and convolution outputs (recomputes only elementwise and norm ops). Not full: turns on "
+              "--gradient_checkpointing (docs/memory.md)", choices=CHECKPOINT_POLICIES)
     base_model_precision: str = flag(NO_CHANGE, "store the frozen denoiser's Linear weights quantized (LoRA only): "
                                                 "int8 / fp8 / int4 by optimum-quanto, int8 / fp8 by torchao, nf4 by "
                                                 "bitsandbytes (docs/quantization.md)", choices=PRECISION_CHOICES)
@@ -86,9 +92,17 @@ def memory_options_from_args(values: Mapping[str, Any], family: Any = None, fine
                           "compiled code would be re-traced every step; drop one of them")
     if values.get("xformers") and values.get("flash_attn"):
         raise ConfigError("--xformers and --flash_attn: choose one attention backend")
+    policy = values.get("gradient_checkpointing_policy") or "full"
+    if policy not in CHECKPOINT_POLICIES:
+        raise ConfigError(f"--gradient_checkpointing_policy: expected one of {', '.join(CHECKPOINT_POLICIES)}, "
+                          f"got {policy!r}")
+    if offload and policy != "full":
+        raise ConfigError(f"--cpu_offload_checkpointing with --gradient_checkpointing_policy {policy}: the offloaded "
+                          "checkpoint keeps only block inputs (full); drop one of them")
     precisions = check_precisions(values, fine_tune, fp8=bool(values.get("fp8_base")) or fp8_unet, swap=swap)
     return MemoryOptions(fp8_base=bool(values.get("fp8_base")) or fp8_unet, fp8_base_unet=fp8_unet,
                          blocks_to_swap=swap, cpu_offload_checkpointing=offload,
+                         gradient_checkpointing_policy=policy,
                          xformers=bool(values.get("xformers")), flash_attn=bool(values.get("flash_attn")),
                          **precisions)
 
@@ -169,9 +183,13 @@ def blocks_to_swap_with_aliases(values: Mapping[str, Any]) -> Any:
 
 def gradient_checkpointing_wanted(opts: MemoryOptions, given: bool) -> bool:
     """--gradient_checkpointing as given, or turned on (with a warning, as sd-scripts) by
-    --cpu_offload_checkpointing, which works through it."""
+    --cpu_offload_checkpointing, or by a --gradient_checkpointing_policy other than full, which work through it."""
     if opts.cpu_offload_checkpointing and not given:
         logger.warning("--cpu_offload_checkpointing: turning on --gradient_checkpointing, which it works through")
+        return True
+    if opts.gradient_checkpointing_policy != "full" and not given:
+        logger.warning("--gradient_checkpointing_policy %s: turning on --gradient_checkpointing, which it works "
+                       "through", opts.gradient_checkpointing_policy)
         return True
     return given
 

@@ -15,6 +15,8 @@ from library.families.base import Components, ModelFamily
 from library.train.memory.block_swap import BlockSwapper
 from library.train.memory.fp8 import cast_base_to_fp8
 from library.train.memory.offload_checkpoint import enable_gradient_checkpointing
+
+POLICY_KEEPS = {"attention": "attention", "matmul": "attention, matrix products and convolutions"}
 from library.train.memory.quantize import NO_CHANGE, quantize_frozen
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,7 @@ class MemoryOptions:
     fp8_base_unet: bool = False  # float8 for the denoiser only; the text encoders keep the training dtype
     blocks_to_swap: Optional[int] = None  # the family's rule turns N into the blocks kept in CPU memory
     cpu_offload_checkpointing: bool = False  # checkpointed block inputs wait in CPU memory for the backward pass
+    gradient_checkpointing_policy: str = "full"  # what a checkpointed block keeps (memory/checkpoint_policy.py)
     xformers: bool = False  # --xformers: xformers attention when the package is installed, else PyTorch SDPA
     flash_attn: bool = False  # --flash_attn: diffusers' "flash" attention backend when flash-attn is installed
     base_model_precision: str = "no_change"  # the frozen denoiser's Linear weights, quantized (memory/quantize.py)
@@ -83,7 +86,10 @@ def apply_memory_options(family: ModelFamily, components: Components, opts: Opti
     for te in c.text_encoders:
         te.to(device)
     if gradient_checkpointing:
-        enable_gradient_checkpointing(c.denoiser, opts.cpu_offload_checkpointing)
+        enable_gradient_checkpointing(c.denoiser, opts.cpu_offload_checkpointing, opts.gradient_checkpointing_policy)
+        if opts.gradient_checkpointing_policy != "full":
+            logger.info("--gradient_checkpointing_policy %s: checkpointed blocks keep the outputs of %s",
+                        opts.gradient_checkpointing_policy, POLICY_KEEPS[opts.gradient_checkpointing_policy])
     elif swapper is not None:
         logger.warning("--blocks_to_swap without --gradient_checkpointing: autograd keeps the device copies of "
                        "weights it saved for backward, so little memory is saved; add --gradient_checkpointing")

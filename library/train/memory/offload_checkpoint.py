@@ -122,11 +122,19 @@ def checkpoint(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
-def enable_gradient_checkpointing(model: nn.Module, cpu_offload: bool) -> None:
-    """Checkpoint `model`'s blocks (diffusers' own function, or the CPU-offloading one) and set train mode,
-    without which diffusers models skip checkpointing (the frozen base has no dropout)."""
+def enable_gradient_checkpointing(model: nn.Module, cpu_offload: bool, policy: str = "full") -> None:
+    """Checkpoint `model`'s blocks (diffusers' own function, the CPU-offloading one, or a selective policy of
+    library/train/memory/checkpoint_policy.py) and set train mode, without which diffusers models skip
+    checkpointing (the frozen base has no dropout)."""
+    if cpu_offload and policy != "full":
+        raise ValueError(f"--cpu_offload_checkpointing with --gradient_checkpointing_policy {policy}: the offloaded "
+                         "checkpoint keeps only block inputs; use --gradient_checkpointing_policy full")
     if cpu_offload:
-        model.enable_gradient_checkpointing(gradient_checkpointing_func=offloaded_checkpoint)
+        func = offloaded_checkpoint
+    elif policy == "full":
+        func = checkpoint
     else:
-        model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+        from library.train.memory.checkpoint_policy import selective_checkpoint
+        func = selective_checkpoint(policy)
+    model.enable_gradient_checkpointing(gradient_checkpointing_func=func)
     model.train()
