@@ -54,6 +54,36 @@ def test_each_batch_shape_is_counted_once_and_weighs_its_steps():
     assert reports[3].tflops * 1e12 == pytest.approx(4 * one / 1.0) and reports[3].images_per_second == 4.0
 
 
+def test_selective_checkpointing_saved_operators_are_not_subtracted_as_recompute():
+    """Under --gradient_checkpointing_policy matmul the matrix products are saved, not rerun in backward: the meter
+    subtracts no recompute, so the model FLOPs equal the uncheckpointed block's. Under `full` backward reruns the
+    first product (torch stops recomputing once the tensors backward needs exist, so the last one is not rerun)."""
+    from library.train.memory.checkpoint_policy import SAVED_OPS, selective_checkpoint
+
+    block = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    mm1, mm2 = 2 * 3 * 8 * 16, 2 * 3 * 16 * 4
+    fwd = mm1 + mm2
+
+    def model_flops(checkpoint, saved_ops):
+        meter = ThroughputMeter(every=1, device=torch.device("cpu"), gradient_checkpointing=checkpoint is not None,
+                                saved_ops=saved_ops)
+        meter.shape(tuple(x.shape), 3)
+        with meter.count("forward"):
+            loss = (checkpoint(block, x) if checkpoint else block(x)).sum()
+        with meter.count("backward"):
+            loss.backward()
+        return meter.forward_flops, meter.backward_flops, meter.step_flops
+
+    def full(module, inputs):
+        return torch.utils.checkpoint.checkpoint(module, inputs, use_reentrant=False)
+
+    assert model_flops(None, frozenset()) == (fwd, 2 * fwd, 3 * fwd)
+    assert model_flops(full, frozenset())[:2] == (fwd, 2 * fwd + mm1)
+    # the matmul policy keeps both products: backward reruns neither, and nothing is subtracted
+    assert model_flops(selective_checkpoint("matmul"), SAVED_OPS["matmul"]) == (fwd, 2 * fwd, 3 * fwd)
+
+
 def _flux_meter(tmp_path, *extra):
     data = make_dataset(str(tmp_path), n=2)
     trainer = make_trainer(base_args(data, str(tmp_path / "out"), "tiny:flux", steps=3, extra=[

@@ -21,6 +21,7 @@ from library.core.errors import ConfigError, UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
+from library.train.memory.checkpoint_policy import SAVED_OPS
 from library.train.memory.compile import compile_blocks
 from library.train.distributed.distributed import (
     StepModule,
@@ -199,7 +200,8 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
             autocast=self.accelerator.autocast, weighted_captions=self.s.text.weighted_captions, adapter_off=getattr(self.trainable, "adapter_off", None),
             before_predict=getattr(self.trainable, "before_predict", None))
         ddp = self.step_module if isinstance(self.step_module, DistributedDataParallel) else None
-        return ctx, Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process)
+        saved_ops = SAVED_OPS.get(self.s.memory.gradient_checkpointing_policy, frozenset())
+        return ctx, Instruments.for_run(self.t, self.device, ddp, self.accelerator.is_main_process, saved_ops)
 
     def debug_dataset(self) -> int:
         """--debug_dataset: print the first epoch's batches; no model loads. Returns the number of batches."""

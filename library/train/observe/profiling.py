@@ -219,10 +219,13 @@ class Instruments:
         self.meter, self.profiler, self.trace = meter, profiler, trace
 
     @staticmethod
-    def for_run(t, device: torch.device, ddp_module=None, main_process: bool = True) -> Instruments:
+    def for_run(t, device: torch.device, ddp_module=None, main_process: bool = True,
+                checkpoint_saved_ops: frozenset = frozenset()) -> Instruments:
         """What the TrainingOptions `t` ask for (--log_tflops, --profile_steps, --profiler_trace_dir); the DDP
-        module, when there is one, has its all-reduces timed."""
-        meter = ThroughputMeter(t.log_tflops, device, t.gradient_checkpointing) if t.log_tflops else None
+        module, when there is one, has its all-reduces timed; `checkpoint_saved_ops`: the operators a selective
+        checkpoint policy keeps (their forward is not rerun in backward)."""
+        meter = (ThroughputMeter(t.log_tflops, device, t.gradient_checkpointing, checkpoint_saved_ops)
+                 if t.log_tflops else None)
         profiler = StepProfiler(device, t.profile_microbatches) if t.profile_steps else None
         if profiler is not None and ddp_module is not None:
             profiler.watch_allreduce(ddp_module)

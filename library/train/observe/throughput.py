@@ -5,7 +5,8 @@ executed in forward and backward) once per batch shape: on the first step, and a
 another bucket shape comes (a multi-resolution run mixes shapes whose costs differ several-fold). Under gradient
 checkpointing the backward also re-runs the checkpointed forward; that recomputation is not model work, so the
 forward count is subtracted once (the checkpointed blocks are nearly all of the denoiser; the small embedders
-outside them make this a slight undercount). Every N steps the FLOPs and images of the steps since the last
+outside them make this a slight undercount). Under a selective policy (--gradient_checkpointing_policy) the
+operators it saves are not rerun, so their forward FLOPs are left out of what is subtracted. Every N steps the FLOPs and images of the steps since the last
 report, over their wall time (less the time spent sampling, saving and validating, and leaving out steps that
 ran under the counter), give TFLOP/s, images/s and, on a GPU whose bf16 dense peak we know, the fraction of that
 peak (model FLOPs utilisation).
@@ -62,11 +63,15 @@ class ThroughputMeter:
     the timing.
     """
 
-    def __init__(self, every: int, device: torch.device, gradient_checkpointing: bool = False):
+    def __init__(self, every: int, device: torch.device, gradient_checkpointing: bool = False,
+                 saved_ops: frozenset = frozenset()):
         self.every = every
         self.device = device
         self.gradient_checkpointing = gradient_checkpointing
+        # operators a selective checkpoint policy keeps (not rerun in backward), as FlopCounterMode keys them
+        self.saved_packets = frozenset(getattr(op, "overloadpacket", op) for op in saved_ops)
         self.flops_by_shape: dict[tuple, tuple[int, int]] = {}  # key -> (forward, backward) FLOPs of a micro-step
+        self._saved_forward: dict[tuple, int] = {}  # key -> forward FLOPs of the saved operators
         self._key: tuple = ()
         self._images = 0
         self._counting_key: Optional[tuple] = None  # the shape being counted in this micro-step
@@ -90,11 +95,11 @@ class ThroughputMeter:
     @property
     def step_flops(self) -> int:
         """Model FLOPs of one micro-step of the first counted shape."""
-        return self._model_flops(self.forward_flops, self.backward_flops)
+        return self._model_flops(self.forward_flops, self.backward_flops, next(iter(self._saved_forward.values()), 0))
 
-    def _model_flops(self, forward: int, backward: int) -> int:
+    def _model_flops(self, forward: int, backward: int, saved_forward: int = 0) -> int:
         if self.gradient_checkpointing:  # the recomputed forward inside backward is not model work
-            return forward + max(0, backward - forward)
+            return forward + max(0, backward - (forward - saved_forward))
         return forward + backward
 
     def shape(self, key: tuple, images: int) -> None:
@@ -115,6 +120,8 @@ class ThroughputMeter:
         if phase == "forward":
             self._counting_key = key
             self.flops_by_shape[key] = (counter.get_total_flops(), bwd)
+            counts = counter.get_flop_counts().get("Global", {})
+            self._saved_forward[key] = sum(v for op, v in counts.items() if op in self.saved_packets)
         else:
             self.flops_by_shape[key] = (fwd, counter.get_total_flops())
             self._counting_key = None
@@ -123,7 +130,7 @@ class ThroughputMeter:
     def micro_step_done(self) -> None:
         """After each micro-step's backward: its FLOPs and images join the step's."""
         fwd, bwd = self.flops_by_shape.get(self._key, (0, 0))
-        self._step_flops += self._model_flops(fwd, bwd)
+        self._step_flops += self._model_flops(fwd, bwd, self._saved_forward.get(self._key, 0))
         self._window_images += self._images
 
     @contextlib.contextmanager
