@@ -6,7 +6,7 @@ is sharded and reads the settings.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -36,32 +36,39 @@ def _torch_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds the torch optimizer
 
 
+@contextlib.contextmanager
+def dtensors_whole(module: torch.nn.Module, keep: bool, whole: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> Iterator[None]:
+    """Inside, each DTensor parameter of `module` is the plain tensor `whole(p)` where `keep`; every process must
+    enter (`whole` gathers, a collective each call). The DTensors come back on exit (FSDP2 and tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = []
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is None or not isinstance(p, DTensor):
+                    continue
+                full = whole(p)
+                if keep:
+                    sub._parameters[name] = torch.nn.Parameter(full, requires_grad=False)
+                    swapped.append((sub, name, p))
+                del full
+    try:
+        yield
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
+
+
 class Fsdp2:
     """How a trainable sharded by `fully_shard` gathers its weights and state (library/train/adapters/trainables.py)."""
 
     @staticmethod
-    @contextlib.contextmanager
-    def gathered(module: torch.nn.Module, keep: bool) -> Iterator[None]:
+    def gathered(module: torch.nn.Module, keep: bool):
         """Inside, `module`'s sharded parameters are whole tensors where `keep` (the process that saves); every
         process must enter (each parameter is all-gathered in turn). The shards come back on exit."""
-        from torch.distributed.tensor import DTensor
-
-        swapped = []
-        with torch.no_grad():
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is None or not isinstance(p, DTensor):
-                        continue
-                    full = p.full_tensor()
-                    if keep:
-                        sub._parameters[name] = torch.nn.Parameter(full, requires_grad=False)
-                        swapped.append((sub, name, p))
-                    del full
-        try:
-            yield
-        finally:
-            for sub, name, p in swapped:
-                sub._parameters[name] = p
+        return dtensors_whole(module, keep, lambda p: p.full_tensor())
 
     @staticmethod
     def full_state(module: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:

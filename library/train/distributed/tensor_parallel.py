@@ -24,9 +24,8 @@ writes; a state folder holds the whole weights and optimizer state (`full_state`
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -169,26 +168,11 @@ class TensorParallel:
         """`param` whole (every process takes part); packed blocks back in their order."""
         return self._whole_like(param, param.detach())
 
-    @contextlib.contextmanager
-    def gathered(self, module: torch.nn.Module, keep: bool) -> Iterator[None]:
+    def gathered(self, module: torch.nn.Module, keep: bool):
         """Inside, `module`'s DTensor parameters are whole plain tensors where `keep` (every process enters)."""
-        from torch.distributed.tensor import DTensor
+        from library.train.distributed.sharding_fsdp2 import dtensors_whole
 
-        swapped = []
-        with torch.no_grad():
-            for sub in module.modules():
-                for name, p in list(sub._parameters.items()):
-                    if p is None or not isinstance(p, DTensor):
-                        continue
-                    full = self.full(p)
-                    if keep:
-                        sub._parameters[name] = torch.nn.Parameter(full, requires_grad=False)
-                        swapped.append((sub, name, p))
-        try:
-            yield
-        finally:
-            for sub, name, p in swapped:
-                sub._parameters[name] = p
+        return dtensors_whole(module, keep, self.full)
 
     def _shard_like(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """`full` (a whole tensor of `param`'s shape) laid out as `param` is: this process's shard as a DTensor."""
@@ -211,7 +195,6 @@ class TensorParallel:
 
     def full_state(self, module: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
         """(whole weights, whole optimizer state) as one process's state folder holds them (every process calls)."""
-        from torch.distributed.tensor import DTensor
 
         params = self._optimizer_params(optimizer)
         weights = {k: self.full(v) for k, v in module.state_dict(keep_vars=True).items()}
