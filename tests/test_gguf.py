@@ -472,11 +472,13 @@ def qwen_ggufs(tmp_path_factory):
     return paths
 
 
-def _qwen_run(model):
+def _qwen_run(model, images=1):
+    """The DiT's output on fixed inputs: `images` 4x4-patch images (the target, then the edit models' controls)."""
     g = torch.Generator().manual_seed(0)
-    kw = dict(hidden_states=torch.randn(1, 16, 64, generator=g), encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+    kw = dict(hidden_states=torch.randn(1, 16 * images, 64, generator=g),
+              encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
               encoder_hidden_states_mask=torch.ones(1, 7, dtype=torch.bool), timestep=torch.tensor([0.6]),
-              img_shapes=[(1, 4, 4)], return_dict=False)
+              img_shapes=[[(1, 4, 4)] * images], return_dict=False)
     with torch.no_grad():
         return model(**kw)[0]
 
@@ -527,6 +529,32 @@ def test_qwen_image_refuses_another_architecture(ggufs, qwen_ggufs, tmp_path):
                             "(general.architecture 'qwen_image')")
     with pytest.raises(ModelLoadError, match=r"^[^\n]*a GGUF file of architecture 'qwen_image'; expected [^\n]*$"):
         load_bfl_transformer(qwen_ggufs["Q8_0"], torch.float32)
+
+
+def test_qwen_image_edit_2511_gguf_through_the_family(tmp_path):
+    """Qwen-Image-Edit's DiT is the same architecture: tiny:qwen_image_edit's DiT as a Q8_0 .gguf loads through the
+    family with --model_version edit-2511 (zero_cond_t set, as on the .safetensors DiT) and computes close to it on
+    a target and a control image."""
+    from library.families.qwen_image.loading import write_qwen_image_preset
+    from library.families.qwen_image.options import QwenImageOptions
+
+    files = write_qwen_image_preset("tiny:qwen_image_edit", str(tmp_path / "edit"), True)
+    gguf_path = str(tmp_path / "edit" / "qwen-image-edit-2511-Q8_0.gguf")
+    assert Counter(write_gguf(gguf_path, load_file(files["dit"]), "Q8_0", "qwen_image").values()) == {
+        "Q8_0": 32, "F32": 45}
+    family = get_family("qwen_image")
+
+    def load(path):
+        options = QwenImageOptions(model_version="edit-2511", text_encoder=files["text_encoder"])
+        return family.load(LoadOptions(path, vae=files["vae"], family_options=options))
+
+    ref, c = load(files["dit"]), load(gguf_path)
+    assert c.denoiser.config.zero_cond_t and c.denoiser.transformer_blocks[1].zero_cond_t
+    assert quantized_layers([c.denoiser]) == 32 and c.text_encoders[0].visual is not None
+    a, b = _qwen_run(ref.denoiser, images=2), _qwen_run(c.denoiser, images=2)
+    rel = ((a - b).norm() / a.norm()).item()
+    print(f"Qwen-Image-Edit-2511 Q8_0: relative output error {rel:.3g}")
+    assert rel <= QWEN_TOLERANCE["Q8_0"]
 
 
 def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
