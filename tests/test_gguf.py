@@ -532,21 +532,27 @@ def test_qwen_image_refuses_another_architecture(ggufs, qwen_ggufs, tmp_path):
 
 
 def test_qwen_image_edit_2511_gguf_through_the_family(tmp_path):
-    """Qwen-Image-Edit's DiT is the same architecture: tiny:qwen_image_edit's DiT as a Q8_0 .gguf loads through the
-    family with --model_version edit-2511 (zero_cond_t set, as on the .safetensors DiT) and computes close to it on
-    a target and a control image."""
+    """Qwen-Image-Edit's DiT is the same architecture: tiny:qwen_image_edit's DiT as a Q8_0 .gguf with ComfyUI's
+    empty __index_timestep_zero__ marker (Edit-2511 files) loads through the family with --model_version edit-2511
+    (zero_cond_t set, as on the .safetensors DiT) and computes close to it on a target and a control image; another
+    --model_version is refused in one line, as musubi-tuner does."""
     from library.families.qwen_image.loading import write_qwen_image_preset
     from library.families.qwen_image.options import QwenImageOptions
 
     files = write_qwen_image_preset("tiny:qwen_image_edit", str(tmp_path / "edit"), True)
     gguf_path = str(tmp_path / "edit" / "qwen-image-edit-2511-Q8_0.gguf")
-    assert Counter(write_gguf(gguf_path, load_file(files["dit"]), "Q8_0", "qwen_image").values()) == {
-        "Q8_0": 32, "F32": 45}
+    sd = {**load_file(files["dit"]), "__index_timestep_zero__": torch.empty(0)}
+    assert Counter(write_gguf(gguf_path, sd, "Q8_0", "qwen_image").values()) == {"Q8_0": 32, "F32": 46}
     family = get_family("qwen_image")
 
-    def load(path):
-        options = QwenImageOptions(model_version="edit-2511", text_encoder=files["text_encoder"])
+    def load(path, version="edit-2511"):
+        options = QwenImageOptions(model_version=version, text_encoder=files["text_encoder"])
         return family.load(LoadOptions(path, vae=files["vae"], family_options=options))
+
+    with pytest.raises(ModelLoadError) as e:
+        load(gguf_path, "edit-2509")
+    assert str(e.value) == (f"--model_version edit-2509: {gguf_path} is a Qwen-Image-Edit-2511 DiT (it holds "
+                            "ComfyUI's __index_timestep_zero__ marker); give --model_version edit-2511")
 
     ref, c = load(files["dit"]), load(gguf_path)
     assert c.denoiser.config.zero_cond_t and c.denoiser.transformer_blocks[1].zero_cond_t

@@ -51,6 +51,9 @@ from library.families.qwen_image.configs import (
 from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
+# ComfyUI's Qwen-Image-Edit-2511 files (and GGUF files made from them) hold this empty tensor: the reference images
+# are modulated at t = 0 (diffusers' zero_cond_t, set by --model_version edit-2511); the loaders leave it out
+EDIT_2511_MARKER = "__index_timestep_zero__"
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.img_mod\.1\.weight$")
 
 
@@ -221,6 +224,24 @@ def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = 
         for flag, value in (("text_encoder", options.text_encoder), ("vae", vae if need_vae else "given")):
             if not value:
                 raise ModelLoadError(f"--{flag}: required with a Qwen-Image DiT file ({path})")
+        if options.version != "edit-2511" and EDIT_2511_MARKER in _dit_file_keys(path):  # as musubi-tuner asserts
+            raise ModelLoadError(f"--model_version {options.version}: {path} is a Qwen-Image-Edit-2511 DiT (it holds "
+                                 f"ComfyUI's {EDIT_2511_MARKER} marker); give --model_version edit-2511")
+
+
+
+def _dit_file_keys(path: str) -> list[str]:
+    """A DiT file's tensor names (ComfyUI's prefix dropped), read from its header; [] when unreadable (the loader
+    names the problem)."""
+    try:
+        if is_gguf(path):
+            return gguf_keys(path)
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return [k[len(layout.COMFY_PREFIX):] if k.startswith(layout.COMFY_PREFIX) else k for k in f.keys()]
+    except Exception:  # noqa: BLE001 - an unreadable header: load_dit_file names it in one line
+        return []
 
 
 def block_count(path: str) -> Optional[int]:
