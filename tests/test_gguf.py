@@ -563,18 +563,30 @@ def test_qwen_image_edit_2511_gguf_through_the_family(tmp_path):
     assert rel <= QWEN_TOLERANCE["Q8_0"]
 
 
+def test_qwen_image_full_fine_tune_refuses_a_gguf_base(qwen_ggufs):
+    path = qwen_ggufs["Q8_0"]
+    with pytest.raises(ConfigError) as e:
+        memory_options_from_args({"pretrained_model_name_or_path": path}, get_family("qwen_image"), True)
+    assert str(e.value) == (f"--pretrained_model_name_or_path {path}: a GGUF file holds quantized weights, which a "
+                            "full fine-tune cannot train; use a LoRA script (*_train_network.py) or the .safetensors "
+                            "model")
+
+
+def _qwen_train(tmp_path, qwen_ggufs, name, model, extra=(), steps=3):
+    data = make_dataset(str(tmp_path / "data"), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / name), model, steps=steps, extra=[
+        "--network_module", "networks.lora_qwen_image", "--cache_text_encoder_outputs", "--cache_latents",
+        "--network_train_unet_only", "--gradient_checkpointing", "--text_encoder", qwen_ggufs["text_encoder"],
+        "--vae", qwen_ggufs["vae"], *extra]), "qwen_image")
+    return load_file(trainer.run()), trainer
+
+
 def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
     """qwen_image_train_network.py from the Q8_0 .gguf against the .safetensors DiT (same seed) and against the
     .safetensors DiT with another --seed (the scale of a real difference): the same keys and dtypes, finite, and
     the GGUF LoRA far closer to the full-precision one than another seed is."""
-    data = make_dataset(str(tmp_path / "data"), n=2)
-
     def train(name, model, extra=()):
-        trainer = make_trainer(base_args(data, str(tmp_path / name), model, steps=3, extra=[
-            "--network_module", "networks.lora_qwen_image", "--cache_text_encoder_outputs", "--cache_latents",
-            "--network_train_unet_only", "--gradient_checkpointing", "--text_encoder", qwen_ggufs["text_encoder"],
-            "--vae", qwen_ggufs["vae"], *extra]), "qwen_image")
-        return load_file(trainer.run()), trainer
+        return _qwen_train(tmp_path, qwen_ggufs, name, model, extra)
 
     full, _ = train("full", qwen_ggufs["dit"])
     other, _ = train("seed", qwen_ggufs["dit"], ["--seed", "7"])
@@ -591,3 +603,4 @@ def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
 # relative ΔW difference after 3 steps, measured: Q8_0 vs the fp32 .safetensors DiT 0.047; another --seed in
 # full precision 1.38
 QWEN_LORA_TOLERANCE = 0.1
+
