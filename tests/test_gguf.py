@@ -582,7 +582,8 @@ def _qwen_train(tmp_path, qwen_ggufs, name, model, extra=(), steps=3):
 
 
 def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
-    """qwen_image_train_network.py from the Q8_0 .gguf against the .safetensors DiT (same seed) and against the
+    """qwen_image_train_network.py from the Q8_0 .gguf (gradient checkpointing, a sample during training) against
+    the .safetensors DiT (same seed) and against the
     .safetensors DiT with another --seed (the scale of a real difference): the same keys and dtypes, finite, and
     the GGUF LoRA far closer to the full-precision one than another seed is."""
     def train(name, model, extra=()):
@@ -590,8 +591,12 @@ def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
 
     full, _ = train("full", qwen_ggufs["dit"])
     other, _ = train("seed", qwen_ggufs["dit"], ["--seed", "7"])
-    lora, trainer = train("gguf", qwen_ggufs["Q8_0"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks toy --w 32 --h 32 --s 2 --d 1\n")
+    lora, trainer = train("gguf", qwen_ggufs["Q8_0"], ["--sample_prompts", str(prompts), "--sample_every_n_steps", "3"])
     assert quantized_layers([trainer.components.denoiser]) == 32
+    samples = [f for f in os.listdir(tmp_path / "gguf" / "sample") if f.startswith("lora_000003_00_")]
+    assert len(samples) == 1, samples  # the sample at step 3 ran through the GGUF layers
     assert lora.keys() == full.keys() and len(lora) == 24 * 3
     assert all(lora[k].dtype == full[k].dtype for k in lora)
     assert all(torch.isfinite(v).all() for v in lora.values())
