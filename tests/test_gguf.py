@@ -1,6 +1,6 @@
-"""GGUF base files (library/families/common/gguf_file.py): a ComfyUI-GGUF FLUX.1 transformer loads with its weights
-kept quantized (diffusers' GGUFParameter in GgufLinear layers), computes close to the full-precision model, and a
-LoRA trains on it close to the full-precision one, saved in the same format."""
+"""GGUF base files (library/families/common/gguf_file.py): a ComfyUI-GGUF FLUX.1 (Z-Image, Qwen-Image) transformer
+loads with its weights kept quantized (diffusers' GGUFParameter in GgufLinear layers), computes close to the
+full-precision model, and a LoRA trains on it close to the full-precision one, saved in the same format."""
 
 from __future__ import annotations
 
@@ -451,7 +451,7 @@ def test_zimage_lora_on_a_gguf_base(zimage_ggufs, tmp_path):
     assert rel <= 0.25  # measured 0.082; another --seed in full precision gives 1.40
 
 
-# ---------------------------------------------------------------------------- Qwen-Image (general.architecture qwen_image)
+# ---------------------------------------------------------------------- Qwen-Image (general.architecture qwen_image)
 # city96's Qwen-Image files (and QuantStack's Qwen-Image-Edit ones: the same DiT) hold the diffusers names
 # (`transformer_blocks.0.img_mod.1.weight`) under general.architecture "qwen_image" (ComfyUI-GGUF's IMG_ARCH_LIST)
 @pytest.fixture(scope="module")
@@ -583,9 +583,9 @@ def _qwen_train(tmp_path, qwen_ggufs, name, model, extra=(), steps=3):
 
 def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
     """qwen_image_train_network.py from the Q8_0 .gguf (gradient checkpointing, a sample during training) against
-    the .safetensors DiT (same seed) and against the
-    .safetensors DiT with another --seed (the scale of a real difference): the same keys and dtypes, finite, and
-    the GGUF LoRA far closer to the full-precision one than another seed is."""
+    the .safetensors DiT (same seed) and against the .safetensors DiT with another --seed (the scale of a real
+    difference): the same keys and dtypes, finite, and the GGUF LoRA far closer to the full-precision one than
+    another seed is."""
     def train(name, model, extra=()):
         return _qwen_train(tmp_path, qwen_ggufs, name, model, extra)
 
