@@ -1,6 +1,6 @@
-"""GGUF base files (library/families/common/gguf_file.py): a ComfyUI-GGUF FLUX.1 transformer loads with its weights
-kept quantized (diffusers' GGUFParameter in GgufLinear layers), computes close to the full-precision model, and a
-LoRA trains on it close to the full-precision one, saved in the same format."""
+"""GGUF base files (library/families/common/gguf_file.py): a ComfyUI-GGUF FLUX.1 (Z-Image, Qwen-Image) transformer
+loads with its weights kept quantized (diffusers' GGUFParameter in GgufLinear layers), computes close to the
+full-precision model, and a LoRA trains on it close to the full-precision one, saved in the same format."""
 
 from __future__ import annotations
 
@@ -449,3 +449,163 @@ def test_zimage_lora_on_a_gguf_base(zimage_ggufs, tmp_path):
     rel = _relative_difference(lora, full)
     print(f"Z-Image Q8_0: relative ΔW difference {rel:.3g}")
     assert rel <= 0.25  # measured 0.082; another --seed in full precision gives 1.40
+
+
+# ---------------------------------------------------------------------- Qwen-Image (general.architecture qwen_image)
+# city96's Qwen-Image files (and QuantStack's Qwen-Image-Edit ones: the same DiT) hold the diffusers names
+# (`transformer_blocks.0.img_mod.1.weight`) under general.architecture "qwen_image" (ComfyUI-GGUF's IMG_ARCH_LIST)
+@pytest.fixture(scope="module")
+def qwen_ggufs(tmp_path_factory):
+    """tiny:qwen_image's split files (DiT .safetensors, text encoder, VAE) and the DiT as ComfyUI-GGUF files:
+    Q8_0, Q4_0 and "Q8_0-all" (the embedders quantized too)."""
+    from library.families.qwen_image.loading import write_qwen_image_preset
+
+    paths = write_qwen_image_preset("tiny:qwen_image", str(tmp_path_factory.mktemp("qwen-gguf")), True)
+    sd = load_file(paths["dit"])
+    for qtype in ("Q8_0", "Q4_0"):
+        paths[qtype] = paths["dit"][:-len(".safetensors")] + f"-{qtype}.gguf"
+        # 32 2-D weights quantized; 1-D tensors and img_in / txt_in (city96's convert.py) F32
+        assert Counter(write_gguf(paths[qtype], sd, qtype, "qwen_image").values()) == {qtype: 32, "F32": 45}
+    paths["Q8_0-all"] = paths["dit"][:-len(".safetensors")] + "-Q8_0-all.gguf"
+    assert Counter(write_gguf(paths["Q8_0-all"], sd, "Q8_0", "qwen_image", full_precision=()).values()) == {
+        "Q8_0": 34, "F32": 43}
+    return paths
+
+
+def _qwen_run(model, images=1):
+    """The DiT's output on fixed inputs: `images` 4x4-patch images (the target, then the edit models' controls)."""
+    g = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 16 * images, 64, generator=g),
+              encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+              encoder_hidden_states_mask=torch.ones(1, 7, dtype=torch.bool), timestep=torch.tensor([0.6]),
+              img_shapes=[[(1, 4, 4)] * images], return_dict=False)
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+# ‖GGUF − fp32‖ / ‖fp32‖ of tiny:qwen_image's DiT output, measured: Q8_0 3.7e-3, Q4_0 6.3e-2, Q8_0 with img_in /
+# txt_in quantized too 5.1e-3. That the gap is only the quantization is checked exactly below.
+QWEN_TOLERANCE = {"Q8_0": 0.01, "Q4_0": 0.15, "Q8_0-all": 0.012}
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q8_0-all"])
+def test_qwen_image_gguf_loads_quantized_and_computes_close(qwen_ggufs, kind):
+    """The .gguf is a single DiT file (by name and by magic), its config is read from the logical shapes (with
+    img_in / txt_in quantized, their byte shapes would give 68 inputs and a 34-wide text input), and every Linear
+    whose weight is quantized in the file is a GgufLinear."""
+    from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+    from library.families.qwen_image.configs import transformer_config as qwen_config
+    from library.families.qwen_image.configs import PRESETS as QWEN_PRESETS
+    from library.families.qwen_image.loading import block_count, load_dit_file, source_kind
+
+    path = qwen_ggufs[kind]
+    assert source_kind(path) == "single_file" and block_count(path) == 2
+    ref = load_dit_file(qwen_ggufs["dit"], torch.float32)
+    model = load_dit_file(path, torch.float32)
+    expected = {k: v for k, v in qwen_config(QWEN_PRESETS["tiny:qwen_image"]).items()}
+    assert {k: model.config[k] for k in expected} == {k: ref.config[k] for k in expected}
+    layers = [m for m in model.modules() if type(m).__name__ == "GgufLinear"]
+    assert len(layers) == (34 if kind == "Q8_0-all" else 32) and quantized_layers([model]) == len(layers)
+    assert {k for k, _ in model.named_parameters()} == {k for k, _ in ref.named_parameters()}
+    a, b = _qwen_run(ref), _qwen_run(model)
+    rel = ((a - b).norm() / a.norm()).item()
+    print(f"Qwen-Image {kind}: relative output error {rel:.3g}")
+    assert rel <= QWEN_TOLERANCE[kind]
+    state = {k: (dequantize_gguf_tensor(v).float() if is_quantized(v) else v) for k, v in model.state_dict().items()}
+    ref.load_state_dict(state)
+    assert torch.equal(_qwen_run(ref), b)  # the same ops on the same values
+
+
+def test_qwen_image_refuses_another_architecture(ggufs, qwen_ggufs, tmp_path):
+    """A FLUX.1 GGUF given to Qwen-Image, and a Qwen-Image GGUF given to FLUX.1, are named in one line."""
+    from library.families.flux.loading import load_bfl_transformer
+    from library.families.qwen_image.loading import load_dit_file
+
+    with pytest.raises(ModelLoadError) as e:
+        load_dit_file(ggufs["Q8_0"], torch.float32)
+    assert str(e.value) == (f"--pretrained_model_name_or_path {ggufs['Q8_0']}: a GGUF file of architecture 'flux'; "
+                            "expected a Qwen-Image DiT (transformer_blocks.*.img_mod keys) "
+                            "(general.architecture 'qwen_image')")
+    with pytest.raises(ModelLoadError, match=r"^[^\n]*a GGUF file of architecture 'qwen_image'; expected [^\n]*$"):
+        load_bfl_transformer(qwen_ggufs["Q8_0"], torch.float32)
+
+
+def test_qwen_image_edit_2511_gguf_through_the_family(tmp_path):
+    """Qwen-Image-Edit's DiT is the same architecture: tiny:qwen_image_edit's DiT as a Q8_0 .gguf with ComfyUI's
+    empty __index_timestep_zero__ marker (Edit-2511 files) loads through the family with --model_version edit-2511
+    (zero_cond_t set, as on the .safetensors DiT) and computes close to it on a target and a control image; another
+    --model_version is refused in one line, as musubi-tuner does."""
+    from library.families.qwen_image.loading import write_qwen_image_preset
+    from library.families.qwen_image.options import QwenImageOptions
+
+    files = write_qwen_image_preset("tiny:qwen_image_edit", str(tmp_path / "edit"), True)
+    gguf_path = str(tmp_path / "edit" / "qwen-image-edit-2511-Q8_0.gguf")
+    sd = {**load_file(files["dit"]), "__index_timestep_zero__": torch.empty(0)}
+    assert Counter(write_gguf(gguf_path, sd, "Q8_0", "qwen_image").values()) == {"Q8_0": 32, "F32": 46}
+    family = get_family("qwen_image")
+
+    def load(path, version="edit-2511"):
+        options = QwenImageOptions(model_version=version, text_encoder=files["text_encoder"])
+        return family.load(LoadOptions(path, vae=files["vae"], family_options=options))
+
+    with pytest.raises(ModelLoadError) as e:
+        load(gguf_path, "edit-2509")
+    assert str(e.value) == (f"--model_version edit-2509: {gguf_path} is a Qwen-Image-Edit-2511 DiT (it holds "
+                            "ComfyUI's __index_timestep_zero__ marker); give --model_version edit-2511")
+
+    ref, c = load(files["dit"]), load(gguf_path)
+    assert c.denoiser.config.zero_cond_t and c.denoiser.transformer_blocks[1].zero_cond_t
+    assert quantized_layers([c.denoiser]) == 32 and c.text_encoders[0].visual is not None
+    a, b = _qwen_run(ref.denoiser, images=2), _qwen_run(c.denoiser, images=2)
+    rel = ((a - b).norm() / a.norm()).item()
+    print(f"Qwen-Image-Edit-2511 Q8_0: relative output error {rel:.3g}")
+    assert rel <= QWEN_TOLERANCE["Q8_0"]
+
+
+def test_qwen_image_full_fine_tune_refuses_a_gguf_base(qwen_ggufs):
+    path = qwen_ggufs["Q8_0"]
+    with pytest.raises(ConfigError) as e:
+        memory_options_from_args({"pretrained_model_name_or_path": path}, get_family("qwen_image"), True)
+    assert str(e.value) == (f"--pretrained_model_name_or_path {path}: a GGUF file holds quantized weights, which a "
+                            "full fine-tune cannot train; use a LoRA script (*_train_network.py) or the .safetensors "
+                            "model")
+
+
+def _qwen_train(tmp_path, qwen_ggufs, name, model, extra=(), steps=3):
+    data = make_dataset(str(tmp_path / "data"), n=2)
+    trainer = make_trainer(base_args(data, str(tmp_path / name), model, steps=steps, extra=[
+        "--network_module", "networks.lora_qwen_image", "--cache_text_encoder_outputs", "--cache_latents",
+        "--network_train_unet_only", "--gradient_checkpointing", "--text_encoder", qwen_ggufs["text_encoder"],
+        "--vae", qwen_ggufs["vae"], *extra]), "qwen_image")
+    return load_file(trainer.run()), trainer
+
+
+def test_qwen_image_lora_on_a_gguf_base(qwen_ggufs, tmp_path):
+    """qwen_image_train_network.py from the Q8_0 .gguf (gradient checkpointing, a sample during training) against
+    the .safetensors DiT (same seed) and against the .safetensors DiT with another --seed (the scale of a real
+    difference): the same keys and dtypes, finite, and the GGUF LoRA far closer to the full-precision one than
+    another seed is."""
+    def train(name, model, extra=()):
+        return _qwen_train(tmp_path, qwen_ggufs, name, model, extra)
+
+    full, _ = train("full", qwen_ggufs["dit"])
+    other, _ = train("seed", qwen_ggufs["dit"], ["--seed", "7"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("sks toy --w 32 --h 32 --s 2 --d 1\n")
+    lora, trainer = train("gguf", qwen_ggufs["Q8_0"], ["--sample_prompts", str(prompts), "--sample_every_n_steps", "3"])
+    assert quantized_layers([trainer.components.denoiser]) == 32
+    samples = [f for f in os.listdir(tmp_path / "gguf" / "sample") if f.startswith("lora_000003_00_")]
+    assert len(samples) == 1, samples  # the sample at step 3 ran through the GGUF layers
+    assert lora.keys() == full.keys() and len(lora) == 24 * 3
+    assert all(lora[k].dtype == full[k].dtype for k in lora)
+    assert all(torch.isfinite(v).all() for v in lora.values())
+    rel, scale = _relative_difference(lora, full), _relative_difference(other, full)
+    print(f"Qwen-Image Q8_0: relative ΔW difference {rel:.3g}; another seed in full precision {scale:.3g}")
+    assert rel <= QWEN_LORA_TOLERANCE and scale >= 10 * QWEN_LORA_TOLERANCE
+
+
+# relative ΔW difference after 3 steps, measured: Q8_0 vs the fp32 .safetensors DiT 0.047; another --seed in
+# full precision 1.38
+QWEN_LORA_TOLERANCE = 0.1
+

@@ -164,6 +164,9 @@ def read_gguf(label: str, path: str, expected: str, holds: Callable[[list[str]],
             shape = _orig_shape(reader, t.name) or tuple(int(n) for n in reversed(t.shape))
             if t.tensor_type in floats:
                 # read, not mapped: the file's float pages are not kept resident beside the training-dtype copy
+                if not int(t.n_bytes):  # an empty marker (ComfyUI's __index_timestep_zero__ in Edit-2511 files)
+                    out[key] = torch.empty(shape, dtype=dtype)
+                    continue
                 buf = bytearray(int(t.n_bytes))
                 f.seek(int(t.data_offset))
                 f.readinto(buf)

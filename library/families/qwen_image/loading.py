@@ -2,7 +2,8 @@
 
 - a diffusers folder (Qwen/Qwen-Image: transformer/, vae/, text_encoder/ = Qwen2_5_VLForConditionalGeneration,
   tokenizer/), as QwenImagePipeline.from_pretrained reads it;
-- ComfyUI's single files: the DiT (qwen_image_bf16.safetensors, diffusers names, `model.diffusion_model.` accepted)
+- ComfyUI's single files: the DiT (qwen_image_bf16.safetensors, diffusers names, `model.diffusion_model.` accepted;
+  or a ComfyUI-GGUF file of it, qwen-image-Q8_0.gguf, `general.architecture` "qwen_image", its quantized weights kept)
   with --text_encoder (qwen_2.5_vl_7b.safetensors: `model.*` language-model keys; `visual.*` / `lm_head` unused, or
   a transformers folder) and --vae (the diffusers VAE file vae/diffusion_pytorch_model.safetensors, as musubi-tuner
   takes it);
@@ -28,6 +29,14 @@ import torch
 
 from library.core.safetensors_io import write_safetensors
 from library.families.base import Components, LoadOptions, ModelLoadError
+from library.families.common.gguf_file import (
+    GGUF_SUFFIX,
+    adopt_gguf,
+    gguf_keys,
+    is_gguf,
+    logical_shape,
+    read_gguf,
+)
 from library.families.common.qwen_vl import load_qwen_vl, vl_processor
 from library.families.common.loading import adopt, classify_source, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
@@ -42,14 +51,20 @@ from library.families.qwen_image.configs import (
 from library.families.common.diffusers_import import diffusers_class, diffusers_classes
 
 FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
+# ComfyUI's Qwen-Image-Edit-2511 files (and GGUF files made from them) hold this empty tensor: the reference images
+# are modulated at t = 0 (diffusers' zero_cond_t, set by --model_version edit-2511); the loaders leave it out
+EDIT_2511_MARKER = "__index_timestep_zero__"
 _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.img_mod\.1\.weight$")
 
 
 def source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
-    return classify_source(path, PRESETS, "Qwen-Image", folder_parts=FOLDER_PARTS, file_suffixes=(".safetensors",),
-                           expected="a Qwen-Image DiT .safetensors file, a diffusers folder, tiny:qwen_image or "
-                                    "tiny:qwen_image_edit")
+    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
+        return "single_file"
+    return classify_source(path, PRESETS, "Qwen-Image", folder_parts=FOLDER_PARTS,
+                           file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           expected="a Qwen-Image DiT .safetensors or ComfyUI-GGUF .gguf file, a diffusers folder, "
+                                    "tiny:qwen_image or tiny:qwen_image_edit")
 
 
 def rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -62,25 +77,35 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 
 def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_model_name_or_path"):
-    """QwenImageTransformer2DModel from a single DiT file (Qwen's / ComfyUI's names)."""
+    """QwenImageTransformer2DModel from a single DiT file (Qwen's / ComfyUI's names), or a ComfyUI-GGUF file of it
+    (city96's / QuantStack's Qwen-Image and Qwen-Image-Edit files: `general.architecture` "qwen_image", the same
+    names; quantized weights kept). The config is read from the logical shapes."""
     QwenImageTransformer2DModel = diffusers_class("QwenImageTransformer2DModel")
 
-    tensors = layout.strip_prefix(read_file(label, path, "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)",
-                                            lambda keys: any(_DIT_MARKER.match(k) for k in keys), dtype))
+    what = "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)"
+
+    def holds(keys):
+        return any(_DIT_MARKER.match(k) for k in keys)
+
+    gguf = is_gguf(path)
+    tensors = layout.strip_prefix(read_gguf(label, path, what, holds, dtype, archs=("qwen_image",)) if gguf
+                                  else read_file(label, path, what, holds, dtype))
     try:
-        hidden, inputs = tensors["img_in.weight"].shape
-        head_dim = tensors["transformer_blocks.0.attn.norm_q.weight"].shape[0]
-        config = dict(patch_size=PATCH, in_channels=inputs, out_channels=tensors["proj_out.weight"].shape[0] // 4,
+        # logical shapes: a GGUF-quantized tensor's own shape is its byte shape (rows, bytes per row)
+        hidden, inputs = logical_shape(tensors["img_in.weight"])
+        head_dim = logical_shape(tensors["transformer_blocks.0.attn.norm_q.weight"])[0]
+        config = dict(patch_size=PATCH, in_channels=inputs,
+                      out_channels=logical_shape(tensors["proj_out.weight"])[0] // 4,
                       num_layers=len({m[1] for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k))}),
                       attention_head_dim=head_dim, num_attention_heads=hidden // head_dim,
-                      joint_attention_dim=tensors["txt_in.weight"].shape[1], guidance_embeds=False,
+                      joint_attention_dim=logical_shape(tensors["txt_in.weight"])[1], guidance_embeds=False,
                       axes_dims_rope=rope_axes(head_dim))
     except KeyError as e:
         raise ModelLoadError(f"{label} {path}: incomplete Qwen-Image DiT, no tensor for {e.args[0]}") from None
     if inputs != LATENT_CHANNELS * PATCH * PATCH:
         raise ModelLoadError(f"{label} {path}: expected the Qwen-Image DiT ({LATENT_CHANNELS * 4} img_in inputs), "
                              f"found {inputs}")
-    return adopt(label, path, lambda: QwenImageTransformer2DModel(**config), tensors)
+    return (adopt_gguf if gguf else adopt)(label, path, lambda: QwenImageTransformer2DModel(**config), tensors)
 
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
@@ -199,6 +224,24 @@ def check_model_source(path: str, options, vae: Optional[str], need_vae: bool = 
         for flag, value in (("text_encoder", options.text_encoder), ("vae", vae if need_vae else "given")):
             if not value:
                 raise ModelLoadError(f"--{flag}: required with a Qwen-Image DiT file ({path})")
+        if options.version != "edit-2511" and EDIT_2511_MARKER in _dit_file_keys(path):  # as musubi-tuner asserts
+            raise ModelLoadError(f"--model_version {options.version}: {path} is a Qwen-Image-Edit-2511 DiT (it holds "
+                                 f"ComfyUI's {EDIT_2511_MARKER} marker); give --model_version edit-2511")
+
+
+
+def _dit_file_keys(path: str) -> list[str]:
+    """A DiT file's tensor names (ComfyUI's prefix dropped), read from its header; [] when unreadable (the loader
+    names the problem)."""
+    try:
+        if is_gguf(path):
+            return gguf_keys(path)
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return [k[len(layout.COMFY_PREFIX):] if k.startswith(layout.COMFY_PREFIX) else k for k in f.keys()]
+    except Exception:  # noqa: BLE001 - an unreadable header: load_dit_file names it in one line
+        return []
 
 
 def block_count(path: str) -> Optional[int]:
@@ -210,6 +253,8 @@ def block_count(path: str) -> Optional[int]:
         if kind == "diffusers":
             with open(os.path.join(path, "transformer", "config.json"), encoding="utf-8") as f:
                 return int(json.load(f)["num_layers"])
+        if is_gguf(path):
+            return len({m[1] for k in gguf_keys(path) if (m := re.match(r"transformer_blocks\.(\d+)\.", k))}) or None
         return indexed_blocks_in_file(path, r"(?:model\.diffusion_model\.)?transformer_blocks\.(\d+)\.") or None
     except (OSError, ValueError, KeyError, ModelLoadError):
         return None
