@@ -81,8 +81,8 @@ def test_template_job_saves_and_trains_on_the_tiny_preset(tmp_path, monkeypatch,
     if text_length:
         config["model"][text_length[0]] = text_length[1]
     config["optimizer"]["optimizer_type"] = "AdamW"
-    config["training"].update(max_train_steps=1, save_every_n_epochs=None, mixed_precision="no",
-                              max_data_loader_n_workers=0)
+    config["training"].update(max_train_steps=1, max_train_epochs=None, save_every_n_epochs=None,
+                              mixed_precision="no", max_data_loader_n_workers=0)  # epochs would override the steps
     config["training"] = {k: v for k, v in config["training"].items() if v is not None}
     config["output"].pop("log_with")
     dataset = settings["dataset"]
@@ -103,3 +103,4 @@ def test_template_job_saves_and_trains_on_the_tiny_preset(tmp_path, monkeypatch,
     assert c.get(f"/api/jobs/{job['id']}/status").json()["exit_code"] == 0
     lora = os.path.join(folder, "output", f"{config['output']['output_name']}.safetensors")
     assert os.path.isfile(lora), log[-3000:]
+    assert "run ended at step 1 of 1 " in log
