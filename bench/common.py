@@ -246,14 +246,14 @@ def lora_components(family, denoiser, options, dim: int, device):
 
 def compare_lora_steps(family, comps, lora: tuple, latents: torch.Tensor, text: dict, loss, a, dtype, device,
                        setup: str, draw_sigma: Callable[[torch.device], torch.Tensor] = uniform_sigma,
-                       lora_on: str = "transformer") -> dict[str, tuple[float, float]]:
+                       lora_on: str = "transformer", batch: Optional[dict] = None) -> dict[str, tuple[float, float]]:
     """bare_flow_step(loss) against the trainer's step (cached_text_step with CAPTION's `text` on
-    one_caption_batch(latents)), both training `lora`, then compare_and_print with "LoRA modules: N `lora_on`;
-    `setup`"; returns compare_steps' medians."""
+    one_caption_batch(latents), plus `batch`'s entries, e.g. control_latents), both training `lora`, then
+    compare_and_print with "LoRA modules: N `lora_on`; `setup`"; returns compare_steps' medians."""
     network, params, optimizer, scheduler = lora
     reference = bare_flow_step(latents, device, dtype, optimizer, loss, draw_sigma)
-    ours = cached_text_step(family, comps, device, dtype, {CAPTION: text}, one_caption_batch(latents), params,
-                            optimizer, scheduler)
+    ours = cached_text_step(family, comps, device, dtype, {CAPTION: text},
+                            {**one_caption_batch(latents), **(batch or {})}, params, optimizer, scheduler)
     return compare_and_print(reference, ours, a, f"LoRA modules: {len(network.unet_loras)} {lora_on}; {setup}")
 
 
@@ -291,6 +291,7 @@ class StepInputs(NamedTuple):
     text: dict  # the cached text-encoder outputs of CAPTION (the trainer's step reads them)
     loss: Callable  # the bare reference's loss(x_σ, σ, ε, x0): the model's forward as its pipeline calls it, the MSE
     tokens: str  # "N image + M text tokens", for the setup line
+    batch: Optional[dict] = None  # more entries of the trainer's batch (e.g. control_latents), or None
 
 
 @dataclass(frozen=True)
@@ -341,4 +342,4 @@ def run_lora_step_bench(bench: LoraStepBench, argv: Optional[list[str]] = None) 
     x = bench.inputs(a, model, latents, dtype, device)
     return compare_lora_steps(family, comps, lora, latents, x.text, x.loss, a, dtype, device,
                               f"{a.resolution}x{a.resolution} ({x.tokens}), batch 1, {dtype_name}, {device}",
-                              draw_sigma=bench.draw_sigma, lora_on=bench.lora_on)
+                              draw_sigma=bench.draw_sigma, lora_on=bench.lora_on, batch=x.batch)
