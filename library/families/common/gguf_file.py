@@ -28,6 +28,7 @@ from torch import nn
 
 from library.core.tensors import aligned
 from library.families.base import ModelLoadError
+from library.families.common.empty_model import empty_model_for
 from library.families.detect import describe_keys
 
 GGUF_SUFFIX = ".gguf"
@@ -231,16 +232,7 @@ def adopt_gguf(label: str, path: str, factory, state_dict: Mapping[str, torch.Te
     layer is dequantized into the training dtype. Shapes are checked by their logical shape."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
-        model = factory()
-    wanted = {k: v.shape for k, v in model.state_dict().items()}
-    missing = [k for k in wanted if k not in state_dict]
-    if missing:
-        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
-    wrong = next((k for k, s in wanted.items() if logical_shape(state_dict[k]) != tuple(s)), None)
-    if wrong is not None:
-        raise ModelLoadError(f"{label} {path}: {wrong} has shape {logical_shape(state_dict[wrong])}, "
-                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
+    model, wanted = empty_model_for(label, path, factory, state_dict, shape_of=logical_shape)
     linear_cls = gguf_linear_class()
     dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point() and not is_quantized(v)),
                  torch.float32)

@@ -17,6 +17,7 @@ from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.common import ldm_layout as ldm
 from library.families.common.configs import text_encoder_config, vae_config
 from library.families.common.dit_layout import strip_prefix
+from library.families.common.empty_model import empty_model_for
 from library.families.common.gguf_file import is_gguf, read_gguf
 from library.families.common.tiny import build_seeded, build_tokenizer, tiny_vocab_size
 from library.families.detect import describe_keys
@@ -275,18 +276,7 @@ def read_file(label: str, path: str, expected: str, holds: Callable[[list[str]],
 
 def adopt(label: str, path: str, factory, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Build a model without allocating weights, then take `state_dict`'s tensors as its weights."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = factory()
-    wanted = {k: v.shape for k, v in model.state_dict().items()}
-    missing = [k for k in wanted if k not in state_dict]
-    if missing:
-        raise ModelLoadError(f"{label} {path}: incomplete, no tensor for {missing[0]} ({len(missing)} missing)")
-    wrong = next((k for k, s in wanted.items() if state_dict[k].shape != s), None)
-    if wrong is not None:
-        raise ModelLoadError(f"{label} {path}: {wrong} has shape {tuple(state_dict[wrong].shape)}, "
-                             f"expected {tuple(wanted[wrong])} for the shapes of the rest of the file")
+    model, wanted = empty_model_for(label, path, factory, state_dict)
     model.load_state_dict(aligned({k: state_dict[k] for k in wanted}), strict=True, assign=True)
     return model.eval()
 
