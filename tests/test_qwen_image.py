@@ -214,6 +214,8 @@ def test_tiny_lora_training_run_with_caches_samples_and_network_weights(tmp_path
     save_file(lora_names.to_comfy_lora(load_file(path)), comfy)
     # --vae: ComfyUI's qwen_image_vae.safetensors (Wan 2.1 names)
     wan_vae = write_qwen_image_preset("tiny:qwen_image", str(tmp_path / "files"), True)["vae"]
+    with safe_open(wan_vae, "pt") as f:
+        assert "encoder.downsamples.0.residual.0.gamma" in set(f.keys())
     again = make_trainer(base_args(data, str(tmp_path / "out2"), "tiny:qwen_image", steps=1, extra=[
         "--network_module", "networks.lora_qwen_image", "--network_weights", comfy, "--cache_latents",
         "--network_train_unet_only", "--vae", wan_vae]), "qwen_image").run()
