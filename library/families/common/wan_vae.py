@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from library.families.base import ModelLoadError
 from library.families.common.loading import read_file
 
 WAN_MARKER = "encoder.conv1.weight"  # ComfyUI's / Wan 2.1's layout
