@@ -21,7 +21,8 @@ from library.core.errors import ConfigError
 from library.families.anima import layout
 from library.families import get_family
 from library.families.anima.configs import build_anima_modules
-from library.families.anima.loading import vae_key_to_wan, write_anima_preset
+from library.families.anima.loading import write_anima_preset
+from library.families.common.wan_vae import to_wan, wan_to_diffusers
 from library.families.anima.options import AnimaOptions
 from library.families.base import Components, LoadOptions, ModelLoadError
 from library.families.detect import detect_family
@@ -78,7 +79,10 @@ def test_layout_maps_are_inverse_of_diffusers_converters():
     back = layout.to_diffusers({layout.transformer_original_path(k): v for k, v in dit.items()})
     assert set(back) == set(dit)
     vae = m["vae"].state_dict()
-    assert set(convert_wan_vae_to_diffusers({vae_key_to_wan(k): v for k, v in vae.items()})) == set(vae)
+    wan = to_wan(vae)
+    assert set(convert_wan_vae_to_diffusers(wan)) == set(vae)
+    # the shared reader (common/wan_vae.py) names Wan 2.1's VAE as diffusers' converter did, in the same order
+    assert list(wan_to_diffusers(wan)) == list(convert_wan_vae_to_diffusers(wan))
 
 
 def test_adapter_comes_from_its_own_file_when_the_dit_has_none(files, tmp_path):

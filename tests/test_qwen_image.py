@@ -47,7 +47,7 @@ def _velocity(family, c, text):
 
 def test_tiny_files_load_through_the_real_loaders(written, tiny_qi):
     """ComfyUI's split files (DiT in diffusers names, with or without model.diffusion_model., Qwen2.5-VL as model.*
-    keys, the diffusers VAE file) and the diffusers folder give the preset's exact outputs back."""
+    keys, the VAE in Wan 2.1 names) and the diffusers folder give the preset's exact outputs back."""
     family = get_family("qwen_image")
     single, folder = written
     with safe_open(single["dit"], "pt") as f:
@@ -72,6 +72,36 @@ def test_tiny_files_load_through_the_real_loaders(written, tiny_qi):
     assert torch.equal(_velocity(family, c, t), expected)
     image = torch.rand(1, 3, 1, 32, 32) * 2 - 1
     assert torch.equal(c.vae.encode(image).latent_dist.mean, tiny_qi.vae.encode(image).latent_dist.mean)
+
+
+def test_vae_in_wan_and_diffusers_names_loads_back_bitwise(written, tiny_qi, tmp_path):
+    """--vae takes ComfyUI's qwen_image_vae.safetensors (Wan 2.1 names; the preset writes it so) and the diffusers
+    file (vae/diffusion_pytorch_model.safetensors), told apart by the keys: both give the preset's VAE bitwise.
+    The tiny VAE has 2 resnets an up block (Qwen-Image's has 3), which diffusers' own Wan converter cannot read."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    from library.families.common import wan_vae
+    from library.families.qwen_image.loading import load_vae_file
+
+    single, folder = written
+    expected = tiny_qi.vae.state_dict()
+    with safe_open(single["vae"], "pt") as f:
+        keys = set(f.keys())
+    assert {"conv1.weight", "conv2.weight", "encoder.conv1.weight", "encoder.downsamples.0.residual.0.gamma",
+            "encoder.middle.1.to_qkv.weight", "decoder.upsamples.2.time_conv.weight",
+            "decoder.upsamples.10.residual.6.weight", "decoder.head.2.bias"} <= keys  # 4 levels x (2 resnets + 1)
+    assert len(keys) == len(expected) == 146 and not any("_blocks" in k for k in keys)
+    diffusers_file = str(tmp_path / "diffusion_pytorch_model.safetensors")
+    save_file(expected, diffusers_file)
+    for path in (single["vae"], diffusers_file, os.path.join(folder, "vae")):
+        back = load_vae_file(path, torch.float32).state_dict()
+        assert back.keys() == expected.keys() and all(torch.equal(back[k], expected[k]) for k in expected), path
+    wan = load_file(single["vae"])
+    assert sorted(set(convert_wan_vae_to_diffusers(wan)) - set(expected))[:1] == [
+        "decoder.up_blocks.1.resnets.2.conv1.bias"]  # diffusers' converter assumes Wan 2.1's 3 resnets an up block
+    full = build_qwen_image_modules("random:qwen_image", device="meta")["vae"].state_dict()
+    assert wan_vae.up_block_resnets(full) == 3
+    assert list(wan_vae.wan_to_diffusers(wan_vae.to_wan(full))) == list(full)  # the real shape maps back too
 
 
 def test_text_as_diffusers_pipeline_encodes_it(written, tiny_qi):
@@ -182,11 +212,17 @@ def test_tiny_lora_training_run_with_caches_samples_and_network_weights(tmp_path
         == ("networks.lora_qwen_image", "shift", "2.2")
     comfy = str(tmp_path / "comfy.safetensors")
     save_file(lora_names.to_comfy_lora(load_file(path)), comfy)
+    # --vae: ComfyUI's qwen_image_vae.safetensors (Wan 2.1 names)
+    wan_vae = write_qwen_image_preset("tiny:qwen_image", str(tmp_path / "files"), True)["vae"]
+    with safe_open(wan_vae, "pt") as f:
+        assert "encoder.downsamples.0.residual.0.gamma" in set(f.keys())
     again = make_trainer(base_args(data, str(tmp_path / "out2"), "tiny:qwen_image", steps=1, extra=[
         "--network_module", "networks.lora_qwen_image", "--network_weights", comfy, "--cache_latents",
-        "--network_train_unet_only"]), "qwen_image").run()
+        "--network_train_unet_only", "--vae", wan_vae]), "qwen_image").run()
     with safe_open(again, "pt") as f:
         assert sorted(f.keys()) == keys
+        assert (f.metadata()["ss_base_model_version"], f.metadata()["modelspec.architecture"]) == \
+            ("qwen_image", "Qwen-Image/lora")
 
 
 def test_full_fine_tune_saves_a_single_file_read_back(tmp_path, tiny_qi):
@@ -218,6 +254,11 @@ def test_bad_inputs_are_one_line(written, tmp_path):
         family.load(LoadOptions(single["dit"], vae=single["vae"]))
     with pytest.raises(ModelLoadError, match=r"^--pretrained_model_name_or_path .*qwen_2\.5_vl_7b\.safetensors"):
         family.load(LoadOptions(single["text_encoder"], vae=single["vae"],
+                                family_options=QwenImageOptions(text_encoder=single["text_encoder"])))
+    with pytest.raises(ModelLoadError, match=r"^--vae \S+qwen_2\.5_vl_7b\.safetensors: expected the Qwen-Image VAE in "
+                                             r"Wan 2\.1 / ComfyUI names \(qwen_image_vae\.safetensors.* or diffusers' "
+                                             r"names .*, found "):
+        family.load(LoadOptions(single["dit"], vae=single["text_encoder"],
                                 family_options=QwenImageOptions(text_encoder=single["text_encoder"])))
 
 

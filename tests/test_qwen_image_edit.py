@@ -192,7 +192,9 @@ def test_lora_trains_from_control_images_with_the_text_cache_keyed_on_them(tmp_p
     assert any(n.endswith(".png") for n in os.listdir(tmp_path / "out" / "sample"))
     with safe_open(path, "pt") as f:
         assert f.get_tensor("lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight").abs().sum() > 0
-        assert f.metadata()["ss_network_module"] == "networks.lora_qwen_image"
+        metadata = f.metadata()
+    assert (metadata["ss_network_module"], metadata["ss_base_model_version"], metadata["modelspec.architecture"]) == \
+        ("networks.lora_qwen_image", "qwen_image_edit", "Qwen-Image-Edit-Plus/lora")  # as musubi-tuner's edit-2509
     te = str(tmp_path / "target" / "img0_qi_te.npz")
     with np.load(te) as f:
         cached = torch.from_numpy(f["prompt_embeds"])
@@ -342,6 +344,19 @@ def test_a_batch_encodes_as_its_samples_alone(files, tiny_edit):
     torch.testing.assert_close(together["prompt_embeds"], torch.cat([a["prompt_embeds"] for a in alone]),
                                rtol=0, atol=2e-6)
     assert torch.equal(together["prompt_mask"], torch.cat([a["prompt_mask"] for a in alone]))
+
+
+@pytest.mark.parametrize("version,base,arch", [
+    ("original", "qwen_image", "Qwen-Image"), ("edit", "qwen_image_edit", "Qwen-Image-Edit"),
+    ("edit-2509", "qwen_image_edit", "Qwen-Image-Edit-Plus"), ("edit-2511", "qwen_image_edit", "Qwen-Image-Edit-2511")])
+def test_metadata_names_the_version_as_musubi_tuner(version, base, arch):
+    """ss_base_model_version is musubi-tuner's architecture_full_name (qwen_image / qwen_image_edit: one for every
+    edit version); modelspec.architecture its sai_model_spec ARCH_QWEN_IMAGE_EDIT / _EDIT_PLUS / _EDIT_2511."""
+    from library.families.base import Components
+
+    family = get_family("qwen_image")
+    c = Components(None, None, [], [], options=QwenImageOptions(model_version=version))
+    assert (family.base_model_version(c), family.modelspec_architecture(c, 1024)) == (base, arch)
 
 
 def test_musubi_tuners_older_switches_name_the_version():

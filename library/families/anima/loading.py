@@ -37,6 +37,7 @@ from library.families.common.t5 import find_t5_tokenizer
 from library.families.common.loading import adopt, read_file
 from library.families.common.loading import classify_source
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.wan_vae import read_vae_tensors, to_wan
 from library.families.common.diffusers_import import diffusers_class
 
 
@@ -124,49 +125,13 @@ def load_t5_tokenizer(path: Optional[str], vocab_size: int, tokenizer_cache_dir:
 
 # --- the VAE -------------------------------------------------------------------------------------------
 
-_RESNET_WAN = (("norm1", "residual.0"), ("conv1", "residual.2"), ("norm2", "residual.3"), ("conv2", "residual.6"),
-               ("conv_shortcut", "shortcut"))
-
-
-def _resnet_to_wan(rest: str) -> str:
-    for new, old in _RESNET_WAN:
-        if rest.startswith(new + "."):
-            return old + rest[len(new):]
-    return rest
-
-
-def vae_key_to_wan(key: str) -> str:
-    """An AutoencoderKLQwenImage key -> its Wan 2.1 / ComfyUI name (the inverse of diffusers' Wan VAE converter)."""
-    for new, old in (("quant_conv.", "conv1."), ("post_quant_conv.", "conv2.")):
-        if key.startswith(new):
-            return old + key[len(new):]
-    side, _, rest = key.partition(".")
-    for new, old in (("conv_in.", "conv1."), ("norm_out.", "head.0."), ("conv_out.", "head.2.")):
-        if rest.startswith(new):
-            return f"{side}.{old}{rest[len(new):]}"
-    if m := re.match(r"mid_block\.(resnets|attentions)\.(\d)\.(.*)", rest):
-        index = 1 if m[1] == "attentions" else 2 * int(m[2])
-        return f"{side}.middle.{index}.{_resnet_to_wan(m[3]) if m[1] == 'resnets' else m[3]}"
-    if m := re.match(r"down_blocks\.(\d+)\.(.*)", rest):
-        return f"{side}.downsamples.{m[1]}.{_resnet_to_wan(m[2])}"
-    if m := re.match(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)", rest):
-        return f"{side}.upsamples.{4 * int(m[1]) + int(m[2])}.{_resnet_to_wan(m[3])}"
-    if m := re.match(r"up_blocks\.(\d+)\.upsamplers\.0\.(.*)", rest):
-        return f"{side}.upsamples.{4 * int(m[1]) + 3}.{m[2]}"
-    return key
-
-
 def load_vae_file(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """AutoencoderKLQwenImage from --vae: a file in Wan / ComfyUI names (converted by diffusers' Wan VAE converter)
-    or in diffusers' names."""
+    """AutoencoderKLQwenImage from --vae: a file in Wan / ComfyUI names or in diffusers' names
+    (library/families/common/wan_vae.py reads both)."""
     AutoencoderKLQwenImage = diffusers_class("AutoencoderKLQwenImage")
-    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     label = "--vae"
-    tensors = read_file(label, path, "the Qwen-Image VAE (encoder.* / decoder.* keys)",
-                         lambda keys: any(k.startswith(("encoder.conv1.", "encoder.conv_in.")) for k in keys), dtype)
-    if "encoder.conv1.weight" in tensors:
-        tensors = convert_wan_vae_to_diffusers(tensors)
+    tensors = read_vae_tensors(label, path, dtype)
     try:
         base_dim = tensors["encoder.conv_in.weight"].shape[0]
         z_dim = tensors["post_quant_conv.weight"].shape[0]
@@ -254,6 +219,6 @@ def write_anima_preset(name: str, out_dir: str) -> dict[str, str]:
              "vae": os.path.join(out_dir, "qwen_image_vae.safetensors")}
     write_dit_file(parts["dit"], paths["dit"])
     write_safetensors({"model." + k: v for k, v in parts["text_encoder"].state_dict().items()}, paths["qwen3"])
-    write_safetensors({vae_key_to_wan(k): v for k, v in parts["vae"].state_dict().items()}, paths["vae"])
+    write_safetensors(to_wan(parts["vae"].state_dict()), paths["vae"])
     return paths
 

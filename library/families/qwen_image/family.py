@@ -275,10 +275,13 @@ class QwenImageFamily(FlowDiTFamily):
 
     # --- metadata ------------------------------------------------------------------------------------
     def base_model_version(self, components: Components) -> str:
-        return "qwen_image"  # musubi-tuner's ss_base_model_version
+        # musubi-tuner's ss_base_model_version (its trainer's architecture_full_name): one name for every edit version
+        return "qwen_image_edit" if self.options(components).is_edit else "qwen_image"
 
     def modelspec_architecture(self, components: Components, resolution: int) -> str:
-        return "Qwen-Image"  # musubi-tuner's sai_model_spec ARCH_QWEN_IMAGE
+        # musubi-tuner's sai_model_spec ARCH_QWEN_IMAGE / _EDIT / _EDIT_PLUS (edit-2509) / _EDIT_2511
+        return {"edit": "Qwen-Image-Edit", "edit-2509": "Qwen-Image-Edit-Plus",
+                "edit-2511": "Qwen-Image-Edit-2511"}.get(self.options(components).version, "Qwen-Image")
 
     def modelspec_implementation(self) -> str:
         return QWEN_IMAGE_IMPLEMENTATION

@@ -5,8 +5,8 @@
 - ComfyUI's single files: the DiT (qwen_image_bf16.safetensors, diffusers names, `model.diffusion_model.` accepted;
   or a ComfyUI-GGUF file of it, qwen-image-Q8_0.gguf, `general.architecture` "qwen_image", its quantized weights kept)
   with --text_encoder (qwen_2.5_vl_7b.safetensors: `model.*` language-model keys; `visual.*` / `lm_head` unused, or
-  a transformers folder) and --vae (the diffusers VAE file vae/diffusion_pytorch_model.safetensors, as musubi-tuner
-  takes it);
+  a transformers folder) and --vae (ComfyUI's qwen_image_vae.safetensors in Wan 2.1 names, or the diffusers VAE
+  file vae/diffusion_pytorch_model.safetensors as musubi-tuner takes it; told apart by their keys, or a VAE folder);
 - tokenizer: the tiny one for the tiny encoder, else Qwen/Qwen2.5-VL-7B-Instruct's from the folder,
   --tokenizer_cache_dir or the local HF cache.
 
@@ -40,6 +40,7 @@ from library.families.common.gguf_file import (
 from library.families.common.qwen_vl import load_qwen_vl, vl_processor
 from library.families.common.loading import adopt, classify_source, read_file
 from library.families.common.swap_rules import indexed_blocks_in_file
+from library.families.common.wan_vae import read_vae_tensors, to_wan
 from library.families.qwen_image import layout
 from library.families.qwen_image.configs import (
     LATENT_CHANNELS,
@@ -109,7 +110,8 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
 
 
 def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
-    """AutoencoderKLQwenImage from its diffusers file (vae/diffusion_pytorch_model.safetensors)."""
+    """AutoencoderKLQwenImage from a VAE folder or one file: ComfyUI's qwen_image_vae.safetensors (Wan 2.1 names) or
+    the diffusers file (vae/diffusion_pytorch_model.safetensors), told apart by the keys (common/wan_vae.py)."""
     AutoencoderKLQwenImage = diffusers_class("AutoencoderKLQwenImage")
 
     if os.path.isdir(path):
@@ -117,8 +119,7 @@ def load_vae_file(path: str, dtype: torch.dtype, label: str = "--vae"):
             return AutoencoderKLQwenImage.from_pretrained(path, torch_dtype=dtype).eval()
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{label} {path}: not a Qwen-Image VAE folder ({str(e).splitlines()[0][:200]})") from None
-    tensors = read_file(label, path, "the Qwen-Image VAE in diffusers' names (encoder.conv_in, decoder.up_blocks)",
-                        lambda keys: "encoder.conv_in.weight" in keys and "post_quant_conv.weight" in keys, dtype)
+    tensors = read_vae_tensors(label, path, dtype)
     try:
         base = tensors["encoder.conv_in.weight"].shape[0]
         levels = len({m[1] for k in tensors if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k))})
@@ -276,7 +277,8 @@ def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[
     """A preset written as the files users have.
 
     single_file: ComfyUI's split files, {"dit": qwen_image_tiny.safetensors (diffusers names),
-    "text_encoder": qwen_2.5_vl_7b.safetensors (`model.*` + `lm_head.weight`), "vae": the diffusers VAE file};
+    "text_encoder": qwen_2.5_vl_7b.safetensors (`model.*` + `lm_head.weight`), "vae": qwen_image_vae.safetensors
+    in Wan 2.1 names as ComfyUI's};
     else a diffusers folder as Qwen/Qwen-Image ({"folder"}).
     """
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -296,7 +298,7 @@ def write_qwen_image_preset(name: str, out_dir: str, single_file: bool) -> dict[
             qwen.update({"visual." + k: v for k, v in parts["qwen"].visual.state_dict().items()})
         qwen["lm_head.weight"] = language.embed_tokens.weight.detach().clone()
         write_safetensors(qwen, paths["text_encoder"])
-        write_safetensors(parts["vae"].state_dict(), paths["vae"])
+        write_safetensors(to_wan(parts["vae"].state_dict()), paths["vae"])  # ComfyUI's Wan 2.1 names
         return paths
     tmp = out_dir.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
