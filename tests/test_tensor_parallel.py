@@ -1,7 +1,7 @@
 """--tensor_parallel_size: the frozen denoiser's Linear layers sharded over processes through its diffusers plan,
 the LoRA following each shard (library/train/distributed/tensor_parallel.py). Two CPU processes (gloo) train the
 FLUX.1 LoRA that one process trains and save the same, whole file; the checks before loading name what is in
-the way."""
+the way. Four processes (tp 2 x dp 2) train the LoRA of one process with the global batch."""
 
 from __future__ import annotations
 
@@ -175,10 +175,12 @@ def test_flux2_and_qwen_image_shard_through_their_plans_too(tmp_path, family):
 
 
 @needs_torchrun
-@pytest.mark.parametrize("split", ["--tensor_parallel_size", "--context_parallel_size"])
-def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, split):
+@pytest.mark.parametrize("split, nproc", [("--tensor_parallel_size", 2), ("--context_parallel_size", 2),
+                                         ("--tensor_parallel_size", 4)])
+def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, split, nproc):
     """Sampling during training runs the split / sharded denoiser: every process takes part (before, context
-    parallelism's main process sampled alone and waited for the others until the launch timed out)."""
+    parallelism's main process sampled alone and waited for the others until the launch timed out); with 4
+    processes, both tensor-parallel groups."""
     tmp = str(tmp_path)
     data = dataset(tmp, n=4)
     prompts = os.path.join(tmp, "prompts.txt")
@@ -187,7 +189,7 @@ def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, spl
     out = os.path.join(tmp, "out")
     launch(tmp, 1, flux_args(data, out, steps=2, extra=[split, "2", "--sample_prompts", prompts,
                                                         "--sample_every_n_steps", "2"]),
-           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=120)
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=120 * nproc // 2, nproc=nproc)
     samples = sorted(os.listdir(os.path.join(out, "sample")))
     assert len(samples) == 2 and samples[0].startswith("lora_000002_00_") and samples[1] == "lora_000002_grid.png"
 
