@@ -77,8 +77,9 @@ def train_args(data: str, out: str, logs: str, steps: int, extra=()) -> list[str
 
 
 def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "trace", audit_roots=None,
-           env_extra=None) -> None:
-    """torchrun with 2 processes in all: one node of 2 or two loopback nodes of 1; raises with the logs on failure."""
+           env_extra=None, nproc: int = 2) -> None:
+    """torchrun with 2 processes in all: one node of 2 (or `nproc`) or two loopback nodes of 1; raises with the logs
+    on failure."""
     worker = os.path.join(tmp, "worker.py")
     with open(worker, "w") as f:
         f.write(WORKER)
@@ -89,7 +90,7 @@ def launch(tmp, nodes: int, argv: list[str], timeout: int = 150, trace: str = "t
                SDTRAIN_DISTRIBUTED_TRACE=os.path.join(tmp, trace), LOGLEVEL="WARNING", **(env_extra or {}))
     port = free_port()
     if nodes == 1:
-        commands = [[TORCHRUN, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]]
+        commands = [[TORCHRUN, "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(port)]]
     else:
         commands = [[TORCHRUN, "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",
                      "--rdzv_endpoint", f"127.0.0.1:{port}"] for r in range(2)]

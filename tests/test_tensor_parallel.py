@@ -1,7 +1,7 @@
 """--tensor_parallel_size: the frozen denoiser's Linear layers sharded over processes through its diffusers plan,
 the LoRA following each shard (library/train/distributed/tensor_parallel.py). Two CPU processes (gloo) train the
 FLUX.1 LoRA that one process trains and save the same, whole file; the checks before loading name what is in
-the way."""
+the way. Four processes (tp 2 x dp 2) train the LoRA of one process with the global batch."""
 
 from __future__ import annotations
 
@@ -24,9 +24,14 @@ def test_what_is_in_the_way_is_named_in_one_line():
     assert tensor_parallel_problem(2, 2, False, "sdxl") == (
         "--tensor_parallel_size 2: sdxl's denoiser has no tensor-parallel plan (FLUX.1, FLUX.2 and Qwen-Image have; "
         "see docs/distributed.md)")
-    assert tensor_parallel_problem(2, 4, **ok) == (
-        "--tensor_parallel_size 2: needs exactly 2 processes, not 4 (data parallelism over tensor-parallel groups "
-        "is not supported)")
+    assert tensor_parallel_problem(2, 4, **ok) is None  # data parallelism over 2 groups of 2
+    assert tensor_parallel_problem(4, 8, **ok) is None
+    assert tensor_parallel_problem(2, 3, **ok) == (
+        "--tensor_parallel_size 2: the 3 process(es) must be a multiple of it (data parallelism runs over groups "
+        "of 2)")
+    assert tensor_parallel_problem(4, 6, **ok) == (
+        "--tensor_parallel_size 4: the 6 process(es) must be a multiple of it (data parallelism runs over groups "
+        "of 4)")
     assert tensor_parallel_problem(2, 2, **ok, blocks_to_swap=4) == \
         "--tensor_parallel_size 2: not with --blocks_to_swap"
     assert tensor_parallel_problem(2, 2, **ok, fsdp=True) == "--tensor_parallel_size 2: not with FSDP"
@@ -59,7 +64,7 @@ def test_a_family_without_a_plan_is_refused_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ([], "needs exactly 2 processes, not 1 (data parallelism over tensor-parallel groups is not supported)"),
+    ([], "the 1 process(es) must be a multiple of it (data parallelism runs over groups of 2)"),
     (["--network_args", "rank_dropout=0.1"], "not with LoRA dropout (--network_dropout, rank_dropout, "
                                              "module_dropout: each process draws its own)"),
     (["--fp8_base"], "not with --fp8_base (a float8 / quantized base cannot be sharded)"),
@@ -170,10 +175,12 @@ def test_flux2_and_qwen_image_shard_through_their_plans_too(tmp_path, family):
 
 
 @needs_torchrun
-@pytest.mark.parametrize("split", ["--tensor_parallel_size", "--context_parallel_size"])
-def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, split):
+@pytest.mark.parametrize("split, nproc", [("--tensor_parallel_size", 2), ("--context_parallel_size", 2),
+                                         ("--tensor_parallel_size", 4)])
+def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, split, nproc):
     """Sampling during training runs the split / sharded denoiser: every process takes part (before, context
-    parallelism's main process sampled alone and waited for the others until the launch timed out)."""
+    parallelism's main process sampled alone and waited for the others until the launch timed out); with 4
+    processes, both tensor-parallel groups."""
     tmp = str(tmp_path)
     data = dataset(tmp, n=4)
     prompts = os.path.join(tmp, "prompts.txt")
@@ -182,6 +189,43 @@ def test_every_process_samples_when_each_forward_needs_all_of_them(tmp_path, spl
     out = os.path.join(tmp, "out")
     launch(tmp, 1, flux_args(data, out, steps=2, extra=[split, "2", "--sample_prompts", prompts,
                                                         "--sample_every_n_steps", "2"]),
-           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=120)
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=120 * nproc // 2, nproc=nproc)
     samples = sorted(os.listdir(os.path.join(out, "sample")))
     assert len(samples) == 2 and samples[0].startswith("lora_000002_00_") and samples[1] == "lora_000002_grid.png"
+
+
+@needs_torchrun
+def test_four_processes_as_two_groups_of_two_train_the_lora_of_one_process_with_the_global_batch(tmp_path):
+    """World 4 = dp 2 x tp 2: a 2-D mesh ("dp", "tp"); each group of 2 shards the base and trains its own share of
+    the batches (batch 1), the LoRA gradients averaged over "dp". The saved LoRA (written by global rank 0) is that
+    of 1 process with batch 2; a state saved at step 1 resumes on 4 processes to the same LoRA."""
+    from safetensors.torch import load_file
+
+    tmp = str(tmp_path)
+    data = dataset(tmp, n=4)
+    out = os.path.join(tmp, "dptp")
+    launch(tmp, 1, flux_args(data, out, steps=2, extra=["--tensor_parallel_size", "2", "--save_state",
+                                                        "--save_every_n_steps", "1"]),
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=600, nproc=4)
+    single = flux_args(data, os.path.join(tmp, "one"), steps=2)
+    single[single.index("--train_batch_size") + 1] = "2"
+    make_trainer(single, "flux").run()
+    dptp = load_file(os.path.join(out, "lora.safetensors"))
+    one = load_file(os.path.join(tmp, "one", "lora.safetensors"))
+    assert dptp.keys() == one.keys() and len(one) == 29 * 3
+    assert all(dptp[k].shape == one[k].shape for k in one)
+    weights = [k for k in one if not k.endswith("alpha")]
+    diff = sum(float((dptp[k].double() - one[k].double()).square().sum()) for k in weights) ** 0.5
+    norm = sum(float(one[k].double().square().sum()) for k in weights) ** 0.5
+    moved = max(one[k].float().abs().max().item() for k in one if "lora_up" in k)
+    print(f"dp 2 x tp 2 vs 1 process of batch 2: relative difference {diff / norm:.3g}; largest lora_up {moved:.3g}")
+    assert diff / norm <= 5e-5, diff / norm
+    assert moved >= 1e-3
+    launch(tmp, 1, flux_args(data, os.path.join(tmp, "resumed"), steps=2,
+                             extra=["--tensor_parallel_size", "2", "--resume",
+                                    os.path.join(out, "lora-step00000001-state")]),
+           env_extra={"SCRIPT": "flux_train_network.py"}, timeout=600, nproc=4)
+    resumed = load_file(os.path.join(tmp, "resumed", "lora.safetensors"))
+    worst = max(float((resumed[k] - dptp[k]).abs().max()) for k in dptp)
+    print(f"resumed vs straight: largest difference {worst:.3g}")
+    assert worst <= 1e-6, worst

@@ -110,7 +110,8 @@ class MultiProcessFlags:
                                       aliases=("cp_size",))
     tensor_parallel_size: int = flag(1, "shard the frozen denoiser's Linear layers over N processes (tensor "
                                         "parallelism through the denoiser's diffusers plan: FLUX.1, FLUX.2, "
-                                        "Qwen-Image; the LoRA follows each shard); N processes train one batch", range=at_least(1),
+                                        "Qwen-Image; the LoRA follows each shard); N processes train one batch, "
+                                        "world size / N batches train side by side", range=at_least(1),
                                      aliases=("tp_size",))
     ddp_backend: str = flag("auto", "the processes' communication backend: auto (nccl on CUDA GPUs, gloo on CPUs and "
                                     "on Windows), nccl, or gloo", choices=DDP_BACKENDS)

@@ -13,9 +13,18 @@ A LoRA module on a sharded Linear follows it, as DTensors on the same mesh, so t
 - row-wise base (input columns split): `lora_down` is split by columns like the base; `lora_up` is replicated;
   the LoRA's output is a partial sum added to the base's partial sum before the row-wise Linear's own reduction.
 
-The other trained tensors (LoRA modules on unplanned Linears) see the same replicated inputs on every process and
-so get the same gradients: they start from rank 0's values and need no reduction. The N processes of a group
-train the same batch (`context_parallel.data_rank` with N); no DDP (the group is the whole world).
+The other trained tensors (LoRA modules on unplanned Linears) see the same replicated inputs on every process of a
+group and so get the same gradients: they start from rank 0's values and need no reduction within it. The N
+processes of a group train the same batch (`context_parallel.data_rank` with N).
+
+Data parallelism over the groups (world size = dp x N): a 2-D DeviceMesh ("dp", "tp") from PyTorch's
+`init_device_mesh` (consecutive ranks form a tensor-parallel group, as `data_rank` shares the data out), the base
+sharded over the "tp" sub-mesh. Each group trains its own share of the batches; every trained tensor's gradient (a
+DTensor's local shard, or a plain tensor) is averaged over the "dp" process group by `dist.all_reduce` in a hook
+after it accumulates (`_average_over_dp`), so all groups step the same weights on the gradient of the global batch.
+No DDP: its wrapper would swap the DTensor weights for local tensors around every forward. accelerate's
+`ParallelismConfig` does not build this mesh: it refuses dp_replicate > 1 with tp > 1 unless dp_shard > 1 (it
+composes tensor parallelism with FSDP / HSDP only).
 
 A save gathers the shards into whole tensors (`gathered`): the same file, with the same keys, as one process
 writes; a state folder holds the whole weights and optimizer state (`full_state`) and a resume shards them again
@@ -52,9 +61,9 @@ def tensor_parallel_problem(tp_size: int, world_size: int, has_plan: bool, famil
                      dropout)):
         if on:
             return f"{flag}: not with {why}"
-    if world_size != tp_size:
-        return (f"{flag}: needs exactly {tp_size} processes, not {world_size} (data parallelism over "
-                "tensor-parallel groups is not supported)")
+    if world_size % tp_size:
+        return (f"{flag}: the {world_size} process(es) must be a multiple of it (data parallelism runs over "
+                f"groups of {tp_size})")
     return None
 
 
@@ -110,8 +119,9 @@ class TensorParallel:
     Set as the trainable's `sharding` (library/train/adapters/trainables.py): saves enter `gathered`, the
     optimizer step clips with `clip_grad_norm_`, every process samples (all take part in each forward)."""
 
-    def __init__(self, mesh, styles: dict[int, tuple[str, Any, torch.nn.Module]]):
-        self.mesh = mesh
+    def __init__(self, mesh, styles: dict[int, tuple[str, Any, torch.nn.Module]], dp_group=None, dp_size: int = 1):
+        self.mesh = mesh  # the "tp" (sub-)mesh
+        self.dp_group, self.dp_size = dp_group, dp_size  # the "dp" process group of this process (None: dp 1)
         self.styles = styles  # id(Linear) -> (name, style, Linear)
         self.packed: dict[int, tuple[int, list[int]]] = {}  # id(parameter) -> (dim, block sizes)
 
@@ -122,6 +132,12 @@ class TensorParallel:
         from library.core.errors import UserError
         from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+        if self.dp_size > 1:  # every group starts from global rank 0's values
+            import torch.distributed as dist
+
+            with torch.no_grad():
+                for p in network.parameters():
+                    dist.broadcast(p.data, src=0)
         followed, done = 0, set()
         for module in network.modules():
             org = getattr(module, "org_module", None)
@@ -161,7 +177,26 @@ class TensorParallel:
                     p.copy_(distribute_tensor(p.detach(), self.mesh, [Replicate()]).to_local())
         logger.info("tensor parallelism: %d of the LoRA's modules follow the %d sharded Linear layers", followed,
                     len(self.styles))
+        if self.dp_size > 1:
+            trained = [p for p in network.parameters() if p.requires_grad]
+            for p in trained:
+                p.register_post_accumulate_grad_hook(self._average_over_dp)
+            logger.info("data parallelism over %d tensor-parallel groups: %d trained tensors averaged over \"dp\"",
+                        self.dp_size, len(trained))
         return followed
+
+    def _average_over_dp(self, param: torch.Tensor) -> None:
+        """`param`'s gradient (this process's shard) averaged over the "dp" group, once it has accumulated.
+        Under gradient accumulation each micro-step averages the running sum: the terms already averaged are equal
+        on every group, so the result is the average of the sums."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grad = param.grad
+        with torch.no_grad():
+            local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: reduced in place
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.dp_group)
+            local.div_(self.dp_size)
 
     # --- whole tensors ------------------------------------------------------------------------------------
     def full(self, param: torch.Tensor) -> torch.Tensor:
@@ -266,7 +301,9 @@ class TensorParallel:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, tp_size: int, device: torch.device) -> TensorParallel:
-    """Shard `model`'s planned Linear layers over the `tp_size` processes with its diffusers plan (`_tp_plan`)."""
+    """Shard `model`'s planned Linear layers over the `tp_size` processes of this process's group with its diffusers
+    plan (`_tp_plan`); world size / `tp_size` groups side by side (the "dp" dimension of the mesh)."""
+    import torch.distributed as dist
     from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles
     from library.core.errors import UserError
     from torch.distributed.device_mesh import init_device_mesh
@@ -293,7 +330,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_size: int, device: torch.de
             raise UserError(f"{flag}: {name}'s {weight.shape[dim]} {'rows' if dim == 0 else 'columns'} do not "
                             "divide by it")
         styles[id(linear)] = (name, style, linear)
-    mesh = init_device_mesh(device.type, (tp_size,), mesh_dim_names=("tp",))
+    dp_size = dist.get_world_size() // tp_size
+    mesh = init_device_mesh(device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    tp_mesh = mesh["tp"]
     for block, relative in _resolve_tp_plan(model, plan):
-        parallelize_module(block, mesh, _styles(relative))
-    return TensorParallel(mesh, styles)
+        parallelize_module(block, tp_mesh, _styles(relative))
+    return TensorParallel(tp_mesh, styles, mesh.get_group("dp") if dp_size > 1 else None, dp_size)
