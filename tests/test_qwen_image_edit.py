@@ -22,7 +22,7 @@ from library.families.qwen_image.loading import write_qwen_image_preset
 from library.families.qwen_image.options import QwenImageOptions
 from library.families.qwen_image.text import edit_template_tokens, vl_image
 from tests.test_edit_training import make_edit_dataset
-from tests.train_helpers import base_args, make_trainer
+from tests.train_helpers import dataset_config_args, make_trainer
 
 PRESET = "tiny:qwen_image_edit"
 
@@ -153,15 +153,9 @@ def test_denoising_steps_equal_the_pipeline(files, version, count):
 
 
 def edit_args(toml: str, out: str, version: str = "edit-2509", steps: int = 2, extra=()) -> list[str]:
-    argv = base_args("unused", out, PRESET, steps=steps, extra=[
+    return dataset_config_args(toml, out, PRESET, steps=steps, extra=[
         "--model_version", version, "--network_module", "networks.lora_qwen_image", "--network_train_unet_only",
         *extra])
-    i = argv.index("--train_data_dir")
-    del argv[i:i + 2]
-    for flag in ("--resolution", "--enable_bucket", "--min_bucket_reso", "--max_bucket_reso"):
-        i = argv.index(flag)
-        del argv[i:i + (1 if flag == "--enable_bucket" else 2)]
-    return argv + ["--dataset_config", toml]
 
 
 @pytest.mark.parametrize("controls", [1, 2])
