@@ -7,7 +7,7 @@ The families' own tables (which diffusers module goes to which original one, whi
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -32,6 +32,30 @@ def fuse_slots(fused: Mapping[str, Mapping[int, torch.Tensor]], slot_counts: tup
         if slots != list(range(len(slots))) or len(slots) not in slot_counts:
             raise ValueError(f"{key}: expected {what} to fuse, found slots {slots}")
         out[key] = torch.cat([parts[i] for i in slots], dim=0)
+    return out
+
+
+def to_original_fused(state: Mapping[str, torch.Tensor],
+                      original_module: Callable[[str], tuple[str, Optional[int]]], *,
+                      adjust: Optional[Callable[[str, str, torch.Tensor], tuple[str, torch.Tensor]]] = None,
+                      slot_counts: tuple[int, ...] = (3,), what: str = "q, k and v") -> dict[str, torch.Tensor]:
+    """A diffusers DiT state dict -> the original file's tensors: each parameter renamed by the family's
+    `original_module(module path) -> (original path, slot or None)`, the slotted ones joined (fuse_slots).
+    `adjust(original path, leaf, tensor) -> (leaf, tensor)`: a family's own per-tensor change (a norm's leaf
+    name, swapped halves) before it is placed."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in state.items():
+        module, _, leaf = key.rpartition(".")
+        name, slot = original_module(module)
+        if adjust is not None:
+            leaf, value = adjust(name, leaf, value)
+        original = f"{name}.{leaf}" if name else leaf
+        if slot is None:
+            out[original] = value
+        else:
+            fused.setdefault(original, {})[slot] = value
+    out.update(fuse_slots(fused, slot_counts, what))
     return out
 
 

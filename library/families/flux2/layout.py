@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.common.dit_layout import count_blocks, fuse_slots, swap_halves
+from library.families.common.dit_layout import count_blocks, swap_halves, to_original_fused
 
 _DOUBLE = re.compile(r"^transformer_blocks\.(\d+)\.(.+)$")
 _SINGLE = re.compile(r"^single_transformer_blocks\.(\d+)\.(.+)$")
@@ -72,21 +72,12 @@ def fused_slot(path: str) -> Optional[int]:
 
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Flux2Transformer2DModel state dict -> the original file's tensors (q, k, v fused, norms as `.scale`)."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in state.items():
-        module, _, leaf = key.rpartition(".")
-        name, slot = original_module(module)
+    def adjust(name: str, leaf: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
         if name.endswith("_norm") and leaf == "weight":
             leaf = "scale"
-        if name == SWAPPED:
-            value = swap_halves(value)
-        if slot is None:
-            out[f"{name}.{leaf}"] = value
-        else:
-            fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    out.update(fuse_slots(fused))
-    return out
+        return leaf, swap_halves(value) if name == SWAPPED else value
+
+    return to_original_fused(state, original_module, adjust=adjust)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.common.dit_layout import count_blocks, fuse_slots, swap_halves
+from library.families.common.dit_layout import count_blocks, swap_halves, to_original_fused
 
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks|context_embedder\.token_refiner\.refiner_blocks)"
                     r"\.(\d+)\.(.+)$")
@@ -91,17 +91,11 @@ def fused_slot(path: str) -> Optional[int]:
 
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A HunyuanImageTransformer2DModel state dict -> the original file's tensors (projections fused)."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in state.items():
-        module, _, leaf = key.rpartition(".")
-        name, slot = original_module(module)
-        if slot is None:
-            out[f"{name}.{leaf}"] = swap_halves(value) if name == _SWAPPED_HALVES else value
-        else:
-            fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    out.update(fuse_slots(fused, (3, 4), "q, k, v (and the MLP input)"))
-    return out
+    def adjust(name: str, leaf: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return leaf, swap_halves(value) if name == _SWAPPED_HALVES else value
+
+    return to_original_fused(state, original_module, adjust=adjust, slot_counts=(3, 4),
+                             what="q, k, v (and the MLP input)")
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor], hidden: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.common.dit_layout import count_blocks, fuse_slots
+from library.families.common.dit_layout import count_blocks, to_original_fused
 from library.families.lumina.configs import UNUSED_NORM_KEY
 
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
@@ -70,16 +70,7 @@ def _split_param(key: str) -> tuple[str, str]:
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Lumina2Transformer2DModel state dict -> the original file's tensors (q, k, v fused; `norm_final.weight`
     added as ones, as the original model holds it unused)."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in state.items():
-        module, leaf = _split_param(key)
-        name, slot = original_module(module)
-        if slot is None:
-            out[f"{name}.{leaf}"] = value
-        else:
-            fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    out.update(fuse_slots(fused))
+    out = to_original_fused(state, original_module)
     hidden = state["x_embedder.weight"].shape[0]
     out[UNUSED_NORM_KEY] = torch.ones(hidden, dtype=state["x_embedder.weight"].dtype)
     return out

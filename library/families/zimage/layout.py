@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from library.families.common.dit_layout import count_blocks, fuse_slots
+from library.families.common.dit_layout import count_blocks, to_original_fused
 from library.families.common.gguf_file import logical_shape
 
 _BLOCK = re.compile(r"^(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)$")
@@ -57,17 +57,7 @@ def fused_slot(path: str) -> Optional[int]:
 
 def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A ZImageTransformer2DModel state dict -> the original file's tensors (q, k, v fused)."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, dict[int, torch.Tensor]] = {}
-    for key, value in state.items():
-        module, _, leaf = key.rpartition(".")
-        name, slot = original_module(module)
-        if slot is None:
-            out[f"{name}.{leaf}" if name else leaf] = value
-        else:
-            fused.setdefault(f"{name}.{leaf}", {})[slot] = value
-    out.update(fuse_slots(fused))
-    return out
+    return to_original_fused(state, original_module)
 
 
 def to_diffusers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
