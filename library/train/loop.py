@@ -180,6 +180,9 @@ class TrainingLoop:
             if self.zero is not None:  # clips by the global norm of the partitioned gradients, steps, zeroes
                 self.step_module.step(self.lr_scheduler)
             else:
+                reduce = getattr(self.trainable.sharding, "reduce_gradients", None)
+                if reduce is not None:  # tensor parallelism over several groups: averaged once per step
+                    reduce()
                 optimizer_step(self.optimizer, self.lr_scheduler, self.s.optimizer.max_grad_norm if clip else None,
                                getattr(self.trainable.sharding, "clip_grad_norm_", self.accelerator.clip_grad_norm_),
                                before_step=self.trainable.before_optimizer_step if clip else None)

@@ -20,8 +20,9 @@ processes of a group train the same batch (`context_parallel.data_rank` with N).
 Data parallelism over the groups (world size = dp x N): a 2-D DeviceMesh ("dp", "tp") from PyTorch's
 `init_device_mesh` (consecutive ranks form a tensor-parallel group, as `data_rank` shares the data out), the base
 sharded over the "tp" sub-mesh. Each group trains its own share of the batches; every trained tensor's gradient (a
-DTensor's local shard, or a plain tensor) is averaged over the "dp" process group by `dist.all_reduce` in a hook
-after it accumulates (`_average_over_dp`), so all groups step the same weights on the gradient of the global batch.
+DTensor's local shard, or a plain tensor) is averaged over the "dp" process group by `dist.all_reduce` once per
+optimizer step, after accumulation and before clipping (`reduce_gradients`, called by the loop), so all groups step
+the same weights on the gradient of the global batch.
 No DDP: its wrapper would swap the DTensor weights for local tensors around every forward. accelerate's
 `ParallelismConfig` does not build this mesh: it refuses dp_replicate > 1 with tp > 1 unless dp_shard > 1 (it
 composes tensor parallelism with FSDP / HSDP only).
@@ -117,13 +118,15 @@ class TensorParallel:
     """The mesh and plan of a sharded denoiser; how the LoRA follows it and how its shards come back whole.
 
     Set as the trainable's `sharding` (library/train/adapters/trainables.py): saves enter `gathered`, the
-    optimizer step clips with `clip_grad_norm_`, every process samples (all take part in each forward)."""
+    optimizer step averages the gradients over "dp" (`reduce_gradients`) and clips with `clip_grad_norm_`, every
+    process samples (all take part in each forward)."""
 
     def __init__(self, mesh, styles: dict[int, tuple[str, Any, torch.nn.Module]], dp_group=None, dp_size: int = 1):
         self.mesh = mesh  # the "tp" (sub-)mesh
         self.dp_group, self.dp_size = dp_group, dp_size  # the "dp" process group of this process (None: dp 1)
         self.styles = styles  # id(Linear) -> (name, style, Linear)
         self.packed: dict[int, tuple[int, list[int]]] = {}  # id(parameter) -> (dim, block sizes)
+        self.dp_trained: list[torch.Tensor] = []  # the tensors whose gradients are averaged over "dp" (dp > 1)
 
     # --- the LoRA follows the base -----------------------------------------------------------------------
     def shard_adapter(self, network: torch.nn.Module) -> int:
@@ -178,25 +181,25 @@ class TensorParallel:
         logger.info("tensor parallelism: %d of the LoRA's modules follow the %d sharded Linear layers", followed,
                     len(self.styles))
         if self.dp_size > 1:
-            trained = [p for p in network.parameters() if p.requires_grad]
-            for p in trained:
-                p.register_post_accumulate_grad_hook(self._average_over_dp)
+            self.dp_trained = [p for p in network.parameters() if p.requires_grad]
             logger.info("data parallelism over %d tensor-parallel groups: %d trained tensors averaged over \"dp\"",
-                        self.dp_size, len(trained))
+                        self.dp_size, len(self.dp_trained))
         return followed
 
-    def _average_over_dp(self, param: torch.Tensor) -> None:
-        """`param`'s gradient (this process's shard) averaged over the "dp" group, once it has accumulated.
-        Under gradient accumulation each micro-step averages the running sum: the terms already averaged are equal
-        on every group, so the result is the average of the sums."""
+    def reduce_gradients(self) -> None:
+        """Before the optimizer step (the micro-steps' gradients accumulated): each trained tensor's gradient (this
+        process's shard) averaged over the "dp" group. Nothing with one group."""
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        grad = param.grad
         with torch.no_grad():
-            local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: reduced in place
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.dp_group)
-            local.div_(self.dp_size)
+            for param in self.dp_trained:
+                grad = param.grad
+                if grad is None:
+                    continue
+                local = grad.to_local() if isinstance(grad, DTensor) else grad  # a view: reduced in place
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.dp_group)
+                local.div_(self.dp_size)
 
     # --- whole tensors ------------------------------------------------------------------------------------
     def full(self, param: torch.Tensor) -> torch.Tensor:
