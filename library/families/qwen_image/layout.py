@@ -8,19 +8,4 @@ LastLayer holds (scale, shift) as diffusers' AdaLayerNormContinuous does, so no 
 LoRA names and file layouts: lora_names.py.
 """
 
-from __future__ import annotations
-
-from typing import Mapping
-
-import torch
-
-COMFY_PREFIX = "model.diffusion_model."
-
-
-def strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A DiT state dict without ComfyUI's whole-model prefix."""
-    if any(k.startswith(COMFY_PREFIX) for k in tensors):
-        return {k[len(COMFY_PREFIX):]: v for k, v in tensors.items() if k.startswith(COMFY_PREFIX)}
-    return dict(tensors)
-
-
+from library.families.common.dit_layout import COMFY_PREFIX, strip_prefix  # noqa: F401 (the shared DiT rules)

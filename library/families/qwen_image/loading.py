@@ -35,13 +35,12 @@ from library.families.common.gguf_file import (
     gguf_keys,
     is_gguf,
     logical_shape,
-    read_gguf,
 )
 from library.families.common.qwen_vl import load_qwen_vl, vl_processor
-from library.families.common.loading import adopt, classify_source, read_file
+from library.families.common.dit_layout import COMFY_PREFIX, count_blocks
+from library.families.common.loading import adopt, classify_source, read_dit_file
 from library.families.common.swap_rules import indexed_blocks_in_file
 from library.families.common.wan_vae import read_vae_tensors, to_wan
-from library.families.qwen_image import layout
 from library.families.qwen_image.configs import (
     LATENT_CHANNELS,
     PATCH,
@@ -83,26 +82,22 @@ def load_dit_file(path: str, dtype: torch.dtype, label: str = "--pretrained_mode
     names; quantized weights kept). The config is read from the logical shapes."""
     QwenImageTransformer2DModel = diffusers_class("QwenImageTransformer2DModel")
 
-    what = "a Qwen-Image DiT (transformer_blocks.*.img_mod keys)"
-
-    def holds(keys):
-        return any(_DIT_MARKER.match(k) for k in keys)
-
-    gguf = is_gguf(path)
-    tensors = layout.strip_prefix(read_gguf(label, path, what, holds, dtype, archs=("qwen_image",)) if gguf
-                                  else read_file(label, path, what, holds, dtype))
-    try:
+    def dit_config(tensors):
         # logical shapes: a GGUF-quantized tensor's own shape is its byte shape (rows, bytes per row)
         hidden, inputs = logical_shape(tensors["img_in.weight"])
         head_dim = logical_shape(tensors["transformer_blocks.0.attn.norm_q.weight"])[0]
-        config = dict(patch_size=PATCH, in_channels=inputs,
-                      out_channels=logical_shape(tensors["proj_out.weight"])[0] // 4,
-                      num_layers=len({m[1] for k in tensors if (m := re.match(r"transformer_blocks\.(\d+)\.", k))}),
-                      attention_head_dim=head_dim, num_attention_heads=hidden // head_dim,
-                      joint_attention_dim=logical_shape(tensors["txt_in.weight"])[1], guidance_embeds=False,
-                      axes_dims_rope=rope_axes(head_dim))
-    except KeyError as e:
-        raise ModelLoadError(f"{label} {path}: incomplete Qwen-Image DiT, no tensor for {e.args[0]}") from None
+        return dict(patch_size=PATCH, in_channels=inputs,
+                    out_channels=logical_shape(tensors["proj_out.weight"])[0] // 4,
+                    num_layers=count_blocks(tensors, "transformer_blocks"), attention_head_dim=head_dim,
+                    num_attention_heads=hidden // head_dim,
+                    joint_attention_dim=logical_shape(tensors["txt_in.weight"])[1], guidance_embeds=False,
+                    axes_dims_rope=rope_axes(head_dim))
+
+    gguf = is_gguf(path)
+    tensors, config = read_dit_file(label, path, dtype, expected="a Qwen-Image DiT (transformer_blocks.*.img_mod keys)",
+                                    marker=_DIT_MARKER, infer_shape=dit_config, what="Qwen-Image DiT",
+                                    gguf_archs=("qwen_image",))
+    inputs = config["in_channels"]
     if inputs != LATENT_CHANNELS * PATCH * PATCH:
         raise ModelLoadError(f"{label} {path}: expected the Qwen-Image DiT ({LATENT_CHANNELS * 4} img_in inputs), "
                              f"found {inputs}")
@@ -240,7 +235,7 @@ def _dit_file_keys(path: str) -> list[str]:
         from safetensors import safe_open
 
         with safe_open(path, "pt") as f:
-            return [k[len(layout.COMFY_PREFIX):] if k.startswith(layout.COMFY_PREFIX) else k for k in f.keys()]
+            return [k[len(COMFY_PREFIX):] if k.startswith(COMFY_PREFIX) else k for k in f.keys()]
     except Exception:  # noqa: BLE001 - an unreadable header: load_dit_file names it in one line
         return []
 
