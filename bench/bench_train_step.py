@@ -7,10 +7,12 @@ dim 8, cached latents, AdamW, fp32, batch 1, one thread by default.
   do), DDPM add_noise, UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
 - ours: the trainer's micro-step (library.train.step.batch_loss) + clipping + optimizer and scheduler step, with
   the speed-ups the trainer turns on by default (library/train/speedups.py): the text-encoder outputs kept in
-  memory once met (--no_auto_text_cache), frozen convolutions channels_last (--no_channels_last). Pass the same
-  flags here to measure ours without one.
+  memory once met (--no_auto_text_cache), frozen convolutions channels_last (--no_channels_last), the LoRA'd
+  Linears' products fused (networks/lora_matmul.py, --no_fused_lora; the bare step computes the same LoRA
+  parameters with the plain formula org(x) + up(down(x)) * scale, as sd-scripts' and peft's LoRA do). Pass the
+  same flags here to measure ours without one.
 
-The two alternate step by step (the model's layout is switched between them, untimed); each is timed in wall and
+The two alternate step by step (the model's layout and the LoRA's formula are switched between them, untimed); each is timed in wall and
 process CPU seconds and the minimum over the repeats is compared (the steadiest figure on a shared machine).
 Prints per resolution: seconds per step, ours/bare (goal <= 0.80 at 128², <= 0.90 at 512²), load, peak RSS.
 
@@ -35,7 +37,7 @@ from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.speedups import SpeedOptions, frozen_convs_channels_last  # noqa: E402
+from library.train.speedups import SpeedOptions, frozen_convs_channels_last, use_fused_lora  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 
 GOALS = {128: 0.80, 512: 0.90}
@@ -57,10 +59,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no_auto_text_cache", action="store_true")
     p.add_argument("--no_channels_last", action="store_true")
+    p.add_argument("--no_fused_lora", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    speed = SpeedOptions(auto_text_cache=not a.no_auto_text_cache, channels_last=not a.no_channels_last)
+    speed = SpeedOptions(auto_text_cache=not a.no_auto_text_cache, channels_last=not a.no_channels_last,
+                         fused_lora=not a.no_fused_lora)
 
     family = get_family("sd")
     t0 = time.perf_counter()
@@ -71,7 +75,8 @@ def main() -> None:
     for m in (unet, te, comps.vae):
         m.requires_grad_(False)
         m.eval()
-    _, params, optimizer, scheduler = denoiser_lora(family, comps, unet, a.dim, torch.device("cpu"))
+    network, params, optimizer, scheduler = denoiser_lora(family, comps, unet, a.dim, torch.device("cpu"))
+    lora_modules = [m for m in network.modules() if hasattr(m, "fused_matmul")]
     scheme = family.noise_scheme(comps)
     caption = ["a photo of a sks dog sitting on a wooden chair, high quality"]
     ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
@@ -83,6 +88,12 @@ def main() -> None:
     def ours_layout() -> None:
         if speed.channels_last:
             frozen_convs_channels_last(unet)
+        use_fused_lora(network, speed)
+
+    def bare_layout() -> None:
+        to_nchw(unet)
+        for m in lora_modules:
+            m.fused_matmul = False
 
     print(f"{'size':>6} {'bare s':>8} {'ours s':>8} {'wall ratio':>10} {'CPU ratio':>9} {'goal':>5}  load")
     for res in a.resolutions:
@@ -106,7 +117,7 @@ def main() -> None:
         our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
         bare, ours = [], []
         for i in range(a.warmup + a.steps):
-            to_nchw(unet)
+            bare_layout()
             b = timed_once(bare_step)
             ours_layout()
             o = timed_once(our_step)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from networks import lora_math
+from networks.lora_matmul import applies, lora_linear
 
 
 def init_lora_parameters(module: nn.Module, lora_dim: int, alpha: Any, multiplier: float, dropout: Optional[float],
@@ -62,6 +63,9 @@ class LoRAModule(nn.Module):
         self._org: tuple[nn.Module, ...] = (org_module,)
         self._org_forward: Optional[Callable] = None
         self._org_had_own_forward = False
+        # networks/lora_matmul.py: the LoRA's products fused with the frozen layer's (merged where exact); the
+        # trainer turns it on (library/train/speedups.py, --no_fused_lora keeps the plain formula)
+        self.fused_matmul = False
 
     @property
     def org_module(self) -> nn.Module:
@@ -91,10 +95,20 @@ class LoRAModule(nn.Module):
         """Recompute the scale from the `alpha` buffer (after loading weights)."""
         self.scale = lora_math.lora_scale(self.alpha, self.lora_dim)
 
+    def _fuses(self, x: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        org = self.org_module
+        plain = not (self.training and (self.dropout or self.rank_dropout
+                                        or (self.ggpo is not None and self.ggpo.active())))
+        return (self.fused_matmul and plain and not args and not kwargs and not self._org_had_own_forward
+                and type(org) is nn.Linear and applies(x, org, self.lora_down.weight, self.lora_up.weight))
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        org_out = self._org_forward(x, *args, **kwargs)
         if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
-            return org_out
+            return self._org_forward(x, *args, **kwargs)
+        if self._fuses(x, args, kwargs):
+            return lora_linear(x, self.org_module, self.lora_down.weight, self.lora_up.weight,
+                               self.multiplier * self.scale)
+        org_out = self._org_forward(x, *args, **kwargs)
         lx = self.lora_down(x.to(self.lora_down.weight.dtype))
         if self.training and self.dropout is not None:
             lx = nn.functional.dropout(lx, p=self.dropout)

@@ -114,17 +114,20 @@ def test_default_run_caches_text_and_uses_channels_last_with_the_plain_result(tm
     assert "text encoders are frozen and captions fixed: each caption's outputs are kept in memory" in fast_log
     assert "(2 captions," in fast_log
     assert "channels_last: 52 frozen convolutions of the denoiser stored NHWC" in fast_log
+    assert "fused LoRA products: 192 LoRA modules compute their update with the frozen layer's product" in fast_log
     assert sorted(fast.ctx.text_cache) == ["sks toy, square, color 0, plain background",
                                           "sks toy, square, color 1, plain background"]
 
-    plain, plain_lora, plain_log = _train(tmp_path, "plain", ["--no_auto_text_cache", "--no_channels_last"], caplog)
-    assert "kept in memory" not in plain_log and "channels_last" not in plain_log
+    plain, plain_lora, plain_log = _train(tmp_path, "plain", ["--no_auto_text_cache", "--no_channels_last",
+                                                              "--no_fused_lora"], caplog)
+    assert "kept in memory" not in plain_log and "channels_last" not in plain_log and "fused LoRA" not in plain_log
     assert plain.ctx.text_cache is None and not plain.ctx.fill_text_cache
     assert fast_lora.keys() == plain_lora.keys()
-    # The cache itself is bitwise (test above); channels_last rounds the convolutions differently (1e-7), and
-    # AdamW divides each gradient by its own running size, so an element whose gradient is near 0 can step
-    # differently by up to the learning rate (1e-3). Measured: max |diff| 3e-4 over 4 steps, global relative
-    # difference of all weights 5e-6.
+    # The cache itself is bitwise (test above); channels_last rounds the convolutions differently (1e-7), the
+    # fused LoRA products their sums (3e-7, tests below), and AdamW divides each gradient by its own running size,
+    # so an element whose gradient is near 0 can step differently by up to the learning rate (1e-3). Measured:
+    # max |diff| 3e-4 over 4 steps, global relative difference of all weights 5e-6 (cache and channels_last);
+    # with the fused products too, 4.3e-5 and 1.6e-6 in another run.
     for k in plain_lora:
         assert torch.allclose(fast_lora[k], plain_lora[k], rtol=0, atol=1e-3), k
     diff = torch.cat([(fast_lora[k] - plain_lora[k]).flatten() for k in plain_lora]).norm()
@@ -135,3 +138,82 @@ def test_random_captions_keep_encoding_every_step(tmp_path, caplog):
     trainer, _, log = _train(tmp_path, "shuffled", ["--shuffle_caption"], caplog)
     assert "text encoder outputs are computed every step (shuffle_caption changes captions between steps)" in log
     assert trainer.ctx.text_cache is None
+
+
+def _lora_linear(fused: bool, dtype=torch.float32, dropout=None, bias=True):
+    from networks.lora_module import LoRAModule
+
+    torch.manual_seed(0)
+    org = torch.nn.Linear(48, 80, bias=bias).to(dtype).requires_grad_(False)
+    lora = LoRAModule("lora_unet_x", org, multiplier=0.7, lora_dim=8, alpha=4, dropout=dropout)  # float32 LoRA
+    torch.nn.init.normal_(lora.lora_up.weight, std=0.05)  # zero at init: give the update a size
+    lora.apply_to()
+    lora.fused_matmul = fused
+    return org, lora
+
+
+def _forward_backward(org, lora, x):
+    x = x.clone().requires_grad_(True)
+    out = org(x)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype))
+    return out.detach(), x.grad, lora.lora_down.weight.grad, lora.lora_up.weight.grad, out.grad_fn
+
+
+def _relative_differences(dtype, rows):
+    x = torch.randn(rows, 48).to(dtype)
+    plain = _forward_backward(*_lora_linear(False, dtype), x)
+    fused = _forward_backward(*_lora_linear(True, dtype), x)
+    assert type(fused[4]).__name__ == "_LoRALinearBackward" and type(plain[4]).__name__ == "AddBackward0"
+    return [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(plain[:4], fused[:4])]
+
+
+@pytest.mark.parametrize("rows", [59, 60])  # merging pays from 60 rows here (pays(): 2 * 48 * 80 / 128)
+def test_fused_lora_linear_is_the_plain_formula_in_float32(rows):
+    from networks.lora_matmul import pays
+
+    assert pays(rows, 48, 80) == (rows == 60)
+    # The same sums rounded in another order (a merged weight is rounded once, the scale multiplies the LoRA
+    # gradients last). Measured, relative to the largest value, output / input gradient / down / up: merged
+    # (60 rows) 2.6e-7 / 3.2e-7 / 3.2e-7 / 1.2e-6; fused (59 rows) 5.5e-8 / 5.3e-8 / 2.7e-7 / 4.5e-7.
+    assert max(_relative_differences(torch.float32, rows)) < 5e-6
+
+
+def test_fused_lora_linear_on_a_bfloat16_base_is_the_plain_formula_rounded_once():
+    # The update is computed in the LoRA's float32 either way; the plain path rounds the scaled update to bfloat16
+    # and then the sum, the fused one only the sum: at most one bfloat16 step (2^-8) apart. Measured: output 3.6e-3,
+    # input gradient 3.4e-3 of the largest value; down and up (float32 products of the same bfloat16 gradient)
+    # 2.3e-7 and 4.3e-7.
+    out, grad_x, down, up = _relative_differences(torch.bfloat16, 64)
+    assert out < 8e-3 and grad_x < 8e-3 and down < 5e-6 and up < 5e-6
+
+
+@pytest.mark.parametrize("case", ["autocast", "dropout", "module_off"])
+def test_fused_lora_linear_keeps_the_plain_formula_where_it_is_not_the_same(case):
+    org, lora = _lora_linear(case != "module_off", dropout=0.1 if case == "dropout" else None)
+    lora.train()
+    x = torch.randn(64, 48, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext():
+        out = org(x)
+    assert type(out.grad_fn).__name__ != "_LoRALinearBackward"
+    lora.eval()  # dropout applies only in training
+    assert type(org(x).grad_fn).__name__ == ("AddBackward0" if case == "module_off" else "_LoRALinearBackward")
+
+
+def test_tf32_math_is_not_merged():
+    from networks.lora_matmul import _LoRALinear
+
+    org, lora = _lora_linear(True)
+    seen = []
+    real = _LoRALinear.forward
+    _LoRALinear.forward = staticmethod(lambda ctx, *a: (seen.append(a[-1]), real(ctx, *a))[1])
+    try:
+        org(torch.randn(64, 48))
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            org(torch.randn(64, 48))
+        finally:
+            torch.set_float32_matmul_precision(before)
+    finally:
+        _LoRALinear.forward = real
+    assert seen == [True, False]  # merged at "highest", fused (not merged) when products may round to TF32

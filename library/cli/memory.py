@@ -61,11 +61,16 @@ class SpeedFlags:
                                            "memory the first time it is met)")
     no_channels_last: bool = flag(False, "keep the denoiser's frozen convolution weights NCHW (by default they are "
                                          "stored channels_last, which the convolution kernels run faster)")
+    no_fused_lora: bool = flag(False, "compute each LoRA'd Linear as org(x) + up(down(x)) * scale with three "
+                                      "separate products (by default the update is fused with the frozen "
+                                      "layer's product, merged into its weight in float32: the same sums, fewer "
+                                      "passes)")
 
 
 def speed_options_from_args(values: Mapping[str, Any]) -> SpeedOptions:
     return SpeedOptions(auto_text_cache=not values.get("no_auto_text_cache"),
-                        channels_last=not values.get("no_channels_last"))
+                        channels_last=not values.get("no_channels_last"),
+                        fused_lora=not values.get("no_fused_lora"))
 
 
 def memory_options_from_args(values: Mapping[str, Any], family: Any = None, fine_tune: bool = False) -> MemoryOptions:

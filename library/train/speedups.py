@@ -4,6 +4,10 @@ opt-out flag (library/cli/memory.py SpeedFlags) and a numerics test (tests/test_
 - channels_last: the frozen Conv2d weights of the denoiser are stored NHWC, so the CPU (oneDNN) and GPU (cuDNN)
   convolution kernels run without reordering every activation. Decided by the model (it has Conv2d layers), not
   by the family.
+- fused LoRA products: a LoRA'd Linear computes org(x) + up(down(x)) * scale as one autograd function
+  (networks/lora_matmul.py): one product with the merged weight where the base is float32 and there are enough
+  tokens, else the update added in the last product's epilogue; the rank-r gradients in the CPU's fast layout.
+  Only where it is the plain formula (no dropout, no autocast, float32 LoRA weights). Decided by each call.
 - the automatic text-encoder output cache: when no text encoder trains and no caption can change between epochs,
   each caption is encoded once, the first time a step meets it, and its outputs are reused (library/train/step.py).
 """
@@ -25,6 +29,7 @@ _CONV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class SpeedOptions:
     auto_text_cache: bool = True  # --no_auto_text_cache turns it off
     channels_last: bool = True  # --no_channels_last turns it off
+    fused_lora: bool = True  # --no_fused_lora turns it off
 
 
 def frozen_convs_channels_last(model: torch.nn.Module) -> int:
@@ -51,6 +56,20 @@ def use_channels_last(model: Optional[torch.nn.Module], options: SpeedOptions) -
         logger.info("channels_last: %d frozen convolutions of the denoiser stored NHWC for faster kernels "
                     "(--no_channels_last to keep NCHW)", n)
     return n
+
+
+def use_fused_lora(network: Optional[torch.nn.Module], options: SpeedOptions) -> int:
+    """Let the LoRA modules of `network` compute fused (networks/lora_matmul.py) when the option is on; returns
+    how many modules may (each call still checks that it is the plain formula). One log line."""
+    if network is None or not options.fused_lora:
+        return 0
+    modules = [m for m in network.modules() if hasattr(m, "fused_matmul")]
+    for module in modules:
+        module.fused_matmul = True
+    if modules:
+        logger.info("fused LoRA products: %d LoRA modules compute their update with the frozen layer's product "
+                    "(--no_fused_lora for the plain formula)", len(modules))
+    return len(modules)
 
 
 def auto_text_cache_blocked(options: SpeedOptions, explicit_cache: bool, text_encoders_train: bool,

@@ -48,7 +48,7 @@ from library.train.step_position import initial_progress
 from library.train.state import RunState
 from library.train.step import StepContext
 from library.train.stopping import StopHandler
-from library.train.speedups import use_channels_last
+from library.train.speedups import use_channels_last, use_fused_lora
 from library.train.observe.tracking import Tracker
 from library.train.adapters.trainables import Trainable
 
@@ -236,6 +236,8 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)
+                if tp is None and not self.t.compile.torch_compile:  # plain tensors, eager modules
+                    use_fused_lora(self.trainable.module, self.s.speed)
             if self.fsdp is not None:
                 self._shard()
             if self.t.compile.torch_compile:  # after the adapter hooks in: the first step traces them too
