@@ -69,7 +69,7 @@ class NameOnUse:
 
     def __init__(self, module: str, name: str) -> None:
         self._module = module
-        self.__name__ = self.__qualname__ = name
+        self.__name__ = name
 
     def resolve(self) -> Any:
         return getattr(importlib.import_module(self._module), self.__name__)
@@ -98,8 +98,9 @@ class NameOnUse:
 
 @dataclass(frozen=True)
 class Rule:
-    """One module that binds `package` at import under `flags.flag()`: `stand_ins(module)` gives the names it would
-    have bound, `on_import(module)` what it would have run, to run when `package` is imported."""
+    """One module that binds `package` at import only when the availability function `flag` of the module `flags`
+    says so: `stand_ins(module)` gives the names it would have bound, `on_import(module)` what it would have run,
+    to run when `package` is imported."""
 
     flags: str
     flag: str
@@ -265,6 +266,3 @@ def install() -> bool:
         sys.meta_path.insert(0, _Finder())
     return True
 
-
-def installed() -> bool:
-    return any(isinstance(f, _Finder) for f in sys.meta_path)
