@@ -56,6 +56,8 @@ class ModuleOnUse:
         self._load = load or name
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("_name", "_load"):  # not set yet (copy / pickle build the object empty)
+            raise AttributeError(attr)
         importlib.import_module(self._load)
         return getattr(importlib.import_module(self._name), attr)
 
@@ -90,6 +92,8 @@ class NameOnUse:
         return real is not None and issubclass(sub, real)
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("_module", "__name__"):  # not set yet (copy / pickle build the object empty)
+            raise AttributeError(attr)
         return getattr(self.resolve(), attr)
 
     def __repr__(self) -> str:
