@@ -223,9 +223,12 @@ assert torch.isfinite(out).all()
 
 # torchao stand-ins: nothing of torchao exists before its import, the real thing after
 assert not isinstance(object(), dq.FqnToConfig) and "torchao" not in sys.modules
-assert (torch.uint1, "torch.uint1") not in torch.serialization.get_safe_globals()
+uints = [(getattr(torch, f"uint{n}"), f"torch.uint{n}") for n in range(1, 8)]
+assert all(u in torch.serialization.get_safe_globals() for u in uints)  # at diffusers' import, as it does
+from library.families.common import deferred_backends
+assert [a.__name__ for a in deferred_backends._ON_IMPORT["torchao"]] == ["_update_torch_safe_globals"]
 import torchao
-assert (torch.uint1, "torch.uint1") in torch.serialization.get_safe_globals()  # diffusers' registration, at import
+assert "torchao" not in deferred_backends._ON_IMPORT  # diffusers' registration of torchao's classes ran
 import torchao.quantization as q
 cfg = q.FqnToConfig({"_default": q.Int8WeightOnlyConfig()})
 assert isinstance(cfg, dq.FqnToConfig) and issubclass(q.FqnToConfig, dq.FqnToConfig)

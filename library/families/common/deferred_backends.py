@@ -26,8 +26,11 @@ meanwhile, get the real answer), so it skips the import. Then:
   (`linear_sum_assignment`, `quantize_`, ...), a class (`FqnToConfig`) answers `isinstance` / `issubclass` as the
   real one once its module is imported (before that, no instance can exist) and constructs the real one on call,
   a module (`scipy`, `integrate`) is imported on its first attribute (`scipy.stats.beta.ppf` imports scipy.stats);
-- diffusers' torch.load safe-globals registration of torchao's tensor classes runs when torchao is first imported,
-  by anyone (the finder watches that import too): torchao's classes cannot be in a checkpoint's unpickling before.
+- diffusers' torch.load safe-globals registration registers torch's uint1..7 dtypes at once, as at its import, and
+  torchao's tensor classes when torchao is first imported, by anyone (the finder watches that import too):
+  diffusers' own torchao loading imports torchao first (`TorchAoConfig` deserializes through `torchao.core`);
+  only a bare `torch.load(..., weights_only=True)` of a torchao checkpoint in a process that never imported
+  torchao would miss them (import torchao first).
 
 Nothing is hidden for a package already imported or not installed, a module already imported, or a module whose
 flag says "absent" anyway. `LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1` in the environment turns this off, with
@@ -145,8 +148,13 @@ def _diffusers_torchao(module: Any) -> dict[str, Any]:
 
 
 def _diffusers_torchao_safe_globals(module: Any) -> Optional[Callable[[], Any]]:
+    """diffusers' `_update_torch_safe_globals()`, run at its import under the same condition: torch's own uint1..7
+    dtypes now, as it registers them first; the whole function (torchao's tensor classes) once torchao is imported."""
     if (module.is_torch_available() and module.is_torch_version(">=", "2.6.0")
             and module.is_torchao_version(">=", "0.15.0")):
+        import torch
+
+        torch.serialization.add_safe_globals([(getattr(torch, f"uint{n}"), f"torch.uint{n}") for n in range(1, 8)])
         return module._update_torch_safe_globals
     return None
 
