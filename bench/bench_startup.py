@@ -8,9 +8,11 @@ checkout (e.g. `git worktree add /tmp/base main`), the two alternating run by ru
 each is compared (the steadiest figure on a shared machine: other load only ever adds time).
 
 With --floor it measures instead what importing only the quickstart's model classes costs, in a fresh process:
-torch, then transformers' CLIP text model and tokenizer (the SD 1.x text encoder), then diffusers' U-Net and VAE
-files through library/families/common/diffusers_import.py: peak RSS and CPU seconds after each, the floor under
-any start-up of this run (the run adds its data, models, optimizer and the first step's kernels to it).
+torch, then library.families (whose import installs deferred_backends.py's finder, keeping torchao and scipy out),
+then transformers' CLIP text model and tokenizer (the SD 1.x text encoder), then diffusers' U-Net and VAE files
+through library/families/common/diffusers_import.py: peak RSS and CPU seconds after each, the floor under any
+start-up of this run (the run adds its data, models, optimizer and the first step's kernels to it).
+LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1 in the environment measures the same imports without either deferral.
 
     python bench/bench_startup.py [--repeats 5] [--baseline /path/to/other/checkout] [--threads 1] [--floor]
 """
@@ -64,6 +66,8 @@ def report(what):
           f"CPU {time.process_time() - c0:5.2f} s  modules {len(sys.modules)}", flush=True)
 import torch
 report("torch")
+import library.families  # installs deferred_backends' finder, as every run does before its first model import
+report("+ library.families")
 from transformers.models.clip.modeling_clip import CLIPTextModel
 from transformers.models.clip.tokenization_clip import CLIPTokenizer
 report("+ transformers CLIPTextModel, CLIPTokenizer")

@@ -1,5 +1,6 @@
-"""Start-up imports only what the run uses (issue 28): the quickstart's modules, and the diffusers loader's
-deferred packages and peft / bitsandbytes stand-ins (library/families/common/diffusers_import.py).
+"""Start-up imports only what the run uses (issue 28): the quickstart's modules, the diffusers loader's
+deferred packages and peft / bitsandbytes stand-ins (library/families/common/diffusers_import.py), and the torchao /
+scipy stand-ins in transformers and diffusers (library/families/common/deferred_backends.py).
 
 Each check runs in a fresh interpreter: what a process imported is the thing under test, and pytest's own
 process has imported everything other tests needed."""
@@ -15,10 +16,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
 
 # Modules the SD 1.x quickstart has no use for (exact names): other models' diffusers files, other families'
-# text encoders, peft / bitsandbytes (diffusers imports them only to bind names), data sets and wandb (not asked).
+# text encoders, peft / bitsandbytes / torchao / scipy (transformers and diffusers import them only to bind names),
+# data sets and wandb (not asked).
 NOT_IMPORTED = (
     "peft",
     "bitsandbytes",
+    "torchao",
+    "scipy",
     "datasets",
     "wandb",
     "diffusers.models.transformers.transformer_flux",
@@ -151,17 +155,145 @@ unet = diffusers_class("UNet2DConditionModel")
 import diffusers
 assert unet is diffusers.UNet2DConditionModel
 print("deferred" if is_deferred("diffusers.models.autoencoders") else "eager",
-      "transformer_flux" if "diffusers.models.transformers.transformer_flux" in sys.modules else "-")
+      "transformer_flux" if "diffusers.models.transformers.transformer_flux" in sys.modules else "-",
+      *[p if p in sys.modules else "-" for p in ("torchao", "scipy")])
 """
 
 
 def test_plain_import_opt_out_runs_diffusers_own_packages():
     """LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1 imports through diffusers' own packages: nothing deferred, the sibling
-    models imported as diffusers does; without it the same class comes from its own file alone."""
+    models, torchao and scipy imported as diffusers and transformers do; without it the same class comes from its
+    own file alone, and neither torchao nor scipy is imported."""
     plain = subprocess.run([sys.executable, "-c", _OPT_OUT], cwd=REPO, capture_output=True, text=True, timeout=300,
                            env=dict(ENV, LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT="1"))
     assert plain.returncode == 0, plain.stderr[-3000:]
-    assert plain.stdout.split() == ["eager", "transformer_flux"]
+    assert plain.stdout.split() == ["eager", "transformer_flux", "torchao", "scipy"]
     deferred = _python(_OPT_OUT)
     assert deferred.returncode == 0, deferred.stderr[-3000:]
-    assert deferred.stdout.split() == ["deferred", "-"]
+    assert deferred.stdout.split() == ["deferred", "-", "-", "-"]
+
+
+_BACKENDS = """
+import sys
+import torch
+import library.families  # noqa: F401  (installs the finder, as every run does before a model import)
+from transformers.models.clip.modeling_clip import CLIPTextModel
+from library.families.common.diffusers_import import diffusers_classes
+diffusers_classes("UNet2DConditionModel", "AutoencoderKL")  # imports single_file_utils and its schedulers
+import transformers.utils as tu, transformers.utils.import_utils as tiu
+import diffusers.utils as du, diffusers.utils.import_utils as diu
+import transformers.quantizers.quantizer_torchao as tq
+import diffusers.quantizers.torchao.torchao_quantizer as dq
+import diffusers.schedulers.scheduling_euler_discrete as euler
+import diffusers.schedulers.scheduling_lms_discrete as lms
+from library.families.common.deferred_backends import RULES
+losses = [sys.modules[m] for m in RULES if m.startswith("transformers.loss.")]
+assert len(losses) == 6, losses
+assert [m for m in sys.modules if m.split(".")[0] in ("torchao", "scipy")] == []
+
+# the availability functions are the real ones again, everywhere, and answer "available"
+assert tu.is_torchao_available is tiu.is_torchao_available is tq.is_torchao_available
+assert tu.is_scipy_available is tiu.is_scipy_available
+assert all(m.is_scipy_available is tiu.is_scipy_available for m in losses)
+assert du.is_torchao_available is diu.is_torchao_available is dq.is_torchao_available
+assert du.is_scipy_available is diu.is_scipy_available is euler.is_scipy_available is lms.is_scipy_available
+assert tu.is_torchao_available() is True and tu.is_scipy_available() is True
+assert du.is_torchao_available() is True and du.is_scipy_available() is True
+import diffusers
+assert diffusers.LMSDiscreteScheduler.__module__ == "diffusers.schedulers.scheduling_lms_discrete"  # not a dummy
+
+# scipy stand-ins resolve to scipy's own objects, imported on use
+cost = torch.tensor([[4.0, 1.0, 3.0], [2.0, 0.0, 5.0], [3.0, 2.0, 2.0], [1.0, 6.0, 0.5]])
+rows, cols = losses[0].linear_sum_assignment(cost)
+assert "scipy.optimize" in sys.modules
+from scipy.optimize import linear_sum_assignment
+want = linear_sum_assignment(cost)
+assert (rows.tolist(), cols.tolist()) == (want[0].tolist(), want[1].tolist()) == ([1, 2, 3], [1, 2, 0]), (rows, cols)
+assert all([c.tolist() for c in m.linear_sum_assignment(cost)] == [[1, 2, 3], [1, 2, 0]] for m in losses)
+import scipy.integrate, scipy.stats
+assert euler.scipy.stats is scipy.stats and lms.integrate.quad is scipy.integrate.quad
+s = euler.EulerDiscreteScheduler(use_beta_sigmas=True)
+s.set_timesteps(4)  # scipy.stats.beta.ppf through the stand-in
+assert s.sigmas.shape == (5,) and float(s.sigmas[-1]) == 0.0, s.sigmas
+s = lms.LMSDiscreteScheduler()
+s.set_timesteps(4)
+x = torch.ones(1, 1, 2, 2)
+out = s.step(torch.ones(1, 1, 2, 2), s.timesteps[0], x).prev_sample  # integrate.quad through the stand-in
+assert torch.isfinite(out).all()
+
+# torchao stand-ins: nothing of torchao exists before its import, the real thing after
+assert not isinstance(object(), dq.FqnToConfig) and "torchao" not in sys.modules
+uints = [(getattr(torch, f"uint{n}"), f"torch.uint{n}") for n in range(1, 8)]
+assert all(u in torch.serialization.get_safe_globals() for u in uints)  # at diffusers' import, as it does
+from library.families.common import deferred_backends
+assert [a.__name__ for a in deferred_backends._ON_IMPORT["torchao"]] == ["_update_torch_safe_globals"]
+import torchao
+assert "torchao" not in deferred_backends._ON_IMPORT  # diffusers' registration of torchao's classes ran
+import torchao.quantization as q
+cfg = q.FqnToConfig({"_default": q.Int8WeightOnlyConfig()})
+assert isinstance(cfg, dq.FqnToConfig) and issubclass(q.FqnToConfig, dq.FqnToConfig)
+assert dq.quantize_.resolve() is q.quantize_
+from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+sd = {"w": torch.arange(6.0).reshape(2, 3)}
+got, want = tq.flatten_tensor_state_dict(sd), flatten_tensor_state_dict(sd)
+assert got[1] == want[1] and list(got[0]) == list(want[0]) and torch.equal(got[0]["w"], want[0]["w"]), (got, want)
+assert dq.flatten_tensor_state_dict.resolve() is flatten_tensor_state_dict
+lin = torch.nn.Sequential(torch.nn.Linear(8, 4))
+ref = torch.nn.Sequential(torch.nn.Linear(8, 4))
+ref.load_state_dict(lin.state_dict())
+dq.quantize_(lin, q.Int8WeightOnlyConfig())
+q.quantize_(ref, q.Int8WeightOnlyConfig())
+x = torch.randn(2, 8)
+assert type(lin[0].weight) is type(ref[0].weight) and torch.equal(lin(x), ref(x))
+print("ok")
+"""
+
+
+def test_torchao_and_scipy_stand_ins_resolve_to_the_real_objects():
+    proc = _python(_BACKENDS)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def _bound_under_flag(path: str, flag: str) -> tuple[set[str], list[str]]:
+    """Names a module binds by import inside a top-level `if` that calls `flag`, and the calls it makes there."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names: set[str] = set()
+    calls: list[str] = []
+    for node in tree.body:
+        if not isinstance(node, ast.If) or flag not in ast.unparse(node.test):
+            continue
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+            elif isinstance(sub, ast.Expr) and isinstance(sub.value, ast.Call):
+                calls.append(ast.unparse(sub.value))
+    return names, calls
+
+
+def test_rules_name_every_binding_of_the_installed_modules():
+    """Each rule stands in for exactly the names its module binds under the flag (installed transformers /
+    diffusers source), and every module of the packages the rules cover that binds torchao or scipy so has a rule."""
+    import glob
+    import importlib
+    import importlib.util
+
+    from library.families.common.deferred_backends import RULES
+
+    for name, rule in RULES.items():
+        flags = importlib.import_module(rule.flags)  # what the stand-ins ask of the module: the flags it imports
+        names, calls = _bound_under_flag(importlib.util.find_spec(name).origin, rule.flag)
+        assert set(rule.stand_ins(flags)) == names, name
+        want_calls = ["_update_torch_safe_globals()"] if name.endswith("torchao_quantizer") else []
+        assert calls == want_calls and (rule.on_import is not None) == bool(calls), (name, calls)
+    covered = {"transformers.loss", "transformers.quantizers", "diffusers.schedulers", "diffusers.quantizers.torchao"}
+    found = set()
+    for package in covered:
+        folder = os.path.dirname(importlib.util.find_spec(package).origin)
+        for path in glob.glob(os.path.join(folder, "*.py")):
+            for flag in ("is_scipy_available", "is_torchao_available"):
+                if _bound_under_flag(path, flag)[0]:
+                    found.add(f"{package}.{os.path.basename(path)[:-3]}")
+    assert found == set(RULES), sorted(found ^ set(RULES))

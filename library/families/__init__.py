@@ -7,6 +7,10 @@ from typing import Any, Callable, Mapping, Optional
 
 from library.core.errors import ConfigError
 from library.families.base import ModelFamily
+from library.families.common import deferred_backends
+
+# Before any family imports a transformers or diffusers model: torchao and scipy are imported on first use only.
+deferred_backends.install()
 
 
 class _NoEmptyFp32Warning(logging.Filter):

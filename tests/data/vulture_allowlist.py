@@ -45,6 +45,7 @@ _.padding_side           # transformers tokenizer setting
 _.relative_attention_num_buckets  # transformers T5 config
 _.architectures          # transformers config.architectures written into saved configs
 _.__class__              # a module's class swapped in place
+_.__loader__             # a module's loader, read by importlib / inspect (library/families/common/deferred_backends.py)
 _.ir_version             # onnx ModelProto field
 _.should_exit            # uvicorn.Server.should_exit
 _.binary_location        # selenium ChromeOptions

@@ -24,7 +24,8 @@ diffusers' pipelines that load a LoRA through peft (`load_lora_weights`) import 
 
 Where diffusers' lazy tables do not name the class (another diffusers version), it falls back to
 `getattr(diffusers, name)`, the ordinary import; `LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1` in the environment does the
-same for every class (the opt-out, should a diffusers release break the deferral).
+same for every class (the opt-out, should a diffusers release break the deferral), and also turns off
+deferred_backends.py, which keeps torchao and scipy out of transformers' and diffusers' import the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import sys
 import types
 from typing import Any, Iterator
 
-PLAIN_IMPORT_ENV = "LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT"
+from library.families.common.deferred_backends import PLAIN_IMPORT_ENV, ModuleOnUse, install
 
 # diffusers.models' subpackages whose __init__ imports all of their models (checked against diffusers 0.42).
 EAGER_PACKAGES = ("autoencoders", "unets", "transformers", "controlnets", "condition_embedders", "latent_upscaler")
@@ -101,19 +102,6 @@ def _peft_disable_input_dtype_casting(*args: Any, **kwargs: Any) -> Any:
     return disable_input_dtype_casting(*args, **kwargs)
 
 
-class _ModuleOnUse:
-    """A module imported on its first attribute (bitsandbytes for diffusers' bnb quantizer utils)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
-
-    def __repr__(self) -> str:
-        return f"<{self._name}, imported on first use>"
-
-
 def _skip_without_peft(fn: Any) -> Any:
     def wrapped(model: Any, weight: Any = None) -> Any:
         if "peft.tuners.tuners_utils" not in sys.modules:
@@ -171,7 +159,7 @@ def peft_deferred() -> Iterator[None]:
                         module._SHOULD_DISABLE_PEFT_INPUT_AUTOCAST = True
                         module.disable_input_dtype_casting = _peft_disable_input_dtype_casting
                 else:
-                    module.bnb = _ModuleOnUse(pkg)
+                    module.bnb = ModuleOnUse(pkg)  # bitsandbytes, imported on its first attribute
 
 
 def diffusers_module_of(name: str) -> str | None:
@@ -197,6 +185,7 @@ def diffusers_class(name: str) -> Any:
         import diffusers
 
         return getattr(diffusers, name)
+    install()  # torchao / scipy (already done when library.families was imported)
     defer_eager_packages()
     with peft_deferred():
         module = importlib.import_module(module_name)
