@@ -13,7 +13,8 @@ The bare step as bench/bench_train_step.py (SD 1.5) defines it, and ours at defa
   against noise - x0, backward, AdamW step.
 - ours: library.train.step.batch_loss (the trainer's micro-step) + clipping + optimizer and scheduler step, as
   Trainer runs them, with the automatic text-encoder cache the trainer turns on by default (each caption encoded
-  the first time it is met; --no_auto_text_cache to encode every step as the bare step does).
+  the first time it is met; --no_auto_text_cache to encode every step as the bare step does) and the fused LoRA
+  products (networks/lora_matmul.py; --no_fused_lora; the bare step's LoRA computes the plain formula).
 
 CLIP-L is full size (12 layers); T5-XXL full width (d_model 4096, 64 heads, d_ff 10240) with --t5_layers of its
 24 blocks, as the transformer keeps --double / --single of its blocks. The two alternate step by step and the
@@ -26,7 +27,7 @@ approximator), cached T5 states with their attention mask on both sides, and the
 Chroma is called (joint text + image mask).
 
     python bench/bench_flux_step.py [--steps 4] [--double 1] [--single 2] [--t5_layers 2] [--t5_tokens 64]
-        [--threads 1] [--no_auto_text_cache]
+        [--threads 1] [--no_auto_text_cache] [--no_fused_lora]
     python bench/bench_flux_step.py --model_type chroma [--steps 4] [--double 1] [--single 2] [--t5_tokens 64]
 """
 
@@ -51,6 +52,7 @@ from bench.common import (  # noqa: E402
     bare_flow_step,
     built,
     compare_steps_min,
+    lora_formula,
     denoiser_lora,
     one_caption_batch,
     print_min_comparison,
@@ -155,6 +157,7 @@ def flux_at_default_flags(argv: list[str] | None = None) -> dict[str, tuple[floa
     p.add_argument("--t5_layers", type=int, default=2, help="T5-XXL encoder blocks at full width (real: 24)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no_auto_text_cache", action="store_true")
+    p.add_argument("--no_fused_lora", action="store_true")
     add_step_arguments(p, BENCH.steps, BENCH.resolution, dtype_option=False)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -187,10 +190,11 @@ def flux_at_default_flags(argv: list[str] | None = None) -> dict[str, tuple[floa
     if not a.no_auto_text_cache:  # as library/train/text_caching.py start_auto_text_cache sets it
         ctx.text_cache, ctx.fill_text_cache = {}, True
     ours = trainer_step(ctx, one_caption_batch(latents), params, optimizer, scheduler)
-    result = compare_steps_min(bare, ours, a.steps, a.warmup)
+    result = compare_steps_min(bare, ours, a.steps, a.warmup, lora_formula(network, False),
+                               lora_formula(network, not a.no_fused_lora))
     print(f"LoRA modules: {len(network.unet_loras)} transformer; {a.resolution}x{a.resolution} ({x.tokens}), "
           f"batch 1, bf16, {device}, {a.threads} thread(s); auto text cache "
-          f"{'off' if a.no_auto_text_cache else 'on'}")
+          f"{'off' if a.no_auto_text_cache else 'on'}, fused LoRA products {'off' if a.no_fused_lora else 'on'}")
     print_min_comparison(result, 0.90)
     return result
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from bench.common import (  # noqa: E402
     compare_steps_min,
+    lora_formula,
     lora_optimizer,
     peak_rss_mib,
     print_min_comparison,
@@ -79,10 +80,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no_auto_text_cache", action="store_true")
+    p.add_argument("--no_fused_lora", action="store_true")
     p.add_argument("--no_channels_last", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    speed = SpeedOptions(auto_text_cache=not a.no_auto_text_cache, channels_last=not a.no_channels_last)
+    speed = SpeedOptions(auto_text_cache=not a.no_auto_text_cache, channels_last=not a.no_channels_last,
+                         fused_lora=not a.no_fused_lora)
     torch.manual_seed(0)
     dtype, device = DTYPES[a.dtype], torch.device(a.device)
 
@@ -129,11 +132,18 @@ def main() -> None:
         ctx.text_cache, ctx.fill_text_cache = {}, True
     our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
 
+    bare_formula, ours_formula = lora_formula(network, False), lora_formula(network, speed.fused_lora)
+
+    def bare_layout() -> None:
+        to_nchw(unet)
+        bare_formula()
+
     def ours_layout() -> None:
         if speed.channels_last:
             frozen_convs_channels_last(unet)
+        ours_formula()
 
-    result = compare_steps_min(reference_step, our_step, a.steps, a.warmup, lambda: to_nchw(unet), ours_layout)
+    result = compare_steps_min(reference_step, our_step, a.steps, a.warmup, bare_layout, ours_layout)
     print(f"LoRA modules: {len(network.unet_loras)} UNet; {a.resolution}x{a.resolution}, batch 1, {a.dtype}, {device}")
     print_min_comparison(result, 0.90)
 

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import denoiser_lora, peak_rss_mib, timed_once, trainer_step  # noqa: E402
+from bench.common import denoiser_lora, lora_formula, peak_rss_mib, timed_once, trainer_step  # noqa: E402
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.speedups import SpeedOptions, frozen_convs_channels_last, use_fused_lora  # noqa: E402
+from library.train.speedups import SpeedOptions, frozen_convs_channels_last  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 
 GOALS = {128: 0.80, 512: 0.90}
@@ -76,7 +76,6 @@ def main() -> None:
         m.requires_grad_(False)
         m.eval()
     network, params, optimizer, scheduler = denoiser_lora(family, comps, unet, a.dim, torch.device("cpu"))
-    lora_modules = [m for m in network.modules() if hasattr(m, "fused_matmul")]
     scheme = family.noise_scheme(comps)
     caption = ["a photo of a sks dog sitting on a wooden chair, high quality"]
     ctx = StepContext(family=family, components=comps, scheme=scheme, noise=NoiseOptions(), loss=LossOptions(),
@@ -88,12 +87,13 @@ def main() -> None:
     def ours_layout() -> None:
         if speed.channels_last:
             frozen_convs_channels_last(unet)
-        use_fused_lora(network, speed)
+        ours_formula()
+
+    bare_formula, ours_formula = lora_formula(network, False), lora_formula(network, speed.fused_lora)
 
     def bare_layout() -> None:
         to_nchw(unet)
-        for m in lora_modules:
-            m.fused_matmul = False
+        bare_formula()
 
     print(f"{'size':>6} {'bare s':>8} {'ours s':>8} {'wall ratio':>10} {'CPU ratio':>9} {'goal':>5}  load")
     for res in a.resolutions:

@@ -39,15 +39,23 @@ def timed_once(fn: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def compare_steps(reference: Callable[[], None], ours: Callable[[], None], steps: int, warmup: int
+def compare_steps(reference: Callable[[], None], ours: Callable[[], None], steps: int, warmup: int,
+                  reference_layout: Callable[[], None] | None = None, ours_layout: Callable[[], None] | None = None
                   ) -> dict[str, tuple[float, float]]:
-    """Median (wall, cpu) seconds per step of both, alternating one step of each `steps` times."""
+    """Median (wall, cpu) seconds per step of both, alternating one step of each `steps` times (`*_layout`, untimed,
+    before each: see compare_steps_min)."""
+    reference_layout = reference_layout or (lambda: None)
+    ours_layout = ours_layout or (lambda: None)
     for _ in range(warmup):
+        reference_layout()
         reference()
+        ours_layout()
         ours()
     ref, our = [], []
     for _ in range(steps):
+        reference_layout()
         ref.append(timed_once(reference))
+        ours_layout()
         our.append(timed_once(ours))
     med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     return {"reference": (med(ref, 0), med(ref, 1)), "ours": (med(our, 0), med(our, 1))}
@@ -227,10 +235,25 @@ def bare_flow_step(latents: torch.Tensor, device, dtype: torch.dtype, optimizer,
     return step
 
 
-def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str
+def lora_formula(network, fused: bool) -> Callable[[], None]:
+    """A layout switch for compare_steps*: the network's LoRA modules compute with the fused products
+    (networks/lora_matmul.py, as the trainer runs them by default) or with the plain formula org(x) + up(down(x)) *
+    scale (the bare step: sd-scripts' and peft's LoRA), on the same parameters."""
+    modules = [m for m in network.modules() if hasattr(m, "fused_matmul")]
+
+    def switch() -> None:
+        for module in modules:
+            module.fused_matmul = fused
+
+    return switch
+
+
+def compare_and_print(reference: Callable[[], None], ours: Callable[[], None], a, setup: str, network=None
                       ) -> dict[str, tuple[float, float]]:
-    """compare_steps over --steps / --warmup, then `setup` (what was measured) and print_comparison's lines."""
-    result = compare_steps(reference, ours, a.steps, a.warmup)
+    """compare_steps over --steps / --warmup (the bare step with `network`'s plain LoRA formula, ours fused),
+    then `setup` (what was measured) and print_comparison's lines."""
+    layouts = (lora_formula(network, False), lora_formula(network, True)) if network is not None else ()
+    result = compare_steps(reference, ours, a.steps, a.warmup, *layouts)
     print(setup)
     print_comparison(result)
     return result
@@ -254,7 +277,8 @@ def compare_lora_steps(family, comps, lora: tuple, latents: torch.Tensor, text: 
     reference = bare_flow_step(latents, device, dtype, optimizer, loss, draw_sigma)
     ours = cached_text_step(family, comps, device, dtype, {CAPTION: text},
                             {**one_caption_batch(latents), **(batch or {})}, params, optimizer, scheduler)
-    return compare_and_print(reference, ours, a, f"LoRA modules: {len(network.unet_loras)} {lora_on}; {setup}")
+    return compare_and_print(reference, ours, a, f"LoRA modules: {len(network.unet_loras)} {lora_on}; {setup}",
+                             network)
 
 
 def llm_caption_text(tokens: int, hidden: int) -> dict:

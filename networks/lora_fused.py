@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_math
+from networks.lora_matmul import add_scaled
 from networks.lora_module import init_lora_parameters
 
 
@@ -64,6 +65,7 @@ class FusedLoRAModule(nn.Module):
         self._org_forwards: Optional[list] = None
         self._had_own_forward: list[bool] = []
         self._cache: Optional[tuple] = None  # (input, grad mode, shared down output, slices left)
+        self.fused_matmul = False  # each slice's update added into its projection's output (use_fused_lora)
 
     @property
     def org_module(self) -> nn.Module:
@@ -126,6 +128,16 @@ class FusedLoRAModule(nn.Module):
         self._cache = (x, grad, lx, scale, left) if left > 0 else None
         return lx, scale
 
+    def _adds_in_place(self, index: int, x: torch.Tensor, org_out: torch.Tensor) -> bool:
+        """Whether projection `index`'s update may be added into its output in place: a plain Linear's fresh output
+        (its backward keeps only the input and weight), no autocast (which would run the update in its own dtype),
+        no GGPO perturbation."""
+        org = self._orgs[index]
+        return (self.fused_matmul and type(org) is nn.Linear and not self._had_own_forward[index]
+                and not (self.training and self.ggpo is not None and self.ggpo.active())
+                and org_out.is_contiguous() and org_out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not torch.is_autocast_enabled(x.device.type))
+
     def slice_forward(self, index: int, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Output of original projection `index` plus its LoRA slice."""
         org_out = self._org_forwards[index](x, *args, **kwargs)
@@ -137,6 +149,9 @@ class FusedLoRAModule(nn.Module):
         if self.split:  # its own rank block only: the rest of the row is never read, so never trained
             rank = self.lora_dim // len(self._orgs)
             lx, up = lx[..., index * rank:(index + 1) * rank], up[:, index * rank:(index + 1) * rank]
+        if self._adds_in_place(index, x, org_out):  # the same sum without the scaled copy (networks/lora_matmul.py)
+            return add_scaled(org_out.view(-1, org_out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(),
+                              self.multiplier * scale).view(org_out.shape)
         out = org_out + (F.linear(lx, up) * (self.multiplier * scale)).to(org_out.dtype)
         if self.training and self.ggpo is not None and self.ggpo.active():
             out = out + self.ggpo.perturbation(x, out.dtype, start, start + self.out_sizes[index])

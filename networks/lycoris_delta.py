@@ -13,7 +13,7 @@ A plain LoRA module of such a file (lora_down / lora_up / alpha, no Tucker `lora
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import nn
