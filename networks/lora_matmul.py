@@ -89,13 +89,17 @@ class _LoRALinear(torch.autograd.Function):
         return grad_x, None, grad_bias, grad_down, grad_up, None, None
 
 
+def merges(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `lora_linear` merges for this call: float32 input and weight, full float32 products (not TF32 or
+    oneDNN's bfloat16 math mode: `torch.set_float32_matmul_precision` at "highest"), and enough rows (`pays`)."""
+    return (weight.dtype == torch.float32 and x.dtype == torch.float32
+            and torch.get_float32_matmul_precision() == "highest"
+            and pays(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0]))
+
+
 def lora_linear(x: torch.Tensor, org: nn.Linear, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
     """`org(x) + (x @ down^T @ up^T) * scale` as one autograd function, merged where that is exact and pays."""
-    weight = org.weight
-    merge = (weight.dtype == torch.float32 and x.dtype == torch.float32
-             and torch.get_float32_matmul_precision() == "highest"
-             and pays(x.numel() // max(x.shape[-1], 1), weight.shape[1], weight.shape[0]))
-    return _LoRALinear.apply(x, weight, org.bias, down, up, scale, merge)
+    return _LoRALinear.apply(x, org.weight, org.bias, down, up, scale, merges(x, org.weight))
 
 
 def applies(x: torch.Tensor, org: nn.Module, down: torch.Tensor, up: torch.Tensor) -> bool:

@@ -102,6 +102,13 @@ class LoRAModule(nn.Module):
         return (self.fused_matmul and plain and not args and not kwargs and not self._org_had_own_forward
                 and type(org) is nn.Linear and applies(x, org, self.lora_down.weight, self.lora_up.weight))
 
+    def _adds_in_place(self, x: torch.Tensor, org_out: torch.Tensor) -> bool:
+        """Whether the update may be added into the original output in place (fused products on): a plain Linear's
+        or Conv2d's fresh output, which its backward does not keep; no autocast."""
+        return (self.fused_matmul and type(self.org_module) in (nn.Linear, nn.Conv2d) and not self._org_had_own_forward
+                and org_out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not torch.is_autocast_enabled(x.device.type))
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
             return self._org_forward(x, *args, **kwargs)
@@ -122,7 +129,10 @@ class LoRAModule(nn.Module):
             lx = lx * mask.to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
         lx = self.lora_up(lx)
-        out = org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
+        if self._adds_in_place(x, org_out):  # the same sum without the scaled copy (a Conv2d's output, fresh)
+            out = org_out.add_(lx, alpha=self.multiplier * scale)
+        else:
+            out = org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
         if self.training and self.ggpo is not None and self.ggpo.active():
             out = out + self.ggpo.perturbation(x, out.dtype)
         return out
