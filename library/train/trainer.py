@@ -21,7 +21,7 @@ from library.core.errors import ConfigError, UserError
 from library.core.io_utils import clean_stale_temporaries
 from library.families.base import ModelFamily
 from library.objectives.losses import check_loss_options
-from library.train.memory.checkpoint_policy import SAVED_OPS
+from library.train.memory.checkpoint_policy import SAVED_OPS, keeps_products
 from library.train.memory.compile import compile_blocks
 from library.train.distributed.distributed import (
     StepModule,
@@ -236,7 +236,9 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
                 use_channels_last(self.components.denoiser, self.s.speed)
-                if tp is None and not self.t.compile.torch_compile:  # plain tensors, eager modules
+                # plain tensors, eager modules, and no product output kept by a selective checkpointing policy
+                if tp is None and not self.t.compile.torch_compile \
+                        and not keeps_products(self.s.memory.gradient_checkpointing_policy):
                     use_fused_lora(self.trainable.module, self.s.speed)
             if self.fsdp is not None:
                 self._shard()

@@ -48,6 +48,12 @@ MATMUL_OPS = ATTENTION_OPS | _ops("mm", "addmm", "bmm", "baddbmm", "convolution"
 SAVED_OPS = {"attention": ATTENTION_OPS, "matmul": MATMUL_OPS}
 
 
+def keeps_products(policy: str) -> bool:
+    """Whether `policy` keeps the outputs of matrix products or convolutions, which the fused LoRA products
+    (networks/lora_matmul.py) add their update into in place: a kept output must not change after it is kept."""
+    return bool(SAVED_OPS.get(policy, frozenset()) & (MATMUL_OPS - ATTENTION_OPS))
+
+
 def _policy(saved: frozenset, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
