@@ -280,6 +280,7 @@ def _adapted_layers(pipeline_class, family_name: str, preset: str, path: str, ca
     warning diffusers logs while loading (unexpected or missing keys)."""
     from library.families import get_family
     from library.families.base import LoadOptions
+    from tests.train_helpers import diffusers_loading_warnings
 
     transformer = get_family(family_name).load(LoadOptions(preset)).denoiser
     diffusers_logger = logging.getLogger("diffusers")
@@ -290,7 +291,7 @@ def _adapted_layers(pipeline_class, family_name: str, preset: str, path: str, ca
                                                       adapter_name="x")
     finally:
         diffusers_logger.removeHandler(caplog.handler)
-    assert not [r for r in caplog.records if r.name.startswith("diffusers")], caplog.text
+    assert not diffusers_loading_warnings(caplog.records), caplog.text
     return sorted(n for n, m in transformer.named_modules() if "x" in getattr(m, "lora_A", {}))
 
 

@@ -332,3 +332,11 @@ def assert_written_files_load_as_the_preset(family_name: str, files: dict, prese
     whole = family.load(LoadOptions(comfy, family_options=options_type(**{text_flag: files[text_flag]})))
     assert_same_weights(whole.denoiser, preset.denoiser)
     assert [detect_family(p) for p in (files["diffusers"], files["dit"], comfy)] == [family_name] * 3
+
+
+def diffusers_loading_warnings(records) -> list:
+    """The diffusers log records among `records` that are about what was loaded. Left out: diffusers' torchao
+    quantizer's notice, logged once per process when torchao is first imported (peft's LoRA injection imports it on
+    first use), that this torchao build's tensor classes cannot be registered: an import notice, not about a file."""
+    return [r for r in records
+            if r.name.startswith("diffusers") and not r.name.startswith("diffusers.quantizers.torchao")]
