@@ -7,7 +7,8 @@ dim 8, cached latents, AdamW, fp32, batch 1, one thread by default.
   do), DDPM add_noise, UNet forward, MSE, backward, AdamW step, on the same model and LoRA parameters.
 - ours: the trainer's micro-step (library.train.step.batch_loss) + clipping + optimizer and scheduler step, with
   the speed-ups the trainer turns on by default (library/train/speedups.py): the text-encoder outputs kept in
-  memory once met (--no_auto_text_cache), frozen convolutions channels_last (--no_channels_last), the LoRA'd
+  memory once met (--no_auto_text_cache), frozen convolutions channels_last where it pays on the CPU (up to 16x16
+  latents, library/train/speedups.py channels_last_pays; --no_channels_last), the LoRA'd
   Linears' products fused (networks/lora_matmul.py, --no_fused_lora; the bare step computes the same LoRA
   parameters with the plain formula org(x) + up(down(x)) * scale, as sd-scripts' and peft's LoRA do). Pass the
   same flags here to measure ours without one.
@@ -37,7 +38,7 @@ from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
 from library.objectives.noise import NoiseOptions  # noqa: E402
-from library.train.speedups import SpeedOptions, frozen_convs_channels_last  # noqa: E402
+from library.train.speedups import SpeedOptions, channels_last_pays, frozen_convs_channels_last  # noqa: E402
 from library.train.step import StepContext  # noqa: E402
 
 GOALS = {128: 0.80, 512: 0.90}
@@ -84,8 +85,8 @@ def main() -> None:
     if speed.auto_text_cache:  # as library/train/text_caching.py start_auto_text_cache sets it
         ctx.text_cache, ctx.fill_text_cache = {}, True
 
-    def ours_layout() -> None:
-        if speed.channels_last:
+    def ours_layout(res: int) -> None:  # as the trainer decides it (library/train/speedups.py use_channels_last)
+        if speed.channels_last and channels_last_pays(torch.device("cpu"), [(res // 8, res // 8)]):
             frozen_convs_channels_last(unet)
         ours_formula()
 
@@ -119,7 +120,7 @@ def main() -> None:
         for i in range(a.warmup + a.steps):
             bare_layout()
             b = timed_once(bare_step)
-            ours_layout()
+            ours_layout(res)
             o = timed_once(our_step)
             if i >= a.warmup:
                 bare.append(b)

@@ -47,9 +47,34 @@ def frozen_convs_channels_last(model: torch.nn.Module) -> int:
     return n
 
 
-def use_channels_last(model: Optional[torch.nn.Module], options: SpeedOptions) -> int:
-    """frozen_convs_channels_last for a model with Conv2d layers when the option is on; one log line."""
+# On the CPU, channels_last pays only while the latent is small. bench/bench_train_step.py, SD 1.5 LoRA, fused
+# products on, ours / bare with and without it: 128² (16x16 latent) 0.681 / 0.917; 256² (32x32) 0.896 / 0.874;
+# 512² (64x64) 0.909 / 0.877. At small sizes oneDNN's NCHW kernels waste their vector width on a few pixels;
+# at larger ones the NHWC <-> NCHW copies around diffusers' Transformer2DModel (which makes its output contiguous
+# NCHW) cost more than the kernels gain.
+CPU_CHANNELS_LAST_MAX_LATENT = 16 * 16
+
+
+def channels_last_pays(device: torch.device, latent_sizes: Iterable[tuple[int, int]]) -> bool:
+    """Whether channels_last speeds up a run on `device` whose largest latent is max(latent_sizes) (w, h): on a
+    GPU always (cuDNN's NHWC kernels), on the CPU up to CPU_CHANNELS_LAST_MAX_LATENT positions."""
+    if torch.device(device).type != "cpu":
+        return True
+    return max((w * h for w, h in latent_sizes), default=0) <= CPU_CHANNELS_LAST_MAX_LATENT
+
+
+def use_channels_last(model: Optional[torch.nn.Module], options: SpeedOptions, device: torch.device = None,
+                      latent_sizes: Iterable[tuple[int, int]] = ()) -> int:
+    """frozen_convs_channels_last for a model with Conv2d layers when the option is on and it pays
+    (channels_last_pays); one log line."""
     if model is None or not options.channels_last:
+        return 0
+    latent_sizes = list(latent_sizes)
+    if device is not None and not channels_last_pays(device, latent_sizes):
+        if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+            w, h = max(latent_sizes, key=lambda s: s[0] * s[1])
+            logger.info("channels_last: off on the CPU for %dx%d latents (it pays there up to %d positions; "
+                        "docs/performance.md)", w, h, CPU_CHANNELS_LAST_MAX_LATENT)
         return 0
     n = frozen_convs_channels_last(model)
     if n:

@@ -235,7 +235,9 @@ class Trainer(ProcessSetup, ModelSetup, TrainingLoop):
                 tp.shard_adapter(self.trainable.module)
             self.prompt_replacements += getattr(self.trainable, "prompt_replacements", ())
             if self.fsdp is None and self.zero is None:  # sharding flattens or splits the weights itself
-                use_channels_last(self.components.denoiser, self.s.speed)
+                scale = self.family.vae_scale_factor
+                use_channels_last(self.components.denoiser, self.s.speed, self.device,
+                                  [(w // scale, h // scale) for ds in self.data.datasets for w, h in ds.resolutions])
                 # plain tensors, eager modules, and no product output kept by a selective checkpointing policy
                 if tp is None and not self.t.compile.torch_compile \
                         and not keeps_products(self.s.memory.gradient_checkpointing_policy):
