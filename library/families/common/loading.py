@@ -34,13 +34,16 @@ _REFERENCE_TOKENIZERS = {False: ("openai/clip-vit-large-patch14", None),
 
 def classify_source(path: str, presets, what: str = "", folder_parts: tuple[str, ...] = (),
                     file_suffixes: Optional[tuple[str, ...]] = None, expected: str = "",
-                    allow_hub: bool = False) -> str:
+                    allow_hub: bool = False, gguf: bool = False) -> str:
     """What a model path is: "preset", "diffusers", "single_file" or (with allow_hub) "hub".
 
     `what` names the family in messages ("SDXL"), `folder_parts` are the subfolders its diffusers
     folder must have, `file_suffixes` the single-file names it takes (None: any file), `expected`
-    what a missing path should have been. Anything else is a one-line ModelLoadError naming the problem.
+    what a missing path should have been. `gguf`: the family reads ComfyUI-GGUF files, so a GGUF file (by its
+    magic, whatever its name) is a single file too. Anything else is a one-line ModelLoadError naming the problem.
     """
+    if gguf and os.path.isfile(path) and is_gguf(path):
+        return "single_file"
     family = f"{what} " if what else ""
     if path in presets:
         return "preset"

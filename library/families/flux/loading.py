@@ -50,9 +50,8 @@ _COMPONENT_FLAGS = (("clip_l", "text_encoder", "a CLIP-L text encoder (clip_l.sa
 
 def flux_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file"; ModelLoadError naming the problem otherwise."""
-    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
-        return "single_file"
     return classify_source(path, PRESETS, "FLUX.1", folder_parts=_PARTS, file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           gguf=True,
                            expected="a local diffusers folder, a BFL .safetensors file, a ComfyUI-GGUF .gguf file, "
                                     "or a preset such as tiny:flux")
 

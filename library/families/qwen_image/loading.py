@@ -59,10 +59,8 @@ _DIT_MARKER = re.compile(r"^(model\.diffusion_model\.)?transformer_blocks\.0\.im
 
 def source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
-    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
-        return "single_file"
     return classify_source(path, PRESETS, "Qwen-Image", folder_parts=FOLDER_PARTS,
-                           file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           file_suffixes=(".safetensors", GGUF_SUFFIX), gguf=True,
                            expected="a Qwen-Image DiT .safetensors or ComfyUI-GGUF .gguf file, a diffusers folder, "
                                     "tiny:qwen_image or tiny:qwen_image_edit")
 

@@ -46,10 +46,8 @@ FOLDER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer")
 
 def zimage_source_kind(path: str) -> str:
     """"preset", "diffusers" or "single_file" (a ModelLoadError naming the problem otherwise)."""
-    if os.path.isfile(path) and is_gguf(path):  # a GGUF file by its magic, whatever its name
-        return "single_file"
     return classify_source(path, PRESETS, "Z-Image", folder_parts=FOLDER_PARTS,
-                           file_suffixes=(".safetensors", GGUF_SUFFIX),
+                           file_suffixes=(".safetensors", GGUF_SUFFIX), gguf=True,
                            expected="a Z-Image diffusers folder, a Z-Image DiT .safetensors or ComfyUI-GGUF .gguf file "
                                     "or the preset tiny:zimage")
 
