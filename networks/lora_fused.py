@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks import lora_math
-from networks.lora_matmul import add_scaled
+from networks.lora_matmul import add_scaled, takes_update_in_place
 from networks.lora_module import init_lora_parameters
 
 
@@ -129,14 +129,11 @@ class FusedLoRAModule(nn.Module):
         return lx, scale
 
     def _adds_in_place(self, index: int, x: torch.Tensor, org_out: torch.Tensor) -> bool:
-        """Whether projection `index`'s update may be added into its output in place: a plain Linear's fresh output
-        (its backward keeps only the input and weight), no autocast (which would run the update in its own dtype),
-        no GGPO perturbation."""
-        org = self._orgs[index]
-        return (self.fused_matmul and type(org) is nn.Linear and not self._had_own_forward[index]
-                and not (self.training and self.ggpo is not None and self.ggpo.active())
-                and org_out.is_contiguous() and org_out.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and not torch.is_autocast_enabled(x.device.type))
+        """Whether projection `index`'s update may be added into its output in place (lora_matmul's rule), with no
+        GGPO perturbation to add after it."""
+        return (self.fused_matmul and not (self.training and self.ggpo is not None and self.ggpo.active())
+                and org_out.is_contiguous()
+                and takes_update_in_place(self._orgs[index], self._had_own_forward[index], x, org_out))
 
     def slice_forward(self, index: int, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Output of original projection `index` plus its LoRA slice."""

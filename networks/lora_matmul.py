@@ -27,7 +27,6 @@ or a quantized weight).
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +99,14 @@ def merges(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def lora_linear(x: torch.Tensor, org: nn.Linear, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
     """`org(x) + (x @ down^T @ up^T) * scale` as one autograd function, merged where that is exact and pays."""
     return _LoRALinear.apply(x, org.weight, org.bias, down, up, scale, merges(x, org.weight))
+
+
+def takes_update_in_place(org: nn.Module, had_own_forward: bool, x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether a LoRA may add its update into `out`, org(x)'s output, in place: a plain Linear's or Conv2d's fresh
+    output (their backward keeps only the input and the weight), in a floating-point dtype, no autocast (which would
+    run the update in its own dtype)."""
+    return (type(org) in (nn.Linear, nn.Conv2d) and not had_own_forward and out.dtype in _FLOATS
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 def applies(x: torch.Tensor, org: nn.Module, down: torch.Tensor, up: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from networks import lora_math
-from networks.lora_matmul import applies, lora_linear
+from networks.lora_matmul import applies, lora_linear, takes_update_in_place
 
 
 def init_lora_parameters(module: nn.Module, lora_dim: int, alpha: Any, multiplier: float, dropout: Optional[float],
@@ -102,13 +102,6 @@ class LoRAModule(nn.Module):
         return (self.fused_matmul and plain and not args and not kwargs and not self._org_had_own_forward
                 and type(org) is nn.Linear and applies(x, org, self.lora_down.weight, self.lora_up.weight))
 
-    def _adds_in_place(self, x: torch.Tensor, org_out: torch.Tensor) -> bool:
-        """Whether the update may be added into the original output in place (fused products on): a plain Linear's
-        or Conv2d's fresh output, which its backward does not keep; no autocast."""
-        return (self.fused_matmul and type(self.org_module) in (nn.Linear, nn.Conv2d) and not self._org_had_own_forward
-                and org_out.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and not torch.is_autocast_enabled(x.device.type))
-
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.training and self.module_dropout is not None and torch.rand(1) < self.module_dropout:
             return self._org_forward(x, *args, **kwargs)
@@ -129,7 +122,8 @@ class LoRAModule(nn.Module):
             lx = lx * mask.to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
         lx = self.lora_up(lx)
-        if self._adds_in_place(x, org_out):  # the same sum without the scaled copy (a Conv2d's output, fresh)
+        if self.fused_matmul and takes_update_in_place(self.org_module, self._org_had_own_forward, x, org_out):
+            # the same sum without the scaled copy (a Conv2d's output; a Linear's that lora_linear did not take)
             out = org_out.add_(lx, alpha=self.multiplier * scale)
         else:
             out = org_out + (lx * (self.multiplier * scale)).to(org_out.dtype)
