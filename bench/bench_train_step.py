@@ -33,7 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import denoiser_lora, lora_formula, peak_rss_mib, timed_once, trainer_step  # noqa: E402
+from bench.common import (  # noqa: E402
+    compare_steps_min,
+    denoiser_lora,
+    lora_formula,
+    peak_rss_mib,
+    to_nchw,
+    trainer_step,
+)
 from library.families import get_family  # noqa: E402
 from library.families.base import LoadOptions  # noqa: E402
 from library.objectives.losses import LossOptions  # noqa: E402
@@ -42,12 +49,6 @@ from library.train.speedups import SpeedOptions, channels_last_pays, frozen_conv
 from library.train.step import StepContext  # noqa: E402
 
 GOALS = {128: 0.80, 512: 0.90}
-
-
-def to_nchw(model: torch.nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, torch.nn.Conv2d) and not m.weight.is_contiguous():
-            m.weight.data = m.weight.data.contiguous()
 
 
 def main() -> None:
@@ -116,17 +117,8 @@ def main() -> None:
 
         batch = {"latents": latents, "captions": caption, "loss_weights": torch.ones(1), "masks": None}
         our_step = trainer_step(ctx, batch, params, optimizer, scheduler)
-        bare, ours = [], []
-        for i in range(a.warmup + a.steps):
-            bare_layout()
-            b = timed_once(bare_step)
-            ours_layout(res)
-            o = timed_once(our_step)
-            if i >= a.warmup:
-                bare.append(b)
-                ours.append(o)
-        bw, bc = min(x[0] for x in bare), min(x[1] for x in bare)
-        ow, oc = min(x[0] for x in ours), min(x[1] for x in ours)
+        result = compare_steps_min(bare_step, our_step, a.steps, a.warmup, bare_layout, lambda: ours_layout(res))
+        (bw, bc), (ow, oc) = result["reference"], result["ours"]
         goal = GOALS.get(res)
         print(f"{res:>5}² {bw:8.3f} {ow:8.3f} {ow / bw:10.3f} {oc / bc:9.3f} {goal or '-':>5}  "
               f"{os.getloadavg()[0]:.1f}", flush=True)
