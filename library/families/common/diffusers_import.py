@@ -38,7 +38,7 @@ import sys
 import types
 from typing import Any, Iterator
 
-from library.families.common.deferred_backends import PLAIN_IMPORT_ENV, ModuleOnUse, install
+from library.families.common.deferred_backends import PLAIN_IMPORT_ENV, ModuleOnUse, NameOnUse, install
 
 # diffusers.models' subpackages whose __init__ imports all of their models (checked against diffusers 0.42).
 EAGER_PACKAGES = ("autoencoders", "unets", "transformers", "controlnets", "condition_embedders", "latent_upscaler")
@@ -80,20 +80,9 @@ def defer_eager_packages() -> None:
         _defer(f"diffusers.models.{sub}")
 
 
-class _PeftLayerMeta(type):
-    """`isinstance(x, BaseTunerLayer)` of peft once peft's tuners module is imported; False before (none exists)."""
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        real = sys.modules.get("peft.tuners.tuners_utils")
-        return real is not None and isinstance(obj, real.BaseTunerLayer)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        real = sys.modules.get("peft.tuners.tuners_utils")
-        return real is not None and issubclass(sub, real.BaseTunerLayer)
-
-
-class PeftBaseTunerLayer(metaclass=_PeftLayerMeta):
-    """Stands in for peft.tuners.tuners_utils.BaseTunerLayer in diffusers modules imported without peft."""
+# Stands in for peft's BaseTunerLayer in diffusers modules imported without peft: `isinstance` answers as peft's
+# class once peft's tuners module is imported, and False before (no peft layer can exist yet).
+PeftBaseTunerLayer = NameOnUse("peft.tuners.tuners_utils", "BaseTunerLayer")
 
 
 def _peft_disable_input_dtype_casting(*args: Any, **kwargs: Any) -> Any:
