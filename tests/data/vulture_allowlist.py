@@ -115,3 +115,6 @@ base_hidden
 # diffusers' hooks read these from the model (library/train/distributed/context_parallel.py resolves the CPU mesh)
 _parallel_config
 _resolve_parallel_config
+
+# diffusers modules imported without peft read their BaseTunerLayer stand-in (common/diffusers_import.py)
+_.BaseTunerLayer
