@@ -8,10 +8,13 @@ checkout (e.g. `git worktree add /tmp/base main`), the two alternating run by ru
 each is compared (the steadiest figure on a shared machine: other load only ever adds time).
 
 With --floor it measures instead what importing only the quickstart's model classes costs, in a fresh process:
-torch, then library.families (whose import installs deferred_backends.py's finder, keeping torchao and scipy out),
-then transformers' CLIP text model and tokenizer (the SD 1.x text encoder), then diffusers' U-Net and VAE files
-through library/families/common/diffusers_import.py: peak RSS and CPU seconds after each, the floor under any
-start-up of this run (the run adds its data, models, optimizer and the first step's kernels to it).
+torch; then a torch.optim optimizer (every run builds one: its constructor's `add_param_group`, wrapped in
+`torch._disable_dynamo`, imports torch._dynamo with sympy and torch.distributed.tensor, torch's own floor under any
+training process); then library.families (whose import installs deferred_backends.py's finder, keeping torchao,
+scipy and boto3 out); then transformers' CLIP text model and tokenizer (the SD 1.x text encoder); then diffusers'
+U-Net and VAE files through library/families/common/diffusers_import.py: peak RSS and CPU seconds after each, the
+floor under any start-up of this run (the run adds its data, models, optimizer and the first step's kernels to it).
+Imports run on one thread, so their CPU seconds are also a lower bound on their wall-clock time.
 LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1 in the environment measures the same imports without either deferral.
 
     python bench/bench_startup.py [--repeats 5] [--baseline /path/to/other/checkout] [--threads 1] [--floor]
@@ -66,6 +69,8 @@ def report(what):
           f"CPU {time.process_time() - c0:5.2f} s  modules {len(sys.modules)}", flush=True)
 import torch
 report("torch")
+torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # Optimizer.add_param_group is torch._disable_dynamo'd
+report("+ a torch.optim optimizer (imports torch._dynamo, sympy)")
 import library.families  # installs deferred_backends' finder, as every run does before its first model import
 report("+ library.families")
 from transformers.models.clip.modeling_clip import CLIPTextModel

@@ -254,6 +254,29 @@ def test_torchao_and_scipy_stand_ins_resolve_to_the_real_objects():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
+_BOTO3 = """
+import sys
+import torch
+import library.families  # noqa: F401  (installs the finder)
+import accelerate
+from accelerate import Accelerator  # noqa: F401  (imports accelerate.commands.config.sagemaker)
+import accelerate.commands.config.sagemaker as sagemaker
+from accelerate.utils import imports
+assert [m for m in sys.modules if m.split(".")[0] in ("boto3", "botocore")] == []
+assert sagemaker.is_boto3_available is imports.is_boto3_available and imports.is_boto3_available() is True
+import boto3
+assert sagemaker.boto3.client is boto3.client and sagemaker.boto3.Session is boto3.Session
+print("ok")
+"""
+
+
+def test_accelerate_imports_boto3_only_when_used():
+    """accelerate's SageMaker config imports boto3 (about 10 MiB) when it is installed; a run that never configures
+    SageMaker (and logs to no S3 path through TensorBoard, whose own file layer imports it) does not."""
+    proc = _python(_BOTO3)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
 def _bound_under_flag(path: str, flag: str) -> tuple[set[str], list[str]]:
     """Names a module binds by import inside a top-level `if` that calls `flag`, and the calls it makes there."""
     import ast
@@ -288,12 +311,13 @@ def test_rules_name_every_binding_of_the_installed_modules():
         assert set(rule.stand_ins(flags)) == names, name
         want_calls = ["_update_torch_safe_globals()"] if name.endswith("torchao_quantizer") else []
         assert calls == want_calls and (rule.on_import is not None) == bool(calls), (name, calls)
-    covered = {"transformers.loss", "transformers.quantizers", "diffusers.schedulers", "diffusers.quantizers.torchao"}
+    covered = {"transformers.loss", "transformers.quantizers", "diffusers.schedulers", "diffusers.quantizers.torchao",
+               "accelerate.commands.config"}
     found = set()
     for package in covered:
         folder = os.path.dirname(importlib.util.find_spec(package).origin)
         for path in glob.glob(os.path.join(folder, "*.py")):
-            for flag in ("is_scipy_available", "is_torchao_available"):
+            for flag in ("is_scipy_available", "is_torchao_available", "is_boto3_available"):
                 if _bound_under_flag(path, flag)[0]:
                     found.add(f"{package}.{os.path.basename(path)[:-3]}")
     assert found == set(RULES), sorted(found ^ set(RULES))

@@ -1,4 +1,5 @@
-"""torchao and scipy kept out of transformers' and diffusers' import until something uses them (issue 28).
+"""torchao, scipy and boto3 kept out of transformers', diffusers' and accelerate's import until something uses
+them (issue 28).
 
 Importing a transformers model class (`transformers.modeling_utils`) or a diffusers model class imports, at module
 level and only to bind a few names:
@@ -9,13 +10,17 @@ level and only to bind a few names:
   ... _C_mxfp8" warnings at every start;
 - scipy, in transformers' detection losses (`transformers.loss.loss_*`: `linear_sum_assignment`, scipy.optimize)
   and diffusers' schedulers (`scipy` for `scipy.stats.beta.ppf`; the LMS scheduler also `integrate`, from
-  single_file_utils, which every diffusers model imports): about 60 MiB.
+  single_file_utils, which every diffusers model imports): about 60 MiB;
+- boto3, in accelerate's SageMaker config questions (`accelerate.commands.config.sagemaker`, imported by
+  `accelerate.utils.other` and so by every `Accelerator`): about 10 MiB and 0.1 s of CPU.
 
-A run that never quantizes with torchao and never uses beta sigmas or a detection loss needs neither. `install()`
-(run when `library.families` is imported, before any family imports a model) puts a finder in `sys.meta_path` that
-acts only on the modules of `RULES`, when they are first imported: while such a module's own top-level code runs,
-the availability function it calls (`is_torchao_available` / `is_scipy_available` of `transformers.utils` or
-`diffusers.utils`) answers "absent" to that module only (callers in any other module, among them modules it imports
+A run that never quantizes with torchao, never uses beta sigmas or a detection loss and never configures SageMaker
+needs none of them (TensorBoard's own file layer still imports boto3, for S3 paths, when a run logs to it).
+`install()` (run when `library.families` is imported, before any family imports a model) puts a finder in
+`sys.meta_path` that acts only on the modules of `RULES`, when they are first imported: while such a module's own
+top-level code runs, the availability function it calls (`is_torchao_available` / `is_scipy_available` of
+`transformers.utils` or `diffusers.utils`, `is_boto3_available` of `accelerate.utils.imports`) answers "absent" to
+that module only (callers in any other module, among them modules it imports
 meanwhile, get the real answer), so it skips the import. Then:
 
 - the real availability functions are put back, in the flags' modules and wherever the module (or one it imported
@@ -25,7 +30,8 @@ meanwhile, get the real answer), so it skips the import. Then:
 - each name the module would have bound gets an exact stand-in: a function imports the real one on call
   (`linear_sum_assignment`, `quantize_`, ...), a class (`FqnToConfig`) answers `isinstance` / `issubclass` as the
   real one once its module is imported (before that, no instance can exist) and constructs the real one on call,
-  a module (`scipy`, `integrate`) is imported on its first attribute (`scipy.stats.beta.ppf` imports scipy.stats);
+  a module (`scipy`, `integrate`, `boto3`) is imported on its first attribute (`scipy.stats.beta.ppf` imports
+  scipy.stats);
 - diffusers' torch.load safe-globals registration registers torch's uint1..7 dtypes at once, as at its import, and
   torchao's tensor classes when torchao is first imported, by anyone (the finder watches that import too):
   diffusers' own torchao loading imports torchao first (`TorchAoConfig` deserializes through `torchao.core`);
@@ -128,6 +134,10 @@ def _scipy_stats_integrate(module: Any) -> dict[str, Any]:
     return {"scipy": ModuleOnUse("scipy", "scipy.stats"), "integrate": ModuleOnUse("scipy.integrate")}
 
 
+def _boto3(module: Any) -> dict[str, Any]:
+    return {"boto3": ModuleOnUse("boto3")}
+
+
 def _transformers_torchao(module: Any) -> dict[str, Any]:
     return {"flatten_tensor_state_dict": NameOnUse("torchao.prototype.safetensors.safetensors_support",
                                                    "flatten_tensor_state_dict")}
@@ -165,8 +175,9 @@ _SCIPY_SCHEDULERS = ("deis_multistep", "dpmsolver_multistep", "dpmsolver_multist
                      "unipc_multistep")
 _SCIPY_LOSSES = ("for_object_detection", "deformable_detr", "rt_detr", "rf_detr", "grounding_dino", "lw_detr")
 
-# module -> its rule (checked against transformers 5.23 and diffusers 0.42)
+# module -> its rule (checked against transformers 5.23, diffusers 0.42 and accelerate 1.15)
 RULES: dict[str, Rule] = {
+    "accelerate.commands.config.sagemaker": Rule("accelerate.utils.imports", "is_boto3_available", "boto3", _boto3),
     "transformers.quantizers.quantizer_torchao": Rule("transformers.utils", "is_torchao_available", "torchao",
                                                       _transformers_torchao),
     "diffusers.quantizers.torchao.torchao_quantizer": Rule("diffusers.utils", "is_torchao_available", "torchao",
