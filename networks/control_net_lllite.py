@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from library.core.errors import ConfigError, UserError
-from library.core.metadata import save_lora_state_dict
+from networks.network_base import AdapterNetwork, load_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def lllite_targets(unet: nn.Module, rename: Optional[Callable[[str], str]]) -> l
     return found
 
 
-class ControlNetLLLite(nn.Module):
+class ControlNetLLLite(AdapterNetwork):
     """Every LLLite module of one SDXL UNet, registered under its file name (so state_dict() is the file)."""
 
     def __init__(self, unet: nn.Module, cond_emb_dim: int = 16, mlp_dim: int = 16, dropout: Optional[float] = None,
@@ -196,19 +196,8 @@ class ControlNetLLLite(nn.Module):
         for module in self.unet_modules:
             module.set_cond_image(cond_image)
 
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for module in self.unet_modules:
-            module.multiplier = multiplier
-
-    def apply_to(self, text_encoder: Any = None, unet: Any = None, apply_text_encoder: bool = True,
-                 apply_unet: bool = True) -> None:
-        for module in self.unet_modules:
-            module.apply_to()
-
-    def restore(self) -> None:
-        for module in self.unet_modules:
-            module.restore()
+    def adapters(self) -> list[LLLiteModule]:
+        return self.unet_modules
 
     def is_mergeable(self) -> bool:
         return False
@@ -220,22 +209,10 @@ class ControlNetLLLite(nn.Module):
         lr = unet_lr if unet_lr is not None else default_lr
         return ([{"params": list(self.parameters()), "lr": lr}], ["lllite"]) if lr else ([], [])
 
-    def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder: Any = None, unet: Any = None) -> None:
-        self.train()
-
-    def get_trainable_params(self) -> Iterable[nn.Parameter]:
-        return self.parameters()
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass  # the modules run inside the UNet's (checkpointed) blocks
-
     def load_weights(self, file: Union[str, os.PathLike, Mapping[str, torch.Tensor]]) -> Any:
         """Load a LLLite file (or state dict); every tensor must fit this network by name and shape."""
         source = os.fspath(file) if isinstance(file, (str, os.PathLike)) else "the weights"
-        weights = load_file(source) if isinstance(file, (str, os.PathLike)) else dict(file)
+        weights = load_state_dict(source) if isinstance(file, (str, os.PathLike)) else dict(file)
         own = self.state_dict()
         unexpected = sorted(set(weights) - set(own))
         missing = sorted(set(own) - set(weights))
@@ -249,25 +226,12 @@ class ControlNetLLLite(nn.Module):
                                 f"{list(own[key].shape)} here; use the file's --cond_emb_dim and --network_dim")
         return self.load_state_dict(weights, strict=True)
 
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
-        """Write the file atomically in sd-scripts' naming; modelspec.architecture gets "/control-net-lllite"."""
-        state = {k: v.detach().to("cpu", dtype or v.dtype).clone() for k, v in self.state_dict().items()}
-        metadata = dict(metadata or {})
+    def saved_metadata(self, metadata: dict[str, str]) -> dict[str, str]:
+        """sd-scripts' naming: modelspec.architecture gets "/control-net-lllite"."""
         arch = metadata.get("modelspec.architecture")
         if arch and not arch.endswith(ARCHITECTURE_SUFFIX):
             metadata["modelspec.architecture"] = arch + ARCHITECTURE_SUFFIX
-        save_lora_state_dict(file, state, metadata or None)
-
-
-def load_file(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a LLLite file (.safetensors, or a torch pickle of tensors)."""
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: ControlNet-LLLite file not found")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file as load_safetensors
-
-        return load_safetensors(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+        return metadata
 
 
 def unet_rename(lora_targets: Optional[list]) -> Optional[Callable[[str], str]]:
@@ -314,7 +278,7 @@ def create_network_from_weights(multiplier: float, file: Optional[str], vae: Any
                                 ) -> tuple[ControlNetLLLite, dict]:
     """A network shaped like a saved file (cond_emb_dim and mlp_dim read from its tensors)."""
     if weights_sd is None:
-        weights_sd = load_file(file)
+        weights_sd = load_state_dict(file)
     first = next((k for k in weights_sd if k.endswith(".down.0.weight")), None)
     if first is None:
         raise UserError(f"{file or 'the weights'}: not a ControlNet-LLLite file (no *.down.0.weight tensor)")

@@ -24,14 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks.lora_targets import LoraTarget, default_lora_targets, iter_target_modules
-
-
-def load_state_dict(file: str) -> dict[str, torch.Tensor]:
-    if os.path.splitext(file)[1] == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
+from networks.network_base import AdapterNetwork, load_state_dict
 
 
 class DyLoRAModule(nn.Module):
@@ -136,7 +129,7 @@ def _modules_of(targets: list[LoraTarget], apply_to_conv: bool, modules_dim: Opt
     return out
 
 
-class DyLoRANetwork(nn.Module):
+class DyLoRANetwork(AdapterNetwork):
     """sd-scripts' DyLoRANetwork API over the family's LoRA targets."""
 
     def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, lora_dim: int = 4, alpha: float = 1.0,
@@ -156,22 +149,15 @@ class DyLoRANetwork(nn.Module):
             (self.text_encoder_loras if is_te else self.unet_loras).append(module)
             self.add_module(name, module)
 
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for m in self.text_encoder_loras + self.unet_loras:
-            m.multiplier = multiplier
+    def adapters(self) -> list[DyLoRAModule]:
+        return self.text_encoder_loras + self.unet_loras
 
     def apply_to(self, text_encoder=None, unet=None, apply_text_encoder=True, apply_unet=True) -> None:
         if not apply_text_encoder:
             self.text_encoder_loras = []
         if not apply_unet:
             self.unet_loras = []
-        for m in self.text_encoder_loras + self.unet_loras:
-            m.apply_to()
-
-    def restore(self) -> None:
-        for m in self.text_encoder_loras + self.unet_loras:
-            m.restore()
+        super().apply_to()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The LoRA layout (lora_down / lora_up / alpha), as sd-scripts saves DyLoRA."""
@@ -233,30 +219,6 @@ class DyLoRANetwork(nn.Module):
                 groups.append({"params": params, "lr": lr})
                 names.append(name)
         return groups, names
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass
-
-    def prepare_grad_etc(self, text_encoder=None, unet=None) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder=None, unet=None) -> None:
-        self.train()
-
-    def on_step_start(self) -> None:
-        pass
-
-    def get_trainable_params(self):
-        return self.parameters()
-
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict]) -> None:
-        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
-        if file.endswith(".safetensors"):
-            from library.core.metadata import save_lora_state_dict
-
-            save_lora_state_dict(file, state, dict(metadata or {}))
-        else:
-            torch.save(state, file)
 
 
 def _targets(lora_targets, text_encoder, unet) -> list[LoraTarget]:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from library.core.errors import ConfigError, UserError
-from library.core.metadata import save_lora_state_dict
 from networks import ggpo, lora_math
 from networks.lora_args import (
     SD_BLOCK_LAYOUT,
@@ -44,10 +43,12 @@ from networks.lora_targets import (  # noqa: F401 (re-exported)
     iter_target_paths,
     kohya_module_name,
 )
+from networks.network_base import AdapterNetwork, load_state_dict  # noqa: F401 (sd-scripts' module API)
 
 logger = logging.getLogger(__name__)
 
-class LoRANetwork(nn.Module):
+
+class LoRANetwork(AdapterNetwork):
     """All LoRA modules of one model, split into `text_encoder_loras` and `unet_loras`."""
 
     # sd-scripts' class constants, for external code that reads them
@@ -150,10 +151,8 @@ class LoRANetwork(nn.Module):
         return a.conv_dim, a.conv_alpha
 
     # --- sd-scripts network interface -------------------------------------------
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.multiplier = multiplier
+    def adapters(self) -> list[LoRAModule]:
+        return self.text_encoder_loras + self.unet_loras
 
     def apply_to(self, text_encoder: Any = None, unet: Any = None, apply_text_encoder: bool = True,
                  apply_unet: bool = True) -> None:
@@ -166,13 +165,7 @@ class LoRANetwork(nn.Module):
                 for lora in loras:
                     delattr(self, lora.lora_name)
                 loras.clear()
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.apply_to()
-
-    def restore(self) -> None:
-        """Unhook every LoRA from the model."""
-        for lora in self.text_encoder_loras + self.unet_loras:
-            lora.restore()
+        super().apply_to()
 
     def is_mergeable(self) -> bool:
         return True
@@ -217,11 +210,6 @@ class LoRANetwork(nn.Module):
         for lora in self.text_encoder_loras + self.unet_loras:
             lora.refresh_scale()
         return info
-
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict[str, str]]) -> None:
-        """Write the kohya-format file atomically; .safetensors files get sshs_* hashes."""
-        state_dict = {k: v.detach().to("cpu", dtype or v.dtype).clone() for k, v in self.state_dict().items()}
-        save_lora_state_dict(file, state_dict, metadata)
 
     def prepare_optimizer_params(self, text_encoder_lr: Any, unet_lr: Optional[float],
                                  default_lr: Optional[float]) -> tuple[list[dict], list[str]]:
@@ -301,21 +289,6 @@ class LoRANetwork(nn.Module):
         return [(f"textencoder {i + 1}", [m for m in self.text_encoder_loras if m.lora_name.startswith(prefix + "_")],
                  lr) for i, (prefix, lr) in enumerate(zip(self.text_encoder_prefixes, rates))]
 
-    def prepare_grad_etc(self, text_encoder: Any = None, unet: Any = None) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder: Any = None, unet: Any = None) -> None:
-        self.train()
-
-    def on_step_start(self) -> None:
-        pass
-
-    def get_trainable_params(self) -> Iterable[nn.Parameter]:
-        return self.parameters()
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass  # LoRA modules hold no activations of their own worth checkpointing
-
     def update_grad_norms(self) -> None:
         """LoRA-GGPO: each module's ΔW gradient row norms (after clipping, before the optimizer step)."""
         for lora in self._ggpo_loras():
@@ -361,17 +334,6 @@ class LoRANetwork(nn.Module):
         if not norms:
             return 0, 0.0, 0.0
         return keys_scaled, sum(norms) / len(norms), max(norms)
-
-
-def load_state_dict(file: str) -> dict[str, torch.Tensor]:
-    """Tensors of a LoRA file (.safetensors or a torch pickle of tensors)."""
-    if not os.path.isfile(file):
-        raise UserError(f"{file}: LoRA file not found")
-    if file.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _targets(lora_targets: Optional[list[LoraTarget]], text_encoder: Any, unet: Any) -> list[LoraTarget]:

@@ -18,30 +18,18 @@ sd-scripts infers from its names (`_ff_`: all linear; `in_layers_2` or resnet co
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from networks.network_base import AdapterNetwork, load_state_dict
+
 PREFIX = "oft_unet"
 ATTENTION_CLASSES = ("Attention", "CrossAttention")  # diffusers' name, sd-scripts' name
 ALL_LINEAR_CLASSES = ("Transformer2DModel",)
 CONV_CLASSES = ("ResnetBlock2D", "Downsample2D", "Upsample2D")
-
-
-def load_state_dict_file(file: str) -> dict[str, torch.Tensor]:
-    """A .safetensors file's tensors, or a torch pickle's."""
-    if os.path.splitext(file)[1] == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
-
-
-def load_state_dict(file: str) -> dict[str, torch.Tensor]:
-    return load_state_dict_file(file)
 
 
 def truthy_arg(value: Any) -> bool:
@@ -137,7 +125,7 @@ def target_layers(unet: nn.Module, enable_all_linear: bool, enable_conv: bool,
     return out
 
 
-class OFTNetwork(nn.Module):
+class OFTNetwork(AdapterNetwork):
     """sd-scripts' OFTNetwork API (create / apply / merge / optimizer groups / save) over a diffusers UNet."""
 
     def __init__(self, text_encoder: Any, unet: nn.Module, multiplier: float = 1.0, dim: int = 4,
@@ -155,21 +143,11 @@ class OFTNetwork(nn.Module):
         self.text_encoder_loras: list = []  # OFT trains the UNet only
         self.unet_loras = self.unet_ofts
 
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for oft in self.unet_ofts:
-            oft.multiplier = multiplier
-
-    def apply_to(self, text_encoder=None, unet=None, apply_text_encoder=True, apply_unet=True) -> None:
-        for oft in self.unet_ofts:
-            oft.apply_to()
-
-    def restore(self) -> None:
-        for oft in self.unet_ofts:
-            oft.restore()
+    def adapters(self) -> list[OFTModule]:
+        return self.unet_ofts
 
     def load_weights(self, file: str):
-        return self.load_state_dict(load_state_dict_file(file), False)
+        return self.load_state_dict(load_state_dict(file), False)
 
     def is_mergeable(self) -> bool:
         return True
@@ -185,28 +163,6 @@ class OFTNetwork(nn.Module):
         if unet_lr is not None:
             group["lr"] = unet_lr
         return [group], ["unet"]
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass  # nothing to checkpoint inside the network
-
-    def prepare_grad_etc(self, text_encoder, unet) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder, unet) -> None:
-        self.train()
-
-    def get_trainable_params(self):
-        return self.parameters()
-
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict]) -> None:
-        state = {k: (v.detach().to("cpu", dtype) if dtype is not None else v.detach().cpu()).contiguous()
-                 for k, v in self.state_dict().items()}
-        if file.endswith(".safetensors"):
-            from library.core.metadata import save_lora_state_dict
-
-            save_lora_state_dict(file, state, dict(metadata or {}))
-        else:
-            torch.save(state, file)
 
 
 def _unet_rename(lora_targets, unet: nn.Module) -> Optional[Callable[[str], str]]:
@@ -242,7 +198,7 @@ def settings_from_weights(weights_sd: dict) -> dict[str, Any]:
 def create_network_from_weights(multiplier: float, file: str, vae, text_encoder, unet, weights_sd=None,
                                 for_inference: bool = False, lora_targets=None, block_layout=None, **kwargs):
     if weights_sd is None:
-        weights_sd = load_state_dict_file(file)
+        weights_sd = load_state_dict(file)
     s = settings_from_weights(weights_sd)
     network = OFTNetwork(text_encoder, unet, multiplier, s["dim"], s["alpha"], s["enable_all_linear"],
                          s["enable_conv"], rename=_unet_rename(lora_targets, unet))

@@ -25,15 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from networks.lora_targets import LoraTarget, iter_target_groups
-from networks.oft import truthy_arg, block_rotation, load_state_dict_file, rotated_weight
+from networks.network_base import AdapterNetwork, load_state_dict
+from networks.oft import block_rotation, rotated_weight, truthy_arg
 
 PREFIX = "oft_unet_"
 ATTN_ONLY = re.compile(r"^double_blocks_\d+_(img|txt)_attn_(qkv|proj)$")
 IN_BLOCKS = re.compile(r"^(double|single)_blocks_\d+_")
-
-
-def load_state_dict(file: str) -> dict[str, torch.Tensor]:
-    return load_state_dict_file(file)
 
 
 class OFTFluxModule(nn.Module):
@@ -99,7 +96,7 @@ def target_groups(targets: list[LoraTarget], enable_all_linear: bool) -> list[tu
     return out
 
 
-class OFTFluxNetwork(nn.Module):
+class OFTFluxNetwork(AdapterNetwork):
     """sd-scripts' OFTNetwork (FLUX.1) API over the family's targets."""
 
     def __init__(self, targets: list[LoraTarget], multiplier: float = 1.0, dim: int = 4, alpha: float = 1e-3,
@@ -116,18 +113,8 @@ class OFTFluxNetwork(nn.Module):
         self.text_encoder_loras: list = []
         self.unet_loras = self.unet_ofts
 
-    def set_multiplier(self, multiplier: float) -> None:
-        self.multiplier = multiplier
-        for oft in self.unet_ofts:
-            oft.multiplier = multiplier
-
-    def apply_to(self, text_encoder=None, unet=None, apply_text_encoder=True, apply_unet=True) -> None:
-        for oft in self.unet_ofts:
-            oft.apply_to()
-
-    def restore(self) -> None:
-        for oft in self.unet_ofts:
-            oft.restore()
+    def adapters(self) -> list[OFTFluxModule]:
+        return self.unet_ofts
 
     def load_weights(self, file, source: Optional[str] = None):
         state = load_state_dict(file) if isinstance(file, (str, os.PathLike)) else dict(file)
@@ -148,30 +135,6 @@ class OFTFluxNetwork(nn.Module):
         if unet_lr is not None:
             group["lr"] = unet_lr
         return [group], ["unet"]
-
-    def enable_gradient_checkpointing(self) -> None:
-        pass
-
-    def prepare_grad_etc(self, text_encoder=None, unet=None) -> None:
-        self.requires_grad_(True)
-
-    def on_epoch_start(self, text_encoder=None, unet=None) -> None:
-        self.train()
-
-    def on_step_start(self) -> None:
-        pass
-
-    def get_trainable_params(self):
-        return self.parameters()
-
-    def save_weights(self, file: str, dtype: Optional[torch.dtype], metadata: Optional[dict]) -> None:
-        state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in self.state_dict().items()}
-        if file.endswith(".safetensors"):
-            from library.core.metadata import save_lora_state_dict
-
-            save_lora_state_dict(file, state, dict(metadata or {}))
-        else:
-            torch.save(state, file)
 
 
 def create_network(multiplier: float, network_dim: Optional[int], network_alpha: Optional[float], vae, text_encoder,
