@@ -17,10 +17,9 @@ import logging
 import torch
 
 from library.core.errors import warn_once
-from library.families.base import Components, ModelFamily, TextConditioning
+from library.families.base import Components, ModelFamily
 from library.families.flux.generate import flux_sigmas
-from library.families.common.flow_sampling import decode_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
-from library.sampling.generate import GeneratedImage
+from library.families.common.flow_sampling import generate_flow, resolve_flow_request
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +46,11 @@ def chroma_sigmas(steps: int, image_tokens: int) -> torch.Tensor:
     return flux_sigmas(steps, image_tokens, shift=True)
 
 
-@torch.no_grad()
 def generate_chroma(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale and sampler."""
-    from PIL import Image
+    def sigmas(first, latents: torch.Tensor) -> torch.Tensor:
+        h, w = latents.shape[-2:]
+        return chroma_sigmas(first.steps, (h // 2) * (w // 2))
 
-    resolved = resolve_batch(requests, resolve_chroma_request, "generate_chroma")
-    first = resolved[0]
-    model = components.denoiser
-    use_cfg = first.scale != 1.0
-    texts = prompts_then_negatives(resolved, use_cfg)
-    text = encode_prompts_flux(family, components, texts, device)
-    text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
-
-    latents = initial_noise(family, resolved, device)
-    h, w = latents.shape[-2:]
-
-    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
-        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)  # predict's unit: σ·1000
-        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
-
-    latents = euler_sample(latents, chroma_sigmas(first.steps, (h // 2) * (w // 2)), velocity, first.scale, use_cfg)
-    images = decode_images(family, components.vae, latents)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    return generate_flow(family, components, requests, device, resolve=resolve_chroma_request,
+                         name="generate_chroma", sigmas=sigmas)

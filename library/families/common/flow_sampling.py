@@ -1,5 +1,6 @@
 """Sampling pieces every flow-matching family shares: request defaults, the seeded start noise, Euler steps with
-classifier-free guidance, prompt encoding and autoencoder decoding with modules borrowed onto the device."""
+classifier-free guidance, prompt encoding and autoencoder decoding with modules borrowed onto the device, and
+`generate_flow`, the whole text-to-image loop of a family whose denoiser runs through `family.predict`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from library.core.errors import warn_once
 from library.families.base import Components, ModelFamily, TextConditioning
+from library.sampling.generate import GeneratedImage
 from library.sampling.samplers import sampler_spec
 
 logger = logging.getLogger(__name__)
@@ -154,3 +156,54 @@ def prompts_then_negatives(resolved: list, use_cfg: bool) -> list[str]:
     return [r.prompt for r in resolved] + ([r.negative_prompt or "" for r in resolved] if use_cfg else [])
 
 
+
+
+@torch.no_grad()
+def encode_negatives_apart(family: ModelFamily, components: Components, resolved: list, use_cfg: bool,
+                           device: torch.device, tokenize_negatives: Optional[Callable[[list[str]], dict]] = None
+                           ) -> TextConditioning:
+    """Prompts and (with guidance) negatives encoded as two batches by the one text encoder, borrowed onto `device`,
+    then joined: for a family whose negatives are tokenized their own way (`tokenize_negatives`; Lumina's carry no
+    system prompt) or encoded apart as its reference pipeline does (Z-Image's)."""
+    with borrowed_on(components.text_encoders[0], device):
+        text = family.encode_text(components, family.tokenize(components, [r.prompt for r in resolved], None), None)
+        if use_cfg:
+            negatives = [r.negative_prompt or "" for r in resolved]
+            tokens = (tokenize_negatives(negatives) if tokenize_negatives is not None
+                      else family.tokenize(components, negatives, None))
+            negative = family.encode_text(components, tokens, None)
+            text = TextConditioning({k: torch.cat([text.tensors[k], negative.tensors[k]]) for k in text.tensors})
+    return text
+
+
+@torch.no_grad()
+def generate_flow(family: ModelFamily, components: Components, requests: list, device: torch.device, *,
+                  resolve: Callable, name: str, sigmas: Callable[[object, torch.Tensor], torch.Tensor],
+                  encode: Optional[Callable[[list, bool], TextConditioning]] = None) -> list[GeneratedImage]:
+    """Denoise one batch of requests that share size, steps, scale and sampler, as a flow family samples.
+
+    `resolve(request)` fills in the family's defaults (`name` is said when the batch cannot run together);
+    `sigmas(first_request, start_latents)` is its σ schedule, 1 to 0; `encode(resolved, use_cfg)` its text
+    conditioning of the prompts, then (with guidance) the negatives; by default the family's own tokenizing and
+    encoding of all of them in one batch, with every text encoder borrowed onto `device`. The guided pass runs
+    when the scale is not 1; the denoiser runs through `family.predict` at timesteps σ·1000."""
+    from PIL import Image
+
+    resolved = resolve_batch(requests, resolve, name)
+    first = resolved[0]
+    use_cfg = first.scale != 1.0
+    if encode is None:
+        text = encode_prompts_flux(family, components, prompts_then_negatives(resolved, use_cfg), device)
+    else:
+        text = encode(resolved, use_cfg)
+    text = TextConditioning({k: v.to(device) for k, v in text.tensors.items()})
+    model = components.denoiser
+    latents = initial_noise(family, resolved, device)
+
+    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
+        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)  # predict's unit: σ·1000
+        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
+
+    latents = euler_sample(latents, sigmas(first, latents), velocity, first.scale, use_cfg)
+    images = decode_images(family, components.vae, latents)
+    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]

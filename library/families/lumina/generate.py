@@ -7,14 +7,11 @@ generator; the negative pass runs when the scale is not 1.
 
 from __future__ import annotations
 
-
 import torch
 
-from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.common.flow_sampling import decode_images, euler_sample, initial_noise, resolve_batch, resolve_flow_request
-from library.families.common.flow_sampling import borrowed_on
+from library.families.base import Components, ModelFamily
+from library.families.common.flow_sampling import encode_negatives_apart, generate_flow, resolve_flow_request
 from library.objectives.flow import shift_sigmas
-from library.sampling.generate import GeneratedImage
 
 DEFAULT_SIZE = 1024
 DEFAULT_STEPS = 30
@@ -34,27 +31,13 @@ def lumina_sigmas(steps: int, shift: float) -> torch.Tensor:
     return torch.cat([shift_sigmas(t, shift), torch.zeros(1, dtype=torch.float64)]).float()
 
 
-@torch.no_grad()
 def generate_lumina(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
-    """Denoise one batch of requests that share size, steps, scale and sampler."""
-    from PIL import Image
-
-    resolved = resolve_batch(requests, resolve_lumina_request, "generate_lumina")
-    first = resolved[0]
-    use_cfg = first.scale != 1.0
-    encoder = components.text_encoders[0]
-    with borrowed_on(encoder, device):
-        text = family.encode_text(components, family.tokenize(components, [r.prompt for r in resolved], None), None)
-        if use_cfg:
-            negative = family.encode_text(components, family.tokenize_plain(
-                components, [r.negative_prompt or "" for r in resolved]), None)
-            text = TextConditioning({k: torch.cat([text.tensors[k], negative.tensors[k]]) for k in text.tensors})
-    text = TextConditioning({k: v.to(device) for k, v in text.tensors.items()})
-    model = components.denoiser
-    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
-        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
-        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
-
-    latents = euler_sample(initial_noise(family, resolved, device), lumina_sigmas(first.steps, family.options(components).flow.discrete_flow_shift), velocity, first.scale, use_cfg)
-    images = decode_images(family, components.vae, latents)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    """Denoise one batch of requests that share size, steps, scale and sampler; the negatives are tokenized without
+    the system prompt, as sd-scripts does."""
+    shift = family.options(components).flow.discrete_flow_shift
+    return generate_flow(
+        family, components, requests, device, resolve=resolve_lumina_request, name="generate_lumina",
+        sigmas=lambda first, latents: lumina_sigmas(first.steps, shift),
+        encode=lambda resolved, use_cfg: encode_negatives_apart(
+            family, components, resolved, use_cfg, device,
+            tokenize_negatives=lambda texts: family.tokenize_plain(components, texts)))

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.common.flow_sampling import decode_images, encode_prompts_flux, euler_sample, initial_noise, prompts_then_negatives, resolve_batch, resolve_flow_request
+from library.families.base import Components, ModelFamily
+from library.families.common.flow_sampling import generate_flow, resolve_flow_request
 from library.objectives.flow import shift_sigmas
-from library.sampling.generate import GeneratedImage
 
 DEFAULT_SIZE = 512
 DEFAULT_STEPS = 30
@@ -35,23 +34,7 @@ def sd3_sigmas(steps: int, shift: float = SAMPLING_SHIFT) -> torch.Tensor:
     return torch.cat([shift_sigmas(t, shift), torch.zeros(1, dtype=torch.float64)]).float()
 
 
-@torch.no_grad()
 def generate_sd3(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
     """Denoise one batch of requests that share size, steps, scale and sampler."""
-    from PIL import Image
-
-    resolved = resolve_batch(requests, resolve_sd3_request, "generate_sd3")
-    first = resolved[0]
-    model = components.denoiser
-    use_cfg = first.scale != 1.0
-    texts = prompts_then_negatives(resolved, use_cfg)
-    text = encode_prompts_flux(family, components, texts, device)
-    text = TextConditioning(tensors={k: v.to(device) for k, v in text.tensors.items()})
-
-    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
-        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
-        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
-
-    latents = euler_sample(initial_noise(family, resolved, device), sd3_sigmas(first.steps), velocity, first.scale, use_cfg)
-    images = decode_images(family, components.vae, latents)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    return generate_flow(family, components, requests, device, resolve=resolve_sd3_request, name="generate_sd3",
+                         sigmas=lambda first, latents: sd3_sigmas(first.steps))

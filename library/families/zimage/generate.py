@@ -11,17 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from library.families.base import Components, ModelFamily, TextConditioning
-from library.families.common.flow_sampling import (
-    borrowed_on,
-    decode_images,
-    euler_sample,
-    initial_noise,
-    resolve_batch,
-    resolve_flow_request,
-)
+from library.families.base import Components, ModelFamily
+from library.families.common.flow_sampling import encode_negatives_apart, generate_flow, resolve_flow_request
 from library.objectives.flow import shift_sigmas
-from library.sampling.generate import GeneratedImage
 
 DEFAULT_SIZE = 1024
 DEFAULT_STEPS = 8
@@ -41,29 +33,11 @@ def zimage_sigmas(steps: int, shift: float) -> torch.Tensor:
     return torch.cat([shift_sigmas(t, shift), torch.zeros(1, dtype=torch.float64)]).float()
 
 
-@torch.no_grad()
 def generate_zimage(family: ModelFamily, components: Components, requests: list, device: torch.device) -> list:
-    """Denoise one batch of requests that share size, steps, scale and sampler."""
-    from PIL import Image
-
-    resolved = resolve_batch(requests, resolve_zimage_request, "generate_zimage")
-    first = resolved[0]
-    use_cfg = first.scale != 1.0
-    encoder = components.text_encoders[0]
-    with borrowed_on(encoder, device):
-        text = family.encode_text(components, family.tokenize(components, [r.prompt for r in resolved], None), None)
-        if use_cfg:
-            negative = family.encode_text(components, family.tokenize(
-                components, [r.negative_prompt or "" for r in resolved], None), None)
-            text = TextConditioning({k: torch.cat([text.tensors[k], negative.tensors[k]]) for k in text.tensors})
-    text = TextConditioning({k: v.to(device) for k, v in text.tensors.items()})
-    model = components.denoiser
-
-    def velocity(model_in: torch.Tensor, sigma: float) -> torch.Tensor:
-        timesteps = torch.full((model_in.shape[0],), sigma * 1000, device=device)
-        return family.predict(components, model_in.to(model.dtype), timesteps, text, {})
-
-    sigmas = zimage_sigmas(first.steps, family.options(components).sample_shift)
-    latents = euler_sample(initial_noise(family, resolved, device), sigmas, velocity, first.scale, use_cfg)
-    images = decode_images(family, components.vae, latents)
-    return [GeneratedImage(Image.fromarray(img), r) for img, r in zip(images, resolved)]
+    """Denoise one batch of requests that share size, steps, scale and sampler; the negatives are encoded apart
+    from the prompts, as ZImagePipeline does."""
+    shift = family.options(components).sample_shift
+    return generate_flow(
+        family, components, requests, device, resolve=resolve_zimage_request, name="generate_zimage",
+        sigmas=lambda first, latents: zimage_sigmas(first.steps, shift),
+        encode=lambda resolved, use_cfg: encode_negatives_apart(family, components, resolved, use_cfg, device))
