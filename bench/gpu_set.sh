@@ -68,9 +68,11 @@ run() {  # name, bench_gpu_lora.py arguments (trainer flags after --)
 }
 
 run sdxl "${SDXL[@]}"
+run sdxl_no_fused_lora "${SDXL[@]}" -- --no_fused_lora
 run sdxl_no_channels_last "${SDXL[@]}" -- --no_channels_last
-run sdxl_attention_checkpointing "${SDXL[@]}" -- --gradient_checkpointing_policy attention
 run flux "${FLUX[@]}"
+run flux_no_fused_lora "${FLUX[@]}" -- --no_fused_lora
 run flux_block_swap "${FLUX[@]}" -- --blocks_to_swap "$SWAP"
+run sdxl_attention_checkpointing "${SDXL[@]}" -- --gradient_checkpointing_policy attention
 run flux_attention_checkpointing "${FLUX[@]}" -- --gradient_checkpointing_policy attention
 cat "$TABLE"

@@ -20,12 +20,21 @@ x), never forming the (out x in) gradient of a merged weight, and are taken with
 Merging into a bfloat16 / float16 (or TF32-rounded) weight would round the LoRA's update to the weight's few
 mantissa bits, which the plain path keeps apart, so a low-precision base weight is only fused: the update is
 computed in the LoRA's float32 and added to the output once (one rounding where the plain path rounds the scaled
-update and then the sum). `applies` says when the function computes the plain formula: no dropout of any kind, no
-autocast (which would run the LoRA in its own dtype), float32 LoRA weights, plain frozen tensors (not a DTensor
-or a quantized weight).
+update and then the sum).
+
+Under autocast (`--mixed_precision bf16` / `fp16` on a GPU) the plain formula's four products run in autocast's
+dtype, the LoRA weights cast to it; so does the fused function: its inputs are cast as autocast casts them (the
+casts are differentiable, so the float32 LoRA weights get their gradients as before) and it runs with autocast off,
+the update added in the last product's epilogue, scaled there (the plain path rounds the product, the scaled copy
+and the sum). It is not merged then: the merged weight would be rounded to that dtype.
+
+`applies` says when the function computes the plain formula: no dropout of any kind, float32 LoRA weights, plain
+frozen tensors (not a DTensor or a quantized weight), the frozen weight in the input's dtype or autocast on.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +97,12 @@ class _LoRALinear(torch.autograd.Function):
         return grad_x, None, grad_bias, grad_down, grad_up, None, None
 
 
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast runs x's products in, or None when it is off on x's device."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def merges(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `lora_linear` merges for this call: float32 input and weight, full float32 products (not TF32 or
     oneDNN's bfloat16 math mode: `torch.set_float32_matmul_precision` at "highest"), and enough rows (`pays`)."""
@@ -97,8 +112,14 @@ def merges(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def lora_linear(x: torch.Tensor, org: nn.Linear, down: torch.Tensor, up: torch.Tensor, scale: float) -> torch.Tensor:
-    """`org(x) + (x @ down^T @ up^T) * scale` as one autograd function, merged where that is exact and pays."""
-    return _LoRALinear.apply(x, org.weight, org.bias, down, up, scale, merges(x, org.weight))
+    """`org(x) + (x @ down^T @ up^T) * scale` as one autograd function, merged where that is exact and pays; under
+    autocast in autocast's dtype, as the plain formula runs there."""
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        return _LoRALinear.apply(x, org.weight, org.bias, down, up, scale, merges(x, org.weight))
+    bias = None if org.bias is None else org.bias.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return _LoRALinear.apply(x.to(dtype), org.weight.to(dtype), bias, down.to(dtype), up.to(dtype), scale, False)
 
 
 def takes_update_in_place(org: nn.Module, had_own_forward: bool, x: torch.Tensor, out: torch.Tensor) -> bool:
@@ -111,11 +132,13 @@ def takes_update_in_place(org: nn.Module, had_own_forward: bool, x: torch.Tensor
 
 def applies(x: torch.Tensor, org: nn.Module, down: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `lora_linear` computes the plain formula for this call: a frozen floating-point Linear of plain
-    tensors on x's device, in x's dtype, float32 LoRA weights, no autocast."""
+    tensors on x's device, in x's dtype (any, under autocast to bfloat16 / float16), float32 LoRA weights."""
     weight, bias = org.weight, org.bias
-    return (x.dtype in _FLOATS and weight.dtype == x.dtype and weight.dim() == 2 and down.dtype == torch.float32
+    autocast = autocast_dtype(x)
+    dtypes_fit = (weight.dtype == x.dtype if autocast is None
+                  else autocast in (torch.bfloat16, torch.float16) and weight.dtype in _FLOATS)
+    return (x.dtype in _FLOATS and dtypes_fit and weight.dim() == 2 and down.dtype == torch.float32
             and up.dtype == torch.float32 and type(weight) in _PLAIN_TENSORS and type(down) in _PLAIN_TENSORS
             and type(up) in _PLAIN_TENSORS and not weight.requires_grad
             and (bias is None or (type(bias) in _PLAIN_TENSORS and not bias.requires_grad))
-            and weight.device == x.device == down.device
-            and not torch.is_autocast_enabled(x.device.type))
+            and weight.device == x.device == down.device)

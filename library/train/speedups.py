@@ -7,7 +7,8 @@ opt-out flag (library/cli/memory.py SpeedFlags) and a numerics test (tests/test_
 - fused LoRA products: a LoRA'd Linear computes org(x) + up(down(x)) * scale as one autograd function
   (networks/lora_matmul.py): one product with the merged weight where the base is float32 and there are enough
   tokens, else the update added in the last product's epilogue; the rank-r gradients in the CPU's fast layout.
-  Only where it is the plain formula (no dropout, no autocast, float32 LoRA weights). Decided by each call.
+  Under autocast, in autocast's dtype as the plain formula runs there. Only where it is the plain formula (no
+  dropout, float32 LoRA weights). Decided by each call.
 - the automatic text-encoder output cache: when no text encoder trains and no caption can change between epochs,
   each caption is encoded once, the first time a step meets it, and its outputs are reused (library/train/step.py).
 """
