@@ -54,9 +54,10 @@ def pays(rows: int, in_features: int, out_features: int) -> bool:
 
 
 def add_scaled(out: torch.Tensor, lhs: torch.Tensor, rhs: torch.Tensor, scale: float) -> torch.Tensor:
-    """out += scale * lhs @ rhs, in place: in the product's epilogue when the dtypes agree, else one add."""
+    """out += scale * lhs @ rhs, in place: in the product's epilogue when out and lhs agree (rhs cast to them, as
+    autocast casts a float32 LoRA weight), else one add."""
     if out.dtype == lhs.dtype:
-        return out.addmm_(lhs, rhs, alpha=scale)
+        return out.addmm_(lhs, rhs.to(lhs.dtype), alpha=scale)
     return out.add_(lhs @ rhs, alpha=scale)  # one pass, computed in float32 and rounded once
 
 
@@ -124,10 +125,9 @@ def lora_linear(x: torch.Tensor, org: nn.Linear, down: torch.Tensor, up: torch.T
 
 def takes_update_in_place(org: nn.Module, had_own_forward: bool, x: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether a LoRA may add its update into `out`, org(x)'s output, in place: a plain Linear's or Conv2d's fresh
-    output (their backward keeps only the input and the weight), in a floating-point dtype, no autocast (which would
-    run the update in its own dtype)."""
-    return (type(org) in (nn.Linear, nn.Conv2d) and not had_own_forward and out.dtype in _FLOATS
-            and not torch.is_autocast_enabled(x.device.type))
+    output (their backward keeps only the input and the weight), in a floating-point dtype (under autocast, its
+    dtype: the update is computed in it too, as the plain formula computes it there)."""
+    return type(org) in (nn.Linear, nn.Conv2d) and not had_own_forward and out.dtype in _FLOATS
 
 
 def applies(x: torch.Tensor, org: nn.Module, down: torch.Tensor, up: torch.Tensor) -> bool:
