@@ -25,6 +25,8 @@ NOT_IMPORTED = (
     "scipy",
     "datasets",
     "wandb",
+    "boto3.session",  # TensorBoard's file layer binds boto3, imported lazily (deferred_backends.LAZY)
+    "botocore.session",
     "diffusers.models.transformers.transformer_flux",
     "diffusers.models.transformers.transformer_sd3",
     "diffusers.models.unets.unet_3d_condition",
@@ -274,6 +276,33 @@ def test_accelerate_imports_boto3_only_when_used():
     """accelerate's SageMaker config imports boto3 (about 10 MiB) when it is installed; a run that never configures
     SageMaker (and logs to no S3 path through TensorBoard, whose own file layer imports it) does not."""
     proc = _python(_BOTO3)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+_TENSORBOARD_BOTO3 = """
+import sys
+import torch
+import library.families  # noqa: F401  (installs the finder)
+from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (what accelerate's TensorBoard tracker imports)
+from tensorboard.compat.tensorflow_stub.io import gfile
+from library.families.common.deferred_backends import LAZY
+assert LAZY[gfile.__name__] == ("boto3",)
+lazy = sys.modules["boto3"]
+assert gfile.boto3 is lazy and type(lazy).__name__ == "_LazyModule"  # bound, its code not run
+assert [m for m in sys.modules if m.startswith(("boto3.", "botocore.session"))] == []
+assert gfile.S3_ENABLED and type(gfile.get_filesystem("s3://bucket/logs")).__name__ == "S3FileSystem"  # as before
+client = gfile.boto3.client  # the first attribute runs boto3's own code, in place
+assert type(lazy) is type(sys) and sys.modules["boto3"] is lazy and "boto3.session" in sys.modules
+import boto3
+assert boto3 is lazy and client is boto3.client and boto3.Session.__module__ == "boto3.session"
+print("ok")
+"""
+
+
+def test_tensorboard_imports_boto3_lazily():
+    """TensorBoard's file layer imports boto3 (about 10 MiB) for s3:// paths: the module is bound (so S3 paths
+    work as before) but its code runs only when something uses it."""
+    proc = _python(_TENSORBOARD_BOTO3)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 

@@ -38,6 +38,11 @@ meanwhile, get the real answer), so it skips the import. Then:
   only a bare `torch.load(..., weights_only=True)` of a torchao checkpoint in a process that never imported
   torchao would miss them (import torchao first).
 
+`LAZY` is the other kind of rule, for a module that imports a package unconditionally (in a `try`) only to use it
+later: while that module's own code runs, the package is imported through `importlib.util.LazyLoader`, so the
+module binds the real package object, in `sys.modules` as usual, whose code runs in place on its first attribute
+access (TensorBoard's file layer and boto3, for s3:// log paths).
+
 Nothing is hidden for a package already imported or not installed, a module already imported, or a module whose
 flag says "absent" anyway. `LORA_TOOLKIT_PLAIN_DIFFUSERS_IMPORT=1` in the environment turns this off, with
 diffusers_import.py's deferral (the opt-out, should a transformers or diffusers release change what it relies on).
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -190,6 +196,16 @@ RULES: dict[str, Rule] = {
        for n in _SCIPY_SCHEDULERS},
 }
 
+# module -> packages it imports at its top level only to use them later, for something a training run may never
+# do: imported lazily while that module's own code runs (importlib.util.LazyLoader: the real module, in
+# sys.modules as usual, whose code runs in place on its first attribute access). Checked against tensorboard 2.21.
+LAZY: dict[str, tuple[str, ...]] = {
+    # TensorBoard's file layer tries `import botocore.exceptions` (cheap) and `import boto3` (about 10 MiB) to offer
+    # s3:// log paths; boto3 is used only inside its S3FileSystem's methods
+    "tensorboard.compat.tensorflow_stub.io.gfile": ("boto3",),
+}
+_LAZY_NOW: set[str] = set()  # the LAZY packages of the module running now
+
 # package -> what to run once it is imported (diffusers' torchao safe globals)
 _ON_IMPORT: dict[str, list[Callable[[], Any]]] = {}
 
@@ -257,17 +273,22 @@ class _Loader(importlib.abc.Loader):
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         rule = RULES.get(self._name)
-        if rule is None:
-            self._loader.exec_module(module)
-        else:
-            _run_hidden(self._name, rule, self._loader.exec_module, module)
+        lazy = {p for p in LAZY.get(self._name, ()) if p not in sys.modules}
+        _LAZY_NOW.update(lazy)
+        try:
+            if rule is None:
+                self._loader.exec_module(module)
+            else:
+                _run_hidden(self._name, rule, self._loader.exec_module, module)
+        finally:
+            _LAZY_NOW.difference_update(lazy)
         for action in _ON_IMPORT.pop(self._name, ()):
             action()
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if (fullname not in RULES and fullname not in _ON_IMPORT) or os.environ.get(PLAIN_IMPORT_ENV):
+        if os.environ.get(PLAIN_IMPORT_ENV) or not any(fullname in t for t in (RULES, _ON_IMPORT, LAZY, _LAZY_NOW)):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -276,7 +297,8 @@ class _Finder(importlib.abc.MetaPathFinder):
             if spec is None:
                 continue
             if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _Loader(spec.loader, fullname)
+                lazy = fullname in _LAZY_NOW
+                spec.loader = importlib.util.LazyLoader(spec.loader) if lazy else _Loader(spec.loader, fullname)
             return spec
         return None
 
