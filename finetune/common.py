@@ -85,29 +85,37 @@ def image_loader(paths: list[str], workers: Optional[int], transform: Optional[C
                                        num_workers=workers or 0, collate_fn=_keep_as_is)
 
 
+def in_batches(images: list[str], workers: Optional[int], batch_size: int, what: str,
+               handle: Callable[[list[tuple[str, Any]]], None],
+               transform: Optional[Callable[[Any], Any]] = None) -> int:
+    """Decode `images` in `workers` background processes (through `transform`) and hand them to `handle` as
+    (path, image) pairs, `batch_size` at a time, with a progress bar named `what`; unreadable images are skipped
+    and listed once at the end. Returns how many images were handled."""
+    failed, pending = [], []
+    for path, image, problem in progress(image_loader(images, workers, transform), what, total=len(images)):
+        if image is None:
+            failed.append(problem)
+            continue
+        pending.append((path, image))
+        if len(pending) >= batch_size:
+            handle(pending)
+            pending = []
+    if pending:
+        handle(pending)
+    warn_list("images could not be read and were skipped", failed)
+    return len(images) - len(failed)
+
+
 def caption_images(images: list[str], workers: Optional[int], batch_size: int, extension: str,
                    describe: Callable[[list[Any]], list[str]], debug: bool = False) -> None:
     """Decode `images` in the background, caption them `batch_size` at a time with `describe` (PIL images ->
     captions) and write `<stem><extension>` beside each (atomically); unreadable images are listed once at the end."""
     from library.core.io_utils import atomic_write_text
 
-    failed, pending = [], []
-
-    def flush() -> None:
-        for (path, _), caption in zip(pending, describe([img for _, img in pending])):
+    def write(batch: list[tuple[str, Any]]) -> None:
+        for (path, _), caption in zip(batch, describe([img for _, img in batch])):
             atomic_write_text(os.path.splitext(path)[0] + extension, caption + "\n")
             if debug:
                 logger.info("%s: %s", path, caption)
-        pending.clear()
 
-    for path, image, problem in progress(image_loader(images, workers), "captioning", total=len(images)):
-        if image is None:
-            failed.append(problem)
-            continue
-        pending.append((path, image))
-        if len(pending) >= batch_size:
-            flush()
-    if pending:
-        flush()
-    warn_list("images could not be read and were skipped", failed)
-    logger.info("done: %d images captioned", len(images) - len(failed))
+    logger.info("done: %d images captioned", in_batches(images, workers, batch_size, "captioning", write))

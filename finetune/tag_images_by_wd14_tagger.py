@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from finetune.common import add_caption_extension, caption_extension, image_loader, script_main  # noqa: E402
+from finetune.common import add_caption_extension, caption_extension, in_batches, script_main  # noqa: E402
 
 DEFAULT_REPO = "SmilingWolf/wd-v1-4-convnext-tagger-v2"
 
@@ -96,7 +96,7 @@ def load_session(location: str):
 def run(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from finetune.common import logger, progress, warn_list
+    from finetune.common import logger
     from library.core.errors import UserError
     from library.core.io_utils import atomic_write_text
     from library.data.finetune_metadata import list_dataset_images
@@ -143,10 +143,9 @@ def run(args: argparse.Namespace) -> None:
         logger.info("%d images already have a %s file and are skipped", before - len(images), ext)
     logger.info("tagging %d images with %s", len(images), location)
 
-    loader = image_loader(images, args.max_data_loader_n_workers, functools.partial(preprocessed, size=size))
-    freq, failed, pending = TagFrequency(), [], []
+    freq = TagFrequency()
 
-    def flush() -> None:
+    def tag(pending: list[tuple[str, np.ndarray]]) -> None:
         batch = np.stack([img for _, img in pending])
         if fixed_batch is not None and len(pending) < fixed_batch:  # pad a short last batch
             batch = np.concatenate([batch, np.zeros((fixed_batch - len(pending), *batch.shape[1:]), np.float32)])
@@ -161,23 +160,14 @@ def run(args: argparse.Namespace) -> None:
             atomic_write_text(out, sep.join(tags) + "\n")
             if args.debug:
                 logger.info("%s: %s", path, sep.join(tags))
-        pending.clear()
 
-    for path, image, problem in progress(loader, "tagging", total=len(images)):
-        if image is None:
-            failed.append(problem)
-            continue
-        pending.append((path, image))
-        if len(pending) >= batch_size:
-            flush()
-    if pending:
-        flush()
-    warn_list("images could not be read and were skipped", failed)
+    tagged = in_batches(images, args.max_data_loader_n_workers, batch_size, "tagging", tag,
+                        functools.partial(preprocessed, size=size))
     if args.frequency_tags:
         print("Tag frequencies:")
         for tag, n in freq.most_common():
             print(f"{tag}: {n}")
-    logger.info("done: %d images tagged", len(images) - len(failed))
+    logger.info("done: %d images tagged", tagged)
 
 
 def main(argv=None) -> int:
