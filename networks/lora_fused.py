@@ -128,12 +128,12 @@ class FusedLoRAModule(nn.Module):
         self._cache = (x, grad, lx, scale, left) if left > 0 else None
         return lx, scale
 
-    def _adds_in_place(self, index: int, x: torch.Tensor, org_out: torch.Tensor) -> bool:
+    def _adds_in_place(self, index: int, org_out: torch.Tensor) -> bool:
         """Whether projection `index`'s update may be added into its output in place (lora_matmul's rule), with no
         GGPO perturbation to add after it."""
         return (self.fused_matmul and not (self.training and self.ggpo is not None and self.ggpo.active())
                 and org_out.is_contiguous()
-                and takes_update_in_place(self._orgs[index], self._had_own_forward[index], x, org_out))
+                and takes_update_in_place(self._orgs[index], self._had_own_forward[index], org_out))
 
     def slice_forward(self, index: int, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Output of original projection `index` plus its LoRA slice."""
@@ -146,7 +146,7 @@ class FusedLoRAModule(nn.Module):
         if self.split:  # its own rank block only: the rest of the row is never read, so never trained
             rank = self.lora_dim // len(self._orgs)
             lx, up = lx[..., index * rank:(index + 1) * rank], up[:, index * rank:(index + 1) * rank]
-        if self._adds_in_place(index, x, org_out):  # the same sum without the scaled copy (networks/lora_matmul.py)
+        if self._adds_in_place(index, org_out):  # the same sum without the scaled copy (networks/lora_matmul.py)
             return add_scaled(org_out.view(-1, org_out.shape[-1]), lx.reshape(-1, lx.shape[-1]), up.t(),
                               self.multiplier * scale).view(org_out.shape)
         out = org_out + (F.linear(lx, up) * (self.multiplier * scale)).to(org_out.dtype)

@@ -123,7 +123,7 @@ def lora_linear(x: torch.Tensor, org: nn.Linear, down: torch.Tensor, up: torch.T
         return _LoRALinear.apply(x.to(dtype), org.weight.to(dtype), bias, down.to(dtype), up.to(dtype), scale, False)
 
 
-def takes_update_in_place(org: nn.Module, had_own_forward: bool, x: torch.Tensor, out: torch.Tensor) -> bool:
+def takes_update_in_place(org: nn.Module, had_own_forward: bool, out: torch.Tensor) -> bool:
     """Whether a LoRA may add its update into `out`, org(x)'s output, in place: a plain Linear's or Conv2d's fresh
     output (their backward keeps only the input and the weight), in a floating-point dtype (under autocast, its
     dtype: the update is computed in it too, as the plain formula computes it there)."""

@@ -122,7 +122,7 @@ class LoRAModule(nn.Module):
             lx = lx * mask.to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)  # keep the expected update unchanged
         lx = self.lora_up(lx)
-        if self.fused_matmul and takes_update_in_place(self.org_module, self._org_had_own_forward, x, org_out):
+        if self.fused_matmul and takes_update_in_place(self.org_module, self._org_had_own_forward, org_out):
             # the same sum without the scaled copy (a Conv2d's output; a Linear's that lora_linear did not take)
             out = org_out.add_(lx, alpha=self.multiplier * scale)
         else:

@@ -43,14 +43,16 @@ def test_the_shared_interface_hooks_scales_and_unhooks(name, tiny_sd1_copy):
     assert not torch.allclose(hooked, base)
     network.set_multiplier(0.0)
     assert network.multiplier == 0.0 and {m.multiplier for m in network.adapters()} == {0.0}
+    # Bitwise, on any CPU: at multiplier 0 a LoRA adds exact zeros to the frozen layer's own output, and OFT's
+    # rotation is exactly I (0 * (R - I) + I), so each weight is 1 * w plus exact zeros: the frozen product itself.
     torch.testing.assert_close(_unet_out(c), base, rtol=0, atol=0)
     network.set_multiplier(1.0)
-    torch.testing.assert_close(_unet_out(c), hooked, rtol=0, atol=0)
+    torch.testing.assert_close(_unet_out(c), hooked, rtol=0, atol=0)  # the same ops again, in the same order
     network.prepare_grad_etc(c.text_encoders[0], c.denoiser)
     network.on_epoch_start(c.text_encoders[0], c.denoiser)
     assert network.training and all(p.requires_grad for p in network.get_trainable_params())
     network.restore()
-    torch.testing.assert_close(_unet_out(c), base, rtol=0, atol=0)
+    torch.testing.assert_close(_unet_out(c), base, rtol=0, atol=0)  # unhooked: the base forward itself
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -70,7 +72,7 @@ def test_files_are_written_atomically_in_the_save_precision_and_read_back(name, 
     got = load_state_dict(path)
     assert sorted(got) == sorted(want)
     assert {t.dtype for t in got.values()} == {torch.bfloat16}
-    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)  # the one cast the save makes
     network.restore()
 
 
