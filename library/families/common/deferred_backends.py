@@ -15,7 +15,7 @@ level and only to bind a few names:
   `accelerate.utils.other` and so by every `Accelerator`): about 10 MiB and 0.1 s of CPU.
 
 A run that never quantizes with torchao, never uses beta sigmas or a detection loss and never configures SageMaker
-needs none of them (TensorBoard's own file layer still imports boto3, for S3 paths, when a run logs to it).
+needs none of them (TensorBoard's file layer binds boto3 too, for S3 paths: a `LAZY` rule, below).
 `install()` (run when `library.families` is imported, before any family imports a model) puts a finder in
 `sys.meta_path` that acts only on the modules of `RULES`, when they are first imported: while such a module's own
 top-level code runs, the availability function it calls (`is_torchao_available` / `is_scipy_available` of
